@@ -1,0 +1,135 @@
+"""Cheap argument checks shared by every public function.
+
+Each check costs at most one reduction over the input and raises ``ValueError`` or ``TypeError`` with
+the argument's name and what was expected. Nothing here ever repairs an input silently.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+import torch
+
+# Row-sum tolerance for probabilities, by dtype: a float32 softmax of 1000 classes sums to 1 within ~1e-6.
+_SUM_TOL = {
+    torch.float64: 1e-6,
+    torch.float32: 1e-4,
+    torch.float16: 1e-2,
+    torch.bfloat16: 2e-2,
+}
+
+
+def as_tensor(x, name: str) -> torch.Tensor:
+    """Converts numpy arrays and nested lists to tensors; rejects anything else with a named error."""
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, np.ndarray | list | tuple):
+        try:
+            return torch.as_tensor(np.asarray(x))
+        except (TypeError, ValueError) as err:
+            raise TypeError(f"`{name}` could not be converted to a tensor: {err}") from None
+    raise TypeError(f"`{name}` must be a torch.Tensor or numpy array, got {type(x).__name__}")
+
+
+def check_positive_int(value, name: str, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"`{name}` must be an integer, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"`{name}` must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def check_float(value, name: str, low=None, high=None, low_open=False, high_open=False) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"`{name}` must be a real number, got {type(value).__name__}")
+    value = float(value)
+    if not np.isfinite(value):
+        raise ValueError(f"`{name}` must be finite, got {value}")
+    if low is not None and (value < low or (low_open and value == low)):
+        raise ValueError(f"`{name}` must be {'>' if low_open else '>='} {low}, got {value}")
+    if high is not None and (value > high or (high_open and value == high)):
+        raise ValueError(f"`{name}` must be {'<' if high_open else '<='} {high}, got {value}")
+    return value
+
+
+def check_targets(targets, n: int, num_classes: int, name: str = "targets") -> torch.Tensor:
+    """Checks integer class labels of shape (n,) in [0, num_classes)."""
+    targets = as_tensor(targets, name)
+    if targets.dtype == torch.bool or targets.is_floating_point() or targets.is_complex():
+        raise TypeError(f"`{name}` must hold integer class indices, got dtype {targets.dtype}")
+    if targets.ndim != 1:
+        raise ValueError(f"`{name}` must have shape (N,), got {tuple(targets.shape)}")
+    if targets.shape[0] != n:
+        raise ValueError(f"`{name}` has {targets.shape[0]} entries but the scores have {n} rows")
+    lo, hi = torch.aminmax(targets)
+    lo, hi = int(lo), int(hi)
+    if lo < 0 or hi >= num_classes:
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"`{name}` must lie in [0, {num_classes}), found label {bad}")
+    return targets.long()
+
+
+def check_scores(x, name: str, min_classes: int = 2) -> torch.Tensor:
+    """Checks a floating (N, K) tensor with N >= 1 and K >= min_classes; returns it as a tensor."""
+    x = as_tensor(x, name)
+    if not x.is_floating_point():
+        raise TypeError(f"`{name}` must be a floating-point tensor, got dtype {x.dtype}")
+    if x.ndim != 2:
+        raise ValueError(f"`{name}` must have shape (N, K), got {tuple(x.shape)}")
+    if x.shape[0] == 0:
+        raise ValueError(f"`{name}` is empty: at least one sample is needed")
+    if x.shape[1] < min_classes:
+        raise ValueError(f"`{name}` must have at least {min_classes} classes (columns), got {x.shape[1]}")
+    return x
+
+
+def _upcast_low_precision(x: torch.Tensor) -> torch.Tensor:
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
+def check_logits(logits, name: str = "logits") -> torch.Tensor:
+    logits = check_scores(logits, name)
+    if not bool(torch.isfinite(logits).all()):
+        raise ValueError(f"`{name}` contains NaN or infinite values")
+    return _upcast_low_precision(logits)
+
+
+def check_probs(probs, name: str = "probs") -> torch.Tensor:
+    """Checks that rows are finite, non-negative and sum to one within a dtype-dependent tolerance."""
+    probs = check_scores(probs, name)
+    tol = _SUM_TOL.get(probs.dtype, 1e-4)
+    probs = _upcast_low_precision(probs)
+    # A row sum is finite only if every entry of the row is finite, so one pass checks both.
+    row_sums = probs.sum(dim=1, dtype=torch.float64)
+    if not bool(torch.isfinite(row_sums).all()):
+        raise ValueError(f"`{name}` contains NaN or infinite values")
+    if float(probs.amin()) < 0:
+        raise ValueError(f"`{name}` has negative entries; pass from_logits=True if these are logits")
+    worst = float((row_sums - 1).abs().max())
+    if worst > tol * max(1.0, probs.shape[1] / 100):
+        raise ValueError(
+            f"rows of `{name}` must sum to 1 (largest deviation {worst:.3g}); "
+            "pass from_logits=True if these are logits"
+        )
+    return probs
+
+
+def probs_and_targets(probs, targets, from_logits: bool, name: str = "probs"):
+    """The common entry of every metric: validated probabilities (softmax applied if asked) and targets."""
+    if not isinstance(from_logits, bool):
+        raise TypeError(f"`from_logits` must be a bool, got {type(from_logits).__name__}")
+    if from_logits:
+        probs = torch.softmax(check_logits(probs, name), dim=1)
+    else:
+        probs = check_probs(probs, name)
+    targets = check_targets(targets, probs.shape[0], probs.shape[1])
+    if targets.device != probs.device:
+        raise ValueError(f"`targets` is on {targets.device} but `{name}` is on {probs.device}")
+    return probs, targets
+
+
+def check_choice(value, name: str, choices) -> str:
+    if value not in choices:
+        raise ValueError(f"`{name}` must be one of {sorted(choices)}, got {value!r}")
+    return value

@@ -1,0 +1,223 @@
+"""Spline calibration, histogram binning and isotonic regression (SPEC §4)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .._validation import check_positive_int
+from ..functional._binning import classwise_sums, equal_width_index
+from .base import Calibrator
+
+__all__ = ["SplineCalibration", "HistogramBinning", "IsotonicCalibration"]
+
+
+def _renormalise(probs: torch.Tensor) -> torch.Tensor:
+    """Rows scaled to sum 1; an all-zero row becomes uniform."""
+    total = probs.sum(1, keepdim=True)
+    uniform = torch.full_like(probs, 1.0 / probs.shape[1])
+    return torch.where(total > 0, probs / total.clamp(min=torch.finfo(probs.dtype).tiny), uniform)
+
+
+def _replace_top(probs: torch.Tensor, new_top: torch.Tensor) -> torch.Tensor:
+    """Sets the top-label probability to ``new_top`` and rescales the others to share 1 − new_top."""
+    conf, pred = probs.max(1, keepdim=True)
+    rest = (1 - conf).clamp(min=0)
+    others = probs.scatter(1, pred, 0.0)
+    k = probs.shape[1]
+    scale = (1 - new_top[:, None]) / rest.clamp(min=torch.finfo(probs.dtype).tiny)
+    spread = torch.where(rest > 0, others * scale, (1 - new_top[:, None]) / (k - 1) * torch.ones_like(others))
+    return spread.scatter(1, pred, new_top[:, None])
+
+
+# ----------------------------------------------------------------------------- spline
+
+
+def _natural_spline_basis(x: torch.Tensor, knots: torch.Tensor, derivative: bool = False) -> torch.Tensor:
+    """Natural cubic spline basis with the given knots (Hastie et al., ESL eq. 5.4–5.5), or its derivative."""
+    last = knots[-1]
+
+    def d(k):
+        if derivative:
+            num = 3 * (torch.clamp(x - knots[k], min=0) ** 2 - torch.clamp(x - last, min=0) ** 2)
+        else:
+            num = torch.clamp(x - knots[k], min=0) ** 3 - torch.clamp(x - last, min=0) ** 3
+        return num / (last - knots[k])
+
+    cols = [torch.zeros_like(x) if derivative else torch.ones_like(x), torch.ones_like(x) if derivative else x]
+    d_last = d(len(knots) - 2)
+    cols += [d(k) - d_last for k in range(len(knots) - 2)]
+    return torch.stack(cols, dim=1)
+
+
+class SplineCalibration(Calibrator):
+    """Spline recalibration of the top-label confidence (Gupta et al. 2021).
+
+    On validation data sorted by top-label confidence, the cumulative accuracy A(s) = (1/N) Σ_{j ≤ sN}
+    correct_j is a function of the rank fraction s ∈ [0, 1]; a natural cubic spline with ``n_knots``
+    equally spaced knots is fitted to it by least squares, and its derivative A'(s) is the accuracy at rank
+    s. A test confidence is mapped to its rank fraction among the validation confidences (linear
+    interpolation) and then to A'(s), clipped to [0, 1]. The other classes are rescaled to share the rest.
+    The argmax changes only where the new top confidence falls below a rescaled runner-up.
+
+    Example:
+        >>> import torch
+        >>> g = torch.Generator().manual_seed(0)
+        >>> z = 2 * torch.randn(3000, 4, generator=g)
+        >>> y = torch.multinomial(torch.softmax(z, 1), 1, generator=g).squeeze(1)
+        >>> cal = SplineCalibration().fit(3 * z, y)
+        >>> p = cal.transform(3 * z)
+        >>> bool(torch.allclose(p.sum(1), torch.ones(3000, dtype=p.dtype)))
+        True
+    """
+
+    name = "spline"
+    fitted_attributes = ("knots_", "coef_", "scores_")
+
+    def __init__(self, n_knots: int = 6):
+        self.n_knots = n_knots
+
+    def _fit(self, logits, targets):
+        n_knots = check_positive_int(self.n_knots, "n_knots", minimum=3)
+        probs = torch.softmax(logits.double(), 1)
+        conf, pred = probs.max(1)
+        conf_s, order = torch.sort(conf, stable=True)
+        correct = (pred == targets).double()[order]
+        n = conf.shape[0]
+        s = torch.arange(1, n + 1, dtype=torch.float64, device=conf.device) / n
+        cum_acc = correct.cumsum(0) / n
+        knots = torch.linspace(0, 1, n_knots, dtype=torch.float64, device=conf.device)
+        basis = _natural_spline_basis(s, knots)
+        self.coef_ = torch.linalg.lstsq(basis.cpu(), cum_acc.cpu()[:, None]).solution.squeeze(1)
+        self.knots_ = knots.cpu()
+        self.scores_ = conf_s.cpu()
+
+    def _rank_fraction(self, conf):
+        scores = self.scores_.to(conf.device)
+        n = scores.shape[0]
+        ranks = torch.arange(1, n + 1, dtype=torch.float64, device=conf.device) / n
+        return torch.from_numpy(np.interp(conf.cpu().numpy(), scores.cpu().numpy(), ranks.cpu().numpy())).to(
+            conf.device
+        )
+
+    def _transform(self, logits):
+        probs = torch.softmax(logits.double(), 1)
+        conf = probs.max(1).values
+        s = self._rank_fraction(conf)
+        slope = _natural_spline_basis(s, self.knots_.to(s.device), derivative=True) @ self.coef_.to(s.device)
+        return _replace_top(probs, slope.clamp(0, 1)).to(logits.dtype)
+
+
+# ----------------------------------------------------------------------------- histogram binning
+
+
+class HistogramBinning(Calibrator):
+    """One-vs-rest histogram binning (Zadrozny & Elkan 2001; multiclass as in Guo et al. 2017).
+
+    For each class k, p_k is binned on ``n_bins`` equal-width bins (``(m/M, (m+1)/M]``, 0 in bin 0) and
+    replaced by the validation frequency of y = k in its bin; a bin without validation samples leaves p_k
+    unchanged. Rows are renormalised (an all-zero row becomes uniform). This can change the argmax.
+
+    Example:
+        >>> import torch
+        >>> z = torch.tensor([[2.0, 0.0], [1.5, 0.0], [0.0, 2.0], [0.0, 1.0]])
+        >>> hb = HistogramBinning(n_bins=2).fit(z, torch.tensor([0, 1, 1, 1]))
+        >>> hb.frequencies_
+        tensor([[1.0000, 0.3333],
+                [0.6667, 0.0000]], dtype=torch.float64)
+    """
+
+    name = "histogram_binning"
+    fitted_attributes = ("frequencies_",)
+
+    def __init__(self, n_bins: int = 15):
+        self.n_bins = n_bins
+
+    def _fit(self, logits, targets):
+        n_bins = check_positive_int(self.n_bins, "n_bins")
+        probs = torch.softmax(logits, 1)
+        count, _, correct_sum = classwise_sums(probs, targets, n_bins)
+        self.frequencies_ = torch.where(count > 0, correct_sum / count.clamp(min=1), torch.nan).cpu()
+
+    def _transform(self, logits):
+        probs = torch.softmax(logits, 1)
+        idx = equal_width_index(probs, self.frequencies_.shape[1])
+        table = self.frequencies_.to(device=probs.device, dtype=probs.dtype)
+        mapped = table.gather(1, idx.T).T  # row k of the table indexed by column k's bins
+        return _renormalise(torch.where(torch.isnan(mapped), probs, mapped))
+
+
+# ----------------------------------------------------------------------------- isotonic regression
+
+
+def _pav(x: np.ndarray, y: np.ndarray):
+    """Weighted pool-adjacent-violators on unique sorted x (ties pooled first); returns (x_unique, fit)."""
+    order = np.argsort(x, kind="stable")
+    x, y = x[order], y[order]
+    xu, start, counts = np.unique(x, return_index=True, return_counts=True)
+    sums = np.add.reduceat(y, start)
+    # stack of blocks: (weighted sum, weight, number of unique points)
+    b_sum, b_w, b_len = [], [], []
+    for s, w in zip(sums.tolist(), counts.tolist(), strict=True):
+        b_sum.append(s)
+        b_w.append(w)
+        b_len.append(1)
+        while len(b_sum) > 1 and b_sum[-2] * b_w[-1] >= b_sum[-1] * b_w[-2]:
+            s2, w2, l2 = b_sum.pop(), b_w.pop(), b_len.pop()
+            b_sum[-1] += s2
+            b_w[-1] += w2
+            b_len[-1] += l2
+    fit = np.repeat(np.array(b_sum) / np.array(b_w), b_len)
+    return xu, fit
+
+
+def _interp_rows(x: torch.Tensor, xp: torch.Tensor, fp: torch.Tensor) -> torch.Tensor:
+    """np.interp for torch (values outside [xp[0], xp[-1]] are clipped to the end values)."""
+    if xp.shape[0] == 1:
+        return torch.full_like(x, float(fp[0]))
+    i = torch.searchsorted(xp, x).clamp(1, xp.shape[0] - 1)
+    x0, x1, f0, f1 = xp[i - 1], xp[i], fp[i - 1], fp[i]
+    w = ((x - x0) / (x1 - x0)).clamp(0, 1)
+    return f0 + w * (f1 - f0)
+
+
+class IsotonicCalibration(Calibrator):
+    """One-vs-rest isotonic regression (Zadrozny & Elkan 2002), then renormalisation.
+
+    For each class k a non-decreasing map of p_k to the frequency of y = k is fitted by weighted
+    pool-adjacent-violators (tied p_k pooled first) and applied by linear interpolation between the fitted
+    points, clipped at the ends: the same predictions as scikit-learn's ``IsotonicRegression(out_of_bounds=
+    "clip")`` (tested). Rows are renormalised (all-zero rows become uniform); this can change the argmax.
+    Fitting is O(N log N) per class with a Python loop over blocks.
+
+    Example:
+        >>> import torch
+        >>> z = torch.tensor([[2.0, 0.0], [1.0, 0.0], [0.0, 1.0], [0.0, 2.0]])
+        >>> iso = IsotonicCalibration().fit(z, torch.tensor([0, 1, 0, 1]))
+        >>> iso.transform(z)
+        tensor([[0.7500, 0.2500],
+                [0.5000, 0.5000],
+                [0.5000, 0.5000],
+                [0.2500, 0.7500]])
+    """
+
+    name = "isotonic"
+    fitted_attributes = ("thresholds_", "values_")
+
+    def _fit(self, logits, targets):
+        probs = torch.softmax(logits.double(), 1).cpu().numpy()
+        y = targets.cpu().numpy()
+        thresholds, values = [], []
+        for k in range(probs.shape[1]):
+            xu, fit = _pav(probs[:, k], (y == k).astype(np.float64))
+            thresholds.append(torch.from_numpy(xu))
+            values.append(torch.from_numpy(fit))
+        self.thresholds_, self.values_ = thresholds, values
+
+    def _transform(self, logits):
+        probs = torch.softmax(logits.double(), 1)
+        cols = [
+            _interp_rows(probs[:, k], self.thresholds_[k].to(probs.device), self.values_[k].to(probs.device))
+            for k in range(probs.shape[1])
+        ]
+        return _renormalise(torch.stack(cols, 1)).to(logits.dtype)

@@ -1,0 +1,340 @@
+"""Temperature scaling, focal temperature scaling and ensemble temperature scaling (SPEC §4)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import warnings
+
+import torch
+
+from .._validation import check_choice, check_float, check_positive_int
+from ..functional import calibration as C
+from ..functional._binning import bin_sums, equal_mass_group_index, equal_width_index
+from ..functional.focal_map import _focal_ratio
+from .base import Calibrator
+
+__all__ = [
+    "TemperatureScaling",
+    "FocalTemperatureScaling",
+    "EnsembleTemperatureScaling",
+    "fit_temperature_nll",
+    "PAPER_TEMPERATURE_GRID",
+    "FTS_GAMMA_GRID",
+    "FTS_TEMPERATURE_GRID",
+]
+
+#: T = 0.1, 0.2, ..., 10.0: the grid of Mukhoti et al. / Ghosh et al. for ECE-tuned temperature scaling.
+PAPER_TEMPERATURE_GRID = tuple(round(0.1 * i, 1) for i in range(1, 101))
+#: Komisarenko & Kull 2024's γ grid for focal temperature scaling.
+FTS_GAMMA_GRID = (-0.5, -0.25, 0.05, 0.25, 0.37, 0.5, 0.75, 1.0, 5.0)
+#: T = 0.01, 0.02, ..., 5.00.
+FTS_TEMPERATURE_GRID = tuple(round(0.01 * i, 2) for i in range(1, 501))
+
+
+def _nll_slope(z, z_true, beta):
+    """First and second derivative of mean NLL(softmax(β z)) with respect to β (z centred per row)."""
+    log_p = torch.log_softmax(beta * z, dim=1)
+    p = log_p.exp_()
+    ez = (p * z).sum(1)
+    ez2 = (p * z * z).sum(1)
+    grad = (ez - z_true).double().mean()
+    curv = (ez2 - ez * ez).double().mean()
+    return float(grad), float(curv)
+
+
+def fit_temperature_nll(logits, targets, bounds=(0.01, 100.0), tol: float = 1e-10, max_iter: int = 200):
+    """Temperature minimising validation NLL of softmax(z/T), bounded, deterministic.
+
+    NLL is convex in β = 1/T, so its β-derivative is increasing; we find its root by Newton's method
+    safeguarded by a bracket (a Newton step that leaves the bracket is replaced by a geometric bisection).
+    Each step costs one pass of softmax over the logits. If the optimum lies outside ``bounds`` the nearest
+    bound is returned with a warning (e.g. separable data, where NLL keeps falling as T → 0).
+    """
+    t_lo, t_hi = bounds
+    z = logits - logits.max(dim=1, keepdim=True).values
+    z_true = z.gather(1, targets[:, None]).squeeze(1)
+    lo, hi = 1.0 / t_hi, 1.0 / t_lo
+    beta = min(max(1.0, lo), hi)
+    for _ in range(max_iter):
+        grad, curv = _nll_slope(z, z_true, beta)
+        if grad > 0:
+            hi = beta
+        elif grad < 0:
+            lo = beta
+        else:
+            break
+        step = beta - grad / curv if curv > 0 else math.nan
+        new = step if lo < step < hi else math.sqrt(lo * hi)
+        if abs(new - beta) <= tol * beta or hi / lo - 1 <= tol:
+            beta = new
+            break
+        beta = new
+    if beta >= (1 - 1e-6) / t_lo or beta <= (1 + 1e-6) / t_hi:
+        warnings.warn(
+            f"temperature scaling hit the bound T in {bounds}: the NLL optimum lies outside it", stacklevel=3
+        )
+    return 1.0 / beta
+
+
+def _top_conf_at(z_centered, temperature):
+    """Top-label confidence of softmax(z / T) for row-centred logits (max = 0): 1 / Σ exp(z/T)."""
+    return torch.exp(-torch.logsumexp(z_centered / temperature, dim=1))
+
+
+class TemperatureScaling(Calibrator):
+    """Temperature scaling: ``softmax(z / T)`` with one learned ``temperature_`` (Guo et al. 2017).
+
+    Args:
+        objective: ``"nll"`` minimises validation NLL over T by a safeguarded Newton method on 1/T (see
+            :func:`fit_temperature_nll`); ``"ece"`` / ``"adaece"`` follow the papers: evaluate T on ``grid``
+            (default 0.1, 0.2, ..., 10.0) and keep the first minimiser of validation ECE / AdaECE.
+        n_bins: bins of the ECE objectives.
+        grid: temperatures tried by the ECE objectives.
+        bounds: (T_min, T_max) for the NLL objective.
+
+    Never changes the argmax (T > 0 rescales all logits of a row equally).
+
+    Example:
+        >>> import torch
+        >>> g = torch.Generator().manual_seed(0)
+        >>> true_logits = 2 * torch.randn(4000, 5, generator=g)
+        >>> targets = torch.multinomial(torch.softmax(true_logits, 1), 1, generator=g).squeeze(1)
+        >>> ts = TemperatureScaling().fit(3.0 * true_logits, targets)   # over-confident by a factor 3
+        >>> round(ts.temperature_, 1)
+        3.0
+        >>> ts.transform(3.0 * true_logits[:1]).sum().item()
+        1.0
+    """
+
+    name = "temperature_scaling"
+    fitted_attributes = ("temperature_",)
+
+    def __init__(self, objective: str = "nll", n_bins: int = 15, grid=PAPER_TEMPERATURE_GRID, bounds=(0.01, 100.0)):
+        self.objective = objective
+        self.n_bins = n_bins
+        self.grid = grid
+        self.bounds = bounds
+
+    def _fit(self, logits, targets):
+        check_choice(self.objective, "objective", {"nll", "ece", "adaece"})
+        if self.objective == "nll":
+            lo = check_float(self.bounds[0], "bounds[0]", low=0, low_open=True)
+            hi = check_float(self.bounds[1], "bounds[1]", low=lo, low_open=True)
+            self.temperature_ = fit_temperature_nll(logits, targets, (lo, hi))
+            return
+        n_bins = check_positive_int(self.n_bins, "n_bins")
+        grid = [check_float(t, "grid", low=0, low_open=True) for t in self.grid]
+        if not grid:
+            raise ValueError("`grid` must hold at least one temperature")
+        z = logits - logits.max(dim=1, keepdim=True).values
+        correct = z.argmax(1) == targets
+        values = []
+        for t in grid:
+            conf = _top_conf_at(z, t)
+            if self.objective == "ece":
+                sums = bin_sums(equal_width_index(conf, n_bins), n_bins, conf, correct)
+                values.append(float(C.ece_from_sums(*sums)))
+            else:
+                values.append(float(C.adaece_from_sorted(*C.sorted_by_confidence(conf, correct), n_bins)))
+        best = min(values)
+        self.temperature_ = float(grid[values.index(best)])  # the first minimiser
+
+    def transform_logits(self, logits) -> torch.Tensor:
+        """Calibrated logits z / T."""
+        self._check_fitted()
+        return self._check_input(logits) / self.temperature_
+
+    def _transform(self, logits):
+        return torch.softmax(logits / self.temperature_, dim=1)
+
+
+class FocalTemperatureScaling(Calibrator):
+    """Focal temperature scaling: ``focal_map_γ(softmax(z / T))`` (Komisarenko & Kull 2024).
+
+    The focal calibration map (:func:`torchcal.functional.focal_calibration_map`) composed with temperature
+    scaling. Both parameters are chosen on the validation set by a full grid search: every γ in ``gammas``
+    times every T in ``temperatures`` (defaults: the paper's 9 γ values and T = 0.01, ..., 5.00), minimising
+    ``objective`` = ``"adaece"`` (equal-mass ECE, ``n_bins`` bins) or ``"nll"``. Ties go to the first pair in
+    (γ, T) order. For each T, the γ-independent parts of the map are computed once and all γ are mapped in
+    one batched tensor operation.
+
+    The map preserves the argmax for every γ > −1 (h is increasing on [0, 1/2] and h(q) >= h(1 − q) for
+    q >= 1/2; checked numerically on a fine grid and in the tests), so the fit needs only the mapped top-label
+    confidence: non-top entries (q <= 1/2) are mapped in linear space, the top entry in log space.
+
+    Example:
+        >>> import torch
+        >>> g = torch.Generator().manual_seed(0)
+        >>> logits = 3 * torch.randn(2000, 4, generator=g)
+        >>> targets = torch.multinomial(torch.softmax(logits / 3, 1), 1, generator=g).squeeze(1)
+        >>> fts = FocalTemperatureScaling(temperatures=[1.0, 2.0, 3.0, 4.0]).fit(logits, targets)
+        >>> fts.gamma_, fts.temperature_
+        (0.05, 3.0)
+    """
+
+    name = "focal_temperature_scaling"
+    fitted_attributes = ("gamma_", "temperature_", "objective_value_")
+
+    def __init__(self, gammas=FTS_GAMMA_GRID, temperatures=FTS_TEMPERATURE_GRID, objective: str = "adaece",
+                 n_bins: int = 15):
+        self.gammas = gammas
+        self.temperatures = temperatures
+        self.objective = objective
+        self.n_bins = n_bins
+
+    def _fit(self, logits, targets):
+        check_choice(self.objective, "objective", {"adaece", "nll"})
+        n_bins = check_positive_int(self.n_bins, "n_bins")
+        gammas = [check_float(g, "gammas", low=-1, low_open=True) for g in self.gammas]
+        temps = [check_float(t, "temperatures", low=0, low_open=True) for t in self.temperatures]
+        if not gammas or not temps:
+            raise ValueError("`gammas` and `temperatures` must each hold at least one value")
+        n, k = logits.shape
+        n_g = len(gammas)
+        dev, dtype = logits.device, logits.dtype
+        g = torch.tensor(gammas, dtype=dtype, device=dev)
+        g3 = g[:, None, None]
+        group = equal_mass_group_index(n, n_bins, dev)
+        flat_group = (torch.arange(n_g, device=dev)[:, None] * n_bins + group).reshape(-1)
+        # Two (G, N, K) work buffers reused for every T: allocation, not arithmetic, dominates otherwise.
+        num = torch.empty(n_g, n, k, dtype=dtype, device=dev)
+        den = torch.empty_like(num)
+        scores = torch.empty(n_g, len(temps), dtype=torch.float64)
+        centred = logits - logits.max(dim=1, keepdim=True).values
+        pred = centred.argmax(dim=1)  # the focal map preserves the argmax for gamma > -1 (see above)
+        correct_pred = (pred == targets).double()
+        top_mask = torch.nn.functional.one_hot(pred, k).bool()
+        # log-probabilities are clamped at floor (q >= ~3e-35 in float32): exp() takes a slow path (10-30x)
+        # whenever its result would be subnormal, and no sum changes by a term that small.
+        floor = math.log(torch.finfo(dtype).tiny) + 8
+        # (N, K) work buffers as well: fresh multi-megabyte tensors cost page faults on every T.
+        log_q, q, l1, a, tmp = (torch.empty(n, k, dtype=dtype, device=dev) for _ in range(5))
+        for j, t in enumerate(temps):
+            torch.div(centred, t, out=log_q)  # row max is 0, so log Σ exp needs no shift
+            true_lq = log_q.gather(1, targets[:, None]).squeeze(1)
+            # The NLL objective uses the exact true-class log-probability below, never a clamped one.
+            log_q.clamp_(min=floor)
+            lse = torch.exp(log_q, out=q).sum(1).log_()
+            log_q.sub_(lse[:, None])
+            true_lq = true_lq - lse
+            top_lq = log_q.gather(1, pred[:, None]).squeeze(1)
+            # Non-top entries (q <= 1/2) in linear space; the top entry is masked to q = tiny (adds ~0).
+            log_q.masked_fill_(top_mask, floor).clamp_(min=floor)
+            torch.exp(log_q, out=q)
+            torch.neg(q, out=l1).log1p_()  # log(1 − q)
+            torch.mul(q, log_q, out=a).div_(torch.sub(q, 1, out=tmp))  # a = q (−ln q)/(1 − q)
+            torch.addcmul(log_q, g3, l1, value=-1, out=num).exp_()  # q (1 − q)^−γ
+            torch.mul(g3, a, out=den).add_(1)  # 1 + γ a
+            log_others = num.div_(den).sum(2).log_()
+            # The top entry in log space, with log(1 − q_top) = log Σ of the other classes.
+            l1_top = q.sum(1).log().clamp(min=floor)
+            a_top = _focal_ratio(top_lq, l1_top)
+            log_top = top_lq - g[:, None] * l1_top - torch.log1p(g[:, None] * a_top)  # (G, N)
+            log_total = torch.logaddexp(log_top, log_others)
+            if self.objective == "nll":
+                q_true = true_lq.exp()
+                l1_true = torch.log1p(-q_true.clamp(max=0.5))
+                log_true = true_lq - g[:, None] * l1_true - torch.log1p(g[:, None] * _focal_ratio(true_lq, l1_true))
+                log_true = torch.where((targets == pred)[None, :], log_top, log_true)
+                scores[:, j] = (log_total - log_true).double().mean(1).cpu()
+                continue
+            conf = torch.exp(log_top - log_total)
+            conf_s, order = torch.sort(conf, dim=1, stable=True)
+            corr_s = correct_pred.expand(n_g, n).gather(1, order)
+            size = n_g * n_bins
+            conf_sum = torch.zeros(size, dtype=torch.float64, device=dev)
+            corr_sum = torch.zeros(size, dtype=torch.float64, device=dev)
+            conf_sum.index_add_(0, flat_group, conf_s.reshape(-1).double())
+            corr_sum.index_add_(0, flat_group, corr_s.reshape(-1))
+            scores[:, j] = ((corr_sum - conf_sum).abs().view(n_g, n_bins).sum(1) / n).cpu()
+        flat = scores.reshape(-1)
+        best = int(torch.nonzero(flat == flat.min())[0])
+        self.gamma_ = float(gammas[best // len(temps)])
+        self.temperature_ = float(temps[best % len(temps)])
+        self.objective_value_ = float(flat[best])
+
+    def _transform(self, logits):
+        from ..functional.focal_map import focal_log_map
+
+        return focal_log_map(torch.log_softmax(logits / self.temperature_, dim=1), self.gamma_).exp()
+
+
+def _simplex_qp(gram, lin):
+    """argmin_w wᵀ A w − 2 bᵀ w over the probability simplex, exactly, by checking every face (3 variables)."""
+    best_w, best_val = None, math.inf
+    k = gram.shape[0]
+    for size in range(1, k + 1):
+        for face in itertools.combinations(range(k), size):
+            idx = list(face)
+            a = gram[idx][:, idx]
+            kkt = torch.zeros(size + 1, size + 1, dtype=torch.float64)
+            kkt[:size, :size] = 2 * a
+            kkt[:size, size] = 1
+            kkt[size, :size] = 1
+            rhs = torch.cat([2 * lin[idx], torch.ones(1, dtype=torch.float64)])
+            sol = torch.linalg.lstsq(kkt, rhs[:, None]).solution.squeeze(1)[:size]
+            if bool((sol < -1e-12).any()):
+                continue
+            w = torch.zeros(k, dtype=torch.float64)
+            w[idx] = sol.clamp(min=0)
+            w = w / w.sum()
+            val = float(w @ gram @ w - 2 * lin @ w)
+            if val < best_val - 1e-15:
+                best_w, best_val = w, val
+    return best_w
+
+
+class EnsembleTemperatureScaling(Calibrator):
+    """Ensemble temperature scaling (Zhang et al. 2020, Mix-n-Match):
+    ``w₁·softmax(z/T) + w₂·softmax(z) + w₃/K``.
+
+    T minimises validation NLL (as :class:`TemperatureScaling`); the weights minimise the squared error
+    Σ_i ‖p̂_i − onehot(y_i)‖² over the simplex, solved exactly (a 3-variable quadratic program; the paper's
+    code uses a generic constrained optimiser). Never changes the argmax.
+
+    Example:
+        >>> import torch
+        >>> g = torch.Generator().manual_seed(0)
+        >>> z = 2 * torch.randn(3000, 4, generator=g)
+        >>> y = torch.multinomial(torch.softmax(z, 1), 1, generator=g).squeeze(1)
+        >>> ets = EnsembleTemperatureScaling().fit(3 * z, y)
+        >>> round(sum(ets.weights_.tolist()), 6), round(ets.temperature_, 1)
+        (1.0, 3.0)
+    """
+
+    name = "ensemble_temperature_scaling"
+    fitted_attributes = ("temperature_", "weights_")
+
+    def __init__(self, bounds=(0.01, 100.0)):
+        self.bounds = bounds
+
+    def _fit(self, logits, targets):
+        self.temperature_ = fit_temperature_nll(logits, targets, tuple(self.bounds))
+        k = logits.shape[1]
+        p1 = torch.softmax(logits / self.temperature_, dim=1)
+        p0 = torch.softmax(logits, dim=1)
+        n = logits.shape[0]
+        dot = lambda a, b: (a * b).sum(dtype=torch.float64)  # noqa: E731
+        gram = torch.tensor(
+            [
+                [dot(p1, p1), dot(p1, p0), n / k],
+                [dot(p1, p0), dot(p0, p0), n / k],
+                [n / k, n / k, n / k],
+            ],
+            dtype=torch.float64,
+        )
+        lin = torch.tensor(
+            [
+                float(p1.gather(1, targets[:, None]).sum(dtype=torch.float64)),
+                float(p0.gather(1, targets[:, None]).sum(dtype=torch.float64)),
+                n / k,
+            ],
+            dtype=torch.float64,
+        )
+        self.weights_ = _simplex_qp(gram / n, lin / n)
+
+    def _transform(self, logits):
+        w = self.weights_.to(logits.dtype).tolist()
+        k = logits.shape[1]
+        return w[0] * torch.softmax(logits / self.temperature_, 1) + w[1] * torch.softmax(logits, 1) + w[2] / k

@@ -1,0 +1,60 @@
+"""Pure tensor functions: calibration metrics, binning helpers, the focal calibration map, bootstrap."""
+
+from .bootstrap import BootstrapResult, bootstrap_ci
+from .calibration import (
+    ConfidenceShare,
+    adaptive_calibration_error,
+    brier_score,
+    classwise_calibration_error,
+    confidence_at_least,
+    debiased_calibration_error,
+    ece_sweep,
+    error_rate,
+    expected_calibration_error,
+    kde_calibration_error,
+    maximum_calibration_error,
+    negative_log_likelihood,
+    ood_auroc,
+    smooth_calibration_error,
+)
+from .focal_map import focal_calibration_map
+
+# Short aliases.
+ece = expected_calibration_error
+adaece = adaptive_calibration_error
+classwise_ece = classwise_calibration_error
+mce = maximum_calibration_error
+nll = negative_log_likelihood
+brier = brier_score
+smece = smooth_calibration_error
+debiased_ece = debiased_calibration_error
+kde_ece = kde_calibration_error
+
+__all__ = [
+    "BootstrapResult",
+    "ConfidenceShare",
+    "adaece",
+    "adaptive_calibration_error",
+    "bootstrap_ci",
+    "brier",
+    "brier_score",
+    "classwise_calibration_error",
+    "classwise_ece",
+    "confidence_at_least",
+    "debiased_calibration_error",
+    "debiased_ece",
+    "ece",
+    "ece_sweep",
+    "error_rate",
+    "expected_calibration_error",
+    "focal_calibration_map",
+    "kde_calibration_error",
+    "kde_ece",
+    "maximum_calibration_error",
+    "mce",
+    "negative_log_likelihood",
+    "nll",
+    "ood_auroc",
+    "smece",
+    "smooth_calibration_error",
+]

@@ -1,0 +1,172 @@
+"""Seeded bootstrap confidence intervals for every calibration estimator."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from .._validation import check_float, check_positive_int, probs_and_targets
+from . import calibration as C
+from ._binning import equal_width_index, top_label
+
+__all__ = ["BootstrapResult", "bootstrap_ci"]
+
+# Resample matrices are processed in chunks of at most this many (replicate, sample) entries.
+_CHUNK = 1 << 22
+
+
+class BootstrapResult(NamedTuple):
+    """Point estimate on the full data, percentile interval and the bootstrap replicates."""
+
+    estimate: torch.Tensor
+    low: torch.Tensor
+    high: torch.Tensor
+    samples: torch.Tensor
+
+
+def _prefix_at(cum_counts, cum_values, values, positions):
+    """Σ of the first ``positions`` items of each resample, where item i is repeated counts[i] times.
+
+    cum_counts, cum_values: (B, N) inclusive prefix sums of counts and counts·values in sorted order;
+    values: (N,); positions: (B, P) integers in [0, N].
+    """
+    i = torch.searchsorted(cum_counts, positions.double(), right=False).clamp(max=values.shape[0] - 1)
+    prev_counts = torch.where(i > 0, cum_counts.gather(1, (i - 1).clamp(min=0)), torch.zeros_like(positions.double()))
+    prev_values = torch.where(i > 0, cum_values.gather(1, (i - 1).clamp(min=0)), torch.zeros_like(prev_counts))
+    out = prev_values + values[i] * (positions.double() - prev_counts)
+    return torch.where(positions > 0, out, torch.zeros_like(out))
+
+
+class _Weighted:
+    """Metrics whose value on a resample follows from per-sample statistics weighted by resample counts."""
+
+    def __init__(self, name, probs, targets, n_bins):
+        self.name, self.n_bins = name, n_bins
+        conf, correct = top_label(probs, targets)
+        self.n = conf.shape[0]
+        if name in ("ece", "mce"):
+            self.bins = equal_width_index(conf, n_bins)
+            self.conf, self.correct = conf.double(), correct.double()
+        elif name in ("adaece", "debiased"):
+            conf_s, corr_s = C.sorted_by_confidence(conf, correct)
+            self.order = torch.sort(conf, stable=True).indices
+            self.conf, self.correct = conf_s.double(), corr_s.double()
+            q, r = divmod(self.n, n_bins)
+            sizes = torch.full((n_bins,), q, dtype=torch.long)
+            sizes[:r] += 1
+            self.ends = sizes.cumsum(0).to(conf.device)
+            self.sizes = sizes.double().to(conf.device)
+        elif name == "nll":
+            p_true = probs.gather(1, targets[:, None]).squeeze(1)
+            self.per_sample = C.nll_from_true_probs(p_true).double()
+        elif name == "brier":
+            self.per_sample = C.brier_per_sample(probs, targets)
+        else:  # error
+            self.per_sample = 1 - correct.double()
+
+    def __call__(self, counts):
+        b = counts.shape[0]
+        if self.name in ("ece", "mce"):
+            sums = []
+            for w in (counts, counts * self.conf, counts * self.correct):
+                out = torch.zeros(b, self.n_bins, dtype=torch.float64, device=counts.device)
+                sums.append(out.index_add_(1, self.bins, w))
+            return (C.ece_from_sums if self.name == "ece" else C.mce_from_sums)(*sums)
+        if self.name in ("adaece", "debiased"):
+            counts = counts[:, self.order]
+            cum = counts.cumsum(1)
+            ends = self.ends.expand(b, -1)
+            sums = []
+            for v in (self.conf, self.correct):
+                at_end = _prefix_at(cum, (counts * v).cumsum(1), v, ends)
+                sums.append(torch.diff(at_end, dim=1, prepend=torch.zeros_like(at_end[:, :1])))
+            count = self.sizes.expand(b, -1)
+            return (C.ece_from_sums if self.name == "adaece" else C.debiased_from_sums)(count, *sums)
+        return counts @ self.per_sample / self.n
+
+
+_WEIGHTED = {
+    C.expected_calibration_error: "ece",
+    C.maximum_calibration_error: "mce",
+    C.adaptive_calibration_error: "adaece",
+    C.debiased_calibration_error: "debiased",
+    C.negative_log_likelihood: "nll",
+    C.brier_score: "brier",
+    C.error_rate: "error",
+}
+
+
+def bootstrap_ci(
+    metric: Callable,
+    probs,
+    targets,
+    *,
+    n_resamples: int = 1000,
+    confidence_level: float = 0.95,
+    seed: int = 0,
+    from_logits: bool = False,
+    **metric_kwargs,
+) -> BootstrapResult:
+    """Percentile bootstrap interval of any metric of :mod:`torchcal.functional`.
+
+    Each replicate draws N indices with replacement from a ``torch.Generator`` seeded with ``seed`` (same
+    seed, same replicates, on any device). ECE, MCE, AdaECE, debiased ECE, NLL, Brier and error are
+    evaluated for all replicates at once from per-sample statistics weighted by resample counts, with no
+    per-replicate copy of ``probs``; other metrics are evaluated on each resample in turn. In the weighted
+    equal-mass path, tied confidences are ordered by original index (the per-resample path orders them by
+    resample position); the two differ only when tied samples with different correctness straddle a bin cut.
+
+    Args:
+        metric: a metric function, e.g. :func:`torchcal.functional.expected_calibration_error`.
+        n_resamples: number of bootstrap replicates.
+        confidence_level: coverage of the two-sided percentile interval.
+        seed: random seed.
+        **metric_kwargs: passed to ``metric`` (e.g. ``n_bins``).
+
+    Returns:
+        :class:`BootstrapResult` with the estimate on the full data, the interval and the replicates.
+
+    Example:
+        >>> import torch
+        >>> from torchcal.functional import bootstrap_ci, expected_calibration_error
+        >>> g = torch.Generator().manual_seed(0)
+        >>> probs = torch.softmax(3 * torch.randn(500, 4, generator=g), dim=1)
+        >>> targets = torch.randint(0, 4, (500,), generator=g)
+        >>> res = bootstrap_ci(expected_calibration_error, probs, targets, n_resamples=200, seed=1)
+        >>> bool(res.low <= res.estimate <= res.high), res.samples.shape
+        (True, torch.Size([200]))
+    """
+    if not callable(metric):
+        raise TypeError(f"`metric` must be a metric function, got {type(metric).__name__}")
+    n_resamples = check_positive_int(n_resamples, "n_resamples")
+    level = check_float(confidence_level, "confidence_level", low=0, high=1, low_open=True, high_open=True)
+    check_positive_int(seed, "seed", minimum=0)
+    probs, targets = probs_and_targets(probs, targets, from_logits)
+    estimate = metric(probs, targets, **metric_kwargs)
+    n = probs.shape[0]
+    gen = torch.Generator().manual_seed(seed)
+    name = _WEIGHTED.get(metric)
+    fast = None
+    if name is not None:
+        n_bins = check_positive_int(metric_kwargs.get("n_bins", 15), "n_bins")
+        fast = _Weighted(name, probs, targets, n_bins)
+    samples = []
+    step = max(1, _CHUNK // n)
+    for start in range(0, n_resamples, step):
+        b = min(step, n_resamples - start)
+        idx = torch.randint(n, (b, n), generator=gen).to(probs.device)
+        if fast is not None:
+            counts = torch.zeros(b, n, dtype=torch.float64, device=probs.device)
+            counts.scatter_add_(1, idx, torch.ones_like(counts))
+            samples.append(fast(counts))
+        else:
+            for row in idx:
+                value = metric(probs[row], targets[row], **metric_kwargs)
+                value = value[0] if isinstance(value, tuple) else value
+                samples.append(torch.as_tensor(value, dtype=torch.float64, device=probs.device).reshape(1))
+    samples = torch.cat(samples)
+    alpha = (1 - level) / 2
+    qs = torch.quantile(samples, torch.tensor([alpha, 1 - alpha], dtype=torch.float64, device=samples.device))
+    return BootstrapResult(estimate, qs[0], qs[1], samples)

@@ -1,0 +1,585 @@
+"""Calibration metrics with one explicit convention (SPEC §3).
+
+Every public function takes ``probs`` of shape (N, K) (or logits with ``from_logits=True``) and integer
+``targets`` of shape (N,), validates them, and returns a 0-d float64 tensor on the input's device. Sums are
+accumulated in float64. The ``*_from_*`` helpers compute the same numbers from sufficient statistics; the
+streaming :class:`torchcal.metrics.CalibrationMetrics` calls them too, so streamed and one-shot values agree.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from .._validation import (
+    check_choice,
+    check_float,
+    check_positive_int,
+    probs_and_targets,
+)
+from ._binning import (
+    bin_sums,
+    classwise_sums,
+    equal_mass_sums,
+    equal_width_index,
+    top_label,
+)
+
+__all__ = [
+    "expected_calibration_error",
+    "adaptive_calibration_error",
+    "classwise_calibration_error",
+    "maximum_calibration_error",
+    "negative_log_likelihood",
+    "brier_score",
+    "error_rate",
+    "smooth_calibration_error",
+    "debiased_calibration_error",
+    "ece_sweep",
+    "kde_calibration_error",
+    "confidence_at_least",
+    "ood_auroc",
+    "ConfidenceShare",
+]
+
+
+# ----------------------------------------------------------------------------- statistics -> metric
+
+
+def ece_from_sums(count, conf_sum, correct_sum) -> torch.Tensor:
+    """Σ_m (|B_m|/N)·|acc_m − conf_m| = Σ_m |Σ correct − Σ conf| / N; empty bins add 0."""
+    return (correct_sum - conf_sum).abs().sum(-1) / count.sum(-1)
+
+
+def mce_from_sums(count, conf_sum, correct_sum) -> torch.Tensor:
+    """max over non-empty bins of |acc_m − conf_m|."""
+    gaps = (correct_sum - conf_sum).abs() / count.clamp(min=1)
+    return torch.where(count > 0, gaps, torch.full_like(gaps, -math.inf)).amax(-1)
+
+
+def classwise_from_sums(conf_sum, correct_sum, n) -> torch.Tensor:
+    """Mean over the K classes of Σ_m |Σ [y = k] − Σ p_k| / N (arguments of shape (K, M))."""
+    return ((correct_sum - conf_sum).abs().sum(dim=1) / n).mean()
+
+
+def sorted_by_confidence(conf: torch.Tensor, correct: torch.Tensor):
+    """Stable ascending sort of confidences, carrying correctness along (ties keep input order)."""
+    conf_sorted, order = torch.sort(conf, stable=True)
+    return conf_sorted, correct[order]
+
+
+def adaece_from_sorted(conf_sorted, correct_sorted, n_bins: int) -> torch.Tensor:
+    return ece_from_sums(*equal_mass_sums(conf_sorted, correct_sorted, n_bins))
+
+
+def debiased_from_sorted(conf_sorted, correct_sorted, n_bins: int) -> torch.Tensor:
+    return debiased_from_sums(*equal_mass_sums(conf_sorted, correct_sorted, n_bins))
+
+
+def debiased_from_sums(count, conf_sum, correct_sum) -> torch.Tensor:
+    """Kumar et al. 2019 debiased L2 error from bin sums: sqrt(max(0, Σ_m w_m (gap_m² − v_m)))."""
+    n = count.sum(-1, keepdim=True)
+    safe = count.clamp(min=1)
+    acc = correct_sum / safe
+    gap_sq = ((correct_sum - conf_sum) / safe) ** 2
+    variance = acc * (1 - acc) / (count - 1).clamp(min=1)
+    per_bin = torch.where(count >= 2, gap_sq - variance, torch.zeros_like(gap_sq))
+    return ((count / n) * per_bin).sum(-1).clamp(min=0).sqrt()
+
+
+def sweep_from_sorted(conf_sorted, correct_sorted, p: int = 1):
+    """Roelofs et al. 2022 ECE_sweep (equal mass): the largest b whose bin accuracies are monotone.
+
+    Returns (value, n_bins). Bin b's sums come from prefix sums, so each b costs O(b).
+    """
+    n = conf_sorted.shape[0]
+    dev = conf_sorted.device
+    c_conf = torch.cat([torch.zeros(1, dtype=torch.float64, device=dev), conf_sorted.double().cumsum(0)])
+    c_corr = torch.cat([torch.zeros(1, dtype=torch.float64, device=dev), correct_sorted.double().cumsum(0)])
+
+    def sums(b):
+        q, r = divmod(n, b)
+        sizes = torch.full((b,), q, dtype=torch.long, device=dev)
+        sizes[:r] += 1
+        ends = sizes.cumsum(0)
+        starts = ends - sizes
+        return sizes.double(), c_conf[ends] - c_conf[starts], c_corr[ends] - c_corr[starts]
+
+    corr = correct_sorted.to(torch.int8)
+    if bool((corr[1:] >= corr[:-1]).all()):
+        best = n  # a sorted 0/1 sequence gives monotone bin means for every b
+    else:
+        best = 1
+        for b in range(2, n + 1):
+            count, _, corr_sum = sums(b)
+            acc = corr_sum / count
+            if not bool((acc[1:] >= acc[:-1]).all()):
+                break
+            best = b
+    count, conf_sum, corr_sum = sums(best)
+    gaps = ((corr_sum - conf_sum) / count).abs() ** p
+    value = ((count / n) * gaps).sum() ** (1.0 / p)
+    return value, best
+
+
+def nll_from_true_probs(p_true: torch.Tensor) -> torch.Tensor:
+    """Per-sample −log p_t with p_t clamped below at the smallest positive normal of its dtype."""
+    tiny = torch.finfo(p_true.dtype).tiny
+    return -torch.log(p_true.clamp(min=tiny))
+
+
+def brier_per_sample(probs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Σ_k (p_k − onehot_k)² = Σ_k p_k² − 2 p_t + 1 (no (N, K) temporary)."""
+    sq = torch.linalg.vector_norm(probs, dim=1).double() ** 2
+    p_true = probs.gather(1, targets[:, None]).squeeze(1).double()
+    return sq - 2 * p_true + 1
+
+
+# ----------------------------------------------------------------------------- public metrics
+
+
+def expected_calibration_error(probs, targets, *, n_bins: int = 15, from_logits: bool = False):
+    r"""Expected calibration error with equal-width bins (top-label).
+
+    .. math:: \mathrm{ECE} = \sum_{m} \frac{|B_m|}{N} \left| \mathrm{acc}(B_m) - \mathrm{conf}(B_m) \right|
+
+    Bin ``m`` holds confidences in ``(m/M, (m+1)/M]`` (closed on the right); bin 0 also holds 0. An empty
+    bin adds 0. Confidence is ``max_k p_ik``; a tie in the maximum predicts the lowest class index.
+
+    Args:
+        probs: probabilities (rows sum to 1), or logits with ``from_logits=True``.
+        targets: integer class labels.
+        n_bins: number of bins M.
+        from_logits: apply softmax to ``probs`` first.
+
+    Shape:
+        probs (N, K) with K >= 2, targets (N,). Returns a 0-d float64 tensor in [0, 1].
+
+    Raises:
+        ValueError / TypeError naming the argument on bad shapes, dtypes, ranges or NaN.
+
+    References:
+        Naeini et al. 2015; Guo et al. 2017.
+
+    Example:
+        >>> import torch
+        >>> from torchcal.functional import expected_calibration_error
+        >>> probs = torch.tensor([[0.9, 0.1], [0.6, 0.4], [0.3, 0.7]])
+        >>> targets = torch.tensor([0, 1, 1])
+        >>> expected_calibration_error(probs, targets, n_bins=10)
+        tensor(0.3333, dtype=torch.float64)
+    """
+    n_bins = check_positive_int(n_bins, "n_bins")
+    probs, targets = probs_and_targets(probs, targets, from_logits)
+    conf, correct = top_label(probs, targets)
+    return ece_from_sums(*bin_sums(equal_width_index(conf, n_bins), n_bins, conf, correct))
+
+
+def maximum_calibration_error(probs, targets, *, n_bins: int = 15, from_logits: bool = False):
+    """Maximum calibration error: the largest |acc_m − conf_m| over non-empty equal-width bins.
+
+    Bins as in :func:`expected_calibration_error` (``(m/M, (m+1)/M]``, 0 in bin 0); empty bins are skipped.
+
+    Example:
+        >>> import torch
+        >>> probs = torch.tensor([[0.9, 0.1], [0.6, 0.4], [0.3, 0.7]])
+        >>> maximum_calibration_error(probs, torch.tensor([0, 1, 1]), n_bins=10)
+        tensor(0.6000, dtype=torch.float64)
+    """
+    n_bins = check_positive_int(n_bins, "n_bins")
+    probs, targets = probs_and_targets(probs, targets, from_logits)
+    conf, correct = top_label(probs, targets)
+    return mce_from_sums(*bin_sums(equal_width_index(conf, n_bins), n_bins, conf, correct))
+
+
+def adaptive_calibration_error(probs, targets, *, n_bins: int = 15, from_logits: bool = False):
+    """Adaptive (equal-mass) ECE, "AdaECE" / "ECE_EM".
+
+    Confidences are sorted (stable: ties keep input order) and the sorted order is cut into ``n_bins``
+    contiguous groups whose sizes differ by at most one, larger groups first (``numpy.array_split``). The
+    value is Σ_m (|B_m|/N)·|acc_m − conf_m|; with N < M the empty groups add 0. Every sample is counted
+    (Mukhoti et al.'s released code drops the lowest-confidence sample; see docs/decisions.md).
+
+    Example:
+        >>> import torch
+        >>> probs = torch.tensor([[0.9, 0.1], [0.6, 0.4], [0.3, 0.7], [0.2, 0.8]])
+        >>> adaptive_calibration_error(probs, torch.tensor([0, 1, 1, 0]), n_bins=2)
+        tensor(0.4000, dtype=torch.float64)
+    """
+    n_bins = check_positive_int(n_bins, "n_bins")
+    probs, targets = probs_and_targets(probs, targets, from_logits)
+    return adaece_from_sorted(*sorted_by_confidence(*top_label(probs, targets)), n_bins)
+
+
+def classwise_calibration_error(probs, targets, *, n_bins: int = 15, from_logits: bool = False):
+    """Classwise ECE: the mean over the K columns of a per-class equal-width ECE.
+
+    For class k, bins are equal-width on p_ik over all N samples (``(m/M, (m+1)/M]``, 0 in bin 0), the bin
+    accuracy is the fraction with y = k and the bin confidence the mean p_ik; CE_k = Σ_m (|B_mk|/N)·|acc −
+    conf|, empty bins add 0, and the result is (1/K) Σ_k CE_k with K = ``probs.shape[1]``.
+
+    Example:
+        >>> import torch
+        >>> probs = torch.tensor([[0.9, 0.1], [0.6, 0.4], [0.3, 0.7]])
+        >>> classwise_calibration_error(probs, torch.tensor([0, 1, 1]), n_bins=10)
+        tensor(0.3333, dtype=torch.float64)
+    """
+    n_bins = check_positive_int(n_bins, "n_bins")
+    probs, targets = probs_and_targets(probs, targets, from_logits)
+    _, conf_sum, correct_sum = classwise_sums(probs, targets, n_bins)
+    return classwise_from_sums(conf_sum, correct_sum, probs.shape[0])
+
+
+def negative_log_likelihood(probs, targets, *, from_logits: bool = False):
+    """Mean negative log-likelihood −(1/N) Σ log p_t.
+
+    p_t is clamped below at the smallest positive normal number of the working dtype (float32 for half
+    inputs), so a zero probability costs −log(tiny) (≈ 87.3 in float32) instead of inf. With
+    ``from_logits=True`` the same clamp is applied to the log-softmax, so both paths agree.
+
+    Example:
+        >>> import torch
+        >>> probs = torch.tensor([[0.5, 0.5], [0.25, 0.75]], dtype=torch.float64)
+        >>> negative_log_likelihood(probs, torch.tensor([0, 1]))
+        tensor(0.4904, dtype=torch.float64)
+    """
+    if from_logits:
+        from .._validation import check_logits, check_targets
+
+        logits = check_logits(probs, "probs")
+        targets = check_targets(targets, logits.shape[0], logits.shape[1])
+        log_p = torch.log_softmax(logits, dim=1).gather(1, targets[:, None]).squeeze(1)
+        floor = math.log(torch.finfo(log_p.dtype).tiny)
+        return (-log_p.clamp(min=floor)).double().mean()
+    probs, targets = probs_and_targets(probs, targets, False)
+    p_true = probs.gather(1, targets[:, None]).squeeze(1)
+    return nll_from_true_probs(p_true).double().mean()
+
+
+def brier_score(probs, targets, *, from_logits: bool = False):
+    """Multiclass Brier score: the mean over samples of Σ_k (p_k − onehot_k)², in [0, 2].
+
+    This is the convention of Mukhoti et al. (not divided by K).
+
+    Example:
+        >>> import torch
+        >>> brier_score(torch.tensor([[0.75, 0.25], [0.5, 0.5]]), torch.tensor([0, 1]))
+        tensor(0.3125, dtype=torch.float64)
+    """
+    probs, targets = probs_and_targets(probs, targets, from_logits)
+    return brier_per_sample(probs, targets).mean()
+
+
+def error_rate(probs, targets, *, from_logits: bool = False):
+    """Top-1 error 1 − accuracy; a tie in the maximum predicts the lowest class index.
+
+    Example:
+        >>> import torch
+        >>> error_rate(torch.tensor([[0.75, 0.25], [0.5, 0.5]]), torch.tensor([0, 1]))
+        tensor(0.5000, dtype=torch.float64)
+    """
+    probs, targets = probs_and_targets(probs, targets, from_logits)
+    _, correct = top_label(probs, targets)
+    return 1 - correct.double().mean()
+
+
+# ----------------------------------------------------------------------------- smooth ECE
+
+
+def _smooth_ece_at(conf: torch.Tensor, residual: torch.Tensor, sigma: float) -> torch.Tensor:
+    """smECE at a fixed bandwidth with the discretisation of the relplot package (Błasiok & Nakkiran 2023).
+
+    Samples are spread linearly onto a regular grid of G points on [0, 1], G = max(2000, round(20/σ))//2 + 1;
+    the grid is convolved with a Gaussian of width σ after reflecting it at 0 and 1; both smoothed residual
+    r̂ and density δ̂ are read by linear interpolation at E = max(round(10/σ), 200) points, δ̂ gets +1e-4,
+    and smECE_σ = Σ |r̂| / Σ δ̂.
+    """
+    dev = conf.device
+    g = max(2000, round(20 / sigma)) // 2 + 1
+    pos = conf * (g - 1)
+    left = pos.floor().long().clamp(0, g - 2)
+    frac = pos - left
+
+    def to_grid(weights):
+        grid = torch.zeros(g, dtype=torch.float64, device=dev)
+        grid.index_add_(0, left, (1 - frac) * weights)
+        grid.index_add_(0, left + 1, frac * weights)
+        return grid
+
+    t = torch.linspace(0, 1, g, dtype=torch.float64, device=dev)
+    kernel = torch.exp(-((t - 0.5) ** 2) / (2 * sigma**2)) / (math.sqrt(2 * math.pi) * sigma)
+
+    def smooth(grid):
+        ext = torch.cat([grid.flip(0)[:-1], grid, grid.flip(0)[1:]])  # reflect at both ends, 3G - 2
+        size = ext.shape[0] + g - 1
+        full = torch.fft.irfft(torch.fft.rfft(ext, size) * torch.fft.rfft(kernel, size), size)
+        start = g - 1 + g // 2  # 'valid' part starts at G - 1; keep G values centred on the data
+        return full[start : start + g]
+
+    e = max(round(10 / sigma), 200)
+    t_eval = torch.linspace(0, 1, e, dtype=torch.float64, device=dev)
+    idx = (t_eval * (g - 1)).long().clamp(0, g - 2)
+    w = t_eval * (g - 1) - idx
+
+    def interp(values):
+        return values[idx] * (1 - w) + values[idx + 1] * w
+
+    num = interp(smooth(to_grid(residual)))
+    den = interp(smooth(to_grid(torch.ones_like(conf)))) + 1e-4
+    return num.abs().sum() / den.sum()
+
+
+def smooth_ece_from_conf(conf, correct, sigma=None, eps: float = 1e-3, refine: int = 10):
+    """smECE and its σ from top-label confidences; σ = None solves smECE_σ = σ by bisection on (0, 1].
+
+    The bisection follows relplot: σ = 1 if smECE_1 >= 1 (never in practice); otherwise ``refine`` halvings
+    of [0, 1] keep the upper end at a σ with σ >= smECE_σ (or σ >= eps), so the returned σ is within 2^-refine
+    of the fixed point, from above.
+    """
+    conf = conf.double()
+    residual = conf - correct.double()
+    if sigma is not None:
+        return _smooth_ece_at(conf, residual, sigma), sigma
+
+    def below_fixed_point(s):
+        return s < eps or s < float(_smooth_ece_at(conf, residual, s))
+
+    if below_fixed_point(1.0):
+        sigma = 1.0
+    else:
+        hi, lo = 1.0, 0.0
+        for _ in range(refine):
+            mid = (hi + lo) / 2
+            if below_fixed_point(mid):
+                lo = mid
+            else:
+                hi = mid
+        sigma = hi
+    return _smooth_ece_at(conf, residual, sigma), sigma
+
+
+def smooth_calibration_error(
+    probs, targets, *, sigma: float | None = None, from_logits: bool = False, return_sigma: bool = False
+):
+    """Smooth ECE (smECE) of Błasiok & Nakkiran 2023 on the top-label confidence.
+
+    The residual conf − correct is smoothed with a Gaussian kernel reflected at 0 and 1; smECE_σ is the
+    density-weighted mean absolute smoothed residual. By default σ is the fixed point smECE_σ = σ, found by
+    the same bisection and grid discretisation as the ``relplot`` package's ``smECE`` (agreement within 1e-6
+    is tested). Pass ``sigma`` to evaluate at a fixed bandwidth.
+
+    Args:
+        sigma: fixed bandwidth in (0, 1], or None for the fixed point.
+        return_sigma: also return the bandwidth used, as ``(value, sigma)``.
+
+    Example:
+        >>> import torch
+        >>> probs = torch.tensor([[0.9, 0.1], [0.6, 0.4], [0.3, 0.7], [0.2, 0.8]])
+        >>> smooth_calibration_error(probs, torch.tensor([0, 1, 1, 0]))
+        tensor(0.3079, dtype=torch.float64)
+    """
+    if sigma is not None:
+        sigma = check_float(sigma, "sigma", low=0, high=1, low_open=True)
+    probs, targets = probs_and_targets(probs, targets, from_logits)
+    value, used = smooth_ece_from_conf(*top_label(probs, targets), sigma=sigma)
+    return (value, used) if return_sigma else value
+
+
+def debiased_calibration_error(probs, targets, *, n_bins: int = 15, from_logits: bool = False):
+    r"""Debiased L2 calibration error of Kumar et al. 2019 on equal-mass top-label bins.
+
+    .. math:: \sqrt{\max\Big(0, \sum_m \frac{|B_m|}{N}\big[(\mathrm{conf}_m - \mathrm{acc}_m)^2
+              - \frac{\mathrm{acc}_m (1-\mathrm{acc}_m)}{|B_m| - 1}\big]\Big)}
+
+    Bins with fewer than two samples add 0. Bins are cut as in :func:`adaptive_calibration_error`
+    (Kumar's code cuts at quantile boundaries, which differs only with ties at a boundary).
+
+    Example:
+        >>> import torch
+        >>> probs = torch.tensor([[0.9, 0.1], [0.8, 0.2], [0.6, 0.4], [0.7, 0.3]])
+        >>> debiased_calibration_error(probs, torch.tensor([1, 1, 1, 1]), n_bins=2)
+        tensor(0.7500, dtype=torch.float64)
+    """
+    n_bins = check_positive_int(n_bins, "n_bins")
+    probs, targets = probs_and_targets(probs, targets, from_logits)
+    return debiased_from_sorted(*sorted_by_confidence(*top_label(probs, targets)), n_bins)
+
+
+def ece_sweep(probs, targets, *, p: int = 1, from_logits: bool = False, return_n_bins: bool = False):
+    """ECE_sweep of Roelofs et al. 2022 with equal-mass bins.
+
+    Tries b = 2, 3, ... equal-mass bins (cut as in :func:`adaptive_calibration_error`) and keeps the largest
+    b before the first whose bin accuracies are not monotonically non-decreasing in bin confidence (b = 1 if
+    b = 2 already fails); returns (Σ_m |B_m|/N · |acc_m − conf_m|^p)^(1/p) at that b.
+
+    Args:
+        p: 1 for the L1 (ECE) form, 2 for the L2 form.
+        return_n_bins: also return the chosen number of bins, as ``(value, n_bins)``.
+
+    Example:
+        >>> import torch
+        >>> probs = torch.tensor([[0.9, 0.1], [0.6, 0.4], [0.3, 0.7], [0.2, 0.8]])
+        >>> ece_sweep(probs, torch.tensor([0, 1, 1, 0]), return_n_bins=True)
+        (tensor(0.4000, dtype=torch.float64), 1)
+    """
+    check_positive_int(p, "p")
+    probs, targets = probs_and_targets(probs, targets, from_logits)
+    value, b = sweep_from_sorted(*sorted_by_confidence(*top_label(probs, targets)), p=p)
+    return (value, b) if return_n_bins else value
+
+
+# ----------------------------------------------------------------------------- KDE ECE
+
+_KDE_BANDWIDTHS = tuple(10 ** (-5 + 4 * i / 14) for i in range(15)) + (0.2, 0.4, 0.6, 0.8, 1.0)
+
+
+def _dirichlet_log_kernel(log_f_rows, f_cols, bandwidth, log_norm_cols):
+    """log Dir(f_i | α_j = f_j/h + 1) for every row i against every column j: (n_rows, n_cols)."""
+    return log_f_rows @ (f_cols / bandwidth).T + log_norm_cols[None, :]
+
+
+def _kde_log_norm(f, bandwidth):
+    alpha = f / bandwidth + 1
+    return torch.lgamma(alpha.sum(1)) - torch.lgamma(alpha).sum(1)
+
+
+def _kde_select_bandwidth(f, log_f, chunk):
+    """Leave-one-out log-likelihood of the Dirichlet KDE over a fixed grid; returns the maximiser."""
+    n = f.shape[0]
+    best, best_ll = None, -math.inf
+    for h in _KDE_BANDWIDTHS:
+        log_norm = _kde_log_norm(f, h)
+        ll = 0.0
+        for s in range(0, n, chunk):
+            lk = _dirichlet_log_kernel(log_f[s : s + chunk], f, h, log_norm)
+            rows = torch.arange(lk.shape[0], device=f.device)
+            lk[rows, rows + s] = -math.inf
+            ll += float((torch.logsumexp(lk, dim=1) - math.log(n - 1)).sum())
+        if ll > best_ll:
+            best, best_ll = h, ll
+    return best
+
+
+def kde_calibration_error(
+    probs, targets, *, bandwidth: float | str = "auto", from_logits: bool = False, chunk_size: int = 1024
+):
+    """Canonical L1 calibration error with a Dirichlet kernel (Popordanoska et al. 2022).
+
+    E[y | f(x) = f_i] is estimated leave-one-out as Σ_{j≠i} k(f_i; f_j) onehot(y_j) / Σ_{j≠i} k(f_i; f_j)
+    with the Dirichlet kernel k(f; f_j) = Dir(f; f_j/h + 1); the value is (1/N) Σ_i ‖Ê[y|f_i] − f_i‖₁,
+    which lies in [0, 2] (an L1 distance between distributions, as in the paper). ``bandwidth="auto"``
+    maximises the leave-one-out log-likelihood of the density estimate over the paper code's grid
+    (15 log-spaced values in [1e-5, 0.1] and 0.2, ..., 1.0). Cost O(N²K) time, O(chunk·N) memory.
+    Probabilities are clamped below at 1e-12 before logs are taken.
+
+    Example:
+        >>> import torch
+        >>> probs = torch.tensor([[0.9, 0.1], [0.8, 0.2], [0.3, 0.7], [0.2, 0.8]], dtype=torch.float64)
+        >>> kde_calibration_error(probs, torch.tensor([0, 0, 1, 1]), bandwidth=0.5)
+        tensor(0.1931, dtype=torch.float64)
+    """
+    probs, targets = probs_and_targets(probs, targets, from_logits)
+    n, k = probs.shape
+    if n < 2:
+        raise ValueError("`probs` must have at least 2 rows for the leave-one-out KDE estimator")
+    chunk = check_positive_int(chunk_size, "chunk_size")
+    f = probs.double().clamp(min=1e-12)
+    f = f / f.sum(1, keepdim=True)
+    log_f = f.log()
+    if bandwidth == "auto":
+        h = _kde_select_bandwidth(f, log_f, chunk)
+    else:
+        h = check_float(bandwidth, "bandwidth", low=0, low_open=True)
+    log_norm = _kde_log_norm(f, h)
+    onehot = torch.nn.functional.one_hot(targets, k).double()
+    total = torch.zeros((), dtype=torch.float64, device=probs.device)
+    for s in range(0, n, chunk):
+        lk = _dirichlet_log_kernel(log_f[s : s + chunk], f, h, log_norm)
+        rows = torch.arange(lk.shape[0], device=f.device)
+        lk[rows, rows + s] = -math.inf
+        weights = torch.softmax(lk, dim=1)
+        total += ((weights @ onehot) - f[s : s + chunk]).abs().sum()
+    return total / n
+
+
+# ----------------------------------------------------------------------------- S99 and OOD
+
+
+class ConfidenceShare(NamedTuple):
+    """Share of samples with confidence >= threshold, and their accuracy (NaN when there are none)."""
+
+    fraction: torch.Tensor
+    accuracy: torch.Tensor
+
+
+def confidence_at_least(probs, targets, threshold: float = 0.99, *, from_logits: bool = False):
+    """Share of samples whose top-label confidence is >= ``threshold`` and their accuracy ("S99").
+
+    Mukhoti et al. 2020, Table 6. The accuracy is NaN when no sample reaches the threshold (there is no
+    accuracy to report; a 0 would be a silent wrong number).
+
+    Example:
+        >>> import torch
+        >>> probs = torch.tensor([[0.995, 0.005], [0.6, 0.4], [0.001, 0.999], [0.5, 0.5]])
+        >>> confidence_at_least(probs, torch.tensor([0, 1, 0, 1]))
+        ConfidenceShare(fraction=tensor(0.5000, dtype=torch.float64), accuracy=tensor(0.5000, dtype=torch.float64))
+    """
+    threshold = check_float(threshold, "threshold", low=0, high=1)
+    probs, targets = probs_and_targets(probs, targets, from_logits)
+    conf, correct = top_label(probs, targets)
+    confident = conf >= threshold
+    count = confident.double().sum()
+    hits = (confident & correct).double().sum()
+    accuracy = hits / count if bool(count > 0) else torch.tensor(math.nan, dtype=torch.float64)
+    return ConfidenceShare(count / conf.shape[0], accuracy)
+
+
+def _ood_scores(probs, score):
+    if score == "entropy":
+        return -(probs * torch.log(probs.clamp(min=torch.finfo(probs.dtype).tiny))).sum(1).double()
+    return -probs.max(dim=1).values.double()
+
+
+def binary_auroc(scores: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """AUROC of ``scores`` for binary ``labels`` by the Mann-Whitney statistic with mid-ranks for ties."""
+    n_pos = int(labels.sum())
+    n_neg = labels.shape[0] - n_pos
+    if n_pos == 0 or n_neg == 0:
+        raise ValueError("AUROC needs at least one sample of each group")
+    s, order = torch.sort(scores.double(), stable=True)
+    lab = labels[order]
+    # mid-ranks: for each tie group the mean of its 1-based positions
+    _, inverse, counts = torch.unique_consecutive(s, return_inverse=True, return_counts=True)
+    ends = counts.cumsum(0).double()
+    mid = ends - (counts.double() - 1) / 2
+    ranks = mid[inverse]
+    rank_sum = ranks[lab.bool()].sum()
+    return (rank_sum - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
+
+
+def ood_auroc(probs_in, probs_out, *, score: str = "entropy", from_logits: bool = False):
+    """AUROC for telling out-of-distribution inputs (positive) from in-distribution ones (negative).
+
+    ``score="entropy"`` ranks by predictive entropy (higher = more OOD); ``"max_prob"`` by the negated
+    top-label probability. Ties get mid-ranks, so identical scores give 0.5.
+
+    Example:
+        >>> import torch
+        >>> p_in = torch.tensor([[0.95, 0.05], [0.9, 0.1]])
+        >>> p_out = torch.tensor([[0.5, 0.5], [0.92, 0.08]])
+        >>> ood_auroc(p_in, p_out)
+        tensor(0.7500, dtype=torch.float64)
+    """
+    from .._validation import check_logits, check_probs
+
+    check_choice(score, "score", {"entropy", "max_prob"})
+    check = (lambda x, name: torch.softmax(check_logits(x, name), 1)) if from_logits else check_probs
+    p_in = check(probs_in, "probs_in")
+    p_out = check(probs_out, "probs_out")
+    if p_in.shape[1] != p_out.shape[1]:
+        raise ValueError(f"`probs_in` has {p_in.shape[1]} classes but `probs_out` has {p_out.shape[1]}")
+    scores = torch.cat([_ood_scores(p_in, score), _ood_scores(p_out.to(p_in.device), score)])
+    labels = torch.cat([torch.zeros(p_in.shape[0]), torch.ones(p_out.shape[0])]).to(scores.device)
+    return binary_auroc(scores, labels)

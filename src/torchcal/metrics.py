@@ -1,0 +1,212 @@
+"""Streaming calibration metrics: constant-size bin sums plus what equal-mass estimators need."""
+
+from __future__ import annotations
+
+import torch
+
+from ._validation import check_logits, check_positive_int, check_probs, check_targets
+from .functional import calibration as C
+from .functional._binning import bin_sums, classwise_sums, equal_width_index, top_label
+
+__all__ = ["CalibrationMetrics"]
+
+
+class CalibrationMetrics:
+    """Accumulates every calibration metric over batches, mergeable and all-reducible.
+
+    State, all float64 unless stated:
+
+    * top-label equal-width bin sums (count, confidence sum, correct sum), 3·M numbers;
+    * classwise bin sums (p_k sum and [y = k] sum per class and bin), 2·K·M numbers;
+    * sums of NLL, Brier, correct, the S99 count and hits, and N;
+    * for the equal-mass estimators (AdaECE, debiased ECE, ECE sweep, smECE), the top-label confidence (in
+      the input's dtype, float32 for half inputs) and correctness (bool) of every sample: **5 bytes per
+      sample** for float32 inputs (5 MB per million; 9 for float64), the only state that grows with N. Pass ``equal_mass=False`` to drop it and those four metrics.
+
+    ``compute()`` calls the same functions as the one-shot API, so k updates give the one-shot values up to
+    float64 summation order. ``sync()`` all-reduces the constant-size sums in one call and all-gathers the
+    per-sample buffers (the only variable-size traffic). KDE ECE (O(N²)) and OOD AUROC (two data sets) are not
+    streamed: use their functions.
+
+    Args:
+        num_classes: K.
+        n_bins: bins for ECE, MCE, classwise ECE, AdaECE and debiased ECE.
+        from_logits: ``update`` receives logits and applies softmax.
+        equal_mass: keep the per-sample buffers for the equal-mass estimators.
+        s99_threshold: confidence threshold of the S99 share.
+
+    Example:
+        >>> import torch
+        >>> from torchcal.metrics import CalibrationMetrics
+        >>> from torchcal.functional import expected_calibration_error
+        >>> g = torch.Generator().manual_seed(0)
+        >>> logits, targets = torch.randn(300, 5, generator=g), torch.randint(0, 5, (300,), generator=g)
+        >>> m = CalibrationMetrics(num_classes=5, from_logits=True)
+        >>> for i in range(0, 300, 64):
+        ...     m.update(logits[i:i + 64], targets[i:i + 64])
+        >>> out = m.compute()
+        >>> sorted(out)[:4]
+        ['adaece', 'brier', 'classwise_ece', 'debiased_ece']
+        >>> torch.allclose(out["ece"], expected_calibration_error(logits, targets, from_logits=True))
+        True
+    """
+
+    def __init__(
+        self,
+        num_classes: int,
+        n_bins: int = 15,
+        *,
+        from_logits: bool = False,
+        equal_mass: bool = True,
+        s99_threshold: float = 0.99,
+    ):
+        self.num_classes = check_positive_int(num_classes, "num_classes", minimum=2)
+        self.n_bins = check_positive_int(n_bins, "n_bins")
+        self.from_logits = from_logits
+        self.equal_mass = equal_mass
+        self.s99_threshold = s99_threshold
+        self._device = None
+        self.reset()
+
+    # -- state -------------------------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Forget everything seen so far."""
+        m, k = self.n_bins, self.num_classes
+        dev = self._device
+        # One flat float64 buffer for every constant-size sum, so sync() is a single all-reduce.
+        self._sums = torch.zeros(3 * m + 2 * k * m + 6, dtype=torch.float64, device=dev)
+        self._conf: list[torch.Tensor] = []
+        self._correct: list[torch.Tensor] = []
+
+    def _views(self):
+        m, km = self.n_bins, self.num_classes * self.n_bins
+        s = self._sums
+        top = s[: 3 * m].view(3, m)
+        cw = s[3 * m : 3 * m + 2 * km].view(2, self.num_classes, m)
+        scalars = s[3 * m + 2 * km :]  # n, nll, brier, correct, s99 count, s99 hits
+        return top, cw, scalars
+
+    def update(self, probs_or_logits, targets) -> None:
+        """Adds a batch: probabilities (or logits if ``from_logits``) of shape (B, K) and targets (B,)."""
+        if self.from_logits:
+            probs = torch.softmax(check_logits(probs_or_logits, "probs_or_logits"), dim=1)
+        else:
+            probs = check_probs(probs_or_logits, "probs_or_logits")
+        if probs.shape[1] != self.num_classes:
+            raise ValueError(
+                f"`probs_or_logits` has {probs.shape[1]} classes, this metric was built for {self.num_classes}"
+            )
+        targets = check_targets(targets, probs.shape[0], self.num_classes)
+        if self._device is None:
+            self._device = probs.device
+            self._sums = self._sums.to(probs.device)
+        elif probs.device != self._device:
+            raise ValueError(f"`probs_or_logits` is on {probs.device}, earlier batches were on {self._device}")
+        conf, correct = top_label(probs, targets)
+        top, cw, scalars = self._views()
+        counts, conf_sum, correct_sum = bin_sums(equal_width_index(conf, self.n_bins), self.n_bins, conf, correct)
+        top += torch.stack([counts, conf_sum, correct_sum])
+        _, cw_conf, cw_correct = classwise_sums(probs, targets, self.n_bins)
+        cw += torch.stack([cw_conf, cw_correct])
+        p_true = probs.gather(1, targets[:, None]).squeeze(1)
+        confident = conf >= self.s99_threshold
+        scalars += torch.stack(
+            [
+                torch.tensor(float(conf.shape[0]), dtype=torch.float64, device=conf.device),
+                C.nll_from_true_probs(p_true).double().sum(),
+                C.brier_per_sample(probs, targets).sum(),
+                correct.double().sum(),
+                confident.double().sum(),
+                (confident & correct).double().sum(),
+            ]
+        )
+        if self.equal_mass:
+            self._conf.append(conf)
+            self._correct.append(correct)
+
+    def merge(self, other: CalibrationMetrics) -> CalibrationMetrics:
+        """Adds the state of ``other`` (same num_classes, n_bins, options) into this one; returns self."""
+        if not isinstance(other, CalibrationMetrics):
+            raise TypeError(f"`other` must be a CalibrationMetrics, got {type(other).__name__}")
+        mine = (self.num_classes, self.n_bins, self.equal_mass, self.s99_threshold)
+        theirs = (other.num_classes, other.n_bins, other.equal_mass, other.s99_threshold)
+        if mine != theirs:
+            raise ValueError(f"cannot merge metrics with settings {theirs} into {mine}")
+        if self._device is None:
+            self._device = other._device
+            self._sums = self._sums.to(other._sums.device)
+        self._sums += other._sums.to(self._sums.device)
+        self._conf += [c.to(self._sums.device) for c in other._conf]
+        self._correct += [c.to(self._sums.device) for c in other._correct]
+        return self
+
+    def sync(self, group=None) -> CalibrationMetrics:
+        """Makes every rank hold the global state (torch.distributed): all-reduce of the constant-size sums,
+        all-gather of the per-sample equal-mass buffers. Call it once before ``compute()``; returns self."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return self
+        dist.all_reduce(self._sums, op=dist.ReduceOp.SUM, group=group)
+        if self.equal_mass:
+            conf = torch.cat(self._conf) if self._conf else torch.zeros(0, device=self._sums.device)
+            correct = torch.cat(self._correct) if self._correct else torch.zeros(0, dtype=torch.bool)
+            correct = correct.to(conf.device)
+            world = dist.get_world_size(group)
+            sizes = [torch.zeros(1, dtype=torch.long, device=conf.device) for _ in range(world)]
+            dist.all_gather(sizes, torch.tensor([conf.shape[0]], device=conf.device), group=group)
+            sizes = [int(s) for s in sizes]
+            longest = max(sizes)
+            packed = torch.zeros(2, longest, dtype=torch.float64, device=conf.device)
+            packed[0, : conf.shape[0]] = conf
+            packed[1, : conf.shape[0]] = correct.double()
+            gathered = [torch.empty_like(packed) for _ in range(world)]
+            dist.all_gather(gathered, packed, group=group)
+            dtype = conf.dtype if conf.numel() else torch.float32
+            self._conf = [g[0, :s].to(dtype) for g, s in zip(gathered, sizes, strict=True)]
+            self._correct = [g[1, :s].bool() for g, s in zip(gathered, sizes, strict=True)]
+        return self
+
+    # -- results -----------------------------------------------------------------------------------------
+
+    @property
+    def num_samples(self) -> int:
+        return int(self._views()[2][0])
+
+    def bin_sums(self):
+        """Top-label equal-width (count, confidence sum, correct sum), each (n_bins,) float64."""
+        top = self._views()[0]
+        return top[0].clone(), top[1].clone(), top[2].clone()
+
+    def sorted_confidences(self):
+        """All stored top-label confidences sorted (stable) with their correctness, for equal-mass bins."""
+        if not self.equal_mass:
+            raise RuntimeError("this CalibrationMetrics was built with equal_mass=False")
+        return C.sorted_by_confidence(torch.cat(self._conf), torch.cat(self._correct))
+
+    def compute(self) -> dict[str, torch.Tensor]:
+        """Every supported metric as 0-d float64 tensors: ece, mce, classwise_ece, nll, brier, error,
+        s99_fraction, s99_accuracy and, with ``equal_mass``, adaece, debiased_ece, ece_sweep, smece."""
+        top, cw, scalars = self._views()
+        n = scalars[0]
+        if float(n) == 0:
+            raise RuntimeError("CalibrationMetrics.compute() called before any update()")
+        nan = torch.tensor(float("nan"), dtype=torch.float64, device=n.device)
+        out = {
+            "ece": C.ece_from_sums(top[0], top[1], top[2]),
+            "mce": C.mce_from_sums(top[0], top[1], top[2]),
+            "classwise_ece": C.classwise_from_sums(cw[0], cw[1], n),
+            "nll": scalars[1] / n,
+            "brier": scalars[2] / n,
+            "error": 1 - scalars[3] / n,
+            "s99_fraction": scalars[4] / n,
+            "s99_accuracy": scalars[5] / scalars[4] if float(scalars[4]) > 0 else nan,
+        }
+        if self.equal_mass:
+            conf_s, corr_s = self.sorted_confidences()
+            out["adaece"] = C.adaece_from_sorted(conf_s, corr_s, self.n_bins)
+            out["debiased_ece"] = C.debiased_from_sorted(conf_s, corr_s, self.n_bins)
+            out["ece_sweep"] = C.sweep_from_sorted(conf_s, corr_s)[0]
+            out["smece"] = C.smooth_ece_from_conf(conf_s, corr_s)[0]
+        return out

@@ -1,0 +1,162 @@
+"""Reliability diagrams: the data (pure torch) and the drawing (matplotlib, imported inside the function)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+
+import torch
+
+from ._validation import check_choice, check_positive_int, probs_and_targets
+from .functional import calibration as C
+from .functional._binning import bin_sums, equal_mass_sums, equal_width_edges, equal_width_index, top_label
+
+__all__ = ["ReliabilityDiagram", "reliability_diagram_data", "plot_reliability_diagram", "save_figure"]
+
+
+@dataclass(frozen=True)
+class ReliabilityDiagram:
+    """Per-bin statistics of a top-label reliability diagram (all float64, shape (n_bins,)).
+
+    ``confidence`` and ``accuracy`` are NaN for empty bins. For equal-width bins ``lower``/``upper`` are the
+    bin edges m/M and (m+1)/M; for equal-mass bins they are the smallest and largest confidence in the bin
+    (NaN when empty). ``value`` is the calibration error the diagram shows (ECE or AdaECE).
+    """
+
+    binning: str
+    count: torch.Tensor
+    confidence: torch.Tensor
+    accuracy: torch.Tensor
+    lower: torch.Tensor
+    upper: torch.Tensor
+    value: torch.Tensor
+
+    @property
+    def metric_name(self) -> str:
+        return "ECE" if self.binning == "equal_width" else "AdaECE"
+
+
+def reliability_diagram_data(
+    probs, targets, *, n_bins: int = 15, binning: str = "equal_width", from_logits: bool = False
+) -> ReliabilityDiagram:
+    """Bin statistics for a reliability diagram, with the conventions of the matching metric.
+
+    ``binning="equal_width"`` uses the bins of :func:`~torchcal.functional.expected_calibration_error`,
+    ``"equal_mass"`` those of :func:`~torchcal.functional.adaptive_calibration_error`.
+
+    Example:
+        >>> import torch
+        >>> probs = torch.tensor([[0.9, 0.1], [0.6, 0.4], [0.3, 0.7]])
+        >>> d = reliability_diagram_data(probs, torch.tensor([0, 1, 1]), n_bins=2)
+        >>> d.count, d.accuracy, d.value
+        (tensor([0., 3.], dtype=torch.float64), tensor([nan, 0.6667], dtype=torch.float64), tensor(0.0667, dtype=torch.float64))
+    """
+    n_bins = check_positive_int(n_bins, "n_bins")
+    check_choice(binning, "binning", {"equal_width", "equal_mass"})
+    probs, targets = probs_and_targets(probs, targets, from_logits)
+    conf, correct = top_label(probs, targets)
+    if binning == "equal_width":
+        count, conf_sum, correct_sum = bin_sums(equal_width_index(conf, n_bins), n_bins, conf, correct)
+        edges = equal_width_edges(n_bins, torch.float64, conf.device)
+        lower, upper = edges[:-1], edges[1:]
+    else:
+        conf_s, corr_s = C.sorted_by_confidence(conf, correct)
+        count, conf_sum, correct_sum = equal_mass_sums(conf_s, corr_s, n_bins)
+        ends = count.long().cumsum(0)
+        starts = ends - count.long()
+        filled = count > 0
+        c64 = conf_s.double()
+        nan = torch.full_like(count, float("nan"))
+        lower = torch.where(filled, c64[starts.clamp(max=len(c64) - 1)], nan)
+        upper = torch.where(filled, c64[(ends - 1).clamp(min=0)], nan)
+    safe = count.clamp(min=1)
+    nan = torch.full_like(count, float("nan"))
+    return ReliabilityDiagram(
+        binning=binning,
+        count=count,
+        confidence=torch.where(count > 0, conf_sum / safe, nan),
+        accuracy=torch.where(count > 0, correct_sum / safe, nan),
+        lower=lower,
+        upper=upper,
+        value=C.ece_from_sums(count, conf_sum, correct_sum),
+    )
+
+
+def plot_reliability_diagram(
+    data: ReliabilityDiagram | None = None,
+    probs=None,
+    targets=None,
+    *,
+    n_bins: int = 15,
+    binning: str = "equal_width",
+    from_logits: bool = False,
+    title: str | None = None,
+    axes=None,
+):
+    """Draws a reliability diagram: accuracy bars, gap bars to the mean confidence, the diagonal, and a
+    histogram of bin counts underneath; the title carries the calibration error (×100, like the papers).
+
+    Pass either ``data`` (from :func:`reliability_diagram_data`) or ``probs`` and ``targets``. ``axes`` may be
+    a pair (diagram, histogram) of matplotlib axes to draw into. Requires matplotlib (``pip install
+    torchcal[plot]``). Returns the matplotlib Figure.
+    """
+    try:
+        import matplotlib
+
+        if axes is None and not os.environ.get("DISPLAY"):
+            matplotlib.use("Agg", force=False)
+        import matplotlib.pyplot as plt
+    except ImportError as err:  # pragma: no cover - exercised only without matplotlib
+        raise ImportError("plotting needs matplotlib: pip install 'torchcal[plot]'") from err
+    if data is None:
+        if probs is None or targets is None:
+            raise ValueError("pass either `data` or both `probs` and `targets`")
+        data = reliability_diagram_data(probs, targets, n_bins=n_bins, binning=binning, from_logits=from_logits)
+    elif not isinstance(data, ReliabilityDiagram):
+        raise TypeError(f"`data` must be a ReliabilityDiagram, got {type(data).__name__}")
+    if axes is None:
+        fig, (ax, hist) = plt.subplots(
+            2, 1, figsize=(4.2, 5.2), sharex=True, gridspec_kw={"height_ratios": [3, 1]}, constrained_layout=True
+        )
+    else:
+        ax, hist = axes
+        fig = ax.figure
+    filled = data.count > 0
+    lo = data.lower[filled].numpy()
+    width = (data.upper[filled] - data.lower[filled]).clamp(min=2e-3).numpy()
+    acc = data.accuracy[filled].numpy()
+    conf = data.confidence[filled].numpy()
+    ax.bar(lo, acc, width=width, align="edge", color="#4C72B0", edgecolor="black", linewidth=0.6, label="accuracy")
+    ax.bar(
+        lo, conf - acc, bottom=acc, width=width, align="edge", color="#DD8452", alpha=0.55,
+        edgecolor="#C44E52", hatch="//", linewidth=0.6, label="gap to confidence",
+    )
+    ax.plot([0, 1], [0, 1], "k--", linewidth=1, label="perfect calibration")
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("accuracy")
+    ax.legend(loc="upper left", fontsize=8)
+    heading = f"{data.metric_name} = {100 * float(data.value):.2f}%"
+    ax.set_title(f"{title}\n{heading}" if title else heading)
+    hist.bar(lo, data.count[filled].numpy(), width=width, align="edge", color="#8C8C8C", edgecolor="black",
+             linewidth=0.6)
+    hist.set_xlabel("confidence")
+    hist.set_ylabel("count")
+    return fig
+
+
+def save_figure(fig, path, **savefig_kwargs) -> None:
+    """Saves a matplotlib figure atomically (temporary file in the same folder, then ``os.replace``)."""
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    suffix = os.path.splitext(path)[1] or ".png"
+    fd, tmp = tempfile.mkstemp(dir=folder, suffix=suffix)
+    os.close(fd)
+    try:
+        fig.savefig(tmp, **savefig_kwargs)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
