@@ -20,14 +20,27 @@ def _renormalise(probs: torch.Tensor) -> torch.Tensor:
 
 
 def _replace_top(probs: torch.Tensor, new_top: torch.Tensor) -> torch.Tensor:
-    """Sets the top-label probability to ``new_top`` and rescales the others to share 1 − new_top."""
-    conf, pred = probs.max(1, keepdim=True)
-    rest = (1 - conf).clamp(min=0)
-    others = probs.scatter(1, pred, 0.0)
+    """Sets the top-label probability to ``new_top`` (clipped to [1/K, 1]) and gives the others 1 − new_top.
+
+    The others keep their proportions r_j = p_j / Σ_{i≠top} p_i unless one of them would then exceed the new
+    top; in that case r is blended with the uniform distribution over the other classes, just enough that
+    the largest other stays (by a relative 1e-6) below the new top. So the argmax never changes.
+    """
     k = probs.shape[1]
-    scale = (1 - new_top[:, None]) / rest.clamp(min=torch.finfo(probs.dtype).tiny)
-    spread = torch.where(rest > 0, others * scale, (1 - new_top[:, None]) / (k - 1) * torch.ones_like(others))
-    return spread.scatter(1, pred, new_top[:, None])
+    conf, pred = probs.max(1, keepdim=True)
+    c = new_top[:, None].clamp(1.0 / k, 1.0)
+    others = probs.scatter(1, pred, 0.0)
+    rest = others.sum(1, keepdim=True)
+    uniform = torch.full_like(others, 1.0 / (k - 1)).scatter(1, pred, 0.0)
+    r = torch.where(rest > 0, others / rest.clamp(min=torch.finfo(probs.dtype).tiny), uniform)
+    r_max = r.max(1, keepdim=True).values
+    # largest allowed r_j, a relative 1e-6 below a tie so that float32 rounding cannot create one
+    limit = c / (1 - c).clamp(min=torch.finfo(probs.dtype).tiny) * (1 - 1e-6)
+    u = 1.0 / (k - 1)
+    lam = torch.where(r_max > limit, (limit - u) / (r_max - u).clamp(min=torch.finfo(probs.dtype).tiny), 1.0)
+    lam = lam.clamp(0, 1)
+    spread = (1 - c) * (lam * r + (1 - lam) * uniform)
+    return spread.scatter(1, pred, c)
 
 
 # ----------------------------------------------------------------------------- spline
@@ -57,8 +70,9 @@ class SplineCalibration(Calibrator):
     correct_j is a function of the rank fraction s ∈ [0, 1]; a natural cubic spline with ``n_knots``
     equally spaced knots is fitted to it by least squares, and its derivative A'(s) is the accuracy at rank
     s. A test confidence is mapped to its rank fraction among the validation confidences (linear
-    interpolation) and then to A'(s), clipped to [0, 1]. The other classes are rescaled to share the rest.
-    The argmax changes only where the new top confidence falls below a rescaled runner-up.
+    interpolation) and then to A'(s), clipped to [1/K, 1]. The other classes share the rest in their old
+    proportions, blended towards uniform only as far as needed to stay below the new top: the argmax never
+    changes.
 
     Example:
         >>> import torch

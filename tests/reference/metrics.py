@@ -1,0 +1,204 @@
+"""Slow, obviously correct float64 reference implementations (per-sample Python loops).
+
+They share no code with torchcal: bins are found by comparing Python floats with m/M, equal-mass groups by
+numpy.array_split, sums by plain loops.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def _rows(probs):
+    return [[float(v) for v in row] for row in np.asarray(probs, dtype=np.float64)]
+
+
+def _top(row):
+    best = 0
+    for k in range(1, len(row)):
+        if row[k] > row[best]:
+            best = k
+    return row[best], best
+
+
+def equal_width_bin(value, n_bins):
+    """(m/M, (m+1)/M], with 0 in bin 0, by direct comparison."""
+    for m in range(n_bins):
+        if value <= (m + 1) / n_bins:
+            return m
+    return n_bins - 1
+
+
+def _binned_gaps(pairs, n_bins):
+    bins = [[] for _ in range(n_bins)]
+    for conf, correct in pairs:
+        bins[equal_width_bin(conf, n_bins)].append((conf, correct))
+    return bins
+
+
+def ece(probs, targets, n_bins=15):
+    pairs = [(_top(r)[0], float(_top(r)[1] == int(t))) for r, t in zip(_rows(probs), targets)]
+    n = len(pairs)
+    total = 0.0
+    for b in _binned_gaps(pairs, n_bins):
+        if b:
+            acc = sum(c for _, c in b) / len(b)
+            conf = sum(p for p, _ in b) / len(b)
+            total += len(b) / n * abs(acc - conf)
+    return total
+
+
+def mce(probs, targets, n_bins=15):
+    pairs = [(_top(r)[0], float(_top(r)[1] == int(t))) for r, t in zip(_rows(probs), targets)]
+    worst = 0.0
+    for b in _binned_gaps(pairs, n_bins):
+        if b:
+            acc = sum(c for _, c in b) / len(b)
+            conf = sum(p for p, _ in b) / len(b)
+            worst = max(worst, abs(acc - conf))
+    return worst
+
+
+def _equal_mass_groups(probs, targets, n_bins):
+    pairs = [(_top(r)[0], float(_top(r)[1] == int(t))) for r, t in zip(_rows(probs), targets)]
+    order = sorted(range(len(pairs)), key=lambda i: pairs[i][0])  # Python's sort is stable
+    return [[pairs[i] for i in chunk] for chunk in np.array_split(np.array(order, dtype=int), n_bins)]
+
+
+def adaece(probs, targets, n_bins=15):
+    groups = _equal_mass_groups(probs, targets, n_bins)
+    n = sum(len(g) for g in groups)
+    total = 0.0
+    for g in groups:
+        if g:
+            total += len(g) / n * abs(sum(c for _, c in g) / len(g) - sum(p for p, _ in g) / len(g))
+    return total
+
+
+def debiased(probs, targets, n_bins=15):
+    groups = _equal_mass_groups(probs, targets, n_bins)
+    n = sum(len(g) for g in groups)
+    total = 0.0
+    for g in groups:
+        if len(g) < 2:
+            continue
+        acc = sum(c for _, c in g) / len(g)
+        conf = sum(p for p, _ in g) / len(g)
+        total += len(g) / n * ((conf - acc) ** 2 - acc * (1 - acc) / (len(g) - 1))
+    return math.sqrt(max(total, 0.0))
+
+
+def sweep(probs, targets, p=1):
+    pairs = [(_top(r)[0], float(_top(r)[1] == int(t))) for r, t in zip(_rows(probs), targets)]
+    order = sorted(range(len(pairs)), key=lambda i: pairs[i][0])
+    n = len(pairs)
+
+    def groups(b):
+        return [[pairs[i] for i in chunk] for chunk in np.array_split(np.array(order, dtype=int), b)]
+
+    def value(b):
+        return sum(
+            len(g) / n * abs(sum(c for _, c in g) / len(g) - sum(q for q, _ in g) / len(g)) ** p for g in groups(b)
+        ) ** (1 / p)
+
+    best = 1
+    for b in range(2, n + 1):
+        accs = [sum(c for _, c in g) / len(g) for g in groups(b)]
+        if any(accs[i + 1] < accs[i] for i in range(len(accs) - 1)):
+            break
+        best = b
+    return value(best), best
+
+
+def classwise(probs, targets, n_bins=15):
+    rows = _rows(probs)
+    n, k = len(rows), len(rows[0])
+    per_class = []
+    for c in range(k):
+        bins = [[] for _ in range(n_bins)]
+        for r, t in zip(rows, targets):
+            bins[equal_width_bin(r[c], n_bins)].append((r[c], float(int(t) == c)))
+        total = 0.0
+        for b in bins:
+            if b:
+                total += len(b) / n * abs(sum(y for _, y in b) / len(b) - sum(p for p, _ in b) / len(b))
+        per_class.append(total)
+    return sum(per_class) / k
+
+
+def nll(probs, targets, tiny):
+    rows = _rows(probs)
+    return sum(-math.log(max(r[int(t)], tiny)) for r, t in zip(rows, targets)) / len(rows)
+
+
+def brier(probs, targets):
+    rows = _rows(probs)
+    return sum(sum((p - (1.0 if k == int(t) else 0.0)) ** 2 for k, p in enumerate(r)) for r, t in zip(rows, targets)) / len(rows)
+
+
+def error(probs, targets):
+    rows = _rows(probs)
+    return sum(1.0 for r, t in zip(rows, targets) if _top(r)[1] != int(t)) / len(rows)
+
+
+def s99(probs, targets, threshold=0.99):
+    rows = _rows(probs)
+    chosen = [(r, t) for r, t in zip(rows, targets) if _top(r)[0] >= threshold]
+    frac = len(chosen) / len(rows)
+    acc = sum(1.0 for r, t in chosen if _top(r)[1] == int(t)) / len(chosen) if chosen else float("nan")
+    return frac, acc
+
+
+def auroc(scores_neg, scores_pos):
+    """P(score_pos > score_neg) + 0.5 P(equal), by counting all pairs."""
+    total = 0.0
+    for p in scores_pos:
+        for q in scores_neg:
+            total += 1.0 if p > q else (0.5 if p == q else 0.0)
+    return total / (len(scores_pos) * len(scores_neg))
+
+
+def entropy(row):
+    return -sum(p * math.log(p) for p in row if p > 0)
+
+
+def kde_canonical(probs, targets, bandwidth):
+    """Leave-one-out Dirichlet-kernel canonical L1 error with an explicit double loop."""
+    rows = [[max(v, 1e-12) for v in r] for r in _rows(probs)]
+    rows = [[v / sum(r) for v in r] for r in rows]
+    n, k = len(rows), len(rows[0])
+
+    def log_dir(f, alpha):
+        return math.lgamma(sum(alpha)) - sum(math.lgamma(a) for a in alpha) + sum(
+            (a - 1) * math.log(x) for a, x in zip(alpha, f)
+        )
+
+    total = 0.0
+    for i in range(n):
+        logs = []
+        for j in range(n):
+            if j != i:
+                alpha = [v / bandwidth + 1 for v in rows[j]]
+                logs.append((log_dir(rows[i], alpha), j))
+        top = max(lk for lk, _ in logs)
+        weights = [(math.exp(lk - top), j) for lk, j in logs]
+        z = sum(w for w, _ in weights)
+        expected = [0.0] * k
+        for w, j in weights:
+            expected[int(targets[j])] += w / z
+        total += sum(abs(e - f) for e, f in zip(expected, rows[i]))
+    return total / n
+
+
+def focal_map(row, gamma):
+    """Direct formula q (1-q)^-γ / (1 + γ q (-ln q)/(1-q)), normalised."""
+    h = []
+    for q in row:
+        if q == 0:
+            h.append(0.0)
+        else:
+            h.append(q * (1 - q) ** (-gamma) / (1 + gamma * q * (-math.log(q)) / (1 - q)))
+    s = sum(h)
+    return [v / s for v in h]
