@@ -193,12 +193,15 @@ def kde_canonical(probs, targets, bandwidth):
 
 
 def focal_map(row, gamma):
-    """Direct formula q (1-q)^-γ / (1 + γ q (-ln q)/(1-q)), normalised."""
+    """Direct formula q (1-q)^-γ / (1 + γ q (-ln q)/(1-q)), normalised; 1 - q_i is the sum of the other
+    entries and -ln q_i = -log1p(-(1 - q_i)), both exact in the reference's float64."""
     h = []
-    for q in row:
+    for i, q in enumerate(row):
+        one_minus = sum(v for j, v in enumerate(row) if j != i)
         if q == 0:
             h.append(0.0)
         else:
-            h.append(q * (1 - q) ** (-gamma) / (1 + gamma * q * (-math.log(q)) / (1 - q)))
+            neg_log = -math.log1p(-one_minus) if one_minus < 0.5 else -math.log(q)
+            h.append(q * one_minus ** (-gamma) / (1 + gamma * q * neg_log / one_minus))
     s = sum(h)
     return [v / s for v in h]

@@ -189,7 +189,7 @@ def _interp_rows(x: torch.Tensor, xp: torch.Tensor, fp: torch.Tensor) -> torch.T
     """np.interp for torch (values outside [xp[0], xp[-1]] are clipped to the end values)."""
     if xp.shape[0] == 1:
         return torch.full_like(x, float(fp[0]))
-    i = torch.searchsorted(xp, x).clamp(1, xp.shape[0] - 1)
+    i = torch.searchsorted(xp, x.contiguous()).clamp(1, xp.shape[0] - 1)
     x0, x1, f0, f1 = xp[i - 1], xp[i], fp[i - 1], fp[i]
     w = ((x - x0) / (x1 - x0)).clamp(0, 1)
     return f0 + w * (f1 - f0)

@@ -1,0 +1,35 @@
+# torchcal: `make test` sets up .venv and runs lint + tests; `make demo` sets up and runs the demo.
+# GPU users: install the torch build for your CUDA into .venv first (python -m venv .venv && .venv/bin/pip
+# install torch); setup keeps any torch already there and otherwise installs the CPU wheel TORCH_SPEC.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: setup test lint demo bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+lint: setup
+	$(BIN)/ruff check src tests benchmarks examples
+
+test: lint
+	$(BIN)/python -m pytest -n 2 -q
+
+demo: setup
+	$(BIN)/python examples/demo_digits.py --out torchcal-demo
+
+bench: setup
+	$(BIN)/python benchmarks/bench_metrics.py
+
+clean:
+	rm -rf $(VENV) torchcal-demo .pytest_cache .ruff_cache

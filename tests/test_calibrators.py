@@ -1,0 +1,326 @@
+"""Post-hoc calibrators: the estimator contract over the registry, and each method against a reference."""
+
+import io
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import torchcal.functional as F
+from tests.reference import metrics as R
+from torchcal.calibrators import (
+    EnsembleTemperatureScaling,
+    FocalTemperatureScaling,
+    HistogramBinning,
+    IsotonicCalibration,
+    MatrixScaling,
+    NotFittedError,
+    SplineCalibration,
+    TemperatureScaling,
+    VectorScaling,
+    create,
+    from_json,
+    list_calibrators,
+)
+
+# calibrators that never change the argmax; the others are documented to (one-vs-rest and affine maps)
+ARGMAX_PRESERVING = {"ts", "fts", "ets", "spline"}
+FAST_KW = {"fts": {"temperatures": [0.5, 1.0, 2.0, 3.0]}}
+
+
+def synthetic(n=3000, k=5, sharpen=2.5, seed=0, dtype=torch.float32):
+    """Targets sampled from a calibrated model, logits sharpened by a known factor."""
+    g = torch.Generator().manual_seed(seed)
+    true_logits = 1.5 * torch.randn(n, k, generator=g, dtype=torch.float64)
+    targets = torch.multinomial(torch.softmax(true_logits, 1), 1, generator=g).squeeze(1)
+    return (sharpen * true_logits).to(dtype), targets
+
+
+@pytest.fixture(scope="module")
+def data():
+    return synthetic()
+
+
+@pytest.mark.parametrize("name", list_calibrators())
+class TestContract:
+    def test_init_only_stores_arguments(self, name):
+        cal = create(name, **FAST_KW.get(name, {}))
+        assert not cal.is_fitted
+        assert not [a for a in vars(cal) if a.endswith("_")]
+        assert set(cal.get_params()) == set(vars(cal))
+
+    def test_unfitted_use_is_a_clear_error(self, name, data):
+        with pytest.raises(NotFittedError, match="not fitted yet"):
+            create(name).transform(data[0])
+
+    def test_fit_transform_output(self, name, data):
+        logits, targets = data
+        cal = create(name, **FAST_KW.get(name, {}))
+        assert cal.fit(logits, targets) is cal
+        assert cal.num_classes_ == 5
+        for attr in cal.fitted_attributes:
+            assert attr.endswith("_") and hasattr(cal, attr)
+        probs = cal.transform(logits[:500])
+        assert probs.shape == (500, 5) and probs.dtype == logits.dtype
+        assert torch.isfinite(probs).all() and (probs >= 0).all()
+        torch.testing.assert_close(probs.sum(1), torch.ones(500), rtol=0, atol=1e-5)
+        torch.testing.assert_close(cal.fit_transform(logits, targets), cal.transform(logits))
+        if name in ARGMAX_PRESERVING:
+            assert torch.equal(probs.argmax(1), logits[:500].argmax(1))
+        # calibrating sharpened logits must reduce ECE
+        assert F.ece(cal.transform(logits), targets) < F.ece(logits, targets, from_logits=True)
+
+    def test_wrong_number_of_classes_is_refused(self, name, data):
+        cal = create(name, **FAST_KW.get(name, {})).fit(*data)
+        with pytest.raises(ValueError, match="has 4 classes but this .* was fitted on 5"):
+            cal.transform(torch.randn(3, 4))
+
+    def test_bad_fit_input(self, name):
+        cal = create(name)
+        with pytest.raises(ValueError, match="`targets` must lie in"):
+            cal.fit(torch.randn(4, 3), torch.tensor([0, 1, 2, 3]))
+        with pytest.raises(ValueError, match="NaN"):
+            cal.fit(torch.tensor([[float("nan"), 0.0]]), torch.tensor([0]))
+
+    def test_state_dict_torch_save_and_json_round_trip(self, name, data):
+        logits, targets = data
+        cal = create(name, **FAST_KW.get(name, {})).fit(logits, targets)
+        expected = cal.transform(logits[:100])
+        buffer = io.BytesIO()
+        torch.save(cal.state_dict(), buffer)
+        buffer.seek(0)
+        state = torch.load(buffer, weights_only=True)
+        restored = type(cal)().load_state_dict(state)
+        torch.testing.assert_close(restored.transform(logits[:100]), expected)
+        again = from_json(cal.to_json())
+        assert type(again) is type(cal)
+        torch.testing.assert_close(again.transform(logits[:100]), expected)
+
+    def test_load_state_of_another_calibrator_is_refused(self, name, data):
+        other = "ts" if name != "ts" else "ets"
+        state = create(other).fit(*data).state_dict()
+        with pytest.raises(ValueError, match="belongs to calibrator"):
+            create(name).load_state_dict(state)
+
+
+def test_registry_errors_and_aliases():
+    with pytest.raises(ValueError, match="unknown calibrator 'platt'"):
+        create("platt")
+    assert isinstance(create("temperature_scaling"), TemperatureScaling)
+
+
+# ----------------------------------------------------------------------------- temperature scaling
+
+
+def test_ts_nll_matches_scipy_bounded_minimiser():
+    optimize = pytest.importorskip("scipy.optimize")
+    logits, targets = synthetic(n=2000, k=7, sharpen=1.7, seed=3, dtype=torch.float64)
+    z, y = logits.numpy(), targets.numpy()
+
+    def nll(log_t):
+        s = z / math.exp(log_t)
+        s = s - s.max(1, keepdims=True)
+        return float(np.mean(np.log(np.exp(s).sum(1)) - s[np.arange(len(y)), y]))
+
+    ref = optimize.minimize_scalar(nll, bounds=(math.log(0.01), math.log(100)), method="bounded",
+                                   options={"xatol": 1e-10})
+    ts = TemperatureScaling().fit(logits, targets)
+    assert ts.temperature_ == pytest.approx(math.exp(ref.x), rel=1e-6)
+
+
+@pytest.mark.parametrize("sharpen", [0.5, 1.0, 2.5, 4.0])
+def test_ts_recovers_a_known_temperature(sharpen):
+    logits, targets = synthetic(n=40_000, k=10, sharpen=sharpen, seed=1)
+    assert TemperatureScaling().fit(logits, targets).temperature_ == pytest.approx(sharpen, rel=0.04)
+
+
+def test_ts_ece_objective_is_the_first_grid_minimiser():
+    logits, targets = synthetic(n=800, k=4, sharpen=2.0, seed=2, dtype=torch.float64)
+    grid = [0.5 + 0.25 * i for i in range(12)]
+    values = [R.ece(torch.softmax(logits / t, 1), targets, 15) for t in grid]
+    expected = grid[int(np.argmin(values))]
+    assert TemperatureScaling(objective="ece", grid=grid).fit(logits, targets).temperature_ == expected
+    values = [R.adaece(torch.softmax(logits / t, 1), targets, 15) for t in grid]
+    ts = TemperatureScaling(objective="adaece", grid=grid).fit(logits, targets)
+    assert ts.temperature_ == grid[int(np.argmin(values))]
+
+
+def test_ts_grid_ties_pick_the_first_temperature():
+    logits = torch.tensor([[5.0, 0.0], [0.0, 5.0]])
+    targets = torch.tensor([0, 1])
+    # large temperatures all give ECE = 1 - conf, ...; with a grid of repeated values the first wins
+    ts = TemperatureScaling(objective="ece", grid=[3.0, 3.0, 3.0]).fit(logits, targets)
+    assert ts.temperature_ == 3.0
+
+
+def test_ts_separable_data_hits_the_bound_with_a_warning():
+    logits = torch.tensor([[3.0, 0.0], [0.0, 3.0], [2.0, 0.0]])
+    with pytest.warns(UserWarning, match="hit the bound"):
+        ts = TemperatureScaling(bounds=(0.05, 20.0)).fit(logits, torch.tensor([0, 1, 0]))
+    assert ts.temperature_ == pytest.approx(0.05, rel=1e-6)
+
+
+def test_ts_calibrated_logits_and_bad_objective():
+    logits, targets = synthetic(n=500)
+    ts = TemperatureScaling().fit(logits, targets)
+    torch.testing.assert_close(ts.transform_logits(logits), logits / ts.temperature_)
+    with pytest.raises(ValueError, match="`objective` must be one of"):
+        TemperatureScaling(objective="brier").fit(logits, targets)
+
+
+# ----------------------------------------------------------------------------- focal temperature scaling
+
+
+@pytest.mark.parametrize("objective", ["adaece", "nll"])
+def test_fts_grid_equals_brute_force(objective):
+    logits, targets = synthetic(n=600, k=6, sharpen=2.0, seed=4, dtype=torch.float64)
+    gammas, temps = [-0.5, 0.05, 1.0, 5.0], [0.5, 1.0, 1.5, 2.0, 3.0]
+    scores = np.empty((len(gammas), len(temps)))
+    for i, g in enumerate(gammas):
+        for j, t in enumerate(temps):
+            p = torch.tensor([R.focal_map(row, g) for row in torch.softmax(logits / t, 1).tolist()])
+            scores[i, j] = R.adaece(p, targets, 15) if objective == "adaece" else R.nll(p, targets, 1e-300)
+    i, j = np.unravel_index(np.argmin(scores), scores.shape)
+    fts = FocalTemperatureScaling(gammas=gammas, temperatures=temps, objective=objective).fit(logits, targets)
+    assert (fts.gamma_, fts.temperature_) == (gammas[i], temps[j])
+    assert fts.objective_value_ == pytest.approx(scores[i, j], abs=1e-9)
+    p = fts.transform(logits)
+    value = F.adaece(p, targets) if objective == "adaece" else F.nll(p, targets)
+    assert value.item() == pytest.approx(scores[i, j], abs=1e-9)
+
+
+def test_fts_float32_fit_matches_float64_fit():
+    logits, targets = synthetic(n=2000, k=10, sharpen=3.0, seed=6)
+    kw = dict(temperatures=[round(0.25 * i, 2) for i in range(1, 17)])
+    a = FocalTemperatureScaling(**kw).fit(logits, targets)
+    b = FocalTemperatureScaling(**kw).fit(logits.double(), targets)
+    assert (a.gamma_, a.temperature_) == (b.gamma_, b.temperature_)
+    assert a.objective_value_ == pytest.approx(b.objective_value_, abs=1e-5)
+
+
+def test_fts_extreme_logits_stay_finite():
+    logits = torch.tensor([[200.0, 0.0, -50.0], [0.0, 90.0, 0.0], [1.0, 0.0, 0.5]])
+    fts = FocalTemperatureScaling(temperatures=[0.01, 1.0]).fit(logits, torch.tensor([0, 1, 2]))
+    assert math.isfinite(fts.objective_value_)
+    assert torch.isfinite(fts.transform(logits)).all()
+
+
+# ----------------------------------------------------------------------------- ensemble temperature scaling
+
+
+def test_ets_weights_match_a_generic_constrained_optimiser():
+    optimize = pytest.importorskip("scipy.optimize")
+    logits, targets = synthetic(n=2000, k=5, sharpen=2.0, seed=7, dtype=torch.float64)
+    ets = EnsembleTemperatureScaling().fit(logits, targets)
+    p1 = torch.softmax(logits / ets.temperature_, 1).numpy()
+    p0 = torch.softmax(logits, 1).numpy()
+    onehot = np.eye(5)[targets.numpy()]
+
+    def mse(w):
+        return float((((w[0] * p1 + w[1] * p0 + w[2] / 5) - onehot) ** 2).sum(1).mean())
+
+    ref = optimize.minimize(mse, x0=np.ones(3) / 3, method="SLSQP", bounds=[(0, 1)] * 3,
+                            constraints={"type": "eq", "fun": lambda w: w.sum() - 1}, options={"ftol": 1e-14})
+    assert mse(ets.weights_.numpy()) <= ref.fun + 1e-10
+    np.testing.assert_allclose(ets.weights_.numpy(), ref.x, atol=1e-4)
+    assert ets.temperature_ == pytest.approx(TemperatureScaling().fit(logits, targets).temperature_)
+
+
+# ----------------------------------------------------------------------------- non-parametric
+
+
+def test_histogram_binning_matches_reference_frequencies():
+    logits, targets = synthetic(n=700, k=3, seed=8, dtype=torch.float64)
+    hb = HistogramBinning(n_bins=6).fit(logits, targets)
+    probs = torch.softmax(logits, 1).tolist()
+    for k in range(3):
+        for m in range(6):
+            members = [int(t) == k for row, t in zip(probs, targets) if R.equal_width_bin(row[k], 6) == m]
+            got = hb.frequencies_[k, m].item()
+            if members:
+                assert got == pytest.approx(sum(members) / len(members), abs=1e-15)
+            else:
+                assert math.isnan(got)
+    out = hb.transform(logits[:50])
+    for row, p in zip(probs[:50], out.tolist()):
+        raw = [hb.frequencies_[k, R.equal_width_bin(row[k], 6)].item() for k in range(3)]
+        raw = [row[k] if math.isnan(v) else v for k, v in enumerate(raw)]
+        expected = [v / sum(raw) for v in raw] if sum(raw) > 0 else [1 / 3] * 3
+        np.testing.assert_allclose(p, expected, atol=1e-12)
+
+
+def test_isotonic_matches_sklearn_per_class():
+    isotonic = pytest.importorskip("sklearn.isotonic")
+    logits, targets = synthetic(n=1500, k=4, seed=9, dtype=torch.float64)
+    logits[:20] = logits[20:40]  # ties in the scores
+    iso = IsotonicCalibration().fit(logits, targets)
+    probs = torch.softmax(logits, 1).numpy()
+    test = torch.softmax(synthetic(n=300, k=4, seed=10, dtype=torch.float64)[0], 1).numpy()
+    cols = []
+    for k in range(4):
+        reg = isotonic.IsotonicRegression(out_of_bounds="clip").fit(probs[:, k], targets.numpy() == k)
+        cols.append(reg.predict(test[:, k]))
+    raw = np.stack(cols, 1)
+    expected = raw / raw.sum(1, keepdims=True)
+    got = iso.transform(torch.log(torch.from_numpy(test))).numpy()
+    np.testing.assert_allclose(got, expected, atol=1e-10)
+
+
+def test_spline_fit_tracks_the_cumulative_accuracy_and_leaves_calibrated_data_nearly_alone():
+    logits, targets = synthetic(n=20_000, k=5, sharpen=1.0, seed=11)  # calibrated already
+    cal = SplineCalibration().fit(logits, targets)
+    before = torch.softmax(logits, 1).max(1).values
+    after = cal.transform(logits).max(1).values
+    assert (after - before).abs().mean() < 0.02
+    # the fitted spline reproduces the empirical cumulative accuracy curve
+    from torchcal.calibrators.nonparametric import _natural_spline_basis
+
+    conf, pred = torch.softmax(logits.double(), 1).max(1)
+    order = torch.sort(conf, stable=True).indices
+    cum = (pred == targets).double()[order].cumsum(0) / len(targets)
+    s = torch.arange(1, len(targets) + 1, dtype=torch.float64) / len(targets)
+    fit = _natural_spline_basis(s, cal.knots_) @ cal.coef_
+    assert (fit - cum).abs().max() < 0.01
+
+
+# ----------------------------------------------------------------------------- vector / matrix scaling
+
+
+@pytest.mark.parametrize("cls", [VectorScaling, MatrixScaling])
+def test_affine_scaling_reaches_the_nll_optimum(cls):
+    optimize = pytest.importorskip("scipy.optimize")
+    logits, targets = synthetic(n=1500, k=3, sharpen=2.0, seed=12, dtype=torch.float64)
+    z, y = logits.numpy(), targets.numpy()
+    k = 3
+    matrix = cls is MatrixScaling
+
+    def nll(theta):
+        w = theta[: k * k].reshape(k, k) if matrix else theta[:k]
+        b = theta[k * k :] if matrix else theta[k:]
+        s = z @ w.T + b if matrix else z * w + b
+        s = s - s.max(1, keepdims=True)
+        return float(np.mean(np.log(np.exp(s).sum(1)) - s[np.arange(len(y)), y]))
+
+    x0 = np.r_[np.eye(k).ravel(), np.zeros(k)] if matrix else np.r_[np.ones(k), np.zeros(k)]
+    ref = optimize.minimize(nll, x0, method="BFGS", options={"gtol": 1e-10})
+    cal = cls().fit(logits, targets)
+    ours = F.nll(cal.transform(logits), targets).item()
+    assert ours <= ref.fun + 1e-7
+
+
+def test_vector_scaling_recovers_scale():
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(20_000, 3, generator=g, dtype=torch.float64)
+    y = torch.multinomial(torch.softmax(z * torch.tensor([2.0, 1.0, 0.5]), 1), 1, generator=g).squeeze(1)
+    vs = VectorScaling().fit(z, y)
+    # the softmax is invariant to a common shift of the bias only; weights are identified
+    np.testing.assert_allclose(vs.weight_.numpy(), [2.0, 1.0, 0.5], atol=0.1)
+
+
+def test_warnings_are_not_raised_on_normal_fits(data):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        TemperatureScaling().fit(*data)
+        EnsembleTemperatureScaling().fit(*data)

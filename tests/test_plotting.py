@@ -1,0 +1,55 @@
+"""Reliability-diagram data agrees with the metrics; the drawing carries the metric; saving is atomic."""
+
+import os
+
+import pytest
+import torch
+
+import torchcal.functional as F
+from tests.conftest import make_probs
+from torchcal.plotting import plot_reliability_diagram, reliability_diagram_data, save_figure
+
+
+@pytest.mark.parametrize("binning,metric", [("equal_width", F.ece), ("equal_mass", F.adaece)])
+def test_data_agrees_with_metric(binning, metric):
+    probs, targets = make_probs(500, 6, seed=1)
+    d = reliability_diagram_data(probs, targets, n_bins=12, binning=binning)
+    assert d.count.sum().item() == 500
+    torch.testing.assert_close(d.value, metric(probs, targets, n_bins=12))
+    filled = d.count > 0
+    # the weighted sum of per-bin gaps is the metric
+    gaps = (d.count[filled] / 500 * (d.accuracy[filled] - d.confidence[filled]).abs()).sum()
+    torch.testing.assert_close(gaps, d.value)
+    assert (d.lower[filled] <= d.confidence[filled] + 1e-12).all()
+    assert (d.confidence[filled] <= d.upper[filled] + 1e-12).all()
+
+
+def test_equal_mass_edges_are_min_and_max_of_each_group():
+    probs = torch.tensor([[0.9, 0.1], [0.6, 0.4], [0.7, 0.3], [0.8, 0.2]], dtype=torch.float64)
+    d = reliability_diagram_data(probs, torch.tensor([0, 0, 1, 0]), n_bins=2, binning="equal_mass")
+    assert d.lower.tolist() == [0.6, 0.8] and d.upper.tolist() == [0.7, 0.9]
+    assert d.accuracy.tolist() == [0.5, 1.0]
+
+
+def test_plot_and_atomic_save(tmp_path):
+    pytest.importorskip("matplotlib")
+    probs, targets = make_probs(300, 4, seed=2)
+    fig = plot_reliability_diagram(probs=probs, targets=targets, title="demo")
+    title = fig.axes[0].get_title()
+    assert "demo" in title and f"ECE = {100 * F.ece(probs, targets).item():.2f}%" in title
+    out = tmp_path / "sub" / "diagram.png"
+    save_figure(fig, out)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert os.listdir(out.parent) == ["diagram.png"]  # no temporary file left behind
+    fig_em = plot_reliability_diagram(reliability_diagram_data(probs, targets, binning="equal_mass"))
+    assert "AdaECE" in fig_em.axes[0].get_title()
+
+
+def test_plot_argument_errors():
+    pytest.importorskip("matplotlib")
+    with pytest.raises(ValueError, match="pass either `data`"):
+        plot_reliability_diagram()
+    with pytest.raises(TypeError, match="`data` must be a ReliabilityDiagram"):
+        plot_reliability_diagram({"count": 1})
+    with pytest.raises(ValueError, match="`binning` must be one of"):
+        reliability_diagram_data(torch.tensor([[0.5, 0.5]]), torch.tensor([0]), binning="quantile")
