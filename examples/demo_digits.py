@@ -114,7 +114,9 @@ def main() -> None:
     with os.fdopen(fd, "w") as fh:
         json.dump({"torchcal": torchcal.__version__, "results": summary}, fh, indent=2)
     os.replace(tmp, os.path.join(args.out, "results.json"))
-    console.print(f"reliability diagrams and results.json written to {args.out}/ in {time.time() - start:.1f} s")
+    console.print(
+        f"reliability diagrams and results.json written to {args.out}/ in {time.time() - start:.1f} s"
+    )
 
 
 if __name__ == "__main__":

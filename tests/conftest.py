@@ -1,4 +1,3 @@
-import numpy as np
 import pytest
 import torch
 
@@ -15,4 +14,3 @@ def make_probs(n, k, seed=0, sharpness=3.0, dtype=torch.float64):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
-    np.random.seed(0)

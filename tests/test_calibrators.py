@@ -124,8 +124,9 @@ def test_ts_nll_matches_scipy_bounded_minimiser():
         s = s - s.max(1, keepdims=True)
         return float(np.mean(np.log(np.exp(s).sum(1)) - s[np.arange(len(y)), y]))
 
-    ref = optimize.minimize_scalar(nll, bounds=(math.log(0.01), math.log(100)), method="bounded",
-                                   options={"xatol": 1e-10})
+    ref = optimize.minimize_scalar(
+        nll, bounds=(math.log(0.01), math.log(100)), method="bounded", options={"xatol": 1e-10}
+    )
     ts = TemperatureScaling().fit(logits, targets)
     assert ts.temperature_ == pytest.approx(math.exp(ref.x), rel=1e-6)
 
@@ -221,8 +222,14 @@ def test_ets_weights_match_a_generic_constrained_optimiser():
     def mse(w):
         return float((((w[0] * p1 + w[1] * p0 + w[2] / 5) - onehot) ** 2).sum(1).mean())
 
-    ref = optimize.minimize(mse, x0=np.ones(3) / 3, method="SLSQP", bounds=[(0, 1)] * 3,
-                            constraints={"type": "eq", "fun": lambda w: w.sum() - 1}, options={"ftol": 1e-14})
+    ref = optimize.minimize(
+        mse,
+        x0=np.ones(3) / 3,
+        method="SLSQP",
+        bounds=[(0, 1)] * 3,
+        constraints={"type": "eq", "fun": lambda w: w.sum() - 1},
+        options={"ftol": 1e-14},
+    )
     assert mse(ets.weights_.numpy()) <= ref.fun + 1e-10
     np.testing.assert_allclose(ets.weights_.numpy(), ref.x, atol=1e-4)
     assert ets.temperature_ == pytest.approx(TemperatureScaling().fit(logits, targets).temperature_)

@@ -22,7 +22,9 @@ def test_identity_at_zero_and_from_logits():
     logits = 3 * torch.randn(20, 4, generator=g, dtype=torch.float64)
     probs = torch.softmax(logits, 1)
     torch.testing.assert_close(focal_calibration_map(probs, 0.0), probs, rtol=1e-12, atol=1e-15)
-    torch.testing.assert_close(focal_calibration_map(logits, 2.0, from_logits=True), focal_calibration_map(probs, 2.0))
+    torch.testing.assert_close(
+        focal_calibration_map(logits, 2.0, from_logits=True), focal_calibration_map(probs, 2.0)
+    )
 
 
 @pytest.mark.parametrize("gamma", [-0.5, 0.5, 5.0])

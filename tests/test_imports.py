@@ -17,6 +17,14 @@ def test_import_torchcal_stays_light():
 def test_public_api_is_reexported():
     import torchcal
 
-    for name in ("expected_calibration_error", "ece", "smooth_calibration_error", "CalibrationMetrics",
-                 "focal_calibration_map", "bootstrap_ci", "ood_auroc", "confidence_at_least"):
+    for name in (
+        "expected_calibration_error",
+        "ece",
+        "smooth_calibration_error",
+        "CalibrationMetrics",
+        "focal_calibration_map",
+        "bootstrap_ci",
+        "ood_auroc",
+        "confidence_at_least",
+    ):
         assert hasattr(torchcal, name), name

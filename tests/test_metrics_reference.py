@@ -92,9 +92,21 @@ def test_from_logits_equals_softmax_first():
     logits = 4 * torch.randn(100, 6, generator=g, dtype=torch.float64)
     targets = torch.randint(0, 6, (100,), generator=g)
     probs = torch.softmax(logits, 1)
-    for fn in (F.ece, F.adaece, F.classwise_ece, F.mce, F.nll, F.brier, F.error_rate, F.smece,
-               F.debiased_ece, F.ece_sweep):
-        torch.testing.assert_close(fn(logits, targets, from_logits=True), fn(probs, targets), rtol=0, atol=1e-12)
+    for fn in (
+        F.ece,
+        F.adaece,
+        F.classwise_ece,
+        F.mce,
+        F.nll,
+        F.brier,
+        F.error_rate,
+        F.smece,
+        F.debiased_ece,
+        F.ece_sweep,
+    ):
+        torch.testing.assert_close(
+            fn(logits, targets, from_logits=True), fn(probs, targets), rtol=0, atol=1e-12
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -60,7 +60,9 @@ def test_bad_inputs(fn, probs, targets, exc, match):
 
 
 @pytest.mark.parametrize("fn", BINNED)
-@pytest.mark.parametrize("n_bins,exc", [(0, ValueError), (-3, ValueError), (2.5, TypeError), (True, TypeError)])
+@pytest.mark.parametrize(
+    "n_bins,exc", [(0, ValueError), (-3, ValueError), (2.5, TypeError), (True, TypeError)]
+)
 def test_bad_n_bins(fn, n_bins, exc):
     with pytest.raises(exc, match="`n_bins`"):
         fn(GOOD_P, GOOD_T, n_bins=n_bins)

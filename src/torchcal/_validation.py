@@ -62,8 +62,7 @@ def check_targets(targets, n: int, num_classes: int, name: str = "targets") -> t
         raise ValueError(f"`{name}` must have shape (N,), got {tuple(targets.shape)}")
     if targets.shape[0] != n:
         raise ValueError(f"`{name}` has {targets.shape[0]} entries but the scores have {n} rows")
-    lo, hi = torch.aminmax(targets)
-    lo, hi = int(lo), int(hi)
+    lo, hi = torch.stack(torch.aminmax(targets)).tolist()
     if lo < 0 or hi >= num_classes:
         bad = lo if lo < 0 else hi
         raise ValueError(f"`{name}` must lie in [0, {num_classes}), found label {bad}")
@@ -100,19 +99,47 @@ def check_probs(probs, name: str = "probs") -> torch.Tensor:
     probs = check_scores(probs, name)
     tol = _SUM_TOL.get(probs.dtype, 1e-4)
     probs = _upcast_low_precision(probs)
-    # A row sum is finite only if every entry of the row is finite, so one pass checks both.
-    row_sums = probs.sum(dim=1, dtype=torch.float64)
-    if not bool(torch.isfinite(row_sums).all()):
+    # summing in the input dtype avoids an (N, K) float64 copy on CPU
+    check_prob_stats(probs.sum(dim=1), probs.amin(), name, tol, probs.shape[1])
+    return probs
+
+
+def check_prob_stats(row_sums, min_entry, name, tol, k) -> None:
+    """Validation from precomputed row sums and minimum (one host sync).
+
+    A row sum is finite only if every entry of the row is finite, so the sums check NaN/inf as well.
+    """
+    worst, lowest = torch.stack([(row_sums.double() - 1).abs().amax(), min_entry.double()]).tolist()
+    if worst != worst or worst == float("inf"):
         raise ValueError(f"`{name}` contains NaN or infinite values")
-    if float(probs.amin()) < 0:
+    if lowest < 0:
         raise ValueError(f"`{name}` has negative entries; pass from_logits=True if these are logits")
-    worst = float((row_sums - 1).abs().max())
-    if worst > tol * max(1.0, probs.shape[1] / 100):
+    if worst > tol * max(1.0, k / 100):
         raise ValueError(
             f"rows of `{name}` must sum to 1 (largest deviation {worst:.3g}); "
             "pass from_logits=True if these are logits"
         )
-    return probs
+
+
+def top_label_inputs(probs, targets, from_logits: bool, name: str = "probs"):
+    """Validated (conf, correct) of the top label, from one pass over ``probs`` (softmax first if asked)."""
+    from .functional._binning import scan_probs
+
+    if not isinstance(from_logits, bool):
+        raise TypeError(f"`from_logits` must be a bool, got {type(from_logits).__name__}")
+    if from_logits:
+        probs = torch.softmax(check_logits(probs, name), dim=1)
+    else:
+        probs = check_scores(probs, name)
+    tol = _SUM_TOL.get(probs.dtype, 1e-4)
+    probs = _upcast_low_precision(probs)
+    targets = check_targets(targets, probs.shape[0], probs.shape[1])
+    if targets.device != probs.device:
+        raise ValueError(f"`targets` is on {targets.device} but `{name}` is on {probs.device}")
+    conf, correct, row_sums, lowest = scan_probs(probs, targets)
+    if not from_logits:
+        check_prob_stats(row_sums, lowest, name, tol, probs.shape[1])
+    return conf, correct
 
 
 def probs_and_targets(probs, targets, from_logits: bool, name: str = "probs"):

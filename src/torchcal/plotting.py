@@ -50,7 +50,7 @@ def reliability_diagram_data(
         >>> probs = torch.tensor([[0.9, 0.1], [0.6, 0.4], [0.3, 0.7]])
         >>> d = reliability_diagram_data(probs, torch.tensor([0, 1, 1]), n_bins=2)
         >>> d.count, d.accuracy, d.value
-        (tensor([0., 3.], dtype=torch.float64), tensor([nan, 0.6667], dtype=torch.float64), tensor(0.0667, dtype=torch.float64))
+        (tensor([0., 3.], dtype=torch.float64), tensor([   nan, 0.6667], dtype=torch.float64), tensor(0.0667, dtype=torch.float64))
     """
     n_bins = check_positive_int(n_bins, "n_bins")
     check_choice(binning, "binning", {"equal_width", "equal_mass"})
@@ -112,12 +112,19 @@ def plot_reliability_diagram(
     if data is None:
         if probs is None or targets is None:
             raise ValueError("pass either `data` or both `probs` and `targets`")
-        data = reliability_diagram_data(probs, targets, n_bins=n_bins, binning=binning, from_logits=from_logits)
+        data = reliability_diagram_data(
+            probs, targets, n_bins=n_bins, binning=binning, from_logits=from_logits
+        )
     elif not isinstance(data, ReliabilityDiagram):
         raise TypeError(f"`data` must be a ReliabilityDiagram, got {type(data).__name__}")
     if axes is None:
         fig, (ax, hist) = plt.subplots(
-            2, 1, figsize=(4.2, 5.2), sharex=True, gridspec_kw={"height_ratios": [3, 1]}, constrained_layout=True
+            2,
+            1,
+            figsize=(4.2, 5.2),
+            sharex=True,
+            gridspec_kw={"height_ratios": [3, 1]},
+            constrained_layout=True,
         )
     else:
         ax, hist = axes
@@ -127,10 +134,28 @@ def plot_reliability_diagram(
     width = (data.upper[filled] - data.lower[filled]).clamp(min=2e-3).numpy()
     acc = data.accuracy[filled].numpy()
     conf = data.confidence[filled].numpy()
-    ax.bar(lo, acc, width=width, align="edge", color="#4C72B0", edgecolor="black", linewidth=0.6, label="accuracy")
     ax.bar(
-        lo, conf - acc, bottom=acc, width=width, align="edge", color="#DD8452", alpha=0.55,
-        edgecolor="#C44E52", hatch="//", linewidth=0.6, label="gap to confidence",
+        lo,
+        acc,
+        width=width,
+        align="edge",
+        color="#4C72B0",
+        edgecolor="black",
+        linewidth=0.6,
+        label="accuracy",
+    )
+    ax.bar(
+        lo,
+        conf - acc,
+        bottom=acc,
+        width=width,
+        align="edge",
+        color="#DD8452",
+        alpha=0.55,
+        edgecolor="#C44E52",
+        hatch="//",
+        linewidth=0.6,
+        label="gap to confidence",
     )
     ax.plot([0, 1], [0, 1], "k--", linewidth=1, label="perfect calibration")
     ax.set_xlim(0, 1)
@@ -139,8 +164,15 @@ def plot_reliability_diagram(
     ax.legend(loc="upper left", fontsize=8)
     heading = f"{data.metric_name} = {100 * float(data.value):.2f}%"
     ax.set_title(f"{title}\n{heading}" if title else heading)
-    hist.bar(lo, data.count[filled].numpy(), width=width, align="edge", color="#8C8C8C", edgecolor="black",
-             linewidth=0.6)
+    hist.bar(
+        lo,
+        data.count[filled].numpy(),
+        width=width,
+        align="edge",
+        color="#8C8C8C",
+        edgecolor="black",
+        linewidth=0.6,
+    )
     hist.set_xlabel("confidence")
     hist.set_ylabel("count")
     return fig

@@ -100,7 +100,8 @@ def sweep(probs, targets, p=1):
 
     def value(b):
         return sum(
-            len(g) / n * abs(sum(c for _, c in g) / len(g) - sum(q for q, _ in g) / len(g)) ** p for g in groups(b)
+            len(g) / n * abs(sum(c for _, c in g) / len(g) - sum(q for q, _ in g) / len(g)) ** p
+            for g in groups(b)
         ) ** (1 / p)
 
     best = 1
@@ -135,7 +136,9 @@ def nll(probs, targets, tiny):
 
 def brier(probs, targets):
     rows = _rows(probs)
-    return sum(sum((p - (1.0 if k == int(t) else 0.0)) ** 2 for k, p in enumerate(r)) for r, t in zip(rows, targets)) / len(rows)
+    return sum(
+        sum((p - (1.0 if k == int(t) else 0.0)) ** 2 for k, p in enumerate(r)) for r, t in zip(rows, targets)
+    ) / len(rows)
 
 
 def error(probs, targets):
@@ -171,8 +174,10 @@ def kde_canonical(probs, targets, bandwidth):
     n, k = len(rows), len(rows[0])
 
     def log_dir(f, alpha):
-        return math.lgamma(sum(alpha)) - sum(math.lgamma(a) for a in alpha) + sum(
-            (a - 1) * math.log(x) for a, x in zip(alpha, f)
+        return (
+            math.lgamma(sum(alpha))
+            - sum(math.lgamma(a) for a in alpha)
+            + sum((a - 1) * math.log(x) for a, x in zip(alpha, f))
         )
 
     total = 0.0

