@@ -21,6 +21,10 @@ import torch
 
 # Rows per chunk when an (N, K) tensor is binned element-wise: bounds the int64 index buffer.
 _CHUNK_ELEMENTS = 1 << 22
+# Rows per chunk of the top-label scan: 2**_SCAN_SHIFT entries (a cache-resident scratch buffer).
+_SCAN_SHIFT = 20
+# Up to this many classes scan_probs uses torch.max(dim=1) directly.
+_SMALL_K = 16
 
 
 def equal_width_edges(n_bins: int, dtype: torch.dtype = torch.float64, device=None) -> torch.Tensor:
@@ -60,10 +64,10 @@ def equal_mass_group_index(n: int, n_bins: int, device=None) -> torch.Tensor:
 
 def bin_sums(index: torch.Tensor, n_bins: int, conf: torch.Tensor, correct: torch.Tensor):
     """Float64 per-bin (count, confidence sum, correct sum) of 1-D ``conf``/``correct`` by ``index``."""
-    count = torch.bincount(index, minlength=n_bins).double()
+    # counts of wrong and right predictions per bin from one integer bincount on 2·index + correct
+    pairs = torch.bincount(index * 2 + correct.long(), minlength=2 * n_bins).view(n_bins, 2).double()
     conf_sum = torch.bincount(index, weights=conf.double(), minlength=n_bins)
-    correct_sum = torch.bincount(index, weights=correct.double(), minlength=n_bins)
-    return count, conf_sum, correct_sum
+    return pairs.sum(1), conf_sum, pairs[:, 1].contiguous()
 
 
 def equal_mass_sums(conf_sorted: torch.Tensor, correct_sorted: torch.Tensor, n_bins: int):
@@ -126,7 +130,10 @@ def scan_probs(probs: torch.Tensor, targets: torch.Tensor):
     resolved with an exact ``argmax`` (lowest index wins) on those rows only.
     """
     n, k = probs.shape
-    rows = min(n, max(1, (1 << 18) // k))
+    if k <= _SMALL_K:  # short rows: the index-returning max is cheap enough, three plain reductions win
+        conf, pred = probs.max(dim=1)
+        return conf, pred == targets, probs.sum(dim=1), probs.amin()
+    rows = min(n, max(1, (1 << _SCAN_SHIFT) // k))
     scratch = torch.empty(rows, k, dtype=probs.dtype, device=probs.device)
     conf = torch.empty(n, dtype=probs.dtype, device=probs.device)
     others = torch.empty_like(conf)
