@@ -123,6 +123,11 @@ def check_prob_stats(row_sums, min_entry, name, tol, k) -> None:
 
 def top_label_inputs(probs, targets, from_logits: bool, name: str = "probs"):
     """Validated (conf, correct) of the top label, from one pass over ``probs`` (softmax first if asked)."""
+    return scan_inputs(probs, targets, from_logits, name)[2:]
+
+
+def scan_inputs(probs, targets, from_logits: bool, name: str = "probs", num_classes: int | None = None):
+    """Validated (probs, targets, conf, correct): validation and the top-label statistics share one pass."""
     from .functional._binning import scan_probs
 
     if not isinstance(from_logits, bool):
@@ -133,13 +138,15 @@ def top_label_inputs(probs, targets, from_logits: bool, name: str = "probs"):
         probs = check_scores(probs, name)
     tol = _SUM_TOL.get(probs.dtype, 1e-4)
     probs = _upcast_low_precision(probs)
+    if num_classes is not None and probs.shape[1] != num_classes:
+        raise ValueError(f"`{name}` has {probs.shape[1]} classes, this metric was built for {num_classes}")
     targets = check_targets(targets, probs.shape[0], probs.shape[1])
     if targets.device != probs.device:
         raise ValueError(f"`targets` is on {targets.device} but `{name}` is on {probs.device}")
     conf, correct, row_sums, lowest = scan_probs(probs, targets)
     if not from_logits:
         check_prob_stats(row_sums, lowest, name, tol, probs.shape[1])
-    return conf, correct
+    return probs, targets, conf, correct
 
 
 def probs_and_targets(probs, targets, from_logits: bool, name: str = "probs"):

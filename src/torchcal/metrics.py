@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from ._validation import check_logits, check_positive_int, check_probs, check_targets
+from ._validation import check_positive_int, scan_inputs
 from .functional import calibration as C
-from .functional._binning import bin_sums, classwise_sums, equal_width_index, top_label
+from .functional._binning import bin_sums, classwise_sums, equal_width_index
 
 __all__ = ["CalibrationMetrics"]
 
@@ -89,23 +89,14 @@ class CalibrationMetrics:
 
     def update(self, probs_or_logits, targets) -> None:
         """Adds a batch: probabilities (or logits if ``from_logits``) of shape (B, K) and targets (B,)."""
-        if self.from_logits:
-            probs = torch.softmax(check_logits(probs_or_logits, "probs_or_logits"), dim=1)
-        else:
-            probs = check_probs(probs_or_logits, "probs_or_logits")
-        if probs.shape[1] != self.num_classes:
-            raise ValueError(
-                f"`probs_or_logits` has {probs.shape[1]} classes, this metric was built for {self.num_classes}"
-            )
-        targets = check_targets(targets, probs.shape[0], self.num_classes)
+        probs, targets, conf, correct = scan_inputs(
+            probs_or_logits, targets, self.from_logits, "probs_or_logits", self.num_classes
+        )
         if self._device is None:
             self._device = probs.device
             self._sums = self._sums.to(probs.device)
         elif probs.device != self._device:
-            raise ValueError(
-                f"`probs_or_logits` is on {probs.device}, earlier batches were on {self._device}"
-            )
-        conf, correct = top_label(probs, targets)
+            raise ValueError(f"`probs_or_logits` is on {probs.device}, earlier batches were on {self._device}")
         top, cw, scalars = self._views()
         counts, conf_sum, correct_sum = bin_sums(
             equal_width_index(conf, self.n_bins), self.n_bins, conf, correct

@@ -294,8 +294,9 @@ def _smooth_ece_at(conf: torch.Tensor, residual: torch.Tensor, sigma: float, cac
     """
     dev = conf.device
     g = max(2000, round(20 / sigma)) // 2 + 1
+    size = 1 << (4 * g - 4).bit_length()  # >= 4G - 3 (full linear convolution), a fast FFT length
     cache = {} if cache is None else cache
-    if g not in cache:  # the spread onto the grid depends on σ only through G; σ >= 0.01 share G = 1001
+    if g not in cache:  # the data's spectra depend on σ only through G; σ >= 0.01 share G = 1001
         pos = conf * (g - 1)
         left = pos.floor().long().clamp(0, g - 2)
         frac = pos - left
@@ -303,18 +304,14 @@ def _smooth_ece_at(conf: torch.Tensor, residual: torch.Tensor, sigma: float, cac
         for row, weights in enumerate((residual, torch.ones_like(conf))):
             grids[row].index_add_(0, left, (1 - frac) * weights)
             grids[row].index_add_(0, left + 1, frac * weights)
-        cache[g] = grids
-    grid_residual, grid_ones = cache[g]
+        ext = torch.cat([grids.flip(1)[:, :-1], grids, grids.flip(1)[:, 1:]], dim=1)  # reflect: 3G - 2
+        cache[g] = torch.fft.rfft(ext, size)
 
     t = torch.linspace(0, 1, g, dtype=torch.float64, device=dev)
     kernel = torch.exp(-((t - 0.5) ** 2) / (2 * sigma**2)) / (math.sqrt(2 * math.pi) * sigma)
-
-    def smooth(grid):
-        ext = torch.cat([grid.flip(0)[:-1], grid, grid.flip(0)[1:]])  # reflect at both ends, 3G - 2
-        size = ext.shape[0] + g - 1
-        full = torch.fft.irfft(torch.fft.rfft(ext, size) * torch.fft.rfft(kernel, size), size)
-        start = g - 1 + g // 2  # 'valid' part starts at G - 1; keep G values centred on the data
-        return full[start : start + g]
+    full = torch.fft.irfft(cache[g] * torch.fft.rfft(kernel, size), size)
+    start = g - 1 + g // 2  # the 'valid' part starts at G - 1; keep the G values centred on the data
+    smoothed_residual, smoothed_ones = full[:, start : start + g]
 
     e = max(round(10 / sigma), 200)
     t_eval = torch.linspace(0, 1, e, dtype=torch.float64, device=dev)
@@ -324,8 +321,8 @@ def _smooth_ece_at(conf: torch.Tensor, residual: torch.Tensor, sigma: float, cac
     def interp(values):
         return values[idx] * (1 - w) + values[idx + 1] * w
 
-    num = interp(smooth(grid_residual))
-    den = interp(smooth(grid_ones)) + 1e-4
+    num = interp(smoothed_residual)
+    den = interp(smoothed_ones) + 1e-4
     return num.abs().sum() / den.sum()
 
 
