@@ -123,11 +123,14 @@ def check_prob_stats(row_sums, min_entry, name, tol, k) -> None:
 
 def top_label_inputs(probs, targets, from_logits: bool, name: str = "probs"):
     """Validated (conf, correct) of the top label, from one pass over ``probs`` (softmax first if asked)."""
-    return scan_inputs(probs, targets, from_logits, name)[2:]
+    return scan_inputs(probs, targets, from_logits, name)[2:4]
 
 
-def scan_inputs(probs, targets, from_logits: bool, name: str = "probs", num_classes: int | None = None):
-    """Validated (probs, targets, conf, correct): validation and the top-label statistics share one pass."""
+def scan_inputs(
+    probs, targets, from_logits: bool, name: str = "probs", num_classes: int | None = None, classwise_bins=None
+):
+    """Validated (probs, targets, conf, correct, classwise accumulator): validation, the top-label statistics
+    and (with ``classwise_bins``) the classwise bin sums share one pass over ``probs``."""
     from .functional._binning import scan_probs
 
     if not isinstance(from_logits, bool):
@@ -143,10 +146,10 @@ def scan_inputs(probs, targets, from_logits: bool, name: str = "probs", num_clas
     targets = check_targets(targets, probs.shape[0], probs.shape[1])
     if targets.device != probs.device:
         raise ValueError(f"`targets` is on {targets.device} but `{name}` is on {probs.device}")
-    conf, correct, row_sums, lowest = scan_probs(probs, targets)
+    conf, correct, row_sums, lowest, classwise = scan_probs(probs, targets, classwise_bins)
     if not from_logits:
         check_prob_stats(row_sums, lowest, name, tol, probs.shape[1])
-    return probs, targets, conf, correct
+    return probs, targets, conf, correct, classwise
 
 
 def probs_and_targets(probs, targets, from_logits: bool, name: str = "probs"):

@@ -89,8 +89,8 @@ class CalibrationMetrics:
 
     def update(self, probs_or_logits, targets) -> None:
         """Adds a batch: probabilities (or logits if ``from_logits``) of shape (B, K) and targets (B,)."""
-        probs, targets, conf, correct = scan_inputs(
-            probs_or_logits, targets, self.from_logits, "probs_or_logits", self.num_classes
+        probs, targets, conf, correct, classwise = scan_inputs(
+            probs_or_logits, targets, self.from_logits, "probs_or_logits", self.num_classes, self.n_bins
         )
         if self._device is None:
             self._device = probs.device
@@ -102,7 +102,7 @@ class CalibrationMetrics:
             equal_width_index(conf, self.n_bins), self.n_bins, conf, correct
         )
         top += torch.stack([counts, conf_sum, correct_sum])
-        _, cw_conf, cw_correct = classwise_sums(probs, targets, self.n_bins)
+        _, cw_conf, cw_correct = classwise_sums(probs, targets, self.n_bins, classwise)
         cw += torch.stack([cw_conf, cw_correct])
         p_true = probs.gather(1, targets[:, None]).squeeze(1)
         confident = conf >= self.s99_threshold

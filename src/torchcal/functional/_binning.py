@@ -76,39 +76,54 @@ def equal_mass_sums(conf_sorted: torch.Tensor, correct_sorted: torch.Tensor, n_b
     return bin_sums(index, n_bins, conf_sorted, correct_sorted)
 
 
-def classwise_sums(probs: torch.Tensor, targets: torch.Tensor, n_bins: int):
+class _ClasswiseAccumulator:
+    """Per-class bin sums of entries above the first edge 1/M, and float64 column totals, chunk by chunk."""
+
+    def __init__(self, k, n_bins, dtype, device):
+        self.n_bins = n_bins
+        self.count = torch.zeros(k * n_bins, dtype=torch.float64, device=device)
+        self.conf_sum = torch.zeros(k * n_bins, dtype=torch.float64, device=device)
+        self.col_total = torch.zeros(k, dtype=torch.float64, device=device)
+        self.first_edge = _edges(n_bins, dtype, device)[1]
+
+    def add(self, chunk):
+        self.col_total += chunk.sum(0, dtype=torch.float64)
+        r, c = (chunk > self.first_edge).nonzero(as_tuple=True)
+        if r.numel():
+            values = chunk[r, c]
+            flat = c * self.n_bins + equal_width_index(values, self.n_bins)
+            self.count.index_add_(0, flat, torch.ones_like(values, dtype=torch.float64))
+            self.conf_sum.index_add_(0, flat, values.double())
+
+    def finish(self, probs, targets):
+        n, k = probs.shape
+        m = self.n_bins
+        count = self.count.view(k, m)
+        conf_sum = self.conf_sum.view(k, m)
+        count[:, 0] = n - count[:, 1:].sum(1)
+        conf_sum[:, 0] = (self.col_total - conf_sum[:, 1:].sum(1)).clamp(min=0)
+        p_true = probs.gather(1, targets[:, None]).squeeze(1)
+        true_flat = targets * m + equal_width_index(p_true, m)
+        correct_sum = torch.bincount(true_flat, minlength=k * m).double().view(k, m)
+        return count, conf_sum, correct_sum
+
+
+def classwise_sums(probs: torch.Tensor, targets: torch.Tensor, n_bins: int, accumulator=None):
     """Per-class, per-bin float64 sums (count, p_k sum, [y = k] sum), each of shape (K, n_bins).
 
     Bins are equal-width on p_ik over all samples. Only entries above the first edge 1/M are binned
     individually (at most M − 1 per row, since a row sums to 1); bin 0 of each class gets the rest of the
-    column total (summed in float64). Rows are processed in chunks of at most 4M entries, so no
-    (N, K) int64 or float64 buffer is ever allocated.
+    column total (summed in float64). Rows are processed in chunks of at most 4M entries, so no (N, K) int64
+    or float64 buffer is ever allocated. ``accumulator`` may carry sums already gathered by
+    :func:`scan_probs` (the same pass as the top-label statistics).
     """
     n, k = probs.shape
-    dev = probs.device
-    size = k * n_bins
-    count = torch.zeros(size, dtype=torch.float64, device=dev)
-    conf_sum = torch.zeros(size, dtype=torch.float64, device=dev)
-    col_total = torch.zeros(k, dtype=torch.float64, device=dev)
-    first_edge = equal_width_edges(n_bins, probs.dtype, dev)[1]
-    rows = max(1, _CHUNK_ELEMENTS // k)
-    for start in range(0, n, rows):
-        chunk = probs[start : start + rows]
-        col_total += chunk.sum(0, dtype=torch.float64)  # float64 copy of one bounded chunk at most
-        r, c = (chunk > first_edge).nonzero(as_tuple=True)
-        if r.numel():
-            values = chunk[r, c]
-            flat = c * n_bins + equal_width_index(values, n_bins)
-            count.index_add_(0, flat, torch.ones_like(values, dtype=torch.float64))
-            conf_sum.index_add_(0, flat, values.double())
-    count = count.view(k, n_bins)
-    conf_sum = conf_sum.view(k, n_bins)
-    count[:, 0] = n - count[:, 1:].sum(1)
-    conf_sum[:, 0] = (col_total - conf_sum[:, 1:].sum(1)).clamp(min=0)
-    p_true = probs.gather(1, targets[:, None]).squeeze(1)
-    true_flat = targets * n_bins + equal_width_index(p_true, n_bins)
-    correct_sum = torch.bincount(true_flat, minlength=size).double().view(k, n_bins)
-    return count, conf_sum, correct_sum
+    if accumulator is None:
+        accumulator = _ClasswiseAccumulator(k, n_bins, probs.dtype, probs.device)
+        rows = max(1, _CHUNK_ELEMENTS // k)
+        for start in range(0, n, rows):
+            accumulator.add(probs[start : start + rows])
+    return accumulator.finish(probs, targets)
 
 
 def top_label(probs: torch.Tensor, targets: torch.Tensor):
@@ -116,12 +131,15 @@ def top_label(probs: torch.Tensor, targets: torch.Tensor):
 
     Ties in the maximum go to the lowest class index (the ``torch.argmax`` convention).
     """
-    conf, correct, _, _ = scan_probs(probs, targets)
+    conf, correct, _, _, _ = scan_probs(probs, targets)
     return conf, correct
 
 
-def scan_probs(probs: torch.Tensor, targets: torch.Tensor):
-    """One streaming pass over ``probs`` giving (conf, correct, row_sums, min_entry).
+def scan_probs(probs: torch.Tensor, targets: torch.Tensor, classwise_bins: int | None = None):
+    """One streaming pass over ``probs`` giving (conf, correct, row_sums, min_entry, classwise accumulator).
+
+    With ``classwise_bins``, the per-class bin sums of :func:`classwise_sums` are gathered in the same pass
+    (the accumulator is None otherwise).
 
     Rows are copied chunk by chunk into a small cache-resident scratch buffer, where the row sums, the minimum
     (for validation), the row maximum and the maximum over the other classes are taken; memory is read once.
@@ -130,9 +148,14 @@ def scan_probs(probs: torch.Tensor, targets: torch.Tensor):
     resolved with an exact ``argmax`` (lowest index wins) on those rows only.
     """
     n, k = probs.shape
+    acc = None if classwise_bins is None else _ClasswiseAccumulator(k, classwise_bins, probs.dtype, probs.device)
     if k <= _SMALL_K:  # short rows: the index-returning max is cheap enough, three plain reductions win
         conf, pred = probs.max(dim=1)
-        return conf, pred == targets, probs.sum(dim=1), probs.amin()
+        if acc is not None:
+            rows = max(1, _CHUNK_ELEMENTS // k)
+            for start in range(0, n, rows):
+                acc.add(probs[start : start + rows])
+        return conf, pred == targets, probs.sum(dim=1), probs.amin(), acc
     rows = min(n, max(1, (1 << _SCAN_SHIFT) // k))
     scratch = torch.empty(rows, k, dtype=probs.dtype, device=probs.device)
     conf = torch.empty(n, dtype=probs.dtype, device=probs.device)
@@ -146,6 +169,8 @@ def scan_probs(probs: torch.Tensor, targets: torch.Tensor):
         torch.sum(buf, dim=1, out=row_sums[s : s + m])
         mins.append(buf.amin())
         torch.amax(buf, dim=1, out=conf[s : s + m])
+        if acc is not None:
+            acc.add(buf)
         buf.scatter_(1, targets[s : s + m, None], -math.inf)
         torch.amax(buf, dim=1, out=others[s : s + m])
     p_true = probs.gather(1, targets[:, None]).squeeze(1)
@@ -153,4 +178,4 @@ def scan_probs(probs: torch.Tensor, targets: torch.Tensor):
     tied = (p_true == others).nonzero().squeeze(1)
     if tied.numel():
         correct[tied] = probs[tied].argmax(dim=1) == targets[tied]
-    return conf, correct, row_sums, torch.stack(mins).amin()
+    return conf, correct, row_sums, torch.stack(mins).amin(), acc
