@@ -127,7 +127,12 @@ def top_label_inputs(probs, targets, from_logits: bool, name: str = "probs"):
 
 
 def scan_inputs(
-    probs, targets, from_logits: bool, name: str = "probs", num_classes: int | None = None, classwise_bins=None
+    probs,
+    targets,
+    from_logits: bool,
+    name: str = "probs",
+    num_classes: int | None = None,
+    classwise_bins=None,
 ):
     """Validated (probs, targets, conf, correct, classwise accumulator): validation, the top-label statistics
     and (with ``classwise_bins``) the classwise bin sums share one pass over ``probs``."""
@@ -164,6 +169,32 @@ def probs_and_targets(probs, targets, from_logits: bool, name: str = "probs"):
     if targets.device != probs.device:
         raise ValueError(f"`targets` is on {targets.device} but `{name}` is on {probs.device}")
     return probs, targets
+
+
+def check_logits_for_loss(logits, targets):
+    """Sync-free checks for training losses: (N, K) floating logits with K >= 2, integer targets (N,).
+
+    The label range is checked only for CPU tensors, where it costs no device synchronisation; on an
+    accelerator an out-of-range label fails in the gather (device-side assert). NaN logits are not
+    checked: they propagate to a NaN loss, which is visible, not silently wrong.
+    """
+    logits = check_scores(logits, "logits")
+    targets = as_tensor(targets, "targets")
+    if targets.dtype == torch.bool or targets.is_floating_point() or targets.is_complex():
+        raise TypeError(f"`targets` must hold integer class indices, got dtype {targets.dtype}")
+    if targets.ndim != 1 or targets.shape[0] != logits.shape[0]:
+        raise ValueError(
+            f"`targets` must have shape ({logits.shape[0]},) to match `logits`, got {tuple(targets.shape)}"
+        )
+    if targets.device != logits.device:
+        raise ValueError(f"`targets` is on {targets.device} but `logits` is on {logits.device}")
+    if targets.device.type == "cpu":
+        lo, hi = torch.stack(torch.aminmax(targets)).tolist()
+        if lo < 0 or hi >= logits.shape[1]:
+            raise ValueError(
+                f"`targets` must lie in [0, {logits.shape[1]}), found label {lo if lo < 0 else hi}"
+            )
+    return logits, targets.long()
 
 
 def check_choice(value, name: str, choices) -> str:

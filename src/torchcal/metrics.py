@@ -96,7 +96,9 @@ class CalibrationMetrics:
             self._device = probs.device
             self._sums = self._sums.to(probs.device)
         elif probs.device != self._device:
-            raise ValueError(f"`probs_or_logits` is on {probs.device}, earlier batches were on {self._device}")
+            raise ValueError(
+                f"`probs_or_logits` is on {probs.device}, earlier batches were on {self._device}"
+            )
         top, cw, scalars = self._views()
         counts, conf_sum, correct_sum = bin_sums(
             equal_width_index(conf, self.n_bins), self.n_bins, conf, correct

@@ -148,7 +148,11 @@ def scan_probs(probs: torch.Tensor, targets: torch.Tensor, classwise_bins: int |
     resolved with an exact ``argmax`` (lowest index wins) on those rows only.
     """
     n, k = probs.shape
-    acc = None if classwise_bins is None else _ClasswiseAccumulator(k, classwise_bins, probs.dtype, probs.device)
+    acc = (
+        None
+        if classwise_bins is None
+        else _ClasswiseAccumulator(k, classwise_bins, probs.dtype, probs.device)
+    )
     if k <= _SMALL_K:  # short rows: the index-returning max is cheap enough, three plain reductions win
         conf, pred = probs.max(dim=1)
         if acc is not None:

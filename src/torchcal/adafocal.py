@@ -1,0 +1,202 @@
+"""AdaFocal (Ghosh et al. 2022): focal loss with one γ per validation confidence bin, steered by the
+validation calibration error of that bin, switching to inverse focal loss for γ < 0 (SPEC §2)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ._validation import check_choice, check_float, check_positive_int, top_label_inputs
+from .functional import losses as L
+from .functional._binning import equal_mass_sums
+
+__all__ = ["AdaFocalLoss", "CalFocalLoss"]
+
+
+class _ValidationBins(nn.Module):
+    """Shared state: M validation bins (edges (M + 1,), right-closed, first open below, last open above)."""
+
+    def __init__(self, n_bins: int):
+        super().__init__()
+        self.n_bins = check_positive_int(n_bins, "n_bins")
+        self.register_buffer("bin_edges", torch.arange(n_bins + 1, dtype=torch.float64) / n_bins)
+
+    def _bin_of(self, p_t: torch.Tensor) -> torch.Tensor:
+        edges = self.bin_edges.to(device=p_t.device, dtype=p_t.dtype)
+        return torch.bucketize(p_t.detach(), edges[1:-1], right=False)
+
+    @staticmethod
+    def validation_statistics(
+        val_probs=None, val_targets=None, *, metrics=None, n_bins=15, from_logits=False
+    ):
+        """Equal-mass bins of the validation top-label confidences: (edges, mean confidence, accuracy, count).
+
+        Edges: 0, the largest confidence of each group but the last, 1 (so bin b holds (e_b, e_{b+1}]).
+        Pass probabilities and targets, or a :class:`torchcal.metrics.CalibrationMetrics` that has seen the
+        validation pass (no second pass needed).
+        """
+        if metrics is not None:
+            conf_s, corr_s = metrics.sorted_confidences()
+        else:
+            from .functional.calibration import sorted_by_confidence
+
+            conf_s, corr_s = sorted_by_confidence(*top_label_inputs(val_probs, val_targets, from_logits))
+        count, conf_sum, corr_sum = equal_mass_sums(conf_s, corr_s, n_bins)
+        safe = count.clamp(min=1)
+        ends = count.long().cumsum(0)
+        c64 = conf_s.double()
+        uppers = c64[(ends - 1).clamp(min=0)]
+        # an empty group (fewer samples than bins) repeats the previous upper edge
+        uppers = torch.where(count > 0, uppers, torch.zeros_like(uppers)).cummax(0).values
+        edges = torch.cat(
+            [
+                torch.zeros(1, dtype=torch.float64, device=c64.device),
+                uppers[:-1],
+                torch.ones(1, dtype=torch.float64, device=c64.device),
+            ]
+        )
+        return edges, conf_sum / safe, corr_sum / safe, count
+
+
+class AdaFocalLoss(_ValidationBins):
+    """AdaFocal loss with its γ-per-bin state machine (Ghosh et al. 2022, Algorithm 1; SPEC §2).
+
+    Per training sample, γ_b of the validation bin b containing the **true-class** p_t is used: the focal
+    form −(1 − p_t)^γ log p_t if γ_b >= 0, the inverse focal form −(1 + p_t)^|γ_b| log p_t otherwise (with
+    ``dual=True``, the dual focal form −(1 − p_t + p_j)^γ log p_t: AdaDualFocal). :meth:`update` takes the
+    validation set after an epoch (or every n batches): equal-mass bins, gap_b = mean confidence − accuracy
+    (0 for an empty bin), then per bin γ ← γ·exp(λ·gap) if γ >= 0 else γ·exp(−λ·gap); if |γ| < S_th the sign
+    switches (γ ← −S_th if it was positive, +S_th if negative); γ is clipped to [γ_min, γ_max]; the new
+    validation boundaries are adopted. Start: equal-width bins and γ = ``gamma_init``.
+
+    Everything needed to resume (edges, γ, the history of γ and gaps) is in ``state_dict()``.
+
+    Example:
+        >>> import torch
+        >>> loss_fn = AdaFocalLoss(n_bins=3)
+        >>> logits, targets = torch.tensor([[2.0, 0.0], [0.0, 1.0]]), torch.tensor([0, 1])
+        >>> loss_fn(logits, targets)  # γ = 1 in every bin at the start
+        tensor(0.0497)
+        >>> val = torch.tensor([[0.9, 0.1], [0.8, 0.2], [0.7, 0.3], [0.6, 0.4], [0.95, 0.05], [0.55, 0.45]])
+        >>> loss_fn.update(val, torch.tensor([0, 1, 0, 1, 0, 0]))
+        >>> loss_fn.gammas
+        tensor([1.0779, 1.2840, 0.9277], dtype=torch.float64)
+    """
+
+    def __init__(
+        self,
+        n_bins: int = 15,
+        lambda_: float = 1.0,
+        gamma_init: float = 1.0,
+        gamma_max: float = 20.0,
+        gamma_min: float = -2.0,
+        switch_threshold: float = 0.2,
+        *,
+        dual: bool = False,
+        reduction: str = "mean",
+    ):
+        super().__init__(n_bins)
+        self.lambda_ = check_float(lambda_, "lambda_", low=0)
+        self.gamma_max = check_float(gamma_max, "gamma_max")
+        self.gamma_min = check_float(gamma_min, "gamma_min", high=self.gamma_max)
+        self.switch_threshold = check_float(switch_threshold, "switch_threshold", low=0)
+        gamma_init = check_float(gamma_init, "gamma_init", low=self.gamma_min, high=self.gamma_max)
+        self.dual = dual
+        self.reduction = check_choice(reduction, "reduction", L.REDUCTIONS)
+        self.register_buffer("gamma_per_bin", torch.full((self.n_bins,), gamma_init, dtype=torch.float64))
+        self.register_buffer("gamma_history", torch.empty(0, self.n_bins, dtype=torch.float64))
+        self.register_buffer("gap_history", torch.empty(0, self.n_bins, dtype=torch.float64))
+
+    @property
+    def gammas(self) -> torch.Tensor:
+        """Current γ per bin (negative: inverse focal with |γ|)."""
+        return self.gamma_per_bin
+
+    def forward(self, logits, targets):
+        logits, targets = L.check_logits_for_loss(logits, targets)
+        log_pt = (
+            torch.log_softmax(
+                logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits, 1
+            )
+            .gather(1, targets[:, None])
+            .squeeze(1)
+        )
+        gamma = self.gamma_per_bin.to(log_pt.device, log_pt.dtype)[self._bin_of(log_pt.exp())]
+        if self.dual:
+            return _ada_dual(logits, targets, gamma, self.reduction)
+        return L.varying_focal_loss(logits, targets, gamma, reduction=self.reduction)
+
+    @torch.no_grad()
+    def update(self, val_probs=None, val_targets=None, *, metrics=None, from_logits: bool = False) -> None:
+        """One γ-update step from the validation set (probabilities or, with ``from_logits``, logits), or from
+        a :class:`torchcal.metrics.CalibrationMetrics` that accumulated the validation pass."""
+        edges, conf, acc, count = self.validation_statistics(
+            val_probs, val_targets, metrics=metrics, n_bins=self.n_bins, from_logits=from_logits
+        )
+        gap = torch.where(count > 0, conf - acc, torch.zeros_like(conf)).to(self.gamma_per_bin.device)
+        g = self.gamma_per_bin
+        new = torch.where(g >= 0, g * torch.exp(self.lambda_ * gap), g * torch.exp(-self.lambda_ * gap))
+        small = new.abs() < self.switch_threshold
+        new = torch.where(small & (g >= 0), torch.full_like(new, -self.switch_threshold), new)
+        new = torch.where(small & (g < 0), torch.full_like(new, self.switch_threshold), new)
+        new = new.clamp(self.gamma_min, self.gamma_max)
+        self.gamma_per_bin.copy_(new)
+        self.bin_edges.copy_(edges.to(self.bin_edges.device))
+        self.gamma_history = torch.cat([self.gamma_history, new[None]])
+        self.gap_history = torch.cat([self.gap_history, gap[None]])
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # the histories grow with every update: resize them to the saved length before copying
+        for name in ("gamma_history", "gap_history"):
+            key = prefix + name
+            if key in state_dict:
+                setattr(self, name, torch.empty_like(state_dict[key]))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+def _ada_dual(logits, targets, gamma, reduction):
+    """AdaDualFocal: the dual focal base (1 − p_t + p_j) with AdaFocal's per-bin γ (inverse form for γ < 0)."""
+    log_p = torch.log_softmax(
+        logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits, 1
+    )
+    log_pt = log_p.gather(1, targets[:, None]).squeeze(1)
+    base = L._one_minus_pt(log_pt) + L._runner_up(log_p, log_pt)
+    gamma = gamma.detach()
+    focal = L._safe_pow(base, gamma.clamp(min=0))
+    inverse = (1 + log_pt.exp()) ** (-gamma).clamp(min=0)
+    return L._reduce(-torch.where(gamma >= 0, focal, inverse) * log_pt, reduction)
+
+
+class CalFocalLoss(_ValidationBins):
+    """CalFocal (Ghosh et al. 2022, eq. 2 with ``case=1``, eq. 3 with ``case=2``): γ from the validation
+    accuracy (and confidence) of the bin containing p_t; :meth:`update` adopts new validation statistics."""
+
+    def __init__(self, n_bins: int = 15, lambda_: float = 10.0, case: int = 2, *, reduction: str = "mean"):
+        super().__init__(n_bins)
+        self.lambda_ = check_float(lambda_, "lambda_")
+        self.case = check_choice(case, "case", {1, 2})
+        self.reduction = check_choice(reduction, "reduction", L.REDUCTIONS)
+        # before the first update: A = C = bin centre, so case 2 starts as FL-1 and case 1 near it
+        centres = (self.bin_edges[:-1] + self.bin_edges[1:]) / 2
+        self.register_buffer("bin_accuracy", centres.clone())
+        self.register_buffer("bin_confidence", centres.clone())
+
+    def forward(self, logits, targets):
+        return L.calfocal_loss(
+            logits,
+            targets,
+            self.bin_edges,
+            self.bin_accuracy,
+            self.lambda_,
+            bin_confidence=self.bin_confidence if self.case == 2 else None,
+            reduction=self.reduction,
+        )
+
+    @torch.no_grad()
+    def update(self, val_probs=None, val_targets=None, *, metrics=None, from_logits: bool = False) -> None:
+        edges, conf, acc, _ = self.validation_statistics(
+            val_probs, val_targets, metrics=metrics, n_bins=self.n_bins, from_logits=from_logits
+        )
+        self.bin_edges.copy_(edges)
+        self.bin_accuracy.copy_(acc)
+        self.bin_confidence.copy_(conf)

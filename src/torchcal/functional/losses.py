@@ -1,0 +1,394 @@
+"""Training losses for calibration (SPEC §1), as pure functions of logits and integer targets.
+
+Everything starts from ``log_softmax``. ``1 − p_t`` is taken as ``−expm1(log p_t)`` (no cancellation when
+p_t → 1), and powers ``x**γ`` of a base that can reach 0 are guarded so that their gradient stays finite for
+0 < γ < 1 (the base is clamped at the smallest normal number; the clamp's gradient there is 0, the true
+limit of x·x^(γ−1)·... terms that multiply it). Under ``torch.autocast`` the loss is computed in float32.
+No loss calls ``.item()`` or loops over samples.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as nnf
+
+from .._validation import check_choice, check_float, check_logits_for_loss
+
+__all__ = [
+    "brier_loss",
+    "calfocal_loss",
+    "cross_entropy",
+    "dual_focal_loss",
+    "dual_sample_dependent_focal_loss",
+    "focal_calibration_loss",
+    "focal_gamma_star",
+    "focal_loss",
+    "inverse_focal_loss",
+    "label_smoothing_loss",
+    "mmce_loss",
+    "mmce_penalty",
+    "sample_dependent_focal_loss",
+    "varying_focal_loss",
+]
+
+REDUCTIONS = ("none", "mean", "sum")
+
+
+def _reduce(loss: torch.Tensor, reduction: str) -> torch.Tensor:
+    if reduction == "mean":
+        return loss.mean()
+    if reduction == "sum":
+        return loss.sum()
+    return loss
+
+
+def _prepare(logits, targets, reduction):
+    check_choice(reduction, "reduction", REDUCTIONS)
+    logits, targets = check_logits_for_loss(logits, targets)
+    log_p = torch.log_softmax(
+        logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits, 1
+    )
+    log_pt = log_p.gather(1, targets[:, None]).squeeze(1)
+    return log_p, log_pt, targets
+
+
+def _safe_pow(base: torch.Tensor, exponent) -> torch.Tensor:
+    """base**exponent for base >= 0 with a finite gradient at base = 0 (base clamped at tiny)."""
+    return base.clamp(min=torch.finfo(base.dtype).tiny) ** exponent
+
+
+def _one_minus_pt(log_pt: torch.Tensor) -> torch.Tensor:
+    return -torch.expm1(log_pt)
+
+
+def _gamma(gamma, name="gamma", low=0.0):
+    return check_float(gamma, name, low=low)
+
+
+# ----------------------------------------------------------------------------- CE and friends
+
+
+def cross_entropy(logits, targets, *, label_smoothing: float = 0.0, reduction: str = "mean"):
+    """Cross entropy −log p_t, optionally against (1 − ε)·onehot + ε/K (PyTorch's ``label_smoothing``).
+
+    Example:
+        >>> import torch
+        >>> logits = torch.tensor([[2.0, 0.0], [0.0, 1.0]])
+        >>> cross_entropy(logits, torch.tensor([0, 1]))
+        tensor(0.2201)
+    """
+    eps = check_float(label_smoothing, "label_smoothing", low=0, high=1)
+    log_p, log_pt, targets = _prepare(logits, targets, reduction)
+    loss = -log_pt
+    if eps > 0:
+        loss = (1 - eps) * loss - eps * log_p.mean(1)
+    return _reduce(loss, reduction)
+
+
+def label_smoothing_loss(logits, targets, epsilon: float = 0.05, *, reduction: str = "mean"):
+    """Label smoothing LS-ε: cross entropy against (1 − ε)·onehot + ε/K (Müller et al. 2019; ε = 0.05 in
+    Mukhoti et al.). Same as ``cross_entropy(..., label_smoothing=epsilon)``."""
+    return cross_entropy(logits, targets, label_smoothing=epsilon, reduction=reduction)
+
+
+def brier_loss(logits, targets, *, reduction: str = "mean"):
+    """Brier loss Σ_k (p_k − onehot_k)² of softmax probabilities.
+
+    Example:
+        >>> import torch
+        >>> brier_loss(torch.tensor([[0.0, 0.0]]), torch.tensor([0]))
+        tensor(0.5000)
+    """
+    log_p, _, targets = _prepare(logits, targets, reduction)
+    p = log_p.exp()
+    onehot = nnf.one_hot(targets, p.shape[1]).to(p.dtype)
+    return _reduce(((p - onehot) ** 2).sum(1), reduction)
+
+
+# ----------------------------------------------------------------------------- focal family
+
+
+def focal_loss(logits, targets, gamma: float = 3.0, *, reduction: str = "mean"):
+    r"""Focal loss :math:`-(1 - p_t)^\gamma \log p_t` (Lin et al. 2017; Mukhoti et al. 2020).
+
+    γ = 0 is cross entropy. Finite loss and gradients for any finite logits, also for 0 < γ < 1 as p_t → 1.
+
+    Args:
+        gamma: γ >= 0 (use :func:`inverse_focal_loss` for the AdaFocal's negative γ).
+
+    Example:
+        >>> import torch
+        >>> logits = torch.tensor([[2.0, 0.0], [0.0, 1.0]])
+        >>> focal_loss(logits, torch.tensor([0, 1]), gamma=2.0)
+        tensor(0.0122)
+    """
+    gamma = _gamma(gamma)
+    _, log_pt, _ = _prepare(logits, targets, reduction)
+    return _reduce(-_safe_pow(_one_minus_pt(log_pt), gamma) * log_pt, reduction)
+
+
+def inverse_focal_loss(logits, targets, gamma: float = 1.0, *, reduction: str = "mean"):
+    r"""Inverse focal loss :math:`-(1 + p_t)^\gamma \log p_t` (Wang et al. 2021), used by AdaFocal for γ < 0.
+
+    Example:
+        >>> import torch
+        >>> inverse_focal_loss(torch.tensor([[0.0, 0.0]]), torch.tensor([0]), gamma=1.0)
+        tensor(1.0397)
+    """
+    gamma = _gamma(gamma)
+    _, log_pt, _ = _prepare(logits, targets, reduction)
+    return _reduce(-((1 + log_pt.exp()) ** gamma) * log_pt, reduction)
+
+
+def _pick_gamma(values, thresholds, gammas):
+    """γ_i = gammas[number of thresholds <= value_i] (a value equal to a threshold takes the upper γ)."""
+    t = torch.tensor(thresholds, dtype=values.dtype, device=values.device)
+    g = torch.tensor(gammas, dtype=values.dtype, device=values.device)
+    return g[torch.bucketize(values.detach(), t, right=True)]
+
+
+def _check_schedule(gammas, thresholds):
+    gammas = [_gamma(g, "gammas") for g in gammas]
+    thresholds = [check_float(t, "thresholds", low=0, high=1) for t in thresholds]
+    if len(gammas) != len(thresholds) + 1:
+        raise ValueError(
+            f"`gammas` needs one more entry than `thresholds`, got {len(gammas)} and {len(thresholds)}"
+        )
+    if any(a >= b for a, b in zip(thresholds, thresholds[1:])):
+        raise ValueError(f"`thresholds` must be strictly increasing, got {thresholds}")
+    return gammas, thresholds
+
+
+def sample_dependent_focal_loss(
+    logits, targets, gammas=(5.0, 3.0), thresholds=(0.2,), *, reduction: str = "mean"
+):
+    """Sample-dependent focal loss (FLSD) of Mukhoti et al. 2020.
+
+    γ_i is chosen from the **detached** p_t: ``gammas[j]`` where j is the number of ``thresholds`` <= p_t,
+    so a p_t equal to a threshold takes the upper γ. FLSD-53: gammas (5, 3), thresholds (0.2,);
+    FLSD-532: gammas (5, 3, 2), thresholds (0.2, 0.5).
+
+    Example:
+        >>> import torch
+        >>> logits = torch.tensor([[0.0, 0.0], [3.0, 0.0]])
+        >>> sample_dependent_focal_loss(logits, torch.tensor([0, 0]), reduction="none")
+        tensor([8.6643e-02, 5.1828e-06])
+    """
+    gammas, thresholds = _check_schedule(gammas, thresholds)
+    _, log_pt, _ = _prepare(logits, targets, reduction)
+    gamma = _pick_gamma(log_pt.exp(), thresholds, gammas)
+    return _reduce(-_safe_pow(_one_minus_pt(log_pt), gamma) * log_pt, reduction)
+
+
+def varying_focal_loss(logits, targets, gamma: torch.Tensor, *, reduction: str = "mean"):
+    """Focal loss with a per-sample γ tensor (N,): focal form where γ_i >= 0, inverse focal with |γ_i| where
+    γ_i < 0 (the AdaFocal convention). γ is treated as a constant (no gradient)."""
+    _, log_pt, _ = _prepare(logits, targets, reduction)
+    gamma = torch.as_tensor(gamma, dtype=log_pt.dtype, device=log_pt.device).detach()
+    if gamma.shape != log_pt.shape:
+        raise ValueError(f"`gamma` must have shape {tuple(log_pt.shape)}, got {tuple(gamma.shape)}")
+    focal = _safe_pow(_one_minus_pt(log_pt), gamma.clamp(min=0))
+    inverse = (1 + log_pt.exp()) ** (-gamma).clamp(min=0)
+    return _reduce(-torch.where(gamma >= 0, focal, inverse) * log_pt, reduction)
+
+
+def _runner_up(log_p: torch.Tensor, log_pt: torch.Tensor) -> torch.Tensor:
+    """p_j = the largest p_k strictly smaller than p_t (0 if none; classes tied with p_t excluded), found by
+    one masked max (no sort); the gradient flows through p_j."""
+    p = log_p.exp()
+    masked = p.masked_fill(log_p >= log_pt[:, None], 0.0)
+    return masked.amax(1)
+
+
+def dual_focal_loss(logits, targets, gamma: float = 5.0, *, reduction: str = "mean"):
+    r"""Dual focal loss :math:`-(1 - p_t + p_j)^\gamma \log p_t` (Tao et al. 2023).
+
+    p_j is the largest probability strictly smaller than p_t: the runner-up when the true class is the
+    argmax, the largest class below the true one otherwise; 0 when no class is below p_t (all-equal rows);
+    classes tied with p_t are excluded. The gradient flows through p_j, as in the released code.
+
+    Example:
+        >>> import torch
+        >>> logits = torch.tensor([[2.0, 1.0, 0.0]])
+        >>> dual_focal_loss(logits, torch.tensor([0]), gamma=1.0)
+        tensor(0.2362)
+    """
+    gamma = _gamma(gamma)
+    log_p, log_pt, _ = _prepare(logits, targets, reduction)
+    base = _one_minus_pt(log_pt) + _runner_up(log_p, log_pt)
+    return _reduce(-_safe_pow(base, gamma) * log_pt, reduction)
+
+
+def dual_sample_dependent_focal_loss(
+    logits, targets, gammas=(5.0, 3.0), thresholds=(0.2,), *, reduction: str = "mean"
+):
+    """DualFLSD: the dual focal form with γ_i chosen by the FLSD thresholds applied to the detached margin
+    p_t − p_j (Tao et al. 2023's sample-dependent variant; DualFLSD-53 by default)."""
+    gammas, thresholds = _check_schedule(gammas, thresholds)
+    log_p, log_pt, _ = _prepare(logits, targets, reduction)
+    p_j = _runner_up(log_p, log_pt)
+    gamma = _pick_gamma(log_pt.exp() - p_j, thresholds, gammas)
+    return _reduce(-_safe_pow(_one_minus_pt(log_pt) + p_j, gamma) * log_pt, reduction)
+
+
+def focal_calibration_loss(logits, targets, gamma: float = 4.0, lambda_: float = 1.5, *, reduction="mean"):
+    r"""Focal calibration loss: focal(γ) + λ·Σ_k (p_k − onehot_k)² ("Towards Trustworthy DNN through
+    Euclidean Distance"; e.g. (γ, λ) = (4.0, 1.5) for CIFAR-10 ResNet-50).
+
+    Example:
+        >>> import torch
+        >>> focal_calibration_loss(torch.tensor([[0.0, 0.0]]), torch.tensor([0]), gamma=0.0, lambda_=1.0)
+        tensor(1.1931)
+    """
+    gamma = _gamma(gamma)
+    lam = check_float(lambda_, "lambda_", low=0)
+    log_p, log_pt, targets = _prepare(logits, targets, reduction)
+    p = log_p.exp()
+    onehot = nnf.one_hot(targets, p.shape[1]).to(p.dtype)
+    loss = -_safe_pow(_one_minus_pt(log_pt), gamma) * log_pt + lam * ((p - onehot) ** 2).sum(1)
+    return _reduce(loss, reduction)
+
+
+# ----------------------------------------------------------------------------- MMCE
+
+
+def mmce_penalty(logits, targets, *, normalization: str = "paper", bandwidth: float = 0.4):
+    """Kumar et al. 2018 weighted MMCE of a batch, on top-label confidences r and correctness c.
+
+    MMCE_w² = Σ_{c,c}(1−r)(1−r')k/m² + Σ_{w,w} r r' k/n² − 2 Σ_{c,w}(1−r) r' k/(m n), k = exp(−|r − r'|/0.4),
+    m correct and n wrong samples; the result is sqrt(max(0, ·)) and 0 when the batch is all correct or all
+    wrong. ``normalization="code"`` reproduces the released code, which divides each block once more by
+    m², n² and m·n (a term about batch-size² smaller); the paper presets use it.
+    """
+    check_choice(normalization, "normalization", {"paper", "code"})
+    log_p, _, targets = _prepare(logits, targets, "none")
+    conf, pred = log_p.exp().max(1)
+    correct = (pred == targets).to(conf.dtype)
+    wrong = 1 - correct
+    m, n = correct.sum(), wrong.sum()
+    kernel = torch.exp(-(conf[:, None] - conf[None, :]).abs() / bandwidth)
+    a = (1 - conf) * correct  # weights of correct samples
+    b = conf * wrong  # weights of wrong samples
+    m_safe, n_safe = m.clamp(min=1), n.clamp(min=1)
+    cc = a @ kernel @ a / m_safe**2
+    ww = b @ kernel @ b / n_safe**2
+    cw = a @ kernel @ b / (m_safe * n_safe)
+    if normalization == "code":
+        cc, ww, cw = cc / m_safe**2, ww / n_safe**2, cw / (m_safe * n_safe)
+    value = (cc + ww - 2 * cw).clamp(min=0)
+    # sqrt with a finite gradient at 0
+    value = torch.where(value > 0, value.clamp(min=torch.finfo(value.dtype).tiny).sqrt(), value)
+    return torch.where((m > 0) & (n > 0), value, torch.zeros_like(value))
+
+
+def mmce_loss(
+    logits, targets, lambda_: float = 2.0, *, normalization: str = "paper", reduction: str = "mean"
+):
+    """Cross entropy + λ·MMCE_w(batch) (Kumar et al. 2018; λ = 2 for images, 8 for text).
+
+    The MMCE term belongs to the batch: ``"mean"`` is CE.mean() + λ·MMCE, ``"none"`` gives every sample
+    CE_i + λ·MMCE (so its mean is the "mean" loss) and ``"sum"`` is the sum of ``"none"``.
+
+    Example:
+        >>> import torch
+        >>> logits = torch.tensor([[2.0, 0.0], [0.0, 1.0], [1.0, 0.0]])
+        >>> mmce_loss(logits, torch.tensor([0, 1, 1]))
+        tensor(1.6990)
+    """
+    lam = check_float(lambda_, "lambda_", low=0)
+    check_choice(reduction, "reduction", REDUCTIONS)
+    ce = cross_entropy(logits, targets, reduction="none")
+    loss = ce + lam * mmce_penalty(logits, targets, normalization=normalization)
+    return _reduce(loss, reduction)
+
+
+# ----------------------------------------------------------------------------- CalFocal and γ*
+
+
+def calfocal_loss(
+    logits,
+    targets,
+    bin_edges,
+    bin_accuracy,
+    lambda_: float = 10.0,
+    *,
+    bin_confidence=None,
+    reduction: str = "mean",
+):
+    """CalFocal (Ghosh et al. 2022, eq. 2 and 3): focal loss whose γ follows validation calibration.
+
+    Each sample's validation bin b is the one containing its detached p_t (``bin_edges`` are the M + 1
+    boundaries; bins are right-closed, the first open below and the last open above).
+    Case 1 (eq. 2, ``bin_confidence=None``): γ_n = exp(λ(p_n − A_val,b)) per sample (p_n detached).
+    Case 2 (eq. 3): γ_b = exp(λ(C_val,b − A_val,b)) per bin.
+    """
+    lam = check_float(lambda_, "lambda_")
+    _, log_pt, _ = _prepare(logits, targets, reduction)
+    edges = torch.as_tensor(bin_edges, dtype=log_pt.dtype, device=log_pt.device)
+    acc = torch.as_tensor(bin_accuracy, dtype=log_pt.dtype, device=log_pt.device)
+    if edges.ndim != 1 or acc.shape != (edges.shape[0] - 1,):
+        raise ValueError(
+            f"`bin_edges` must have M + 1 entries and `bin_accuracy` M, got {tuple(edges.shape)} and "
+            f"{tuple(acc.shape)}"
+        )
+    p_t = log_pt.exp().detach()
+    b = torch.bucketize(p_t, edges[1:-1], right=False)
+    if bin_confidence is None:
+        gamma = torch.exp(lam * (p_t - acc[b]))
+    else:
+        conf = torch.as_tensor(bin_confidence, dtype=log_pt.dtype, device=log_pt.device)
+        if conf.shape != acc.shape:
+            raise ValueError(f"`bin_confidence` must have shape {tuple(acc.shape)}, got {tuple(conf.shape)}")
+        gamma = torch.exp(lam * (conf - acc))[b]
+    return _reduce(-_safe_pow(_one_minus_pt(log_pt), gamma) * log_pt, reduction)
+
+
+def _lambert_w(x: float, branch: int) -> float:
+    """Lambert W on the real branches 0 (x >= −1/e) and −1 (−1/e <= x < 0) by Halley's method."""
+    if x < -1 / math.e - 1e-15:
+        raise ValueError(f"Lambert W is real only for x >= -1/e, got {x}")
+    if x == 0:
+        if branch == 0:
+            return 0.0
+        raise ValueError("the W_-1 branch is unbounded at 0")
+    if branch == 0:
+        w = math.log1p(x) if x > -0.3 else -1 + math.sqrt(2 * (1 + math.e * x))
+    else:
+        if x >= 0:
+            raise ValueError("the W_-1 branch needs -1/e <= x < 0")
+        w = math.log(-x) - math.log(-math.log(-x)) if x > -0.25 else -1 - math.sqrt(2 * (1 + math.e * x))
+    for _ in range(100):
+        ew = math.exp(w)
+        f = w * ew - x
+        if w == -1:
+            break
+        step = f / (ew * (w + 1) - (w + 2) * f / (2 * w + 2))
+        w -= step
+        if abs(step) <= 1e-15 * (1 + abs(w)):
+            break
+    return w
+
+
+def focal_gamma_star(p0: float) -> float:
+    r"""γ* of Mukhoti et al. 2020, Prop. 2: the γ for which the focal loss gradient matches cross entropy's
+    at p_t = p0, i.e. the root of g(p0, γ) = (1 − p0)^γ − γ p0 (1 − p0)^(γ−1) ln p0 = 1 other than γ = 0.
+
+    With a = 1 − p0, L = −p0 ln p0 / a and c = −ln a / L, g = 1 becomes u e^{−c u} = e^{−c} for u = 1 + γL,
+    so u = −W(−c e^{−c})/c on the branch that does not give the trivial u = 1 (W₋₁ when c < 1, W₀ when
+    c > 1), and γ* = (u − 1)/L.
+
+    Example:
+        >>> round(focal_gamma_star(0.2), 2), round(focal_gamma_star(0.25), 2)
+        (4.85, 3.07)
+    """
+    p0 = check_float(p0, "p0", low=0, high=1, low_open=True, high_open=True)
+    a = 1 - p0
+    big_l = -p0 * math.log(p0) / a
+    c = -math.log(a) / big_l
+    if abs(c - 1) < 1e-12:
+        raise ValueError(f"γ* is 0 (double root) at p0 = {p0}")
+    w = _lambert_w(-c * math.exp(-c), -1 if c < 1 else 0)
+    u = -w / c
+    return (u - 1) / big_l
