@@ -388,7 +388,7 @@ def focal_gamma_star(p0: float) -> float:
     big_l = -p0 * math.log(p0) / a
     c = -math.log(a) / big_l
     if abs(c - 1) < 1e-12:
-        raise ValueError(f"γ* is 0 (double root) at p0 = {p0}")
+        raise ValueError(f"no non-zero γ* exists at p0 = {p0}: γ = 0 is a double root there")
     w = _lambert_w(-c * math.exp(-c), -1 if c < 1 else 0)
     u = -w / c
     return (u - 1) / big_l
