@@ -113,18 +113,17 @@ class AdaFocalLoss(_ValidationBins):
         return self.gamma_per_bin
 
     def forward(self, logits, targets):
-        logits, targets = L.check_logits_for_loss(logits, targets)
-        log_pt = (
-            torch.log_softmax(
-                logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits, 1
-            )
-            .gather(1, targets[:, None])
-            .squeeze(1)
-        )
-        gamma = self.gamma_per_bin.to(log_pt.device, log_pt.dtype)[self._bin_of(log_pt.exp())]
         if self.dual:
-            return _ada_dual(logits, targets, gamma, self.reduction)
-        return L.varying_focal_loss(logits, targets, gamma, reduction=self.reduction)
+            logits, targets = L.check_logits_for_loss(logits, targets)
+            return _ada_dual(logits, targets, self, self.reduction)
+        gammas, edges = self.gamma_per_bin, self.bin_edges
+
+        def weight(log_pt):
+            p_t = log_pt.exp().detach()
+            bins = torch.bucketize(p_t, edges[1:-1].to(p_t.dtype), right=False)
+            return L._signed_gamma_weight(gammas.to(p_t.device, p_t.dtype)[bins])(log_pt)
+
+        return L._weighted_nll(logits, targets, self.reduction, weight)
 
     @torch.no_grad()
     def update(self, val_probs=None, val_targets=None, *, metrics=None, from_logits: bool = False) -> None:
@@ -154,14 +153,14 @@ class AdaFocalLoss(_ValidationBins):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
-def _ada_dual(logits, targets, gamma, reduction):
+def _ada_dual(logits, targets, bins, reduction):
     """AdaDualFocal: the dual focal base (1 − p_t + p_j) with AdaFocal's per-bin γ (inverse form for γ < 0)."""
     log_p = torch.log_softmax(
         logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits, 1
     )
     log_pt = log_p.gather(1, targets[:, None]).squeeze(1)
     base = L._one_minus_pt(log_pt) + L._runner_up(log_p, log_pt)
-    gamma = gamma.detach()
+    gamma = bins.gamma_per_bin.to(log_pt.device, log_pt.dtype)[bins._bin_of(log_pt.exp())]
     focal = L._safe_pow(base, gamma.clamp(min=0))
     inverse = (1 + log_pt.exp()) ** (-gamma).clamp(min=0)
     return L._reduce(-torch.where(gamma >= 0, focal, inverse) * log_pt, reduction)

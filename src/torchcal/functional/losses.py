@@ -67,6 +67,80 @@ def _gamma(gamma, name="gamma", low=0.0):
     return check_float(gamma, name, low=low)
 
 
+class _TrueClassWeightedNLL(torch.autograd.Function):
+    """Per-sample −w(p_t)·log p_t with an analytic backward (for losses that depend on p_t only).
+
+    ``weight_fn(log_pt) -> (loss, coef)`` returns the per-sample loss and coef = p_t · dloss/dp_t. Since
+    dp_t/dz_k = p_t(δ_tk − p_k), the gradient is coef·(onehot − p): one (N, K) pass in the backward like
+    cross entropy's, instead of autograd's chain through a dozen per-sample ops. Only log_softmax is saved.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, weight_fn):
+        log_p = torch.log_softmax(logits, dim=1)
+        log_pt = log_p.gather(1, targets[:, None]).squeeze(1)
+        loss, coef = weight_fn(log_pt)
+        ctx.save_for_backward(log_p, targets, coef)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        log_p, targets, coef = ctx.saved_tensors
+        scale = (coef * grad_loss)[:, None]
+        grad = torch.exp(log_p).mul_(-scale)
+        grad.scatter_add_(1, targets[:, None], scale)
+        return grad, None, None
+
+
+def _weighted_nll(logits, targets, reduction, weight_fn):
+    check_choice(reduction, "reduction", REDUCTIONS)
+    logits, targets = check_logits_for_loss(logits, targets)
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    with torch.autocast(logits.device.type, enabled=False):
+        loss = _TrueClassWeightedNLL.apply(logits, targets, weight_fn)
+    return _reduce(loss, reduction)
+
+
+def _focal_weight(gamma):
+    """−(1 − p)^γ log p and p·d/dp = γ (1 − p)^γ · p log p/(1 − p) − (1 − p)^γ, finite as p → 1 for any γ >= 0."""
+
+    def weight(log_pt):
+        q = _one_minus_pt(log_pt).clamp_(min=torch.finfo(log_pt.dtype).tiny)
+        q_pow = q**gamma
+        # p log p / (1 − p) → −1 as p → 1; where q is clamped (log p_t rounds to 0) it is 0 and the
+        # coefficient −(1 − p)^γ is itself ~0
+        ratio = log_pt.exp().mul_(log_pt).div_(q)
+        return -q_pow * log_pt, q_pow * (gamma * ratio - 1)
+
+    return weight
+
+
+def _inverse_focal_weight(gamma):
+    """−(1 + p)^γ log p and p·d/dp = −γ p (1 + p)^(γ−1) log p − (1 + p)^γ."""
+
+    def weight(log_pt):
+        p = log_pt.exp()
+        base = 1 + p
+        w = base**gamma
+        return -w * log_pt, -gamma * p * base ** (gamma - 1) * log_pt - w
+
+    return weight
+
+
+def _signed_gamma_weight(gamma):
+    """AdaFocal's convention: focal with γ where γ >= 0, inverse focal with |γ| where γ < 0 (γ per sample)."""
+
+    def weight(log_pt):
+        g = gamma.to(log_pt.dtype)
+        focal_loss_, focal_coef = _focal_weight(g.clamp(min=0))(log_pt)
+        inv_loss, inv_coef = _inverse_focal_weight((-g).clamp(min=0))(log_pt)
+        positive = g >= 0
+        return torch.where(positive, focal_loss_, inv_loss), torch.where(positive, focal_coef, inv_coef)
+
+    return weight
+
+
 # ----------------------------------------------------------------------------- CE and friends
 
 
@@ -80,11 +154,11 @@ def cross_entropy(logits, targets, *, label_smoothing: float = 0.0, reduction: s
         tensor(0.2201)
     """
     eps = check_float(label_smoothing, "label_smoothing", low=0, high=1)
-    log_p, log_pt, targets = _prepare(logits, targets, reduction)
-    loss = -log_pt
-    if eps > 0:
-        loss = (1 - eps) * loss - eps * log_p.mean(1)
-    return _reduce(loss, reduction)
+    check_choice(reduction, "reduction", REDUCTIONS)
+    logits, targets = check_logits_for_loss(logits, targets)
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    return nnf.cross_entropy(logits, targets, label_smoothing=eps, reduction=reduction)
 
 
 def label_smoothing_loss(logits, targets, epsilon: float = 0.05, *, reduction: str = "mean"):
@@ -124,9 +198,7 @@ def focal_loss(logits, targets, gamma: float = 3.0, *, reduction: str = "mean"):
         >>> focal_loss(logits, torch.tensor([0, 1]), gamma=2.0)
         tensor(0.0122)
     """
-    gamma = _gamma(gamma)
-    _, log_pt, _ = _prepare(logits, targets, reduction)
-    return _reduce(-_safe_pow(_one_minus_pt(log_pt), gamma) * log_pt, reduction)
+    return _weighted_nll(logits, targets, reduction, _focal_weight(_gamma(gamma)))
 
 
 def inverse_focal_loss(logits, targets, gamma: float = 1.0, *, reduction: str = "mean"):
@@ -137,9 +209,7 @@ def inverse_focal_loss(logits, targets, gamma: float = 1.0, *, reduction: str = 
         >>> inverse_focal_loss(torch.tensor([[0.0, 0.0]]), torch.tensor([0]), gamma=1.0)
         tensor(1.0397)
     """
-    gamma = _gamma(gamma)
-    _, log_pt, _ = _prepare(logits, targets, reduction)
-    return _reduce(-((1 + log_pt.exp()) ** gamma) * log_pt, reduction)
+    return _weighted_nll(logits, targets, reduction, _inverse_focal_weight(_gamma(gamma)))
 
 
 def _pick_gamma(values, thresholds, gammas):
@@ -177,21 +247,21 @@ def sample_dependent_focal_loss(
         tensor([8.6643e-02, 5.1828e-06])
     """
     gammas, thresholds = _check_schedule(gammas, thresholds)
-    _, log_pt, _ = _prepare(logits, targets, reduction)
-    gamma = _pick_gamma(log_pt.exp(), thresholds, gammas)
-    return _reduce(-_safe_pow(_one_minus_pt(log_pt), gamma) * log_pt, reduction)
+
+    def weight(log_pt):
+        return _focal_weight(_pick_gamma(log_pt.exp(), thresholds, gammas))(log_pt)
+
+    return _weighted_nll(logits, targets, reduction, weight)
 
 
 def varying_focal_loss(logits, targets, gamma: torch.Tensor, *, reduction: str = "mean"):
     """Focal loss with a per-sample γ tensor (N,): focal form where γ_i >= 0, inverse focal with |γ_i| where
     γ_i < 0 (the AdaFocal convention). γ is treated as a constant (no gradient)."""
-    _, log_pt, _ = _prepare(logits, targets, reduction)
-    gamma = torch.as_tensor(gamma, dtype=log_pt.dtype, device=log_pt.device).detach()
-    if gamma.shape != log_pt.shape:
-        raise ValueError(f"`gamma` must have shape {tuple(log_pt.shape)}, got {tuple(gamma.shape)}")
-    focal = _safe_pow(_one_minus_pt(log_pt), gamma.clamp(min=0))
-    inverse = (1 + log_pt.exp()) ** (-gamma).clamp(min=0)
-    return _reduce(-torch.where(gamma >= 0, focal, inverse) * log_pt, reduction)
+    gamma = torch.as_tensor(gamma).detach()
+    n = logits.shape[0] if isinstance(logits, torch.Tensor) and logits.ndim == 2 else None
+    if gamma.shape != (n,):
+        raise ValueError(f"`gamma` must have shape ({n},), one γ per sample, got {tuple(gamma.shape)}")
+    return _weighted_nll(logits, targets, reduction, _signed_gamma_weight(gamma.to(logits.device)))
 
 
 def _runner_up(log_p: torch.Tensor, log_pt: torch.Tensor) -> torch.Tensor:
@@ -325,24 +395,31 @@ def calfocal_loss(
     Case 2 (eq. 3): γ_b = exp(λ(C_val,b − A_val,b)) per bin.
     """
     lam = check_float(lambda_, "lambda_")
-    _, log_pt, _ = _prepare(logits, targets, reduction)
-    edges = torch.as_tensor(bin_edges, dtype=log_pt.dtype, device=log_pt.device)
-    acc = torch.as_tensor(bin_accuracy, dtype=log_pt.dtype, device=log_pt.device)
+    device = logits.device if isinstance(logits, torch.Tensor) else None
+    edges = torch.as_tensor(bin_edges, device=device)
+    acc = torch.as_tensor(bin_accuracy, device=device)
     if edges.ndim != 1 or acc.shape != (edges.shape[0] - 1,):
         raise ValueError(
             f"`bin_edges` must have M + 1 entries and `bin_accuracy` M, got {tuple(edges.shape)} and "
             f"{tuple(acc.shape)}"
         )
-    p_t = log_pt.exp().detach()
-    b = torch.bucketize(p_t, edges[1:-1], right=False)
-    if bin_confidence is None:
-        gamma = torch.exp(lam * (p_t - acc[b]))
-    else:
-        conf = torch.as_tensor(bin_confidence, dtype=log_pt.dtype, device=log_pt.device)
+    conf = None
+    if bin_confidence is not None:
+        conf = torch.as_tensor(bin_confidence, device=device)
         if conf.shape != acc.shape:
             raise ValueError(f"`bin_confidence` must have shape {tuple(acc.shape)}, got {tuple(conf.shape)}")
-        gamma = torch.exp(lam * (conf - acc))[b]
-    return _reduce(-_safe_pow(_one_minus_pt(log_pt), gamma) * log_pt, reduction)
+
+    def weight(log_pt):
+        p_t = log_pt.exp().detach()
+        b = torch.bucketize(p_t, edges[1:-1].to(p_t.dtype), right=False)
+        a = acc.to(p_t.dtype)
+        if conf is None:
+            gamma = torch.exp(lam * (p_t - a[b]))
+        else:
+            gamma = torch.exp(lam * (conf.to(p_t.dtype) - a))[b]
+        return _focal_weight(gamma)(log_pt)
+
+    return _weighted_nll(logits, targets, reduction, weight)
 
 
 def _lambert_w(x: float, branch: int) -> float:
