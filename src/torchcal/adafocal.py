@@ -155,15 +155,20 @@ class AdaFocalLoss(_ValidationBins):
 
 def _ada_dual(logits, targets, bins, reduction):
     """AdaDualFocal: the dual focal base (1 − p_t + p_j) with AdaFocal's per-bin γ (inverse form for γ < 0)."""
-    log_p = torch.log_softmax(
-        logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits, 1
-    )
-    log_pt = log_p.gather(1, targets[:, None]).squeeze(1)
-    base = L._one_minus_pt(log_pt) + L._runner_up(log_p, log_pt)
-    gamma = bins.gamma_per_bin.to(log_pt.device, log_pt.dtype)[bins._bin_of(log_pt.exp())]
-    focal = L._safe_pow(base, gamma.clamp(min=0))
-    inverse = (1 + log_pt.exp()) ** (-gamma).clamp(min=0)
-    return L._reduce(-torch.where(gamma >= 0, focal, inverse) * log_pt, reduction)
+
+    def weight(log_pt, p_j):
+        p_t = log_pt.exp().detach()
+        gamma = bins.gamma_per_bin.to(p_t.device, p_t.dtype)[bins._bin_of(p_t)]
+        d_loss, d_ct, d_cj = L._dual_weight(gamma.clamp(min=0))(log_pt, p_j)
+        i_loss, i_ct = L._inverse_focal_weight((-gamma).clamp(min=0))(log_pt)
+        positive = gamma >= 0
+        return (
+            torch.where(positive, d_loss, i_loss),
+            torch.where(positive, d_ct, i_ct),
+            torch.where(positive, d_cj, torch.zeros_like(d_cj)),
+        )
+
+    return L._true_class_loss(logits, targets, reduction, weight, runner_up=True)
 
 
 class CalFocalLoss(_ValidationBins):

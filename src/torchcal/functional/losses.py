@@ -54,11 +54,6 @@ def _prepare(logits, targets, reduction):
     return log_p, log_pt, targets
 
 
-def _safe_pow(base: torch.Tensor, exponent) -> torch.Tensor:
-    """base**exponent for base >= 0 with a finite gradient at base = 0 (base clamped at tiny)."""
-    return base.clamp(min=torch.finfo(base.dtype).tiny) ** exponent
-
-
 def _one_minus_pt(log_pt: torch.Tensor) -> torch.Tensor:
     return -torch.expm1(log_pt)
 
@@ -67,39 +62,82 @@ def _gamma(gamma, name="gamma", low=0.0):
     return check_float(gamma, name, low=low)
 
 
-class _TrueClassWeightedNLL(torch.autograd.Function):
-    """Per-sample −w(p_t)·log p_t with an analytic backward (for losses that depend on p_t only).
+class _TrueClassLoss(torch.autograd.Function):
+    """Per-sample f(p_t[, p_j]) + λ·Σ_k (p_k − onehot_k)² with an analytic backward.
 
-    ``weight_fn(log_pt) -> (loss, coef)`` returns the per-sample loss and coef = p_t · dloss/dp_t. Since
-    dp_t/dz_k = p_t(δ_tk − p_k), the gradient is coef·(onehot − p): one (N, K) pass in the backward like
-    cross entropy's, instead of autograd's chain through a dozen per-sample ops. Only log_softmax is saved.
+    ``weight_fn(log_pt) -> (loss, c_t)`` or, with ``runner_up``, ``weight_fn(log_pt, p_j) -> (loss, c_t, c_j)``
+    gives the per-sample loss and c = p·∂loss/∂p for p_t (and for the runner-up p_j of the dual focal loss,
+    the largest probability strictly below p_t). Since ∂p_a/∂z = p_a(e_a − p), the gradient is
+    −(c_t + c_j)·p + c_t e_t + c_j e_j, plus λ·(2p⊙(p − Σp² + p_t) − 2p_t e_t) for the squared-error term:
+    one (N, K) pass in the backward like cross entropy's, instead of autograd's chain through per-sample and
+    (N, K) temporaries. Only log_softmax is saved.
     """
 
     @staticmethod
-    def forward(ctx, logits, targets, weight_fn):
+    def forward(ctx, logits, targets, weight_fn, brier_lambda, runner_up):
         log_p = torch.log_softmax(logits, dim=1)
         log_pt = log_p.gather(1, targets[:, None]).squeeze(1)
-        loss, coef = weight_fn(log_pt)
-        ctx.save_for_backward(log_p, targets, coef)
+        c_j = j = sq = None
+        if runner_up:
+            # the largest class strictly below p_t (ties with p_t excluded), without sorting
+            log_pj, j = log_p.masked_fill(log_p >= log_pt[:, None], -math.inf).max(dim=1)
+            loss, c_t, c_j = weight_fn(log_pt, log_pj.exp())
+        else:
+            loss, c_t = weight_fn(log_pt)
+        if brier_lambda:
+            sq = torch.linalg.vector_norm(log_p.exp(), dim=1) ** 2
+            loss = loss + brier_lambda * (sq - 2 * log_pt.exp() + 1)
+        ctx.brier_lambda = brier_lambda
+        ctx.save_for_backward(log_p, targets, c_t, c_j, j, sq)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        log_p, targets, coef = ctx.saved_tensors
-        scale = (coef * grad_loss)[:, None]
-        grad = torch.exp(log_p).mul_(-scale)
-        grad.scatter_add_(1, targets[:, None], scale)
-        return grad, None, None
+        log_p, targets, c_t, c_j, j, sq = ctx.saved_tensors
+        lam = ctx.brier_lambda
+        c_t = c_t * grad_loss
+        row = c_t if c_j is None else c_t + c_j * grad_loss
+        p = torch.exp(log_p)
+        at_target = c_t
+        if lam:
+            w = (2 * lam) * grad_loss
+            p_t = log_p.gather(1, targets[:, None]).squeeze(1).exp()
+            # p ⊙ (−row + w·(p − Σp² + p_t))
+            grad = torch.mul(p, w[:, None]).add_((w * (p_t - sq) - row)[:, None]).mul_(p)
+            at_target = at_target - w * p_t
+        else:
+            grad = p.mul_(-row[:, None])
+        grad.scatter_add_(1, targets[:, None], at_target[:, None])
+        if c_j is not None:
+            grad.scatter_add_(1, j[:, None], (c_j * grad_loss)[:, None])
+        return grad, None, None, None, None
 
 
-def _weighted_nll(logits, targets, reduction, weight_fn):
+def _true_class_loss(logits, targets, reduction, weight_fn, *, brier_lambda=0.0, runner_up=False):
     check_choice(reduction, "reduction", REDUCTIONS)
     logits, targets = check_logits_for_loss(logits, targets)
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
     with torch.autocast(logits.device.type, enabled=False):
-        loss = _TrueClassWeightedNLL.apply(logits, targets, weight_fn)
+        loss = _TrueClassLoss.apply(logits, targets, weight_fn, brier_lambda, runner_up)
     return _reduce(loss, reduction)
+
+
+def _weighted_nll(logits, targets, reduction, weight_fn):
+    return _true_class_loss(logits, targets, reduction, weight_fn)
+
+
+def _dual_weight(gamma):
+    """−B^γ log p_t with B = 1 − p_t + p_j; c_t = p_t ∂/∂p_t = γ B^γ p_t log p_t / B − B^γ and
+    c_j = p_j ∂/∂p_j = −γ B^γ p_j log p_t / B (finite as B → 0: |log p_t| <= B/p_t there)."""
+
+    def weight(log_pt, p_j):
+        b = (_one_minus_pt(log_pt) + p_j).clamp_(min=torch.finfo(log_pt.dtype).tiny)
+        w = b**gamma
+        g_log = gamma * w * log_pt / b
+        return -w * log_pt, g_log * log_pt.exp() - w, -g_log * p_j
+
+    return weight
 
 
 def _focal_weight(gamma):
@@ -175,10 +213,12 @@ def brier_loss(logits, targets, *, reduction: str = "mean"):
         >>> brier_loss(torch.tensor([[0.0, 0.0]]), torch.tensor([0]))
         tensor(0.5000)
     """
-    log_p, _, targets = _prepare(logits, targets, reduction)
-    p = log_p.exp()
-    onehot = nnf.one_hot(targets, p.shape[1]).to(p.dtype)
-    return _reduce(((p - onehot) ** 2).sum(1), reduction)
+
+    def no_nll(log_pt):
+        zero = torch.zeros_like(log_pt)
+        return zero, zero
+
+    return _true_class_loss(logits, targets, reduction, no_nll, brier_lambda=1.0)
 
 
 # ----------------------------------------------------------------------------- focal family
@@ -264,14 +304,6 @@ def varying_focal_loss(logits, targets, gamma: torch.Tensor, *, reduction: str =
     return _weighted_nll(logits, targets, reduction, _signed_gamma_weight(gamma.to(logits.device)))
 
 
-def _runner_up(log_p: torch.Tensor, log_pt: torch.Tensor) -> torch.Tensor:
-    """p_j = the largest p_k strictly smaller than p_t (0 if none; classes tied with p_t excluded), found by
-    one masked max (no sort); the gradient flows through p_j."""
-    p = log_p.exp()
-    masked = p.masked_fill(log_p >= log_pt[:, None], 0.0)
-    return masked.amax(1)
-
-
 def dual_focal_loss(logits, targets, gamma: float = 5.0, *, reduction: str = "mean"):
     r"""Dual focal loss :math:`-(1 - p_t + p_j)^\gamma \log p_t` (Tao et al. 2023).
 
@@ -285,10 +317,7 @@ def dual_focal_loss(logits, targets, gamma: float = 5.0, *, reduction: str = "me
         >>> dual_focal_loss(logits, torch.tensor([0]), gamma=1.0)
         tensor(0.2362)
     """
-    gamma = _gamma(gamma)
-    log_p, log_pt, _ = _prepare(logits, targets, reduction)
-    base = _one_minus_pt(log_pt) + _runner_up(log_p, log_pt)
-    return _reduce(-_safe_pow(base, gamma) * log_pt, reduction)
+    return _true_class_loss(logits, targets, reduction, _dual_weight(_gamma(gamma)), runner_up=True)
 
 
 def dual_sample_dependent_focal_loss(
@@ -297,10 +326,11 @@ def dual_sample_dependent_focal_loss(
     """DualFLSD: the dual focal form with γ_i chosen by the FLSD thresholds applied to the detached margin
     p_t − p_j (Tao et al. 2023's sample-dependent variant; DualFLSD-53 by default)."""
     gammas, thresholds = _check_schedule(gammas, thresholds)
-    log_p, log_pt, _ = _prepare(logits, targets, reduction)
-    p_j = _runner_up(log_p, log_pt)
-    gamma = _pick_gamma(log_pt.exp() - p_j, thresholds, gammas)
-    return _reduce(-_safe_pow(_one_minus_pt(log_pt) + p_j, gamma) * log_pt, reduction)
+
+    def weight(log_pt, p_j):
+        return _dual_weight(_pick_gamma(log_pt.exp() - p_j, thresholds, gammas))(log_pt, p_j)
+
+    return _true_class_loss(logits, targets, reduction, weight, runner_up=True)
 
 
 def focal_calibration_loss(logits, targets, gamma: float = 4.0, lambda_: float = 1.5, *, reduction="mean"):
@@ -314,11 +344,7 @@ def focal_calibration_loss(logits, targets, gamma: float = 4.0, lambda_: float =
     """
     gamma = _gamma(gamma)
     lam = check_float(lambda_, "lambda_", low=0)
-    log_p, log_pt, targets = _prepare(logits, targets, reduction)
-    p = log_p.exp()
-    onehot = nnf.one_hot(targets, p.shape[1]).to(p.dtype)
-    loss = -_safe_pow(_one_minus_pt(log_pt), gamma) * log_pt + lam * ((p - onehot) ** 2).sum(1)
-    return _reduce(loss, reduction)
+    return _true_class_loss(logits, targets, reduction, _focal_weight(gamma), brier_lambda=lam)
 
 
 # ----------------------------------------------------------------------------- MMCE
