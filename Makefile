@@ -30,6 +30,7 @@ demo: setup
 
 bench: setup
 	$(BIN)/python benchmarks/bench_metrics.py
+	$(BIN)/python benchmarks/bench_losses.py
 
 clean:
 	rm -rf $(VENV) torchcal-demo .pytest_cache .ruff_cache

@@ -12,24 +12,36 @@ functional losses (compile time and steady-state ratio). Writes a CSV to benchma
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
 import torch.nn.functional as nnf
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_metrics import hardware  # noqa: E402
+from bench_metrics import hardware, write_results  # noqa: E402
 
 from torchcal.losses import create, list_losses  # noqa: E402
 
 SHAPES = [(128, 10), (128, 100), (128, 1000), (4096, 32000)]
-FOCAL_FAMILY = {"fl-1", "fl-2", "fl-3", "ifl-1", "flsd-53", "flsd-532", "fls-531", "fls-532", "dfl",
-                "dualflsd-53", "fcl", "adafocal", "adadualfocal", "calfocal"}
+FOCAL_FAMILY = {
+    "fl-1",
+    "fl-2",
+    "fl-3",
+    "ifl-1",
+    "flsd-53",
+    "flsd-532",
+    "fls-531",
+    "fls-532",
+    "dfl",
+    "dualflsd-53",
+    "fcl",
+    "adafocal",
+    "adadualfocal",
+    "calfocal",
+}
 
 
 def sync(device):
@@ -64,9 +76,7 @@ def peak_memory(fn, device):
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    events = sorted(
-        (e for e in prof.events() if e.cpu_memory_usage != 0), key=lambda e: e.time_range.start
-    )
+    events = sorted((e for e in prof.events() if e.cpu_memory_usage != 0), key=lambda e: e.time_range.start)
     alive = peak = 0
     for e in events:
         alive += e.cpu_memory_usage
@@ -100,9 +110,15 @@ def main():
             m = peak_memory(fn, device)
             goal_t = 2.0 if k == 10 else 1.5
             row = {
-                "shape": f"{n}x{k}", "loss": name, "time_s": t, "time_ratio": t / base_t,
-                "peak_bytes": m, "memory_ratio": m / base_m, "focal_family": name in FOCAL_FAMILY,
-                "time_goal": goal_t if name in FOCAL_FAMILY else "", "memory_goal": 2.0 if name in FOCAL_FAMILY else "",
+                "shape": f"{n}x{k}",
+                "loss": name,
+                "time_s": t,
+                "time_ratio": t / base_t,
+                "peak_bytes": m,
+                "memory_ratio": m / base_m,
+                "focal_family": name in FOCAL_FAMILY,
+                "time_goal": goal_t if name in FOCAL_FAMILY else "",
+                "memory_goal": 2.0 if name in FOCAL_FAMILY else "",
             }
             if args.compile:
                 compiled = torch.compile(loss_fn)
@@ -110,26 +126,21 @@ def main():
                 fwd_bwd(compiled, logits, targets)
                 sync(device)
                 row["compile_s"] = time.perf_counter() - start
-                row["compiled_time_ratio"] = median_time(lambda: fwd_bwd(compiled, logits, targets), reps, device) / base_t
+                row["compiled_time_ratio"] = (
+                    median_time(lambda: fwd_bwd(compiled, logits, targets), reps, device) / base_t
+                )
             rows.append(row)
             flag = ""
             if name in FOCAL_FAMILY and (row["time_ratio"] > goal_t or row["memory_ratio"] > 2.0):
                 flag = "  <- over goal"
-            print(f"  {name:14s} time {row['time_ratio']:5.2f}x  memory {row['memory_ratio']:5.2f}x{flag}", flush=True)
+            print(
+                f"  {name:14s} time {row['time_ratio']:5.2f}x  memory {row['memory_ratio']:5.2f}x{flag}",
+                flush=True,
+            )
 
-    out_dir = os.path.join(os.path.dirname(__file__), "results")
-    os.makedirs(out_dir, exist_ok=True)
     tag = "quick-" if args.quick else ""
     dev = "cuda-" + torch.cuda.get_device_name().replace(" ", "-") if device.type == "cuda" else hardware()
-    path = os.path.join(out_dir, f"bench_losses-{tag}{dev}-torch{torch.__version__.split('+')[0]}.csv")
-    fields = sorted({key for row in rows for key in row}, key=lambda f: (f not in ("shape", "loss"), f))
-    fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".csv")
-    with os.fdopen(fd, "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows(rows)
-    os.replace(tmp, path)
-    print(f"wrote {path}")
+    write_results(rows, f"bench_losses-{tag}{dev}", first=("shape", "loss"))
 
 
 if __name__ == "__main__":

@@ -154,13 +154,16 @@ def main():
         rows.append({"case": name, "fit_s": seconds, "fit_iqr_s": iqr})
         print(f"{name}: {seconds:.2f} s (IQR {iqr:.2f} s)", flush=True)
 
+    tag = "quick-" if args.quick else ""
+    write_results(rows, f"bench_metrics-{tag}{hardware()}", first=("case",))
+
+
+def write_results(rows, stem, first=()):
+    """Writes ``rows`` atomically to results/<stem>-torch<version>.csv, columns ``first`` first."""
     out_dir = os.path.join(os.path.dirname(__file__), "results")
     os.makedirs(out_dir, exist_ok=True)
-    tag = "quick-" if args.quick else ""
-    path = os.path.join(
-        out_dir, f"bench_metrics-{tag}{hardware()}-torch{torch.__version__.split('+')[0]}.csv"
-    )
-    fields = sorted({key for row in rows for key in row}, key=lambda f: (f != "case", f))
+    path = os.path.join(out_dir, f"{stem}-torch{torch.__version__.split('+')[0]}.csv")
+    fields = sorted({key for row in rows for key in row}, key=lambda f: (f not in first, f))
     fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".csv")
     with os.fdopen(fd, "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=fields)

@@ -138,19 +138,9 @@ def scan_inputs(
     and (with ``classwise_bins``) the classwise bin sums share one pass over ``probs``."""
     from .functional._binning import scan_probs
 
-    if not isinstance(from_logits, bool):
-        raise TypeError(f"`from_logits` must be a bool, got {type(from_logits).__name__}")
-    if from_logits:
-        probs = torch.softmax(check_logits(probs, name), dim=1)
-    else:
-        probs = check_scores(probs, name)
-    tol = _SUM_TOL.get(probs.dtype, 1e-4)
-    probs = _upcast_low_precision(probs)
-    if num_classes is not None and probs.shape[1] != num_classes:
-        raise ValueError(f"`{name}` has {probs.shape[1]} classes, this metric was built for {num_classes}")
-    targets = check_targets(targets, probs.shape[0], probs.shape[1])
-    if targets.device != probs.device:
-        raise ValueError(f"`targets` is on {targets.device} but `{name}` is on {probs.device}")
+    probs, targets, tol = _scores_and_targets(
+        probs, targets, from_logits, name, num_classes, check_values=False
+    )
     conf, correct, row_sums, lowest, classwise = scan_probs(probs, targets, classwise_bins)
     if not from_logits:
         check_prob_stats(row_sums, lowest, name, tol, probs.shape[1])
@@ -159,16 +149,28 @@ def scan_inputs(
 
 def probs_and_targets(probs, targets, from_logits: bool, name: str = "probs"):
     """The common entry of every metric: validated probabilities (softmax applied if asked) and targets."""
+    return _scores_and_targets(probs, targets, from_logits, name)[:2]
+
+
+def _scores_and_targets(probs, targets, from_logits, name, num_classes=None, check_values=True):
+    """Shared checks: (probs, targets, row-sum tolerance). With ``check_values=False`` the probability values
+    are left for the caller to check from statistics of its own pass (:func:`check_prob_stats`)."""
     if not isinstance(from_logits, bool):
         raise TypeError(f"`from_logits` must be a bool, got {type(from_logits).__name__}")
     if from_logits:
         probs = torch.softmax(check_logits(probs, name), dim=1)
     else:
-        probs = check_probs(probs, name)
+        probs = check_scores(probs, name)
+    tol = _SUM_TOL.get(probs.dtype, 1e-4)
+    probs = _upcast_low_precision(probs)
+    if check_values and not from_logits:
+        check_prob_stats(probs.sum(dim=1), probs.amin(), name, tol, probs.shape[1])
+    if num_classes is not None and probs.shape[1] != num_classes:
+        raise ValueError(f"`{name}` has {probs.shape[1]} classes, this metric was built for {num_classes}")
     targets = check_targets(targets, probs.shape[0], probs.shape[1])
     if targets.device != probs.device:
         raise ValueError(f"`targets` is on {targets.device} but `{name}` is on {probs.device}")
-    return probs, targets
+    return probs, targets, tol
 
 
 def check_logits_for_loss(logits, targets):

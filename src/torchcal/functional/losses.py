@@ -1,10 +1,13 @@
 """Training losses for calibration (SPEC §1), as pure functions of logits and integer targets.
 
-Everything starts from ``log_softmax``. ``1 − p_t`` is taken as ``−expm1(log p_t)`` (no cancellation when
-p_t → 1), and powers ``x**γ`` of a base that can reach 0 are guarded so that their gradient stays finite for
-0 < γ < 1 (the base is clamped at the smallest normal number; the clamp's gradient there is 0, the true
-limit of x·x^(γ−1)·... terms that multiply it). Under ``torch.autocast`` the loss is computed in float32.
-No loss calls ``.item()`` or loops over samples.
+Everything starts from ``log_softmax``; ``1 − p_t`` is ``−expm1(log p_t)`` (no cancellation as p_t → 1).
+Losses that depend on the logits only through p_t (and the runner-up p_j, and a squared-error term) run
+through one autograd Function with an analytic backward: per-sample coefficients c = p·∂loss/∂p, then a
+single (N, K) pass like cross entropy's. Bases of powers ``x**γ`` are clamped at the smallest normal number
+and the coefficients are written so that they stay finite for 0 < γ < 1 as p_t → 1 (e.g. γ q^γ·p log p/q with
+p log p/q → −1). Half-precision logits (and ``torch.autocast`` regions) are computed in float32. No loss
+calls ``.item()``, loops over samples or synchronises with an accelerator (the label range is checked for
+CPU tensors only).
 """
 
 from __future__ import annotations
@@ -62,6 +65,23 @@ def _gamma(gamma, name="gamma", low=0.0):
     return check_float(gamma, name, low=low)
 
 
+def _runner_up(log_p, log_pt):
+    """log p_j and j for the largest class strictly below p_t (ties with p_t excluded; −inf when none),
+    without sorting: a masked max over rows, chunked through one small cache-resident buffer so that no
+    (N, K) temporary is allocated."""
+    n, k = log_p.shape
+    rows = min(n, max(1, (1 << 18) // k))
+    buf = torch.empty(rows, k, dtype=log_p.dtype, device=log_p.device)
+    values = torch.empty(n, dtype=log_p.dtype, device=log_p.device)
+    index = torch.empty(n, dtype=torch.long, device=log_p.device)
+    for s in range(0, n, rows):
+        m = min(rows, n - s)
+        chunk = buf[:m].copy_(log_p[s : s + m])
+        chunk.masked_fill_(chunk >= log_pt[s : s + m, None], -math.inf)
+        torch.max(chunk, dim=1, out=(values[s : s + m], index[s : s + m]))
+    return values, index
+
+
 class _TrueClassLoss(torch.autograd.Function):
     """Per-sample f(p_t[, p_j]) + λ·Σ_k (p_k − onehot_k)² with an analytic backward.
 
@@ -79,8 +99,7 @@ class _TrueClassLoss(torch.autograd.Function):
         log_pt = log_p.gather(1, targets[:, None]).squeeze(1)
         c_j = j = sq = None
         if runner_up:
-            # the largest class strictly below p_t (ties with p_t excluded), without sorting
-            log_pj, j = log_p.masked_fill(log_p >= log_pt[:, None], -math.inf).max(dim=1)
+            log_pj, j = _runner_up(log_p, log_pt)
             loss, c_t, c_j = weight_fn(log_pt, log_pj.exp())
         else:
             loss, c_t = weight_fn(log_pt)
