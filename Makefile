@@ -20,13 +20,21 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 setup: $(VENV)/.installed
 
 lint: setup
-	$(BIN)/ruff check src tests benchmarks examples
+	$(BIN)/ruff check src tests benchmarks
 
 test: lint
 	$(BIN)/python -m pytest -n 2 -q
 
+FMNIST_DIR := /usr/share/datasets/fashion-mnist
+
 demo: setup
-	$(BIN)/python examples/demo_digits.py --out torchcal-demo
+	@# Fashion-MNIST from Debian's dataset-fashion-mnist when apt is there; otherwise the demo uses digits
+	@if [ ! -e $(FMNIST_DIR)/train-images-idx3-ubyte.gz ] && command -v apt-get >/dev/null 2>&1; then \
+		(apt-get install -y -qq dataset-fashion-mnist >/dev/null 2>&1 || \
+		 (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq dataset-fashion-mnist >/dev/null 2>&1) || \
+		 echo "could not install dataset-fashion-mnist; the demo falls back to scikit-learn digits"); \
+	fi
+	$(BIN)/torchcal demo --out torchcal-demo
 
 bench: setup
 	$(BIN)/python benchmarks/bench_metrics.py

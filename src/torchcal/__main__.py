@@ -1,0 +1,3 @@
+from torchcal.experiments.cli import main
+
+main()

@@ -1,0 +1,223 @@
+"""The ``torchcal`` command line (typer): demo, train, evaluate, calibrate, report, list."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.markdown import Markdown
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from .config import ConfigError, load_config
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Calibration experiments with torchcal.")
+console = Console(width=max(Console().width, 180))
+
+DEMO_LOSSES = ("ce", "ls-0.05", "brier", "mmce", "fl-3", "flsd-53", "dfl", "adafocal", "fcl")
+
+
+def _progress():
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=console, transient=False)  # fmt: skip
+
+
+def _train_with_bar(cfg, run_dir, resume=False, label=None):
+    from .train import train
+
+    with _progress() as bar:
+        task = bar.add_task(label or f"train {run_dir}", total=cfg.train.epochs)
+
+        def step(epoch, batch, n_batches):
+            bar.update(task, completed=epoch + batch / n_batches)
+
+        rows = train(cfg, run_dir, resume=resume, progress=step)
+        bar.update(task, completed=cfg.train.epochs)
+    return rows
+
+
+@app.command()
+def train(
+    config: Path = typer.Argument(None, help="YAML config file (optional: defaults otherwise)"),
+    overrides: list[str] = typer.Argument(None, help="section.key=value overrides, e.g. optim.lr=0.1"),
+    run_dir: Path = typer.Option(Path("runs/run"), "--run-dir", "-o", help="folder of the run"),
+    resume: bool = typer.Option(False, "--resume", help="continue the run in --run-dir from its checkpoint"),
+):
+    """Train a model with a calibration loss; the run folder holds config, metrics log, checkpoint, logits."""
+    overrides = list(overrides or [])
+    if config is not None and "=" in str(config) and not config.exists():  # only overrides were given
+        overrides, config = [str(config), *overrides], None
+    if resume:
+        cfg = load_config(None, [])
+    else:
+        try:
+            cfg = load_config(config, overrides)
+        except ConfigError as err:
+            raise typer.BadParameter(str(err)) from None
+    rows = _train_with_bar(cfg, run_dir, resume=resume)
+    console.print(f"trained {len(rows)} epochs; last: {json.dumps(rows[-1]) if rows else '-'}")
+
+
+@app.command()
+def evaluate(run_dir: Path, calibrators: str = typer.Option("ts,fts", help="comma-separated calibrators")):
+    """Every metric before and after each calibrator (fitted on validation), written to results.json."""
+    from .evaluate import evaluate_run
+
+    result = evaluate_run(run_dir, tuple(c for c in calibrators.split(",") if c))
+    console.print_json(json.dumps(result))
+
+
+@app.command()
+def calibrate(run_dir: Path, method: str = typer.Option("ts", "--method", "-m", help="ts, fts, ets, ...")):
+    """Fit one post-hoc calibrator on the run's validation logits and evaluate it on test."""
+    from .evaluate import calibrate_run
+
+    out = calibrate_run(run_dir, method)
+    out.pop("calibrator")
+    console.print_json(json.dumps(out))
+
+
+@app.command()
+def report(
+    run_dirs: list[Path],
+    out: Path = typer.Option(Path("report"), "--out", help="output folder"),
+    calibrator: str = typer.Option("ts", help="calibrator of the post columns"),
+):
+    """The papers' table over runs (Markdown and CSV)."""
+    from .evaluate import report as make_report
+
+    markdown, _ = make_report(run_dirs, out, calibrator)
+    console.print(Markdown(markdown))
+
+
+@app.command(name="list")
+def list_things(what: str = typer.Argument(..., help="models | datasets | losses | calibrators")):
+    """List the registered models, datasets, losses or calibrators."""
+    from ..calibrators import list_calibrators
+    from ..losses import list_losses
+    from .data import list_datasets
+    from .models import list_models
+
+    table = {
+        "models": list_models,
+        "datasets": list_datasets,
+        "losses": list_losses,
+        "calibrators": list_calibrators,
+    }
+    if what not in table:
+        raise typer.BadParameter(f"choose one of {sorted(table)}")
+    items = table[what]()
+    for item in items:
+        console.print(f"{item}: {items[item]}" if isinstance(items, dict) else item)
+
+
+@app.command()
+def demo(
+    out: Path = typer.Option(Path("torchcal-demo"), "--out", help="output folder"),
+    epochs: int = typer.Option(3, help="epochs per loss"),
+    limit_train: int = typer.Option(0, help="use only the first n training images (0: all)"),
+):
+    """Fashion-MNIST (or digits when it is missing): train with 9 losses, calibrate with TS and FTS,
+    evaluate on test, a Gaussian-noise shifted test set and an OOD set, and write the report."""
+    from .config import RunConfig
+    from .data import DatasetError, load_fashion_mnist
+    from .evaluate import evaluate_run
+    from .evaluate import report as make_report
+
+    start = time.time()
+    cfg = RunConfig()
+    cfg.train.epochs = epochs
+    cfg.data.limit_train = limit_train
+    try:
+        load_fashion_mnist(cfg.data.root or None)
+        console.print("data: Fashion-MNIST (55,000 train / 5,000 validation / 10,000 test); shift: Gaussian "
+                      "noise σ = 0.5; OOD: scikit-learn digits rescaled to 28 × 28")  # fmt: skip
+    except DatasetError as err:
+        console.print(f"[yellow]Fashion-MNIST not found ({err}); falling back to scikit-learn digits[/]")
+        cfg.data.name, cfg.data.ood, cfg.data.val_size = "digits", "", 300
+    runs = []
+    for loss in DEMO_LOSSES:
+        run_cfg = load_config(None, [])
+        run_cfg.data, run_cfg.train = cfg.data, cfg.train
+        run_cfg.loss.name = loss
+        run_dir = out / "runs" / loss
+        if (run_dir / "logits.pt").exists():
+            console.print(f"{loss}: already trained, kept")
+        else:
+            resume = (run_dir / "checkpoint.pt").exists()
+            _train_with_bar(run_cfg, run_dir, resume=resume, label=f"{loss:>9}")
+        evaluate_run(run_dir, tuple(cfg.train.calibrators))
+        runs.append(run_dir)
+    for calibrator in cfg.train.calibrators:
+        make_report(runs, out / f"report-{calibrator}", calibrator)
+    console.print(_summary_table(runs, cfg.train.calibrators))
+    _figures(runs, out)
+    console.print(f"report and reliability diagrams in {out}/ ({time.time() - start:.0f} s)")
+
+
+def _summary_table(runs, calibrators):
+    from rich.table import Table
+
+    arrows = " → ".join(["uncal.", *(c.upper() for c in calibrators)])
+    table = Table(title=f"test set ×100 ({arrows}, fitted on validation); full tables in report-*/report.md")
+    for col in (
+        "loss",
+        "error",
+        "ECE",
+        "AdaECE",
+        "NLL",
+        "shift ECE",
+        "OOD AUROC",
+        *(c.upper() for c in calibrators),
+    ):
+        table.add_column(col, justify="left" if col == "loss" else "right")
+    for run_dir in runs:
+        res = json.loads((run_dir / "results.json").read_text())
+        chain = [res["uncalibrated"], *(res[c] for c in calibrators)]
+
+        def cell(key, split="test", chain=chain, digits=2):
+            values = [r.get(split, {}).get(key) if split else r.get(key) for r in chain]
+            return " → ".join("-" if v is None else f"{100 * v:.{digits}f}" for v in values)
+
+        params = [
+            ", ".join(f"{'T' if k == 'temperature_' else 'γ'}={v:.3g}" for k, v in res[c]["parameters"].items()
+                      if k in ("temperature_", "gamma_"))
+            for c in calibrators
+        ]  # fmt: skip
+        table.add_row(run_dir.name, f"{100 * chain[0]['test']['error']:.2f}", cell("ece"), cell("adaece"),
+                      cell("nll"), cell("ece", "shift"), cell("ood_auroc", None, digits=1), *params)  # fmt: skip
+    return table
+
+
+def _figures(runs, out: Path) -> None:
+    import torch
+
+    from ..calibrators import TemperatureScaling
+    from ..plotting import plot_reliability_diagram, save_figure
+
+    (out / "figures").mkdir(parents=True, exist_ok=True)
+    for run_dir in runs:
+        logits = torch.load(run_dir / "logits.pt", weights_only=True)
+        test = logits["test"]
+        ts = TemperatureScaling(objective="ece").fit(logits["val"]["logits"], logits["val"]["targets"])
+        for tag, probs in (
+            ("pre", torch.softmax(test["logits"], 1)),
+            ("post-ts", ts.transform(test["logits"])),
+        ):
+            fig = plot_reliability_diagram(
+                probs=probs, targets=test["targets"], title=f"{run_dir.name}, {tag}"
+            )
+            save_figure(fig, out / "figures" / f"reliability-{run_dir.name}-{tag}.png", dpi=100)
+            import matplotlib.pyplot as plt
+
+            plt.close(fig)
+
+
+def main() -> None:  # console script entry point
+    app()
+
+
+if __name__ == "__main__":
+    main()

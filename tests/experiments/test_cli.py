@@ -1,0 +1,30 @@
+from typer.testing import CliRunner
+
+from torchcal.experiments.cli import app
+
+runner = CliRunner()
+
+
+def test_list():
+    result = runner.invoke(app, ["list", "losses"])
+    assert result.exit_code == 0 and "flsd-53" in result.output
+    assert runner.invoke(app, ["list", "things"]).exit_code != 0
+
+
+def test_train_evaluate_report(tmp_path):
+    run = tmp_path / "run"
+    args = ["train", "--run-dir", str(run), "data.name=digits", "data.ood=", "data.val_size=300",
+            "model.width=16", "train.epochs=1", "loss.name=dfl"]  # fmt: skip
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert (run / "logits.pt").exists()
+    assert runner.invoke(app, ["calibrate", str(run), "--method", "ets"]).exit_code == 0
+    assert runner.invoke(app, ["evaluate", str(run), "--calibrators", "ts"]).exit_code == 0
+    result = runner.invoke(app, ["report", str(run), "--out", str(tmp_path / "rep")])
+    assert result.exit_code == 0 and (tmp_path / "rep" / "report.csv").exists()
+
+
+def test_unknown_override_key_fails_with_the_valid_keys(tmp_path):
+    result = runner.invoke(app, ["train", "--run-dir", str(tmp_path / "r"), "optim.lrate=1"])
+    assert result.exit_code != 0
+    assert "unknown key optim.lrate" in result.output

@@ -1,0 +1,43 @@
+import pytest
+
+from torchcal.experiments.config import ConfigError, RunConfig, apply_overrides, config_to_dict, load_config
+
+
+def test_defaults_file_and_overrides(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("loss:\n  name: flsd-53\noptim:\n  name: sgd\n  lr: 1\n  milestones: [150, 250]\n")
+    cfg = load_config(path, ["optim.lr=0.05", "train.epochs=2", "loss.kwargs.gamma=3", "data.augment=true"])
+    assert cfg.loss.name == "flsd-53" and cfg.optim.name == "sgd"
+    assert cfg.optim.lr == 0.05 and isinstance(cfg.optim.lr, float)
+    assert cfg.optim.milestones == [150, 250]
+    assert cfg.train.epochs == 2 and cfg.loss.kwargs == {"gamma": 3}
+    assert cfg.data.augment is True
+    assert config_to_dict(RunConfig())["model"] == {"name": "mlp", "width": 256}
+
+
+@pytest.mark.parametrize(
+    "override,match",
+    [
+        (
+            "optim.lrate=0.1",
+            r"unknown key optim.lrate; valid keys of optim: \['gamma', 'grad_clip_norm', 'lr'",
+        ),
+        ("optimizer.lr=0.1", r"unknown config section 'optimizer'; valid sections: \['data', 'loss'"),
+        ("train.epochs=two", "train.epochs must be int, got 'two'"),
+        ("train.epochs", "must look like section.key=value"),
+        ("epochs=3", "must name a section and a key"),
+        ("optim.lr.x=1", "only loss.kwargs takes nested keys"),
+    ],
+)
+def test_typos_fail_with_the_valid_choices(override, match):
+    with pytest.raises(ConfigError, match=match):
+        apply_overrides(RunConfig(), [override])
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="must be a mapping"):
+        load_config(bad)

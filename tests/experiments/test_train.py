@@ -1,0 +1,111 @@
+"""The training loop: files of a run, exact resume after a stop or a SIGKILL, clear checkpoint errors."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import yaml
+
+from torchcal.experiments.config import load_config
+from torchcal.experiments.evaluate import evaluate_run, report
+from torchcal.experiments.train import CheckpointError, train
+
+TINY = ["data.name=digits", "data.ood=", "data.val_size=300", "data.batch_size=64", "model.width=16",
+        "train.epochs=3", "train.num_threads=1"]  # fmt: skip
+
+
+def tiny(*extra):
+    return load_config(None, [*TINY, *extra])
+
+
+def weights(run_dir):
+    return torch.load(run_dir / "checkpoint.pt", weights_only=True)["model"]
+
+
+def test_run_folder_contents(tmp_path):
+    rows = train(tiny(), tmp_path / "run")
+    run = tmp_path / "run"
+    assert [r["epoch"] for r in rows] == [0, 1, 2]
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert saved["model"]["width"] == 16 and saved["meta"]["torchcal_version"]
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["epoch"] for line in lines] == [0, 1, 2]
+    assert {"val_ece", "test_ece", "train_loss"} <= set(json.loads(lines[-1]))
+    logits = torch.load(run / "logits.pt", weights_only=True)
+    assert set(logits) == {"val", "test", "shift"} and logits["test"]["logits"].shape[1] == 10
+    with pytest.raises(FileExistsError, match="--resume"):
+        train(tiny(), run)
+
+
+def test_stop_and_resume_equals_uninterrupted(tmp_path):
+    train(tiny("loss.name=adafocal"), tmp_path / "full")
+    train(tiny("loss.name=adafocal"), tmp_path / "part", stop_after=1)
+    assert len((tmp_path / "part" / "metrics.jsonl").read_text().splitlines()) == 1
+    rows = train(tiny(), tmp_path / "part", resume=True)  # the config comes from the checkpoint
+    assert [r["epoch"] for r in rows] == [0, 1, 2]
+    full, part = weights(tmp_path / "full"), weights(tmp_path / "part")
+    for name in full:
+        assert torch.equal(full[name], part[name]), name
+    full_rows = [json.loads(x) for x in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
+    assert full_rows == rows  # AdaFocal's γ and every metric identical
+
+
+@pytest.mark.parametrize("kill_after", [2.6, 3.3, 4.0])
+def test_sigkill_at_any_moment_then_resume(tmp_path, kill_after):
+    """Kill the training process with SIGKILL at some moment (import ~2 s, then 6 short epochs), resume
+    (or restart when no checkpoint was written yet) and compare with an uninterrupted run bit for bit."""
+    cfg_args = [*TINY, "train.epochs=6"]
+    train(load_config(None, cfg_args), tmp_path / "reference")
+    run = tmp_path / "killed"
+    code = (
+        "from torchcal.experiments.config import load_config; from torchcal.experiments.train import train;"
+        f"train(load_config(None, {cfg_args!r}), {str(run)!r})"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "OMP_NUM_THREADS": "1"})
+    time.sleep(kill_after)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    leftovers = [p.name for p in run.glob("*.tmp")] if run.exists() else []
+    if (run / "checkpoint.pt").exists():
+        torch.load(run / "checkpoint.pt", weights_only=True)  # never half-written
+        train(load_config(None, cfg_args), run, resume=True)
+    else:
+        train(load_config(None, cfg_args), run)
+    reference, resumed = weights(tmp_path / "reference"), weights(run)
+    for name in reference:
+        assert torch.equal(reference[name], resumed[name]), name
+    ref_rows = (tmp_path / "reference" / "metrics.jsonl").read_text()
+    assert (run / "metrics.jsonl").read_text() == ref_rows
+    # a temporary file of an interrupted atomic write may remain, but never under a real name
+    assert all(name.endswith(".tmp") for name in leftovers)
+
+
+def test_corrupt_or_foreign_checkpoints(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "checkpoint.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match="corrupt or not a torchcal checkpoint"):
+        train(tiny(), run, resume=True)
+    torch.save({"weights": torch.zeros(2)}, run / "checkpoint.pt")
+    with pytest.raises(CheckpointError, match="not a torchcal checkpoint"):
+        train(tiny(), run, resume=True)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        train(tiny(), tmp_path / "empty", resume=True)
+
+
+def test_evaluate_and_report(tmp_path):
+    runs = []
+    for loss in ("ce", "fl-3"):
+        train(tiny(f"loss.name={loss}", "train.epochs=1"), tmp_path / loss)
+        result = evaluate_run(tmp_path / loss, ("ts", "fts"))
+        assert {"uncalibrated", "ts", "fts"} <= set(result)
+        assert result["ts"]["parameters"]["temperature_"] > 0
+        runs.append(tmp_path / loss)
+    markdown, csv_text = report(runs, tmp_path / "report")
+    assert "| ce | ce |" in markdown and "(T=" in markdown
+    assert (tmp_path / "report" / "report.md").exists() and len(csv_text.splitlines()) == 3
