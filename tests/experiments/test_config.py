@@ -41,3 +41,20 @@ def test_missing_and_malformed_files(tmp_path):
     bad.write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="must be a mapping"):
         load_config(bad)
+
+
+def test_every_paper_preset_loads_and_names_real_components():
+    from torchcal.experiments.cli import list_presets
+    from torchcal.experiments.models import list_models
+    from torchcal.losses import create
+
+    presets = list_presets()
+    assert len(presets) == 72
+    for name, path in presets.items():
+        cfg = load_config(path)
+        assert cfg.model.name in list_models(), name
+        create(cfg.loss.name, reduction=cfg.loss.reduction, **cfg.loss.kwargs)
+        assert cfg.optim.grad_clip_norm == 2.0 and cfg.train.epochs == 350
+        assert cfg.loss.reduction == ("mean" if cfg.loss.name == "brier" else "sum")
+    fcl = load_config(presets["cifar10_resnet50_fcl"])
+    assert fcl.loss.kwargs == {"gamma": 4.0, "lambda_": 1.5}

@@ -93,8 +93,8 @@ def report(
 
 
 @app.command(name="list")
-def list_things(what: str = typer.Argument(..., help="models | datasets | losses | calibrators")):
-    """List the registered models, datasets, losses or calibrators."""
+def list_things(what: str = typer.Argument(..., help="models | datasets | losses | calibrators | presets")):
+    """List the registered models, datasets, losses, calibrators or the paper presets (configs/*.yaml)."""
     from ..calibrators import list_calibrators
     from ..losses import list_losses
     from .data import list_datasets
@@ -105,6 +105,7 @@ def list_things(what: str = typer.Argument(..., help="models | datasets | losses
         "datasets": list_datasets,
         "losses": list_losses,
         "calibrators": list_calibrators,
+        "presets": list_presets,
     }
     if what not in table:
         raise typer.BadParameter(f"choose one of {sorted(table)}")
@@ -213,6 +214,14 @@ def _figures(runs, out: Path) -> None:
             import matplotlib.pyplot as plt
 
             plt.close(fig)
+
+
+def list_presets() -> dict[str, str]:
+    """The paper presets: configs/*.yaml of the source checkout (or of the current folder)."""
+    for folder in (Path(__file__).resolve().parents[3] / "configs", Path.cwd() / "configs"):
+        if folder.is_dir():
+            return {p.stem: str(p) for p in sorted(folder.glob("*.yaml"))}
+    return {}
 
 
 def main() -> None:  # console script entry point

@@ -43,9 +43,11 @@ class DataConfig:
     eval_batch_size: int = 1000
     augment: bool = False
     limit_train: int = 0  # 0: all training samples (a positive value takes the first n, for smoke runs)
-    shift: str = "gaussian_noise"  # shifted test set: "" for none
-    shift_severity: float = 0.5
-    ood: str = "digits"  # out-of-distribution set: "" for none
+    shift: str = "gaussian_noise"  # shifted test set: gaussian_noise (synthetic), cifar10_c, or "" for none
+    shift_severity: float = 0.5  # noise σ for gaussian_noise; severity 1-5 for cifar10_c
+    shift_root: str = ""  # folder of CIFAR-10-C (<corruption>.npy, labels.npy)
+    ood: str = "digits"  # out-of-distribution set: digits, svhn, or "" for none
+    ood_root: str = ""  # folder of SVHN's test_32x32.mat
 
 
 @dataclass

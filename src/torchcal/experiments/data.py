@@ -24,6 +24,10 @@ __all__ = [
     "gaussian_noise",
     "load_splits",
     "list_datasets",
+    "load_cifar",
+    "load_svhn",
+    "load_cifar10_c",
+    "random_crop_flip",
 ]
 
 FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
@@ -101,16 +105,116 @@ def load_digits_28() -> Dataset:
 
 
 def split_train_val(train: Dataset, val_size: int, seed: int = 1) -> tuple[Dataset, Dataset]:
-    """Shuffles with ``seed`` and takes the first ``val_size`` as validation, the rest as training (SPEC §5)."""
+    """The papers' split: indices 0..N-1 shuffled by ``numpy.random.RandomState(seed).shuffle`` (what the
+    released code's ``np.random.seed(1); np.random.shuffle(indices)`` does), the first ``val_size`` for
+    validation and the rest for training (SPEC §5: CIFAR 45,000 / 5,000 with seed 1)."""
     n = len(train)
     if not 0 < val_size < n:
         raise ValueError(f"`val_size` must be in (0, {n}), got {val_size}")
-    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    indices = np.arange(n)
+    np.random.RandomState(seed).shuffle(indices)
+    perm = torch.from_numpy(indices)
     val_idx, train_idx = perm[:val_size], perm[val_size:]
     return (
         Dataset(train.inputs[train_idx], train.targets[train_idx]),
         Dataset(train.inputs[val_idx], train.targets[val_idx]),
     )
+
+
+# ----------------------------------------------------------------------------- CIFAR, SVHN, CIFAR-10-C
+
+
+def _unpickle(path: Path) -> dict:
+    import pickle
+
+    if not path.is_file():
+        raise DatasetError(f"missing file {path}")
+    with open(path, "rb") as fh:
+        return pickle.load(fh, encoding="bytes")  # the files are Python-2 pickles with byte-string keys
+
+
+def _images_from_rows(rows: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(
+        np.asarray(rows, dtype=np.uint8).reshape(-1, 3, 32, 32).astype(np.float32) / 255.0
+    )
+
+
+def load_cifar(root: str | Path, num_classes: int = 10) -> tuple[Dataset, Dataset]:
+    """(train, test) of CIFAR-10 (``cifar-10-batches-py``: data_batch_1..5, test_batch) or CIFAR-100
+    (``cifar-100-python``: train, test; fine labels) from the python pickles; 3 × 32 × 32 images."""
+    root = Path(root)
+    if num_classes == 10:
+        folder = root / "cifar-10-batches-py" if (root / "cifar-10-batches-py").is_dir() else root
+        files = ([folder / f"data_batch_{i}" for i in range(1, 6)], [folder / "test_batch"])
+        label_key = b"labels"
+    elif num_classes == 100:
+        folder = root / "cifar-100-python" if (root / "cifar-100-python").is_dir() else root
+        files = ([folder / "train"], [folder / "test"])
+        label_key = b"fine_labels"
+    else:
+        raise ValueError(f"`num_classes` must be 10 or 100, got {num_classes}")
+    out = []
+    for group in files:
+        try:
+            parts = [_unpickle(f) for f in group]
+        except DatasetError as err:
+            raise DatasetError(
+                f"{err}. Put the python version of CIFAR-{num_classes} (the folder {folder.name} with "
+                f"{', '.join(f.name for f in files[0] + files[1])}) under {root} and pass data.root=<folder>; "
+                "nothing is downloaded."
+            ) from None
+        x = _images_from_rows(np.concatenate([p[b"data"] for p in parts]))
+        y = torch.tensor(np.concatenate([np.asarray(p[label_key]) for p in parts]), dtype=torch.long)
+        out.append(Dataset(x, y))
+    return out[0], out[1]
+
+
+def load_svhn(root: str | Path, split: str = "test") -> Dataset:
+    """SVHN ``<split>_32x32.mat`` (X: 32 × 32 × 3 × N uint8, y: N × 1 with 10 meaning digit 0)."""
+    from scipy.io import loadmat
+
+    path = Path(root) / f"{split}_32x32.mat"
+    if not path.is_file():
+        raise DatasetError(f"missing file {path}: put SVHN's {split}_32x32.mat there (data.root=<folder>)")
+    mat = loadmat(path)
+    x = torch.from_numpy(np.ascontiguousarray(mat["X"].transpose(3, 2, 0, 1)).astype(np.float32) / 255.0)
+    y = torch.from_numpy(mat["y"].reshape(-1).astype(np.int64) % 10)
+    return Dataset(x, y)
+
+
+def load_cifar10_c(root: str | Path, corruption: str = "gaussian_noise", severity: int = 5) -> Dataset:
+    """CIFAR-10-C ``<corruption>.npy`` (50,000 × 32 × 32 × 3 uint8, severities 1-5 in blocks of 10,000) and
+    ``labels.npy``."""
+    if not 1 <= severity <= 5:
+        raise ValueError(f"`severity` must be in 1..5, got {severity}")
+    root = Path(root)
+    images, labels = root / f"{corruption}.npy", root / "labels.npy"
+    for path in (images, labels):
+        if not path.is_file():
+            raise DatasetError(
+                f"missing file {path}: put CIFAR-10-C's {path.name} there (data.root=<folder>)"
+            )
+    block = slice((severity - 1) * 10000, severity * 10000)
+    x = np.load(images, mmap_mode="r")[block]
+    y = np.load(labels)[block]
+    return Dataset(torch.from_numpy(np.ascontiguousarray(x.transpose(0, 3, 1, 2)).astype(np.float32) / 255.0),
+                   torch.from_numpy(y.astype(np.int64)))  # fmt: skip
+
+
+def random_crop_flip(x: torch.Tensor, generator: torch.Generator, padding: int = 4) -> torch.Tensor:
+    """RandomCrop(H, padding) + RandomHorizontalFlip on a batch of tensors (on their device), one draw per
+    image from ``generator`` (a CPU generator, so the draws are identical on any device)."""
+    b, c, h, w = x.shape
+    padded = torch.nn.functional.pad(x, (padding, padding, padding, padding))
+    oy = torch.randint(0, 2 * padding + 1, (b,), generator=generator).to(x.device)
+    ox = torch.randint(0, 2 * padding + 1, (b,), generator=generator).to(x.device)
+    flip = (torch.rand(b, generator=generator) < 0.5).to(x.device)
+    rows = (oy[:, None] + torch.arange(h, device=x.device))[:, None, :, None]  # (B, 1, H, 1)
+    cols = torch.arange(w, device=x.device).expand(b, w)
+    cols = (torch.where(flip[:, None], cols.flip(1), cols) + ox[:, None])[:, None, None, :]  # (B, 1, 1, W)
+    batch = torch.arange(b, device=x.device)[:, None, None, None]
+    channel = torch.arange(c, device=x.device)[None, :, None, None]
+    return padded[batch, channel, rows, cols]
 
 
 def gaussian_noise(data: Dataset, std: float, seed: int = 0) -> Dataset:
@@ -123,7 +227,11 @@ def gaussian_noise(data: Dataset, std: float, seed: int = 0) -> Dataset:
 _DATASETS = {
     "fashion_mnist": "Fashion-MNIST (IDX files; Debian package dataset-fashion-mnist)",
     "digits": "scikit-learn digits rescaled to 28 x 28 (bundled with scikit-learn)",
+    "cifar10": "CIFAR-10 python pickles (cifar-10-batches-py); 45k/5k split with seed 1",
+    "cifar100": "CIFAR-100 python pickles (cifar-100-python); 45k/5k split with seed 1",
 }
+_SHIFTS = {"gaussian_noise": "additive Gaussian noise of σ = shift_severity", "cifar10_c": "CIFAR-10-C"}
+_OOD = {"digits": "scikit-learn digits 28 x 28", "svhn": "SVHN test_32x32.mat"}
 
 
 def list_datasets() -> dict[str, str]:
@@ -136,6 +244,8 @@ def load_splits(cfg) -> dict[str, Dataset]:
         train, test = load_fashion_mnist(
             cfg.root or os.environ.get("TORCHCAL_FASHION_MNIST", FASHION_MNIST_DIR)
         )
+    elif cfg.name in ("cifar10", "cifar100"):
+        train, test = load_cifar(cfg.root or "data", 10 if cfg.name == "cifar10" else 100)
     elif cfg.name == "digits":
         full = load_digits_28()
         perm = torch.randperm(len(full), generator=torch.Generator().manual_seed(0))
@@ -150,10 +260,16 @@ def load_splits(cfg) -> dict[str, Dataset]:
     splits = {"train": train, "val": val, "test": test}
     if cfg.shift == "gaussian_noise":
         splits["shift"] = gaussian_noise(test, cfg.shift_severity)
+    elif cfg.shift == "cifar10_c":
+        splits["shift"] = load_cifar10_c(
+            cfg.shift_root or "data/CIFAR-10-C", "gaussian_noise", int(cfg.shift_severity)
+        )
     elif cfg.shift:
-        raise ValueError(f"unknown shift {cfg.shift!r}; available: ['gaussian_noise']")
+        raise ValueError(f"unknown shift {cfg.shift!r}; available: {sorted(_SHIFTS)}")
     if cfg.ood == "digits" and cfg.name != "digits":
         splits["ood"] = load_digits_28()
+    elif cfg.ood == "svhn":
+        splits["ood"] = load_svhn(cfg.ood_root or "data/svhn", "test")
     elif cfg.ood and cfg.ood != "digits":
-        raise ValueError(f"unknown OOD set {cfg.ood!r}; available: ['digits']")
+        raise ValueError(f"unknown OOD set {cfg.ood!r}; available: {sorted(_OOD)}")
     return splits

@@ -1,8 +1,10 @@
-"""Model registry of the runner (the demo models for now; the papers' CIFAR models follow with their data)."""
+"""Model registry of the runner: the demo models and the papers' CIFAR models (SPEC §5)."""
 
 from __future__ import annotations
 
 from torch import nn
+
+from .cifar_models import BasicBlock, Bottleneck, CifarResNet, DenseNet, WideResNet
 
 __all__ = ["create_model", "list_models"]
 
@@ -31,9 +33,26 @@ def _small_cnn(num_classes: int, in_shape, width: int) -> nn.Module:
     )  # fmt: skip
 
 
+def _resnet50(num_classes, in_shape, width):
+    return CifarResNet(Bottleneck, (3, 4, 6, 3), num_classes, in_channels=in_shape[0])
+
+
+def _resnet110(num_classes, in_shape, width):
+    return CifarResNet(Bottleneck, (3, 4, 26, 3), num_classes, in_channels=in_shape[0])
+
+
+def _resnet110_he(num_classes, in_shape, width):
+    return CifarResNet(BasicBlock, (18, 18, 18), num_classes, widths=(16, 32, 64), in_channels=in_shape[0])
+
+
 _MODELS = {
     "mlp": (_mlp, "two hidden ReLU layers of `width` units"),
     "small_cnn": (_small_cnn, "two conv + pool blocks and a `width`-unit head"),
+    "resnet50": (_resnet50, "CIFAR ResNet-50: bottleneck blocks (3, 4, 6, 3), 3 x 3 stem"),
+    "resnet110": (_resnet110, "the papers' 'ResNet-110': bottleneck blocks (3, 4, 26, 3) at ImageNet widths"),
+    "resnet110_he": (_resnet110_he, "He et al.'s CIFAR ResNet-110: basic blocks 3 x 18, widths 16/32/64"),
+    "wrn_26_10": (lambda k, s, w: WideResNet(26, 10, k), "WRN-26-10 without dropout"),
+    "densenet121": (lambda k, s, w: DenseNet((6, 12, 24, 16), 32, k), "DenseNet-121 (growth 32) for CIFAR"),
 }
 
 

@@ -25,7 +25,7 @@ from .. import __version__
 from ..losses import create as create_loss
 from ..metrics import CalibrationMetrics
 from .config import RunConfig, config_from_dict, config_to_dict
-from .data import load_splits
+from .data import load_splits, random_crop_flip
 from .models import create_model
 
 __all__ = [
@@ -191,11 +191,14 @@ def train(
         if hasattr(loss_fn, "set_epoch"):
             loss_fn.set_epoch(epoch)
         model.train()
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.train.seed * 100_003 + epoch))
+        epoch_gen = torch.Generator().manual_seed(cfg.train.seed * 100_003 + epoch)
+        order = torch.randperm(n, generator=epoch_gen)
         total = 0.0
         for b in range(n_batches):
             idx = order[b * bs : (b + 1) * bs]
             x, y = train_set.inputs[idx].to(device), train_set.targets[idx].to(device)
+            if cfg.data.augment:
+                x = random_crop_flip(x, epoch_gen)
             opt.zero_grad(set_to_none=True)
             loss = loss_fn(model(x), y)
             loss.backward()

@@ -1,0 +1,168 @@
+"""The papers' CIFAR models (SPEC §5): CIFAR ResNet-50, the papers' "ResNet-110", He et al.'s ResNet-110,
+WRN-26-10 and DenseNet-121, with input normalisation inside the model."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["CifarResNet", "WideResNet", "DenseNet", "Normalize", "CIFAR_MEAN", "CIFAR_STD"]
+
+# CIFAR-10 statistics, used for CIFAR-100 too (SPEC §5: the released code normalises the CIFAR-100 test set
+# with ImageNet statistics; we do not copy that).
+CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2023, 0.1994, 0.2010)
+
+
+class Normalize(nn.Module):
+    """Per-channel (x − mean)/std inside the model, so data stays in [0, 1] on disk and in augmentation."""
+
+    def __init__(self, mean, std):
+        super().__init__()
+        self.register_buffer("mean", torch.tensor(mean).view(1, -1, 1, 1))
+        self.register_buffer("std", torch.tensor(std).view(1, -1, 1, 1))
+
+    def forward(self, x):
+        return (x - self.mean) / self.std
+
+
+def _bn_relu_conv(cin, cout, k, stride=1):
+    return [nn.BatchNorm2d(cin), nn.ReLU(inplace=True), nn.Conv2d(cin, cout, k, stride, k // 2, bias=False)]
+
+
+class Bottleneck(nn.Module):
+    expansion = 4
+
+    def __init__(self, in_planes, planes, stride=1):
+        super().__init__()
+        out = planes * self.expansion
+        self.body = nn.Sequential(
+            nn.Conv2d(in_planes, planes, 1, bias=False), nn.BatchNorm2d(planes), nn.ReLU(inplace=True),
+            nn.Conv2d(planes, planes, 3, stride, 1, bias=False), nn.BatchNorm2d(planes), nn.ReLU(inplace=True),
+            nn.Conv2d(planes, out, 1, bias=False), nn.BatchNorm2d(out),
+        )  # fmt: skip
+        self.shortcut = nn.Sequential()
+        if stride != 1 or in_planes != out:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(in_planes, out, 1, stride, bias=False), nn.BatchNorm2d(out)
+            )
+
+    def forward(self, x):
+        return torch.relu(self.body(x) + self.shortcut(x))
+
+
+class BasicBlock(nn.Module):
+    expansion = 1
+
+    def __init__(self, in_planes, planes, stride=1):
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(in_planes, planes, 3, stride, 1, bias=False), nn.BatchNorm2d(planes), nn.ReLU(inplace=True),
+            nn.Conv2d(planes, planes, 3, 1, 1, bias=False), nn.BatchNorm2d(planes),
+        )  # fmt: skip
+        self.shortcut = nn.Sequential()
+        if stride != 1 or in_planes != planes:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(in_planes, planes, 1, stride, bias=False), nn.BatchNorm2d(planes)
+            )
+
+    def forward(self, x):
+        return torch.relu(self.body(x) + self.shortcut(x))
+
+
+def _head(x, fc):
+    return fc(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1))
+
+
+class CifarResNet(nn.Module):
+    """ResNet for 32 × 32 inputs: a 3 × 3 stem without max-pool, then stages of ``block`` (stride 2 at the
+    start of every stage but the first)."""
+
+    def __init__(self, block, blocks, num_classes, widths=(64, 128, 256, 512), in_channels=3):
+        super().__init__()
+        self.norm = Normalize(CIFAR_MEAN, CIFAR_STD)
+        self.stem = nn.Sequential(
+            nn.Conv2d(in_channels, widths[0], 3, 1, 1, bias=False),
+            nn.BatchNorm2d(widths[0]),
+            nn.ReLU(inplace=True),
+        )
+        layers, in_planes = [], widths[0]
+        for i, (n, planes) in enumerate(zip(blocks, widths, strict=True)):
+            for j in range(n):
+                layers.append(block(in_planes, planes, 2 if (i > 0 and j == 0) else 1))
+                in_planes = planes * block.expansion
+        self.layers = nn.Sequential(*layers)
+        self.fc = nn.Linear(in_planes, num_classes)
+
+    def forward(self, x):
+        return _head(self.layers(self.stem(self.norm(x))), self.fc)
+
+
+class WideBlock(nn.Module):
+    def __init__(self, in_planes, planes, stride):
+        super().__init__()
+        self.body = nn.Sequential(
+            *_bn_relu_conv(in_planes, planes, 3), *_bn_relu_conv(planes, planes, 3, stride)
+        )
+        self.shortcut = nn.Sequential()
+        if stride != 1 or in_planes != planes:
+            self.shortcut = nn.Conv2d(in_planes, planes, 1, stride, bias=False)
+
+    def forward(self, x):
+        return self.body(x) + self.shortcut(x)
+
+
+class WideResNet(nn.Module):
+    """WRN-d-k (Zagoruyko & Komodakis 2016) without dropout; (d − 4)//6 blocks per stage, like the papers'
+    code (so WRN-26-10 has 3 blocks per stage)."""
+
+    def __init__(self, depth, widen, num_classes):
+        super().__init__()
+        n = (depth - 4) // 6
+        widths = [16, 16 * widen, 32 * widen, 64 * widen]
+        self.norm = Normalize(CIFAR_MEAN, CIFAR_STD)
+        self.conv1 = nn.Conv2d(3, widths[0], 3, 1, 1, bias=False)
+        layers, in_planes = [], widths[0]
+        for i, planes in enumerate(widths[1:]):
+            for j in range(n):
+                layers.append(WideBlock(in_planes, planes, 2 if (i > 0 and j == 0) else 1))
+                in_planes = planes
+        self.layers = nn.Sequential(*layers, nn.BatchNorm2d(in_planes), nn.ReLU(inplace=True))
+        self.fc = nn.Linear(in_planes, num_classes)
+
+    def forward(self, x):
+        return _head(self.layers(self.conv1(self.norm(x))), self.fc)
+
+
+class _DenseLayer(nn.Module):
+    def __init__(self, in_planes, growth):
+        super().__init__()
+        self.body = nn.Sequential(
+            *_bn_relu_conv(in_planes, 4 * growth, 1), *_bn_relu_conv(4 * growth, growth, 3)
+        )
+
+    def forward(self, x):
+        return torch.cat([self.body(x), x], 1)
+
+
+class DenseNet(nn.Module):
+    """DenseNet-BC for CIFAR: 3 × 3 stem of 2·growth channels, bottleneck layers, transitions halving the
+    channels; DenseNet-121 = blocks (6, 12, 24, 16), growth 32."""
+
+    def __init__(self, blocks, growth, num_classes):
+        super().__init__()
+        self.norm = Normalize(CIFAR_MEAN, CIFAR_STD)
+        planes = 2 * growth
+        self.conv1 = nn.Conv2d(3, planes, 3, 1, 1, bias=False)
+        stages = []
+        for i, n in enumerate(blocks):
+            for _ in range(n):
+                stages.append(_DenseLayer(planes, growth))
+                planes += growth
+            if i < len(blocks) - 1:
+                stages += [*_bn_relu_conv(planes, planes // 2, 1), nn.AvgPool2d(2)]
+                planes //= 2
+        self.features = nn.Sequential(*stages, nn.BatchNorm2d(planes), nn.ReLU(inplace=True))
+        self.fc = nn.Linear(planes, num_classes)
+
+    def forward(self, x):
+        return _head(self.features(self.conv1(self.norm(x))), self.fc)

@@ -1,0 +1,130 @@
+"""CIFAR / SVHN / CIFAR-10-C readers on fixture files in their exact on-disk formats, augmentation, models."""
+
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from torchcal.experiments.config import load_config
+from torchcal.experiments.data import (
+    DatasetError,
+    load_cifar,
+    load_cifar10_c,
+    load_svhn,
+    random_crop_flip,
+    split_train_val,
+)
+from torchcal.experiments.models import create_model
+from torchcal.experiments.train import train
+
+
+def write_cifar(root, num_classes=10, per_batch=6, test=4):
+    """Python-2-style pickles (byte-string keys), rows of 3072 uint8 in channel-major order."""
+    rng = np.random.default_rng(num_classes)
+    key = b"labels" if num_classes == 10 else b"fine_labels"
+    folder = root / ("cifar-10-batches-py" if num_classes == 10 else "cifar-100-python")
+    folder.mkdir(parents=True)
+    names = [f"data_batch_{i}" for i in range(1, 6)] if num_classes == 10 else ["train"]
+    written = {}
+    for name in [*names, "test_batch" if num_classes == 10 else "test"]:
+        n = test if name.startswith("test") else per_batch
+        data = rng.integers(0, 256, size=(n, 3072), dtype=np.uint8)
+        labels = rng.integers(0, num_classes, size=n).tolist()
+        with open(folder / name, "wb") as fh:
+            pickle.dump({b"batch_label": name.encode(), key: labels, b"data": data}, fh, protocol=2)
+        written[name] = (data, labels)
+    return written
+
+
+@pytest.mark.parametrize("num_classes", [10, 100])
+def test_cifar_pickles(tmp_path, num_classes):
+    written = write_cifar(tmp_path, num_classes)
+    train_set, test_set = load_cifar(tmp_path, num_classes)
+    n_train = 30 if num_classes == 10 else 6
+    assert train_set.inputs.shape == (n_train, 3, 32, 32) and len(test_set) == 4
+    first = written["data_batch_1" if num_classes == 10 else "train"]
+    np.testing.assert_allclose(train_set.inputs[0].numpy().reshape(-1), first[0][0] / 255.0, atol=1e-7)
+    assert train_set.targets[: len(first[1])].tolist() == first[1]
+
+
+def test_missing_cifar_says_what_to_put_where(tmp_path):
+    with pytest.raises(DatasetError, match=r"Put the python version of CIFAR-10 .*data.root"):
+        load_cifar(tmp_path, 10)
+
+
+def test_papers_split_is_numpy_seed_1():
+    from torchcal.experiments.data import Dataset
+
+    data = Dataset(torch.arange(50).float()[:, None], torch.arange(50))
+    train_set, val = split_train_val(data, 5, seed=1)
+    indices = list(range(50))
+    np.random.seed(1)  # noqa: NPY002 - the released code's legacy global-RNG split, on purpose
+    np.random.shuffle(indices)  # noqa: NPY002
+    assert val.targets.tolist() == indices[:5] and train_set.targets.tolist() == indices[5:]
+
+
+def test_svhn_mat_label_ten_is_zero(tmp_path):
+    sio = pytest.importorskip("scipy.io")
+    x = np.random.default_rng(0).integers(0, 256, size=(32, 32, 3, 5), dtype=np.uint8)
+    y = np.array([[10], [1], [2], [10], [9]], dtype=np.uint8)
+    sio.savemat(tmp_path / "test_32x32.mat", {"X": x, "y": y})
+    data = load_svhn(tmp_path)
+    assert data.targets.tolist() == [0, 1, 2, 0, 9]
+    assert data.inputs.shape == (5, 3, 32, 32)
+    np.testing.assert_allclose(data.inputs[1, 2].numpy(), x[:, :, 2, 1] / 255.0, atol=1e-7)
+    with pytest.raises(DatasetError, match="train_32x32.mat"):
+        load_svhn(tmp_path, "train")
+
+
+def test_cifar10_c_severity_blocks(tmp_path):
+    images = np.zeros((50000, 32, 32, 3), dtype=np.uint8)
+    for s in range(5):
+        images[s * 10000 : (s + 1) * 10000] = s * 50
+    np.save(tmp_path / "gaussian_noise.npy", images)
+    np.save(tmp_path / "labels.npy", np.arange(50000) % 10)
+    data = load_cifar10_c(tmp_path, "gaussian_noise", 5)
+    assert len(data) == 10000 and data.inputs.shape == (10000, 3, 32, 32)
+    assert torch.allclose(data.inputs, torch.full_like(data.inputs, 200 / 255))
+    with pytest.raises(ValueError, match="`severity`"):
+        load_cifar10_c(tmp_path, "gaussian_noise", 6)
+    with pytest.raises(DatasetError, match="fog.npy"):
+        load_cifar10_c(tmp_path, "fog", 1)
+
+
+def test_random_crop_flip_is_a_shifted_possibly_flipped_window():
+    x = torch.rand(64, 3, 8, 8)
+    out = random_crop_flip(x, torch.Generator().manual_seed(0), padding=2)
+    padded = torch.nn.functional.pad(x, (2, 2, 2, 2))
+    for i in range(64):
+        found = any(
+            torch.equal(out[i], w) or torch.equal(out[i], w.flip(2))
+            for w in (padded[i, :, a : a + 8, b : b + 8] for a in range(5) for b in range(5))
+        )
+        assert found
+    again = random_crop_flip(x, torch.Generator().manual_seed(0), padding=2)
+    assert torch.equal(out, again)
+
+
+@pytest.mark.parametrize(
+    "name,params",
+    [("resnet50", 23_520_842), ("resnet110_he", 1_730_714), ("densenet121", 6_956_298), ("resnet110", None),
+     ("wrn_26_10", None)],
+)  # fmt: skip
+def test_cifar_models(name, params):
+    model = create_model(name, 10, (3, 32, 32))
+    if params is not None:  # the published parameter counts of these CIFAR variants
+        assert sum(p.numel() for p in model.parameters()) == params
+    with torch.no_grad():
+        assert model.eval()(torch.rand(2, 3, 32, 32)).shape == (2, 10)
+
+
+def test_tiny_cifar_run_with_augmentation(tmp_path):
+    write_cifar(tmp_path / "data", 10, per_batch=8)
+    cfg = load_config(None, [f"data.root={tmp_path / 'data'}", "data.name=cifar10", "data.val_size=5",
+                             "data.augment=true", "data.shift=", "data.ood=", "data.batch_size=16",
+                             "model.name=resnet110_he", "train.epochs=1", "optim.name=sgd",
+                             "optim.lr=0.1", "optim.weight_decay=0.0005", "optim.grad_clip_norm=2.0",
+                             "loss.name=flsd-53", "loss.reduction=sum"])  # fmt: skip
+    rows = train(cfg, tmp_path / "run")
+    assert len(rows) == 1 and np.isfinite(rows[0]["train_loss"])
