@@ -120,3 +120,15 @@ def test_sync_over_two_gloo_processes_equals_one_shot(tmp_path):
         for name, value in expected.items():
             # equal-mass estimators see the samples in another order: ties aside, the same sums
             torch.testing.assert_close(got[name], value, rtol=0, atol=1e-12, equal_nan=True, msg=name)
+
+
+def test_compute_a_subset():
+    probs, targets = make_probs(100, 4, seed=8)
+    m = CalibrationMetrics(4)
+    m.update(probs, targets)
+    full = m.compute()
+    part = m.compute(("ece", "smece"))
+    assert set(part) == {"ece", "smece"}
+    torch.testing.assert_close(part["smece"], full["smece"])
+    with pytest.raises(ValueError, match="does not compute"):
+        m.compute(("kde_ece",))

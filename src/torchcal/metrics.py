@@ -182,9 +182,10 @@ class CalibrationMetrics:
             raise RuntimeError("this CalibrationMetrics was built with equal_mass=False")
         return C.sorted_by_confidence(torch.cat(self._conf), torch.cat(self._correct))
 
-    def compute(self) -> dict[str, torch.Tensor]:
+    def compute(self, names=None) -> dict[str, torch.Tensor]:
         """Every supported metric as 0-d float64 tensors: ece, mce, classwise_ece, nll, brier, error,
-        s99_fraction, s99_accuracy and, with ``equal_mass``, adaece, debiased_ece, ece_sweep, smece."""
+        s99_fraction, s99_accuracy and, with ``equal_mass``, adaece, debiased_ece, ece_sweep, smece.
+        ``names`` restricts the result to those metrics (and skips the work of the others)."""
         top, cw, scalars = self._views()
         n = scalars[0]
         if float(n) == 0:
@@ -201,9 +202,19 @@ class CalibrationMetrics:
             "s99_accuracy": scalars[5] / scalars[4] if float(scalars[4]) > 0 else nan,
         }
         if self.equal_mass:
-            conf_s, corr_s = self.sorted_confidences()
-            out["adaece"] = C.adaece_from_sorted(conf_s, corr_s, self.n_bins)
-            out["debiased_ece"] = C.debiased_from_sorted(conf_s, corr_s, self.n_bins)
-            out["ece_sweep"] = C.sweep_from_sorted(conf_s, corr_s)[0]
-            out["smece"] = C.smooth_ece_from_conf(conf_s, corr_s)[0]
+            equal_mass = {
+                "adaece": lambda c, k: C.adaece_from_sorted(c, k, self.n_bins),
+                "debiased_ece": lambda c, k: C.debiased_from_sorted(c, k, self.n_bins),
+                "ece_sweep": lambda c, k: C.sweep_from_sorted(c, k)[0],
+                "smece": lambda c, k: C.smooth_ece_from_conf(c, k)[0],
+            }
+            wanted = [m for m in equal_mass if names is None or m in names]
+            if wanted:
+                conf_s, corr_s = self.sorted_confidences()
+                out.update({m: equal_mass[m](conf_s, corr_s) for m in wanted})
+        if names is not None:
+            unknown = set(names) - set(out)
+            if unknown:
+                raise ValueError(f"`names` has metrics this accumulator does not compute: {sorted(unknown)}")
+            out = {k: v for k, v in out.items() if k in names}
         return out

@@ -127,7 +127,9 @@ def test_parity_with_a_plain_pytorch_loop(tmp_path):
     sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[2], gamma=0.1)
     for epoch in range(3):
         model.train()
-        order = torch.randperm(len(y), generator=torch.Generator().manual_seed(cfg.train.seed * 100_003 + epoch))
+        order = torch.randperm(
+            len(y), generator=torch.Generator().manual_seed(cfg.train.seed * 100_003 + epoch)
+        )
         for idx in order.split(64):
             opt.zero_grad()
             p_t = torch.softmax(model(x[idx]), 1).gather(1, y[idx, None]).squeeze(1)

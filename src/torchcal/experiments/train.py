@@ -220,7 +220,7 @@ def train(
             row.update(
                 {
                     f"{split}_{k}": float(v)
-                    for k, v in m.compute().items()
+                    for k, v in m.compute(("ece", "adaece", "nll", "error")).items()
                     if k in ("ece", "adaece", "nll", "error")
                 }
             )
