@@ -139,3 +139,13 @@ def test_parity_with_a_plain_pytorch_loop(tmp_path):
     runner = weights(tmp_path / "run")
     for name, value in model.state_dict().items():
         torch.testing.assert_close(runner[name], value, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("amp", ["bfloat16", "float16"])
+def test_autocast_and_channels_last_options_train_finitely(tmp_path, amp):
+    cfg = tiny("model.name=small_cnn", "train.epochs=1", f"train.amp={amp}", "train.channels_last=true",
+               "loss.name=flsd-53")  # fmt: skip
+    rows = train(cfg, tmp_path / "run")
+    assert all(map(lambda v: v == v, [rows[0]["train_loss"], rows[0]["val_ece"]]))  # not NaN
+    with pytest.raises(ValueError, match="train.amp must be one of"):
+        train(tiny("train.amp=fp8"), tmp_path / "bad")

@@ -82,6 +82,9 @@ class TrainConfig:
     device: str = "auto"
     num_threads: int = 0  # 0: torch's default
     calibrators: list = field(default_factory=lambda: ["ts", "fts"])
+    amp: str = "auto"  # autocast dtype: auto (bfloat16 on CUDA, off on CPU), bfloat16, float16, off
+    channels_last: str | bool = "auto"  # auto (on for CUDA convolutional models), true, false
+    compile: bool = False  # torch.compile the model
 
 
 @dataclass

@@ -111,6 +111,23 @@ def _optimizer(cfg: RunConfig, model):
     return opt, sched
 
 
+def _speed_options(cfg, device, is_image):
+    """(autocast dtype or None, channels_last) from the config; "auto" means bf16 + channels_last on CUDA."""
+    amp = cfg.train.amp
+    choices = {"off": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if amp == "auto":
+        amp_dtype = torch.bfloat16 if device.type == "cuda" else None
+    elif amp in choices:
+        amp_dtype = choices[amp]
+    else:
+        raise ValueError(f"train.amp must be one of ['auto', 'bfloat16', 'float16', 'off'], got {amp!r}")
+    setting = cfg.train.channels_last
+    if setting not in ("auto", True, False):
+        raise ValueError(f"train.channels_last must be auto, true or false, got {setting!r}")
+    channels_last = is_image and (setting is True or (setting == "auto" and device.type == "cuda"))
+    return amp_dtype, channels_last
+
+
 def _write_jsonl(path: Path, rows: list[dict]) -> None:
     text = "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows)
     atomic_write_bytes(path, lambda fh: fh.write(text.encode()))
@@ -170,6 +187,10 @@ def train(
     num_classes = int(max(int(s.targets.max()) for k, s in splits.items() if k != "ood")) + 1
     torch.manual_seed(cfg.train.seed)
     model = create_model(cfg.model.name, num_classes, train_set.inputs.shape[1:], cfg.model.width).to(device)
+    amp_dtype, channels_last = _speed_options(cfg, device, train_set.inputs.ndim == 4)
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    step_model = torch.compile(model) if cfg.train.compile else model
     loss_fn = create_loss(cfg.loss.name, reduction=cfg.loss.reduction, **cfg.loss.kwargs).to(device)
     opt, sched = _optimizer(cfg, model)
     start_epoch, rows = 0, []
@@ -199,8 +220,11 @@ def train(
             x, y = train_set.inputs[idx].to(device), train_set.targets[idx].to(device)
             if cfg.data.augment:
                 x = random_crop_flip(x, epoch_gen)
+            if channels_last:
+                x = x.contiguous(memory_format=torch.channels_last)
             opt.zero_grad(set_to_none=True)
-            loss = loss_fn(model(x), y)
+            with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
+                loss = loss_fn(step_model(x), y)
             loss.backward()
             if cfg.optim.grad_clip_norm > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip_norm)
