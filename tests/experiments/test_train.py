@@ -149,3 +149,22 @@ def test_autocast_and_channels_last_options_train_finitely(tmp_path, amp):
     assert all(map(lambda v: v == v, [rows[0]["train_loss"], rows[0]["val_ece"]]))  # not NaN
     with pytest.raises(ValueError, match="train.amp must be one of"):
         train(tiny("train.amp=fp8"), tmp_path / "bad")
+
+
+def test_html_report_with_seeds_and_figures(tmp_path):
+    from torchcal.experiments.html_report import group_runs, html_report, summarise
+
+    runs = []
+    for seed in (0, 1):
+        train(tiny("loss.name=adafocal", "train.epochs=2", f"train.seed={seed}"), tmp_path / f"ada-{seed}")
+        runs.append(tmp_path / f"ada-{seed}")
+    train(tiny("train.epochs=1"), tmp_path / "ce")
+    runs.append(tmp_path / "ce")
+    groups = group_runs(runs)
+    assert sorted(len(v) for v in groups.values()) == [1, 2]
+    stats = summarise(runs)
+    ada = next(v for k, v in stats.items() if k.endswith("adafocal"))
+    assert ada["ece pre"][2] == 2 and ada["ece pre"][1] >= 0
+    page = html_report(runs, tmp_path / "report").read_text()
+    # one figure set per group: 5 for AdaFocal (with γ per bin), 4 for CE
+    assert page.count("data:image/png;base64,") == 9 and "AdaFocal γ per bin" in page and " ± " in page

@@ -87,9 +87,12 @@ def report(
 ):
     """The papers' table over runs (Markdown and CSV)."""
     from .evaluate import report as make_report
+    from .html_report import html_report
 
     markdown, _ = make_report(run_dirs, out, calibrator)
+    page = html_report(run_dirs, out, calibrator)
     console.print(Markdown(markdown))
+    console.print(f"report.md, report.csv and {page.name} (with figures) in {out}/")
 
 
 @app.command(name="list")
@@ -151,8 +154,11 @@ def demo(
             _train_with_bar(run_cfg, run_dir, resume=resume, label=f"{loss:>9}")
         evaluate_run(run_dir, tuple(cfg.train.calibrators))
         runs.append(run_dir)
+    from .html_report import html_report
+
     for calibrator in cfg.train.calibrators:
         make_report(runs, out / f"report-{calibrator}", calibrator)
+        html_report(runs, out / f"report-{calibrator}", calibrator)
     console.print(_summary_table(runs, cfg.train.calibrators))
     _figures(runs, out)
     console.print(f"report and reliability diagrams in {out}/ ({time.time() - start:.0f} s)")
