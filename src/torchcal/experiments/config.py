@@ -48,6 +48,10 @@ class DataConfig:
     shift_root: str = ""  # folder of CIFAR-10-C (<corruption>.npy, labels.npy)
     ood: str = "digits"  # out-of-distribution set: digits, svhn, or "" for none
     ood_root: str = ""  # folder of SVHN's test_32x32.mat
+    glove: str = (
+        ""  # text datasets: GloVe vectors file (glove.6B.100d.txt); empty: embeddings learned from scratch
+    )
+    max_len: int = 1000  # text datasets: tokens per document
 
 
 @dataclass

@@ -40,10 +40,13 @@ class DatasetError(FileNotFoundError):
 
 @dataclass
 class Dataset:
-    """Tensors of one split: inputs (N, ...) and integer labels (N,)."""
+    """Tensors of one split: inputs (N, ...) and integer labels (N,); text training sets also carry the
+    embedding matrix of their vocabulary (``embeddings``)."""
 
     inputs: torch.Tensor
     targets: torch.Tensor
+    embeddings: torch.Tensor | None = None
+    vocab_size: int | None = None
 
     def __len__(self) -> int:
         return int(self.targets.shape[0])
@@ -229,6 +232,8 @@ _DATASETS = {
     "digits": "scikit-learn digits rescaled to 28 x 28 (bundled with scikit-learn)",
     "cifar10": "CIFAR-10 python pickles (cifar-10-batches-py); 45k/5k split with seed 1",
     "cifar100": "CIFAR-100 python pickles (cifar-100-python); 45k/5k split with seed 1",
+    "20newsgroups": "20 Newsgroups bydate folders + GloVe 100-d vectors (data.glove)",
+    "ag_news": "AG News train.csv / test.csv + GloVe 100-d vectors (data.glove)",
 }
 _SHIFTS = {"gaussian_noise": "additive Gaussian noise of σ = shift_severity", "cifar10_c": "CIFAR-10-C"}
 _OOD = {"digits": "scikit-learn digits 28 x 28", "svhn": "SVHN test_32x32.mat"}
@@ -246,6 +251,11 @@ def load_splits(cfg) -> dict[str, Dataset]:
         )
     elif cfg.name in ("cifar10", "cifar100"):
         train, test = load_cifar(cfg.root or "data", 10 if cfg.name == "cifar10" else 100)
+    elif cfg.name in ("20newsgroups", "ag_news"):
+        from .text import text_splits
+
+        train, test, embeddings = text_splits(cfg.name, cfg.root or "data", cfg.glove, max_len=cfg.max_len)
+        train.embeddings = embeddings
     elif cfg.name == "digits":
         full = load_digits_28()
         perm = torch.randperm(len(full), generator=torch.Generator().manual_seed(0))
@@ -254,10 +264,14 @@ def load_splits(cfg) -> dict[str, Dataset]:
         test = Dataset(full.inputs[test_idx], full.targets[test_idx])
     else:
         raise ValueError(f"unknown dataset {cfg.name!r}; available: {sorted(_DATASETS)}")
+    embeddings, vocab_size = train.embeddings, train.vocab_size
     train, val = split_train_val(train, min(cfg.val_size, len(train) // 5), cfg.split_seed)
     if cfg.limit_train:
         train = Dataset(train.inputs[: cfg.limit_train], train.targets[: cfg.limit_train])
+    train.embeddings, train.vocab_size = embeddings, vocab_size
     splits = {"train": train, "val": val, "test": test}
+    if not test.inputs.is_floating_point() and (cfg.shift or cfg.ood):
+        raise ValueError(f"{cfg.name} is a text dataset: set data.shift= and data.ood= (image-only sets)")
     if cfg.shift == "gaussian_noise":
         splits["shift"] = gaussian_noise(test, cfg.shift_severity)
     elif cfg.shift == "cifar10_c":

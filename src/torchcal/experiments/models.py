@@ -45,6 +45,36 @@ def _resnet110_he(num_classes, in_shape, width):
     return CifarResNet(BasicBlock, (18, 18, 18), num_classes, widths=(16, 32, 64), in_channels=in_shape[0])
 
 
+class TextCNN(nn.Module):
+    """Mukhoti et al.'s global-pooling CNN for 20 Newsgroups: 100-d embeddings (GloVe when given, frozen),
+    three Conv1d(128, 5) + ReLU, max-pools of 5 after the first two, global max pool, 128-unit dense layer."""
+
+    def __init__(self, num_classes, vocab_size, embeddings=None, dim=100, width=128):
+        super().__init__()
+        if embeddings is not None:
+            self.embed = nn.Embedding.from_pretrained(embeddings, freeze=True, padding_idx=0)
+            dim = embeddings.shape[1]
+        else:
+            self.embed = nn.Embedding(vocab_size, dim, padding_idx=0)
+        self.convs = nn.Sequential(
+            nn.Conv1d(dim, width, 5), nn.ReLU(), nn.MaxPool1d(5), nn.Conv1d(width, width, 5), nn.ReLU(),
+            nn.MaxPool1d(5), nn.Conv1d(width, width, 5), nn.ReLU(),
+        )  # fmt: skip
+        self.head = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, num_classes))
+
+    def forward(self, tokens):
+        x = self.convs(self.embed(tokens).transpose(1, 2))
+        return self.head(x.amax(dim=2))
+
+
+def _text_cnn(num_classes, in_shape, width, embeddings=None, vocab_size=None):
+    if embeddings is None and vocab_size is None:
+        raise ValueError("text_cnn needs the vocabulary: train it on a text dataset (20newsgroups, ag_news)")
+    if in_shape[0] < 149:  # three convolutions of 5 and two max-pools of 5 need 149 tokens
+        raise ValueError(f"text_cnn needs data.max_len >= 149, got {in_shape[0]}")
+    return TextCNN(num_classes, vocab_size or embeddings.shape[0], embeddings)
+
+
 _MODELS = {
     "mlp": (_mlp, "two hidden ReLU layers of `width` units"),
     "small_cnn": (_small_cnn, "two conv + pool blocks and a `width`-unit head"),
@@ -53,6 +83,7 @@ _MODELS = {
     "resnet110_he": (_resnet110_he, "He et al.'s CIFAR ResNet-110: basic blocks 3 x 18, widths 16/32/64"),
     "wrn_26_10": (lambda k, s, w: WideResNet(26, 10, k), "WRN-26-10 without dropout"),
     "densenet121": (lambda k, s, w: DenseNet((6, 12, 24, 16), 32, k), "DenseNet-121 (growth 32) for CIFAR"),
+    "text_cnn": (_text_cnn, "global-pooling CNN over (GloVe) word embeddings, for text datasets"),
 }
 
 
@@ -60,7 +91,10 @@ def list_models() -> dict[str, str]:
     return {k: v[1] for k, v in _MODELS.items()}
 
 
-def create_model(name: str, num_classes: int, in_shape, width: int = 256) -> nn.Module:
+def create_model(name: str, num_classes: int, in_shape, width: int = 256, **extra) -> nn.Module:
+    """A model by registry name; ``extra`` carries data-dependent pieces (``embeddings``, ``vocab_size``)."""
     if name not in _MODELS:
         raise ValueError(f"unknown model {name!r}; available: {sorted(_MODELS)}")
+    if name == "text_cnn":
+        return _text_cnn(num_classes, tuple(in_shape), width, **extra)
     return _MODELS[name][0](num_classes, tuple(in_shape), width)

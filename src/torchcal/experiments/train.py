@@ -186,7 +186,12 @@ def train(
     train_set = splits["train"]
     num_classes = int(max(int(s.targets.max()) for k, s in splits.items() if k != "ood")) + 1
     torch.manual_seed(cfg.train.seed)
-    model = create_model(cfg.model.name, num_classes, train_set.inputs.shape[1:], cfg.model.width).to(device)
+    extra = {}
+    if cfg.model.name == "text_cnn":
+        extra = {"embeddings": train_set.embeddings, "vocab_size": train_set.vocab_size}
+    model = create_model(
+        cfg.model.name, num_classes, train_set.inputs.shape[1:], cfg.model.width, **extra
+    ).to(device)
     amp_dtype, channels_last = _speed_options(cfg, device, train_set.inputs.ndim == 4)
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
