@@ -28,6 +28,7 @@ __all__ = [
     "load_svhn",
     "load_cifar10_c",
     "random_crop_flip",
+    "load_tiny_imagenet",
 ]
 
 FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
@@ -204,6 +205,55 @@ def load_cifar10_c(root: str | Path, corruption: str = "gaussian_noise", severit
                    torch.from_numpy(y.astype(np.int64)))  # fmt: skip
 
 
+def _read_image(path: Path) -> np.ndarray:
+    from PIL import Image
+
+    with Image.open(path) as img:
+        return np.asarray(img.convert("RGB"), dtype=np.uint8)
+
+
+def load_tiny_imagenet(root: str | Path, val_per_class: int = 50) -> tuple[Dataset, Dataset, Dataset]:
+    """(train, validation, test) of Tiny-ImageNet-200 from its folder layout: ``wnids.txt``,
+    ``train/<wnid>/images/*.JPEG``, ``val/images/*.JPEG`` with ``val/val_annotations.txt``. Validation =
+    the first ``val_per_class`` training images of every class (sorted file names), test = the official
+    val split (SPEC §5). Images are 3 × 64 × 64 in [0, 1]; classes follow ``wnids.txt``'s order."""
+    root = Path(root)
+    if (root / "tiny-imagenet-200").is_dir():
+        root = root / "tiny-imagenet-200"
+    wnids_file = root / "wnids.txt"
+    if not wnids_file.is_file():
+        raise DatasetError(
+            f"missing {wnids_file}: unpack tiny-imagenet-200 (wnids.txt, train/, val/) under data.root"
+        )
+    wnids = [w.strip() for w in wnids_file.read_text().split() if w.strip()]
+    label = {w: i for i, w in enumerate(wnids)}
+    tr_x, tr_y, va_x, va_y = [], [], [], []
+    for w in wnids:
+        files = sorted((root / "train" / w / "images").glob("*.JPEG"))
+        if len(files) <= val_per_class:
+            raise DatasetError(
+                f"{root / 'train' / w / 'images'} holds {len(files)} images, need > {val_per_class}"
+            )
+        for i, f in enumerate(files):
+            (va_x if i < val_per_class else tr_x).append(_read_image(f))
+            (va_y if i < val_per_class else tr_y).append(label[w])
+    te_x, te_y = [], []
+    annotations = root / "val" / "val_annotations.txt"
+    if not annotations.is_file():
+        raise DatasetError(f"missing {annotations}: the official val split is the test set")
+    for line in annotations.read_text().splitlines():
+        parts = line.split("\t")
+        if len(parts) >= 2:
+            te_x.append(_read_image(root / "val" / "images" / parts[0]))
+            te_y.append(label[parts[1]])
+
+    def to_dataset(xs, ys):
+        x = torch.from_numpy(np.stack(xs).transpose(0, 3, 1, 2).astype(np.float32) / 255.0)
+        return Dataset(x, torch.tensor(ys, dtype=torch.long))
+
+    return to_dataset(tr_x, tr_y), to_dataset(va_x, va_y), to_dataset(te_x, te_y)
+
+
 def random_crop_flip(x: torch.Tensor, generator: torch.Generator, padding: int = 4) -> torch.Tensor:
     """RandomCrop(H, padding) + RandomHorizontalFlip on a batch of tensors (on their device), one draw per
     image from ``generator`` (a CPU generator, so the draws are identical on any device)."""
@@ -234,6 +284,7 @@ _DATASETS = {
     "cifar100": "CIFAR-100 python pickles (cifar-100-python); 45k/5k split with seed 1",
     "20newsgroups": "20 Newsgroups bydate folders + GloVe 100-d vectors (data.glove)",
     "ag_news": "AG News train.csv / test.csv + GloVe 100-d vectors (data.glove)",
+    "tiny_imagenet": "Tiny-ImageNet-200 folders; validation = 50 training images per class, test = val split",
 }
 _SHIFTS = {"gaussian_noise": "additive Gaussian noise of σ = shift_severity", "cifar10_c": "CIFAR-10-C"}
 _OOD = {"digits": "scikit-learn digits 28 x 28", "svhn": "SVHN test_32x32.mat"}
@@ -256,6 +307,8 @@ def load_splits(cfg) -> dict[str, Dataset]:
 
         train, test, embeddings = text_splits(cfg.name, cfg.root or "data", cfg.glove, max_len=cfg.max_len)
         train.embeddings = embeddings
+    elif cfg.name == "tiny_imagenet":
+        train, tiny_val, test = load_tiny_imagenet(cfg.root or "data")
     elif cfg.name == "digits":
         full = load_digits_28()
         perm = torch.randperm(len(full), generator=torch.Generator().manual_seed(0))
@@ -265,7 +318,10 @@ def load_splits(cfg) -> dict[str, Dataset]:
     else:
         raise ValueError(f"unknown dataset {cfg.name!r}; available: {sorted(_DATASETS)}")
     embeddings, vocab_size = train.embeddings, train.vocab_size
-    train, val = split_train_val(train, min(cfg.val_size, len(train) // 5), cfg.split_seed)
+    if cfg.name == "tiny_imagenet":
+        val = tiny_val
+    else:
+        train, val = split_train_val(train, min(cfg.val_size, len(train) // 5), cfg.split_seed)
     if cfg.limit_train:
         train = Dataset(train.inputs[: cfg.limit_train], train.targets[: cfg.limit_train])
     train.embeddings, train.vocab_size = embeddings, vocab_size
