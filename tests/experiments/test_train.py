@@ -107,7 +107,7 @@ def test_evaluate_and_report(tmp_path):
         assert result["ts"]["parameters"]["temperature_"] > 0
         runs.append(tmp_path / loss)
     markdown, csv_text = report(runs, tmp_path / "report")
-    assert "| ce | ce |" in markdown and "(T=" in markdown
+    assert "| digits · mlp · ce | 1 |" in markdown and "| digits · mlp · fl-3 | 1 |" in markdown
     assert (tmp_path / "report" / "report.md").exists() and len(csv_text.splitlines()) == 3
 
 

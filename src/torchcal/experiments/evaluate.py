@@ -80,54 +80,60 @@ def evaluate_run(run_dir, calibrators=("ts", "fts")) -> dict:
     return result
 
 
-def _fmt_params(params: dict) -> str:
-    return ", ".join(
-        f"{k.rstrip('_').replace('temperature', 'T').replace('gamma', 'γ')}={v:.3g}"
-        for k, v in params.items()
-        if k != "num_classes_" and k != "objective_value_"
-    )
-
-
 def report(run_dirs, out_dir, calibrator: str = "ts") -> tuple[str, str]:
-    """The papers' table, one row per run: each metric "pre / post (parameters)", shift ECE and OOD AUROC,
-    values ×100. Writes ``report.md`` and ``report.csv`` to ``out_dir``; returns (markdown, csv)."""
+    """The papers' table: one row per method (dataset · model · loss; runs that differ only in the seed are
+    averaged, mean ± std), each metric "pre / post" the calibrator with its temperature in brackets, plus the
+    shifted-set ECE and the OOD AUROC; values ×100. Writes ``report.md`` and ``report.csv`` to ``out_dir``
+    and returns (markdown, csv)."""
+    from .html_report import summarise
+
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    header = ["run", "loss", *METRIC_COLUMNS, "shift ece", "ood auroc"]
-    md = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    summary = summarise(run_dirs, calibrator)
+    columns = [
+        "error",
+        "nll",
+        "brier",
+        "ece",
+        "adaece",
+        "classwise_ece",
+        "mce",
+        "smece",
+        "shift ece",
+        "ood auroc",
+    ]
+
+    def fmt(stat):
+        mean, std, n = stat
+        return f"{mean:.2f} ± {std:.2f}" if n > 1 else f"{mean:.2f}"
+
+    md = ["| method | seeds | " + " | ".join(columns) + " |", "|" + "---|" * (len(columns) + 2)]
     buf = io.StringIO()
     writer = csv.writer(buf)
-    writer.writerow(["run", "loss", "calibrator", "parameters", *[f"{m}_pre" for m in METRIC_COLUMNS],
-                     *[f"{m}_post" for m in METRIC_COLUMNS], "shift_ece_pre", "shift_ece_post", "ood_auroc_pre",
-                     "ood_auroc_post"])  # fmt: skip
-    for run_dir in run_dirs:
-        run_dir = Path(run_dir)
-        path = run_dir / RESULTS
-        result = json.loads(path.read_text()) if path.exists() else evaluate_run(run_dir, (calibrator,))
-        if calibrator not in result:
-            result = evaluate_run(run_dir, (calibrator,))
-        import yaml
-
-        loss = yaml.safe_load((run_dir / "config.yaml").read_text())["loss"]["name"]
-        pre, post = result["uncalibrated"], result[calibrator]
-        params = _fmt_params(post["parameters"])
-        cells = [run_dir.name, loss]
-        for m in METRIC_COLUMNS:
-            if m == "error":
-                cells.append(f"{100 * pre['test'][m]:.2f}")
+    stat_cols = [f"{c} {w}" for c in columns for w in ("pre", "post") if not (c == "error" and w == "post")]
+    writer.writerow(["method", "calibrator", "seeds", "temperature_mean",
+                     *[f"{c.replace(' ', '_')}_{k}" for c in stat_cols for k in ("mean", "std")]])  # fmt: skip
+    for method, stats in summary.items():
+        cells = [method, str(stats["ece pre"][2])]
+        for col in columns:
+            if col == "error":
+                cells.append(fmt(stats["error pre"]))
+            elif f"{col} pre" in stats:
+                cell = f"{fmt(stats[f'{col} pre'])} / {fmt(stats[f'{col} post'])}"
+                if col == "ece":
+                    cell += f" ({stats['T'][0]:.2f})"
+                cells.append(cell)
             else:
-                cells.append(f"{100 * pre['test'][m]:.2f} / {100 * post['test'][m]:.2f}")
-        shift_pre = pre.get("shift", {}).get("ece")
-        shift_post = post.get("shift", {}).get("ece")
-        cells.append(f"{100 * shift_pre:.2f} / {100 * shift_post:.2f}" if shift_pre is not None else "")
-        ood_pre, ood_post = pre.get("ood_auroc"), post.get("ood_auroc")
-        cells.append(f"{100 * ood_pre:.2f} / {100 * ood_post:.2f}" if ood_pre is not None else "")
-        cells[2 + METRIC_COLUMNS.index("ece")] += f" ({params})"
+                cells.append("")
         md.append("| " + " | ".join(cells) + " |")
-        writer.writerow([run_dir.name, loss, calibrator, params, *[pre["test"][m] for m in METRIC_COLUMNS],
-                         *[post["test"][m] for m in METRIC_COLUMNS], shift_pre, shift_post, ood_pre, ood_post])  # fmt: skip
-    title = (f"Test metrics ×100, uncalibrated / after {calibrator} fitted on validation (its parameters in "
-             "brackets); shift = Gaussian-noise test set; OOD AUROC by predictive entropy.\n\n")  # fmt: skip
+        row = [method, calibrator, stats["ece pre"][2], stats["T"][0]]
+        for c in stat_cols:
+            mean, std, _ = stats.get(c, (float("nan"), float("nan"), 0))
+            row += [mean, std]
+        writer.writerow(row)
+    title = (f"Test metrics ×100: uncalibrated / after {calibrator} fitted on the validation split (its mean "
+             "temperature in brackets after ECE); mean ± std over seeds; shift = the shifted test set; OOD "
+             "AUROC by predictive entropy.\n\n")  # fmt: skip
     markdown = title + "\n".join(md) + "\n"
     atomic_write_bytes(out_dir / "report.md", lambda fh: fh.write(markdown.encode()))
     csv_text = buf.getvalue()

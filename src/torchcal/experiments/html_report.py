@@ -47,6 +47,9 @@ def summarise(run_dirs, calibrator: str = "ts") -> dict[str, dict[str, tuple[flo
                 values[f"{m} pre"].append(100 * res["uncalibrated"]["test"][m])
                 values[f"{m} post"].append(100 * res[calibrator]["test"][m])
             values["T"].append(res[calibrator]["parameters"].get("temperature_", float("nan")))
+            if "shift" in res["uncalibrated"]:
+                values["shift ece pre"].append(100 * res["uncalibrated"]["shift"]["ece"])
+                values["shift ece post"].append(100 * res[calibrator]["shift"]["ece"])
             if "ood_auroc" in res["uncalibrated"]:
                 values["ood auroc pre"].append(100 * res["uncalibrated"]["ood_auroc"])
                 values["ood auroc post"].append(100 * res[calibrator]["ood_auroc"])
