@@ -74,8 +74,11 @@ def _git_revision() -> str:
 
 
 def resolve_device(name: str) -> torch.device:
+    """ "auto": CUDA when available (the local rank's GPU under torchrun), else CPU."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if torch.cuda.is_available():
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        return torch.device("cpu")
     return torch.device(name)
 
 
@@ -141,14 +144,37 @@ def read_metrics(run_dir: Path) -> list[dict]:
         return [json.loads(line) for line in fh if line.strip()]
 
 
-def _epoch_metrics(model, splits, cfg, device, names=("val", "test")) -> dict:
+def _epoch_metrics(model, splits, cfg, device, names=("val", "test"), rank=0, world=1) -> dict:
+    """Streaming metrics of each split; under data parallelism every rank scores its shard (rows rank,
+    rank + world, ...) and ``sync`` all-reduces the bin sums, so every rank holds the global statistics."""
     out = {}
     for name in names:
-        logits = predict_logits(model, splits[name].inputs, cfg.data.eval_batch_size, device)
+        inputs, targets = splits[name].inputs[rank::world], splits[name].targets[rank::world]
+        logits = predict_logits(model, inputs, cfg.data.eval_batch_size, device)
         m = CalibrationMetrics(num_classes=logits.shape[1], from_logits=True)
-        m.update(logits, splits[name].targets)
-        out[name] = m
+        m.update(logits, targets.to(logits.device))
+        out[name] = m.sync() if world > 1 else m
     return out
+
+
+def _distributed(device):
+    """(rank, world size) from torchrun's environment; initialises the process group (gloo on CPU, NCCL on
+    CUDA) when WORLD_SIZE > 1."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return 0, 1
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _barrier(world):
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
 
 
 def train(
@@ -174,14 +200,16 @@ def train(
         raise FileExistsError(
             f"{run_dir} already holds a run; pass --resume to continue it or choose another folder"
         )
-    meta = {"torchcal_version": __version__, "git_revision": _git_revision()}
-    atomic_write_bytes(
-        run_dir / CONFIG, lambda fh: fh.write(yaml.safe_dump({**config_to_dict(cfg), "meta": meta}).encode())
-    )
-
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
     device = resolve_device(cfg.train.device)
+    rank, world = _distributed(device)
+    meta = {"torchcal_version": __version__, "git_revision": _git_revision(), "world_size": world}
+    if rank == 0:
+        atomic_write_bytes(
+            run_dir / CONFIG,
+            lambda fh: fh.write(yaml.safe_dump({**config_to_dict(cfg), "meta": meta}).encode()),
+        )
     splits = load_splits(cfg.data)
     train_set = splits["train"]
     num_classes = int(max(int(s.targets.max()) for k, s in splits.items() if k != "ood")) + 1
@@ -195,7 +223,12 @@ def train(
     amp_dtype, channels_last = _speed_options(cfg, device, train_set.inputs.ndim == 4)
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
-    step_model = torch.compile(model) if cfg.train.compile else model
+    step_model = model
+    if world > 1:
+        step_model = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device] if device.type == "cuda" else None
+        )
+    step_model = torch.compile(step_model) if cfg.train.compile else step_model
     loss_fn = create_loss(cfg.loss.name, reduction=cfg.loss.reduction, **cfg.loss.kwargs).to(device)
     opt, sched = _optimizer(cfg, model)
     start_epoch, rows = 0, []
@@ -207,7 +240,9 @@ def train(
         torch.set_rng_state(state["rng"])
         start_epoch = int(state["epoch"])
         rows = [r for r in read_metrics(run_dir) if r["epoch"] < start_epoch]
-        _write_jsonl(run_dir / METRICS, rows)  # drop an epoch logged after the last checkpoint
+        if rank == 0:
+            _write_jsonl(run_dir / METRICS, rows)  # drop an epoch logged after the last checkpoint
+        _barrier(world)
 
     n = len(train_set)
     bs = cfg.data.batch_size
@@ -221,7 +256,8 @@ def train(
         order = torch.randperm(n, generator=epoch_gen)
         total = 0.0
         for b in range(n_batches):
-            idx = order[b * bs : (b + 1) * bs]
+            # the global batch b, sharded across ranks (every rank sees the same permutation)
+            idx = order[b * bs : (b + 1) * bs][rank::world]
             x, y = train_set.inputs[idx].to(device), train_set.targets[idx].to(device)
             if cfg.data.augment:
                 x = random_crop_flip(x, epoch_gen)
@@ -230,18 +266,27 @@ def train(
             opt.zero_grad(set_to_none=True)
             with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
                 loss = loss_fn(step_model(x), y)
-            loss.backward()
+            # DDP averages gradients over ranks: a summed loss is scaled back to the global batch's sum
+            (loss * world if world > 1 and cfg.loss.reduction == "sum" else loss).backward()
             if cfg.optim.grad_clip_norm > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip_norm)
             opt.step()
             total += loss.detach()
             if cfg.loss.update_every and hasattr(loss_fn, "update") and (b + 1) % cfg.loss.update_every == 0:
-                loss_fn.update(metrics=_epoch_metrics(model, splits, cfg, device, ("val",))["val"])
+                loss_fn.update(
+                    metrics=_epoch_metrics(model, splits, cfg, device, ("val",), rank, world)["val"]
+                )
                 model.train()
             if progress is not None:
                 progress(epoch, b + 1, n_batches)
         sched.step()
-        metrics = _epoch_metrics(model, splits, cfg, device)
+        metrics = _epoch_metrics(model, splits, cfg, device, rank=rank, world=world)
+        if world > 1:
+            import torch.distributed as dist
+
+            total = torch.as_tensor(total, dtype=torch.float64, device=device)
+            dist.all_reduce(total)
+            total = total / world
         if hasattr(loss_fn, "update") and not cfg.loss.update_every:
             loss_fn.update(metrics=metrics["val"])  # AdaFocal: the validation pass we already made
         row = {"epoch": epoch, "train_loss": float(total) / n_batches, "lr": opt.param_groups[0]["lr"]}
@@ -261,18 +306,22 @@ def train(
             "optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "loss": loss_fn.state_dict(),
             "rng": torch.get_rng_state(), "config": config_to_dict(cfg),
         }  # fmt: skip
-        atomic_write_bytes(ckpt_path, lambda fh, c=checkpoint: torch.save(c, fh))
-        _write_jsonl(run_dir / METRICS, rows)
+        if rank == 0:  # one writer; the others wait so that a resume finds a complete checkpoint
+            atomic_write_bytes(ckpt_path, lambda fh, c=checkpoint: torch.save(c, fh))
+            _write_jsonl(run_dir / METRICS, rows)
+        _barrier(world)
         done_here += 1
         if stop_after is not None and done_here >= stop_after and epoch + 1 < cfg.train.epochs:
             return rows
 
-    logits = {}
-    for name, split in splits.items():
-        if name != "train":
-            logits[name] = {
-                "logits": predict_logits(model, split.inputs, cfg.data.eval_batch_size, device),
-                "targets": split.targets,
-            }
-    atomic_write_bytes(run_dir / LOGITS, lambda fh: torch.save(logits, fh))
+    if rank == 0:
+        logits = {}
+        for name, split in splits.items():
+            if name != "train":
+                logits[name] = {
+                    "logits": predict_logits(model, split.inputs, cfg.data.eval_batch_size, device),
+                    "targets": split.targets,
+                }
+        atomic_write_bytes(run_dir / LOGITS, lambda fh: torch.save(logits, fh))
+    _barrier(world)
     return rows
