@@ -95,6 +95,30 @@ def report(
     console.print(f"report.md, report.csv and {page.name} (with figures) in {out}/")
 
 
+@app.command()
+def sweep(
+    sweep_file: Path = typer.Argument(..., help="sweep YAML (grid of runs)"),
+    backend: str = typer.Option("local", help="local or ray"),
+    workers: int = typer.Option(1, help="local: runs in parallel (each a process)"),
+    address: str = typer.Option(None, help="ray: cluster address (e.g. auto); default starts a local Ray"),
+    retry_failed: bool = typer.Option(False, "--retry-failed", help="run failed runs again"),
+    calibrator: str = typer.Option("ts", help="calibrator of the report's post columns"),
+):
+    """Run a grid of trainings (resumable: finished runs are kept) and aggregate them into one report."""
+    from .sweep import load_sweep, run_sweep
+
+    try:
+        spec = load_sweep(sweep_file)
+    except ConfigError as err:
+        raise typer.BadParameter(str(err)) from None
+    state = run_sweep(spec, backend=backend, workers=workers, address=address, retry_failed=retry_failed,
+                      report_calibrator=calibrator, log=console.print)  # fmt: skip
+    failed = [k for k, v in state.items() if v.get("status") == "failed"]
+    console.print(f"report in {spec.out / 'report'}/" if len(failed) < len(state) else "no finished run")
+    if failed:
+        raise typer.Exit(code=1)
+
+
 @app.command(name="list")
 def list_things(what: str = typer.Argument(..., help="models | datasets | losses | calibrators | presets")):
     """List the registered models, datasets, losses, calibrators or the paper presets (configs/*.yaml)."""
