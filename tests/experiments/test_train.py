@@ -166,5 +166,17 @@ def test_html_report_with_seeds_and_figures(tmp_path):
     ada = next(v for k, v in stats.items() if k.endswith("adafocal"))
     assert ada["ece pre"][2] == 2 and ada["ece pre"][1] >= 0
     page = html_report(runs, tmp_path / "report").read_text()
-    # one figure set per group: 5 for AdaFocal (with γ per bin), 4 for CE
-    assert page.count("data:image/png;base64,") == 9 and "AdaFocal γ per bin" in page and " ± " in page
+    # one figure set per group: 6 for AdaFocal (with γ and gap per bin), 4 for CE
+    assert (
+        page.count("data:image/png;base64,") == 10
+        and "AdaFocal validation gap per bin" in page
+        and " ± " in page
+    )
+
+
+@pytest.mark.parametrize("loss", __import__("torchcal.losses", fromlist=["list_losses"]).list_losses())
+def test_every_registered_loss_trains_in_the_runner(tmp_path, loss):
+    rows = train(tiny(f"loss.name={loss}", "train.epochs=2", "data.limit_train=256"), tmp_path / "run")
+    assert all(r["train_loss"] == r["train_loss"] for r in rows)  # finite, not NaN
+    if loss in ("adafocal", "adadualfocal"):
+        assert len(rows[-1]["gammas"]) == 15 and len(rows[-1]["gaps"]) == 15

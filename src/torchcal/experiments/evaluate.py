@@ -30,6 +30,9 @@ def _metrics(probs: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
         "classwise_ece": F.classwise_ece(probs, targets).item(),
         "mce": F.mce(probs, targets).item(),
         "smece": F.smece(probs, targets).item(),
+        "debiased_ece": F.debiased_ece(probs, targets).item(),
+        "ece_sweep": F.ece_sweep(probs, targets).item(),
+        "s99_fraction": F.confidence_at_least(probs, targets).fraction.item(),
     }
 
 

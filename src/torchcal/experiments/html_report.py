@@ -114,6 +114,15 @@ def _figures(run_dir: Path, calibrator: str) -> list[tuple[str, str]]:
         ax.set_xlabel("epoch")
         ax.set_ylabel("γ per bin (negative: inverse focal)")
         figs.append(("AdaFocal γ per bin", _png(fig)))
+    if rows and "gaps" in rows[0]:
+        gaps = torch.tensor([r["gaps"] for r in rows])
+        fig, ax = plt.subplots(figsize=(4.2, 3))
+        for b in range(gaps.shape[1]):
+            ax.plot(100 * gaps[:, b].numpy(), linewidth=1)
+        ax.axhline(0, color="black", linestyle="--", linewidth=0.8)
+        ax.set_xlabel("epoch")
+        ax.set_ylabel("validation gap per bin ×100 (conf − acc)")
+        figs.append(("AdaFocal validation gap per bin", _png(fig)))
     return figs
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from .. import __version__
+from ..adafocal import AdaFocalLoss
 from ..losses import create as create_loss
 from ..metrics import CalibrationMetrics
 from .config import RunConfig, config_from_dict, config_to_dict
@@ -298,8 +299,10 @@ def train(
                     if k in ("ece", "adaece", "nll", "error")
                 }
             )
-        if hasattr(loss_fn, "gammas"):
+        if isinstance(loss_fn, AdaFocalLoss):
             row["gammas"] = [float(g) for g in loss_fn.gammas]
+            if len(loss_fn.gap_history):
+                row["gaps"] = [float(g) for g in loss_fn.gap_history[-1]]
         rows.append(row)
         checkpoint = {
             "format": "torchcal-checkpoint-1", "epoch": epoch + 1, "model": model.state_dict(),
