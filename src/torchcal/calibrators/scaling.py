@@ -87,6 +87,14 @@ class MatrixScaling(_AffineScaling):
 
     Fitted like :class:`VectorScaling` from W = I; ``weight_decay`` adds λ(‖W − I‖² + ‖b‖²), which is
     advisable for many classes (K² parameters). Can change the argmax.
+
+    Example:
+        >>> import torch
+        >>> g = torch.Generator().manual_seed(0)
+        >>> z = torch.randn(3000, 3, generator=g)
+        >>> y = torch.multinomial(torch.softmax(2 * z, 1), 1, generator=g).squeeze(1)
+        >>> [round(v, 1) for v in MatrixScaling().fit(z, y).weight_.diagonal().tolist()]
+        [1.7, 1.6, 1.8]
     """
 
     name = "matrix_scaling"

@@ -66,6 +66,14 @@ def fit_temperature_nll(logits, targets, bounds=(0.01, 100.0), tol: float = 1e-1
     safeguarded by a bracket (a Newton step that leaves the bracket is replaced by a geometric bisection).
     Each step costs one pass of softmax over the logits. If the optimum lies outside ``bounds`` the nearest
     bound is returned with a warning (e.g. separable data, where NLL keeps falling as T → 0).
+
+    Example:
+        >>> import torch
+        >>> g = torch.Generator().manual_seed(0)
+        >>> z = torch.randn(3000, 3, generator=g)
+        >>> y = torch.multinomial(torch.softmax(2 * z, 1), 1, generator=g).squeeze(1)
+        >>> round(fit_temperature_nll(4 * z, y), 2)  # 4z is twice as sharp as the model the labels came from
+        1.97
     """
     t_lo, t_hi = bounds
     z = logits - logits.max(dim=1, keepdim=True).values
