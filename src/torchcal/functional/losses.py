@@ -122,7 +122,7 @@ class _TrueClassLoss(torch.autograd.Function):
             w = (2 * lam) * grad_loss
             p_t = log_p.gather(1, targets[:, None]).squeeze(1).exp()
             # p ⊙ (−row + w·(p − Σp² + p_t))
-            grad = torch.mul(p, w[:, None]).add_((w * (p_t - sq) - row)[:, None]).mul_(p)
+            grad = torch.addcmul((w * (p_t - sq) - row)[:, None], p, w[:, None]).mul_(p)
             at_target = at_target - w * p_t
         else:
             grad = p.mul_(-row[:, None])
