@@ -143,3 +143,13 @@ def test_perfectly_calibrated_samples_have_small_ece():
     # and clearly positive for a sharpened model
     sharp = torch.softmax(2 * torch.log(probs), 1)
     assert F.ece(sharp, targets).item() > 0.05
+
+
+def test_ties_with_many_classes_predict_the_lowest_index():
+    # K > 16 takes the block-scan path: equal maxima at classes 3 and 7
+    probs = torch.full((2, 20), 0.02, dtype=torch.float64)
+    probs[:, 3] = probs[:, 7] = 0.32
+    probs = probs / probs.sum(1, keepdim=True)
+    assert F.error_rate(probs, torch.tensor([3, 7])).item() == 0.5  # class 3 is the prediction
+    uniform = torch.full((3, 20), 0.05, dtype=torch.float64)
+    assert F.error_rate(uniform, torch.tensor([0, 1, 19])).item() == pytest.approx(2 / 3)
