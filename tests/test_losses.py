@@ -302,3 +302,25 @@ def test_scheduled_focal_follows_epochs_and_resumes():
     assert fresh.gamma == 3.0
     z, t = batch(8, 3)
     torch.testing.assert_close(fresh(z, t), L.focal_loss(z, t, 3.0))
+
+
+def test_varying_focal_loss_matches_the_per_sample_reference():
+    """Per-sample γ: focal with γ_i >= 0, inverse focal with |γ_i| for γ_i < 0 (AdaFocal's convention)."""
+    z, t = batch(6, 4, seed=9)
+    gamma = torch.tensor([0.0, 0.5, 3.0, -0.2, -1.5, 5.0], dtype=torch.float64)
+    expected = [
+        (
+            R.focal(z[i : i + 1], t[i : i + 1], g)[0]
+            if g >= 0
+            else R.inverse_focal(z[i : i + 1], t[i : i + 1], -g)[0]
+        )
+        for i, g in enumerate(gamma.tolist())
+    ]
+    got = L.varying_focal_loss(z, t, gamma, reduction="none")
+    torch.testing.assert_close(got, torch.tensor(expected, dtype=torch.float64), rtol=1e-10, atol=1e-12)
+    zz = z.clone().requires_grad_(True)
+    assert torch.autograd.gradcheck(
+        lambda x: L.varying_focal_loss(x, t, gamma).sum(), (zz,), eps=1e-6, atol=1e-5
+    )
+    with pytest.raises(ValueError, match="one γ per sample"):
+        L.varying_focal_loss(z, t, gamma[:3])

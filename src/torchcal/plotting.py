@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ._validation import check_choice, check_positive_int, probs_and_targets
+from ._validation import check_choice, check_positive_int, top_label_inputs
 from .functional import calibration as C
-from .functional._binning import bin_sums, equal_mass_sums, equal_width_edges, equal_width_index, top_label
+from .functional._binning import bin_sums, equal_mass_sums, equal_width_edges, equal_width_index
 
 __all__ = ["ReliabilityDiagram", "reliability_diagram_data", "plot_reliability_diagram", "save_figure"]
 
@@ -54,8 +54,7 @@ def reliability_diagram_data(
     """
     n_bins = check_positive_int(n_bins, "n_bins")
     check_choice(binning, "binning", {"equal_width", "equal_mass"})
-    probs, targets = probs_and_targets(probs, targets, from_logits)
-    conf, correct = top_label(probs, targets)
+    conf, correct = top_label_inputs(probs, targets, from_logits)
     if binning == "equal_width":
         count, conf_sum, correct_sum = bin_sums(equal_width_index(conf, n_bins), n_bins, conf, correct)
         edges = equal_width_edges(n_bins, torch.float64, conf.device)

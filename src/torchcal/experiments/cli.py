@@ -184,8 +184,9 @@ def demo(
         make_report(runs, out / f"report-{calibrator}", calibrator)
         html_report(runs, out / f"report-{calibrator}", calibrator)
     console.print(_summary_table(runs, cfg.train.calibrators))
-    _figures(runs, out)
-    console.print(f"report and reliability diagrams in {out}/ ({time.time() - start:.0f} s)")
+    console.print(
+        f"reports (report-*/report.md, .csv, .html with the figures) in {out}/ ({time.time() - start:.0f} s)"
+    )
 
 
 def _summary_table(runs, calibrators):
@@ -220,30 +221,6 @@ def _summary_table(runs, calibrators):
         table.add_row(run_dir.name, f"{100 * chain[0]['test']['error']:.2f}", cell("ece"), cell("adaece"),
                       cell("nll"), cell("ece", "shift"), cell("ood_auroc", None, digits=1), *params)  # fmt: skip
     return table
-
-
-def _figures(runs, out: Path) -> None:
-    import torch
-
-    from ..calibrators import TemperatureScaling
-    from ..plotting import plot_reliability_diagram, save_figure
-
-    (out / "figures").mkdir(parents=True, exist_ok=True)
-    for run_dir in runs:
-        logits = torch.load(run_dir / "logits.pt", weights_only=True)
-        test = logits["test"]
-        ts = TemperatureScaling(objective="ece").fit(logits["val"]["logits"], logits["val"]["targets"])
-        for tag, probs in (
-            ("pre", torch.softmax(test["logits"], 1)),
-            ("post-ts", ts.transform(test["logits"])),
-        ):
-            fig = plot_reliability_diagram(
-                probs=probs, targets=test["targets"], title=f"{run_dir.name}, {tag}"
-            )
-            save_figure(fig, out / "figures" / f"reliability-{run_dir.name}-{tag}.png", dpi=100)
-            import matplotlib.pyplot as plt
-
-            plt.close(fig)
 
 
 def list_presets() -> dict[str, str]:

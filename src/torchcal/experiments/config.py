@@ -7,7 +7,6 @@ field's type.
 
 from __future__ import annotations
 
-import dataclasses
 import types
 import typing
 from dataclasses import asdict, dataclass, field, fields
@@ -190,8 +189,3 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 def config_to_dict(cfg: RunConfig) -> dict:
     return asdict(cfg)
-
-
-def replace(cfg: RunConfig, **sections) -> RunConfig:
-    """A copy of ``cfg`` with whole sections replaced."""
-    return dataclasses.replace(cfg, **sections)

@@ -126,15 +126,6 @@ def classwise_sums(probs: torch.Tensor, targets: torch.Tensor, n_bins: int, accu
     return accumulator.finish(probs, targets)
 
 
-def top_label(probs: torch.Tensor, targets: torch.Tensor):
-    """Top-label confidence and correctness: ``conf_i = max_k p_ik``, ``correct_i = [argmax_k p_ik == y_i]``.
-
-    Ties in the maximum go to the lowest class index (the ``torch.argmax`` convention).
-    """
-    conf, correct, _, _, _ = scan_probs(probs, targets)
-    return conf, correct
-
-
 def scan_probs(probs: torch.Tensor, targets: torch.Tensor, classwise_bins: int | None = None):
     """One streaming pass over ``probs`` giving (conf, correct, row_sums, min_entry, classwise accumulator).
 

@@ -7,9 +7,9 @@ from typing import NamedTuple
 
 import torch
 
-from .._validation import check_float, check_positive_int, probs_and_targets
+from .._validation import check_float, check_positive_int, scan_inputs
 from . import calibration as C
-from ._binning import equal_width_index, top_label
+from ._binning import equal_width_index
 
 __all__ = ["BootstrapResult", "bootstrap_ci"]
 
@@ -46,17 +46,15 @@ def _prefix_at(cum_counts, cum_values, values, positions):
 class _Weighted:
     """Metrics whose value on a resample follows from per-sample statistics weighted by resample counts."""
 
-    def __init__(self, name, probs, targets, n_bins):
+    def __init__(self, name, probs, targets, conf, correct, n_bins):
         self.name, self.n_bins = name, n_bins
-        conf, correct = top_label(probs, targets)
         self.n = conf.shape[0]
         if name in ("ece", "mce"):
             self.bins = equal_width_index(conf, n_bins)
             self.conf, self.correct = conf.double(), correct.double()
         elif name in ("adaece", "debiased"):
-            conf_s, corr_s = C.sorted_by_confidence(conf, correct)
-            self.order = torch.sort(conf, stable=True).indices
-            self.conf, self.correct = conf_s.double(), corr_s.double()
+            conf_s, self.order = torch.sort(conf, stable=True)  # as C.sorted_by_confidence
+            self.conf, self.correct = conf_s.double(), correct[self.order].double()
             q, r = divmod(self.n, n_bins)
             sizes = torch.full((n_bins,), q, dtype=torch.long)
             sizes[:r] += 1
@@ -147,7 +145,8 @@ def bootstrap_ci(
     n_resamples = check_positive_int(n_resamples, "n_resamples")
     level = check_float(confidence_level, "confidence_level", low=0, high=1, low_open=True, high_open=True)
     check_positive_int(seed, "seed", minimum=0)
-    probs, targets = probs_and_targets(probs, targets, from_logits)
+    # one validating pass that also gives the top-label statistics of the weighted path
+    probs, targets, conf, correct, _ = scan_inputs(probs, targets, from_logits)
     estimate = metric(probs, targets, **metric_kwargs)
     n = probs.shape[0]
     gen = torch.Generator().manual_seed(seed)
@@ -155,7 +154,7 @@ def bootstrap_ci(
     fast = None
     if name is not None:
         n_bins = check_positive_int(metric_kwargs.get("n_bins", 15), "n_bins")
-        fast = _Weighted(name, probs, targets, n_bins)
+        fast = _Weighted(name, probs, targets, conf, correct, n_bins)
     samples = []
     step = max(1, _CHUNK // n)
     for start in range(0, n_resamples, step):

@@ -16,7 +16,10 @@ import torch
 from .._validation import (
     check_choice,
     check_float,
+    check_logits,
     check_positive_int,
+    check_probs,
+    check_targets,
     probs_and_targets,
     top_label_inputs,
 )
@@ -243,8 +246,6 @@ def negative_log_likelihood(probs, targets, *, from_logits: bool = False):
         tensor(0.4904, dtype=torch.float64)
     """
     if from_logits:
-        from .._validation import check_logits, check_targets
-
         logits = check_logits(probs, "probs")
         targets = check_targets(targets, logits.shape[0], logits.shape[1])
         log_p = torch.log_softmax(logits, dim=1).gather(1, targets[:, None]).squeeze(1)
@@ -564,8 +565,6 @@ def ood_auroc(probs_in, probs_out, *, score: str = "entropy", from_logits: bool 
         >>> ood_auroc(p_in, p_out)
         tensor(0.7500, dtype=torch.float64)
     """
-    from .._validation import check_logits, check_probs
-
     check_choice(score, "score", {"entropy", "max_prob"})
     check = (lambda x, name: torch.softmax(check_logits(x, name), 1)) if from_logits else check_probs
     p_in = check(probs_in, "probs_in")
