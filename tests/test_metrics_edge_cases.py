@@ -7,6 +7,9 @@ import torch
 
 import torchcal.functional as F
 
+# every test here runs on the fused numba CPU kernels and on the torch path
+pytestmark = pytest.mark.usefixtures("cpu_backend")
+
 
 def two_class(confs, dtype=torch.float64):
     c = torch.tensor(confs, dtype=dtype)

@@ -12,6 +12,9 @@ import torch
 import torchcal.functional as F
 from tests.conftest import make_probs
 
+# every test here runs on the fused numba CPU kernels and on the torch path
+pytestmark = pytest.mark.usefixtures("cpu_backend")
+
 torchmetrics = pytest.importorskip("torchmetrics")  # dev extra: installed by `make test`
 
 

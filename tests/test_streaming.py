@@ -12,6 +12,9 @@ import torchcal.functional as F
 from tests.conftest import make_probs
 from torchcal.metrics import CalibrationMetrics
 
+# every test here runs on the fused numba CPU kernels and on the torch path
+pytestmark = pytest.mark.usefixtures("cpu_backend")
+
 ONE_SHOT = {
     "ece": F.ece,
     "mce": F.mce,

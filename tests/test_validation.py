@@ -7,6 +7,9 @@ import torch
 import torchcal.functional as F
 from torchcal.metrics import CalibrationMetrics
 
+# every test here runs on the fused numba CPU kernels and on the torch path
+pytestmark = pytest.mark.usefixtures("cpu_backend")
+
 METRICS = [
     F.expected_calibration_error,
     F.adaptive_calibration_error,

@@ -6,6 +6,7 @@ the argument's name and what was expected. Nothing here ever repairs an input si
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import numpy as np
@@ -100,17 +101,25 @@ def check_probs(probs, name: str = "probs") -> torch.Tensor:
     tol = _SUM_TOL.get(probs.dtype, 1e-4)
     probs = _upcast_low_precision(probs)
     # summing in the input dtype avoids an (N, K) float64 copy on CPU
-    check_prob_stats(probs.sum(dim=1), probs.amin(), name, tol, probs.shape[1])
+    check_prob_stats(row_stats(probs.sum(dim=1), probs.amin()), name, tol, probs.shape[1])
     return probs
 
 
-def check_prob_stats(row_sums, min_entry, name, tol, k) -> None:
-    """Validation from precomputed row sums and minimum (one host sync).
+def row_stats(row_sums: torch.Tensor, min_entry: torch.Tensor):
+    """(largest |row sum − 1|, min(min_entry, 0), not finite) as Python numbers, with one host sync.
 
     A row sum is finite only if every entry of the row is finite, so the sums check NaN/inf as well.
     """
     worst, lowest = torch.stack([(row_sums.double() - 1).abs().amax(), min_entry.double()]).tolist()
-    if worst != worst or worst == float("inf"):
+    nonfinite = worst != worst or worst == math.inf
+    return worst, min(lowest, 0.0), nonfinite
+
+
+def check_prob_stats(stats, name, tol, k) -> None:
+    """Validation from precomputed statistics ``(largest |row sum − 1|, most negative entry or 0, any row sum
+    not finite)`` (see :func:`row_stats`)."""
+    worst, lowest, nonfinite = stats
+    if nonfinite:
         raise ValueError(f"`{name}` contains NaN or infinite values")
     if lowest < 0:
         raise ValueError(f"`{name}` has negative entries; pass from_logits=True if these are logits")
@@ -123,7 +132,13 @@ def check_prob_stats(row_sums, min_entry, name, tol, k) -> None:
 
 def top_label_inputs(probs, targets, from_logits: bool, name: str = "probs"):
     """Validated (conf, correct) of the top label, from one pass over ``probs`` (softmax first if asked)."""
-    return scan_inputs(probs, targets, from_logits, name)[2:4]
+    scan = scan_inputs(probs, targets, from_logits, name)[2]
+    return scan.conf, scan.correct
+
+
+def top_label_bins(probs, targets, from_logits: bool, n_bins: int, name: str = "probs"):
+    """Validated top-label equal-width (count, confidence sum, correct sum), float64 of shape (n_bins,)."""
+    return scan_inputs(probs, targets, from_logits, name, n_bins=n_bins)[2].top
 
 
 def scan_inputs(
@@ -133,18 +148,20 @@ def scan_inputs(
     name: str = "probs",
     num_classes: int | None = None,
     classwise_bins=None,
+    n_bins=None,
 ):
-    """Validated (probs, targets, conf, correct, classwise accumulator): validation, the top-label statistics
-    and (with ``classwise_bins``) the classwise bin sums share one pass over ``probs``."""
+    """Validated (probs, targets, scan): validation, the top-label statistics and (with ``classwise_bins`` /
+    ``n_bins``) the classwise and top-label bin sums share one pass over ``probs``
+    (:func:`torchcal.functional._binning.scan_probs`)."""
     from .functional._binning import scan_probs
 
     probs, targets, tol = _scores_and_targets(
         probs, targets, from_logits, name, num_classes, check_values=False
     )
-    conf, correct, row_sums, lowest, classwise = scan_probs(probs, targets, classwise_bins)
+    scan = scan_probs(probs, targets, classwise_bins, n_bins)
     if not from_logits:
-        check_prob_stats(row_sums, lowest, name, tol, probs.shape[1])
-    return probs, targets, conf, correct, classwise
+        check_prob_stats(scan.stats, name, tol, probs.shape[1])
+    return probs, targets, scan
 
 
 def probs_and_targets(probs, targets, from_logits: bool, name: str = "probs"):
@@ -164,7 +181,7 @@ def _scores_and_targets(probs, targets, from_logits, name, num_classes=None, che
     tol = _SUM_TOL.get(probs.dtype, 1e-4)
     probs = _upcast_low_precision(probs)
     if check_values and not from_logits:
-        check_prob_stats(probs.sum(dim=1), probs.amin(), name, tol, probs.shape[1])
+        check_prob_stats(row_stats(probs.sum(dim=1), probs.amin()), name, tol, probs.shape[1])
     if num_classes is not None and probs.shape[1] != num_classes:
         raise ValueError(f"`{name}` has {probs.shape[1]} classes, this metric was built for {num_classes}")
     targets = check_targets(targets, probs.shape[0], probs.shape[1])

@@ -6,7 +6,7 @@ import torch
 
 from ._validation import check_positive_int, scan_inputs
 from .functional import calibration as C
-from .functional._binning import bin_sums, classwise_sums, equal_width_index
+from .functional._binning import classwise_sums
 
 __all__ = ["CalibrationMetrics"]
 
@@ -89,9 +89,16 @@ class CalibrationMetrics:
 
     def update(self, probs_or_logits, targets) -> None:
         """Adds a batch: probabilities (or logits if ``from_logits``) of shape (B, K) and targets (B,)."""
-        probs, targets, conf, correct, classwise = scan_inputs(
-            probs_or_logits, targets, self.from_logits, "probs_or_logits", self.num_classes, self.n_bins
+        probs, targets, scan = scan_inputs(
+            probs_or_logits,
+            targets,
+            self.from_logits,
+            "probs_or_logits",
+            self.num_classes,
+            classwise_bins=self.n_bins,
+            n_bins=self.n_bins,
         )
+        conf, correct = scan.conf, scan.correct
         if self._device is None:
             self._device = probs.device
             self._sums = self._sums.to(probs.device)
@@ -100,11 +107,8 @@ class CalibrationMetrics:
                 f"`probs_or_logits` is on {probs.device}, earlier batches were on {self._device}"
             )
         top, cw, scalars = self._views()
-        counts, conf_sum, correct_sum = bin_sums(
-            equal_width_index(conf, self.n_bins), self.n_bins, conf, correct
-        )
-        top += torch.stack([counts, conf_sum, correct_sum])
-        _, cw_conf, cw_correct = classwise_sums(probs, targets, self.n_bins, classwise)
+        top += torch.stack(list(scan.top))
+        _, cw_conf, cw_correct = classwise_sums(probs, targets, self.n_bins, scan.classwise)
         cw += torch.stack([cw_conf, cw_correct])
         p_true = probs.gather(1, targets[:, None]).squeeze(1)
         confident = conf >= self.s99_threshold

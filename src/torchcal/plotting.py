@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ._validation import check_choice, check_positive_int, top_label_inputs
+from ._validation import check_choice, check_positive_int, scan_inputs
 from .functional import calibration as C
-from .functional._binning import bin_sums, equal_mass_sums, equal_width_edges, equal_width_index
+from .functional._binning import equal_mass_sums, equal_width_edges
 
 __all__ = ["ReliabilityDiagram", "reliability_diagram_data", "plot_reliability_diagram", "save_figure"]
 
@@ -54,9 +54,10 @@ def reliability_diagram_data(
     """
     n_bins = check_positive_int(n_bins, "n_bins")
     check_choice(binning, "binning", {"equal_width", "equal_mass"})
-    conf, correct = top_label_inputs(probs, targets, from_logits)
+    _, _, scan = scan_inputs(probs, targets, from_logits, n_bins=n_bins if binning == "equal_width" else None)
+    conf, correct = scan.conf, scan.correct
     if binning == "equal_width":
-        count, conf_sum, correct_sum = bin_sums(equal_width_index(conf, n_bins), n_bins, conf, correct)
+        count, conf_sum, correct_sum = scan.top
         edges = equal_width_edges(n_bins, torch.float64, conf.device)
         lower, upper = edges[:-1], edges[1:]
     else:

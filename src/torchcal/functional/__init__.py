@@ -1,5 +1,6 @@
 """Pure tensor functions: calibration metrics, binning helpers, the focal calibration map, bootstrap."""
 
+from ._kernels import cpu_kernels_available, use_cpu_kernels
 from .bootstrap import BootstrapResult, bootstrap_ci
 from .calibration import (
     ConfidenceShare,
@@ -41,6 +42,7 @@ __all__ = [
     "classwise_calibration_error",
     "classwise_ece",
     "confidence_at_least",
+    "cpu_kernels_available",
     "debiased_calibration_error",
     "debiased_ece",
     "ece",
@@ -57,4 +59,5 @@ __all__ = [
     "ood_auroc",
     "smece",
     "smooth_calibration_error",
+    "use_cpu_kernels",
 ]

@@ -9,7 +9,7 @@ import torch
 
 from .._validation import check_float, check_positive_int, scan_inputs
 from . import calibration as C
-from ._binning import equal_width_index
+from ._binning import equal_width_index, stable_sort
 
 __all__ = ["BootstrapResult", "bootstrap_ci"]
 
@@ -53,7 +53,7 @@ class _Weighted:
             self.bins = equal_width_index(conf, n_bins)
             self.conf, self.correct = conf.double(), correct.double()
         elif name in ("adaece", "debiased"):
-            conf_s, self.order = torch.sort(conf, stable=True)  # as C.sorted_by_confidence
+            conf_s, self.order = stable_sort(conf)  # as C.sorted_by_confidence
             self.conf, self.correct = conf_s.double(), correct[self.order].double()
             q, r = divmod(self.n, n_bins)
             sizes = torch.full((n_bins,), q, dtype=torch.long)
@@ -146,7 +146,8 @@ def bootstrap_ci(
     level = check_float(confidence_level, "confidence_level", low=0, high=1, low_open=True, high_open=True)
     check_positive_int(seed, "seed", minimum=0)
     # one validating pass that also gives the top-label statistics of the weighted path
-    probs, targets, conf, correct, _ = scan_inputs(probs, targets, from_logits)
+    probs, targets, scan = scan_inputs(probs, targets, from_logits)
+    conf, correct = scan.conf, scan.correct
     estimate = metric(probs, targets, **metric_kwargs)
     n = probs.shape[0]
     gen = torch.Generator().manual_seed(seed)

@@ -21,13 +21,13 @@ from .._validation import (
     check_probs,
     check_targets,
     probs_and_targets,
+    top_label_bins,
     top_label_inputs,
 )
 from ._binning import (
-    bin_sums,
     classwise_sums,
     equal_mass_sums,
-    equal_width_index,
+    stable_sort,
 )
 
 __all__ = [
@@ -69,7 +69,7 @@ def classwise_from_sums(conf_sum, correct_sum, n) -> torch.Tensor:
 
 def sorted_by_confidence(conf: torch.Tensor, correct: torch.Tensor):
     """Stable ascending sort of confidences, carrying correctness along (ties keep input order)."""
-    conf_sorted, order = torch.sort(conf, stable=True)
+    conf_sorted, order = stable_sort(conf)
     return conf_sorted, correct[order]
 
 
@@ -175,8 +175,7 @@ def expected_calibration_error(probs, targets, *, n_bins: int = 15, from_logits:
         tensor(0.1333, dtype=torch.float64)
     """
     n_bins = check_positive_int(n_bins, "n_bins")
-    conf, correct = top_label_inputs(probs, targets, from_logits)
-    return ece_from_sums(*bin_sums(equal_width_index(conf, n_bins), n_bins, conf, correct))
+    return ece_from_sums(*top_label_bins(probs, targets, from_logits, n_bins))
 
 
 def maximum_calibration_error(probs, targets, *, n_bins: int = 15, from_logits: bool = False):
@@ -191,8 +190,7 @@ def maximum_calibration_error(probs, targets, *, n_bins: int = 15, from_logits: 
         tensor(0.1500, dtype=torch.float64)
     """
     n_bins = check_positive_int(n_bins, "n_bins")
-    conf, correct = top_label_inputs(probs, targets, from_logits)
-    return mce_from_sums(*bin_sums(equal_width_index(conf, n_bins), n_bins, conf, correct))
+    return mce_from_sums(*top_label_bins(probs, targets, from_logits, n_bins))
 
 
 def adaptive_calibration_error(probs, targets, *, n_bins: int = 15, from_logits: bool = False):

@@ -1,0 +1,136 @@
+"""Optional fused CPU kernels (numba) for the top-label scan of the metrics.
+
+The torch path needs several passes over an (N, K) probability matrix: row sums and minimum for validation,
+an index-returning ``max(dim=1)`` (slow on CPU for short rows), ``bucketize`` and ``bincount``. With numba
+installed (``pip install "torchcal[fast]"``), one compiled pass over each row does all of it: the row sum,
+the sign check and the maximum run as vectorised reductions (the maximum on the integer view of the float
+bits, which orders non-negative IEEE floats exactly as their values), ties in the maximum are counted and
+resolved to the lowest class index, and the confidence is binned on the spot with the exact float64 edges of
+``_binning``. The same pass can gather the classwise bin sums and Σ p².
+
+The kernels run single-threaded (no numba threading layer: safe under fork, DataLoader workers and DDP) and
+only for contiguous float32 / float64 CPU tensors; everything else, and everything when numba is missing or
+disabled (``TORCHCAL_NUMBA=0`` or :func:`use_cpu_kernels`), takes the torch path. Both paths follow the same
+conventions and are tested against the same float64 references.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+__all__ = ["cpu_kernels_available", "use_cpu_kernels"]
+
+_state = {"enabled": os.environ.get("TORCHCAL_NUMBA", "1").strip().lower() not in ("0", "false", "no", "off")}
+
+
+@lru_cache(maxsize=1)
+def _compiled():
+    """The jitted kernels, or None when numba cannot be imported."""
+    try:
+        from . import _numba_kernels
+    except ImportError:
+        return None
+    return _numba_kernels
+
+
+def cpu_kernels_available() -> bool:
+    """True when numba is importable and the kernels are enabled (``TORCHCAL_NUMBA`` unset or not 0)."""
+    return _state["enabled"] and _compiled() is not None
+
+
+@contextlib.contextmanager
+def use_cpu_kernels(enabled: bool):
+    """Context manager that switches the numba CPU kernels on or off (e.g. to compare both paths).
+
+    Example:
+        >>> import torch
+        >>> from torchcal.functional import expected_calibration_error, use_cpu_kernels
+        >>> probs, targets = torch.tensor([[0.9, 0.1], [0.6, 0.4]]), torch.tensor([0, 1])
+        >>> with use_cpu_kernels(False):
+        ...     torch_path = expected_calibration_error(probs, targets)
+        >>> bool(torch_path == expected_calibration_error(probs, targets))
+        True
+    """
+    if not isinstance(enabled, bool):
+        raise TypeError(f"`enabled` must be a bool, got {type(enabled).__name__}")
+    previous = _state["enabled"]
+    _state["enabled"] = enabled
+    try:
+        yield
+    finally:
+        _state["enabled"] = previous
+
+
+_BITS = {torch.float32: np.int32, torch.float64: np.int64}
+# Up to this many classes the prediction is found with a branch-free pass (mispredicted branches cost more).
+_SHORT_ROWS = 32
+
+
+def applies(probs: torch.Tensor) -> bool:
+    """Whether the kernels handle this tensor (enabled, numba present, contiguous float32/64 on CPU)."""
+    return (
+        _state["enabled"]
+        and probs.device.type == "cpu"
+        and probs.dtype in _BITS
+        and probs.is_contiguous()
+        and _compiled() is not None
+    )
+
+
+def top_label_scan(probs, targets, n_bins=None, classwise_bins=None):
+    """One pass over contiguous CPU ``probs`` (N, K) with valid ``targets``.
+
+    Returns ``(conf, correct, worst, lowest, nonfinite, top, classwise, sum_sq)``: top-label confidence (in the
+    input dtype) and correctness (bool) tensors; the largest |row sum − 1|, the most negative entry (0.0 if
+    none) and whether any row sum is not finite; the top-label equal-width (count, conf sum, correct sum)
+    float64 tensors of shape (n_bins,) (None without ``n_bins``); the classwise (count, p sum, [y = k] sum),
+    each (K, classwise_bins) float64 (None without ``classwise_bins``); and Σ_ik p_ik² in float64.
+    """
+    kernels = _compiled()
+    p = probs.detach().numpy()
+    n, k = p.shape
+    bits = p.view(_BITS[probs.dtype])
+    t = targets.detach().numpy()
+    if t.dtype != np.int64:
+        t = t.astype(np.int64)
+    conf = np.empty(n, dtype=p.dtype)
+    correct = np.empty(n, dtype=np.bool_)
+    m = n_bins or 0
+    top = np.zeros((3, m), dtype=np.float64)
+    scan = kernels.scan_short_rows if k <= _SHORT_ROWS else kernels.scan_long_rows
+    worst, lowest, nonfinite, sum_sq = scan(p, bits, t, conf, conf.view(bits.dtype), correct, _edges(m), top)
+    top_t = tuple(torch.from_numpy(top[i]) for i in range(3)) if m else None
+    cw_t = None
+    if classwise_bins:
+        mc = classwise_bins
+        above = np.zeros((2, k, mc), dtype=np.float64)
+        col_total = np.zeros(k, dtype=np.float64)
+        true_count = np.zeros((k, mc), dtype=np.float64)
+        kernels.classwise(p, t, _edges(mc), above, col_total, true_count)
+        # bin 0 gets the rest of each column, as in _binning._ClasswiseAccumulator
+        above[0, :, 0] = n - above[0, :, 1:].sum(1)
+        above[1, :, 0] = np.maximum(col_total - above[1, :, 1:].sum(1), 0.0)
+        cw_t = (torch.from_numpy(above[0]), torch.from_numpy(above[1]), torch.from_numpy(true_count))
+    return (
+        torch.from_numpy(conf),
+        torch.from_numpy(correct),
+        float(worst),
+        float(lowest),
+        bool(nonfinite),
+        top_t,
+        cw_t,
+        float(sum_sq),
+    )
+
+
+@lru_cache(maxsize=16)
+def _edges(m: int) -> np.ndarray:
+    """The float64 edges m/M of _binning (read-only; a dummy pair when M = 0)."""
+    edges = np.arange(max(m, 1) + 1, dtype=np.float64) / max(m, 1)
+    edges.flags.writeable = False
+    return edges

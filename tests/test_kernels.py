@@ -1,0 +1,136 @@
+"""The fused numba CPU scan against the torch path, entry by entry, including the awkward inputs."""
+
+import pytest
+import torch
+
+import torchcal.functional as F
+from tests.conftest import make_probs
+from torchcal.functional import _kernels
+from torchcal.functional._binning import scan_probs
+
+pytestmark = pytest.mark.skipif(_kernels._compiled() is None, reason="numba is not installed")
+
+
+def both_paths(probs, targets, n_bins=15, classwise_bins=15):
+    with F.use_cpu_kernels(True):
+        assert _kernels.applies(probs)
+        fused = scan_probs(probs, targets, classwise_bins, n_bins)
+    with F.use_cpu_kernels(False):
+        plain = scan_probs(probs, targets, classwise_bins, n_bins)
+    return fused, plain
+
+
+def assert_same_scan(fused, plain, probs, targets):
+    assert torch.equal(fused.conf, plain.conf)
+    assert torch.equal(fused.correct, plain.correct)
+    assert torch.equal(fused.top[0], plain.top[0])
+    assert torch.equal(fused.top[2], plain.top[2])
+    torch.testing.assert_close(fused.top[1], plain.top[1], rtol=1e-12, atol=1e-12)
+    for a, b in zip(fused.classwise.finish(probs, targets), plain.classwise.finish(probs, targets)):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+    assert fused.stats[1] == plain.stats[1]
+    assert fused.stats[2] == plain.stats[2]
+    assert abs(fused.stats[0] - plain.stats[0]) < 1e-6
+
+
+@pytest.mark.parametrize("n,k", [(1, 2), (7, 3), (500, 10), (300, 17), (64, 1000)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fused_scan_equals_torch_path(n, k, dtype):
+    probs, targets = make_probs(n, k, seed=n + k, dtype=dtype)
+    fused, plain = both_paths(probs, targets)
+    assert_same_scan(fused, plain, probs, targets)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_ties_in_the_maximum_predict_the_lowest_index(dtype):
+    probs = torch.tensor(
+        [[0.4, 0.4, 0.2], [0.4, 0.4, 0.2], [0.2, 0.4, 0.4], [1 / 3, 1 / 3, 1 / 3], [0.0, 0.5, 0.5]],
+        dtype=dtype,
+    )
+    probs = probs / probs.sum(1, keepdim=True)
+    targets = torch.tensor([0, 1, 2, 2, 1])
+    fused, plain = both_paths(probs, targets)
+    assert fused.correct.tolist() == [True, False, False, False, True]
+    assert_same_scan(fused, plain, probs, targets)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_confidences_on_bin_edges_and_at_one(dtype):
+    # 0.6 and 0.2 are edges of 5 and 15 bins; 1.0 and an exact 0 sit at the ends
+    probs = torch.tensor(
+        [[0.6, 0.4], [0.4, 0.6], [1.0, 0.0], [0.0, 1.0], [0.8, 0.2], [0.5, 0.5]], dtype=dtype
+    )
+    targets = torch.tensor([0, 0, 0, 1, 1, 1])
+    for bins in (1, 2, 5, 10, 15):
+        fused, plain = both_paths(probs, targets, bins, bins)
+        assert_same_scan(fused, plain, probs, targets)
+
+
+def test_negative_zero_is_a_valid_probability():
+    probs = torch.tensor([[1.0, -0.0], [0.25, 0.75]])
+    fused, plain = both_paths(probs, torch.tensor([0, 1]))
+    assert fused.stats[1] == 0.0
+    assert_same_scan(fused, plain, probs, torch.tensor([0, 1]))
+
+
+@pytest.mark.parametrize(
+    "bad,message",
+    [
+        (float("nan"), "NaN or infinite"),
+        (float("inf"), "NaN or infinite"),
+        (-0.25, "negative entries"),
+        (0.7, "must sum to 1"),
+    ],
+)
+def test_invalid_probabilities_give_the_same_error_on_both_paths(bad, message):
+    probs, targets = make_probs(50, 4, dtype=torch.float32)
+    probs[17, 2] = bad
+    for enabled in (True, False):
+        with F.use_cpu_kernels(enabled), pytest.raises(ValueError, match=message):
+            F.expected_calibration_error(probs, targets)
+
+
+def test_kernels_skip_what_they_do_not_handle():
+    probs, targets = make_probs(40, 5, dtype=torch.float32)
+    wide = torch.zeros(40, 10)
+    wide[:, ::2] = probs
+    strided = wide[:, ::2]
+    assert not strided.is_contiguous()
+    with F.use_cpu_kernels(True):
+        assert not _kernels.applies(strided)
+        assert not _kernels.applies(probs.half())
+        assert _kernels.applies(probs)
+        torch.testing.assert_close(
+            F.expected_calibration_error(strided, targets), F.expected_calibration_error(probs, targets)
+        )
+    with F.use_cpu_kernels(False):
+        assert not _kernels.applies(probs)
+        assert not F.cpu_kernels_available()
+
+
+def test_targets_of_other_integer_dtypes():
+    probs, targets = make_probs(100, 6, dtype=torch.float32)
+    ref = F.expected_calibration_error(probs, targets)
+    for dtype in (torch.int32, torch.int16, torch.uint8):
+        torch.testing.assert_close(F.expected_calibration_error(probs, targets.to(dtype)), ref)
+
+
+def test_use_cpu_kernels_rejects_non_bool_and_restores_state():
+    before = F.cpu_kernels_available()
+    with pytest.raises(TypeError, match="enabled"):
+        with F.use_cpu_kernels(1):
+            pass
+    with pytest.raises(RuntimeError):
+        with F.use_cpu_kernels(not before):
+            raise RuntimeError
+    assert F.cpu_kernels_available() == before
+
+
+def test_probs_requiring_grad_are_scanned():
+    logits = torch.randn(30, 4, requires_grad=True)
+    targets = torch.randint(0, 4, (30,))
+    with F.use_cpu_kernels(True):
+        fused = F.expected_calibration_error(logits, targets, from_logits=True)
+    with F.use_cpu_kernels(False):
+        plain = F.expected_calibration_error(logits, targets, from_logits=True)
+    torch.testing.assert_close(fused, plain, rtol=1e-12, atol=1e-12)
