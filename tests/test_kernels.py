@@ -134,3 +134,35 @@ def test_probs_requiring_grad_are_scanned():
     with F.use_cpu_kernels(False):
         plain = F.expected_calibration_error(logits, targets, from_logits=True)
     torch.testing.assert_close(fused, plain, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("n", [1, 2, 15, 1000, 4097])
+def test_stable_sort_keeps_tied_values_in_input_order(n):
+    from torchcal.functional._binning import stable_sort
+
+    g = torch.Generator().manual_seed(n)
+    values = (torch.randint(0, 7, (n,), generator=g) / 6).float()  # few distinct values: many ties
+    values[0] = 0.0
+    got, order = stable_sort(values)
+    want, want_order = torch.sort(values, stable=True)
+    assert torch.equal(got, want) and torch.equal(order, want_order)
+    assert got.dtype == torch.float32 and order.dtype == torch.int64
+    got64, order64 = stable_sort(values.double())  # the torch fallback
+    assert torch.equal(order64, want_order)
+
+
+@pytest.mark.parametrize("n,m", [(3, 15), (15, 15), (16, 15), (1000, 15), (1001, 7), (7, 1)])
+def test_equal_mass_sums_match_array_split(n, m):
+    import numpy as np
+
+    from torchcal.functional._binning import equal_mass_sums
+
+    g = torch.Generator().manual_seed(n + m)
+    conf = torch.sort(torch.rand(n, generator=g)).values
+    correct = torch.rand(n, generator=g) < conf
+    count, conf_sum, correct_sum = equal_mass_sums(conf, correct, m)
+    groups = np.array_split(np.arange(n), m)
+    assert count.tolist() == [len(gr) for gr in groups]
+    for b, gr in enumerate(groups):
+        assert conf_sum[b].item() == pytest.approx(conf.double().numpy()[gr].sum(), rel=1e-12, abs=0)
+        assert correct_sum[b].item() == correct.numpy()[gr].sum()
