@@ -111,12 +111,16 @@ class CalibrationMetrics:
         _, cw_conf, cw_correct = classwise_sums(probs, targets, self.n_bins, scan.classwise)
         cw += torch.stack([cw_conf, cw_correct])
         p_true = probs.gather(1, targets[:, None]).squeeze(1)
+        if scan.sum_sq is None:
+            brier = C.brier_per_sample(probs, targets).sum()
+        else:  # Σ_i (Σ_k p_ik² − 2 p_t + 1) from the fused scan's Σ p²
+            brier = C.brier_from_sums(scan.sum_sq, p_true, conf.shape[0]) * conf.shape[0]
         confident = conf >= self.s99_threshold
         scalars += torch.stack(
             [
                 torch.tensor(float(conf.shape[0]), dtype=torch.float64, device=conf.device),
                 C.nll_from_true_probs(p_true).double().sum(),
-                C.brier_per_sample(probs, targets).sum(),
+                brier,
                 correct.double().sum(),
                 confident.double().sum(),
                 (confident & correct).double().sum(),

@@ -167,6 +167,7 @@ class Scan(NamedTuple):
     stats: tuple  # (largest |row sum − 1|, most negative entry or 0.0, any row sum not finite)
     classwise: object  # object with .finish(probs, targets) -> classwise sums, or None
     top: tuple | None  # top-label equal-width (count, conf sum, correct sum) with ``n_bins``, else None
+    sum_sq: float | None = None  # Σ_ik p_ik² in float64 (fused path only)
 
 
 class _FinishedClasswise:
@@ -195,11 +196,11 @@ def scan_probs(
     from . import _kernels
 
     if _kernels.applies(probs):
-        conf, correct, worst, lowest, nonfinite, top, cw, _ = _kernels.top_label_scan(
+        conf, correct, worst, lowest, nonfinite, top, cw, sum_sq = _kernels.top_label_scan(
             probs, targets, n_bins, classwise_bins
         )
         classwise = None if cw is None else _FinishedClasswise(cw)
-        return Scan(conf, correct, (worst, lowest, nonfinite), classwise, top)
+        return Scan(conf, correct, (worst, lowest, nonfinite), classwise, top, sum_sq)
     n, k = probs.shape
     acc = (
         None

@@ -128,6 +128,13 @@ def top_label_scan(probs, targets, n_bins=None, classwise_bins=None):
     )
 
 
+def spread_on_grid(conf: torch.Tensor, correct: torch.Tensor, g: int) -> torch.Tensor:
+    """(2, G) float64: residual conf − correct and 1 spread linearly onto G grid points (smECE, relplot)."""
+    grids = np.zeros((2, g), dtype=np.float64)
+    _compiled().spread(conf.detach().numpy(), correct.detach().numpy(), grids)
+    return torch.from_numpy(grids)
+
+
 @lru_cache(maxsize=16)
 def _edges(m: int) -> np.ndarray:
     """The float64 edges m/M of _binning (read-only; a dummy pair when M = 0)."""

@@ -167,3 +167,21 @@ def classwise(p, t, edges, above, col_total, true_count):
                 above[1, j, b] += v
         y = t[i]
         true_count[y, bin_index(np.float64(row[y]), m, edges)] += 1.0
+
+
+@njit(**_OPTS)
+def spread(conf, correct, grids):
+    """Linear spreading of the residual conf − correct (row 0) and of 1 (row 1) onto the G points of
+    ``grids`` (2, G), as the torch path of smECE's discretisation: position c·(G − 1), left point clamped to
+    [0, G − 2]."""
+    g = grids.shape[1]
+    for i in range(conf.shape[0]):
+        c = np.float64(conf[i])
+        pos = c * (g - 1)
+        left = min(max(int(math.floor(pos)), 0), g - 2)
+        frac = pos - left
+        r = c - (1.0 if correct[i] else 0.0)
+        grids[0, left] += (1.0 - frac) * r
+        grids[0, left + 1] += frac * r
+        grids[1, left] += 1.0 - frac
+        grids[1, left + 1] += frac

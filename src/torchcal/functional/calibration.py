@@ -21,6 +21,7 @@ from .._validation import (
     check_probs,
     check_targets,
     probs_and_targets,
+    scan_inputs,
     top_label_bins,
     top_label_inputs,
 )
@@ -138,6 +139,11 @@ def brier_per_sample(probs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
     sq = torch.linalg.vector_norm(probs, dim=1).double() ** 2
     p_true = probs.gather(1, targets[:, None]).squeeze(1).double()
     return sq - 2 * p_true + 1
+
+
+def brier_from_sums(sum_sq: float, p_true: torch.Tensor, n: int) -> torch.Tensor:
+    """Mean Brier score from Σ_ik p_ik² (float64, from the fused scan) and the true-class probabilities."""
+    return (sum_sq - 2 * p_true.double().sum() + n) / n
 
 
 # ----------------------------------------------------------------------------- public metrics
@@ -264,8 +270,10 @@ def brier_score(probs, targets, *, from_logits: bool = False):
         >>> brier_score(torch.tensor([[0.75, 0.25], [0.5, 0.5]]), torch.tensor([0, 1]))
         tensor(0.3125, dtype=torch.float64)
     """
-    probs, targets = probs_and_targets(probs, targets, from_logits)
-    return brier_per_sample(probs, targets).mean()
+    probs, targets, scan = scan_inputs(probs, targets, from_logits)
+    if scan.sum_sq is None:
+        return brier_per_sample(probs, targets).mean()
+    return brier_from_sums(scan.sum_sq, probs.gather(1, targets[:, None]), probs.shape[0])
 
 
 def error_rate(probs, targets, *, from_logits: bool = False):
@@ -283,7 +291,25 @@ def error_rate(probs, targets, *, from_logits: bool = False):
 # ----------------------------------------------------------------------------- smooth ECE
 
 
-def _smooth_ece_at(conf: torch.Tensor, residual: torch.Tensor, sigma: float, cache=None) -> torch.Tensor:
+def _spread(conf: torch.Tensor, correct: torch.Tensor, g: int) -> torch.Tensor:
+    """(2, G) float64 grids: residual conf − correct and weight 1 spread linearly onto G points of [0, 1]."""
+    from . import _kernels
+
+    if _kernels.applies(conf):
+        return _kernels.spread_on_grid(conf, correct, g)
+    conf = conf.double()
+    residual = conf - correct.double()
+    pos = conf * (g - 1)
+    left = pos.floor().long().clamp(0, g - 2)
+    frac = pos - left
+    grids = torch.zeros(2, g, dtype=torch.float64, device=conf.device)
+    for row, weights in enumerate((residual, torch.ones_like(conf))):
+        grids[row].index_add_(0, left, (1 - frac) * weights)
+        grids[row].index_add_(0, left + 1, frac * weights)
+    return grids
+
+
+def _smooth_ece_at(conf: torch.Tensor, correct: torch.Tensor, sigma: float, cache=None) -> torch.Tensor:
     """smECE at a fixed bandwidth with the discretisation of the relplot package (Błasiok & Nakkiran 2023).
 
     Samples are spread linearly onto a regular grid of G points on [0, 1], G = max(2000, round(20/σ))//2 + 1;
@@ -296,13 +322,7 @@ def _smooth_ece_at(conf: torch.Tensor, residual: torch.Tensor, sigma: float, cac
     size = 1 << (4 * g - 4).bit_length()  # >= 4G - 3 (full linear convolution), a fast FFT length
     cache = {} if cache is None else cache
     if g not in cache:  # the data's spectra depend on σ only through G; σ >= 0.01 share G = 1001
-        pos = conf * (g - 1)
-        left = pos.floor().long().clamp(0, g - 2)
-        frac = pos - left
-        grids = torch.zeros(2, g, dtype=torch.float64, device=dev)
-        for row, weights in enumerate((residual, torch.ones_like(conf))):
-            grids[row].index_add_(0, left, (1 - frac) * weights)
-            grids[row].index_add_(0, left + 1, frac * weights)
+        grids = _spread(conf, correct, g)
         ext = torch.cat([grids.flip(1)[:, :-1], grids, grids.flip(1)[:, 1:]], dim=1)  # reflect: 3G - 2
         cache[g] = torch.fft.rfft(ext, size)
 
@@ -332,14 +352,12 @@ def smooth_ece_from_conf(conf, correct, sigma=None, eps: float = 1e-3, refine: i
     of [0, 1] keep the upper end at a σ with σ >= smECE_σ (or σ >= eps), so the returned σ is within 2^-refine
     of the fixed point, from above.
     """
-    conf = conf.double()
-    residual = conf - correct.double()
     cache = {}
     if sigma is not None:
-        return _smooth_ece_at(conf, residual, sigma, cache), sigma
+        return _smooth_ece_at(conf, correct, sigma, cache), sigma
 
     def below_fixed_point(s):
-        return s < eps or s < float(_smooth_ece_at(conf, residual, s, cache))
+        return s < eps or s < float(_smooth_ece_at(conf, correct, s, cache))
 
     if below_fixed_point(1.0):
         sigma = 1.0
@@ -352,7 +370,7 @@ def smooth_ece_from_conf(conf, correct, sigma=None, eps: float = 1e-3, refine: i
             else:
                 hi = mid
         sigma = hi
-    return _smooth_ece_at(conf, residual, sigma, cache), sigma
+    return _smooth_ece_at(conf, correct, sigma, cache), sigma
 
 
 def smooth_calibration_error(
