@@ -54,8 +54,9 @@ def check_float(value, name: str, low=None, high=None, low_open=False, high_open
     return value
 
 
-def check_targets(targets, n: int, num_classes: int, name: str = "targets") -> torch.Tensor:
-    """Checks integer class labels of shape (n,) in [0, num_classes)."""
+def check_targets(targets, n: int, num_classes: int, name: str = "targets", check_range: bool = True):
+    """Checks integer class labels of shape (n,) in [0, num_classes) (the range only with ``check_range``:
+    the fused scan checks it in its own pass)."""
     targets = as_tensor(targets, name)
     if targets.dtype == torch.bool or targets.is_floating_point() or targets.is_complex():
         raise TypeError(f"`{name}` must hold integer class indices, got dtype {targets.dtype}")
@@ -63,10 +64,11 @@ def check_targets(targets, n: int, num_classes: int, name: str = "targets") -> t
         raise ValueError(f"`{name}` must have shape (N,), got {tuple(targets.shape)}")
     if targets.shape[0] != n:
         raise ValueError(f"`{name}` has {targets.shape[0]} entries but the scores have {n} rows")
-    lo, hi = torch.stack(torch.aminmax(targets)).tolist()
-    if lo < 0 or hi >= num_classes:
-        bad = lo if lo < 0 else hi
-        raise ValueError(f"`{name}` must lie in [0, {num_classes}), found label {bad}")
+    if check_range:
+        lo, hi = torch.stack(torch.aminmax(targets)).tolist()
+        if lo < 0 or hi >= num_classes:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"`{name}` must lie in [0, {num_classes}), found label {bad}")
     return targets.long()
 
 
@@ -156,7 +158,7 @@ def scan_inputs(
     from .functional._binning import scan_probs
 
     probs, targets, tol = _scores_and_targets(
-        probs, targets, from_logits, name, num_classes, check_values=False
+        probs, targets, from_logits, name, num_classes, check_values=False, fused_scan=True
     )
     scan = scan_probs(probs, targets, classwise_bins, n_bins)
     if not from_logits:
@@ -169,9 +171,13 @@ def probs_and_targets(probs, targets, from_logits: bool, name: str = "probs"):
     return _scores_and_targets(probs, targets, from_logits, name)[:2]
 
 
-def _scores_and_targets(probs, targets, from_logits, name, num_classes=None, check_values=True):
+def _scores_and_targets(
+    probs, targets, from_logits, name, num_classes=None, check_values=True, fused_scan=False
+):
     """Shared checks: (probs, targets, row-sum tolerance). With ``check_values=False`` the probability values
-    are left for the caller to check from statistics of its own pass (:func:`check_prob_stats`)."""
+    are left for the caller to check from statistics of its own pass (:func:`check_prob_stats`); with
+    ``fused_scan`` the caller's pass is :func:`torchcal.functional._binning.scan_probs`, whose fused kernel (when
+    it applies) also checks the label range."""
     if not isinstance(from_logits, bool):
         raise TypeError(f"`from_logits` must be a bool, got {type(from_logits).__name__}")
     if from_logits:
@@ -184,7 +190,10 @@ def _scores_and_targets(probs, targets, from_logits, name, num_classes=None, che
         check_prob_stats(row_stats(probs.sum(dim=1), probs.amin()), name, tol, probs.shape[1])
     if num_classes is not None and probs.shape[1] != num_classes:
         raise ValueError(f"`{name}` has {probs.shape[1]} classes, this metric was built for {num_classes}")
-    targets = check_targets(targets, probs.shape[0], probs.shape[1])
+    from .functional import _kernels
+
+    in_scan = fused_scan and _kernels.applies(probs)
+    targets = check_targets(targets, probs.shape[0], probs.shape[1], check_range=not in_scan)
     if targets.device != probs.device:
         raise ValueError(f"`targets` is on {targets.device} but `{name}` is on {probs.device}")
     return probs, targets, tol

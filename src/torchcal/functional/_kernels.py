@@ -83,7 +83,7 @@ def applies(probs: torch.Tensor) -> bool:
 
 
 def top_label_scan(probs, targets, n_bins=None, classwise_bins=None):
-    """One pass over contiguous CPU ``probs`` (N, K) with valid ``targets``.
+    """One pass over contiguous CPU ``probs`` (N, K) and integer ``targets`` (N,) (the pass checks their range).
 
     Returns ``(conf, correct, worst, lowest, nonfinite, top, classwise, sum_sq)``: top-label confidence (in the
     input dtype) and correctness (bool) tensors; the largest |row sum − 1|, the most negative entry (0.0 if
@@ -103,7 +103,12 @@ def top_label_scan(probs, targets, n_bins=None, classwise_bins=None):
     m = n_bins or 0
     top = np.zeros((3, m), dtype=np.float64)
     scan = kernels.scan_short_rows if k <= _SHORT_ROWS else kernels.scan_long_rows
-    worst, lowest, nonfinite, sum_sq = scan(p, bits, t, conf, conf.view(bits.dtype), correct, _edges(m), top)
+    worst, lowest, nonfinite, sum_sq, n_bad = scan(
+        p, bits, t, conf, conf.view(bits.dtype), correct, _edges(m), top
+    )
+    if n_bad:
+        bad = t[(t < 0) | (t >= k)][0]
+        raise ValueError(f"`targets` must lie in [0, {k}), found label {bad}")
     top_t = tuple(torch.from_numpy(top[i]) for i in range(3)) if m else None
     cw_t = None
     if classwise_bins:

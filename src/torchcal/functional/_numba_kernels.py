@@ -78,17 +78,22 @@ def bin_index(v, m, edges):
 @njit(**_OPTS)
 def scan_short_rows(p, bits, t, conf, conf_bits, correct, edges, top):
     """Top-label scan for short rows: the prediction from a second, branch-free pass over the row.
-    Returns (largest |Σp − 1|, most negative entry or 0, any non-finite row sum, Σ p²)."""
+    Returns (largest |Σp − 1|, most negative entry or 0, any non-finite row sum, Σ p², number of labels
+    outside [0, K))."""
     n, k = p.shape
     m = top.shape[1]
     worst = 0.0
     lowest = 0.0
     nonfinite = False
     total_sq = 0.0
+    n_bad = 0
     for i in range(n):
         row = p[i]
         rbits = bits[i]
+        # a label outside [0, K) is counted (the caller raises) and clamped, without a branch
         y = t[i]
+        n_bad += (y < 0) | (y >= k)
+        y = min(max(y, 0), k - 1)
         s, sq, hi, lo = row_stats(row, rbits)
         total_sq += sq
         if not math.isfinite(s):
@@ -109,7 +114,7 @@ def scan_short_rows(p, bits, t, conf, conf_bits, correct, edges, top):
             top[0, b] += 1.0
             top[1, b] += c
             top[2, b] += hit
-    return worst, lowest, nonfinite, total_sq
+    return worst, lowest, nonfinite, total_sq, n_bad
 
 
 @njit(**_OPTS)
@@ -121,10 +126,14 @@ def scan_long_rows(p, bits, t, conf, conf_bits, correct, edges, top):
     lowest = 0.0
     nonfinite = False
     total_sq = 0.0
+    n_bad = 0
     for i in range(n):
         row = p[i]
         rbits = bits[i]
+        # a label outside [0, K) is counted (the caller raises) and clamped, without a branch
         y = t[i]
+        n_bad += (y < 0) | (y >= k)
+        y = min(max(y, 0), k - 1)
         s, sq, hi, lo = row_stats(row, rbits)
         total_sq += sq
         if not math.isfinite(s):
@@ -145,7 +154,7 @@ def scan_long_rows(p, bits, t, conf, conf_bits, correct, edges, top):
             top[0, b] += 1.0
             top[1, b] += c
             top[2, b] += hit
-    return worst, lowest, nonfinite, total_sq
+    return worst, lowest, nonfinite, total_sq, n_bad
 
 
 @njit(**_OPTS)
