@@ -9,6 +9,9 @@ from tests.reference import losses as R
 from torchcal.adafocal import AdaFocalLoss, CalFocalLoss
 from torchcal.metrics import CalibrationMetrics
 
+# every test here runs on the fused numba CPU losses (where they apply) and on the torch path
+pytestmark = pytest.mark.usefixtures("cpu_backend")
+
 
 def two_class(confs, correct):
     """Validation probabilities with the given top-label confidences; targets make them right or wrong."""

@@ -1,5 +1,7 @@
 """The fused numba CPU scan against the torch path, entry by entry, including the awkward inputs."""
 
+import math
+
 import pytest
 import torch
 
@@ -166,3 +168,54 @@ def test_equal_mass_sums_match_array_split(n, m):
     for b, gr in enumerate(groups):
         assert conf_sum[b].item() == pytest.approx(conf.double().numpy()[gr].sum(), rel=1e-12, abs=0)
         assert correct_sum[b].item() == correct.numpy()[gr].sum()
+
+
+# ----------------------------------------------------------------------------- fused focal-family losses
+
+
+def test_fused_losses_run_where_they_apply():
+    import torchcal.functional.losses as L
+
+    z = torch.randn(8, 3, requires_grad=True)
+    with F.use_cpu_kernels(True):
+        assert _kernels.loss_applies(z)
+        assert L.focal_loss(z, torch.zeros(8, dtype=torch.long)).grad_fn.name().endswith("FusedFocalBackward")
+        assert not _kernels.loss_applies(torch.randn(2, _kernels._LOSS_MAX_ELEMENTS))  # too large
+    with F.use_cpu_kernels(False):
+        assert "FusedFocal" not in L.focal_loss(z, torch.zeros(8, dtype=torch.long)).grad_fn.name()
+
+
+def test_fused_losses_refuse_second_order_gradients():
+    import torchcal.functional.losses as L
+
+    z = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
+    t = torch.tensor([0, 1, 2, 3, 0, 1])
+    with F.use_cpu_kernels(True):
+        (g,) = torch.autograd.grad(L.focal_loss(z, t, 2.0), z, create_graph=False)
+        with pytest.raises(RuntimeError, match="differentiable once"):
+            torch.autograd.grad(L.focal_loss(z, t, 2.0), z, create_graph=True)
+    with F.use_cpu_kernels(False):
+        (g_torch,) = torch.autograd.grad(L.focal_loss(z, t, 2.0), z)
+    torch.testing.assert_close(g, g_torch, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fused_flsd_compares_p_t_with_thresholds_in_the_input_dtype(dtype):
+    import torchcal.functional.losses as L
+
+    # p_t = 0.5 exactly (two equal logits) and p_t = 0.2 as nearly as the dtype allows
+    z = torch.tensor([[0.0, 0.0], [math.log(0.2), math.log(0.8)]], dtype=dtype)
+    t = torch.tensor([0, 0])
+    with F.use_cpu_kernels(True):
+        fused = L.sample_dependent_focal_loss(z, t, (5, 3, 2), (0.2, 0.5), reduction="none")
+    with F.use_cpu_kernels(False):
+        plain = L.sample_dependent_focal_loss(z, t, (5, 3, 2), (0.2, 0.5), reduction="none")
+    torch.testing.assert_close(fused, plain, rtol=1e-6, atol=0)
+    assert fused[0].item() == pytest.approx(0.5**2 * math.log(2), rel=1e-6)  # γ = 2 at p_t = 0.5
+
+
+def test_fused_loss_label_errors_name_the_label():
+    import torchcal.functional.losses as L
+
+    with F.use_cpu_kernels(True), pytest.raises(ValueError, match=r"must lie in \[0, 3\), found label -2"):
+        L.focal_loss(torch.randn(4, 3), torch.tensor([0, -2, 1, 5]))

@@ -11,6 +11,9 @@ from tests.reference import losses as R
 from torchcal.functional import focal_calibration_map
 from torchcal.losses import create, list_losses
 
+# every test here runs on the fused numba CPU losses (where they apply) and on the torch path
+pytestmark = pytest.mark.usefixtures("cpu_backend")
+
 
 def batch(n=64, k=5, seed=0, scale=3.0, dtype=torch.float64):
     g = torch.Generator().manual_seed(seed)

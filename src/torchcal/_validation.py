@@ -45,7 +45,7 @@ def check_float(value, name: str, low=None, high=None, low_open=False, high_open
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"`{name}` must be a real number, got {type(value).__name__}")
     value = float(value)
-    if not np.isfinite(value):
+    if not math.isfinite(value):
         raise ValueError(f"`{name}` must be finite, got {value}")
     if low is not None and (value < low or (low_open and value == low)):
         raise ValueError(f"`{name}` must be {'>' if low_open else '>='} {low}, got {value}")
@@ -199,12 +199,13 @@ def _scores_and_targets(
     return probs, targets, tol
 
 
-def check_logits_for_loss(logits, targets):
+def check_logits_for_loss(logits, targets, check_range: bool = True):
     """Sync-free checks for training losses: (N, K) floating logits with K >= 2, integer targets (N,).
 
     The label range is checked only for CPU tensors, where it costs no device synchronisation; on an
     accelerator an out-of-range label fails in the gather (device-side assert). NaN logits are not
-    checked: they propagate to a NaN loss, which is visible, not silently wrong.
+    checked: they propagate to a NaN loss, which is visible, not silently wrong. ``check_range=False`` leaves
+    the label range to the caller (the fused CPU losses check it in their own pass).
     """
     logits = check_scores(logits, "logits")
     targets = as_tensor(targets, "targets")
@@ -216,13 +217,17 @@ def check_logits_for_loss(logits, targets):
         )
     if targets.device != logits.device:
         raise ValueError(f"`targets` is on {targets.device} but `logits` is on {logits.device}")
+    if check_range:
+        check_label_range(targets, logits.shape[1])
+    return logits, targets.long()
+
+
+def check_label_range(targets: torch.Tensor, k: int) -> None:
+    """Labels in [0, k), checked for CPU tensors only (no device synchronisation)."""
     if targets.device.type == "cpu":
         lo, hi = torch.stack(torch.aminmax(targets)).tolist()
-        if lo < 0 or hi >= logits.shape[1]:
-            raise ValueError(
-                f"`targets` must lie in [0, {logits.shape[1]}), found label {lo if lo < 0 else hi}"
-            )
-    return logits, targets.long()
+        if lo < 0 or hi >= k:
+            raise ValueError(f"`targets` must lie in [0, {k}), found label {lo if lo < 0 else hi}")
 
 
 def check_choice(value, name: str, choices) -> str:

@@ -9,6 +9,7 @@ from torch import nn
 from ._validation import check_choice, check_float, check_positive_int, top_label_inputs
 from .functional import losses as L
 from .functional._binning import equal_mass_sums
+from .functional._kernels import GammaSpec
 
 __all__ = ["AdaFocalLoss", "CalFocalLoss"]
 
@@ -123,7 +124,8 @@ class AdaFocalLoss(_ValidationBins):
             bins = torch.bucketize(p_t, edges[1:-1].to(p_t.dtype), right=False)
             return L._signed_gamma_weight(gammas.to(p_t.device, p_t.dtype)[bins])(log_pt)
 
-        return L._weighted_nll(logits, targets, self.reduction, weight)
+        spec = GammaSpec(gammas, edges[1:-1], upper_on_tie=False)
+        return L._weighted_nll(logits, targets, self.reduction, weight, spec)
 
     @torch.no_grad()
     def update(self, val_probs=None, val_targets=None, *, metrics=None, from_logits: bool = False) -> None:

@@ -146,3 +146,93 @@ def _edges(m: int) -> np.ndarray:
     edges = np.arange(max(m, 1) + 1, dtype=np.float64) / max(m, 1)
     edges.flags.writeable = False
     return edges
+
+
+# Largest N·K for which the fused focal-family losses run: beyond it the torch path's multi-threaded
+# (N, K) passes win and the per-op overhead these kernels remove no longer matters.
+_LOSS_MAX_ELEMENTS = 1 << 20
+
+
+def loss_applies(logits: torch.Tensor) -> bool:
+    """Whether the fused focal-family loss runs (enabled, numba, contiguous float32/64 CPU, N·K <= 2**20)."""
+    return applies(logits) and logits.numel() <= _LOSS_MAX_ELEMENTS
+
+
+class GammaSpec:
+    """How a p_t-only focal-family loss picks γ_i: ``gammas[j]`` with j the number of ``thresholds`` below
+    p_t (at or below with ``upper_on_tie``), or one γ per sample (``sample_gammas``, a tensor); negative γ
+    means the inverse focal form with |γ| (the AdaFocal convention)."""
+
+    __slots__ = ("gammas", "thresholds32", "thresholds64", "upper_on_tie", "sample_gammas")
+
+    def __init__(self, gammas, thresholds=(), upper_on_tie=True, sample_gammas=None):
+        self.gammas = np.asarray(gammas, dtype=np.float64).reshape(-1)
+        # the torch path compares p_t with thresholds in the input dtype: float32-rounded copies for float32
+        self.thresholds64 = np.asarray(thresholds, dtype=np.float64).reshape(-1)
+        self.thresholds32 = self.thresholds64.astype(np.float32).astype(np.float64)
+        self.upper_on_tie = bool(upper_on_tie)
+        self.sample_gammas = sample_gammas
+
+
+_EMPTY = np.zeros(0, dtype=np.float64)
+_TINY = {np.float32: float(np.finfo(np.float32).tiny), np.float64: float(np.finfo(np.float64).tiny)}
+
+
+class FusedFocal(torch.autograd.Function):
+    """Forward and backward of the p_t-only focal-family losses in two numba calls around torch's
+    ``log_softmax`` and ``exp`` (vectorised): per-sample losses and coefficients c = p·∂loss/∂p in float64,
+    then the gradient −c·p + c·e_t in one in-place pass, with the reduction folded in. For small batches,
+    where the torch path is dominated by per-op overhead."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, spec, reduction):
+        kernels = _compiled()
+        log_p = torch.log_softmax(logits, 1)
+        lp = log_p.detach().numpy()
+        t = targets.numpy()
+        n = lp.shape[0]
+        loss = np.empty(n, dtype=np.float64)
+        coef = np.empty(n, dtype=np.float64)
+        round32 = lp.dtype == np.float32
+        sample = _EMPTY
+        if spec.sample_gammas is not None:
+            sample = np.ascontiguousarray(spec.sample_gammas.detach().cpu().numpy(), dtype=np.float64)
+        total, n_bad = kernels.focal_forward(
+            lp,
+            t,
+            spec.thresholds32 if round32 else spec.thresholds64,
+            spec.gammas,
+            spec.upper_on_tie,
+            sample,
+            round32,
+            _TINY[lp.dtype.type],
+            loss,
+            coef,
+        )
+        if n_bad:
+            bad = t[(t < 0) | (t >= lp.shape[1])][0]
+            raise ValueError(f"`targets` must lie in [0, {lp.shape[1]}), found label {bad}")
+        ctx.save_for_backward(log_p, targets)
+        ctx.coef = coef
+        ctx.reduction = reduction
+        if reduction == "none":
+            return torch.from_numpy(loss.astype(lp.dtype))
+        return torch.from_numpy(np.asarray(total / n if reduction == "mean" else total, dtype=lp.dtype))
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        if torch.is_grad_enabled():  # backward(create_graph=True): this backward is not differentiable
+            raise RuntimeError(
+                "the fused CPU focal-family loss is differentiable once only; for higher-order gradients "
+                "run it with torchcal.functional.use_cpu_kernels(False)"
+            )
+        log_p, targets = ctx.saved_tensors
+        coef = ctx.coef
+        if ctx.reduction == "none":
+            coef = coef * grad_loss.detach().cpu().numpy()
+        else:
+            coef = coef * (float(grad_loss) / (coef.shape[0] if ctx.reduction == "mean" else 1))
+        grad = log_p.exp()
+        g = grad.numpy()
+        _compiled().scale_rows(g, targets.numpy(), coef.astype(g.dtype))
+        return grad, None, None, None

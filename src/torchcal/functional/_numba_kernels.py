@@ -194,3 +194,60 @@ def spread(conf, correct, grids):
         grids[0, left + 1] += frac * r
         grids[1, left] += 1.0 - frac
         grids[1, left + 1] += frac
+
+
+@njit(**_OPTS)
+def focal_forward(log_p, t, thresholds, gammas, upper_on_tie, sample_gammas, round32, tiny, loss, coef):
+    """Per-sample focal loss with a signed γ (γ >= 0: −(1 − p)^γ log p; γ < 0: inverse focal
+    −(1 + p)^|γ| log p) and its coefficient c = p·∂loss/∂p (as ``losses._focal_weight`` and
+    ``_inverse_focal_weight``), from log-probabilities (N, K).
+
+    γ_i is ``sample_gammas[i]`` when that array is not empty, else ``gammas[j]`` with j the number of
+    ``thresholds`` below p_t (``upper_on_tie``: at or below), p_t rounded to float32 first when ``round32``
+    (the thresholds hold float32-rounded values then), as the torch path compares in the input dtype.
+    Returns (Σ loss, number of labels outside [0, K)); the per-sample values go to ``loss`` and ``coef``.
+    """
+    n, k = log_p.shape
+    total = 0.0
+    n_bad = 0
+    per_sample = sample_gammas.shape[0] > 0
+    for i in range(n):
+        y = t[i]
+        n_bad += (y < 0) | (y >= k)
+        y = min(max(y, 0), k - 1)
+        lp = np.float64(log_p[i, y])
+        p = math.exp(lp)
+        if per_sample:
+            g = sample_gammas[i]
+        else:
+            pc = np.float64(np.float32(p)) if round32 else p
+            j = 0
+            for th in thresholds:
+                j += (th <= pc) if upper_on_tie else (th < pc)
+            g = gammas[j]
+        if g >= 0:
+            q = max(-math.expm1(lp), tiny)
+            w = q**g
+            loss[i] = -w * lp
+            # p log p / (1 − p) → −1 as p → 1; where q is clamped (log p rounds to 0) it is 0
+            coef[i] = w * (g * (p * lp / q) - 1.0)
+        else:
+            a = -g
+            base = 1.0 + p
+            w = base**a
+            loss[i] = -w * lp
+            coef[i] = -a * p * base ** (a - 1.0) * lp - w
+        total += loss[i]
+    return total, n_bad
+
+
+@njit(**_OPTS)
+def scale_rows(p, t, coef):
+    """In place: p_ij ← −c_i p_ij + c_i [j = t_i], the gradient −c·p + c·e_t of the p_t-only losses."""
+    n, k = p.shape
+    for i in range(n):
+        c = coef[i]
+        row = p[i]
+        for j in range(k):
+            row[j] *= -c
+        row[t[i]] += c

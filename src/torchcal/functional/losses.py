@@ -12,12 +12,14 @@ CPU tensors only).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import torch.nn.functional as nnf
 
-from .._validation import check_choice, check_float, check_logits_for_loss
+from .._validation import check_choice, check_float, check_label_range, check_logits_for_loss
+from . import _kernels
 
 __all__ = [
     "brier_loss",
@@ -132,18 +134,32 @@ class _TrueClassLoss(torch.autograd.Function):
         return grad, None, None, None, None
 
 
-def _true_class_loss(logits, targets, reduction, weight_fn, *, brier_lambda=0.0, runner_up=False):
+def _true_class_loss(logits, targets, reduction, weight_fn, *, brier_lambda=0.0, runner_up=False, spec=None):
+    """Dispatch: the fused numba loss for small CPU batches of p_t-only losses that describe their γ with a
+    :class:`~torchcal.functional._kernels.GammaSpec` (``spec``), :class:`_TrueClassLoss` otherwise."""
     check_choice(reduction, "reduction", REDUCTIONS)
-    logits, targets = check_logits_for_loss(logits, targets)
+    logits, targets = check_logits_for_loss(logits, targets, check_range=False)
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
+    if spec is not None and not brier_lambda and not runner_up and _kernels.loss_applies(logits):
+        if not torch.is_autocast_enabled("cpu"):  # entering a disabled autocast region costs ~10 µs
+            return _kernels.FusedFocal.apply(logits, targets, spec, reduction)  # checks the label range
+        with torch.autocast("cpu", enabled=False):
+            return _kernels.FusedFocal.apply(logits, targets, spec, reduction)
+    check_label_range(targets, logits.shape[1])
     with torch.autocast(logits.device.type, enabled=False):
         loss = _TrueClassLoss.apply(logits, targets, weight_fn, brier_lambda, runner_up)
     return _reduce(loss, reduction)
 
 
-def _weighted_nll(logits, targets, reduction, weight_fn):
-    return _true_class_loss(logits, targets, reduction, weight_fn)
+@functools.lru_cache(maxsize=256)
+def _spec(gammas: tuple, thresholds: tuple = ()) -> _kernels.GammaSpec:
+    """γ schedule of the fused path for constant hyper-parameters (built once per setting)."""
+    return _kernels.GammaSpec(gammas, thresholds, upper_on_tie=True)
+
+
+def _weighted_nll(logits, targets, reduction, weight_fn, spec=None):
+    return _true_class_loss(logits, targets, reduction, weight_fn, spec=spec)
 
 
 def _dual_weight(gamma):
@@ -262,7 +278,8 @@ def focal_loss(logits, targets, gamma: float = 3.0, *, reduction: str = "mean"):
         >>> focal_loss(logits, torch.tensor([0, 1]), gamma=2.0)
         tensor(0.0122)
     """
-    return _weighted_nll(logits, targets, reduction, _focal_weight(_gamma(gamma)))
+    gamma = _gamma(gamma)
+    return _weighted_nll(logits, targets, reduction, _focal_weight(gamma), _spec((gamma,)))
 
 
 def inverse_focal_loss(logits, targets, gamma: float = 1.0, *, reduction: str = "mean"):
@@ -273,7 +290,9 @@ def inverse_focal_loss(logits, targets, gamma: float = 1.0, *, reduction: str = 
         >>> inverse_focal_loss(torch.tensor([[0.0, 0.0]]), torch.tensor([0]), gamma=1.0)
         tensor(1.0397)
     """
-    return _weighted_nll(logits, targets, reduction, _inverse_focal_weight(_gamma(gamma)))
+    gamma = _gamma(gamma)
+    spec = _spec((-gamma,))  # negative γ: the inverse form (−0.0 is γ = 0, cross entropy)
+    return _weighted_nll(logits, targets, reduction, _inverse_focal_weight(gamma), spec)
 
 
 def _pick_gamma(values, thresholds, gammas):
@@ -315,7 +334,7 @@ def sample_dependent_focal_loss(
     def weight(log_pt):
         return _focal_weight(_pick_gamma(log_pt.exp(), thresholds, gammas))(log_pt)
 
-    return _weighted_nll(logits, targets, reduction, weight)
+    return _weighted_nll(logits, targets, reduction, weight, _spec(tuple(gammas), tuple(thresholds)))
 
 
 def varying_focal_loss(logits, targets, gamma: torch.Tensor, *, reduction: str = "mean"):
@@ -331,7 +350,9 @@ def varying_focal_loss(logits, targets, gamma: torch.Tensor, *, reduction: str =
     n = logits.shape[0] if isinstance(logits, torch.Tensor) and logits.ndim == 2 else None
     if gamma.shape != (n,):
         raise ValueError(f"`gamma` must have shape ({n},), one γ per sample, got {tuple(gamma.shape)}")
-    return _weighted_nll(logits, targets, reduction, _signed_gamma_weight(gamma.to(logits.device)))
+    gamma = gamma.to(logits.device)
+    spec = _kernels.GammaSpec((), sample_gammas=gamma)
+    return _weighted_nll(logits, targets, reduction, _signed_gamma_weight(gamma), spec)
 
 
 def dual_focal_loss(logits, targets, gamma: float = 5.0, *, reduction: str = "mean"):
