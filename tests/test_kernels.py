@@ -179,10 +179,10 @@ def test_fused_losses_run_where_they_apply():
     z = torch.randn(8, 3, requires_grad=True)
     with F.use_cpu_kernels(True):
         assert _kernels.loss_applies(z)
-        assert L.focal_loss(z, torch.zeros(8, dtype=torch.long)).grad_fn.name().endswith("FusedFocalBackward")
+        assert L.focal_loss(z, torch.zeros(8, dtype=torch.long)).grad_fn.name().endswith("FusedTrueClassBackward")
         assert not _kernels.loss_applies(torch.randn(2, _kernels._LOSS_MAX_ELEMENTS))  # too large
     with F.use_cpu_kernels(False):
-        assert "FusedFocal" not in L.focal_loss(z, torch.zeros(8, dtype=torch.long)).grad_fn.name()
+        assert "Fused" not in L.focal_loss(z, torch.zeros(8, dtype=torch.long)).grad_fn.name()
 
 
 def test_fused_losses_refuse_second_order_gradients():
@@ -219,3 +219,33 @@ def test_fused_loss_label_errors_name_the_label():
 
     with F.use_cpu_kernels(True), pytest.raises(ValueError, match=r"must lie in \[0, 3\), found label -2"):
         L.focal_loss(torch.randn(4, 3), torch.tensor([0, -2, 1, 5]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+def test_every_registered_loss_is_the_same_on_both_paths(dtype, reduction):
+    from torchcal.losses import create, list_losses
+
+    g = torch.Generator().manual_seed(3)
+    z = (2.5 * torch.randn(50, 6, generator=g)).to(dtype)
+    z[0] = 0.0  # an all-equal row (no runner-up for the dual losses)
+    z[1, :2] = 4.0  # a tie in the maximum
+    t = torch.randint(0, 6, (50,), generator=g)
+    t[1] = 1
+    upstream = torch.rand(50, generator=g).to(dtype) if reduction == "none" else torch.tensor(1.0, dtype=dtype)
+    tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-10, "atol": 1e-12}
+    for name in list_losses():
+        loss_fn = create(name)
+        loss_fn.reduction = reduction
+        if name.startswith("ada"):  # both signs: focal (or dual) and inverse focal bins
+            loss_fn.gamma_per_bin.copy_(torch.linspace(-2.0, 3.0, loss_fn.gamma_per_bin.shape[0]))
+        results = []
+        for enabled in (True, False):
+            x = z.clone().requires_grad_(True)
+            with F.use_cpu_kernels(enabled):
+                value = loss_fn(x, t)
+                (grad,) = torch.autograd.grad(value, x, upstream)
+            results.append((value.detach(), grad))
+        (v1, g1), (v2, g2) = results
+        torch.testing.assert_close(v1, v2, **tol, msg=name)
+        torch.testing.assert_close(g1, g2, **tol, msg=name)

@@ -124,7 +124,7 @@ class AdaFocalLoss(_ValidationBins):
             bins = torch.bucketize(p_t, edges[1:-1].to(p_t.dtype), right=False)
             return L._signed_gamma_weight(gammas.to(p_t.device, p_t.dtype)[bins])(log_pt)
 
-        spec = GammaSpec(gammas, edges[1:-1], upper_on_tie=False)
+        spec = GammaSpec(gammas, edges[1:-1], upper_on_tie=False) if gammas.device.type == "cpu" else None
         return L._weighted_nll(logits, targets, self.reduction, weight, spec)
 
     @torch.no_grad()
@@ -170,7 +170,10 @@ def _ada_dual(logits, targets, bins, reduction):
             torch.where(positive, d_cj, torch.zeros_like(d_cj)),
         )
 
-    return L._true_class_loss(logits, targets, reduction, weight, runner_up=True)
+    spec = None
+    if bins.gamma_per_bin.device.type == "cpu":  # the fused path is CPU only
+        spec = GammaSpec(bins.gamma_per_bin, bins.bin_edges[1:-1], upper_on_tie=False, dual=True)
+    return L._true_class_loss(logits, targets, reduction, weight, runner_up=True, spec=spec)
 
 
 class CalFocalLoss(_ValidationBins):

@@ -159,64 +159,78 @@ def loss_applies(logits: torch.Tensor) -> bool:
 
 
 class GammaSpec:
-    """How a p_t-only focal-family loss picks γ_i: ``gammas[j]`` with j the number of ``thresholds`` below
-    p_t (at or below with ``upper_on_tie``), or one γ per sample (``sample_gammas``, a tensor); negative γ
-    means the inverse focal form with |γ| (the AdaFocal convention)."""
+    """What a fused p_t-only loss computes (see ``_numba_kernels.true_class_forward``).
 
-    __slots__ = ("gammas", "thresholds32", "thresholds64", "upper_on_tie", "sample_gammas")
+    γ_i is ``gammas[j]`` with j the number of ``thresholds`` below the selection value (at or below with
+    ``upper_on_tie``), or one γ per sample (``sample_gammas``, a tensor); negative γ means the inverse focal
+    form with |γ| (the AdaFocal convention). The selection value is p_t, or p_t − p_j with ``margin``; with
+    ``cal_lambda`` γ = exp(λ(p_t − gammas[j])) (CalFocal eq. 2). ``dual``: the dual focal base; ``nll=False``:
+    no likelihood term; ``brier``: λ of an added Σ_k (p_k − onehot_k)² term.
+    """
 
-    def __init__(self, gammas, thresholds=(), upper_on_tie=True, sample_gammas=None):
+    __slots__ = ("gammas", "thresholds32", "thresholds64", "sample_gammas", "flags", "brier")
+
+    def __init__(
+        self,
+        gammas,
+        thresholds=(),
+        upper_on_tie=True,
+        sample_gammas=None,
+        *,
+        dual=False,
+        margin=False,
+        nll=True,
+        cal_lambda=None,
+        brier=0.0,
+    ):
         self.gammas = np.asarray(gammas, dtype=np.float64).reshape(-1)
-        # the torch path compares p_t with thresholds in the input dtype: float32-rounded copies for float32
+        # the torch path compares with thresholds in the input dtype: float32-rounded copies for float32
         self.thresholds64 = np.asarray(thresholds, dtype=np.float64).reshape(-1)
         self.thresholds32 = self.thresholds64.astype(np.float32).astype(np.float64)
-        self.upper_on_tie = bool(upper_on_tie)
         self.sample_gammas = sample_gammas
+        self.brier = float(brier)
+        # P_UPPER, P_DUAL, P_MARGIN, P_NLL, P_CAL, P_CAL_LAMBDA, P_BRIER (P_ROUND32, P_TINY are per call)
+        cal = cal_lambda is not None
+        self.flags = (upper_on_tie, dual, margin, nll, cal, cal_lambda if cal else 0.0, self.brier)
 
 
 _EMPTY = np.zeros(0, dtype=np.float64)
 _TINY = {np.float32: float(np.finfo(np.float32).tiny), np.float64: float(np.finfo(np.float64).tiny)}
 
 
-class FusedFocal(torch.autograd.Function):
-    """Forward and backward of the p_t-only focal-family losses in two numba calls around torch's
-    ``log_softmax`` and ``exp`` (vectorised): per-sample losses and coefficients c = p·∂loss/∂p in float64,
-    then the gradient −c·p + c·e_t in one in-place pass, with the reduction folded in. For small batches,
-    where the torch path is dominated by per-op overhead."""
+class FusedTrueClass(torch.autograd.Function):
+    """Forward and backward of the p_t-only losses (focal family, dual focal, Brier term) in two numba
+    calls around torch's vectorised ``log_softmax`` and ``exp``: per-sample losses and coefficients
+    c = p·∂loss/∂p in float64, then the gradient −(c_t + c_j)·p + c_t e_t + c_j e_j (+ the Brier term) in one
+    pass, with the reduction folded in. For small CPU batches, where the torch path's many small ops
+    dominate. Differentiable once (the backward refuses ``create_graph=True``)."""
 
     @staticmethod
     def forward(ctx, logits, targets, spec, reduction):
         kernels = _compiled()
         log_p = torch.log_softmax(logits, 1)
         lp = log_p.detach().numpy()
+        n, k = lp.shape
         t = targets.numpy()
-        n = lp.shape[0]
-        loss = np.empty(n, dtype=np.float64)
-        coef = np.empty(n, dtype=np.float64)
         round32 = lp.dtype == np.float32
+        p = log_p.detach().exp().numpy() if spec.brier else lp[:0]
         sample = _EMPTY
         if spec.sample_gammas is not None:
             sample = np.ascontiguousarray(spec.sample_gammas.detach().cpu().numpy(), dtype=np.float64)
-        total, n_bad = kernels.focal_forward(
-            lp,
-            t,
-            spec.thresholds32 if round32 else spec.thresholds64,
-            spec.gammas,
-            spec.upper_on_tie,
-            sample,
-            round32,
-            _TINY[lp.dtype.type],
-            loss,
-            coef,
+        params = np.array((float(round32), _TINY[lp.dtype.type]) + spec.flags, dtype=np.float64)
+        out = np.empty((5, n), dtype=np.float64)
+        total, n_bad = kernels.true_class_forward(
+            lp, p, t, spec.thresholds32 if round32 else spec.thresholds64, spec.gammas, sample, params, out
         )
         if n_bad:
-            bad = t[(t < 0) | (t >= lp.shape[1])][0]
-            raise ValueError(f"`targets` must lie in [0, {lp.shape[1]}), found label {bad}")
+            bad = t[(t < 0) | (t >= k)][0]
+            raise ValueError(f"`targets` must lie in [0, {k}), found label {bad}")
         ctx.save_for_backward(log_p, targets)
-        ctx.coef = coef
+        ctx.out = out
+        ctx.brier = spec.brier
         ctx.reduction = reduction
         if reduction == "none":
-            return torch.from_numpy(loss.astype(lp.dtype))
+            return torch.from_numpy(out[0].astype(lp.dtype))
         return torch.from_numpy(np.asarray(total / n if reduction == "mean" else total, dtype=lp.dtype))
 
     @staticmethod
@@ -227,12 +241,12 @@ class FusedFocal(torch.autograd.Function):
                 "run it with torchcal.functional.use_cpu_kernels(False)"
             )
         log_p, targets = ctx.saved_tensors
-        coef = ctx.coef
+        n = log_p.shape[0]
         if ctx.reduction == "none":
-            coef = coef * grad_loss.detach().cpu().numpy()
+            scale = grad_loss.detach().cpu().numpy().astype(np.float64)
         else:
-            coef = coef * (float(grad_loss) / (coef.shape[0] if ctx.reduction == "mean" else 1))
-        grad = log_p.exp()
-        g = grad.numpy()
-        _compiled().scale_rows(g, targets.numpy(), coef.astype(g.dtype))
+            scale = np.full(n, float(grad_loss) / (n if ctx.reduction == "mean" else 1))
+        p = log_p.exp()
+        grad = torch.empty_like(p)
+        _compiled().true_class_backward(p.numpy(), targets.numpy(), ctx.out, scale, ctx.brier, grad.numpy())
         return grad, None, None, None

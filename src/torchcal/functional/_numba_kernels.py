@@ -196,58 +196,137 @@ def spread(conf, correct, grids):
         grids[1, left + 1] += frac
 
 
+# params of true_class_forward (float64): indices into one small array, so that the dispatcher unboxes few
+# arguments (its per-argument cost shows at batch sizes of a few hundred)
+P_ROUND32, P_TINY, P_UPPER, P_DUAL, P_MARGIN, P_NLL, P_CAL, P_CAL_LAMBDA, P_BRIER = range(9)
+# rows of its per-sample output
+O_LOSS, O_CT, O_CJ, O_J, O_SQ = range(5)
+
+
 @njit(**_OPTS)
-def focal_forward(log_p, t, thresholds, gammas, upper_on_tie, sample_gammas, round32, tiny, loss, coef):
-    """Per-sample focal loss with a signed γ (γ >= 0: −(1 − p)^γ log p; γ < 0: inverse focal
-    −(1 + p)^|γ| log p) and its coefficient c = p·∂loss/∂p (as ``losses._focal_weight`` and
-    ``_inverse_focal_weight``), from log-probabilities (N, K).
+def true_class_forward(log_p, p, t, thresholds, gammas, sample_gammas, params, out):
+    """Per-sample loss and coefficients of the p_t-only losses, as ``losses._TrueClassLoss`` with the weight
+    functions of ``losses`` (focal, inverse focal, dual focal, Brier term), all in float64.
 
     γ_i is ``sample_gammas[i]`` when that array is not empty, else ``gammas[j]`` with j the number of
-    ``thresholds`` below p_t (``upper_on_tie``: at or below), p_t rounded to float32 first when ``round32``
-    (the thresholds hold float32-rounded values then), as the torch path compares in the input dtype.
-    Returns (Σ loss, number of labels outside [0, K)); the per-sample values go to ``loss`` and ``coef``.
+    ``thresholds`` below the selection value (at or below with P_UPPER): p_t, or the margin p_t − p_j with
+    P_MARGIN, computed in float32 first when P_ROUND32 (the thresholds hold float32-rounded values then), as
+    the torch path compares in the input dtype. With P_CAL, γ = exp(λ(p_t − gammas[j])) (CalFocal eq. 2,
+    ``gammas`` holding the bins' accuracies). γ >= 0: focal −(1 − p_t)^γ log p_t, or with P_DUAL the dual
+    form −(1 − p_t + p_j)^γ log p_t where p_j is the largest probability strictly below p_t (0 if none);
+    γ < 0: inverse focal −(1 + p_t)^|γ| log p_t. P_NLL = 0 drops that term (Brier loss). P_BRIER = λ adds
+    λ·(Σ p² − 2 p_t + 1), Σ p² taken from ``p`` = exp(log p) (unused otherwise).
+
+    Writes loss, c_t = p_t ∂loss/∂p_t, c_j = p_j ∂loss/∂p_j, j and Σ p² per sample into ``out`` (5, N) and
+    returns (Σ loss, number of labels outside [0, K)).
     """
     n, k = log_p.shape
+    round32 = params[P_ROUND32] != 0
+    tiny = params[P_TINY]
+    upper = params[P_UPPER] != 0
+    dual = params[P_DUAL] != 0
+    margin = params[P_MARGIN] != 0
+    nll = params[P_NLL] != 0
+    cal = params[P_CAL] != 0
+    cal_lambda = params[P_CAL_LAMBDA]
+    lam = params[P_BRIER]
+    per_sample = sample_gammas.shape[0] > 0
     total = 0.0
     n_bad = 0
-    per_sample = sample_gammas.shape[0] > 0
     for i in range(n):
         y = t[i]
         n_bad += (y < 0) | (y >= k)
         y = min(max(y, 0), k - 1)
-        lp = np.float64(log_p[i, y])
-        p = math.exp(lp)
+        row = log_p[i]
+        lpt = row[y]
+        lp = np.float64(lpt)
+        p_t = math.exp(lp)
+        p_j = 0.0
+        jj = 0
+        if dual:  # runner-up: the largest entry strictly below p_t (ties with p_t excluded), no sort
+            best = -np.inf
+            for j in range(k):
+                v = row[j]
+                if v < lpt and v > best:
+                    best = v
+                    jj = j
+            p_j = math.exp(np.float64(best))
         if per_sample:
             g = sample_gammas[i]
         else:
-            pc = np.float64(np.float32(p)) if round32 else p
-            j = 0
+            if round32:
+                sel = np.float64(np.float32(p_t) - np.float32(p_j)) if margin else np.float64(np.float32(p_t))
+            else:
+                sel = p_t - p_j if margin else p_t
+            b = 0
             for th in thresholds:
-                j += (th <= pc) if upper_on_tie else (th < pc)
-            g = gammas[j]
-        if g >= 0:
-            q = max(-math.expm1(lp), tiny)
-            w = q**g
-            loss[i] = -w * lp
-            # p log p / (1 − p) → −1 as p → 1; where q is clamped (log p rounds to 0) it is 0
-            coef[i] = w * (g * (p * lp / q) - 1.0)
-        else:
-            a = -g
-            base = 1.0 + p
-            w = base**a
-            loss[i] = -w * lp
-            coef[i] = -a * p * base ** (a - 1.0) * lp - w
-        total += loss[i]
+                b += (th <= sel) if upper else (th < sel)
+            g = gammas[b]
+            if cal:
+                g = math.exp(cal_lambda * (sel - g))
+        loss = 0.0
+        c_t = 0.0
+        c_j = 0.0
+        if nll:
+            if g >= 0 and dual:
+                base = max(-math.expm1(lp) + p_j, tiny)
+                w = base**g
+                g_log = g * w * lp / base
+                loss = -w * lp
+                c_t = g_log * p_t - w
+                c_j = -g_log * p_j
+            elif g >= 0:
+                q = max(-math.expm1(lp), tiny)
+                w = q**g
+                loss = -w * lp
+                # p log p / (1 − p) → −1 as p → 1; where q is clamped (log p rounds to 0) it is 0
+                c_t = w * (g * (p_t * lp / q) - 1.0)
+            else:
+                a = -g
+                base = 1.0 + p_t
+                w = base**a
+                loss = -w * lp
+                c_t = -a * p_t * base ** (a - 1.0) * lp - w
+        sq = 0.0
+        if lam != 0:
+            prow = p[i]
+            for j in range(k):
+                v = np.float64(prow[j])
+                sq += v * v
+            loss += lam * (sq - 2.0 * p_t + 1.0)
+        out[O_LOSS, i] = loss
+        out[O_CT, i] = c_t
+        out[O_CJ, i] = c_j
+        out[O_J, i] = jj
+        out[O_SQ, i] = sq
+        total += loss
     return total, n_bad
 
 
 @njit(**_OPTS)
-def scale_rows(p, t, coef):
-    """In place: p_ij ← −c_i p_ij + c_i [j = t_i], the gradient −c·p + c·e_t of the p_t-only losses."""
+def true_class_backward(p, t, out, scale, lam, grad):
+    """grad = −(c_t + c_j)·p + c_t e_t + c_j e_j, plus λ·(2p⊙(p − Σp² + p_t) − 2p_t e_t) for the Brier
+    term, every row scaled by ``scale`` (the incoming gradient): the backward of ``_TrueClassLoss``."""
     n, k = p.shape
     for i in range(n):
-        c = coef[i]
-        row = p[i]
-        for j in range(k):
-            row[j] *= -c
-        row[t[i]] += c
+        s = scale[i]
+        c_t = out[O_CT, i] * s
+        c_j = out[O_CJ, i] * s
+        j = int(out[O_J, i])
+        y = t[i]
+        prow = p[i]
+        grow = grad[i]
+        row = c_t + c_j
+        if lam != 0:
+            w = 2.0 * lam * s
+            p_t = np.float64(prow[y])
+            a = w * (p_t - out[O_SQ, i]) - row
+            for m in range(k):
+                v = np.float64(prow[m])
+                grow[m] = v * (a + w * v)
+            grow[y] += c_t - w * p_t
+        else:
+            for m in range(k):
+                grow[m] = -row * prow[m]
+            grow[y] += c_t
+        grow[j] += c_j

@@ -135,17 +135,18 @@ class _TrueClassLoss(torch.autograd.Function):
 
 
 def _true_class_loss(logits, targets, reduction, weight_fn, *, brier_lambda=0.0, runner_up=False, spec=None):
-    """Dispatch: the fused numba loss for small CPU batches of p_t-only losses that describe their γ with a
-    :class:`~torchcal.functional._kernels.GammaSpec` (``spec``), :class:`_TrueClassLoss` otherwise."""
+    """Dispatch: the fused numba loss for small CPU batches of losses that describe themselves with a
+    :class:`~torchcal.functional._kernels.GammaSpec` (``spec``, which then carries the runner-up and Brier
+    options too), :class:`_TrueClassLoss` otherwise."""
     check_choice(reduction, "reduction", REDUCTIONS)
     logits, targets = check_logits_for_loss(logits, targets, check_range=False)
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
-    if spec is not None and not brier_lambda and not runner_up and _kernels.loss_applies(logits):
+    if spec is not None and _kernels.loss_applies(logits):
         if not torch.is_autocast_enabled("cpu"):  # entering a disabled autocast region costs ~10 µs
-            return _kernels.FusedFocal.apply(logits, targets, spec, reduction)  # checks the label range
+            return _kernels.FusedTrueClass.apply(logits, targets, spec, reduction)  # checks the label range
         with torch.autocast("cpu", enabled=False):
-            return _kernels.FusedFocal.apply(logits, targets, spec, reduction)
+            return _kernels.FusedTrueClass.apply(logits, targets, spec, reduction)
     check_label_range(targets, logits.shape[1])
     with torch.autocast(logits.device.type, enabled=False):
         loss = _TrueClassLoss.apply(logits, targets, weight_fn, brier_lambda, runner_up)
@@ -153,9 +154,9 @@ def _true_class_loss(logits, targets, reduction, weight_fn, *, brier_lambda=0.0,
 
 
 @functools.lru_cache(maxsize=256)
-def _spec(gammas: tuple, thresholds: tuple = ()) -> _kernels.GammaSpec:
-    """γ schedule of the fused path for constant hyper-parameters (built once per setting)."""
-    return _kernels.GammaSpec(gammas, thresholds, upper_on_tie=True)
+def _spec(gammas: tuple, thresholds: tuple = (), **options) -> _kernels.GammaSpec:
+    """Description of a loss for the fused path, for constant hyper-parameters (built once per setting)."""
+    return _kernels.GammaSpec(gammas, thresholds, upper_on_tie=True, **options)
 
 
 def _weighted_nll(logits, targets, reduction, weight_fn, spec=None):
@@ -258,7 +259,8 @@ def brier_loss(logits, targets, *, reduction: str = "mean"):
         zero = torch.zeros_like(log_pt)
         return zero, zero
 
-    return _true_class_loss(logits, targets, reduction, no_nll, brier_lambda=1.0)
+    spec = _spec((0.0,), nll=False, brier=1.0)
+    return _true_class_loss(logits, targets, reduction, no_nll, brier_lambda=1.0, spec=spec)
 
 
 # ----------------------------------------------------------------------------- focal family
@@ -368,7 +370,9 @@ def dual_focal_loss(logits, targets, gamma: float = 5.0, *, reduction: str = "me
         >>> dual_focal_loss(logits, torch.tensor([0]), gamma=1.0)
         tensor(0.2362)
     """
-    return _true_class_loss(logits, targets, reduction, _dual_weight(_gamma(gamma)), runner_up=True)
+    gamma = _gamma(gamma)
+    spec = _spec((gamma,), dual=True)
+    return _true_class_loss(logits, targets, reduction, _dual_weight(gamma), runner_up=True, spec=spec)
 
 
 def dual_sample_dependent_focal_loss(
@@ -386,7 +390,8 @@ def dual_sample_dependent_focal_loss(
     def weight(log_pt, p_j):
         return _dual_weight(_pick_gamma(log_pt.exp() - p_j, thresholds, gammas))(log_pt, p_j)
 
-    return _true_class_loss(logits, targets, reduction, weight, runner_up=True)
+    spec = _spec(tuple(gammas), tuple(thresholds), dual=True, margin=True)
+    return _true_class_loss(logits, targets, reduction, weight, runner_up=True, spec=spec)
 
 
 def focal_calibration_loss(logits, targets, gamma: float = 4.0, lambda_: float = 1.5, *, reduction="mean"):
@@ -400,7 +405,8 @@ def focal_calibration_loss(logits, targets, gamma: float = 4.0, lambda_: float =
     """
     gamma = _gamma(gamma)
     lam = check_float(lambda_, "lambda_", low=0)
-    return _true_class_loss(logits, targets, reduction, _focal_weight(gamma), brier_lambda=lam)
+    spec = _spec((gamma,), brier=lam)
+    return _true_class_loss(logits, targets, reduction, _focal_weight(gamma), brier_lambda=lam, spec=spec)
 
 
 # ----------------------------------------------------------------------------- MMCE
@@ -512,7 +518,15 @@ def calfocal_loss(
             gamma = torch.exp(lam * (conf.to(p_t.dtype) - a))[b]
         return _focal_weight(gamma)(log_pt)
 
-    return _weighted_nll(logits, targets, reduction, weight)
+    spec = None
+    if edges.device.type == "cpu":
+        interior = edges[1:-1].double().numpy()
+        if conf is None:  # eq. 2: γ_n = exp(λ(p_n − A_b))
+            spec = _kernels.GammaSpec(acc.double().numpy(), interior, upper_on_tie=False, cal_lambda=lam)
+        else:  # eq. 3: one γ per bin
+            bin_gamma = torch.exp(lam * (conf.double() - acc.double())).numpy()
+            spec = _kernels.GammaSpec(bin_gamma, interior, upper_on_tie=False)
+    return _weighted_nll(logits, targets, reduction, weight, spec)
 
 
 def _lambert_w(x: float, branch: int) -> float:
