@@ -230,8 +230,9 @@ def test_every_registered_loss_is_the_same_on_both_paths(dtype, reduction):
     z = (2.5 * torch.randn(50, 6, generator=g)).to(dtype)
     z[0] = 0.0  # an all-equal row (no runner-up for the dual losses)
     z[1, :2] = 4.0  # a tie in the maximum
+    z[2] = torch.tensor([3.0, 1.0, 1.0, 1.0, 0.0, 0.0])  # tied runner-ups: the first one is p_j
     t = torch.randint(0, 6, (50,), generator=g)
-    t[1] = 1
+    t[1], t[2] = 1, 0
     upstream = torch.rand(50, generator=g).to(dtype) if reduction == "none" else torch.tensor(1.0, dtype=dtype)
     tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-10, "atol": 1e-12}
     for name in list_losses():

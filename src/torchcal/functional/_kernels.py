@@ -195,6 +195,8 @@ class GammaSpec:
 
 
 _EMPTY = np.zeros(0, dtype=np.float64)
+# below every finite log-probability that log_softmax of representable logits produces
+_FLOOR = {np.float32: np.float32(-3.0e38), np.float64: np.float64(-1.0e308)}
 _TINY = {np.float32: float(np.finfo(np.float32).tiny), np.float64: float(np.finfo(np.float64).tiny)}
 
 
@@ -220,7 +222,15 @@ class FusedTrueClass(torch.autograd.Function):
         params = np.array((float(round32), _TINY[lp.dtype.type]) + spec.flags, dtype=np.float64)
         out = np.empty((5, n), dtype=np.float64)
         total, n_bad = kernels.true_class_forward(
-            lp, p, t, spec.thresholds32 if round32 else spec.thresholds64, spec.gammas, sample, params, out
+            lp,
+            p,
+            t,
+            spec.thresholds32 if round32 else spec.thresholds64,
+            spec.gammas,
+            sample,
+            params,
+            _FLOOR[lp.dtype.type],
+            out,
         )
         if n_bad:
             bad = t[(t < 0) | (t >= k)][0]

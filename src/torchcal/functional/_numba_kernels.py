@@ -203,8 +203,28 @@ P_ROUND32, P_TINY, P_UPPER, P_DUAL, P_MARGIN, P_NLL, P_CAL, P_CAL_LAMBDA, P_BRIE
 O_LOSS, O_CT, O_CJ, O_J, O_SQ = range(5)
 
 
+@njit(fastmath={"nnan", "nsz", "reassoc"}, **_OPTS)
+def masked_max(row, below, floor):
+    """max(floor, max of the entries < ``below``), vectorised (NaN-free: log-softmax of finite logits)."""
+    best = floor
+    for j in range(row.shape[0]):
+        v = row[j]
+        best = max(best, v if v < below else floor)
+    return best
+
+
 @njit(**_OPTS)
-def true_class_forward(log_p, p, t, thresholds, gammas, sample_gammas, params, out):
+def first_equal(row, value):
+    """Index of the first entry equal to ``value`` (present), without branches."""
+    k = row.shape[0]
+    first = k
+    for j in range(k):
+        first = min(first, j if row[j] == value else k)
+    return first
+
+
+@njit(**_OPTS)
+def true_class_forward(log_p, p, t, thresholds, gammas, sample_gammas, params, floor, out):
     """Per-sample loss and coefficients of the p_t-only losses, as ``losses._TrueClassLoss`` with the weight
     functions of ``losses`` (focal, inverse focal, dual focal, Brier term), all in float64.
 
@@ -217,6 +237,8 @@ def true_class_forward(log_p, p, t, thresholds, gammas, sample_gammas, params, o
     γ < 0: inverse focal −(1 + p_t)^|γ| log p_t. P_NLL = 0 drops that term (Brier loss). P_BRIER = λ adds
     λ·(Σ p² − 2 p_t + 1), Σ p² taken from ``p`` = exp(log p) (unused otherwise).
 
+    ``floor`` (in the dtype of ``log_p``) is below every finite log-probability: entries at or below it
+    (−inf: p underflowed to 0) never count as a runner-up, which changes nothing since their p_j is 0.
     Writes loss, c_t = p_t ∂loss/∂p_t, c_j = p_j ∂loss/∂p_j, j and Σ p² per sample into ``out`` (5, N) and
     returns (Σ loss, number of labels outside [0, K)).
     """
@@ -244,13 +266,10 @@ def true_class_forward(log_p, p, t, thresholds, gammas, sample_gammas, params, o
         p_j = 0.0
         jj = 0
         if dual:  # runner-up: the largest entry strictly below p_t (ties with p_t excluded), no sort
-            best = -np.inf
-            for j in range(k):
-                v = row[j]
-                if v < lpt and v > best:
-                    best = v
-                    jj = j
-            p_j = math.exp(np.float64(best))
+            best = masked_max(row, lpt, floor)
+            if best > floor:  # else no entry below p_t: p_j = 0
+                jj = first_equal(row, best)
+                p_j = math.exp(np.float64(best))
         if per_sample:
             g = sample_gammas[i]
         else:
