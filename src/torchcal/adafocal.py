@@ -22,6 +22,18 @@ class _ValidationBins(nn.Module):
         self.n_bins = check_positive_int(n_bins, "n_bins")
         self.register_buffer("bin_edges", torch.arange(n_bins + 1, dtype=torch.float64) / n_bins)
 
+    def _fused_spec(self, gammas: torch.Tensor, dual: bool = False):
+        """The fused CPU path's description of the per-bin γ (None for accelerator buffers), rebuilt only
+        when ``gammas`` or ``bin_edges`` changed in place (an update, a loaded state)."""
+        if gammas.device.type != "cpu":
+            return None
+        key = (gammas.data_ptr(), gammas._version, self.bin_edges._version, dual)
+        cached = getattr(self, "_spec_cache", None)
+        if cached is None or cached[0] != key:
+            spec = GammaSpec(gammas, self.bin_edges[1:-1], upper_on_tie=False, dual=dual)
+            self._spec_cache = cached = (key, spec)
+        return cached[1]
+
     def _bin_of(self, p_t: torch.Tensor) -> torch.Tensor:
         edges = self.bin_edges.to(device=p_t.device, dtype=p_t.dtype)
         return torch.bucketize(p_t.detach(), edges[1:-1], right=False)
@@ -115,7 +127,6 @@ class AdaFocalLoss(_ValidationBins):
 
     def forward(self, logits, targets):
         if self.dual:
-            logits, targets = L.check_logits_for_loss(logits, targets)
             return _ada_dual(logits, targets, self, self.reduction)
         gammas, edges = self.gamma_per_bin, self.bin_edges
 
@@ -124,7 +135,7 @@ class AdaFocalLoss(_ValidationBins):
             bins = torch.bucketize(p_t, edges[1:-1].to(p_t.dtype), right=False)
             return L._signed_gamma_weight(gammas.to(p_t.device, p_t.dtype)[bins])(log_pt)
 
-        spec = GammaSpec(gammas, edges[1:-1], upper_on_tie=False) if gammas.device.type == "cpu" else None
+        spec = self._fused_spec(gammas)
         return L._weighted_nll(logits, targets, self.reduction, weight, spec)
 
     @torch.no_grad()
@@ -170,9 +181,7 @@ def _ada_dual(logits, targets, bins, reduction):
             torch.where(positive, d_cj, torch.zeros_like(d_cj)),
         )
 
-    spec = None
-    if bins.gamma_per_bin.device.type == "cpu":  # the fused path is CPU only
-        spec = GammaSpec(bins.gamma_per_bin, bins.bin_edges[1:-1], upper_on_tie=False, dual=True)
+    spec = bins._fused_spec(bins.gamma_per_bin, dual=True)
     return L._true_class_loss(logits, targets, reduction, weight, runner_up=True, spec=spec)
 
 
