@@ -250,3 +250,20 @@ def test_every_registered_loss_is_the_same_on_both_paths(dtype, reduction):
         (v1, g1), (v2, g2) = results
         torch.testing.assert_close(v1, v2, **tol, msg=name)
         torch.testing.assert_close(g1, g2, **tol, msg=name)
+
+
+@pytest.mark.parametrize("dual", [False, True])
+def test_fused_adafocal_follows_gamma_updates(dual):
+    from torchcal.adafocal import AdaFocalLoss
+
+    g = torch.Generator().manual_seed(5)
+    z, t = 2 * torch.randn(64, 5, generator=g), torch.randint(0, 5, (64,), generator=g)
+    loss = AdaFocalLoss(n_bins=4, dual=dual)
+    with F.use_cpu_kernels(True):
+        before = loss(z, t)
+        loss.update(torch.softmax(z, 1), t)  # new γ and new equal-mass bins, changed in place
+        after = loss(z, t)
+    with F.use_cpu_kernels(False):
+        expected = loss(z, t)
+    assert not torch.allclose(before, after)
+    torch.testing.assert_close(after, expected, rtol=1e-5, atol=1e-6)
