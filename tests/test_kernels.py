@@ -179,7 +179,11 @@ def test_fused_losses_run_where_they_apply():
     z = torch.randn(8, 3, requires_grad=True)
     with F.use_cpu_kernels(True):
         assert _kernels.loss_applies(z)
-        assert L.focal_loss(z, torch.zeros(8, dtype=torch.long)).grad_fn.name().endswith("FusedTrueClassBackward")
+        assert (
+            L.focal_loss(z, torch.zeros(8, dtype=torch.long))
+            .grad_fn.name()
+            .endswith("FusedTrueClassBackward")
+        )
         assert not _kernels.loss_applies(torch.randn(2, _kernels._LOSS_MAX_ELEMENTS))  # too large
     with F.use_cpu_kernels(False):
         assert "Fused" not in L.focal_loss(z, torch.zeros(8, dtype=torch.long)).grad_fn.name()
@@ -233,7 +237,9 @@ def test_every_registered_loss_is_the_same_on_both_paths(dtype, reduction):
     z[2] = torch.tensor([3.0, 1.0, 1.0, 1.0, 0.0, 0.0])  # tied runner-ups: the first one is p_j
     t = torch.randint(0, 6, (50,), generator=g)
     t[1], t[2] = 1, 0
-    upstream = torch.rand(50, generator=g).to(dtype) if reduction == "none" else torch.tensor(1.0, dtype=dtype)
+    upstream = (
+        torch.rand(50, generator=g).to(dtype) if reduction == "none" else torch.tensor(1.0, dtype=dtype)
+    )
     tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-10, "atol": 1e-12}
     for name in list_losses():
         loss_fn = create(name)
