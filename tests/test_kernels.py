@@ -273,3 +273,22 @@ def test_fused_adafocal_follows_gamma_updates(dual):
         expected = loss(z, t)
     assert not torch.allclose(before, after)
     torch.testing.assert_close(after, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_threaded_scan_matches_one_thread():
+    from torchcal.metrics import CalibrationMetrics
+
+    probs, targets = make_probs(120_000, 10, seed=7, dtype=torch.float32)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n_threads in (1, 3):
+            torch.set_num_threads(n_threads)
+            assert len(_kernels._row_parts(*probs.shape)) - 1 == n_threads
+            m = CalibrationMetrics(10, equal_mass=False)
+            m.update(probs, targets)
+            results.append(m.compute())
+    finally:
+        torch.set_num_threads(threads)
+    for name in results[0]:
+        torch.testing.assert_close(results[0][name], results[1][name], rtol=1e-12, atol=1e-12, msg=name)

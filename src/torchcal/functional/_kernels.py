@@ -8,8 +8,9 @@ bits, which orders non-negative IEEE floats exactly as their values), ties in th
 resolved to the lowest class index, and the confidence is binned on the spot with the exact float64 edges of
 ``_binning``. The same pass can gather the classwise bin sums and Σ p².
 
-The kernels run single-threaded (no numba threading layer: safe under fork, DataLoader workers and DDP) and
-only for contiguous float32 / float64 CPU tensors; everything else, and everything when numba is missing or
+The kernels release the GIL; the metric scans split large inputs into row parts run on a small thread pool
+(no numba threading layer: safe under fork, DataLoader workers and DDP). They run only for contiguous
+float32 / float64 CPU tensors; everything else, and everything when numba is missing or
 disabled (``TORCHCAL_NUMBA=0`` or :func:`use_cpu_kernels`), takes the torch path. Both paths follow the same
 conventions and are tested against the same float64 references.
 """
@@ -17,6 +18,7 @@ conventions and are tested against the same float64 references.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from functools import lru_cache
 
@@ -99,24 +101,43 @@ def top_label_scan(probs, targets, n_bins=None, classwise_bins=None):
     if t.dtype != np.int64:
         t = t.astype(np.int64)
     conf = np.empty(n, dtype=p.dtype)
+    conf_bits = conf.view(bits.dtype)
     correct = np.empty(n, dtype=np.bool_)
     m = n_bins or 0
-    top = np.zeros((3, m), dtype=np.float64)
+    edges = _edges(m)
+    bounds = _row_parts(n, k)
+    parts = len(bounds) - 1
+    tops = np.zeros((parts, 3, m), dtype=np.float64)
     scan = kernels.scan_short_rows if k <= _SHORT_ROWS else kernels.scan_long_rows
-    worst, lowest, nonfinite, sum_sq, n_bad = scan(
-        p, bits, t, conf, conf.view(bits.dtype), correct, _edges(m), top
-    )
-    if n_bad:
+
+    def scan_part(i):
+        a, b = bounds[i], bounds[i + 1]
+        return scan(p[a:b], bits[a:b], t[a:b], conf[a:b], conf_bits[a:b], correct[a:b], edges, tops[i])
+
+    stats = _in_threads(scan_part, parts)
+    if sum(s[4] for s in stats):
         bad = t[(t < 0) | (t >= k)][0]
         raise ValueError(f"`targets` must lie in [0, {k}), found label {bad}")
+    worst = max(s[0] for s in stats)
+    lowest = min(s[1] for s in stats)
+    nonfinite = any(s[2] for s in stats)
+    sum_sq = math.fsum(s[3] for s in stats)
+    top = tops.sum(0) if parts > 1 else tops[0]
     top_t = tuple(torch.from_numpy(top[i]) for i in range(3)) if m else None
     cw_t = None
     if classwise_bins:
         mc = classwise_bins
-        above = np.zeros((2, k, mc), dtype=np.float64)
-        col_total = np.zeros(k, dtype=np.float64)
-        true_count = np.zeros((k, mc), dtype=np.float64)
-        kernels.classwise(p, t, _edges(mc), above, col_total, true_count)
+        cw_edges = _edges(mc)
+        above = np.zeros((parts, 2, k, mc), dtype=np.float64)
+        col_total = np.zeros((parts, k), dtype=np.float64)
+        true_count = np.zeros((parts, k, mc), dtype=np.float64)
+
+        def classwise_part(i):
+            a, b = bounds[i], bounds[i + 1]
+            kernels.classwise(p[a:b], t[a:b], cw_edges, above[i], col_total[i], true_count[i])
+
+        _in_threads(classwise_part, parts)
+        above, col_total, true_count = above.sum(0), col_total.sum(0), true_count.sum(0)
         # bin 0 gets the rest of each column, as in _binning._ClasswiseAccumulator
         above[0, :, 0] = n - above[0, :, 1:].sum(1)
         above[1, :, 0] = np.maximum(col_total - above[1, :, 1:].sum(1), 0.0)
@@ -138,6 +159,38 @@ def spread_on_grid(conf: torch.Tensor, correct: torch.Tensor, g: int) -> torch.T
     grids = np.zeros((2, g), dtype=np.float64)
     _compiled().spread(conf.detach().numpy(), correct.detach().numpy(), grids)
     return torch.from_numpy(grids)
+
+
+# Smallest share of an (N, K) scan worth a thread of its own (thread hand-off costs ~20-40 µs).
+_MIN_PART_ELEMENTS = 1 << 15
+_pool_state = {"pid": None, "pool": None, "workers": 0}
+
+
+def _row_parts(n: int, k: int) -> list[int]:
+    """Row boundaries splitting N rows into up to ``torch.get_num_threads()`` parts of at least
+    _MIN_PART_ELEMENTS entries each (one part for small inputs). Per-part sums are added in part order, so
+    results are deterministic for a given thread setting."""
+    parts = max(1, min(torch.get_num_threads(), (n * k) // _MIN_PART_ELEMENTS, n))
+    return [n * i // parts for i in range(parts + 1)]
+
+
+def _in_threads(fn, parts: int) -> list:
+    """[fn(0), ..., fn(parts − 1)]: part 0 on the calling thread, the others on a process-local thread pool
+    (the kernels release the GIL). The pool is rebuilt after a fork."""
+    if parts == 1:
+        return [fn(0)]
+    from concurrent.futures import ThreadPoolExecutor
+
+    state = _pool_state
+    if state["pid"] != os.getpid() or state["workers"] < parts - 1:
+        if state["pid"] == os.getpid():  # grown: let the smaller pool's threads finish and exit
+            state["pool"].shutdown(wait=False)
+        state.update(
+            pid=os.getpid(), pool=ThreadPoolExecutor(parts - 1, "torchcal-kernel"), workers=parts - 1
+        )
+    futures = [state["pool"].submit(fn, i) for i in range(1, parts)]
+    first = fn(0)
+    return [first] + [f.result() for f in futures]
 
 
 @lru_cache(maxsize=16)

@@ -1,6 +1,7 @@
 """The numba kernels behind :mod:`torchcal.functional._kernels` (imported only when numba is installed).
 
-Compiled on first use and cached on disk (``cache=True``). Single-threaded and ``nogil``.
+Compiled on first use and cached on disk (``cache=True``). Each call is single-threaded and ``nogil``
+(the caller may run row parts in threads).
 """
 
 from __future__ import annotations
