@@ -1,12 +1,14 @@
-"""Optional fused CPU kernels (numba) for the top-label scan of the metrics.
+"""Optional fused CPU kernels (numba) for the metrics' scans and the training losses.
 
 The torch path needs several passes over an (N, K) probability matrix: row sums and minimum for validation,
 an index-returning ``max(dim=1)`` (slow on CPU for short rows), ``bucketize`` and ``bincount``. With numba
 installed (``pip install "torchcal[fast]"``), one compiled pass over each row does all of it: the row sum,
 the sign check and the maximum run as vectorised reductions (the maximum on the integer view of the float
-bits, which orders non-negative IEEE floats exactly as their values), ties in the maximum are counted and
-resolved to the lowest class index, and the confidence is binned on the spot with the exact float64 edges of
-``_binning``. The same pass can gather the classwise bin sums and Σ p².
+bits, which orders non-negative IEEE floats exactly as their values), the prediction is the first index
+holding the maximum (ties go to the lowest class index), and the confidence is binned on the spot with the
+exact float64 edges of ``_binning``. Classwise bin sums, Σ p² and smECE's grid have kernels too. The
+focal-family losses keep torch's vectorised ``log_softmax``/``exp`` and fuse everything else
+(:class:`FusedTrueClass`).
 
 The kernels release the GIL; the metric scans split large inputs into row parts run on a small thread pool
 (no numba threading layer: safe under fork, DataLoader workers and DDP). They run only for contiguous
@@ -47,7 +49,8 @@ def cpu_kernels_available() -> bool:
 
 @contextlib.contextmanager
 def use_cpu_kernels(enabled: bool):
-    """Context manager that switches the numba CPU kernels on or off (e.g. to compare both paths).
+    """Context manager that switches the numba CPU kernels on or off, process-wide (e.g. to compare both
+    paths, or to take higher-order gradients of a loss).
 
     Example:
         >>> import torch
