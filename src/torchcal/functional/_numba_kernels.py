@@ -72,13 +72,18 @@ def bin_index(v, m, edges):
     return b
 
 
-# The two scans differ only in how the prediction is found; they are written out in full because numba
-# optimises each loop best without a (even never taken) branch to the other variant inside it.
+@njit(**_OPTS)
+def is_first_max(bits, hi, y):
+    """Whether y is the first index holding ``hi``, from one more branch-free pass (short rows, where
+    mispredicted branches cost more than the pass)."""
+    return first_max(bits, hi) == y
 
 
 @njit(**_OPTS)
-def scan_short_rows(p, bits, t, conf, conf_bits, correct, edges, top):
-    """Top-label scan for short rows: the prediction from a second, branch-free pass over the row.
+def scan(p, bits, t, conf, conf_bits, correct, edges, top, is_hit):
+    """Top-label scan: validation statistics, confidence (from the bits of the row maximum), correctness
+    ``is_hit(bits, hi, y)`` (:func:`is_first_max` for short rows, :func:`first_max_branching` for long ones;
+    numba compiles one loop per predictor) and, with ``top`` of shape (3, M), the equal-width bin sums.
     Returns (largest |Σp − 1|, most negative entry or 0, any non-finite row sum, Σ p², number of labels
     outside [0, K))."""
     n, k = p.shape
@@ -106,47 +111,7 @@ def scan_short_rows(p, bits, t, conf, conf_bits, correct, edges, top):
             for j in range(k):
                 if row[j] < lowest:
                     lowest = row[j]
-        hit = first_max(rbits, hi) == y
-        conf_bits[i] = hi
-        correct[i] = hit
-        if m:
-            c = np.float64(conf[i])
-            b = bin_index(c, m, edges)
-            top[0, b] += 1.0
-            top[1, b] += c
-            top[2, b] += hit
-    return worst, lowest, nonfinite, total_sq, n_bad
-
-
-@njit(**_OPTS)
-def scan_long_rows(p, bits, t, conf, conf_bits, correct, edges, top):
-    """Top-label scan for long rows: p_y compared with the maximum, ties checked on the rare tied rows."""
-    n, k = p.shape
-    m = top.shape[1]
-    worst = 0.0
-    lowest = 0.0
-    nonfinite = False
-    total_sq = 0.0
-    n_bad = 0
-    for i in range(n):
-        row = p[i]
-        rbits = bits[i]
-        # a label outside [0, K) is counted (the caller raises) and clamped, without a branch
-        y = t[i]
-        n_bad += (y < 0) | (y >= k)
-        y = min(max(y, 0), k - 1)
-        s, sq, hi, lo = row_stats(row, rbits)
-        total_sq += sq
-        if not math.isfinite(s):
-            nonfinite = True
-        d = abs(s - 1.0)
-        if d > worst:
-            worst = d
-        if lo < 0:  # a sign bit is set: a negative entry (or −0.0, which is fine)
-            for j in range(k):
-                if row[j] < lowest:
-                    lowest = row[j]
-        hit = first_max_branching(rbits, hi, y)
+        hit = is_hit(rbits, hi, y)
         conf_bits[i] = hi
         correct[i] = hit
         if m:
