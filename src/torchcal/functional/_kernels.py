@@ -111,13 +111,11 @@ def top_label_scan(probs, targets, n_bins=None, classwise_bins=None):
     bounds = _row_parts(n, k)
     parts = len(bounds) - 1
     tops = np.zeros((parts, 3, m), dtype=np.float64)
-    is_hit = kernels.is_first_max if k <= _SHORT_ROWS else kernels.first_max_branching
+    scan = kernels.scan_short_rows if k <= _SHORT_ROWS else kernels.scan_long_rows
 
     def scan_part(i):
         a, b = bounds[i], bounds[i + 1]
-        return kernels.scan(
-            p[a:b], bits[a:b], t[a:b], conf[a:b], conf_bits[a:b], correct[a:b], edges, tops[i], is_hit
-        )
+        return scan(p[a:b], bits[a:b], t[a:b], conf[a:b], conf_bits[a:b], correct[a:b], edges, tops[i])
 
     stats = _in_threads(scan_part, parts)
     if sum(s[4] for s in stats):

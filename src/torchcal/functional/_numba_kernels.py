@@ -79,48 +79,60 @@ def is_first_max(bits, hi, y):
     return first_max(bits, hi) == y
 
 
-@njit(**_OPTS)
-def scan(p, bits, t, conf, conf_bits, correct, edges, top, is_hit):
-    """Top-label scan: validation statistics, confidence (from the bits of the row maximum), correctness
-    ``is_hit(bits, hi, y)`` (:func:`is_first_max` for short rows, :func:`first_max_branching` for long ones;
-    numba compiles one loop per predictor) and, with ``top`` of shape (3, M), the equal-width bin sums.
-    Returns (largest |Σp − 1|, most negative entry or 0, any non-finite row sum, Σ p², number of labels
-    outside [0, K))."""
-    n, k = p.shape
-    m = top.shape[1]
-    worst = 0.0
-    lowest = 0.0
-    nonfinite = False
-    total_sq = 0.0
-    n_bad = 0
-    for i in range(n):
-        row = p[i]
-        rbits = bits[i]
-        # a label outside [0, K) is counted (the caller raises) and clamped, without a branch
-        y = t[i]
-        n_bad += (y < 0) | (y >= k)
-        y = min(max(y, 0), k - 1)
-        s, sq, hi, lo = row_stats(row, rbits)
-        total_sq += sq
-        if not math.isfinite(s):
-            nonfinite = True
-        d = abs(s - 1.0)
-        if d > worst:
-            worst = d
-        if lo < 0:  # a sign bit is set: a negative entry (or −0.0, which is fine)
-            for j in range(k):
-                if row[j] < lowest:
-                    lowest = row[j]
-        hit = is_hit(rbits, hi, y)
-        conf_bits[i] = hi
-        correct[i] = hit
-        if m:
-            c = np.float64(conf[i])
-            b = bin_index(c, m, edges)
-            top[0, b] += 1.0
-            top[1, b] += c
-            top[2, b] += hit
-    return worst, lowest, nonfinite, total_sq, n_bad
+def _make_scan(is_hit):
+    """The top-label scan with its predictor bound at compile time (see below)."""
+
+    @njit(**_OPTS)
+    def scan(p, bits, t, conf, conf_bits, correct, edges, top):
+        """Top-label scan: validation statistics, confidence (from the bits of the row maximum), correctness
+        ``is_hit(bits, hi, y)`` (:func:`is_first_max` for short rows, :func:`first_max_branching` for long ones;
+        numba compiles one loop per predictor) and, with ``top`` of shape (3, M), the equal-width bin sums.
+        Returns (largest |Σp − 1|, most negative entry or 0, any non-finite row sum, Σ p², number of labels
+        outside [0, K))."""
+        n, k = p.shape
+        m = top.shape[1]
+        worst = 0.0
+        lowest = 0.0
+        nonfinite = False
+        total_sq = 0.0
+        n_bad = 0
+        for i in range(n):
+            row = p[i]
+            rbits = bits[i]
+            # a label outside [0, K) is counted (the caller raises) and clamped, without a branch
+            y = t[i]
+            n_bad += (y < 0) | (y >= k)
+            y = min(max(y, 0), k - 1)
+            s, sq, hi, lo = row_stats(row, rbits)
+            total_sq += sq
+            if not math.isfinite(s):
+                nonfinite = True
+            d = abs(s - 1.0)
+            if d > worst:
+                worst = d
+            if lo < 0:  # a sign bit is set: a negative entry (or −0.0, which is fine)
+                for j in range(k):
+                    if row[j] < lowest:
+                        lowest = row[j]
+            hit = is_hit(rbits, hi, y)
+            conf_bits[i] = hi
+            correct[i] = hit
+            if m:
+                c = np.float64(conf[i])
+                b = bin_index(c, m, edges)
+                top[0, b] += 1.0
+                top[1, b] += c
+                top[2, b] += hit
+        return worst, lowest, nonfinite, total_sq, n_bad
+
+    return scan
+
+
+# The predictor is bound when the scan is compiled: numba specialises the loop on it (as fast as a
+# hand-written copy), and a function passed from Python would cost ~15 µs of dispatch per call. Closures
+# cache separately because numba's cache key includes their captured values.
+scan_short_rows = _make_scan(is_first_max)
+scan_long_rows = _make_scan(first_max_branching)
 
 
 @njit(**_OPTS)
