@@ -292,3 +292,16 @@ def test_threaded_scan_matches_one_thread():
         torch.set_num_threads(threads)
     for name in results[0]:
         torch.testing.assert_close(results[0][name], results[1][name], rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_fused_losses_without_gradients():
+    import torchcal.functional.losses as L
+
+    z, t = torch.randn(16, 5), torch.randint(0, 5, (16,))
+    with F.use_cpu_kernels(False):
+        expected = [L.focal_loss(z, t, 2.0), L.focal_calibration_loss(z, t)]
+    with F.use_cpu_kernels(True), torch.no_grad():
+        got = [L.focal_loss(z, t, 2.0), L.focal_calibration_loss(z, t)]
+    for a, b in zip(got, expected):
+        assert not a.requires_grad
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

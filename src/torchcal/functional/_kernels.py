@@ -274,7 +274,9 @@ class FusedTrueClass(torch.autograd.Function):
         n, k = lp.shape
         t = targets.numpy()
         round32 = lp.dtype == np.float32
-        p = log_p.detach().exp().numpy() if spec.brier else lp[:0]
+        # p = exp(log p) once: the Brier term's Σp² here and the whole backward need it (saved instead of log p)
+        probs = log_p.exp() if spec.brier or ctx.needs_input_grad[0] else None
+        p = lp[:0] if probs is None else probs.numpy()
         sample = _EMPTY
         if spec.sample_gammas is not None:
             sample = np.ascontiguousarray(spec.sample_gammas.detach().cpu().numpy(), dtype=np.float64)
@@ -294,7 +296,7 @@ class FusedTrueClass(torch.autograd.Function):
         if n_bad:
             bad = t[(t < 0) | (t >= k)][0]
             raise ValueError(f"`targets` must lie in [0, {k}), found label {bad}")
-        ctx.save_for_backward(log_p, targets)
+        ctx.save_for_backward(probs, targets)
         ctx.out = out
         ctx.brier = spec.brier
         ctx.reduction = reduction
@@ -309,13 +311,14 @@ class FusedTrueClass(torch.autograd.Function):
                 "the fused CPU focal-family loss is differentiable once only; for higher-order gradients "
                 "run it with torchcal.functional.use_cpu_kernels(False)"
             )
-        log_p, targets = ctx.saved_tensors
-        n = log_p.shape[0]
+        probs, targets = ctx.saved_tensors
+        n = probs.shape[0]
         if ctx.reduction == "none":
             scale = grad_loss.detach().cpu().numpy().astype(np.float64)
         else:
             scale = np.full(n, float(grad_loss) / (n if ctx.reduction == "mean" else 1))
-        p = log_p.exp()
-        grad = torch.empty_like(p)
-        _compiled().true_class_backward(p.numpy(), targets.numpy(), ctx.out, scale, ctx.brier, grad.numpy())
+        grad = torch.empty_like(probs)
+        _compiled().true_class_backward(
+            probs.numpy(), targets.numpy(), ctx.out, scale, ctx.brier, grad.numpy()
+        )
         return grad, None, None, None
