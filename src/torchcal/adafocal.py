@@ -9,7 +9,7 @@ from torch import nn
 from ._validation import check_choice, check_float, check_positive_int, top_label_inputs
 from .functional import losses as L
 from .functional._binning import equal_mass_sums
-from .functional._kernels import GammaSpec
+from .functional._kernels import LossSpec
 
 __all__ = ["AdaFocalLoss", "CalFocalLoss"]
 
@@ -30,7 +30,7 @@ class _ValidationBins(nn.Module):
         key = (gammas.data_ptr(), gammas._version, self.bin_edges._version, dual)
         cached = getattr(self, "_spec_cache", None)
         if cached is None or cached[0] != key:
-            spec = GammaSpec(gammas, self.bin_edges[1:-1], upper_on_tie=False, dual=dual)
+            spec = LossSpec(gammas, self.bin_edges[1:-1], upper_on_tie=False, dual=dual)
             self._spec_cache = cached = (key, spec)
         return cached[1]
 

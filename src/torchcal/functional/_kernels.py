@@ -217,7 +217,7 @@ def loss_applies(logits: torch.Tensor) -> bool:
     return applies(logits) and logits.numel() <= _LOSS_MAX_ELEMENTS
 
 
-class GammaSpec:
+class LossSpec:
     """What a fused p_t-only loss computes (see ``_numba_kernels.true_class_forward``).
 
     γ_i is ``gammas[j]`` with j the number of ``thresholds`` below the selection value (at or below with

@@ -136,7 +136,7 @@ class _TrueClassLoss(torch.autograd.Function):
 
 def _true_class_loss(logits, targets, reduction, weight_fn, *, brier_lambda=0.0, runner_up=False, spec=None):
     """Dispatch: the fused numba loss for small CPU batches of losses that describe themselves with a
-    :class:`~torchcal.functional._kernels.GammaSpec` (``spec``, which then carries the runner-up and Brier
+    :class:`~torchcal.functional._kernels.LossSpec` (``spec``, which then carries the runner-up and Brier
     options too), :class:`_TrueClassLoss` otherwise."""
     check_choice(reduction, "reduction", REDUCTIONS)
     logits, targets = check_logits_for_loss(logits, targets, check_range=False)
@@ -154,9 +154,9 @@ def _true_class_loss(logits, targets, reduction, weight_fn, *, brier_lambda=0.0,
 
 
 @functools.lru_cache(maxsize=256)
-def _spec(gammas: tuple, thresholds: tuple = (), **options) -> _kernels.GammaSpec:
+def _spec(gammas: tuple, thresholds: tuple = (), **options) -> _kernels.LossSpec:
     """Description of a loss for the fused path, for constant hyper-parameters (built once per setting)."""
-    return _kernels.GammaSpec(gammas, thresholds, upper_on_tie=True, **options)
+    return _kernels.LossSpec(gammas, thresholds, upper_on_tie=True, **options)
 
 
 def _weighted_nll(logits, targets, reduction, weight_fn, spec=None):
@@ -353,7 +353,7 @@ def varying_focal_loss(logits, targets, gamma: torch.Tensor, *, reduction: str =
     if gamma.shape != (n,):
         raise ValueError(f"`gamma` must have shape ({n},), one γ per sample, got {tuple(gamma.shape)}")
     gamma = gamma.to(logits.device)
-    spec = _kernels.GammaSpec((), sample_gammas=gamma)
+    spec = _kernels.LossSpec((), sample_gammas=gamma)
     return _weighted_nll(logits, targets, reduction, _signed_gamma_weight(gamma), spec)
 
 
@@ -522,10 +522,10 @@ def calfocal_loss(
     if edges.device.type == "cpu":
         interior = edges[1:-1].double().numpy()
         if conf is None:  # eq. 2: γ_n = exp(λ(p_n − A_b))
-            spec = _kernels.GammaSpec(acc.double().numpy(), interior, upper_on_tie=False, cal_lambda=lam)
+            spec = _kernels.LossSpec(acc.double().numpy(), interior, upper_on_tie=False, cal_lambda=lam)
         else:  # eq. 3: one γ per bin
             bin_gamma = torch.exp(lam * (conf.double() - acc.double())).numpy()
-            spec = _kernels.GammaSpec(bin_gamma, interior, upper_on_tie=False)
+            spec = _kernels.LossSpec(bin_gamma, interior, upper_on_tie=False)
     return _weighted_nll(logits, targets, reduction, weight, spec)
 
 
