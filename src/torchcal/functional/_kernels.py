@@ -43,7 +43,14 @@ def _compiled():
 
 
 def cpu_kernels_available() -> bool:
-    """True when numba is importable and the kernels are enabled (``TORCHCAL_NUMBA`` unset or not 0)."""
+    """True when numba is importable and the kernels are enabled (``TORCHCAL_NUMBA`` unset or not 0).
+
+    Example:
+        >>> from torchcal.functional import cpu_kernels_available, use_cpu_kernels
+        >>> with use_cpu_kernels(False):
+        ...     cpu_kernels_available()
+        False
+    """
     return _state["enabled"] and _compiled() is not None
 
 
