@@ -19,9 +19,35 @@ def _seed():
 @pytest.fixture(params=["numba", "torch"])
 def cpu_backend(request):
     """Runs a test once with the fused numba CPU kernels and once on the plain torch path."""
-    from torchcal.functional import _kernels, use_cpu_kernels
+    from torchcal.functional import _kernels, use_cpu_extension, use_cpu_kernels
 
     if request.param == "numba" and _kernels._compiled() is None:
         pytest.skip("numba is not installed (pip install 'torchcal[fast]')")
-    with use_cpu_kernels(request.param == "numba"):
+    with use_cpu_kernels(request.param == "numba"), use_cpu_extension(False):
+        yield request.param
+
+
+@pytest.fixture(scope="session")
+def cpp_extension():
+    """Builds (once; a no-op when built) and loads the C++ loss operator. Skips only where no C++ compiler
+    exists; a failing build fails the test."""
+    import shutil
+
+    from torchcal.functional import build_cpu_extension
+
+    if shutil.which("c++") is None and shutil.which("g++") is None and shutil.which("clang++") is None:
+        pytest.skip("no C++ compiler: the C++ loss operator cannot be built here")
+    build_cpu_extension()
+
+
+@pytest.fixture(params=["cpp", "numba", "torch"])
+def loss_backend(request):
+    """Runs a loss test on each CPU path: the C++ operator, the fused numba kernels, and plain torch."""
+    from torchcal.functional import _kernels, use_cpu_extension, use_cpu_kernels
+
+    if request.param == "cpp":
+        request.getfixturevalue("cpp_extension")
+    if request.param == "numba" and _kernels._compiled() is None:
+        pytest.skip("numba is not installed (pip install 'torchcal[fast]')")
+    with use_cpu_kernels(request.param != "torch"), use_cpu_extension(request.param == "cpp"):
         yield request.param

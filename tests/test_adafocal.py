@@ -10,7 +10,7 @@ from torchcal.adafocal import AdaFocalLoss, CalFocalLoss
 from torchcal.metrics import CalibrationMetrics
 
 # every test here runs on the fused numba CPU losses (where they apply) and on the torch path
-pytestmark = pytest.mark.usefixtures("cpu_backend")
+pytestmark = pytest.mark.usefixtures("loss_backend")
 
 
 def two_class(confs, correct):

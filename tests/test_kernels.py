@@ -173,23 +173,31 @@ def test_equal_mass_sums_match_array_split(n, m):
 # ----------------------------------------------------------------------------- fused focal-family losses
 
 
-def test_fused_losses_run_where_they_apply():
+@pytest.fixture(params=["cpp", "numba"])
+def fused(request):
+    """The fused loss path under test: the C++ operator or the numba kernels (``use_cpu_kernels(True)``
+    selects it; ``use_cpu_kernels(False)`` is the plain torch path they are compared with)."""
+    if request.param == "cpp":
+        request.getfixturevalue("cpp_extension")
+    with F.use_cpu_extension(request.param == "cpp"):
+        yield request.param
+
+
+def test_fused_losses_run_where_they_apply(fused):
     import torchcal.functional.losses as L
 
     z = torch.randn(8, 3, requires_grad=True)
     with F.use_cpu_kernels(True):
         assert _kernels.loss_applies(z)
-        assert (
-            L.focal_loss(z, torch.zeros(8, dtype=torch.long))
-            .grad_fn.name()
-            .endswith("FusedTrueClassBackward")
-        )
-        assert not _kernels.loss_applies(torch.randn(2, _kernels._LOSS_MAX_ELEMENTS))  # too large
+        name = L.focal_loss(z, torch.zeros(8, dtype=torch.long)).grad_fn.name()
+        assert name.endswith("FusedTrueClassBackward" if fused == "numba" else "FusedTrueClass>")
+        if fused == "numba":
+            assert not _kernels.loss_applies(torch.randn(2, _kernels._LOSS_MAX_ELEMENTS))  # too large
     with F.use_cpu_kernels(False):
         assert "Fused" not in L.focal_loss(z, torch.zeros(8, dtype=torch.long)).grad_fn.name()
 
 
-def test_fused_losses_refuse_second_order_gradients():
+def test_fused_losses_refuse_second_order_gradients(fused):
     import torchcal.functional.losses as L
 
     z = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
@@ -204,7 +212,7 @@ def test_fused_losses_refuse_second_order_gradients():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_fused_flsd_compares_p_t_with_thresholds_in_the_input_dtype(dtype):
+def test_fused_flsd_compares_p_t_with_thresholds_in_the_input_dtype(dtype, fused):
     import torchcal.functional.losses as L
 
     # p_t = 0.5 exactly (two equal logits) and p_t = 0.2 as nearly as the dtype allows
@@ -218,7 +226,7 @@ def test_fused_flsd_compares_p_t_with_thresholds_in_the_input_dtype(dtype):
     assert fused[0].item() == pytest.approx(0.5**2 * math.log(2), rel=1e-6)  # γ = 2 at p_t = 0.5
 
 
-def test_fused_loss_label_errors_name_the_label():
+def test_fused_loss_label_errors_name_the_label(fused):
     import torchcal.functional.losses as L
 
     with F.use_cpu_kernels(True), pytest.raises(ValueError, match=r"must lie in \[0, 3\), found label -2"):
@@ -227,7 +235,7 @@ def test_fused_loss_label_errors_name_the_label():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
-def test_every_registered_loss_is_the_same_on_both_paths(dtype, reduction):
+def test_every_registered_loss_is_the_same_on_both_paths(dtype, reduction, fused):
     from torchcal.losses import create, list_losses
 
     g = torch.Generator().manual_seed(3)
@@ -259,7 +267,7 @@ def test_every_registered_loss_is_the_same_on_both_paths(dtype, reduction):
 
 
 @pytest.mark.parametrize("dual", [False, True])
-def test_fused_adafocal_follows_gamma_updates(dual):
+def test_fused_adafocal_follows_gamma_updates(dual, fused):
     from torchcal.adafocal import AdaFocalLoss
 
     g = torch.Generator().manual_seed(5)
@@ -294,7 +302,7 @@ def test_threaded_scan_matches_one_thread():
         torch.testing.assert_close(results[0][name], results[1][name], rtol=1e-12, atol=1e-12, msg=name)
 
 
-def test_fused_losses_without_gradients():
+def test_fused_losses_without_gradients(fused):
     import torchcal.functional.losses as L
 
     z, t = torch.randn(16, 5), torch.randint(0, 5, (16,))

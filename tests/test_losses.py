@@ -12,7 +12,7 @@ from torchcal.functional import focal_calibration_map
 from torchcal.losses import create, list_losses
 
 # every test here runs on the fused numba CPU losses (where they apply) and on the torch path
-pytestmark = pytest.mark.usefixtures("cpu_backend")
+pytestmark = pytest.mark.usefixtures("loss_backend")
 
 
 def batch(n=64, k=5, seed=0, scale=3.0, dtype=torch.float64):

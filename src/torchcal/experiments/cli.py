@@ -1,4 +1,4 @@
-"""The ``torchcal`` command line (typer): demo, train, evaluate, calibrate, report, list."""
+"""The ``torchcal`` command line (typer): demo, train, evaluate, calibrate, report, list, build-extension."""
 
 from __future__ import annotations
 
@@ -58,6 +58,20 @@ def train(
             raise typer.BadParameter(str(err)) from None
     rows = _train_with_bar(cfg, run_dir, resume=resume)
     console.print(f"trained {len(rows)} epochs; last: {json.dumps(rows[-1]) if rows else '-'}")
+
+
+@app.command(name="build-extension")
+def build_extension(verbose: bool = typer.Option(False, help="show the compiler's output")):
+    """Compile (once, ~20-30 s) the C++ operator of the fused CPU losses; later processes load it."""
+    from torchcal.functional import build_cpu_extension
+
+    t0 = time.perf_counter()
+    try:
+        path = build_cpu_extension(verbose=verbose)
+    except (RuntimeError, OSError) as err:
+        console.print(f"[red]could not build the C++ loss operator[/red] (the numba/torch paths still work): {err}")
+        raise typer.Exit(1) from None
+    console.print(f"C++ loss operator ready in {time.perf_counter() - t0:.1f} s: {path}")
 
 
 @app.command()

@@ -1,5 +1,6 @@
 """Pure tensor functions: calibration metrics, binning helpers, the focal calibration map, bootstrap."""
 
+from ._extension import build_cpu_extension, cpu_extension_available, use_cpu_extension
 from ._kernels import cpu_kernels_available, use_cpu_kernels
 from .bootstrap import BootstrapResult, bootstrap_ci
 from .calibration import (
@@ -39,9 +40,11 @@ __all__ = [
     "bootstrap_ci",
     "brier",
     "brier_score",
+    "build_cpu_extension",
     "classwise_calibration_error",
     "classwise_ece",
     "confidence_at_least",
+    "cpu_extension_available",
     "cpu_kernels_available",
     "debiased_calibration_error",
     "debiased_ece",
@@ -59,5 +62,6 @@ __all__ = [
     "ood_auroc",
     "smece",
     "smooth_calibration_error",
+    "use_cpu_extension",
     "use_cpu_kernels",
 ]

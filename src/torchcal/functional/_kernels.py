@@ -234,7 +234,18 @@ class LossSpec:
     no likelihood term; ``brier``: λ of an added Σ_k (p_k − onehot_k)² term.
     """
 
-    __slots__ = ("gammas", "thresholds32", "thresholds64", "sample_gammas", "flags", "brier")
+    __slots__ = (
+        "gammas",
+        "thresholds32",
+        "thresholds64",
+        "sample_gammas",
+        "flags",
+        "brier",
+        "cpp_gammas",
+        "cpp_thresholds32",
+        "cpp_thresholds64",
+        "cpp_flags",
+    )
 
     def __init__(
         self,
@@ -258,6 +269,11 @@ class LossSpec:
         # P_UPPER, P_DUAL, P_MARGIN, P_NLL, P_CAL, P_CAL_LAMBDA, P_BRIER (P_ROUND32, P_TINY are per call)
         cal = cal_lambda is not None
         self.flags = (upper_on_tie, dual, margin, nll, cal, cal_lambda if cal else 0.0, self.brier)
+        # the same as Python float lists for the C++ operator (``_extension``), converted once
+        self.cpp_gammas = self.gammas.tolist()
+        self.cpp_thresholds32 = self.thresholds32.tolist()
+        self.cpp_thresholds64 = self.thresholds64.tolist()
+        self.cpp_flags = [float(f) for f in self.flags]
 
 
 _EMPTY = np.zeros(0, dtype=np.float64)

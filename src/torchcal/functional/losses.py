@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as nnf
 
 from .._validation import check_choice, check_float, check_label_range, check_logits_for_loss
-from . import _kernels
+from . import _extension, _kernels
 
 __all__ = [
     "brier_loss",
@@ -134,19 +134,54 @@ class _TrueClassLoss(torch.autograd.Function):
         return grad, None, None, None, None
 
 
+_INTEGER_DTYPES = frozenset((torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8))
+
+
+def _fast_cpu_call(logits, targets, reduction) -> bool:
+    """Whether a loss call can go straight to the C++ operator: valid CPU float32/64 (N >= 1, K >= 2)
+    logits and integer targets of matching length, no autocast. Attribute checks only (a few µs); anything
+    else takes the validated path below, which raises the named errors (the operator checks the labels)."""
+    return (
+        type(logits) is torch.Tensor
+        and type(targets) is torch.Tensor
+        and reduction in _extension.REDUCTION_CODES
+        and logits.dtype in _FUSED_DTYPES
+        and targets.dtype in _INTEGER_DTYPES
+        and logits.ndim == 2
+        and targets.ndim == 1
+        and logits.shape[0] == targets.shape[0] > 0
+        and logits.shape[1] >= 2
+        and logits.is_cpu  # (`.device` builds a device object: several µs here)
+        and targets.is_cpu
+        and _extension.cpu_extension_available()
+        and not torch.is_autocast_enabled("cpu")
+    )
+
+
+_FUSED_DTYPES = frozenset((torch.float32, torch.float64))
+
+
 def _true_class_loss(logits, targets, reduction, weight_fn, *, brier_lambda=0.0, runner_up=False, spec=None):
-    """Dispatch: the fused numba loss for small CPU batches of losses that describe themselves with a
-    :class:`~torchcal.functional._kernels.LossSpec` (``spec``, which then carries the runner-up and Brier
-    options too), :class:`_TrueClassLoss` otherwise."""
+    """Dispatch for losses that describe themselves with a :class:`~torchcal.functional._kernels.LossSpec`
+    (``spec``, which then carries the runner-up and Brier options too): on CPU the C++ operator when built
+    (``_extension``), else the fused numba loss for small batches; :class:`_TrueClassLoss` otherwise."""
+    if spec is not None and _fast_cpu_call(logits, targets, reduction):
+        return _extension.fused_true_class(logits, targets, spec, reduction)
     check_choice(reduction, "reduction", REDUCTIONS)
     logits, targets = check_logits_for_loss(logits, targets, check_range=False)
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
-    if spec is not None and _kernels.loss_applies(logits):
-        if not torch.is_autocast_enabled("cpu"):  # entering a disabled autocast region costs ~10 µs
-            return _kernels.FusedTrueClass.apply(logits, targets, spec, reduction)  # checks the label range
-        with torch.autocast("cpu", enabled=False):
-            return _kernels.FusedTrueClass.apply(logits, targets, spec, reduction)
+    if spec is not None and logits.device.type == "cpu":
+        fused = None
+        if _extension.applies(logits):
+            fused = _extension.fused_true_class
+        elif _kernels.loss_applies(logits):
+            fused = _kernels.FusedTrueClass.apply
+        if fused is not None:  # both check the label range
+            if not torch.is_autocast_enabled("cpu"):  # entering a disabled autocast region costs ~10 µs
+                return fused(logits, targets, spec, reduction)
+            with torch.autocast("cpu", enabled=False):
+                return fused(logits, targets, spec, reduction)
     check_label_range(targets, logits.shape[1])
     with torch.autocast(logits.device.type, enabled=False):
         loss = _TrueClassLoss.apply(logits, targets, weight_fn, brier_lambda, runner_up)

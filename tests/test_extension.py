@@ -1,0 +1,169 @@
+"""The optional C++ loss operator (torchcal.functional._extension): build and load rules, and its losses
+against the plain torch path (values, gradients, gradcheck, layouts, threads, sizes)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import torchcal.functional as F
+import torchcal.functional.losses as L
+from torchcal.functional import _extension
+
+pytestmark = pytest.mark.usefixtures("cpp_extension")
+
+
+def _both_paths(fn, *tensors):
+    """fn(*tensors) and its gradients on the C++ operator and on the plain torch path."""
+    results = []
+    for cpp in (True, False):
+        inputs = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in tensors]
+        with F.use_cpu_kernels(cpp):
+            value = fn(*inputs)
+            grads = torch.autograd.grad(value.sum(), [t for t in inputs if t.requires_grad])
+        results.append((value.detach(), grads))
+    return results
+
+
+def test_the_operator_computes_the_losses():
+    z, t = torch.randn(5, 4, requires_grad=True), torch.tensor([0, 1, 2, 3, 0])
+    assert F.cpu_extension_available()
+    assert "FusedTrueClass" in L.focal_loss(z, t).grad_fn.name()
+    with F.use_cpu_extension(False):
+        assert not F.cpu_extension_available()
+    with F.use_cpu_kernels(False):  # the master switch turns it off too
+        assert not F.cpu_extension_available()
+
+
+def test_use_cpu_extension_rejects_non_bool_and_restores_state():
+    with pytest.raises(TypeError, match="`enabled` must be a bool"):
+        with F.use_cpu_extension(1):
+            pass
+    with pytest.raises(KeyError):
+        with F.use_cpu_extension(False):
+            raise KeyError("inside")
+    assert F.cpu_extension_available()
+
+
+def test_library_name_follows_source_flags_and_torch(monkeypatch):
+    name = _extension.extension_name()
+    assert name.startswith("torchcal_fused_") and name == _extension.extension_name()
+    monkeypatch.setattr(torch, "__version__", "0.0.0-other")
+    assert _extension.extension_name() != name
+    monkeypatch.undo()
+    monkeypatch.setattr(_extension, "CFLAGS", ["-O2"])
+    assert _extension.extension_name() != name
+
+
+def test_a_damaged_library_counts_as_not_built(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHCAL_EXTENSION_DIR", str(tmp_path))
+    path = _extension._library_path()
+    assert path.parent.parent == tmp_path and not path.exists()
+    assert _extension._load_built() is False  # nothing there: nothing loaded, nothing compiled
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"not a shared library")
+    with pytest.warns(RuntimeWarning, match="rebuild it with `torchcal build-extension`"):
+        assert _extension._load_built() is False
+
+
+@pytest.mark.parametrize("setting,expected", [("1", "True"), ("0", "False")])
+def test_new_processes_load_the_built_library_unless_disabled(setting, expected):
+    env = dict(os.environ, TORCHCAL_CPP=setting)
+    code = (
+        "import torchcal.functional as F, torchcal.functional._extension as E;"
+        "print(F.cpu_extension_available(), E._state['loaded'])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    available, loaded = out.stdout.split()
+    assert available == expected
+    assert loaded == ("True" if setting == "1" else "None")  # disabled: not even looked for
+
+
+@pytest.mark.parametrize(
+    "loss",
+    [
+        lambda z, t: L.focal_loss(z, t, 2.0, reduction="none"),
+        lambda z, t: L.focal_loss(z, t, 0.5, reduction="sum"),
+        lambda z, t: L.inverse_focal_loss(z, t, 1.5),
+        lambda z, t: L.sample_dependent_focal_loss(z, t, (5.0, 3.0, 2.0), (0.2, 0.5), reduction="none"),
+        lambda z, t: L.dual_focal_loss(z, t, 2.0, reduction="none"),
+        lambda z, t: L.dual_sample_dependent_focal_loss(z, t),
+        lambda z, t: L.focal_calibration_loss(z, t, 3.0, 0.7, reduction="none"),
+        lambda z, t: L.brier_loss(z, t),
+        lambda z, t: L.varying_focal_loss(z, t, torch.tensor([2.0, -1.0, 0.0, 3.0, -0.5, 1.0])),
+    ],
+)
+def test_gradcheck_float64(loss):
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(6, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    t = torch.tensor([0, 1, 2, 3, 4, 0])
+    assert torch.autograd.gradcheck(lambda x: loss(x, t), (z,))
+    (cpp, _), (plain, _) = _both_paths(loss, z, t)
+    torch.testing.assert_close(cpp, plain, rtol=1e-12, atol=1e-14)
+
+
+def test_layouts_and_label_dtypes_match_the_torch_path():
+    g = torch.Generator().manual_seed(1)
+    wide = 3 * torch.randn(7, 40, generator=g)
+    z = wide.t()[:, :7]  # (40, 7), not contiguous
+    assert not z.is_contiguous()
+    t = torch.randint(0, 7, (40,), generator=g, dtype=torch.int32)
+    (v1, (g1,)), (v2, (g2,)) = _both_paths(lambda x, y: L.dual_focal_loss(x, y, reduction="none"), z, t)
+    torch.testing.assert_close(v1, v2, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(g1, g2, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("n,k", [(1, 2), (3000, 700)])  # one sample; more than numba's 2**20 limit
+def test_sizes_match_the_torch_path(n, k):
+    g = torch.Generator().manual_seed(n)
+    z, t = 4 * torch.randn(n, k, generator=g), torch.randint(0, k, (n,), generator=g)
+    for fn in (L.focal_loss, L.dual_focal_loss, L.focal_calibration_loss):
+        (v1, (g1,)), (v2, (g2,)) = _both_paths(fn, z, t)
+        torch.testing.assert_close(v1, v2, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(g1, g2, rtol=1e-4, atol=1e-7)
+
+
+def test_results_do_not_depend_on_the_thread_count():
+    g = torch.Generator().manual_seed(2)
+    z, t = 3 * torch.randn(5000, 64, generator=g), torch.randint(0, 64, (5000,), generator=g)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n_threads in (1, 3):
+            torch.set_num_threads(n_threads)
+            x = z.clone().requires_grad_(True)
+            loss = L.dual_focal_loss(x, t)
+            loss.backward()
+            results.append((loss.detach(), x.grad))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(results[0][0], results[1][0])  # the reduction is summed in row order
+    assert torch.equal(results[0][1], results[1][1])
+
+
+def test_no_graph_without_gradients_and_extreme_logits():
+    z = torch.tensor([[1e4, -1e4, 0.0], [-1e4, 1e4, 1e4], [0.0, 0.0, 0.0]])
+    t = torch.tensor([1, 2, 0])
+    with torch.no_grad():
+        value = L.dual_focal_loss(z, t)
+    assert not value.requires_grad
+    with torch.inference_mode():
+        assert torch.isfinite(L.focal_loss(z, t, 0.5))
+    x = z.clone().requires_grad_(True)
+    L.focal_calibration_loss(x, t).backward()
+    assert torch.isfinite(x.grad).all()
+
+
+def test_autocast_bfloat16_logits():
+    z, t = torch.randn(16, 10), torch.randint(0, 10, (16,))
+    x = z.bfloat16().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = L.dual_focal_loss(x, t)
+    loss.backward()
+    assert loss.dtype == torch.float32 and torch.isfinite(loss)
+    assert x.grad.dtype == torch.bfloat16 and torch.isfinite(x.grad.float()).all()
+    with F.use_cpu_kernels(False):
+        expected = L.dual_focal_loss(z.bfloat16().float(), t)
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
