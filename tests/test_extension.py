@@ -167,3 +167,41 @@ def test_autocast_bfloat16_logits():
     with F.use_cpu_kernels(False):
         expected = L.dual_focal_loss(z.bfloat16().float(), t)
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_float32_logits_inside_autocast_take_the_operator():
+    z, t = torch.randn(16, 10), torch.randint(0, 10, (16,))
+    x = z.clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = L.focal_calibration_loss(x, t)
+    assert "FusedTrueClass" in loss.grad_fn.name() and loss.dtype == torch.float32
+    loss.backward()
+    (v, (g,)), _ = _both_paths(L.focal_calibration_loss, z, t)
+    torch.testing.assert_close(loss.detach(), v, rtol=0, atol=0)  # autocast changes nothing
+    torch.testing.assert_close(x.grad, g, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("k", [3, 37, 64, 65, 1027])  # both float32 pipelines, vector tails, 256-blocks
+@pytest.mark.parametrize("scale", [1.0, 30.0])
+def test_float32_losses_against_a_float64_reference(k, scale):
+    """The fused pipeline's own exp (short rows) and torch's (long rows) against the float64 per-sample
+    definition evaluated on the same float32 logits."""
+    g = torch.Generator().manual_seed(k)
+    z = (scale * torch.randn(64, k, generator=g)).float()
+    t = torch.randint(0, k, (64,), generator=g)
+    log_p = torch.log_softmax(z.double(), 1)
+    lpt = log_p.gather(1, t[:, None]).squeeze(1)
+    p = log_p.exp()
+    masked = torch.where(log_p < lpt[:, None], p, torch.zeros_like(p))
+    p_j = masked.max(1).values
+    focal = -((1 - lpt.exp()) ** 2) * lpt
+    dual = -((1 - lpt.exp() + p_j) ** 2) * lpt
+    brier = (p**2).sum(1) - 2 * lpt.exp() + 1
+    for fn, want in (
+        (lambda x, y: L.focal_loss(x, y, 2.0, reduction="none"), focal),
+        (lambda x, y: L.dual_focal_loss(x, y, 2.0, reduction="none"), dual),
+        (lambda x, y: L.brier_loss(x, y, reduction="none"), brier),
+    ):
+        got = fn(z, t)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), want, rtol=2e-6, atol=1e-7)

@@ -186,6 +186,6 @@ def fused_true_class(logits, targets, spec: _kernels.LossSpec, reduction: str) -
     sample = spec.sample_gammas
     if sample is not None and not sample.is_cpu:
         sample = sample.cpu()
-    return torch.ops.torchcal.fused_true_class(
+    return torch.ops.torchcal.fused_true_class.default(
         logits, targets, spec.cpp_gammas, thresholds, sample, spec.cpp_flags, REDUCTION_CODES[reduction]
     )

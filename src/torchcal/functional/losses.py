@@ -139,22 +139,23 @@ _INTEGER_DTYPES = frozenset((torch.int64, torch.int32, torch.int16, torch.int8, 
 
 def _fast_cpu_call(logits, targets, reduction) -> bool:
     """Whether a loss call can go straight to the C++ operator: valid CPU float32/64 (N >= 1, K >= 2)
-    logits and integer targets of matching length, no autocast. Attribute checks only (a few µs); anything
-    else takes the validated path below, which raises the named errors (the operator checks the labels)."""
+    logits and integer targets of matching length. Attribute checks only (a few µs); anything else takes
+    the validated path below, which raises the named errors (the operator checks the labels). Autocast needs
+    no care: the operator has no autocast rule and its float32/64 input is used as it is."""
+    if type(logits) is not torch.Tensor or type(targets) is not torch.Tensor:
+        return False
+    shape = logits.shape
     return (
-        type(logits) is torch.Tensor
-        and type(targets) is torch.Tensor
-        and reduction in _extension.REDUCTION_CODES
+        len(shape) == 2
+        and targets.ndim == 1
+        and shape[0] == targets.shape[0] > 0
+        and shape[1] >= 2
         and logits.dtype in _FUSED_DTYPES
         and targets.dtype in _INTEGER_DTYPES
-        and logits.ndim == 2
-        and targets.ndim == 1
-        and logits.shape[0] == targets.shape[0] > 0
-        and logits.shape[1] >= 2
+        and reduction in _extension.REDUCTION_CODES
         and logits.is_cpu  # (`.device` builds a device object: several µs here)
         and targets.is_cpu
         and _extension.cpu_extension_available()
-        and not torch.is_autocast_enabled("cpu")
     )
 
 

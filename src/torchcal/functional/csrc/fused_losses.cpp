@@ -31,13 +31,17 @@
 namespace {
 
 using namespace torchcal;
+
+// up to this many classes float32 rows take the fused two-pass pipeline with its own 4-lane exp; longer
+// rows are faster with torch's log_softmax and exp, vectorised for the widest ISA of the machine
+constexpr int64_t kFusedMaxClasses = 64;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 struct Forward {
   at::Tensor loss;   // the reduced (or per-sample) loss, in the dtype of the logits
-  at::Tensor probs;  // exp(log p) (undefined when neither the backward nor the Brier term needs it)
-  at::Tensor out;    // (N, 5) float64 per-sample loss and coefficients
+  at::Tensor probs;  // exp(x − row max), unnormalised for float32 (undefined when the backward does not run)
+  at::Tensor out;    // (N, N_OUT) float64 per-sample loss, coefficients and 1 / Σ exp(x − max)
 };
 
 Forward fused_forward(const at::Tensor& logits, const at::Tensor& targets, c10::ArrayRef<double> gammas,
@@ -61,11 +65,9 @@ Forward fused_forward(const at::Tensor& logits, const at::Tensor& targets, c10::
                       "`gammas` must hold one more value than `thresholds`");
   }
   const at::Tensor t = targets.to(at::kLong).contiguous();
-  const at::Tensor log_p = at::_log_softmax(logits.contiguous(), 1, false);
+  const at::Tensor x = logits.contiguous();
   const bool brier = flags[F_BRIER] != 0;
-  at::Tensor probs;
-  if (keep_probs || brier) probs = at::exp(log_p);
-  at::Tensor out = at::empty({n, N_OUT}, log_p.options().dtype(at::kDouble));
+  at::Tensor out = at::empty({n, N_OUT}, x.options().dtype(at::kDouble));
   const Spec s{gammas.data(),
                static_cast<int64_t>(gammas.size()),
                thresholds.data(),
@@ -79,17 +81,32 @@ Forward fused_forward(const at::Tensor& logits, const at::Tensor& targets, c10::
                flags[F_CAL_LAMBDA],
                flags[F_BRIER]};
   std::atomic<int64_t> n_bad{0};
-  AT_DISPATCH_FLOATING_TYPES(log_p.scalar_type(), "fused_true_class", [&] {
-    const scalar_t* lp = log_p.data_ptr<scalar_t>();
-    const scalar_t* pp = probs.defined() ? probs.data_ptr<scalar_t>() : nullptr;
-    const int64_t* tp = t.data_ptr<int64_t>();
-    double* op = out.data_ptr<double>();
+  const int64_t* tp = t.data_ptr<int64_t>();
+  double* op = out.data_ptr<double>();
+  at::Tensor probs;  // what the backward reads: e = exp(x − max) per row (p = e·o[O_INV])
+  if (x.scalar_type() == at::kFloat && k <= kFusedMaxClasses) {
+    // short float32 rows: the log-softmax fused into the rows' two passes (no (N, K) log-probability tensor)
+    if (keep_probs) probs = at::empty_like(x);
+    const float* xp = x.data_ptr<float>();
+    float* ep = keep_probs ? probs.data_ptr<float>() : nullptr;
     at::parallel_for(0, n, grain_rows(k), [&](int64_t begin, int64_t end) {
-      n_bad += forward_rows<scalar_t>(lp, pp, tp, begin, end, k, s, op);
+      n_bad += forward_rows_fused(xp, ep, tp, begin, end, k, s, op);
     });
-  });
+  } else {
+    // torch's log_softmax (vectorised for the machine's widest ISA), the per-row arithmetic on it, then
+    // p = exp(log p) in place for the backward; the Brier term needs p and log p at once (one more tensor)
+    at::Tensor log_p = at::_log_softmax(x, 1, false);
+    if (brier) probs = at::exp(log_p);
+    AT_DISPATCH_FLOATING_TYPES(log_p.scalar_type(), "fused_true_class", [&] {
+      const scalar_t* lp = log_p.data_ptr<scalar_t>();
+      const scalar_t* pp = probs.defined() ? probs.data_ptr<scalar_t>() : nullptr;
+      at::parallel_for(0, n, grain_rows(k), [&](int64_t begin, int64_t end) {
+        n_bad += forward_rows<scalar_t>(lp, pp, tp, begin, end, k, s, op);
+      });
+    });
+    if (keep_probs && !brier) probs = log_p.exp_();
+  }
   if (n_bad.load() > 0) {
-    const int64_t* tp = t.data_ptr<int64_t>();
     int64_t bad = 0;
     for (int64_t i = 0; i < n; ++i) {
       if (tp[i] < 0 || tp[i] >= k) {

@@ -14,11 +14,11 @@
 namespace torchcal {
 
 enum Flag { F_UPPER, F_DUAL, F_MARGIN, F_NLL, F_CAL, F_CAL_LAMBDA, F_BRIER, N_FLAGS };
-// columns of the per-sample output (N, 5) float64
-enum Out { O_LOSS, O_CT, O_CJ, O_J, O_SQ, N_OUT };
+// columns of the per-sample output (N, N_OUT) float64
+enum Out { O_LOSS, O_CT, O_CJ, O_J, O_SQ, O_INV, N_OUT };
 
 // rows per parallel task: enough entries that a thread hand-off pays for itself
-int64_t grain_rows(int64_t k) { return std::max<int64_t>(1, (int64_t{1} << 17) / std::max<int64_t>(k, 1)); }
+int64_t grain_rows(int64_t k) { return std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(k, 1)); }
 
 struct Spec {
   const double* gammas;
@@ -95,8 +95,153 @@ int64_t runner_up(const T* row, int64_t k, T below, T floor) {
   return j;
 }
 
-// Per-sample loss and coefficients c = p·∂loss/∂p for rows [begin, end). Returns the number of labels
-// outside [0, K) (those rows are computed on a clamped label and the caller raises).
+// e^x for x <= 0, 4 lanes (Cephes' expf: range reduction by ln 2, degree-6 polynomial, ~1 ulp); 0 below
+// −87.3 (and for −inf), NaN stays NaN. The rows' x − max are never positive.
+inline Simd<float>::type exp_nonpositive(Simd<float>::type x) {
+  using V = Simd<float>::type;
+  typedef int32_t I __attribute__((vector_size(16)));
+  const V lo = broadcast(-87.33654f);
+  const I under = x < lo;
+  x = under ? lo : x;
+  const V half = broadcast(0.5f), one = broadcast(1.0f);
+  const V y = x * 1.44269504088896341f + half;  // n = floor(x log2 e + 1/2)
+  V n = __builtin_convertvector(__builtin_convertvector(y, I), V);  // truncation (towards zero) ...
+  n = n > y ? n - one : n;                                          // ... made a floor
+  x = x - n * 0.693359375f;
+  x = x - n * -2.12194440e-4f;
+  V p = broadcast(1.9875691500e-4f);
+  p = p * x + 1.3981999507e-3f;
+  p = p * x + 8.3334519073e-3f;
+  p = p * x + 4.1665795894e-2f;
+  p = p * x + 1.6666665459e-1f;
+  p = p * x + 5.0000001201e-1f;
+  const V r = p * x * x + x + one;
+  const I bits = (__builtin_convertvector(n, I) + 127) << 23;  // 2^n, n in [−126, 0]
+  V scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  const V zero = {};
+  return under ? zero : r * scale;
+}
+
+// max of a row (vectorised; NaN entries may be skipped here, they still make the row's sum NaN)
+inline float row_max(const float* x, int64_t k) {
+  using V = Simd<float>::type;
+  float m = x[0];
+  int64_t j = 0;
+  if (k >= 8) {
+    V a0 = load(x), a1 = load(x + 4);
+    for (j = 8; j + 8 <= k; j += 8) {
+      const V v0 = load(x + j), v1 = load(x + j + 4);
+      a0 = a0 < v0 ? v0 : a0;
+      a1 = a1 < v1 ? v1 : a1;
+    }
+    a0 = a0 < a1 ? a1 : a0;
+    for (int l = 0; l < 4; ++l) m = m < a0[l] ? a0[l] : m;
+  }
+  for (; j < k; ++j) m = m < x[j] ? x[j] : m;
+  return m;
+}
+
+// e_j = exp(x_j − m) (stored into e unless it is null), returns Σ e_j and, with sq, Σ e_j², both added in
+// float32 lanes over blocks of 256 entries and in float64 across blocks
+inline double exp_sum_row(const float* x, int64_t k, float m, float* e, double* sq) {
+  using V = Simd<float>::type;
+  const V mv = broadcast(m);
+  double s = 0.0, s2 = 0.0;
+  int64_t j = 0;
+  while (j + 4 <= k) {
+    const int64_t stop = std::min<int64_t>(k - (k - j) % 4, j + 256);
+    V acc = {}, acc2 = {};
+    for (; j < stop; j += 4) {
+      const V v = exp_nonpositive(load(x + j) - mv);
+      if (e != nullptr) std::memcpy(e + j, &v, sizeof(v));
+      acc += v;
+      acc2 += v * v;
+    }
+    for (int l = 0; l < 4; ++l) {
+      s += acc[l];
+      s2 += static_cast<double>(acc2[l]);
+    }
+  }
+  for (; j < k; ++j) {
+    const float v = std::exp(x[j] - m);
+    if (e != nullptr) e[j] = v;
+    s += v;
+    s2 += static_cast<double>(v) * v;
+  }
+  if (sq != nullptr) *sq = s2;
+  return s;
+}
+
+// What the loss of one sample needs: log p_t, the runner-up's p_j and index (0, 0 when none or not dual),
+// Σ_k p_k² (Brier term only).
+struct RowStats {
+  double lp_t, p_j;
+  int64_t j;
+  double sq;
+};
+
+// Loss and coefficients c = p·∂loss/∂p of sample i, written to o[O_LOSS..O_SQ]: the float64 arithmetic of
+// the numba kernel true_class_forward (γ from the schedule or per sample, focal / dual / inverse forms,
+// CalFocal's γ, the Brier term). ``round32``: p_t (and the margin) are compared with the thresholds in
+// float32, as the torch path compares in the input dtype.
+inline void row_loss(const Spec& s, int64_t i, bool round32, double tiny, const RowStats& r, double* o) {
+  const double lp = r.lp_t, p_t = std::exp(lp), p_j = r.p_j;
+  double g;
+  if (s.sample != nullptr) {
+    g = s.sample[i];
+  } else {
+    double sel;
+    if (round32) {
+      sel = s.margin ? static_cast<double>(static_cast<float>(p_t) - static_cast<float>(p_j))
+                     : static_cast<double>(static_cast<float>(p_t));
+    } else {
+      sel = s.margin ? p_t - p_j : p_t;
+    }
+    int64_t b = 0;
+    for (int64_t m = 0; m < s.n_thresholds; ++m) b += s.upper ? (s.thresholds[m] <= sel) : (s.thresholds[m] < sel);
+    g = s.gammas[b];
+    if (s.cal) g = std::exp(s.cal_lambda * (sel - g));
+  }
+  double loss = 0.0, c_t = 0.0, c_j = 0.0;
+  if (s.nll) {
+    if (g >= 0 && s.dual) {
+      const double base = std::max(-std::expm1(lp) + p_j, tiny);
+      const double w = std::pow(base, g);
+      const double g_log = g * w * lp / base;
+      loss = -w * lp;
+      c_t = g_log * p_t - w;
+      c_j = -g_log * p_j;
+    } else if (g >= 0) {
+      const double q = std::max(-std::expm1(lp), tiny);
+      const double w = std::pow(q, g);
+      loss = -w * lp;
+      // p log p / (1 − p) → −1 as p → 1; where q is clamped (log p rounds to 0) it is 0
+      c_t = w * (g * (p_t * lp / q) - 1.0);
+    } else {
+      const double a = -g;
+      const double base = 1.0 + p_t;
+      const double w = std::pow(base, a);
+      loss = -w * lp;
+      c_t = -a * p_t * std::pow(base, a - 1.0) * lp - w;
+    }
+  }
+  if (s.brier != 0) loss += s.brier * (r.sq - 2.0 * p_t + 1.0);
+  o[O_LOSS] = loss;
+  o[O_CT] = c_t;
+  o[O_CJ] = c_j;
+  o[O_J] = static_cast<double>(r.j);
+  o[O_SQ] = r.sq;
+}
+
+inline int64_t clamp_label(int64_t y, int64_t k, int64_t& n_bad) {
+  n_bad += (y < 0) | (y >= k);
+  return std::min(std::max<int64_t>(y, 0), k - 1);
+}
+
+// Rows [begin, end) from log-probabilities (torch's log_softmax) and p = exp(log p) (used for Σp² only):
+// the float64 path. Returns the number of labels outside [0, K) (those rows use a clamped label; the caller
+// raises). Writes o[O_INV] = 1 (p is stored normalised).
 template <typename scalar_t>
 int64_t forward_rows(const scalar_t* log_p, const scalar_t* p, const int64_t* t, int64_t begin, int64_t end,
                      int64_t k, const Spec& s, double* out) {
@@ -106,122 +251,104 @@ int64_t forward_rows(const scalar_t* log_p, const scalar_t* p, const int64_t* t,
   const scalar_t floor = round32 ? static_cast<scalar_t>(-3.0e38) : static_cast<scalar_t>(-1.0e308);
   int64_t n_bad = 0;
   for (int64_t i = begin; i < end; ++i) {
-    int64_t y = t[i];
-    n_bad += (y < 0) | (y >= k);
-    y = std::min(std::max<int64_t>(y, 0), k - 1);
+    const int64_t y = clamp_label(t[i], k, n_bad);
     const scalar_t* row = log_p + i * k;
-    const scalar_t lpt = row[y];
-    const double lp = static_cast<double>(lpt);
-    const double p_t = std::exp(lp);
-    double p_j = 0.0;
-    int64_t jj = 0;
+    RowStats r{static_cast<double>(row[y]), 0.0, 0, 0.0};
     if (s.dual) {
-      const int64_t j = runner_up(row, k, lpt, floor);
+      const int64_t j = runner_up(row, k, row[y], floor);
       if (j >= 0) {  // else no entry below p_t: p_j = 0
-        jj = j;
-        p_j = std::exp(static_cast<double>(row[j]));
+        r.j = j;
+        r.p_j = std::exp(static_cast<double>(row[j]));
       }
     }
-    double g;
-    if (s.sample != nullptr) {
-      g = s.sample[i];
-    } else {
-      double sel;
-      if (round32) {
-        sel = s.margin ? static_cast<double>(static_cast<float>(p_t) - static_cast<float>(p_j))
-                       : static_cast<double>(static_cast<float>(p_t));
-      } else {
-        sel = s.margin ? p_t - p_j : p_t;
-      }
-      int64_t b = 0;
-      for (int64_t m = 0; m < s.n_thresholds; ++m) b += s.upper ? (s.thresholds[m] <= sel) : (s.thresholds[m] < sel);
-      g = s.gammas[b];
-      if (s.cal) g = std::exp(s.cal_lambda * (sel - g));
-    }
-    double loss = 0.0, c_t = 0.0, c_j = 0.0;
-    if (s.nll) {
-      if (g >= 0 && s.dual) {
-        const double base = std::max(-std::expm1(lp) + p_j, tiny);
-        const double w = std::pow(base, g);
-        const double g_log = g * w * lp / base;
-        loss = -w * lp;
-        c_t = g_log * p_t - w;
-        c_j = -g_log * p_j;
-      } else if (g >= 0) {
-        const double q = std::max(-std::expm1(lp), tiny);
-        const double w = std::pow(q, g);
-        loss = -w * lp;
-        // p log p / (1 − p) → −1 as p → 1; where q is clamped (log p rounds to 0) it is 0
-        c_t = w * (g * (p_t * lp / q) - 1.0);
-      } else {
-        const double a = -g;
-        const double base = 1.0 + p_t;
-        const double w = std::pow(base, a);
-        loss = -w * lp;
-        c_t = -a * p_t * std::pow(base, a - 1.0) * lp - w;
-      }
-    }
-    double sq = 0.0;
     if (s.brier != 0) {
       const scalar_t* prow = p + i * k;
+      double sq = 0.0;
 #pragma omp simd reduction(+ : sq)
       for (int64_t j = 0; j < k; ++j) {
         const double v = static_cast<double>(prow[j]);
         sq += v * v;
       }
-      loss += s.brier * (sq - 2.0 * p_t + 1.0);
+      r.sq = sq;
     }
     double* o = out + i * N_OUT;
-    o[O_LOSS] = loss;
-    o[O_CT] = c_t;
-    o[O_CJ] = c_j;
-    o[O_J] = static_cast<double>(jj);
-    o[O_SQ] = sq;
+    row_loss(s, i, round32, tiny, r, o);
+    o[O_INV] = 1.0;
+  }
+  return n_bad;
+}
+
+// Rows [begin, end) of float32 logits in two vectorised passes per row and no log-softmax tensor: the
+// maximum m (and the runner-up, found on the logits: the largest logit strictly below x_t), then
+// e = exp(x − m) with Σe (and Σe²). log p_t = (x_t − m) − log Σe and p_j in float64; e (when not null, for
+// the backward) stays unnormalised, with 1/Σe in o[O_INV].
+inline int64_t forward_rows_fused(const float* logits, float* e, const int64_t* t, int64_t begin, int64_t end,
+                                  int64_t k, const Spec& s, double* out) {
+  const double tiny = static_cast<double>(std::numeric_limits<float>::min());
+  int64_t n_bad = 0;
+  for (int64_t i = begin; i < end; ++i) {
+    const int64_t y = clamp_label(t[i], k, n_bad);
+    const float* x = logits + i * k;
+    const float m = row_max(x, k);
+    double sq = 0.0;
+    const double sum = exp_sum_row(x, k, m, e == nullptr ? nullptr : e + i * k, s.brier != 0 ? &sq : nullptr);
+    const double log_sum = std::log(sum);
+    RowStats r{(static_cast<double>(x[y]) - m) - log_sum, 0.0, 0, sq / (sum * sum)};
+    if (s.dual) {
+      const int64_t j = runner_up(x, k, x[y], -std::numeric_limits<float>::infinity());
+      if (j >= 0) {
+        r.j = j;
+        r.p_j = std::exp((static_cast<double>(x[j]) - m) - log_sum);
+      }
+    }
+    double* o = out + i * N_OUT;
+    row_loss(s, i, true, tiny, r, o);
+    o[O_INV] = 1.0 / sum;
   }
   return n_bad;
 }
 
 // grad = −(c_t + c_j)·p + c_t e_t + c_j e_j, plus λ·(2p⊙(p − Σp² + p_t) − 2p_t e_t) for the Brier term,
-// each row scaled by scale[i] (or by the single scale when scale_stride is 0).
+// each row scaled by scale[i] (or by the single scale when scale_stride is 0); p_k = e_k·o[O_INV].
 template <typename scalar_t>
-void backward_rows(const scalar_t* p, const int64_t* t, const double* out, const double* scale,
+void backward_rows(const scalar_t* e, const int64_t* t, const double* out, const double* scale,
                    int64_t scale_stride, double lam, int64_t begin, int64_t end, int64_t k, scalar_t* grad) {
   for (int64_t i = begin; i < end; ++i) {
     const double sc = scale[i * scale_stride];
     const double* o = out + i * N_OUT;
     const double c_t = o[O_CT] * sc;
     const double c_j = o[O_CJ] * sc;
+    const double inv = o[O_INV];
     const int64_t j = static_cast<int64_t>(o[O_J]);
     const int64_t y = t[i];
-    const scalar_t* prow = p + i * k;
+    const scalar_t* erow = e + i * k;
     scalar_t* grow = grad + i * k;
     const double row = c_t + c_j;
     // the (N, K) pass in the input dtype (vectorised); the entries at the label and at the runner-up,
     // which get the corrections c_t e_t + c_j e_j, are recomputed in float64 (no float32 cancellation)
     const double w = 2.0 * lam * sc;
-    const double a = lam != 0 ? w * (static_cast<double>(prow[y]) - o[O_SQ]) - row : -row;
+    const double p_t = static_cast<double>(erow[y]) * inv;
+    const double a = lam != 0 ? w * (p_t - o[O_SQ]) - row : -row;
     if (lam != 0) {
-      const scalar_t as = static_cast<scalar_t>(a);
-      const scalar_t ws = static_cast<scalar_t>(w);
+      const scalar_t as = static_cast<scalar_t>(a), ws = static_cast<scalar_t>(w);
+      const scalar_t is = static_cast<scalar_t>(inv);
 #pragma omp simd
       for (int64_t m = 0; m < k; ++m) {
-        const scalar_t v = prow[m];
+        const scalar_t v = erow[m] * is;
         grow[m] = v * (as + ws * v);
       }
     } else {
-      const scalar_t as = static_cast<scalar_t>(a);
+      const scalar_t as = static_cast<scalar_t>(a * inv);
 #pragma omp simd
-      for (int64_t m = 0; m < k; ++m) grow[m] = as * prow[m];
+      for (int64_t m = 0; m < k; ++m) grow[m] = as * erow[m];
     }
     // entry m of the pass in float64: p_m (a + w p_m) (w = 0 without the Brier term)
-    const double p_t = static_cast<double>(prow[y]);
     grow[y] = static_cast<scalar_t>(p_t * (a + w * p_t) + c_t - w * p_t);
     if (c_j != 0 && j != y) {
-      const double p_j = static_cast<double>(prow[j]);
+      const double p_j = static_cast<double>(erow[j]) * inv;
       grow[j] = static_cast<scalar_t>(p_j * (a + w * p_j) + c_j);
     }
   }
 }
-
 
 }  // namespace torchcal
