@@ -205,3 +205,16 @@ def test_float32_losses_against_a_float64_reference(k, scale):
         got = fn(z, t)
         assert got.dtype == torch.float32
         torch.testing.assert_close(got.double(), want, rtol=2e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_dual_runner_up_ties_are_decided_on_the_logits(dtype):
+    """x_j one ulp below x_t: different classes, so p_j < p_t exactly, although log_softmax may round both
+    log-probabilities to the same value (the torch path then calls them tied and takes the next class)."""
+    below = torch.nextafter(torch.tensor(1.0, dtype=dtype), torch.tensor(0.0, dtype=dtype))
+    z = torch.stack([torch.tensor(20.0, dtype=dtype), torch.tensor(1.0, dtype=dtype), below, torch.tensor(-3.0, dtype=dtype)])
+    z, t = z[None], torch.tensor([1])
+    log_p = torch.log_softmax(z.double(), 1)[0]
+    want = -((1 - log_p[1].exp() + log_p[2].exp()) ** 2) * log_p[1]  # runner-up: class 2
+    got = L.dual_focal_loss(z, t, 2.0)
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=0)

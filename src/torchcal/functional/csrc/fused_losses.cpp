@@ -98,10 +98,11 @@ Forward fused_forward(const at::Tensor& logits, const at::Tensor& targets, c10::
     at::Tensor log_p = at::_log_softmax(x, 1, false);
     if (brier) probs = at::exp(log_p);
     AT_DISPATCH_FLOATING_TYPES(log_p.scalar_type(), "fused_true_class", [&] {
+      const scalar_t* xp = x.data_ptr<scalar_t>();
       const scalar_t* lp = log_p.data_ptr<scalar_t>();
       const scalar_t* pp = probs.defined() ? probs.data_ptr<scalar_t>() : nullptr;
       at::parallel_for(0, n, grain_rows(k), [&](int64_t begin, int64_t end) {
-        n_bad += forward_rows<scalar_t>(lp, pp, tp, begin, end, k, s, op);
+        n_bad += forward_rows<scalar_t>(xp, lp, pp, tp, begin, end, k, s, op);
       });
     });
     if (keep_probs && !brier) probs = log_p.exp_();

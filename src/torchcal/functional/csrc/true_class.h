@@ -243,19 +243,18 @@ inline int64_t clamp_label(int64_t y, int64_t k, int64_t& n_bad) {
 // the float64 path. Returns the number of labels outside [0, K) (those rows use a clamped label; the caller
 // raises). Writes o[O_INV] = 1 (p is stored normalised).
 template <typename scalar_t>
-int64_t forward_rows(const scalar_t* log_p, const scalar_t* p, const int64_t* t, int64_t begin, int64_t end,
-                     int64_t k, const Spec& s, double* out) {
+int64_t forward_rows(const scalar_t* logits, const scalar_t* log_p, const scalar_t* p, const int64_t* t,
+                     int64_t begin, int64_t end, int64_t k, const Spec& s, double* out) {
   constexpr bool round32 = std::is_same<scalar_t, float>::value;
   const double tiny = static_cast<double>(std::numeric_limits<scalar_t>::min());
-  // below every finite log-probability that log_softmax of representable logits produces
-  const scalar_t floor = round32 ? static_cast<scalar_t>(-3.0e38) : static_cast<scalar_t>(-1.0e308);
   int64_t n_bad = 0;
   for (int64_t i = begin; i < end; ++i) {
     const int64_t y = clamp_label(t[i], k, n_bad);
     const scalar_t* row = log_p + i * k;
     RowStats r{static_cast<double>(row[y]), 0.0, 0, 0.0};
-    if (s.dual) {
-      const int64_t j = runner_up(row, k, row[y], floor);
+    if (s.dual) {  // on the logits, as the fused pipeline: ties are exact, not decided by rounded log p
+      const scalar_t* x = logits + i * k;
+      const int64_t j = runner_up(x, k, x[y], -std::numeric_limits<scalar_t>::infinity());
       if (j >= 0) {  // else no entry below p_t: p_j = 0
         r.j = j;
         r.p_j = std::exp(static_cast<double>(row[j]));
