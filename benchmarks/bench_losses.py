@@ -1,12 +1,18 @@
 """Forward + backward time and peak memory of every loss relative to ``F.cross_entropy`` in the same run.
 
-Shapes: batch 128 x K in {10, 100, 1000} and 4096 x 32000 (vocabulary-sized). Time is the median of
-repeats (10x more for the small shapes) of forward + backward from a leaf logits tensor; peak memory is the largest amount of tensor memory
+Shapes: batch 128 x K in {10, 100, 1000} and 4096 x 32000 (vocabulary-sized). Each loss is timed in
+rounds that alternate with cross entropy (forward + backward from a leaf logits tensor, many steps per round
+for the small shapes); the ratio is the median over rounds of loss time / cross-entropy time of the same
+round, so the VM's drift cancels. Peak memory is the largest amount of tensor memory
 alive during one forward + backward beyond the logits themselves (from the torch profiler's allocation
 events on CPU, ``torch.cuda.max_memory_allocated`` on CUDA). Optionally times ``torch.compile`` of the
 functional losses (compile time and steady-state ratio). Writes a CSV to benchmarks/results/.
 
     python benchmarks/bench_losses.py [--repeats 20] [--quick] [--compile] [--device cuda]
+                                      [--path default|cpp|numba|torch]
+
+On CPU the losses take the C++ operator when it is built (``--path cpp`` builds it), else numba, else
+torch; ``--path`` forces one (the CSV records it).
 """
 
 from __future__ import annotations
@@ -66,6 +72,52 @@ def median_time(fn, repeats, device):
     return statistics.median(times)
 
 
+def paired_times(fn, base_fn, steps, rounds, device):
+    """(median time of fn, median time of base_fn, median over rounds of their ratio): each round times
+    ``steps`` calls of base_fn, then of fn."""
+
+    def timed(f):
+        sync(device)
+        start = time.perf_counter()
+        for _ in range(steps):
+            f()
+        sync(device)
+        return (time.perf_counter() - start) / steps
+
+    fn()
+    base_fn()
+    pairs = [(timed(base_fn), timed(fn)) for _ in range(rounds)]
+    return (
+        statistics.median(p[1] for p in pairs),
+        statistics.median(p[0] for p in pairs),
+        statistics.median(p[1] / p[0] for p in pairs),
+    )
+
+
+def cpu_path(name):
+    """Context manager selecting the CPU path of the losses (and the name the CSV records)."""
+    import contextlib
+
+    from torchcal.functional import (
+        build_cpu_extension,
+        cpu_extension_available,
+        cpu_kernels_available,
+        use_cpu_extension,
+        use_cpu_kernels,
+    )
+
+    stack = contextlib.ExitStack()
+    if name == "cpp":
+        build_cpu_extension()
+    elif name == "numba":
+        stack.enter_context(use_cpu_extension(False))
+    elif name == "torch":
+        stack.enter_context(use_cpu_kernels(False))
+    if name == "default":
+        name = "cpp" if cpu_extension_available() else "numba" if cpu_kernels_available() else "torch"
+    return stack, name
+
+
 def peak_memory(fn, device):
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -90,7 +142,14 @@ def main():
     parser.add_argument("--quick", action="store_true", help="small shapes only")
     parser.add_argument("--compile", action="store_true", help="also time torch.compile'd losses")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--path", default="default", choices=["default", "cpp", "numba", "torch"])
     args = parser.parse_args()
+    stack, path = cpu_path(args.path)
+    with stack:
+        run(args, path)
+
+
+def run(args, path):
     device = torch.device(args.device)
     shapes = SHAPES[:3] if args.quick else SHAPES
     rows = []
@@ -98,25 +157,26 @@ def main():
         g = torch.Generator().manual_seed(0)
         logits = (3 * torch.randn(n, k, generator=g)).to(device).requires_grad_(True)
         targets = torch.randint(0, k, (n,), generator=g).to(device)
-        # sub-millisecond steps: many repeats, or the median is timer and scheduler noise
-        reps = max(3, args.repeats if n * k < 10_000_000 else 5)
-        if n * k <= 1_000_000:
-            reps = max(reps, 10 * args.repeats)
+        # sub-millisecond steps: many steps per round, or the timings are timer and scheduler noise
+        small = n * k <= 1_000_000
+        steps, rounds = (max(10, args.repeats * 10), 9) if small else (1, max(3, min(args.repeats, 5)))
         base_fn = lambda: fwd_bwd(nnf.cross_entropy, logits, targets)  # noqa: E731
-        base_t = median_time(base_fn, reps, device)
+        base_t = median_time(base_fn, steps * 3 if small else 3, device)
         base_m = peak_memory(base_fn, device)
-        print(f"{n} x {k}: cross_entropy {1e3 * base_t:.3f} ms, peak {base_m / 2**20:.1f} MiB", flush=True)
+        print(f"{n} x {k}: cross_entropy {1e3 * base_t:.3f} ms, peak {base_m / 2**20:.1f} MiB ({path} path)", flush=True)
         for name in list_losses():
             loss_fn = create(name).to(device)
             fn = lambda: fwd_bwd(loss_fn, logits, targets)  # noqa: E731
-            t = median_time(fn, reps, device)
+            t, pair_base_t, ratio = paired_times(fn, base_fn, steps, rounds, device)
             m = peak_memory(fn, device)
             goal_t = 2.0 if k == 10 else 1.5
             row = {
                 "shape": f"{n}x{k}",
                 "loss": name,
+                "path": path if device.type == "cpu" else device.type,
                 "time_s": t,
-                "time_ratio": t / base_t,
+                "cross_entropy_time_s": pair_base_t,
+                "time_ratio": ratio,
                 "peak_bytes": m,
                 "memory_ratio": m / base_m,
                 "focal_family": name in FOCAL_FAMILY,
@@ -129,9 +189,9 @@ def main():
                 fwd_bwd(compiled, logits, targets)
                 sync(device)
                 row["compile_s"] = time.perf_counter() - start
-                row["compiled_time_ratio"] = (
-                    median_time(lambda: fwd_bwd(compiled, logits, targets), reps, device) / base_t
-                )
+                row["compiled_time_ratio"] = paired_times(
+                    lambda: fwd_bwd(compiled, logits, targets), base_fn, steps, rounds, device
+                )[2]
             rows.append(row)
             flag = ""
             if name in FOCAL_FAMILY and (row["time_ratio"] > goal_t or row["memory_ratio"] > 2.0):
@@ -141,7 +201,7 @@ def main():
                 flush=True,
             )
 
-    tag = "quick-" if args.quick else ""
+    tag = ("quick-" if args.quick else "") + ("" if path in ("cpp", "cuda") or args.device == "cuda" else f"{path}-")
     dev = "cuda-" + torch.cuda.get_device_name().replace(" ", "-") if device.type == "cuda" else hardware()
     write_results(rows, f"bench_losses-{tag}{dev}", first=("shape", "loss"))
 

@@ -148,3 +148,29 @@ def test_bad_arguments():
         AdaFocalLoss(n_bins=0)
     with pytest.raises(ValueError, match="`case` must be one of"):
         CalFocalLoss(case=3)
+
+
+def test_calfocal_module_follows_updates_and_loaded_states():
+    """The module caches its fused description; it must match the functional loss after every change."""
+    import torchcal.functional.losses as Lf
+    from torchcal.adafocal import CalFocalLoss
+
+    g = torch.Generator().manual_seed(4)
+    z, t = 2 * torch.randn(40, 4, generator=g), torch.randint(0, 4, (40,), generator=g)
+
+    def functional(m):
+        conf = m.bin_confidence if m.case == 2 else None
+        return Lf.calfocal_loss(z, t, m.bin_edges, m.bin_accuracy, m.lambda_, bin_confidence=conf)
+
+    for case in (1, 2):
+        loss = CalFocalLoss(n_bins=3, lambda_=2.0, case=case)
+        before = loss(z, t)
+        torch.testing.assert_close(before, functional(loss))
+        loss.update(torch.softmax(z, 1), t)
+        after = loss(z, t)
+        assert not torch.allclose(before, after)
+        torch.testing.assert_close(after, functional(loss))
+        fresh = CalFocalLoss(n_bins=3, lambda_=2.0, case=case)
+        fresh(z, t)  # cache the initial bins, then load others
+        fresh.load_state_dict(loss.state_dict())
+        torch.testing.assert_close(fresh(z, t), after)

@@ -22,17 +22,34 @@ class _ValidationBins(nn.Module):
         self.n_bins = check_positive_int(n_bins, "n_bins")
         self.register_buffer("bin_edges", torch.arange(n_bins + 1, dtype=torch.float64) / n_bins)
 
+    def _cached_spec(self, name: str, tensors: tuple, options: tuple, build):
+        """``build()`` cached until one of ``tensors`` is replaced (``.to()``, ``.float()``) or changed in place
+        (an update, a loaded state: its ``_version`` moves) or ``options`` change. The cache holds the
+        tensors themselves, so a freed tensor's memory reused by another cannot pass for it."""
+        versions = tuple(t._version for t in tensors)
+        cached = self.__dict__.get(name)
+        if (
+            cached is None
+            or cached[2] != versions
+            or cached[3] != options
+            or any(a is not b for a, b in zip(cached[1], tensors))
+        ):
+            cached = (build(), tensors, versions, options)
+            self.__dict__[name] = cached
+        return cached[0]
+
     def _fused_spec(self, gammas: torch.Tensor, dual: bool = False):
         """The fused CPU path's description of the per-bin γ (None for accelerator buffers), rebuilt only
-        when ``gammas`` or ``bin_edges`` changed in place (an update, a loaded state)."""
-        if gammas.device.type != "cpu":
+        when ``gammas`` or ``bin_edges`` changed."""
+        if not gammas.is_cpu:
             return None
-        key = (gammas.data_ptr(), gammas._version, self.bin_edges._version, dual)
-        cached = getattr(self, "_spec_cache", None)
-        if cached is None or cached[0] != key:
-            spec = LossSpec(gammas, self.bin_edges[1:-1], upper_on_tie=False, dual=dual)
-            self._spec_cache = cached = (key, spec)
-        return cached[1]
+        edges = self.bin_edges
+        return self._cached_spec(
+            "_spec_cache",
+            (gammas, edges),
+            (dual,),
+            lambda: LossSpec(gammas, edges[1:-1], upper_on_tie=False, dual=dual),
+        )
 
     def _bin_of(self, p_t: torch.Tensor) -> torch.Tensor:
         edges = self.bin_edges.to(device=p_t.device, dtype=p_t.dtype)
@@ -200,14 +217,24 @@ class CalFocalLoss(_ValidationBins):
         self.register_buffer("bin_confidence", centres.clone())
 
     def forward(self, logits, targets):
-        return L.calfocal_loss(
-            logits,
-            targets,
-            self.bin_edges,
-            self.bin_accuracy,
-            self.lambda_,
-            bin_confidence=self.bin_confidence if self.case == 2 else None,
-            reduction=self.reduction,
+        conf = self.bin_confidence if self.case == 2 else None
+        edges, acc = self.bin_edges, self.bin_accuracy
+        if type(logits) is not torch.Tensor or logits.get_device() != edges.get_device():  # the checked path
+            return L.calfocal_loss(
+                logits, targets, edges, acc, self.lambda_, bin_confidence=conf, reduction=self.reduction
+            )
+        return L._calfocal(logits, targets, edges, acc, conf, self.lambda_, self.reduction, self._cal_spec(conf))
+
+    def _cal_spec(self, conf):
+        """The fused CPU paths' description of the current bins, rebuilt only when a buffer changed."""
+        if not self.bin_edges.is_cpu:
+            return None
+        edges, acc = self.bin_edges, self.bin_accuracy
+        return self._cached_spec(
+            "_cal_spec_cache",
+            (edges, acc, self.bin_confidence),
+            (self.case, self.lambda_),
+            lambda: L._calfocal_spec(edges, acc, conf, self.lambda_),
         )
 
     @torch.no_grad()

@@ -544,6 +544,23 @@ def calfocal_loss(
         if conf.shape != acc.shape:
             raise ValueError(f"`bin_confidence` must have shape {tuple(acc.shape)}, got {tuple(conf.shape)}")
 
+    return _calfocal(logits, targets, edges, acc, conf, lam, reduction, _calfocal_spec(edges, acc, conf, lam))
+
+
+def _calfocal_spec(edges, acc, conf, lam):
+    """The fused CPU paths' description of CalFocal (None for accelerator tensors)."""
+    if not edges.is_cpu:
+        return None
+    interior = edges[1:-1].double().numpy()
+    if conf is None:  # eq. 2: γ_n = exp(λ(p_n − A_b))
+        return _kernels.LossSpec(acc.double().numpy(), interior, upper_on_tie=False, cal_lambda=lam)
+    bin_gamma = torch.exp(lam * (conf.double() - acc.double())).numpy()  # eq. 3: one γ per bin
+    return _kernels.LossSpec(bin_gamma, interior, upper_on_tie=False)
+
+
+def _calfocal(logits, targets, edges, acc, conf, lam, reduction, spec):
+    """CalFocal on checked bin statistics (``torchcal.adafocal.CalFocalLoss`` passes its cached ``spec``)."""
+
     def weight(log_pt):
         p_t = log_pt.exp().detach()
         b = torch.bucketize(p_t, edges[1:-1].to(p_t.dtype), right=False)
@@ -554,14 +571,6 @@ def calfocal_loss(
             gamma = torch.exp(lam * (conf.to(p_t.dtype) - a))[b]
         return _focal_weight(gamma)(log_pt)
 
-    spec = None
-    if edges.device.type == "cpu":
-        interior = edges[1:-1].double().numpy()
-        if conf is None:  # eq. 2: γ_n = exp(λ(p_n − A_b))
-            spec = _kernels.LossSpec(acc.double().numpy(), interior, upper_on_tie=False, cal_lambda=lam)
-        else:  # eq. 3: one γ per bin
-            bin_gamma = torch.exp(lam * (conf.double() - acc.double())).numpy()
-            spec = _kernels.LossSpec(bin_gamma, interior, upper_on_tie=False)
     return _weighted_nll(logits, targets, reduction, weight, spec)
 
 

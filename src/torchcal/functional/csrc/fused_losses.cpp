@@ -94,18 +94,24 @@ Forward fused_forward(const at::Tensor& logits, const at::Tensor& targets, c10::
     });
   } else {
     // torch's log_softmax (vectorised for the machine's widest ISA), the per-row arithmetic on it, then
-    // p = exp(log p) in place for the backward; the Brier term needs p and log p at once (one more tensor)
+    // p = exp(log p) in place (for the backward, and the Brier term's Σp²): no second (N, K) tensor
     at::Tensor log_p = at::_log_softmax(x, 1, false);
-    if (brier) probs = at::exp(log_p);
     AT_DISPATCH_FLOATING_TYPES(log_p.scalar_type(), "fused_true_class", [&] {
       const scalar_t* xp = x.data_ptr<scalar_t>();
       const scalar_t* lp = log_p.data_ptr<scalar_t>();
-      const scalar_t* pp = probs.defined() ? probs.data_ptr<scalar_t>() : nullptr;
       at::parallel_for(0, n, grain_rows(k), [&](int64_t begin, int64_t end) {
-        n_bad += forward_rows<scalar_t>(xp, lp, pp, tp, begin, end, k, s, op);
+        n_bad += forward_rows<scalar_t>(xp, lp, tp, begin, end, k, s, op);
       });
     });
-    if (keep_probs && !brier) probs = log_p.exp_();
+    if (keep_probs || brier) probs = log_p.exp_();
+    if (brier) {
+      AT_DISPATCH_FLOATING_TYPES(probs.scalar_type(), "fused_true_class_brier", [&] {
+        const scalar_t* pp = probs.data_ptr<scalar_t>();
+        at::parallel_for(0, n, grain_rows(k), [&](int64_t begin, int64_t end) {
+          brier_rows<scalar_t>(pp, begin, end, k, s, op);
+        });
+      });
+    }
   }
   if (n_bad.load() > 0) {
     int64_t bad = 0;

@@ -239,12 +239,13 @@ inline int64_t clamp_label(int64_t y, int64_t k, int64_t& n_bad) {
   return std::min(std::max<int64_t>(y, 0), k - 1);
 }
 
-// Rows [begin, end) from log-probabilities (torch's log_softmax) and p = exp(log p) (used for Σp² only):
-// the float64 path. Returns the number of labels outside [0, K) (those rows use a clamped label; the caller
-// raises). Writes o[O_INV] = 1 (p is stored normalised).
+// Rows [begin, end) from log-probabilities (torch's log_softmax) and the logits (for the runner-up).
+// Returns the number of labels outside [0, K) (those rows use a clamped label; the caller raises). With
+// the Brier term the loss needs Σp², which brier_rows adds once p = exp(log p) exists: here the row's
+// log p_t, p_j and j are only kept in o[O_LOSS], o[O_CJ], o[O_J].
 template <typename scalar_t>
-int64_t forward_rows(const scalar_t* logits, const scalar_t* log_p, const scalar_t* p, const int64_t* t,
-                     int64_t begin, int64_t end, int64_t k, const Spec& s, double* out) {
+int64_t forward_rows(const scalar_t* logits, const scalar_t* log_p, const int64_t* t, int64_t begin, int64_t end,
+                     int64_t k, const Spec& s, double* out) {
   constexpr bool round32 = std::is_same<scalar_t, float>::value;
   const double tiny = static_cast<double>(std::numeric_limits<scalar_t>::min());
   int64_t n_bad = 0;
@@ -260,21 +261,36 @@ int64_t forward_rows(const scalar_t* logits, const scalar_t* log_p, const scalar
         r.p_j = std::exp(static_cast<double>(row[j]));
       }
     }
-    if (s.brier != 0) {
-      const scalar_t* prow = p + i * k;
-      double sq = 0.0;
-#pragma omp simd reduction(+ : sq)
-      for (int64_t j = 0; j < k; ++j) {
-        const double v = static_cast<double>(prow[j]);
-        sq += v * v;
-      }
-      r.sq = sq;
-    }
     double* o = out + i * N_OUT;
-    row_loss(s, i, round32, tiny, r, o);
-    o[O_INV] = 1.0;
+    o[O_INV] = 1.0;  // p is stored normalised
+    if (s.brier != 0) {
+      o[O_LOSS] = r.lp_t;
+      o[O_CJ] = r.p_j;
+      o[O_J] = static_cast<double>(r.j);
+    } else {
+      row_loss(s, i, round32, tiny, r, o);
+    }
   }
   return n_bad;
+}
+
+// The Brier term's rows after forward_rows: Σp² from p = exp(log p), then the loss of each row.
+template <typename scalar_t>
+void brier_rows(const scalar_t* p, int64_t begin, int64_t end, int64_t k, const Spec& s, double* out) {
+  constexpr bool round32 = std::is_same<scalar_t, float>::value;
+  const double tiny = static_cast<double>(std::numeric_limits<scalar_t>::min());
+  for (int64_t i = begin; i < end; ++i) {
+    const scalar_t* prow = p + i * k;
+    double sq = 0.0;
+#pragma omp simd reduction(+ : sq)
+    for (int64_t j = 0; j < k; ++j) {
+      const double v = static_cast<double>(prow[j]);
+      sq += v * v;
+    }
+    double* o = out + i * N_OUT;
+    const RowStats r{o[O_LOSS], o[O_CJ], static_cast<int64_t>(o[O_J]), sq};
+    row_loss(s, i, round32, tiny, r, o);
+  }
 }
 
 // Rows [begin, end) of float32 logits in two vectorised passes per row and no log-softmax tensor: the
