@@ -363,9 +363,9 @@ def sample_dependent_focal_loss(
 
     Example:
         >>> import torch
-        >>> logits = torch.tensor([[0.0, 0.0], [3.0, 0.0]])
+        >>> logits = torch.tensor([[0.0, 0.0], [1.0, 0.0]])  # p_t = 0.5 and 0.73: γ = 3 for both
         >>> sample_dependent_focal_loss(logits, torch.tensor([0, 0]), reduction="none")
-        tensor([8.6643e-02, 5.1828e-06])
+        tensor([0.0866, 0.0061])
     """
     gammas, thresholds = _check_schedule(gammas, thresholds)
 
