@@ -195,6 +195,46 @@ def _spec(gammas: tuple, thresholds: tuple = (), **options) -> _kernels.LossSpec
     return _kernels.LossSpec(gammas, thresholds, upper_on_tie=True, **options)
 
 
+def _cached(fn):
+    """``fn`` memoised on its (typed) arguments: a loss called every step with the same hyper-parameters
+    validates them and builds its fused description once. Unhashable arguments (lists) are not cached;
+    arguments that fail validation raise every time (exceptions are not cached)."""
+    cached = functools.lru_cache(maxsize=256, typed=True)(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args):
+        try:
+            hash(args)
+        except TypeError:
+            return fn(*args)
+        return cached(*args)
+
+    return wrapper
+
+
+@_cached
+def _gamma_spec(gamma, form: str = "focal", lam=0.0):
+    """(γ, λ, spec) of the focal (``form`` "focal"), inverse focal ("inverse"), dual focal ("dual") and focal
+    calibration ("fcl", with λ) losses, checked."""
+    gamma = _gamma(gamma)
+    if form == "inverse":  # negative γ: the inverse form (−0.0 is γ = 0, cross entropy)
+        return gamma, 0.0, _spec((-gamma,))
+    if form == "dual":
+        return gamma, 0.0, _spec((gamma,), dual=True)
+    if form == "fcl":
+        lam = check_float(lam, "lambda_", low=0)
+        return gamma, lam, _spec((gamma,), brier=lam)
+    return gamma, 0.0, _spec((gamma,))
+
+
+@_cached
+def _schedule_spec(gammas, thresholds, dual: bool = False):
+    """(γs, thresholds, spec) of FLSD (``dual``: DualFLSD on the margin), checked."""
+    gammas, thresholds = _check_schedule(gammas, thresholds)
+    spec = _spec(tuple(gammas), tuple(thresholds), dual=dual, margin=dual)
+    return gammas, thresholds, spec
+
+
 def _weighted_nll(logits, targets, reduction, weight_fn, spec=None):
     return _true_class_loss(logits, targets, reduction, weight_fn, spec=spec)
 
@@ -316,8 +356,8 @@ def focal_loss(logits, targets, gamma: float = 3.0, *, reduction: str = "mean"):
         >>> focal_loss(logits, torch.tensor([0, 1]), gamma=2.0)
         tensor(0.0122)
     """
-    gamma = _gamma(gamma)
-    return _weighted_nll(logits, targets, reduction, _focal_weight(gamma), _spec((gamma,)))
+    gamma, _, spec = _gamma_spec(gamma)
+    return _true_class_loss(logits, targets, reduction, _focal_weight(gamma), spec=spec)
 
 
 def inverse_focal_loss(logits, targets, gamma: float = 1.0, *, reduction: str = "mean"):
@@ -328,9 +368,8 @@ def inverse_focal_loss(logits, targets, gamma: float = 1.0, *, reduction: str = 
         >>> inverse_focal_loss(torch.tensor([[0.0, 0.0]]), torch.tensor([0]), gamma=1.0)
         tensor(1.0397)
     """
-    gamma = _gamma(gamma)
-    spec = _spec((-gamma,))  # negative γ: the inverse form (−0.0 is γ = 0, cross entropy)
-    return _weighted_nll(logits, targets, reduction, _inverse_focal_weight(gamma), spec)
+    gamma, _, spec = _gamma_spec(gamma, "inverse")
+    return _true_class_loss(logits, targets, reduction, _inverse_focal_weight(gamma), spec=spec)
 
 
 def _pick_gamma(values, thresholds, gammas):
@@ -367,12 +406,12 @@ def sample_dependent_focal_loss(
         >>> sample_dependent_focal_loss(logits, torch.tensor([0, 0]), reduction="none")
         tensor([0.0866, 0.0061])
     """
-    gammas, thresholds = _check_schedule(gammas, thresholds)
+    gammas, thresholds, spec = _schedule_spec(gammas, thresholds)
 
     def weight(log_pt):
         return _focal_weight(_pick_gamma(log_pt.exp(), thresholds, gammas))(log_pt)
 
-    return _weighted_nll(logits, targets, reduction, weight, _spec(tuple(gammas), tuple(thresholds)))
+    return _true_class_loss(logits, targets, reduction, weight, spec=spec)
 
 
 def varying_focal_loss(logits, targets, gamma: torch.Tensor, *, reduction: str = "mean"):
@@ -406,8 +445,7 @@ def dual_focal_loss(logits, targets, gamma: float = 5.0, *, reduction: str = "me
         >>> dual_focal_loss(logits, torch.tensor([0]), gamma=1.0)
         tensor(0.2362)
     """
-    gamma = _gamma(gamma)
-    spec = _spec((gamma,), dual=True)
+    gamma, _, spec = _gamma_spec(gamma, "dual")
     return _true_class_loss(logits, targets, reduction, _dual_weight(gamma), runner_up=True, spec=spec)
 
 
@@ -421,12 +459,11 @@ def dual_sample_dependent_focal_loss(
         >>> dual_sample_dependent_focal_loss(torch.tensor([[2.0, 1.0, 0.0]]), torch.tensor([0]))  # margin .42: γ 3
         tensor(0.0793)
     """
-    gammas, thresholds = _check_schedule(gammas, thresholds)
+    gammas, thresholds, spec = _schedule_spec(gammas, thresholds, True)
 
     def weight(log_pt, p_j):
         return _dual_weight(_pick_gamma(log_pt.exp() - p_j, thresholds, gammas))(log_pt, p_j)
 
-    spec = _spec(tuple(gammas), tuple(thresholds), dual=True, margin=True)
     return _true_class_loss(logits, targets, reduction, weight, runner_up=True, spec=spec)
 
 
@@ -439,9 +476,7 @@ def focal_calibration_loss(logits, targets, gamma: float = 4.0, lambda_: float =
         >>> focal_calibration_loss(torch.tensor([[0.0, 0.0]]), torch.tensor([0]), gamma=0.0, lambda_=1.0)
         tensor(1.1931)
     """
-    gamma = _gamma(gamma)
-    lam = check_float(lambda_, "lambda_", low=0)
-    spec = _spec((gamma,), brier=lam)
+    gamma, lam, spec = _gamma_spec(gamma, "fcl", lambda_)
     return _true_class_loss(logits, targets, reduction, _focal_weight(gamma), brier_lambda=lam, spec=spec)
 
 

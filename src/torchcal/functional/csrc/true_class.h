@@ -173,6 +173,17 @@ inline double exp_sum_row(const float* x, int64_t k, float m, float* e, double* 
   return s;
 }
 
+// base^g; small integer exponents (the papers' γ = 1, 2, 3, 5) by multiplication, a few times faster than
+// std::pow and within 2 ulp of it
+inline double pow_g(double base, double g) {
+  if (g >= 0.0 && g <= 8.0 && g == static_cast<double>(static_cast<int>(g))) {
+    double r = 1.0;
+    for (int i = static_cast<int>(g); i > 0; --i) r *= base;
+    return r;
+  }
+  return std::pow(base, g);
+}
+
 // What the loss of one sample needs: log p_t, the runner-up's p_j and index (0, 0 when none or not dual),
 // Σ_k p_k² (Brier term only).
 struct RowStats {
@@ -207,23 +218,23 @@ inline void row_loss(const Spec& s, int64_t i, bool round32, double tiny, const 
   if (s.nll) {
     if (g >= 0 && s.dual) {
       const double base = std::max(-std::expm1(lp) + p_j, tiny);
-      const double w = std::pow(base, g);
+      const double w = pow_g(base, g);
       const double g_log = g * w * lp / base;
       loss = -w * lp;
       c_t = g_log * p_t - w;
       c_j = -g_log * p_j;
     } else if (g >= 0) {
       const double q = std::max(-std::expm1(lp), tiny);
-      const double w = std::pow(q, g);
+      const double w = pow_g(q, g);
       loss = -w * lp;
       // p log p / (1 − p) → −1 as p → 1; where q is clamped (log p rounds to 0) it is 0
       c_t = w * (g * (p_t * lp / q) - 1.0);
     } else {
       const double a = -g;
       const double base = 1.0 + p_t;
-      const double w = std::pow(base, a);
+      const double w = pow_g(base, a);
       loss = -w * lp;
-      c_t = -a * p_t * std::pow(base, a - 1.0) * lp - w;
+      c_t = -a * p_t * pow_g(base, a - 1.0) * lp - w;
     }
   }
   if (s.brier != 0) loss += s.brier * (r.sq - 2.0 * p_t + 1.0);
