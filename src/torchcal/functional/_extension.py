@@ -182,10 +182,8 @@ def applies(logits: torch.Tensor) -> bool:
 
 def fused_true_class(logits, targets, spec: _kernels.LossSpec, reduction: str) -> torch.Tensor:
     """The loss described by ``spec`` through the C++ operator (checks the label range)."""
-    thresholds = spec.cpp_thresholds32 if logits.dtype == torch.float32 else spec.cpp_thresholds64
+    params = spec.cpp_params32 if logits.dtype == torch.float32 else spec.cpp_params64
     sample = spec.sample_gammas
     if sample is not None and not sample.is_cpu:
         sample = sample.cpu()
-    return torch.ops.torchcal.fused_true_class.default(
-        logits, targets, spec.cpp_gammas, thresholds, sample, spec.cpp_flags, REDUCTION_CODES[reduction]
-    )
+    return torch.ops.torchcal.fused_true_class.default(logits, targets, params, sample, REDUCTION_CODES[reduction])

@@ -241,10 +241,8 @@ class LossSpec:
         "sample_gammas",
         "flags",
         "brier",
-        "cpp_gammas",
-        "cpp_thresholds32",
-        "cpp_thresholds64",
-        "cpp_flags",
+        "cpp_params32",
+        "cpp_params64",
     )
 
     def __init__(
@@ -269,11 +267,11 @@ class LossSpec:
         # P_UPPER, P_DUAL, P_MARGIN, P_NLL, P_CAL, P_CAL_LAMBDA, P_BRIER (P_ROUND32, P_TINY are per call)
         cal = cal_lambda is not None
         self.flags = (upper_on_tie, dual, margin, nll, cal, cal_lambda if cal else 0.0, self.brier)
-        # the same as Python float lists for the C++ operator (``_extension``), converted once
-        self.cpp_gammas = self.gammas.tolist()
-        self.cpp_thresholds32 = self.thresholds32.tolist()
-        self.cpp_thresholds64 = self.thresholds64.tolist()
-        self.cpp_flags = [float(f) for f in self.flags]
+        # the same packed into one float64 vector per input dtype for the C++ operator (``_extension``):
+        # flags, number of thresholds, thresholds, γs
+        head = np.array([*self.flags, len(self.thresholds64)], dtype=np.float64)
+        self.cpp_params32 = torch.from_numpy(np.concatenate([head, self.thresholds32, self.gammas]))
+        self.cpp_params64 = torch.from_numpy(np.concatenate([head, self.thresholds64, self.gammas]))
 
 
 _EMPTY = np.zeros(0, dtype=np.float64)

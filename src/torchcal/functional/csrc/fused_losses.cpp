@@ -6,13 +6,13 @@
 // forward + backward in C++: no Python autograd.Function round trip, which at batch sizes of a few hundred
 // costs as much as PyTorch's fused cross entropy itself.
 //
-//   torch.ops.torchcal.fused_true_class(logits, targets, gammas, thresholds, sample_gammas, flags,
-//                                       reduction) -> loss
+//   torch.ops.torchcal.fused_true_class(logits, targets, params, sample_gammas, reduction) -> loss
 //
-// logits (N, K) float32/float64 CPU; targets (N,) int64; gammas / thresholds float64 lists (thresholds
-// already rounded to float32 for float32 logits, as the torch path compares in the input dtype);
-// sample_gammas: one γ per sample or None; flags = (upper_on_tie, dual, margin, nll, cal, cal_lambda,
-// brier); reduction 0 = none, 1 = mean, 2 = sum.
+// logits (N, K) float32/float64 CPU; targets (N,) integer; params: one float64 vector holding the flags
+// (upper_on_tie, dual, margin, nll, cal, cal_lambda, brier), the number of thresholds, the thresholds
+// (already rounded to float32 for float32 logits, as the torch path compares in the input dtype) and the γ
+// schedule (one tensor: the boxed call converts it at once, where lists cost per element);
+// sample_gammas: one γ per sample or None; reduction 0 = none, 1 = mean, 2 = sum.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -44,34 +44,41 @@ struct Forward {
   at::Tensor out;    // (N, N_OUT) float64 per-sample loss, coefficients and 1 / Σ exp(x − max)
 };
 
-Forward fused_forward(const at::Tensor& logits, const at::Tensor& targets, c10::ArrayRef<double> gammas,
-                      c10::ArrayRef<double> thresholds, const c10::optional<at::Tensor>& sample_gammas,
-                      c10::ArrayRef<double> flags, int64_t reduction, bool keep_probs) {
+// params (float64 vector): the 7 flags (upper_on_tie, dual, margin, nll, cal, cal_lambda, brier), the number
+// of thresholds T, the T thresholds, then the γ schedule (T + 1 values; none with per-sample γ)
+Forward fused_forward(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& params,
+                      const c10::optional<at::Tensor>& sample_gammas, int64_t reduction, bool keep_probs) {
   TORCH_CHECK_VALUE(logits.dim() == 2, "`logits` must have shape (N, K), got ", logits.sizes());
   TORCH_CHECK_VALUE(logits.device().is_cpu() && targets.device().is_cpu(), "fused_true_class runs on CPU");
   TORCH_CHECK_VALUE(logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kDouble,
                     "`logits` must be float32 or float64, got ", logits.scalar_type());
   TORCH_CHECK_VALUE(targets.dim() == 1 && targets.size(0) == logits.size(0),
                     "`targets` must have shape (", logits.size(0), ",), got ", targets.sizes());
-  TORCH_CHECK_VALUE(flags.size() == N_FLAGS, "`flags` must hold ", int(N_FLAGS), " values");
+  TORCH_CHECK_VALUE(params.scalar_type() == at::kDouble && params.dim() == 1 && params.is_contiguous() &&
+                        params.device().is_cpu() && params.numel() > N_FLAGS,
+                    "`params` must be a contiguous float64 CPU vector of flags, thresholds and γs");
   TORCH_CHECK_VALUE(reduction >= 0 && reduction <= 2, "`reduction` must be 0, 1 or 2");
   const int64_t n = logits.size(0), k = logits.size(1);
+  const double* flags = params.data_ptr<double>();
+  const int64_t n_thresholds = static_cast<int64_t>(flags[N_FLAGS]);
+  const int64_t n_gammas = params.numel() - (N_FLAGS + 1) - n_thresholds;
+  TORCH_CHECK_VALUE(n_thresholds >= 0 && n_gammas >= 0, "`params` is shorter than its threshold count says");
   at::Tensor sample;
   if (sample_gammas.has_value() && sample_gammas->defined()) {
     sample = sample_gammas->to(at::kDouble).contiguous();
     TORCH_CHECK_VALUE(sample.dim() == 1 && sample.size(0) == n, "`sample_gammas` must have shape (", n, ",)");
   } else {
-    TORCH_CHECK_VALUE(static_cast<int64_t>(gammas.size()) == static_cast<int64_t>(thresholds.size()) + 1,
-                      "`gammas` must hold one more value than `thresholds`");
+    TORCH_CHECK_VALUE(n_gammas == n_thresholds + 1, "`params` must hold one more γ than thresholds");
   }
   const at::Tensor t = targets.to(at::kLong).contiguous();
   const at::Tensor x = logits.contiguous();
   const bool brier = flags[F_BRIER] != 0;
   at::Tensor out = at::empty({n, N_OUT}, x.options().dtype(at::kDouble));
-  const Spec s{gammas.data(),
-               static_cast<int64_t>(gammas.size()),
-               thresholds.data(),
-               static_cast<int64_t>(thresholds.size()),
+  const double* thresholds = flags + N_FLAGS + 1;
+  const Spec s{thresholds + n_thresholds,
+               n_gammas,
+               thresholds,
+               n_thresholds,
                sample.defined() ? sample.data_ptr<double>() : nullptr,
                flags[F_UPPER] != 0,
                flags[F_DUAL] != 0,
@@ -168,13 +175,12 @@ at::Tensor fused_backward(const at::Tensor& grad_loss, const at::Tensor& probs, 
 class FusedTrueClass : public torch::autograd::Function<FusedTrueClass> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits, const at::Tensor& targets,
-                            c10::ArrayRef<double> gammas, c10::ArrayRef<double> thresholds,
-                            const c10::optional<at::Tensor>& sample_gammas, c10::ArrayRef<double> flags,
+                            const at::Tensor& params, const c10::optional<at::Tensor>& sample_gammas,
                             int64_t reduction, bool keep) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    Forward f = fused_forward(logits, targets, gammas, thresholds, sample_gammas, flags, reduction, keep);
+    Forward f = fused_forward(logits, targets, params, sample_gammas, reduction, keep);
     if (keep) ctx->save_for_backward({f.probs, targets, f.out});
-    ctx->saved_data["brier"] = flags[F_BRIER];
+    ctx->saved_data["brier"] = params.data_ptr<double>()[F_BRIER];
     ctx->saved_data["reduction"] = reduction;
     return f.loss;
   }
@@ -187,31 +193,28 @@ class FusedTrueClass : public torch::autograd::Function<FusedTrueClass> {
     at::Tensor grad = fused_backward(grads[0], saved[0], saved[1], saved[2], ctx->saved_data["brier"].toDouble(),
                                      ctx->saved_data["reduction"].toInt());
     // one entry per argument of forward: the gradient for the logits, none for the rest
-    return {grad, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {grad, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
-at::Tensor fused_true_class_cpu(const at::Tensor& logits, const at::Tensor& targets, c10::ArrayRef<double> gammas,
-                                c10::ArrayRef<double> thresholds, const c10::optional<at::Tensor>& sample_gammas,
-                                c10::ArrayRef<double> flags, int64_t reduction) {
-  return fused_forward(logits, targets, gammas, thresholds, sample_gammas, flags, reduction, false).loss;
+at::Tensor fused_true_class_cpu(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& params,
+                                const c10::optional<at::Tensor>& sample_gammas, int64_t reduction) {
+  return fused_forward(logits, targets, params, sample_gammas, reduction, false).loss;
 }
 
-at::Tensor fused_true_class_autograd(const at::Tensor& logits, const at::Tensor& targets,
-                                     c10::ArrayRef<double> gammas, c10::ArrayRef<double> thresholds,
-                                     const c10::optional<at::Tensor>& sample_gammas, c10::ArrayRef<double> flags,
-                                     int64_t reduction) {
+at::Tensor fused_true_class_autograd(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& params,
+                                     const c10::optional<at::Tensor>& sample_gammas, int64_t reduction) {
   // probabilities are kept for the backward only when a graph is recorded (not under torch.no_grad())
   const bool keep = at::GradMode::is_enabled() && logits.requires_grad();
-  return FusedTrueClass::apply(logits, targets, gammas, thresholds, sample_gammas, flags, reduction, keep);
+  return FusedTrueClass::apply(logits, targets, params, sample_gammas, reduction, keep);
 }
 
 }  // namespace
 
 TORCH_LIBRARY(torchcal, m) {
   m.def(
-      "fused_true_class(Tensor logits, Tensor targets, float[] gammas, float[] thresholds, "
-      "Tensor? sample_gammas, float[] flags, int reduction) -> Tensor");
+      "fused_true_class(Tensor logits, Tensor targets, Tensor params, Tensor? sample_gammas, int reduction) -> "
+      "Tensor");
 }
 
 TORCH_LIBRARY_IMPL(torchcal, CPU, m) { m.impl("fused_true_class", fused_true_class_cpu); }
