@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from .._validation import (
@@ -54,6 +55,10 @@ __all__ = [
 
 def ece_from_sums(count, conf_sum, correct_sum) -> torch.Tensor:
     """Σ_m (|B_m|/N)·|acc_m − conf_m| = Σ_m |Σ correct − Σ conf| / N; empty bins add 0."""
+    if count.ndim == 1 and count.is_cpu and conf_sum.dtype == torch.float64 and not conf_sum.requires_grad:
+        # one set of M float64 bins on CPU: numpy's ops cost ~1 µs where each torch op costs ~5-10 µs
+        gap = np.abs(correct_sum.numpy() - conf_sum.numpy()).sum() / count.numpy().sum()
+        return torch.from_numpy(np.asarray(gap, dtype=np.float64))
     return (correct_sum - conf_sum).abs().sum(-1) / count.sum(-1)
 
 
