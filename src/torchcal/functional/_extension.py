@@ -3,10 +3,10 @@
 The numba path (:mod:`._kernels`) already fuses the per-sample arithmetic, but it runs inside a Python
 ``torch.autograd.Function``: at batch sizes of a few hundred, that round trip through Python costs as much as
 PyTorch's whole fused cross entropy. The C++ operator ``torch.ops.torchcal.fused_true_class`` computes the
-same losses (same conventions, same float64 arithmetic) with a C++ autograd node, so forward and backward
-never re-enter Python.
+same losses (same conventions, per-sample float64 arithmetic; the dual loss's ties decided on the logits, see
+docs/decisions.md 38) with a C++ autograd node, so forward and backward never re-enter Python.
 
-It is compiled on request with ``torch.utils.cpp_extension`` (a C++ compiler and ninja are needed; ~20-30 s,
+It is compiled on request with ``torch.utils.cpp_extension`` (GCC or Clang and ninja are needed; ~20-30 s,
 once per torch and Python version) by :func:`build_cpu_extension` or ``torchcal build-extension``, and cached
 under ``$TORCHCAL_EXTENSION_DIR`` (default: torch's extension root, ``~/.cache/torch_extensions``). Once built,
 every process picks it up without compiling. ``TORCHCAL_CPP=0`` or :func:`use_cpu_extension` turns it off;

@@ -1,6 +1,6 @@
 // The per-row arithmetic of torchcal's fused focal-family losses: plain C++17 (no torch), included by
-// fused_losses.cpp. It computes exactly what the numba kernels true_class_forward / true_class_backward of
-// _numba_kernels.py compute (same conventions, same float64 arithmetic per sample).
+// fused_losses.cpp. Same conventions and per-sample float64 arithmetic as the numba kernels
+// true_class_forward / true_class_backward of _numba_kernels.py (differences: docs/decisions.md 38).
 
 #pragma once
 
