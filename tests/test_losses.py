@@ -327,3 +327,13 @@ def test_varying_focal_loss_matches_the_per_sample_reference():
     )
     with pytest.raises(ValueError, match="one γ per sample"):
         L.varying_focal_loss(z, t, gamma[:3])
+
+
+@pytest.mark.parametrize("label", [-100, -1, 3])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_cross_entropy_never_ignores_a_label(label, smoothing):
+    """PyTorch's cross entropy skips label −100 by default; ours raises for every label outside [0, K)."""
+    import torchcal.functional.losses as Lf
+
+    with pytest.raises(ValueError, match=rf"must lie in \[0, 3\), found label {label}"):
+        Lf.cross_entropy(torch.randn(4, 3), torch.tensor([0, label, 1, 2]), label_smoothing=smoothing)

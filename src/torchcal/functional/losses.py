@@ -305,10 +305,22 @@ def cross_entropy(logits, targets, *, label_smoothing: float = 0.0, reduction: s
     """
     eps = check_float(label_smoothing, "label_smoothing", low=0, high=1)
     check_choice(reduction, "reduction", REDUCTIONS)
-    logits, targets = check_logits_for_loss(logits, targets)
+    logits, targets = check_logits_for_loss(logits, targets, check_range=False)
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
-    return nnf.cross_entropy(logits, targets, label_smoothing=eps, reduction=reduction)
+    try:
+        # no ignored label (PyTorch's default −100 would drop such samples silently): on CPU every label
+        # outside [0, K) raises IndexError inside the op, so the range needs no separate pass
+        return nnf.cross_entropy(
+            logits, targets, label_smoothing=eps, reduction=reduction, ignore_index=_NO_IGNORED_LABEL
+        )
+    except IndexError as err:
+        error = err
+    check_label_range(targets, logits.shape[1])  # the named ValueError (outside the except: no chained trace)
+    raise error
+
+
+_NO_IGNORED_LABEL = -(2**63)  # int64's minimum, a label no dataset holds
 
 
 def label_smoothing_loss(logits, targets, epsilon: float = 0.05, *, reduction: str = "mean"):
