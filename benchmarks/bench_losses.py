@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as nnf
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_metrics import hardware, write_results  # noqa: E402
+from bench_metrics import hardware, paired, timed, write_results  # noqa: E402
 
 from torchcal.losses import create, list_losses  # noqa: E402
 
@@ -58,40 +58,6 @@ def sync(device):
 def fwd_bwd(loss_fn, logits, targets):
     logits.grad = None
     loss_fn(logits, targets).backward()
-
-
-def median_time(fn, repeats, device):
-    fn()
-    sync(device)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def paired_times(fn, base_fn, steps, rounds, device):
-    """(median time of fn, median time of base_fn, median over rounds of their ratio): each round times
-    ``steps`` calls of base_fn, then of fn."""
-
-    def timed(f):
-        sync(device)
-        start = time.perf_counter()
-        for _ in range(steps):
-            f()
-        sync(device)
-        return (time.perf_counter() - start) / steps
-
-    fn()
-    base_fn()
-    pairs = [(timed(base_fn), timed(fn)) for _ in range(rounds)]
-    return (
-        statistics.median(p[1] for p in pairs),
-        statistics.median(p[0] for p in pairs),
-        statistics.median(p[1] / p[0] for p in pairs),
-    )
 
 
 def cpu_path(name):
@@ -161,13 +127,14 @@ def run(args, path):
         small = n * k <= 1_000_000
         steps, rounds = (max(10, args.repeats * 10), 9) if small else (1, max(3, min(args.repeats, 5)))
         base_fn = lambda: fwd_bwd(nnf.cross_entropy, logits, targets)  # noqa: E731
-        base_t = median_time(base_fn, steps * 3 if small else 3, device)
+        base_t = timed(lambda: (base_fn(), sync(device)), steps * 3 if small else 3)[0]
         base_m = peak_memory(base_fn, device)
         print(f"{n} x {k}: cross_entropy {1e3 * base_t:.3f} ms, peak {base_m / 2**20:.1f} MiB ({path} path)", flush=True)
         for name in list_losses():
             loss_fn = create(name).to(device)
             fn = lambda: fwd_bwd(loss_fn, logits, targets)  # noqa: E731
-            t, pair_base_t, ratio = paired_times(fn, base_fn, steps, rounds, device)
+            t, pair_base_t, ratios = paired(fn, base_fn, rounds, steps, lambda: sync(device))
+            ratio = statistics.median(ratios)
             m = peak_memory(fn, device)
             goal_t = 2.0 if k == 10 else 1.5
             row = {
@@ -189,9 +156,9 @@ def run(args, path):
                 fwd_bwd(compiled, logits, targets)
                 sync(device)
                 row["compile_s"] = time.perf_counter() - start
-                row["compiled_time_ratio"] = paired_times(
-                    lambda: fwd_bwd(compiled, logits, targets), base_fn, steps, rounds, device
-                )[2]
+                row["compiled_time_ratio"] = statistics.median(
+                    paired(lambda: fwd_bwd(compiled, logits, targets), base_fn, rounds, steps, lambda: sync(device))[2]
+                )
             rows.append(row)
             flag = ""
             if name in FOCAL_FAMILY and (row["time_ratio"] > goal_t or row["memory_ratio"] > 2.0):

@@ -218,3 +218,15 @@ def test_dual_runner_up_ties_are_decided_on_the_logits(dtype):
     want = -((1 - log_p[1].exp() + log_p[2].exp()) ** 2) * log_p[1]  # runner-up: class 2
     got = L.dual_focal_loss(z, t, 2.0)
     torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("value,expected", [(None, True), ("1", True), ("0", False), (" Off ", False),
+                                            ("no", False), ("FALSE", False), ("yes", True)])  # fmt: skip
+def test_switches_from_the_environment(monkeypatch, value, expected):
+    from torchcal.functional._kernels import env_enabled
+
+    if value is None:
+        monkeypatch.delenv("TORCHCAL_TEST_SWITCH", raising=False)
+    else:
+        monkeypatch.setenv("TORCHCAL_TEST_SWITCH", value)
+    assert env_enabled("TORCHCAL_TEST_SWITCH") is expected

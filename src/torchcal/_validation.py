@@ -54,6 +54,14 @@ def check_float(value, name: str, low=None, high=None, low_open=False, high_open
     return value
 
 
+def label_range_error(labels, k: int, name: str = "targets") -> ValueError:
+    """The error for labels outside [0, k), naming the first offending label of ``labels`` (a label, or a
+    tensor / numpy array known to hold one)."""
+    labels = labels.numpy() if isinstance(labels, torch.Tensor) else np.asarray(labels)
+    bad = labels[(labels < 0) | (labels >= k)].reshape(-1)[0]
+    return ValueError(f"`{name}` must lie in [0, {k}), found label {bad}")
+
+
 def check_targets(targets, n: int, num_classes: int, name: str = "targets", check_range: bool = True):
     """Checks integer class labels of shape (n,) in [0, num_classes) (the range only with ``check_range``:
     the fused scan checks it in its own pass)."""
@@ -67,8 +75,7 @@ def check_targets(targets, n: int, num_classes: int, name: str = "targets", chec
     if check_range:
         lo, hi = torch.stack(torch.aminmax(targets)).tolist()
         if lo < 0 or hi >= num_classes:
-            bad = lo if lo < 0 else hi
-            raise ValueError(f"`{name}` must lie in [0, {num_classes}), found label {bad}")
+            raise label_range_error(lo if lo < 0 else hi, num_classes, name)
     return targets.long()
 
 
@@ -227,7 +234,7 @@ def check_label_range(targets: torch.Tensor, k: int) -> None:
     if targets.device.type == "cpu":
         lo, hi = torch.stack(torch.aminmax(targets)).tolist()
         if lo < 0 or hi >= k:
-            raise ValueError(f"`targets` must lie in [0, {k}), found label {lo if lo < 0 else hi}")
+            raise label_range_error(lo if lo < 0 else hi, k)
 
 
 def check_choice(value, name: str, choices) -> str:

@@ -28,3 +28,19 @@ def test_unknown_override_key_fails_with_the_valid_keys(tmp_path):
     result = runner.invoke(app, ["train", "--run-dir", str(tmp_path / "r"), "optim.lrate=1"])
     assert result.exit_code != 0
     assert "unknown key optim.lrate" in result.output
+
+
+def test_build_extension_reports_the_library_or_the_failure(monkeypatch, cpp_extension):
+    import torchcal.functional as F
+
+    result = runner.invoke(app, ["build-extension"])
+    assert result.exit_code == 0, result.output
+    assert "C++ loss operator ready" in result.output and ".so" in result.output
+
+    def broken(verbose=False):
+        raise RuntimeError("Error building extension 'torchcal_fused': c++ not found")
+
+    monkeypatch.setattr(F, "build_cpu_extension", broken)
+    result = runner.invoke(app, ["build-extension"])
+    assert result.exit_code == 1
+    assert "could not build the C++ loss operator" in result.output and "c++ not found" in result.output

@@ -15,7 +15,6 @@ every process picks it up without compiling. ``TORCHCAL_CPP=0`` or :func:`use_cp
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import sys
@@ -34,8 +33,7 @@ HEADERS = (SOURCE.with_name("true_class.h"),)
 REDUCTION_CODES = {"none": 0, "mean": 1, "sum": 2}
 CFLAGS = ["-O3", "-fopenmp-simd"]
 
-_OFF = ("0", "false", "no", "off")
-_state = {"enabled": os.environ.get("TORCHCAL_CPP", "1").strip().lower() not in _OFF, "loaded": None}
+_state = {"enabled": _kernels.env_enabled("TORCHCAL_CPP"), "loaded": None}
 _lock = threading.Lock()
 
 
@@ -148,7 +146,6 @@ def cpu_extension_available() -> bool:
     return bool(_state["loaded"])
 
 
-@contextlib.contextmanager
 def use_cpu_extension(enabled: bool):
     """Context manager that switches the C++ loss operator on or off, process-wide (with it off, the numba
     kernels or the torch path compute the losses). Switching it on does not build it.
@@ -163,21 +160,7 @@ def use_cpu_extension(enabled: bool):
         >>> torch.allclose(without, focal_loss(logits, targets, gamma=2.0))
         True
     """
-    if not isinstance(enabled, bool):
-        raise TypeError(f"`enabled` must be a bool, got {type(enabled).__name__}")
-    previous = _state["enabled"]
-    _state["enabled"] = enabled
-    try:
-        yield
-    finally:
-        _state["enabled"] = previous
-
-
-def applies(logits: torch.Tensor) -> bool:
-    """Whether the C++ operator computes this loss: available, CPU, float32/float64."""
-    return (
-        logits.is_cpu and logits.dtype in (torch.float32, torch.float64) and cpu_extension_available()
-    )
+    return _kernels.switched(_state, enabled)
 
 
 def fused_true_class(logits, targets, spec: _kernels.LossSpec, reduction: str) -> torch.Tensor:

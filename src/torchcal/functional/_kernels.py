@@ -27,9 +27,32 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from .._validation import label_range_error
+
 __all__ = ["cpu_kernels_available", "use_cpu_kernels"]
 
-_state = {"enabled": os.environ.get("TORCHCAL_NUMBA", "1").strip().lower() not in ("0", "false", "no", "off")}
+
+
+def env_enabled(name: str) -> bool:
+    """False when the environment variable ``name`` is 0, false, no or off (any case); True otherwise."""
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+@contextlib.contextmanager
+def switched(state: dict, enabled: bool):
+    """Sets ``state["enabled"]`` for the duration of a ``with`` block (the body of :func:`use_cpu_kernels`
+    and :func:`~torchcal.functional.use_cpu_extension`)."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"`enabled` must be a bool, got {type(enabled).__name__}")
+    previous = state["enabled"]
+    state["enabled"] = enabled
+    try:
+        yield
+    finally:
+        state["enabled"] = previous
+
+
+_state = {"enabled": env_enabled("TORCHCAL_NUMBA")}
 
 
 @lru_cache(maxsize=1)
@@ -54,7 +77,6 @@ def cpu_kernels_available() -> bool:
     return _state["enabled"] and _compiled() is not None
 
 
-@contextlib.contextmanager
 def use_cpu_kernels(enabled: bool):
     """Context manager that switches the numba CPU kernels on or off, process-wide (e.g. to compare both
     paths, or to take higher-order gradients of a loss).
@@ -68,14 +90,7 @@ def use_cpu_kernels(enabled: bool):
         >>> bool(torch_path == expected_calibration_error(probs, targets))
         True
     """
-    if not isinstance(enabled, bool):
-        raise TypeError(f"`enabled` must be a bool, got {type(enabled).__name__}")
-    previous = _state["enabled"]
-    _state["enabled"] = enabled
-    try:
-        yield
-    finally:
-        _state["enabled"] = previous
+    return switched(_state, enabled)
 
 
 _BITS = {torch.float32: np.int32, torch.float64: np.int64}
@@ -126,8 +141,7 @@ def top_label_scan(probs, targets, n_bins=None, classwise_bins=None):
 
     stats = _in_threads(scan_part, parts)
     if sum(s[4] for s in stats):
-        bad = t[(t < 0) | (t >= k)][0]
-        raise ValueError(f"`targets` must lie in [0, {k}), found label {bad}")
+        raise label_range_error(t, k)
     worst = max(s[0] for s in stats)
     lowest = min(s[1] for s in stats)
     nonfinite = any(s[2] for s in stats)
@@ -315,8 +329,7 @@ class FusedTrueClass(torch.autograd.Function):
             out,
         )
         if n_bad:
-            bad = t[(t < 0) | (t >= k)][0]
-            raise ValueError(f"`targets` must lie in [0, {k}), found label {bad}")
+            raise label_range_error(t, k)
         ctx.save_for_backward(probs, targets)
         ctx.out = out
         ctx.brier = spec.brier

@@ -37,12 +37,12 @@ def row_stats(row, bits):
 
 
 @njit(**_OPTS)
-def first_max(bits, hi):
-    """Index of the first entry equal to ``hi``, without branches (vectorised)."""
-    k = bits.shape[0]
+def first_equal(row, value):
+    """Index of the first entry equal to ``value`` (present), without branches (vectorised)."""
+    k = row.shape[0]
     first = k
     for j in range(k):
-        first = min(first, j if bits[j] == hi else k)
+        first = min(first, j if row[j] == value else k)
     return first
 
 
@@ -76,7 +76,7 @@ def bin_index(v, m, edges):
 def is_first_max(bits, hi, y):
     """Whether y is the first index holding ``hi``, from one more branch-free pass (short rows, where
     mispredicted branches cost more than the pass)."""
-    return first_max(bits, hi) == y
+    return first_equal(bits, hi) == y
 
 
 def _make_scan(is_hit):
@@ -189,16 +189,6 @@ def masked_max(row, below, floor):
         v = row[j]
         best = max(best, v if v < below else floor)
     return best
-
-
-@njit(**_OPTS)
-def first_equal(row, value):
-    """Index of the first entry equal to ``value`` (present), without branches."""
-    k = row.shape[0]
-    first = k
-    for j in range(k):
-        first = min(first, j if row[j] == value else k)
-    return first
 
 
 @njit(**_OPTS)

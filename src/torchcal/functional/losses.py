@@ -135,6 +135,7 @@ class _TrueClassLoss(torch.autograd.Function):
 
 
 _INTEGER_DTYPES = frozenset((torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8))
+_FUSED_DTYPES = frozenset((torch.float32, torch.float64))
 
 
 def _fast_cpu_call(logits, targets, reduction) -> bool:
@@ -143,6 +144,8 @@ def _fast_cpu_call(logits, targets, reduction) -> bool:
     the validated path below, which raises the named errors (the operator checks the labels). Autocast needs
     no care: the operator has no autocast rule and its float32/64 input is used as it is."""
     if type(logits) is not torch.Tensor or type(targets) is not torch.Tensor:
+        return False
+    if not _extension.cpu_extension_available():  # first: the numba and torch paths pay one check only
         return False
     shape = logits.shape
     return (
@@ -155,11 +158,7 @@ def _fast_cpu_call(logits, targets, reduction) -> bool:
         and reduction in _extension.REDUCTION_CODES
         and logits.is_cpu  # (`.device` builds a device object: several µs here)
         and targets.is_cpu
-        and _extension.cpu_extension_available()
     )
-
-
-_FUSED_DTYPES = frozenset((torch.float32, torch.float64))
 
 
 def _true_class_loss(logits, targets, reduction, weight_fn, *, brier_lambda=0.0, runner_up=False, spec=None):
@@ -172,17 +171,14 @@ def _true_class_loss(logits, targets, reduction, weight_fn, *, brier_lambda=0.0,
     logits, targets = check_logits_for_loss(logits, targets, check_range=False)
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
-    if spec is not None and logits.device.type == "cpu":
-        fused = None
-        if _extension.applies(logits):
-            fused = _extension.fused_true_class
-        elif _kernels.loss_applies(logits):
-            fused = _kernels.FusedTrueClass.apply
-        if fused is not None:  # both check the label range
+    if spec is not None:
+        if _fast_cpu_call(logits, targets, reduction):  # now checked and converted (numpy input, half)
+            return _extension.fused_true_class(logits, targets, spec, reduction)
+        if _kernels.loss_applies(logits):  # checks the label range in its pass
             if not torch.is_autocast_enabled("cpu"):  # entering a disabled autocast region costs ~10 µs
-                return fused(logits, targets, spec, reduction)
+                return _kernels.FusedTrueClass.apply(logits, targets, spec, reduction)
             with torch.autocast("cpu", enabled=False):
-                return fused(logits, targets, spec, reduction)
+                return _kernels.FusedTrueClass.apply(logits, targets, spec, reduction)
     check_label_range(targets, logits.shape[1])
     with torch.autocast(logits.device.type, enabled=False):
         loss = _TrueClassLoss.apply(logits, targets, weight_fn, brier_lambda, runner_up)
@@ -233,10 +229,6 @@ def _schedule_spec(gammas, thresholds, dual: bool = False):
     gammas, thresholds = _check_schedule(gammas, thresholds)
     spec = _spec(tuple(gammas), tuple(thresholds), dual=dual, margin=dual)
     return gammas, thresholds, spec
-
-
-def _weighted_nll(logits, targets, reduction, weight_fn, spec=None):
-    return _true_class_loss(logits, targets, reduction, weight_fn, spec=spec)
 
 
 def _dual_weight(gamma):
@@ -441,7 +433,7 @@ def varying_focal_loss(logits, targets, gamma: torch.Tensor, *, reduction: str =
         raise ValueError(f"`gamma` must have shape ({n},), one γ per sample, got {tuple(gamma.shape)}")
     gamma = gamma.to(logits.device)
     spec = _kernels.LossSpec((), sample_gammas=gamma)
-    return _weighted_nll(logits, targets, reduction, _signed_gamma_weight(gamma), spec)
+    return _true_class_loss(logits, targets, reduction, _signed_gamma_weight(gamma), spec=spec)
 
 
 def dual_focal_loss(logits, targets, gamma: float = 5.0, *, reduction: str = "mean"):
@@ -618,7 +610,7 @@ def _calfocal(logits, targets, edges, acc, conf, lam, reduction, spec):
             gamma = torch.exp(lam * (conf.to(p_t.dtype) - a))[b]
         return _focal_weight(gamma)(log_pt)
 
-    return _weighted_nll(logits, targets, reduction, weight, spec)
+    return _true_class_loss(logits, targets, reduction, weight, spec=spec)
 
 
 def _lambert_w(x: float, branch: int) -> float:

@@ -23,11 +23,7 @@
 
 #include "true_class.h"
 
-#include <algorithm>
 #include <atomic>
-#include <cmath>
-#include <limits>
-#include <vector>
 
 namespace {
 
@@ -149,14 +145,17 @@ Forward fused_forward(const at::Tensor& logits, const at::Tensor& targets, const
 at::Tensor fused_backward(const at::Tensor& grad_loss, const at::Tensor& probs, const at::Tensor& targets,
                           const at::Tensor& out, double lam, int64_t reduction) {
   const int64_t n = probs.size(0), k = probs.size(1);
-  at::Tensor scale;
-  int64_t stride = 1;
+  // the incoming gradient per row: a (N,) tensor for "none", one number (stride 0) for "mean" / "sum"
+  at::Tensor per_row;
+  double single = 0.0;
+  const double* sp = &single;
+  int64_t stride = 0;
   if (reduction == 0) {
-    scale = grad_loss.to(at::kDouble).contiguous();
+    per_row = grad_loss.to(at::kDouble).contiguous();
+    sp = per_row.data_ptr<double>();
+    stride = 1;
   } else {
-    const double g = grad_loss.item<double>() / (reduction == 1 ? static_cast<double>(n) : 1.0);
-    scale = at::full({1}, g, out.options());
-    stride = 0;
+    single = grad_loss.item<double>() / (reduction == 1 ? static_cast<double>(n) : 1.0);
   }
   at::Tensor grad = at::empty_like(probs);
   const at::Tensor t = targets.to(at::kLong).contiguous();
@@ -164,7 +163,6 @@ at::Tensor fused_backward(const at::Tensor& grad_loss, const at::Tensor& probs, 
     const scalar_t* pp = probs.data_ptr<scalar_t>();
     const int64_t* tp = t.data_ptr<int64_t>();
     const double* op = out.data_ptr<double>();
-    const double* sp = scale.data_ptr<double>();
     scalar_t* gp = grad.data_ptr<scalar_t>();
     at::parallel_for(0, n, grain_rows(k), [&](int64_t begin, int64_t end) {
       backward_rows<scalar_t>(pp, tp, op, sp, stride, lam, begin, end, k, gp);
