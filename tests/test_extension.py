@@ -50,22 +50,72 @@ def test_use_cpu_extension_rejects_non_bool_and_restores_state():
 def test_library_name_follows_source_flags_and_torch(monkeypatch):
     name = _extension.extension_name()
     assert name.startswith("torchcal_fused_") and name == _extension.extension_name()
+    assert name == _extension.extension_name(_extension.FLAG_SETS[0])  # the preferred flags by default
     monkeypatch.setattr(torch, "__version__", "0.0.0-other")
     assert _extension.extension_name() != name
     monkeypatch.undo()
-    monkeypatch.setattr(_extension, "CFLAGS", ["-O2"])
-    assert _extension.extension_name() != name
+    assert _extension.extension_name(["-O2"]) != name
+
+
+def test_only_a_native_build_is_named_after_the_cpu(monkeypatch):
+    native, portable = ["-O3", "-march=native"], _extension.PORTABLE_FLAGS
+    names = (_extension.extension_name(native), _extension.extension_name(portable))
+    monkeypatch.setattr(_extension, "_cpu_key", lambda: "another CPU|flags : sse2")
+    assert _extension.extension_name(native) != names[0]  # a shared cache never serves another ISA
+    assert _extension.extension_name(portable) == names[1]
+
+
+def test_preferred_flags_follow_the_platform():
+    flags = _extension._native_flags()
+    assert flags[0] == "-O3"
+    assert ("-fopenmp" in flags) == _extension._torch_uses_libgomp()
+    assert _extension.FLAG_SETS[-1] == ["-O3"]  # the portable fallback is always last
+
+
+def test_a_refused_flag_set_falls_back_to_the_portable_build(tmp_path):
+    """A compiler that refuses the preferred flags: the portable build (16-byte vectors, torch's
+    log_softmax for float32 rows over 64 classes) is made, with a warning, and computes the same losses."""
+    code = """
+import warnings, torch
+import torchcal.functional as F, torchcal.functional.losses as L
+from torchcal.functional import _extension as E
+E.FLAG_SETS = [["-O3", "-fno-such-flag-for-torchcal"], E.PORTABLE_FLAGS]
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    path = F.build_cpu_extension()
+assert path.parent.name == E.extension_name(E.PORTABLE_FLAGS), path
+assert any("portable flags" in str(w.message) for w in caught), [str(w.message) for w in caught]
+g = torch.Generator().manual_seed(0)
+for k in (10, 100, 1000):
+    z, t = 3 * torch.randn(64, k, generator=g), torch.randint(0, k, (64,), generator=g)
+    for fn in (L.focal_loss, L.dual_focal_loss, L.focal_calibration_loss):
+        values = []
+        for cpp in (True, False):
+            x = z.clone().requires_grad_(True)
+            with F.use_cpu_kernels(cpp):
+                v = fn(x, t, reduction="none")
+            v.sum().backward()
+            values.append((v.detach(), x.grad))
+        torch.testing.assert_close(values[0][0], values[1][0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(values[0][1], values[1][1], rtol=1e-4, atol=1e-7)
+print("ok")
+"""
+    env = dict(os.environ, TORCHCAL_EXTENSION_DIR=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+    refused = tmp_path / _extension.extension_name(["-O3", "-fno-such-flag-for-torchcal"])
+    assert not list(refused.glob("*.so"))  # nothing half-built is left to be loaded
 
 
 def test_a_damaged_library_counts_as_not_built(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHCAL_EXTENSION_DIR", str(tmp_path))
     path = _extension._library_path()
     assert path.parent.parent == tmp_path and not path.exists()
-    assert _extension._load_built() is False  # nothing there: nothing loaded, nothing compiled
+    assert _extension._load_built() is None  # nothing there: nothing loaded, nothing compiled
     path.parent.mkdir(parents=True)
     path.write_bytes(b"not a shared library")
     with pytest.warns(RuntimeWarning, match="rebuild it with `torchcal build-extension`"):
-        assert _extension._load_built() is False
+        assert _extension._load_built() is None
 
 
 @pytest.mark.parametrize("setting,expected", [("1", "True"), ("0", "False")])
@@ -73,12 +123,12 @@ def test_new_processes_load_the_built_library_unless_disabled(setting, expected)
     env = dict(os.environ, TORCHCAL_CPP=setting)
     code = (
         "import torchcal.functional as F, torchcal.functional._extension as E;"
-        "print(F.cpu_extension_available(), E._state['loaded'])"
+        "print(F.cpu_extension_available(), E._state['loaded'] is not None and bool(E._state['loaded']))"
     )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     available, loaded = out.stdout.split()
     assert available == expected
-    assert loaded == ("True" if setting == "1" else "None")  # disabled: not even looked for
+    assert loaded == ("True" if setting == "1" else "False")  # disabled: not even looked for
 
 
 @pytest.mark.parametrize(
@@ -181,11 +231,12 @@ def test_float32_logits_inside_autocast_take_the_operator():
     torch.testing.assert_close(x.grad, g, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("k", [3, 37, 64, 65, 1027])  # both float32 pipelines, vector tails, 256-blocks
+# short rows on 16-byte vectors, wide (AVX/AVX-512) spans with 16-byte and scalar tails, 256-entry blocks
+@pytest.mark.parametrize("k", [3, 10, 37, 64, 65, 100, 131, 1027])
 @pytest.mark.parametrize("scale", [1.0, 30.0])
 def test_float32_losses_against_a_float64_reference(k, scale):
-    """The fused pipeline's own exp (short rows) and torch's (long rows) against the float64 per-sample
-    definition evaluated on the same float32 logits."""
+    """The fused pipeline's own exp (float32 rows up to 64 classes, any length in an AVX build) and torch's
+    (the portable build's longer rows) against the float64 per-sample definition on the same float32 logits."""
     g = torch.Generator().manual_seed(k)
     z = (scale * torch.randn(64, k, generator=g)).float()
     t = torch.randint(0, k, (64,), generator=g)

@@ -7,9 +7,15 @@ same losses (same conventions, per-sample float64 arithmetic; the dual loss's ti
 docs/decisions.md 38) with a C++ autograd node, so forward and backward never re-enter Python.
 
 It is compiled on request with ``torch.utils.cpp_extension`` (GCC or Clang and ninja are needed; ~20-30 s,
-once per torch and Python version) by :func:`build_cpu_extension` or ``torchcal build-extension``, and cached
-under ``$TORCHCAL_EXTENSION_DIR`` (default: torch's extension root, ``~/.cache/torch_extensions``). Once built,
-every process picks it up without compiling. ``TORCHCAL_CPP=0`` or :func:`use_cpu_extension` turns it off;
+once per torch and Python version and CPU) by :func:`build_cpu_extension` or ``torchcal build-extension``, and
+cached under ``$TORCHCAL_EXTENSION_DIR`` (default: torch's extension root, ``~/.cache/torch_extensions``). Once
+built, every process picks it up without compiling.
+
+Flags: where torch runs on GNU OpenMP (Linux wheels) the library is compiled with OpenMP, so its
+``at::parallel_for`` shares torch's threads (without it the operator runs on one thread), and on x86-64 for the CPU that builds it (``-march=native``: AVX2
+or AVX-512 vectors). A native build's name includes the CPU's model and feature flags, so a cache directory
+shared by different machines never hands one a library for another's ISA; it builds its own. When the compiler
+refuses these flags (Clang without libomp, say), the portable flags ``-O3`` are used instead. ``TORCHCAL_CPP=0`` or :func:`use_cpu_extension` turns it off;
 :func:`~torchcal.functional.use_cpu_kernels` (False) turns off both it and numba.
 """
 
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import platform
 import sys
 import threading
 import warnings
@@ -31,28 +38,70 @@ __all__ = ["build_cpu_extension", "cpu_extension_available", "use_cpu_extension"
 SOURCE = Path(__file__).with_name("csrc") / "fused_losses.cpp"
 HEADERS = (SOURCE.with_name("true_class.h"),)
 REDUCTION_CODES = {"none": 0, "mean": 1, "sum": 2}
-CFLAGS = ["-O3", "-fopenmp-simd"]
+PORTABLE_FLAGS = ["-O3"]
+
+
+def _torch_uses_libgomp() -> bool:
+    """Whether this process runs torch on GNU OpenMP (Linux wheels do): a library built with ``-fopenmp``
+    then shares torch's runtime and threads (same soname) instead of bringing a second one."""
+    if not (sys.platform.startswith("linux") and torch._C.has_openmp):
+        return False
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as f:
+            return any("libgomp" in line for line in f)
+    except OSError:
+        return False
+
+
+def _native_flags() -> list[str]:
+    """The preferred flags on this platform: OpenMP where torch runs on libgomp, the machine's ISA on
+    x86-64."""
+    flags = ["-O3"]
+    if _torch_uses_libgomp():
+        flags.append("-fopenmp")
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        flags.append("-march=native")
+    return flags
+
+
+# the flag sets tried in order: the first that compiles is built; loading looks for each one's library
+FLAG_SETS = [_native_flags(), PORTABLE_FLAGS]
 
 _state = {"enabled": _kernels.env_enabled("TORCHCAL_CPP"), "loaded": None}
 _lock = threading.Lock()
 
 
-def extension_name() -> str:
-    """Name of the library for this source, torch build and Python version (a rebuild follows any change)."""
+def _cpu_key() -> str:
+    """The CPU model and feature flags (Linux: /proc/cpuinfo), or what ``platform`` knows elsewhere."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            lines = [line for line in f if line.startswith(("model name", "flags", "Features", "CPU part"))]
+        # one copy per distinct line: the same for any number of cores
+        return "|".join(sorted(set(lines)))
+    except OSError:
+        return f"{platform.machine()}|{platform.processor()}"
+
+
+def extension_name(flags: list[str] | None = None) -> str:
+    """Name of the library for this source, these flags (default: the preferred set), torch build and Python
+    version, and, for a ``-march=native`` build, this CPU (a rebuild follows any change)."""
+    flags = FLAG_SETS[0] if flags is None else flags
     key = "|".join(
         (
             *(path.read_text(encoding="utf-8") for path in (SOURCE, *HEADERS)),
-            " ".join(CFLAGS),
+            " ".join(flags),
             torch.__version__,
             str(torch.version.cuda),
             str(torch.version.hip),
         )
     )
     key += f"|{sys.version_info.major}.{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+    if "-march=native" in flags:
+        key += "|" + _cpu_key()
     return "torchcal_fused_" + hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
-def build_directory() -> Path:
+def build_directory(flags: list[str] | None = None) -> Path:
     """Where the library is built and looked for: ``$TORCHCAL_EXTENSION_DIR/<name>`` if set, else
     ``<torch extension root>/torchcal/<name>``."""
     root = os.environ.get("TORCHCAL_EXTENSION_DIR")
@@ -60,29 +109,32 @@ def build_directory() -> Path:
         from torch.utils.cpp_extension import get_default_build_root
 
         root = os.path.join(get_default_build_root(), "torchcal")
-    return Path(root) / extension_name()
+    return Path(root) / extension_name(flags)
 
 
-def _library_path() -> Path:
-    return build_directory() / f"{extension_name()}.so"
+def _library_path(flags: list[str] | None = None) -> Path:
+    return build_directory(flags) / f"{extension_name(flags)}.so"
 
 
-def _load_built() -> bool:
-    """Load an already-built library (never compiles). A truncated or foreign file counts as not built."""
-    path = _library_path()
-    if not path.is_file():
-        return False
-    try:
-        torch.ops.load_library(str(path))
-    except (OSError, RuntimeError) as exc:
-        warnings.warn(
-            f"could not load torchcal's C++ loss extension from {path} ({exc}); rebuild it with "
-            "`torchcal build-extension` (torchcal.functional.build_cpu_extension())",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        return False
-    return hasattr(torch.ops.torchcal, "fused_true_class")
+def _load_built() -> Path | None:
+    """Load an already-built library (never compiles): the first flag set's that exists; None when there is
+    none. A truncated or foreign file counts as not built."""
+    for flags in FLAG_SETS:
+        path = _library_path(flags)
+        if not path.is_file():
+            continue
+        try:
+            torch.ops.load_library(str(path))
+        except (OSError, RuntimeError) as exc:
+            warnings.warn(
+                f"could not load torchcal's C++ loss extension from {path} ({exc}); rebuild it with "
+                "`torchcal build-extension` (torchcal.functional.build_cpu_extension())",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return None
+        return path if hasattr(torch.ops.torchcal, "fused_true_class") else None
+    return None
 
 
 def _put_ninja_on_path() -> None:
@@ -103,28 +155,44 @@ def build_cpu_extension(verbose: bool = False) -> Path:
     of the library. A no-op returning the path when it is already built and loaded.
 
     Needs a C++17 compiler and ninja (``pip install ninja``). Concurrent builds (several processes) wait for
-    each other. Raises ``RuntimeError`` with the compiler's output when the build fails.
+    each other. The preferred flags are tried first, then the portable ones (with a warning naming the first
+    failure). Raises ``RuntimeError`` with the compiler's output when no flag set builds.
     """
     with _lock:
         if _state["loaded"]:
-            return _library_path()
+            return _state["loaded"]
         from torch.utils.cpp_extension import load
 
         _put_ninja_on_path()
-        directory = build_directory()
-        directory.mkdir(parents=True, exist_ok=True)
-        load(
-            name=extension_name(),
-            sources=[str(SOURCE)],
-            extra_cflags=CFLAGS,
-            build_directory=str(directory),
-            is_python_module=False,
-            verbose=verbose,
-        )
-        _state["loaded"] = hasattr(torch.ops.torchcal, "fused_true_class")
-        if not _state["loaded"]:
-            raise RuntimeError(f"built {_library_path()} but it registered no torchcal.fused_true_class")
-        return _library_path()
+        failures = []
+        for flags in FLAG_SETS:
+            directory = build_directory(flags)
+            directory.mkdir(parents=True, exist_ok=True)
+            try:
+                load(
+                    name=extension_name(flags),
+                    sources=[str(SOURCE)],
+                    extra_cflags=flags,
+                    extra_ldflags=[f for f in flags if f == "-fopenmp"],
+                    build_directory=str(directory),
+                    is_python_module=False,
+                    verbose=verbose,
+                )
+            except RuntimeError as exc:
+                failures.append(f"flags {' '.join(flags)}: {exc}")
+                continue
+            if failures:
+                warnings.warn(
+                    "torchcal's C++ loss extension was built with the portable flags "
+                    f"{' '.join(flags)}; the preferred ones failed: {failures[0]}",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            if not hasattr(torch.ops.torchcal, "fused_true_class"):
+                raise RuntimeError(f"built {_library_path(flags)} but it registered no torchcal.fused_true_class")
+            _state["loaded"] = _library_path(flags)
+            return _state["loaded"]
+        raise RuntimeError("could not build torchcal's C++ loss extension:\n" + "\n".join(failures))
 
 
 def cpu_extension_available() -> bool:
@@ -142,7 +210,7 @@ def cpu_extension_available() -> bool:
     if _state["loaded"] is None:
         with _lock:
             if _state["loaded"] is None:
-                _state["loaded"] = _load_built()
+                _state["loaded"] = _load_built() or False
     return bool(_state["loaded"])
 
 
@@ -169,4 +237,9 @@ def fused_true_class(logits, targets, spec: _kernels.LossSpec, reduction: str) -
     sample = spec.sample_gammas
     if sample is not None and not sample.is_cpu:
         sample = sample.cpu()
-    return torch.ops.torchcal.fused_true_class.default(logits, targets, params, sample, REDUCTION_CODES[reduction])
+    op = _state.get("op")
+    if op is None:
+        overload = torch.ops.torchcal.fused_true_class.default
+        # the overload's C++ callable: its Python __call__ and the torch.ops lookups cost ~1.5 µs a call
+        op = _state["op"] = getattr(overload, "_op", overload)
+    return op(logits, targets, params, sample, REDUCTION_CODES[reduction])

@@ -29,9 +29,10 @@ namespace {
 
 using namespace torchcal;
 
-// up to this many classes float32 rows take the fused two-pass pipeline with its own 4-lane exp; longer
-// rows are faster with torch's log_softmax and exp, vectorised for the widest ISA of the machine
-constexpr int64_t kFusedMaxClasses = 64;
+// float32 rows take the fused two-pass pipeline with its own vectorised exp: up to 64 classes always, any
+// length when the library is built for 32- or 64-byte vectors (AVX, AVX-512). On 16-byte vectors only (SSE2,
+// NEON) longer rows are faster with torch's log_softmax and exp.
+constexpr int64_t kFusedMaxClasses = kWideBytes >= 32 ? std::numeric_limits<int64_t>::max() : 64;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 

@@ -30,32 +30,106 @@ struct Spec {
   double cal_lambda, brier;
 };
 
-// 16-byte SIMD vectors through the GCC/Clang vector extensions (SSE2 on x86-64, NEON on arm64): the masked
-// maximum below is a reduction that compilers leave scalar without -ffast-math.
-template <typename T>
-struct Simd;
-template <>
-struct Simd<float> {
-  typedef float type __attribute__((vector_size(16)));
-  static constexpr int width = 4;
-};
-template <>
-struct Simd<double> {
-  typedef double type __attribute__((vector_size(16)));
-  static constexpr int width = 2;
+// SIMD vectors through the GCC/Clang vector extensions. The library is compiled for the machine that
+// builds it (-march=native on x86-64; the library name includes the CPU, see _extension.py), so the wide
+// vectors are as wide as its ISA: 64 bytes with AVX-512, 32 with AVX, else 16 (SSE2, NEON). Rows are walked
+// with wide vectors, then 16-byte ones, then scalars: short rows (K = 10) keep their 4-lane path.
+#if defined(__AVX512F__)
+constexpr int kWideBytes = 64;
+#elif defined(__AVX__)
+constexpr int kWideBytes = 32;
+#else
+constexpr int kWideBytes = 16;
+#endif
+
+template <typename T, int Bytes>
+struct Vec {
+  typedef T type __attribute__((vector_size(Bytes)));
+  typedef int32_t int32 __attribute__((vector_size(Bytes * 4 / sizeof(T))));
+  static constexpr int width = Bytes / sizeof(T);
 };
 
-template <typename T>
-inline typename Simd<T>::type load(const T* p) {
-  typename Simd<T>::type v;
+template <typename V, typename T>
+inline V load(const T* p) {
+  V v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
 
-template <typename T>
-inline typename Simd<T>::type broadcast(T x) {
-  typename Simd<T>::type v = {};
+template <typename V, typename T>
+inline V broadcast(T x) {
+  V v = {};
   return v + x;
+}
+
+// a vector folded in halves down to 16 bytes with ``op`` (lane-wise sum, max, or): log2 steps instead of a
+// sequential pass over up to 16 lanes, which at K = 100 costs as much as the row's arithmetic
+template <typename T, int Bytes, typename Op>
+inline typename Vec<T, 16>::type fold(typename Vec<T, Bytes>::type v, Op op) {
+  if constexpr (Bytes == 16) {
+    return v;
+  } else {
+    using H = typename Vec<T, Bytes / 2>::type;
+    H lo, hi;
+    std::memcpy(&lo, &v, sizeof(H));
+    std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(H), sizeof(H));
+    return fold<T, Bytes / 2>(op(lo, hi), op);
+  }
+}
+
+struct Add {
+  template <typename V>
+  V operator()(V a, V b) const {
+    return a + b;
+  }
+};
+struct Max {  // a lane that compares false (NaN) keeps ``a``
+  template <typename V>
+  V operator()(V a, V b) const {
+    return a < b ? b : a;
+  }
+};
+struct Or {
+  template <typename V>
+  V operator()(V a, V b) const {
+    return a | b;
+  }
+};
+
+// lanes [j, stop) of a row, stop − j a multiple of 2W: the largest entry strictly below ``below`` (or floor)
+template <typename T, int Bytes>
+inline T masked_max_span(const T* row, int64_t j, int64_t stop, T below, T floor, T best) {
+  using V = typename Vec<T, Bytes>::type;
+  constexpr int W = Vec<T, Bytes>::width;
+  if (j >= stop) return best;
+  const V lim = broadcast<V>(below), low = broadcast<V>(floor);
+  V a0 = low, a1 = low;  // two accumulators: the max latency is hidden
+  for (; j < stop; j += 2 * W) {
+    const V v0 = load<V>(row + j), v1 = load<V>(row + j + W);
+    const V c0 = v0 < lim ? v0 : low;
+    const V c1 = v1 < lim ? v1 : low;
+    a0 = a0 < c0 ? c0 : a0;
+    a1 = a1 < c1 ? c1 : a1;
+  }
+  const auto m = fold<T, Bytes>(a0 < a1 ? a1 : a0, Max{});
+  for (int l = 0; l < Vec<T, 16>::width; ++l) best = best < m[l] ? m[l] : best;
+  return best;
+}
+
+// the first index in [j, stop) (stop − j a multiple of W) of a vector holding ``value``, or stop
+template <typename T, int Bytes>
+inline int64_t first_vector_with(const T* row, int64_t j, int64_t stop, T value) {
+  using V = typename Vec<T, Bytes>::type;
+  constexpr int W = Vec<T, Bytes>::width;
+  const V b = broadcast<V>(value);
+  for (; j < stop; j += W) {
+    using I = std::conditional_t<sizeof(T) == 4, int32_t, int64_t>;  // the lanes of a comparison's mask
+    const auto hit = fold<I, Bytes>(load<V>(row + j) == b, Or{});
+    I any = 0;
+    for (int l = 0; l < Vec<I, 16>::width; ++l) any |= hit[l];
+    if (any != 0) return j;
+  }
+  return stop;
 }
 
 // The runner-up of the dual focal loss: the first index of the largest entry strictly below ``below`` (ties
@@ -63,53 +137,38 @@ inline typename Simd<T>::type broadcast(T x) {
 // for its first occurrence.
 template <typename T>
 int64_t runner_up(const T* row, int64_t k, T below, T floor) {
-  using V = typename Simd<T>::type;
-  constexpr int W = Simd<T>::width;
-  const V lim = broadcast(below), low = broadcast(floor);
-  V a0 = low, a1 = low;  // two accumulators: the max latency is hidden
-  int64_t j = 0;
-  for (; j + 2 * W <= k; j += 2 * W) {
-    const V v0 = load(row + j), v1 = load(row + j + W);
-    const V c0 = v0 < lim ? v0 : low;
-    const V c1 = v1 < lim ? v1 : low;
-    a0 = a0 < c0 ? c0 : a0;
-    a1 = a1 < c1 ? c1 : a1;
-  }
-  a0 = a0 < a1 ? a1 : a0;
-  T best = floor;
-  for (int l = 0; l < W; ++l) best = best < a0[l] ? a0[l] : best;
-  for (; j < k; ++j) {
+  constexpr int WW = Vec<T, kWideBytes>::width, WN = Vec<T, 16>::width;
+  const int64_t wide = k - k % (2 * WW);
+  const int64_t narrow = wide + (k - wide) / (2 * WN) * (2 * WN);
+  T best = masked_max_span<T, kWideBytes>(row, 0, wide, below, floor, floor);
+  best = masked_max_span<T, 16>(row, wide, narrow, below, floor, best);
+  for (int64_t j = narrow; j < k; ++j) {
     const T c = row[j] < below ? row[j] : floor;
     best = best < c ? c : best;
   }
   if (!(best > floor)) return -1;  // no entry below p_t (entries at or below the floor never count)
-  const V b = broadcast(best);
-  j = 0;
-  for (; j + W <= k; j += W) {
-    const auto hit = load(row + j) == b;
-    bool any = false;
-    for (int l = 0; l < W; ++l) any |= hit[l] != 0;
-    if (any) break;
-  }
+  int64_t j = first_vector_with<T, kWideBytes>(row, 0, k - k % WW, best);
+  if (j == k - k % WW) j = first_vector_with<T, 16>(row, j, j + (k - j) / WN * WN, best);
   while (row[j] != best) ++j;  // best is an entry of the row: this stops
   return j;
 }
 
-// e^x for x <= 0, 4 lanes (Cephes' expf: range reduction by ln 2, degree-6 polynomial, ~1 ulp); 0 below
+// e^x for x <= 0, per lane (Cephes' expf: range reduction by ln 2, degree-6 polynomial, ~1 ulp); 0 below
 // −87.3 (and for −inf), NaN stays NaN. The rows' x − max are never positive.
-inline Simd<float>::type exp_nonpositive(Simd<float>::type x) {
-  using V = Simd<float>::type;
-  typedef int32_t I __attribute__((vector_size(16)));
-  const V lo = broadcast(-87.33654f);
+template <int Bytes>
+inline typename Vec<float, Bytes>::type exp_nonpositive(typename Vec<float, Bytes>::type x) {
+  using V = typename Vec<float, Bytes>::type;
+  using I = typename Vec<float, Bytes>::int32;
+  const V lo = broadcast<V>(-87.33654f);
   const I under = x < lo;
   x = under ? lo : x;
-  const V half = broadcast(0.5f), one = broadcast(1.0f);
+  const V half = broadcast<V>(0.5f), one = broadcast<V>(1.0f);
   const V y = x * 1.44269504088896341f + half;  // n = floor(x log2 e + 1/2)
   V n = __builtin_convertvector(__builtin_convertvector(y, I), V);  // truncation (towards zero) ...
   n = n > y ? n - one : n;                                          // ... made a floor
   x = x - n * 0.693359375f;
   x = x - n * -2.12194440e-4f;
-  V p = broadcast(1.9875691500e-4f);
+  V p = broadcast<V>(1.9875691500e-4f);
   p = p * x + 1.3981999507e-3f;
   p = p * x + 8.3334519073e-3f;
   p = p * x + 4.1665795894e-2f;
@@ -123,47 +182,65 @@ inline Simd<float>::type exp_nonpositive(Simd<float>::type x) {
   return under ? zero : r * scale;
 }
 
+// the largest entry of lanes [j, stop) (stop − j a multiple of 2W) and ``best``
+template <int Bytes>
+inline float max_span(const float* x, int64_t j, int64_t stop, float best) {
+  using V = typename Vec<float, Bytes>::type;
+  constexpr int W = Vec<float, Bytes>::width;
+  if (j >= stop) return best;
+  V a0 = load<V>(x + j), a1 = load<V>(x + j + W);
+  for (j += 2 * W; j < stop; j += 2 * W) {
+    const V v0 = load<V>(x + j), v1 = load<V>(x + j + W);
+    a0 = a0 < v0 ? v0 : a0;
+    a1 = a1 < v1 ? v1 : a1;
+  }
+  const auto m = fold<float, Bytes>(a0 < a1 ? a1 : a0, Max{});
+  for (int l = 0; l < 4; ++l) best = best < m[l] ? m[l] : best;
+  return best;
+}
+
 // max of a row (vectorised; NaN entries may be skipped here, they still make the row's sum NaN)
 inline float row_max(const float* x, int64_t k) {
-  using V = Simd<float>::type;
-  float m = x[0];
-  int64_t j = 0;
-  if (k >= 8) {
-    V a0 = load(x), a1 = load(x + 4);
-    for (j = 8; j + 8 <= k; j += 8) {
-      const V v0 = load(x + j), v1 = load(x + j + 4);
-      a0 = a0 < v0 ? v0 : a0;
-      a1 = a1 < v1 ? v1 : a1;
-    }
-    a0 = a0 < a1 ? a1 : a0;
-    for (int l = 0; l < 4; ++l) m = m < a0[l] ? a0[l] : m;
-  }
-  for (; j < k; ++j) m = m < x[j] ? x[j] : m;
+  constexpr int WW = Vec<float, kWideBytes>::width, WN = Vec<float, 16>::width;
+  const int64_t wide = k - k % (2 * WW);
+  const int64_t narrow = wide + (k - wide) / (2 * WN) * (2 * WN);
+  float m = max_span<16>(x, wide, narrow, max_span<kWideBytes>(x, 0, wide, x[0]));
+  for (int64_t j = narrow; j < k; ++j) m = m < x[j] ? x[j] : m;
   return m;
 }
 
-// e_j = exp(x_j − m) (stored into e unless it is null), returns Σ e_j and, with sq, Σ e_j², both added in
-// float32 lanes over blocks of 256 entries and in float64 across blocks
-inline double exp_sum_row(const float* x, int64_t k, float m, float* e, double* sq) {
-  using V = Simd<float>::type;
-  const V mv = broadcast(m);
-  double s = 0.0, s2 = 0.0;
-  int64_t j = 0;
-  while (j + 4 <= k) {
-    const int64_t stop = std::min<int64_t>(k - (k - j) % 4, j + 256);
+// e_j = exp(x_j − m) over [j, stop) (a multiple of the width), stored into e unless it is null; Σ e_j and
+// Σ e_j² added in float32 lanes over blocks of 256 entries and in float64 across blocks
+template <int Bytes>
+inline void exp_sum_span(const float* x, int64_t j, int64_t stop, float m, float* e, double& s, double& s2) {
+  using V = typename Vec<float, Bytes>::type;
+  constexpr int W = Vec<float, Bytes>::width;
+  const V mv = broadcast<V>(m);
+  while (j < stop) {
+    const int64_t block = std::min<int64_t>(stop, j + 256);
     V acc = {}, acc2 = {};
-    for (; j < stop; j += 4) {
-      const V v = exp_nonpositive(load(x + j) - mv);
+    for (; j < block; j += W) {
+      const V v = exp_nonpositive<Bytes>(load<V>(x + j) - mv);
       if (e != nullptr) std::memcpy(e + j, &v, sizeof(v));
       acc += v;
       acc2 += v * v;
     }
-    for (int l = 0; l < 4; ++l) {
-      s += acc[l];
-      s2 += static_cast<double>(acc2[l]);
-    }
+    const auto a = fold<float, Bytes>(acc, Add{}), a2 = fold<float, Bytes>(acc2, Add{});
+    s += (static_cast<double>(a[0]) + a[1]) + (static_cast<double>(a[2]) + a[3]);
+    s2 += (static_cast<double>(a2[0]) + a2[1]) + (static_cast<double>(a2[2]) + a2[3]);
   }
-  for (; j < k; ++j) {
+}
+
+// e_j = exp(x_j − m) (stored into e unless it is null), returns Σ e_j and, with sq, Σ e_j²
+inline double exp_sum_row(const float* x, int64_t k, float m, float* e, double* sq) {
+  constexpr int WW = Vec<float, kWideBytes>::width, WN = Vec<float, 16>::width;
+  // short rows stay on 16-byte vectors: a wide block would leave most of a K = 10 row to the scalar tail
+  const int64_t wide = k >= 4 * WW ? k - k % WW : 0;
+  const int64_t narrow = wide + (k - wide) / WN * WN;
+  double s = 0.0, s2 = 0.0;
+  exp_sum_span<kWideBytes>(x, 0, wide, m, e, s, s2);
+  exp_sum_span<16>(x, wide, narrow, m, e, s, s2);
+  for (int64_t j = narrow; j < k; ++j) {
     const float v = std::exp(x[j] - m);
     if (e != nullptr) e[j] = v;
     s += v;
