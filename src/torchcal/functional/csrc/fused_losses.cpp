@@ -2,8 +2,8 @@
 //
 // Built on request by torchcal.functional._extension (torch.utils.cpp_extension, ~20-30 s once, cached).
 // It computes the losses of the numba kernels true_class_forward / true_class_backward of _numba_kernels.py
-// (same conventions and per-sample float64 arithmetic; log p from its own fused log-softmax for short float32
-// rows, and the dual loss's ties decided on the logits: docs/decisions.md 38), and keeps the whole forward +
+// (same conventions and per-sample float64 arithmetic; log p from its own fused log-softmax for float32 rows,
+// and the dual loss's ties decided on the logits: docs/decisions.md 38 and 41), and keeps the whole forward +
 // backward in C++: no Python autograd.Function round trip, which at batch sizes of a few hundred costs as
 // much as PyTorch's fused cross entropy itself.
 //
@@ -90,7 +90,7 @@ Forward fused_forward(const at::Tensor& logits, const at::Tensor& targets, const
   double* op = out.data_ptr<double>();
   at::Tensor probs;  // what the backward reads: e = exp(x − max) per row (p = e·o[O_INV])
   if (x.scalar_type() == at::kFloat && k <= kFusedMaxClasses) {
-    // short float32 rows: the log-softmax fused into the rows' two passes (no (N, K) log-probability tensor)
+    // float32 rows: the log-softmax fused into the rows' two passes (no (N, K) log-probability tensor)
     if (keep_probs) probs = at::empty_like(x);
     const float* xp = x.data_ptr<float>();
     float* ep = keep_probs ? probs.data_ptr<float>() : nullptr;
