@@ -161,15 +161,19 @@ def test_sub_unit_gamma_has_finite_gradient_as_p_t_goes_to_one(gamma):
         assert torch.isfinite(z.grad).all()
 
 
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="runs where a CUDA device exists")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
 @pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name", list_losses())
-def test_autocast_runs_without_inf_or_nan(name, autocast_dtype):
+def test_autocast_runs_without_inf_or_nan(name, autocast_dtype, device):
     g = torch.Generator().manual_seed(0)
-    layer = torch.nn.Linear(8, 5)
-    x = 30 * torch.randn(16, 8, generator=g)
-    t = torch.randint(0, 5, (16,), generator=g)
-    with torch.autocast("cpu", dtype=autocast_dtype):
-        loss = create(name)(layer(x), t)
+    layer = torch.nn.Linear(8, 5).to(device)
+    x = (30 * torch.randn(16, 8, generator=g)).to(device)
+    t = torch.randint(0, 5, (16,), generator=g).to(device)
+    with torch.autocast(device, dtype=autocast_dtype):
+        loss = create(name).to(device)(layer(x), t)
     loss.backward()
     assert loss.dtype == torch.float32 and torch.isfinite(loss)
     assert all(torch.isfinite(p.grad).all() for p in layer.parameters())
