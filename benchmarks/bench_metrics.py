@@ -9,6 +9,9 @@ FocalTemperatureScaling grid (5k x 100). Writes a CSV named by hardware and torc
 benchmarks/results/ and prints the ratios.
 
     python benchmarks/bench_metrics.py [--repeats 7] [--quick]
+
+The scan takes the C++ operator when it is built (``make bench`` builds it), else numba, else torch; the
+CSV records the path, and with the operator also the numba path's ratio to torchmetrics.
 """
 
 from __future__ import annotations
@@ -113,8 +116,12 @@ def main():
     except ImportError:  # optional peer
         NetcalECE = None
 
+    from torchcal.functional import _extension
+
     for n, k in sizes:
         _, probs, targets = data(n, k)
+        # the scan's path: the C++ operator (`make bench` builds it), else numba, else torch
+        path = "cpp" if _extension.scan_applies(probs) else "numba" if F.cpu_kernels_available() else "torch"
         reps = max(3, args.repeats if n * k <= 10_000_000 else args.repeats // 2)
         ours, ours_iqr = timed(lambda: F.ece(probs, targets), reps)
         # ECE against torchmetrics in alternating rounds (the ratio the issue's goal is about)
@@ -124,6 +131,17 @@ def main():
             max(5, reps),
         )
         paired_ratio = statistics.median(1 / r for r in ratios)  # torchmetrics time / ours, per round
+        numba_ratio = float("nan")
+        if path == "cpp" and F.cpu_kernels_available():  # the numba scan, for comparison
+            with F.use_cpu_extension(False):
+                numba_ratio = statistics.median(
+                    1 / r
+                    for r in paired(
+                        lambda: F.ece(probs, targets),
+                        lambda: multiclass_calibration_error(probs, targets, num_classes=k, n_bins=15),
+                        max(5, reps),
+                    )[2]
+                )
         with F.use_cpu_kernels(False):
             torch_path, torch_path_iqr = timed(lambda: F.ece(probs, targets), reps)
         tm, tm_iqr = timed(
@@ -165,7 +183,9 @@ def main():
                 "all_metrics_iqr_s": full_iqr,
                 "all_metrics_no_equal_mass_s": sums,
                 "all_metrics_no_equal_mass_iqr_s": sums_iqr,
+                "scan_path": path,
                 "speedup_vs_torchmetrics": paired_ratio,
+                "numba_path_speedup_vs_torchmetrics": numba_ratio,
                 "paired_torchcal_ece_s": paired_ours,
                 "paired_torchmetrics_ece_s": paired_tm,
                 "unpaired_speedup_vs_torchmetrics": tm / ours,
@@ -178,7 +198,7 @@ def main():
         )
         r = rows[-1]
         print(
-            f"{n:>8} x {k:<5} ECE {1e3 * ours:8.2f} ms (torch path {1e3 * torch_path:8.2f} ms)"
+            f"{n:>8} x {k:<5} ECE {1e3 * ours:8.2f} ms ({path}; torch path {1e3 * torch_path:8.2f} ms)"
             f" | torchmetrics {r['speedup_vs_torchmetrics']:5.1f}x slower (alternating rounds;"
             f" {r['unpaired_speedup_vs_torchmetrics']:.1f}x in separate blocks)"
             f" | netcal {r['speedup_vs_netcal']:7.1f}x slower | all metrics {r['all_metrics_over_ece']:5.2f}x ECE"

@@ -16,14 +16,16 @@ def _seed():
     torch.manual_seed(0)
 
 
-@pytest.fixture(params=["numba", "torch"])
+@pytest.fixture(params=["cpp", "numba", "torch"])
 def cpu_backend(request):
-    """Runs a test once with the fused numba CPU kernels and once on the plain torch path."""
+    """Runs a metric test on each CPU path of the scan: the C++ operator, the numba kernels, plain torch."""
     from torchcal.functional import _kernels, use_cpu_extension, use_cpu_kernels
 
+    if request.param == "cpp":
+        request.getfixturevalue("cpp_extension")
     if request.param == "numba" and _kernels._compiled() is None:
         pytest.skip("numba is not installed (pip install 'torchcal[fast]')")
-    with use_cpu_kernels(request.param == "numba"), use_cpu_extension(False):
+    with use_cpu_kernels(request.param != "torch"), use_cpu_extension(request.param == "cpp"):
         yield request.param
 
 

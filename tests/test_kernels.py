@@ -1,4 +1,5 @@
-"""The fused numba CPU scan against the torch path, entry by entry, including the awkward inputs."""
+"""The fused CPU paths (the C++ operator and the numba kernels) against the torch path: the metrics' scan
+entry by entry, including the awkward inputs, and the fused losses."""
 
 import math
 
@@ -7,14 +8,25 @@ import torch
 
 import torchcal.functional as F
 from tests.conftest import make_probs
-from torchcal.functional import _kernels
+from torchcal.functional import _extension, _kernels
 from torchcal.functional._binning import scan_probs
 
 pytestmark = pytest.mark.skipif(_kernels._compiled() is None, reason="numba is not installed")
 
 
+@pytest.fixture(params=["cpp", "numba"])
+def fused(request):
+    """The fused path under test: the C++ operator or the numba kernels (``use_cpu_kernels(True)`` selects
+    it; ``use_cpu_kernels(False)`` is the plain torch path they are compared with)."""
+    if request.param == "cpp":
+        request.getfixturevalue("cpp_extension")
+    with F.use_cpu_extension(request.param == "cpp"):
+        yield request.param
+
+
 def both_paths(probs, targets, n_bins=15, classwise_bins=15):
     with F.use_cpu_kernels(True):
+        assert _extension.scan_applies(probs) == _extension.cpu_extension_available()
         assert _kernels.applies(probs)
         fused = scan_probs(probs, targets, classwise_bins, n_bins)
     with F.use_cpu_kernels(False):
@@ -37,14 +49,14 @@ def assert_same_scan(fused, plain, probs, targets):
 
 @pytest.mark.parametrize("n,k", [(1, 2), (7, 3), (500, 10), (300, 17), (64, 1000)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_fused_scan_equals_torch_path(n, k, dtype):
+def test_fused_scan_equals_torch_path(n, k, dtype, fused):
     probs, targets = make_probs(n, k, seed=n + k, dtype=dtype)
     fused, plain = both_paths(probs, targets)
     assert_same_scan(fused, plain, probs, targets)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_ties_in_the_maximum_predict_the_lowest_index(dtype):
+def test_ties_in_the_maximum_predict_the_lowest_index(dtype, fused):
     probs = torch.tensor(
         [[0.4, 0.4, 0.2], [0.4, 0.4, 0.2], [0.2, 0.4, 0.4], [1 / 3, 1 / 3, 1 / 3], [0.0, 0.5, 0.5]],
         dtype=dtype,
@@ -57,7 +69,7 @@ def test_ties_in_the_maximum_predict_the_lowest_index(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_confidences_on_bin_edges_and_at_one(dtype):
+def test_confidences_on_bin_edges_and_at_one(dtype, fused):
     # 0.6 and 0.2 are edges of 5 and 15 bins; 1.0 and an exact 0 sit at the ends
     probs = torch.tensor(
         [[0.6, 0.4], [0.4, 0.6], [1.0, 0.0], [0.0, 1.0], [0.8, 0.2], [0.5, 0.5]], dtype=dtype
@@ -68,7 +80,7 @@ def test_confidences_on_bin_edges_and_at_one(dtype):
         assert_same_scan(fused, plain, probs, targets)
 
 
-def test_negative_zero_is_a_valid_probability():
+def test_negative_zero_is_a_valid_probability(fused):
     probs = torch.tensor([[1.0, -0.0], [0.25, 0.75]])
     fused, plain = both_paths(probs, torch.tensor([0, 1]))
     assert fused.stats[1] == 0.0
@@ -84,7 +96,7 @@ def test_negative_zero_is_a_valid_probability():
         (0.7, "must sum to 1"),
     ],
 )
-def test_invalid_probabilities_give_the_same_error_on_both_paths(bad, message):
+def test_invalid_probabilities_give_the_same_error_on_both_paths(bad, message, fused):
     probs, targets = make_probs(50, 4, dtype=torch.float32)
     probs[17, 2] = bad
     for enabled in (True, False):
@@ -110,7 +122,7 @@ def test_kernels_skip_what_they_do_not_handle():
         assert not F.cpu_kernels_available()
 
 
-def test_targets_of_other_integer_dtypes():
+def test_targets_of_other_integer_dtypes(fused):
     probs, targets = make_probs(100, 6, dtype=torch.float32)
     ref = F.expected_calibration_error(probs, targets)
     for dtype in (torch.int32, torch.int16, torch.uint8):
@@ -128,7 +140,7 @@ def test_use_cpu_kernels_rejects_non_bool_and_restores_state():
     assert F.cpu_kernels_available() == before
 
 
-def test_probs_requiring_grad_are_scanned():
+def test_probs_requiring_grad_are_scanned(fused):
     logits = torch.randn(30, 4, requires_grad=True)
     targets = torch.randint(0, 4, (30,))
     with F.use_cpu_kernels(True):
@@ -171,16 +183,6 @@ def test_equal_mass_sums_match_array_split(n, m):
 
 
 # ----------------------------------------------------------------------------- fused focal-family losses
-
-
-@pytest.fixture(params=["cpp", "numba"])
-def fused(request):
-    """The fused loss path under test: the C++ operator or the numba kernels (``use_cpu_kernels(True)``
-    selects it; ``use_cpu_kernels(False)`` is the plain torch path they are compared with)."""
-    if request.param == "cpp":
-        request.getfixturevalue("cpp_extension")
-    with F.use_cpu_extension(request.param == "cpp"):
-        yield request.param
 
 
 def test_fused_losses_run_where_they_apply(fused):
@@ -283,7 +285,7 @@ def test_fused_adafocal_follows_gamma_updates(dual, fused):
     torch.testing.assert_close(after, expected, rtol=1e-5, atol=1e-6)
 
 
-def test_threaded_scan_matches_one_thread():
+def test_threaded_scan_matches_one_thread(fused):
     from torchcal.metrics import CalibrationMetrics
 
     probs, targets = make_probs(120_000, 10, seed=7, dtype=torch.float32)
@@ -292,14 +294,35 @@ def test_threaded_scan_matches_one_thread():
     try:
         for n_threads in (1, 3):
             torch.set_num_threads(n_threads)
-            assert len(_kernels._row_parts(*probs.shape)) - 1 == n_threads
+            if fused == "numba":
+                assert len(_kernels._row_parts(*probs.shape)) - 1 == n_threads
             m = CalibrationMetrics(10, equal_mass=False)
-            m.update(probs, targets)
+            with F.use_cpu_kernels(True):
+                m.update(probs, targets)
             results.append(m.compute())
     finally:
         torch.set_num_threads(threads)
     for name in results[0]:
-        torch.testing.assert_close(results[0][name], results[1][name], rtol=1e-12, atol=1e-12, msg=name)
+        if fused == "cpp":  # parts depend on N and K only, summed in order: identical for any thread count
+            assert torch.equal(results[0][name], results[1][name]), name
+        else:
+            torch.testing.assert_close(results[0][name], results[1][name], rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_cpp_scan_skips_what_it_does_not_handle(cpp_extension):
+    probs, _ = make_probs(40, 5, dtype=torch.float32)
+    assert _extension.scan_applies(probs)
+    assert not _extension.scan_applies(probs[:, ::2])  # strided: the numba or torch path
+    assert not _extension.scan_applies(probs.half())
+    with F.use_cpu_extension(False):
+        assert not _extension.scan_applies(probs)
+
+
+def test_cpp_scan_names_the_bad_label(cpp_extension):
+    probs, targets = make_probs(40, 5, dtype=torch.float32)
+    targets[9], targets[30] = 7, -1
+    with pytest.raises(ValueError, match=r"`targets` must lie in \[0, 5\), found label 7"):
+        _extension.top_label_scan(probs, targets, 15, 15)
 
 
 def test_fused_losses_without_gradients(fused):

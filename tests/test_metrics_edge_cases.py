@@ -156,3 +156,19 @@ def test_ties_with_many_classes_predict_the_lowest_index():
     assert F.error_rate(probs, torch.tensor([3, 7])).item() == 0.5  # class 3 is the prediction
     uniform = torch.full((3, 20), 0.05, dtype=torch.float64)
     assert F.error_rate(uniform, torch.tensor([0, 1, 19])).item() == pytest.approx(2 / 3)
+
+
+@pytest.mark.parametrize("sigma", [0.003, 0.01, 0.0625, 0.4, 1.0])  # G = 3334 below σ = 0.01, else 1001
+def test_smece_convolution_in_numpy_equals_the_torch_steps(sigma):
+    """CPU data is smoothed in numpy (the σ search evaluates a dozen bandwidths; small torch ops cost more
+    than the FFTs); other devices take the torch steps. The two agree on the same data."""
+    from torchcal.functional.calibration import _smooth_ece_at
+
+    g = torch.Generator().manual_seed(3)
+    conf = 0.3 + 0.7 * torch.rand(3000, generator=g, dtype=torch.float64)
+    correct = torch.rand(3000, generator=g, dtype=torch.float64) < conf**2
+    in_numpy = _smooth_ece_at(conf, correct, sigma, in_numpy=True)
+    in_torch = _smooth_ece_at(conf, correct, sigma, in_numpy=False)
+    assert in_numpy.dtype == in_torch.dtype == torch.float64
+    assert 0.0 < in_torch.item() < 1.0
+    assert abs(in_numpy.item() - in_torch.item()) < 1e-12

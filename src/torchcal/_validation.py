@@ -197,9 +197,9 @@ def _scores_and_targets(
         check_prob_stats(row_stats(probs.sum(dim=1), probs.amin()), name, tol, probs.shape[1])
     if num_classes is not None and probs.shape[1] != num_classes:
         raise ValueError(f"`{name}` has {probs.shape[1]} classes, this metric was built for {num_classes}")
-    from .functional import _kernels
+    from .functional import _extension, _kernels
 
-    in_scan = fused_scan and _kernels.applies(probs)
+    in_scan = fused_scan and (_extension.scan_applies(probs) or _kernels.applies(probs))
     targets = check_targets(targets, probs.shape[0], probs.shape[1], check_range=not in_scan)
     if targets.device != probs.device:
         raise ValueError(f"`targets` is on {targets.device} but `{name}` is on {probs.device}")

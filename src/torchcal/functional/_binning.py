@@ -185,18 +185,20 @@ def scan_probs(
     statistics and, on request, the top-label equal-width bin sums (``n_bins``) and the classwise bin sums of
     :func:`classwise_sums` (``classwise_bins``).
 
-    On contiguous float32/float64 CPU tensors with numba installed this is one fused compiled pass
-    (:mod:`torchcal.functional._kernels`). Otherwise rows are copied chunk by chunk into a small
+    On contiguous float32/float64 CPU tensors this is one fused compiled pass: the C++ operator's when it
+    is built (:mod:`torchcal.functional._extension`), else numba's (:mod:`torchcal.functional._kernels`).
+    Otherwise rows are copied chunk by chunk into a small
     cache-resident scratch buffer, where the row sums, the minimum (for validation), the maximum over the
     other classes are taken; memory is read once. This avoids ``torch.max(dim=1)``, whose index-returning
     reduction is 4-6x slower on CPU than ``amax``: the true class is the argmax iff p_true > max_{j != y} p_j,
     the confidence is max(p_true, that maximum), and rows where p_true ties it are resolved with an exact
     ``argmax`` (lowest index wins) on those rows only.
     """
-    from . import _kernels
+    from . import _extension, _kernels
 
-    if _kernels.applies(probs):
-        conf, correct, worst, lowest, nonfinite, top, cw, sum_sq = _kernels.top_label_scan(
+    fused = _extension if _extension.scan_applies(probs) else _kernels if _kernels.applies(probs) else None
+    if fused is not None:
+        conf, correct, worst, lowest, nonfinite, top, cw, sum_sq = fused.top_label_scan(
             probs, targets, n_bins, classwise_bins
         )
         classwise = None if cw is None else _FinishedClasswise(cw)

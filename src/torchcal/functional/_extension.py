@@ -15,7 +15,10 @@ Flags: where torch runs on GNU OpenMP (Linux wheels) the library is compiled wit
 ``at::parallel_for`` shares torch's threads (without it the operator runs on one thread), and on x86-64 for the CPU that builds it (``-march=native``: AVX2
 or AVX-512 vectors). A native build's name includes the CPU's model and feature flags, so a cache directory
 shared by different machines never hands one a library for another's ISA; it builds its own. When the compiler
-refuses these flags (Clang without libomp, say), the portable flags ``-O3`` are used instead. ``TORCHCAL_CPP=0`` or :func:`use_cpu_extension` turns it off;
+refuses these flags (Clang without libomp, say), the portable flags ``-O3 -fopenmp-simd`` are used instead.
+
+Besides the losses the library holds the metrics' top-label scan (``torch.ops.torchcal.top_label_scan``,
+``csrc/scan.h``): the numba scan's pass and conventions, on torch's threads. ``TORCHCAL_CPP=0`` or :func:`use_cpu_extension` turns it off;
 :func:`~torchcal.functional.use_cpu_kernels` (False) turns off both it and numba.
 """
 
@@ -31,14 +34,17 @@ from pathlib import Path
 
 import torch
 
+from .._validation import label_range_error
 from . import _kernels
 
 __all__ = ["build_cpu_extension", "cpu_extension_available", "use_cpu_extension"]
 
+_SCAN_DTYPES = (torch.float32, torch.float64)
+
 SOURCE = Path(__file__).with_name("csrc") / "fused_losses.cpp"
-HEADERS = (SOURCE.with_name("true_class.h"),)
+HEADERS = (SOURCE.with_name("true_class.h"), SOURCE.with_name("scan.h"))
 REDUCTION_CODES = {"none": 0, "mean": 1, "sum": 2}
-PORTABLE_FLAGS = ["-O3"]
+PORTABLE_FLAGS = ["-O3", "-fopenmp-simd"]
 
 
 def _torch_uses_libgomp() -> bool:
@@ -56,16 +62,14 @@ def _torch_uses_libgomp() -> bool:
 def _native_flags() -> list[str]:
     """The preferred flags on this platform: OpenMP where torch runs on libgomp, the machine's ISA on
     x86-64."""
-    flags = ["-O3"]
-    if _torch_uses_libgomp():
-        flags.append("-fopenmp")
+    flags = ["-O3", "-fopenmp" if _torch_uses_libgomp() else "-fopenmp-simd"]
     if platform.machine().lower() in ("x86_64", "amd64"):
         flags.append("-march=native")
     return flags
 
 
 # the flag sets tried in order: the first that compiles is built; loading looks for each one's library
-FLAG_SETS = [_native_flags(), PORTABLE_FLAGS]
+FLAG_SETS = [_native_flags()] + ([PORTABLE_FLAGS] if _native_flags() != PORTABLE_FLAGS else [])
 
 _state = {"enabled": _kernels.env_enabled("TORCHCAL_CPP"), "loaded": None}
 _lock = threading.Lock()
@@ -243,3 +247,34 @@ def fused_true_class(logits, targets, spec: _kernels.LossSpec, reduction: str) -
         # the overload's C++ callable: its Python __call__ and the torch.ops lookups cost ~1.5 µs a call
         op = _state["op"] = getattr(overload, "_op", overload)
     return op(logits, targets, params, sample, REDUCTION_CODES[reduction])
+
+
+def scan_applies(probs: torch.Tensor) -> bool:
+    """Whether the C++ top-label scan takes these probabilities (built and enabled; contiguous float32/64
+    CPU tensor)."""
+    return (
+        probs.dtype in _SCAN_DTYPES and probs.is_cpu and probs.is_contiguous() and cpu_extension_available()
+    )
+
+
+def top_label_scan(probs, targets, n_bins=None, classwise_bins=None):
+    """:func:`torchcal.functional._kernels.top_label_scan` (same arguments and results) by the C++ operator:
+    one pass on torch's threads, summed in an order that does not depend on the thread count."""
+    op = _state.get("scan")
+    if op is None:
+        overload = torch.ops.torchcal.top_label_scan.default
+        op = _state["scan"] = getattr(overload, "_op", overload)
+    conf, correct, top, cw, stats = op(probs.detach(), targets.detach(), n_bins or 0, classwise_bins or 0)
+    worst, lowest, nonfinite, sum_sq, n_bad = stats.tolist()
+    if n_bad:
+        raise label_range_error(targets, probs.shape[1])
+    return (
+        conf,
+        correct,
+        worst,
+        lowest,
+        bool(nonfinite),
+        tuple(top.unbind(0)) if n_bins else None,
+        tuple(cw.unbind(0)) if classwise_bins else None,
+        sum_sq,
+    )

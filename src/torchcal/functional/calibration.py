@@ -314,26 +314,32 @@ def _spread(conf: torch.Tensor, correct: torch.Tensor, g: int) -> torch.Tensor:
     return grids
 
 
-def _smooth_ece_at(conf: torch.Tensor, correct: torch.Tensor, sigma: float, cache=None) -> torch.Tensor:
+def _smooth_ece_at(
+    conf: torch.Tensor, correct: torch.Tensor, sigma: float, cache=None, in_numpy: bool | None = None
+) -> torch.Tensor:
     """smECE at a fixed bandwidth with the discretisation of the relplot package (Błasiok & Nakkiran 2023).
 
     Samples are spread linearly onto a regular grid of G points on [0, 1], G = max(2000, round(20/σ))//2 + 1;
     the grid is convolved with a Gaussian of width σ after reflecting it at 0 and 1; both smoothed residual
     r̂ and density δ̂ are read by linear interpolation at E = max(round(10/σ), 200) points, δ̂ gets +1e-4,
-    and smECE_σ = Σ |r̂| / Σ δ̂.
+    and smECE_σ = Σ |r̂| / Σ δ̂. CPU data is convolved in numpy (``in_numpy``, default: on CPU).
     """
     dev = conf.device
+    in_numpy = dev.type == "cpu" if in_numpy is None else in_numpy
     g = max(2000, round(20 / sigma)) // 2 + 1
     size = 1 << (4 * g - 4).bit_length()  # >= 4G - 3 (full linear convolution), a fast FFT length
     cache = {} if cache is None else cache
-    if g not in cache:  # the data's spectra depend on σ only through G; σ >= 0.01 share G = 1001
+    key = (g, in_numpy)
+    if key not in cache:  # the data's spectra depend on σ only through G; σ >= 0.01 share G = 1001
         grids = _spread(conf, correct, g)
         ext = torch.cat([grids.flip(1)[:, :-1], grids, grids.flip(1)[:, 1:]], dim=1)  # reflect: 3G - 2
-        cache[g] = torch.fft.rfft(ext, size)
+        cache[key] = np.fft.rfft(ext.numpy(), size) if in_numpy else torch.fft.rfft(ext, size)
+    if in_numpy:
+        return torch.tensor(_smooth_ece_at_numpy(cache[key], g, size, sigma), dtype=torch.float64)
 
     t = torch.linspace(0, 1, g, dtype=torch.float64, device=dev)
     kernel = torch.exp(-((t - 0.5) ** 2) / (2 * sigma**2)) / (math.sqrt(2 * math.pi) * sigma)
-    full = torch.fft.irfft(cache[g] * torch.fft.rfft(kernel, size), size)
+    full = torch.fft.irfft(cache[key] * torch.fft.rfft(kernel, size), size)
     start = g - 1 + g // 2  # the 'valid' part starts at G - 1; keep the G values centred on the data
     smoothed_residual, smoothed_ones = full[:, start : start + g]
 
@@ -348,6 +354,24 @@ def _smooth_ece_at(conf: torch.Tensor, correct: torch.Tensor, sigma: float, cach
     num = interp(smoothed_residual)
     den = interp(smoothed_ones) + 1e-4
     return num.abs().sum() / den.sum()
+
+
+def _smooth_ece_at_numpy(spectra: np.ndarray, g: int, size: int, sigma: float) -> float:
+    """:func:`_smooth_ece_at` for CPU data in numpy, from the data's spectra: the same steps, without the
+    fixed cost of some fifteen small torch ops per bandwidth (the σ search evaluates a dozen; tested equal to
+    the torch steps to 1e-12)."""
+    t = np.linspace(0.0, 1.0, g)
+    kernel = np.exp(-((t - 0.5) ** 2) / (2 * sigma**2)) / (math.sqrt(2 * math.pi) * sigma)
+    full = np.fft.irfft(spectra * np.fft.rfft(kernel, size), size)
+    start = g - 1 + g // 2
+    smoothed_residual, smoothed_ones = full[:, start : start + g]
+    e = max(round(10 / sigma), 200)
+    pos = np.linspace(0.0, 1.0, e) * (g - 1)
+    idx = np.clip(pos.astype(np.int64), 0, g - 2)
+    w = pos - idx
+    num = smoothed_residual[idx] * (1 - w) + smoothed_residual[idx + 1] * w
+    den = smoothed_ones[idx] * (1 - w) + smoothed_ones[idx + 1] * w + 1e-4
+    return float(np.abs(num).sum() / den.sum())
 
 
 def smooth_ece_from_conf(conf, correct, sigma=None, eps: float = 1e-3, refine: int = 10):

@@ -21,9 +21,12 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
+#include "scan.h"
 #include "true_class.h"
 
 #include <atomic>
+#include <tuple>
+#include <vector>
 
 namespace {
 
@@ -209,14 +212,108 @@ at::Tensor fused_true_class_autograd(const at::Tensor& logits, const at::Tensor&
   return FusedTrueClass::apply(logits, targets, params, sample_gammas, reduction, keep);
 }
 
+// The float64 edges b/M of _binning (as numpy's arange(M + 1) / M)
+std::vector<double> bin_edges(int64_t m) {
+  std::vector<double> edges(static_cast<size_t>(std::max<int64_t>(m, 1) + 1));
+  for (size_t b = 0; b < edges.size(); ++b) edges[b] = static_cast<double>(b) / static_cast<double>(std::max<int64_t>(m, 1));
+  return edges;
+}
+
+// The metrics' top-label scan (scan.h) over contiguous CPU probabilities (N, K), rows in parallel:
+//   top_label_scan(probs, targets, n_bins, classwise_bins) -> (conf, correct, top, classwise, stats)
+// conf (N,) in the input dtype, correct (N,) bool; top (3, n_bins) float64 equal-width (count, conf sum,
+// correct sum); classwise (3, K, classwise_bins) float64 (count, p sum, label count; bin 0 finished from the
+// column totals); stats float64 [largest |row sum − 1|, most negative entry or 0, any non-finite row sum,
+// Σ p², labels outside [0, K)] (the caller raises). n_bins or classwise_bins 0: that part is skipped (an
+// empty tensor). The rows are cut into parts that depend on N and K only and the parts' sums are added in
+// order, so the results are the same for any thread count.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> top_label_scan_cpu(
+    const at::Tensor& probs, const at::Tensor& targets, int64_t n_bins, int64_t classwise_bins) {
+  TORCH_CHECK_VALUE(probs.dim() == 2, "`probs` must have shape (N, K), got ", probs.sizes());
+  TORCH_CHECK_VALUE(probs.device().is_cpu() && targets.device().is_cpu(), "top_label_scan runs on CPU");
+  TORCH_CHECK_VALUE(probs.scalar_type() == at::kFloat || probs.scalar_type() == at::kDouble,
+                    "`probs` must be float32 or float64, got ", probs.scalar_type());
+  TORCH_CHECK_VALUE(targets.dim() == 1 && targets.size(0) == probs.size(0),
+                    "`targets` must have shape (", probs.size(0), ",), got ", targets.sizes());
+  TORCH_CHECK_VALUE(n_bins >= 0 && classwise_bins >= 0, "bin counts must be >= 0");
+  const at::Tensor p = probs.contiguous();
+  const at::Tensor t = targets.to(at::kLong).contiguous();
+  const int64_t n = p.size(0), k = p.size(1), m = n_bins, mc = classwise_bins;
+  const auto f64 = p.options().dtype(at::kDouble);
+  // parts of >= 2^14 entries (a hand-off to a waiting OpenMP thread pays for itself), at most 64, and at
+  // most 64 MB of
+  // per-part classwise tables
+  const int64_t table = mc > 0 ? (3 * mc + 1) * k : 0;
+  int64_t parts = std::min<int64_t>({64, std::max<int64_t>(1, n * k >> 14), n});
+  if (table > 0) parts = std::max<int64_t>(1, std::min<int64_t>(parts, (int64_t{8} << 20) / table));
+  parts = std::max<int64_t>(parts, 1);
+  const int64_t rows = (n + parts - 1) / std::max<int64_t>(parts, 1);
+  at::Tensor conf = at::empty({n}, p.options());
+  at::Tensor correct = at::empty({n}, p.options().dtype(at::kBool));
+  at::Tensor tops = at::zeros({parts, 3 * m}, f64);
+  at::Tensor tables = at::zeros({parts, table}, f64);
+  std::vector<ScanStats> stats(static_cast<size_t>(parts));
+  const std::vector<double> edges = bin_edges(m), cw_edges = bin_edges(mc);
+  AT_DISPATCH_FLOATING_TYPES(p.scalar_type(), "top_label_scan", [&] {
+    const scalar_t* pp = p.data_ptr<scalar_t>();
+    const int64_t* tp = t.data_ptr<int64_t>();
+    scalar_t* cp = conf.data_ptr<scalar_t>();
+    bool* hp = correct.data_ptr<bool>();
+    double* topp = tops.data_ptr<double>();
+    double* tabp = tables.data_ptr<double>();
+    at::parallel_for(0, parts, 1, [&](int64_t first, int64_t last) {
+      for (int64_t c = first; c < last; ++c) {
+        double* tab = tabp + c * table;
+        stats[static_cast<size_t>(c)] =
+            scan_rows<scalar_t>(pp, tp, std::min(n, c * rows), std::min(n, (c + 1) * rows), k, m, edges.data(),
+                                mc, cw_edges.data(), cp, hp, topp + c * 3 * m, tab, tab + 3 * mc * k);
+      }
+    });
+  });
+  ScanStats total;
+  for (const ScanStats& s : stats) total.add(s);
+  at::Tensor top = tops.sum(0).view({3, m});  // summed in part order
+  at::Tensor classwise = at::empty({3, k, mc}, f64);
+  if (mc > 0) {
+    const at::Tensor sums = tables.sum(0);
+    const double* sp = sums.data_ptr<double>();
+    double* out = classwise.data_ptr<double>();
+    std::copy(sp, sp + 3 * mc * k, out);
+    const double* col_total = sp + 3 * mc * k;
+    for (int64_t j = 0; j < k; ++j) {  // bin 0 gets the rest of each column, as _ClasswiseAccumulator
+      double count = 0.0, psum = 0.0;
+      for (int64_t b = 1; b < mc; ++b) {
+        count += out[j * mc + b];
+        psum += out[k * mc + j * mc + b];
+      }
+      out[j * mc] = static_cast<double>(n) - count;
+      out[k * mc + j * mc] = std::max(col_total[j] - psum, 0.0);
+    }
+  }
+  at::Tensor st = at::empty({5}, f64);
+  double* sp = st.data_ptr<double>();
+  sp[0] = total.worst;
+  sp[1] = total.lowest;
+  sp[2] = total.nonfinite ? 1.0 : 0.0;
+  sp[3] = total.sum_sq;
+  sp[4] = static_cast<double>(total.n_bad);
+  return {conf, correct, top, classwise, st};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(torchcal, m) {
   m.def(
       "fused_true_class(Tensor logits, Tensor targets, Tensor params, Tensor? sample_gammas, int reduction) -> "
       "Tensor");
+  m.def(
+      "top_label_scan(Tensor probs, Tensor targets, int n_bins, int classwise_bins) -> "
+      "(Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(torchcal, CPU, m) { m.impl("fused_true_class", fused_true_class_cpu); }
+TORCH_LIBRARY_IMPL(torchcal, CPU, m) {
+  m.impl("fused_true_class", fused_true_class_cpu);
+  m.impl("top_label_scan", top_label_scan_cpu);
+}
 
 TORCH_LIBRARY_IMPL(torchcal, AutogradCPU, m) { m.impl("fused_true_class", fused_true_class_autograd); }

@@ -1,0 +1,151 @@
+// The metrics' top-label scan: plain C++17 (no torch), included by fused_losses.cpp. The same pass and
+// conventions as the numba kernels scan_short_rows / scan_long_rows and classwise of _numba_kernels.py: one
+// read of each row gives the validation statistics, the top-label confidence and correctness, the
+// equal-width top-label bin sums and the classwise bin sums.
+
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "true_class.h"  // the vector helpers
+
+namespace torchcal {
+
+// Σ v and Σ v² in float64 lanes, and the largest and smallest entry, over [j, stop) (a multiple of the
+// width) of a row with Bytes-wide vectors
+template <typename T, int Bytes>
+inline void stats_span(const T* row, int64_t j, int64_t stop, double& s, double& sq, T& hi, T& lo) {
+  if (j >= stop) return;
+  using V = typename Vec<T, Bytes>::type;
+  constexpr int W = Vec<T, Bytes>::width;
+  constexpr int DB = W * 8;  // the same lanes in float64
+  using D = typename Vec<double, DB>::type;
+  V vhi = broadcast<V>(hi), vlo = broadcast<V>(lo);
+  D ds = {}, dsq = {};
+  for (; j < stop; j += W) {
+    const V v = load<V>(row + j);
+    const D d = __builtin_convertvector(v, D);
+    ds += d;
+    dsq += d * d;
+    vhi = vhi < v ? v : vhi;
+    vlo = v < vlo ? v : vlo;
+  }
+  const auto fs = fold<double, DB>(ds, Add{}), fsq = fold<double, DB>(dsq, Add{});
+  s += fs[0] + fs[1];
+  sq += fsq[0] + fsq[1];
+  const auto fh = fold<T, Bytes>(vhi, Max{});
+  const auto fl = fold<T, Bytes>(-vlo, Max{});  // the minimum as the maximum of the negated lanes
+  for (int l = 0; l < Vec<T, 16>::width; ++l) {
+    hi = hi < fh[l] ? fh[l] : hi;
+    lo = -fl[l] < lo ? -fl[l] : lo;
+  }
+}
+
+// Bin of a float64 value among the float64 edges b/M: (e_b, e_{b+1}], 0 in bin 0 (as _binning); the
+// product v·M gives the bin up to rounding, the exact edges settle it.
+inline int64_t bin_index(double v, int64_t m, const double* edges) {
+  int64_t b = static_cast<int64_t>(v * static_cast<double>(m));
+  b = std::min(std::max<int64_t>(b, 0), m - 1);
+  while (b > 0 && v <= edges[b]) --b;
+  while (b < m - 1 && v > edges[b + 1]) ++b;
+  return b;
+}
+
+// validation statistics of a part of the rows
+struct ScanStats {
+  double worst = 0.0;   // largest |Σ_j p_ij − 1|
+  double lowest = 0.0;  // most negative entry, 0 if none
+  bool nonfinite = false;
+  double sum_sq = 0.0;  // Σ_ij p_ij²
+  int64_t n_bad = 0;    // labels outside [0, K)
+
+  void add(const ScanStats& o) {
+    worst = std::max(worst, o.worst);
+    lowest = std::min(lowest, o.lowest);
+    nonfinite = nonfinite || o.nonfinite;
+    sum_sq += o.sum_sq;
+    n_bad += o.n_bad;
+  }
+};
+
+// Rows [begin, end) of p (N, K). Writes conf[i] (the row maximum) and correct[i] (the first index of the
+// maximum is the label); with m > 0 adds (count, conf sum, correct sum) of the equal-width bins to top
+// (3·m); with mc > 0 adds the classwise sums to cw (3·K·mc: count, p sum, label count per class and bin)
+// and the column totals to col_total (K): entries above the first edge are binned one by one, bin 0 is
+// finished by the caller from the totals (most entries of a long row are in bin 0).
+template <typename scalar_t>
+ScanStats scan_rows(const scalar_t* p, const int64_t* t, int64_t begin, int64_t end, int64_t k, int64_t m,
+                    const double* edges, int64_t mc, const double* cw_edges, scalar_t* conf, bool* correct,
+                    double* top, double* cw, double* col_total) {
+  ScanStats st;
+  const double first_edge = mc > 0 ? cw_edges[1] : 0.0;
+  for (int64_t i = begin; i < end; ++i) {
+    const scalar_t* row = p + i * k;
+    int64_t y = t[i];
+    st.n_bad += (y < 0) | (y >= k);
+    y = std::min(std::max<int64_t>(y, 0), k - 1);
+    double s = 0.0, sq = 0.0;
+    scalar_t hi = row[0], lo = row[0];
+    {
+      // wide spans of as many lanes as one float64 vector of the ISA holds (the sums are float64)
+      constexpr int kBytes = std::max(16, kWideBytes * static_cast<int>(sizeof(scalar_t)) / 8);
+      constexpr int WW = Vec<scalar_t, kBytes>::width, WN = Vec<scalar_t, 16>::width;
+      const int64_t wide = k >= 2 * WW ? k - k % WW : 0;
+      const int64_t narrow = wide + (k - wide) / WN * WN;
+      stats_span<scalar_t, kBytes>(row, 0, wide, s, sq, hi, lo);
+      stats_span<scalar_t, 16>(row, wide, narrow, s, sq, hi, lo);
+      for (int64_t j = narrow; j < k; ++j) {
+        const scalar_t x = row[j];
+        const double v = static_cast<double>(x);
+        s += v;
+        sq += v * v;
+        hi = hi < x ? x : hi;
+        lo = x < lo ? x : lo;
+      }
+    }
+    st.sum_sq += sq;
+    if (!std::isfinite(s)) st.nonfinite = true;
+    st.worst = std::max(st.worst, std::abs(s - 1.0));
+    if (lo < 0) st.lowest = std::min(st.lowest, static_cast<double>(lo));
+    // the prediction is the first index of the maximum: the label is predicted when p_y is the maximum
+    // and no earlier entry holds it (a vectorised search of [0, y))
+    bool hit = row[y] == hi;
+    if (hit && y > 0) {
+      constexpr int WN = Vec<scalar_t, 16>::width;
+      const int64_t whole = y - y % WN;
+      int64_t j = first_vector_with<scalar_t, 16>(row, 0, whole, hi);
+      while (j < y && row[j] != hi) ++j;
+      hit = j == y;
+    }
+    conf[i] = hi;
+    correct[i] = hit;
+    if (m > 0) {
+      const double c = static_cast<double>(hi);
+      double* b = top + bin_index(c, m, edges);
+      b[0] += 1.0;
+      b[m] += c;
+      b[2 * m] += hit;
+    }
+    if (mc > 0) {
+      double* count = cw;
+      double* psum = cw + k * mc;
+      double* labels = cw + 2 * k * mc;
+#pragma omp simd
+      for (int64_t j = 0; j < k; ++j) col_total[j] += static_cast<double>(row[j]);
+      for (int64_t j = 0; j < k; ++j) {
+        const double v = static_cast<double>(row[j]);
+        if (v > first_edge) {
+          const int64_t b = j * mc + bin_index(v, mc, cw_edges);
+          count[b] += 1.0;
+          psum[b] += v;
+        }
+      }
+      labels[y * mc + bin_index(static_cast<double>(row[y]), mc, cw_edges)] += 1.0;
+    }
+  }
+  return st;
+}
+
+}  // namespace torchcal
