@@ -69,7 +69,8 @@ def _native_flags() -> list[str]:
 
 
 # the flag sets tried in order: the first that compiles is built; loading looks for each one's library
-FLAG_SETS = [_native_flags()] + ([PORTABLE_FLAGS] if _native_flags() != PORTABLE_FLAGS else [])
+_PREFERRED_FLAGS = _native_flags()
+FLAG_SETS = [_PREFERRED_FLAGS] + ([PORTABLE_FLAGS] if _PREFERRED_FLAGS != PORTABLE_FLAGS else [])
 
 _state = {"enabled": _kernels.env_enabled("TORCHCAL_CPP"), "loaded": None}
 _lock = threading.Lock()
@@ -200,8 +201,9 @@ def build_cpu_extension(verbose: bool = False) -> Path:
 
 
 def cpu_extension_available() -> bool:
-    """True when the C++ loss operator is built, loaded and enabled (``TORCHCAL_CPP`` unset or not 0, and
-    CPU kernels not switched off with :func:`~torchcal.functional.use_cpu_kernels`).
+    """True when the C++ operators (the fused losses and the metrics' scan) are built, loaded and enabled
+    (``TORCHCAL_CPP`` unset or not 0, and CPU kernels not switched off with
+    :func:`~torchcal.functional.use_cpu_kernels`).
 
     Example:
         >>> from torchcal.functional import cpu_extension_available, use_cpu_extension
@@ -219,8 +221,8 @@ def cpu_extension_available() -> bool:
 
 
 def use_cpu_extension(enabled: bool):
-    """Context manager that switches the C++ loss operator on or off, process-wide (with it off, the numba
-    kernels or the torch path compute the losses). Switching it on does not build it.
+    """Context manager that switches the C++ operators (losses and the metrics' scan) on or off, process-wide
+    (with them off, the numba kernels or the torch path compute). Switching them on does not build them.
 
     Example:
         >>> import torch
