@@ -35,7 +35,7 @@ def test_build_extension_reports_the_library_or_the_failure(monkeypatch, cpp_ext
 
     result = runner.invoke(app, ["build-extension"])
     assert result.exit_code == 0, result.output
-    assert "C++ loss operator ready" in result.output and ".so" in result.output
+    assert "C++ operators (losses, metrics scan) ready" in result.output and ".so" in result.output
 
     def broken(verbose=False):
         raise RuntimeError("Error building extension 'torchcal_fused': c++ not found")
@@ -43,4 +43,4 @@ def test_build_extension_reports_the_library_or_the_failure(monkeypatch, cpp_ext
     monkeypatch.setattr(F, "build_cpu_extension", broken)
     result = runner.invoke(app, ["build-extension"])
     assert result.exit_code == 1
-    assert "could not build the C++ loss operator" in result.output and "c++ not found" in result.output
+    assert "could not build the C++ operators" in result.output and "c++ not found" in result.output
