@@ -53,6 +53,15 @@ inline int64_t bin_index(double v, int64_t m, const double* edges) {
   return b;
 }
 
+// The first index of ``value`` in a row of at most 16 entries (present), branch-free: a bit per entry
+// equal to it, then the lowest set bit.
+template <typename T>
+inline int64_t first_index_of(const T* row, int64_t k, T value) {
+  uint32_t mask = 0;
+  for (int64_t j = 0; j < k; ++j) mask |= static_cast<uint32_t>(row[j] == value) << j;
+  return __builtin_ctz(mask | (uint32_t{1} << 16));
+}
+
 // validation statistics of a part of the rows
 struct ScanStats {
   double worst = 0.0;   // largest |Σ_j p_ij − 1|
@@ -111,8 +120,10 @@ ScanStats scan_rows(const scalar_t* p, const int64_t* t, int64_t begin, int64_t 
     if (lo < 0) st.lowest = std::min(st.lowest, static_cast<double>(lo));
     // the prediction is the first index of the maximum: the label is predicted when p_y is the maximum
     // and no earlier entry holds it (a vectorised search of [0, y))
-    bool hit = row[y] == hi;
-    if (hit && y > 0) {
+    bool hit;
+    if (k <= 16) {  // short rows: no branch (p_y is the maximum for about half the rows: unpredictable)
+      hit = first_index_of(row, k, hi) == y;
+    } else if ((hit = row[y] == hi) && y > 0) {
       constexpr int WN = Vec<scalar_t, 16>::width;
       const int64_t whole = y - y % WN;
       int64_t j = first_vector_with<scalar_t, 16>(row, 0, whole, hi);
