@@ -240,11 +240,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> top_label
   const at::Tensor t = targets.to(at::kLong).contiguous();
   const int64_t n = p.size(0), k = p.size(1), m = n_bins, mc = classwise_bins;
   const auto f64 = p.options().dtype(at::kDouble);
-  // parts of >= 2^14 entries (a hand-off to a waiting OpenMP thread pays for itself), at most 64, and at
-  // most 64 MB of per-part classwise tables
+  // parts of >= 2^14 entries (a hand-off to a waiting OpenMP thread pays for itself), at most 64, and
+  // about 8 MB of per-part classwise tables (at least 2 parts; 50k x 1000 had made 64 tables of 368 KB,
+  // each allocated, zeroed and summed on every call)
   const int64_t table = mc > 0 ? (3 * mc + 1) * k : 0;
   int64_t parts = std::min<int64_t>({64, std::max<int64_t>(1, n * k >> 14), n});
-  if (table > 0) parts = std::max<int64_t>(1, std::min<int64_t>(parts, (int64_t{8} << 20) / table));
+  if (table > 0) parts = std::min<int64_t>(parts, std::max<int64_t>(2, (int64_t{1} << 20) / table));
   parts = std::max<int64_t>(parts, 1);
   const int64_t rows = (n + parts - 1) / std::max<int64_t>(parts, 1);
   at::Tensor conf = at::empty({n}, p.options());
