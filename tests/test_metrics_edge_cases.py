@@ -172,3 +172,62 @@ def test_smece_convolution_in_numpy_equals_the_torch_steps(sigma):
     assert in_numpy.dtype == in_torch.dtype == torch.float64
     assert 0.0 < in_torch.item() < 1.0
     assert abs(in_numpy.item() - in_torch.item()) < 1e-12
+
+
+@pytest.mark.parametrize("g", [2, 3, 1001, 1334, 3334])
+def test_smece_fft_length_keeps_the_wanted_outputs_free_of_aliasing(g):
+    """The convolution's FFT length is the smallest 5-smooth length holding the reflected grid; the G
+    outputs smECE keeps equal those of a full linear convolution."""
+    import numpy as np
+
+    from torchcal.functional.calibration import _fft_size
+
+    size = _fft_size(g)
+    assert size >= 3 * g - 2
+    assert _is_5_smooth(size)
+    assert not any(_is_5_smooth(m) for m in range(3 * g - 2, size))  # the smallest such length
+    rng = np.random.default_rng(g)
+    ext, kernel = rng.random(3 * g - 2), rng.random(g)
+    full = np.convolve(ext, kernel)  # the linear convolution, 4G - 3 values
+    circular = np.fft.irfft(np.fft.rfft(ext, size) * np.fft.rfft(kernel, size), size)
+    start = g - 1 + g // 2
+    np.testing.assert_allclose(circular[start : start + g], full[start : start + g], rtol=1e-10, atol=1e-10)
+
+
+def _is_5_smooth(m):
+    for p in (2, 3, 5):
+        while m % p == 0:
+            m //= p
+    return m == 1
+
+
+@pytest.mark.parametrize("m", [3, 1000, 1777, 2999])
+def test_sweep_blocks_find_the_same_bin_count_as_a_loop_over_b(m):
+    """One swapped pair in otherwise sorted correctness: the sweep stops at a large b (thousands), so the
+    search crosses several blocks; a plain loop over b (numpy's array_split sizes) is the reference."""
+    import numpy as np
+
+    n = 3000
+    conf = torch.linspace(0.5, 0.99, n, dtype=torch.float64)
+    correct = np.zeros(n)
+    correct[m:] = 1.0
+    correct[m - 1], correct[m] = 1.0, 0.0
+
+    def bins(b):  # array_split: the first n mod b parts one longer
+        sizes = np.full(b, n // b)
+        sizes[: n % b] += 1
+        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        return starts, sizes
+
+    best = 1
+    for b in range(2, n + 1):
+        starts, sizes = bins(b)
+        if (np.diff(np.add.reduceat(correct, starts) / sizes) < 0).any():
+            break
+        best = b
+    probs = torch.stack([conf, 1 - conf], 1)
+    value, b = F.ece_sweep(probs, torch.from_numpy(1 - correct).long(), return_n_bins=True)
+    assert b == best and b > 64
+    starts, sizes = bins(b)
+    gaps = np.abs(np.add.reduceat(correct, starts) - np.add.reduceat(conf.numpy(), starts)) / n
+    assert value.item() == pytest.approx(gaps.sum(), abs=1e-12)

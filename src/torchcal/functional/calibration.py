@@ -8,6 +8,7 @@ streaming :class:`torchcal.metrics.CalibrationMetrics` calls them too, so stream
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -98,10 +99,31 @@ def debiased_from_sums(count, conf_sum, correct_sum) -> torch.Tensor:
     return ((count / n) * per_bin).sum(-1).clamp(min=0).sqrt()
 
 
+def _first_non_monotone(c_corr: torch.Tensor, n: int, lo: int, hi: int) -> int | None:
+    """The smallest b in [lo, hi] whose b equal-mass bins (the first N mod b of size N // b + 1) have
+    decreasing accuracies somewhere, None if there is none: every (b, bin) pair of the block at once, from
+    the prefix sums ``c_corr`` of the sorted correctness (integer sums: the comparisons are exact)."""
+    dev = c_corr.device
+    bs = torch.arange(lo, hi + 1, device=dev)
+    b = torch.repeat_interleave(bs, bs)  # the b of each (b, bin) pair
+    first = torch.cumsum(bs, 0) - bs  # where each b's bins begin in the flat arrays
+    j = torch.arange(b.shape[0], device=dev) - torch.repeat_interleave(first, bs)  # the bin's index in b
+    q, r = n // b, n % b
+    start = j * q + torch.minimum(j, r)
+    end = start + q + (j < r).long()
+    acc = (c_corr[end] - c_corr[start]) / (end - start).double()
+    drop = (acc[1:] < acc[:-1]) & (j[1:] > 0)  # a decrease between neighbouring bins of the same b
+    if not bool(drop.any()):
+        return None
+    return int(b[1:][drop].min())
+
+
 def sweep_from_sorted(conf_sorted, correct_sorted, p: int = 1):
     """Roelofs et al. 2022 ECE_sweep (equal mass): the largest b whose bin accuracies are monotone.
 
-    Returns (value, n_bins). Bin b's sums come from prefix sums, so each b costs O(b).
+    Returns (value, n_bins). Bin sums come from prefix sums; the b are tested in blocks, all bins of a block
+    in one pass of tensor ops (b = 2…64, then blocks doubling in length, at most ~2^22 bins each) instead of
+    a loop of small ops per b.
     """
     n = conf_sorted.shape[0]
     dev = conf_sorted.device
@@ -120,13 +142,15 @@ def sweep_from_sorted(conf_sorted, correct_sorted, p: int = 1):
     if bool((corr[1:] >= corr[:-1]).all()):
         best = n  # a sorted 0/1 sequence gives monotone bin means for every b
     else:
-        best = 1
-        for b in range(2, n + 1):
-            count, _, corr_sum = sums(b)
-            acc = corr_sum / count
-            if not bool((acc[1:] >= acc[:-1]).all()):
+        best, lo = n, 2
+        while lo <= n:  # b = 2, 3, ... tested in blocks: [2, 64], then blocks doubling in length, of at
+            hi = min(n, max(64, 2 * lo - 1))  # most ~2^22 (b, bin) pairs
+            hi = min(hi, lo - 1 + max(1, (1 << 22) // hi))
+            failed = _first_non_monotone(c_corr, n, lo, hi)
+            if failed is not None:
+                best = failed - 1
                 break
-            best = b
+            lo = hi + 1
     count, conf_sum, corr_sum = sums(best)
     gaps = ((corr_sum - conf_sum) / count).abs() ** p
     value = ((count / n) * gaps).sum() ** (1.0 / p)
@@ -327,7 +351,7 @@ def _smooth_ece_at(
     dev = conf.device
     in_numpy = dev.type == "cpu" if in_numpy is None else in_numpy
     g = max(2000, round(20 / sigma)) // 2 + 1
-    size = 1 << (4 * g - 4).bit_length()  # >= 4G - 3 (full linear convolution), a fast FFT length
+    size = _fft_size(g)
     cache = {} if cache is None else cache
     key = (g, in_numpy)
     if key not in cache:  # the data's spectra depend on σ only through G; σ >= 0.01 share G = 1001
@@ -335,7 +359,7 @@ def _smooth_ece_at(
         ext = torch.cat([grids.flip(1)[:, :-1], grids, grids.flip(1)[:, 1:]], dim=1)  # reflect: 3G - 2
         cache[key] = np.fft.rfft(ext.numpy(), size) if in_numpy else torch.fft.rfft(ext, size)
     if in_numpy:
-        return torch.tensor(_smooth_ece_at_numpy(cache[key], g, size, sigma), dtype=torch.float64)
+        return torch.tensor(_smooth_ece_at_numpy(cache, key, g, size, sigma), dtype=torch.float64)
 
     t = torch.linspace(0, 1, g, dtype=torch.float64, device=dev)
     kernel = torch.exp(-((t - 0.5) ** 2) / (2 * sigma**2)) / (math.sqrt(2 * math.pi) * sigma)
@@ -356,19 +380,43 @@ def _smooth_ece_at(
     return num.abs().sum() / den.sum()
 
 
-def _smooth_ece_at_numpy(spectra: np.ndarray, g: int, size: int, sigma: float) -> float:
-    """:func:`_smooth_ece_at` for CPU data in numpy, from the data's spectra: the same steps, without the
-    fixed cost of some fifteen small torch ops per bandwidth (the σ search evaluates a dozen; tested equal to
-    the torch steps to 1e-12)."""
-    t = np.linspace(0.0, 1.0, g)
+@functools.lru_cache(maxsize=64)
+def _fft_size(g: int) -> int:
+    """The FFT length for smECE's convolution on G grid points: the smallest 2^a 3^b 5^c that holds the
+    reflected grid (3G − 2 points; a shorter transform would truncate it). Circular aliasing then never
+    reaches the G outputs that are kept (those need a length above 2G − 2 + G//2 and 3G − 3 − G//2)."""
+    need = 3 * g - 2
+    best = 1 << (need - 1).bit_length()
+    p5 = 1
+    while p5 < best:
+        p35 = p5
+        while p35 < best:
+            size = p35
+            while size < need:
+                size *= 2
+            best = min(best, size)
+            p35 *= 3
+        p5 *= 5
+    return best
+
+
+def _smooth_ece_at_numpy(cache: dict, key, g: int, size: int, sigma: float) -> float:
+    """:func:`_smooth_ece_at` for CPU data in numpy, from the data's spectra ``cache[key]``: the same steps,
+    without the fixed cost of some fifteen small torch ops per bandwidth (the σ search evaluates a dozen;
+    tested equal to the torch steps to 1e-12). The grid and the interpolation weights are kept in ``cache``."""
+    if ("t", g) not in cache:
+        cache["t", g] = np.linspace(0.0, 1.0, g)
+    t = cache["t", g]
     kernel = np.exp(-((t - 0.5) ** 2) / (2 * sigma**2)) / (math.sqrt(2 * math.pi) * sigma)
-    full = np.fft.irfft(spectra * np.fft.rfft(kernel, size), size)
+    full = np.fft.irfft(cache[key] * np.fft.rfft(kernel, size), size)
     start = g - 1 + g // 2
     smoothed_residual, smoothed_ones = full[:, start : start + g]
     e = max(round(10 / sigma), 200)
-    pos = np.linspace(0.0, 1.0, e) * (g - 1)
-    idx = np.clip(pos.astype(np.int64), 0, g - 2)
-    w = pos - idx
+    if ("interp", g, e) not in cache:
+        pos = np.linspace(0.0, 1.0, e) * (g - 1)
+        idx = np.clip(pos.astype(np.int64), 0, g - 2)
+        cache["interp", g, e] = (idx, pos - idx)
+    idx, w = cache["interp", g, e]
     num = smoothed_residual[idx] * (1 - w) + smoothed_residual[idx + 1] * w
     den = smoothed_ones[idx] * (1 - w) + smoothed_ones[idx + 1] * w + 1e-4
     return float(np.abs(num).sum() / den.sum())
