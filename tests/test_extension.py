@@ -57,6 +57,19 @@ def test_library_name_follows_source_flags_and_torch(monkeypatch):
     assert _extension.extension_name(["-O2"]) != name
 
 
+def test_clang_gets_no_openmp_runtime_of_its_own(monkeypatch, tmp_path):
+    clang = tmp_path / "clang++-17"
+    clang.write_text("#!/bin/sh\n")
+    clang.chmod(0o755)
+    (tmp_path / "c++").symlink_to(clang)
+    monkeypatch.setenv("PATH", str(tmp_path) + os.pathsep + os.environ["PATH"])
+    monkeypatch.delenv("CXX", raising=False)
+    assert _extension._compiler_is_clang()  # c++ resolves to clang
+    assert "-fopenmp" not in _extension._native_flags()
+    monkeypatch.setenv("CXX", "g++")
+    assert not _extension._compiler_is_clang()
+
+
 def test_only_a_native_build_is_named_after_the_cpu(monkeypatch):
     native, portable = ["-O3", "-march=native"], _extension.PORTABLE_FLAGS
     names = (_extension.extension_name(native), _extension.extension_name(portable))
@@ -68,7 +81,7 @@ def test_only_a_native_build_is_named_after_the_cpu(monkeypatch):
 def test_preferred_flags_follow_the_platform():
     flags = _extension._native_flags()
     assert flags[0] == "-O3"
-    assert ("-fopenmp" in flags) == _extension._torch_uses_libgomp()
+    assert ("-fopenmp" in flags) == (_extension._torch_uses_libgomp() and not _extension._compiler_is_clang())
     assert _extension.FLAG_SETS[-1] == _extension.PORTABLE_FLAGS  # the portable fallback is always last
     assert len(_extension.FLAG_SETS) == len({tuple(f) for f in _extension.FLAG_SETS})  # no set twice
 

@@ -187,9 +187,8 @@ def scan_probs(
 
     On contiguous float32/float64 CPU tensors this is one fused compiled pass: the C++ operator's when it
     is built (:mod:`torchcal.functional._extension`), else numba's (:mod:`torchcal.functional._kernels`).
-    Otherwise rows are copied chunk by chunk into a small
-    cache-resident scratch buffer, where the row sums, the minimum (for validation), the maximum over the
-    other classes are taken; memory is read once. This avoids ``torch.max(dim=1)``, whose index-returning
+    Otherwise rows are copied chunk by chunk into a small cache-resident scratch buffer, where the row
+    sums, the minimum (for validation), the maximum over the other classes are taken; memory is read once. This avoids ``torch.max(dim=1)``, whose index-returning
     reduction is 4-6x slower on CPU than ``amax``: the true class is the argmax iff p_true > max_{j != y} p_j,
     the confidence is max(p_true, that maximum), and rows where p_true ties it are resolved with an exact
     ``argmax`` (lowest index wins) on those rows only.

@@ -59,10 +59,21 @@ def _torch_uses_libgomp() -> bool:
         return False
 
 
+def _compiler_is_clang() -> bool:
+    """Whether torch's C++ compiler (``$CXX``, default ``c++``, links resolved) is Clang, whose ``-fopenmp``
+    would link LLVM's libomp beside torch's libgomp: a second runtime and thread pool."""
+    import shutil
+
+    cxx = os.environ.get("CXX", "c++")
+    path = shutil.which(cxx)
+    return "clang" in os.path.basename(os.path.realpath(path) if path else cxx)
+
+
 def _native_flags() -> list[str]:
-    """The preferred flags on this platform: OpenMP where torch runs on libgomp, the machine's ISA on
-    x86-64."""
-    flags = ["-O3", "-fopenmp" if _torch_uses_libgomp() else "-fopenmp-simd"]
+    """The preferred flags on this platform: OpenMP where torch runs on libgomp and the compiler is GCC, the
+    machine's ISA on x86-64."""
+    openmp = _torch_uses_libgomp() and not _compiler_is_clang()
+    flags = ["-O3", "-fopenmp" if openmp else "-fopenmp-simd"]
     if platform.machine().lower() in ("x86_64", "amd64"):
         flags.append("-march=native")
     return flags
