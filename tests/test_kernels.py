@@ -48,7 +48,9 @@ def assert_same_scan(fused, plain, probs, targets):
 
 
 # K spans the C++ scan's vector cascade: 16-byte lanes, wide lanes, scalar tails
-@pytest.mark.parametrize("n,k", [(1, 2), (7, 3), (500, 10), (300, 17), (200, 33), (100, 100), (64, 1000)])
+@pytest.mark.parametrize(
+    "n,k", [(1, 2), (7, 3), (500, 10), (300, 17), (200, 32), (200, 33), (100, 100), (64, 1000)]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_fused_scan_equals_torch_path(n, k, dtype, fused):
     probs, targets = make_probs(n, k, seed=n + k, dtype=dtype)

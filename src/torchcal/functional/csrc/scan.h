@@ -145,12 +145,30 @@ ScanStats scan_rows(const scalar_t* p, const int64_t* t, int64_t begin, int64_t 
       double* labels = cw + 2 * k * mc;
 #pragma omp simd
       for (int64_t j = 0; j < k; ++j) col_total[j] += static_cast<double>(row[j]);
-      for (int64_t j = 0; j < k; ++j) {
-        const double v = static_cast<double>(row[j]);
-        if (v > first_edge) {
+      if (k <= 32) {
+        // short rows: a bit per entry above the edge (no branch), then the set bits one by one; a branch
+        // per entry mispredicts here (about a fifth of a 10-class row is above the edge), and cost twice
+        // the time of this (1M x 10 on one core: 57 ms against 31 ms)
+        uint32_t above = 0;
+        for (int64_t j = 0; j < k; ++j) {
+          above |= static_cast<uint32_t>(static_cast<double>(row[j]) > first_edge) << j;
+        }
+        while (above != 0) {
+          const int64_t j = __builtin_ctz(above);
+          above &= above - 1;
+          const double v = static_cast<double>(row[j]);
           const int64_t b = j * mc + bin_index(v, mc, cw_edges);
           count[b] += 1.0;
           psum[b] += v;
+        }
+      } else {  // long rows: most entries are below the edge, a well-predicted branch
+        for (int64_t j = 0; j < k; ++j) {
+          const double v = static_cast<double>(row[j]);
+          if (v > first_edge) {
+            const int64_t b = j * mc + bin_index(v, mc, cw_edges);
+            count[b] += 1.0;
+            psum[b] += v;
+          }
         }
       }
       labels[y * mc + bin_index(static_cast<double>(row[y]), mc, cw_edges)] += 1.0;
