@@ -148,14 +148,15 @@ def test_perfectly_calibrated_samples_have_small_ece():
     assert F.ece(sharp, targets).item() > 0.05
 
 
-def test_ties_with_many_classes_predict_the_lowest_index():
-    # K > 16 takes the block-scan path: equal maxima at classes 3 and 7
-    probs = torch.full((2, 20), 0.02, dtype=torch.float64)
+@pytest.mark.parametrize("k", [20, 40])  # the C++ scan: a bit mask up to 32 classes, a search beyond
+def test_ties_with_many_classes_predict_the_lowest_index(k):
+    # equal maxima at classes 3 and 7
+    probs = torch.full((2, k), 0.02, dtype=torch.float64)
     probs[:, 3] = probs[:, 7] = 0.32
     probs = probs / probs.sum(1, keepdim=True)
     assert F.error_rate(probs, torch.tensor([3, 7])).item() == 0.5  # class 3 is the prediction
-    uniform = torch.full((3, 20), 0.05, dtype=torch.float64)
-    assert F.error_rate(uniform, torch.tensor([0, 1, 19])).item() == pytest.approx(2 / 3)
+    uniform = torch.full((3, k), 1 / k, dtype=torch.float64)
+    assert F.error_rate(uniform, torch.tensor([0, 1, k - 1])).item() == pytest.approx(2 / 3)
 
 
 @pytest.mark.parametrize("sigma", [0.003, 0.01, 0.0625, 0.4, 1.0])  # G = 3334 below σ = 0.01, else 1001

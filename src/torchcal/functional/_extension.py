@@ -129,7 +129,8 @@ def build_directory(flags: list[str] | None = None) -> Path:
 
 
 def _library_path(flags: list[str] | None = None) -> Path:
-    return build_directory(flags) / f"{extension_name(flags)}.so"
+    directory = build_directory(flags)  # named after the library
+    return directory / f"{directory.name}.so"
 
 
 def _load_built() -> Path | None:
@@ -143,7 +144,7 @@ def _load_built() -> Path | None:
             torch.ops.load_library(str(path))
         except (OSError, RuntimeError) as exc:
             warnings.warn(
-                f"could not load torchcal's C++ loss extension from {path} ({exc}); rebuild it with "
+                f"could not load torchcal's C++ extension from {path} ({exc}); rebuild it with "
                 "`torchcal build-extension` (torchcal.functional.build_cpu_extension())",
                 RuntimeWarning,
                 stacklevel=3,
@@ -167,8 +168,8 @@ def _put_ninja_on_path() -> None:
 
 
 def build_cpu_extension(verbose: bool = False) -> Path:
-    """Compile (once; ~20-30 s) and load the C++ operator of the fused focal-family losses; returns the path
-    of the library. A no-op returning the path when it is already built and loaded.
+    """Compile (once; ~20-30 s) and load the C++ operators (the fused focal-family losses and the metrics'
+    scan); returns the path of the library. A no-op returning the path when it is already built and loaded.
 
     Needs a C++17 compiler and ninja (``pip install ninja``). Concurrent builds (several processes) wait for
     each other. The preferred flags are tried first, then the portable ones (with a warning naming the first
@@ -186,7 +187,7 @@ def build_cpu_extension(verbose: bool = False) -> Path:
             directory.mkdir(parents=True, exist_ok=True)
             try:
                 load(
-                    name=extension_name(flags),
+                    name=directory.name,
                     sources=[str(SOURCE)],
                     extra_cflags=flags,
                     extra_ldflags=[f for f in flags if f == "-fopenmp"],
@@ -199,7 +200,7 @@ def build_cpu_extension(verbose: bool = False) -> Path:
                 continue
             if failures:
                 warnings.warn(
-                    "torchcal's C++ loss extension was built with the portable flags "
+                    "torchcal's C++ extension was built with the portable flags "
                     f"{' '.join(flags)}; the preferred ones failed: {failures[0]}",
                     RuntimeWarning,
                     stacklevel=2,
@@ -208,7 +209,7 @@ def build_cpu_extension(verbose: bool = False) -> Path:
                 raise RuntimeError(f"built {_library_path(flags)} but it registered no torchcal.fused_true_class")
             _state["loaded"] = _library_path(flags)
             return _state["loaded"]
-        raise RuntimeError("could not build torchcal's C++ loss extension:\n" + "\n".join(failures))
+        raise RuntimeError("could not build torchcal's C++ extension:\n" + "\n".join(failures))
 
 
 def cpu_extension_available() -> bool:

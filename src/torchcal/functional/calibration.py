@@ -99,18 +99,23 @@ def debiased_from_sums(count, conf_sum, correct_sum) -> torch.Tensor:
     return ((count / n) * per_bin).sum(-1).clamp(min=0).sqrt()
 
 
-def _first_non_monotone(c_corr: torch.Tensor, n: int, lo: int, hi: int) -> int | None:
-    """The smallest b in [lo, hi] whose b equal-mass bins (the first N mod b of size N // b + 1) have
-    decreasing accuracies somewhere, None if there is none: every (b, bin) pair of the block at once, from
-    the prefix sums ``c_corr`` of the sorted correctness (integer sums: the comparisons are exact)."""
-    dev = c_corr.device
-    bs = torch.arange(lo, hi + 1, device=dev)
-    b = torch.repeat_interleave(bs, bs)  # the b of each (b, bin) pair
+def _equal_mass_cuts(n: int, lo: int, hi: int, device):
+    """(b, j, start, end) of every bin j of the equal-mass cuts of N sorted values into b bins, for each b in
+    [lo, hi], flattened in that order: the first N mod b bins hold N // b + 1 values, the rest N // b."""
+    bs = torch.arange(lo, hi + 1, device=device)
+    b = torch.repeat_interleave(bs, bs)
     first = torch.cumsum(bs, 0) - bs  # where each b's bins begin in the flat arrays
-    j = torch.arange(b.shape[0], device=dev) - torch.repeat_interleave(first, bs)  # the bin's index in b
+    j = torch.arange(b.shape[0], device=device) - torch.repeat_interleave(first, bs)
     q, r = n // b, n % b
     start = j * q + torch.minimum(j, r)
-    end = start + q + (j < r).long()
+    return b, j, start, start + q + (j < r).long()
+
+
+def _first_non_monotone(c_corr: torch.Tensor, n: int, lo: int, hi: int) -> int | None:
+    """The smallest b in [lo, hi] whose b equal-mass bins have decreasing accuracies somewhere, None if there
+    is none: every (b, bin) pair of the block at once, from the prefix sums ``c_corr`` of the sorted
+    correctness (integer sums: the comparisons are exact)."""
+    b, j, start, end = _equal_mass_cuts(n, lo, hi, c_corr.device)
     acc = (c_corr[end] - c_corr[start]) / (end - start).double()
     drop = (acc[1:] < acc[:-1]) & (j[1:] > 0)  # a decrease between neighbouring bins of the same b
     if not bool(drop.any()):
@@ -130,14 +135,6 @@ def sweep_from_sorted(conf_sorted, correct_sorted, p: int = 1):
     c_conf = torch.cat([torch.zeros(1, dtype=torch.float64, device=dev), conf_sorted.double().cumsum(0)])
     c_corr = torch.cat([torch.zeros(1, dtype=torch.float64, device=dev), correct_sorted.double().cumsum(0)])
 
-    def sums(b):
-        q, r = divmod(n, b)
-        sizes = torch.full((b,), q, dtype=torch.long, device=dev)
-        sizes[:r] += 1
-        ends = sizes.cumsum(0)
-        starts = ends - sizes
-        return sizes.double(), c_conf[ends] - c_conf[starts], c_corr[ends] - c_corr[starts]
-
     corr = correct_sorted.to(torch.int8)
     if bool((corr[1:] >= corr[:-1]).all()):
         best = n  # a sorted 0/1 sequence gives monotone bin means for every b
@@ -151,7 +148,8 @@ def sweep_from_sorted(conf_sorted, correct_sorted, p: int = 1):
                 best = failed - 1
                 break
             lo = hi + 1
-    count, conf_sum, corr_sum = sums(best)
+    _, _, start, end = _equal_mass_cuts(n, best, best, dev)
+    count, conf_sum, corr_sum = (end - start).double(), c_conf[end] - c_conf[start], c_corr[end] - c_corr[start]
     gaps = ((corr_sum - conf_sum) / count).abs() ** p
     value = ((count / n) * gaps).sum() ** (1.0 / p)
     return value, best

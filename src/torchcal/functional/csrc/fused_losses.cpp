@@ -39,6 +39,16 @@ constexpr int64_t kFusedMaxClasses = kWideBytes >= 32 ? std::numeric_limits<int6
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+// The checks both operators make on their inputs: rows (N, K) of float32/64 values and labels (N,), on CPU
+void check_rows(const at::Tensor& values, const char* name, const at::Tensor& targets, const char* op) {
+  TORCH_CHECK_VALUE(values.dim() == 2, "`", name, "` must have shape (N, K), got ", values.sizes());
+  TORCH_CHECK_VALUE(values.device().is_cpu() && targets.device().is_cpu(), op, " runs on CPU");
+  TORCH_CHECK_VALUE(values.scalar_type() == at::kFloat || values.scalar_type() == at::kDouble, "`", name,
+                    "` must be float32 or float64, got ", values.scalar_type());
+  TORCH_CHECK_VALUE(targets.dim() == 1 && targets.size(0) == values.size(0),
+                    "`targets` must have shape (", values.size(0), ",), got ", targets.sizes());
+}
+
 struct Forward {
   at::Tensor loss;   // the reduced (or per-sample) loss, in the dtype of the logits
   at::Tensor probs;  // exp(x − row max), unnormalised for float32 (undefined when the backward does not run)
@@ -49,12 +59,7 @@ struct Forward {
 // of thresholds T, the T thresholds, then the γ schedule (T + 1 values; none with per-sample γ)
 Forward fused_forward(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& params,
                       const c10::optional<at::Tensor>& sample_gammas, int64_t reduction, bool keep_probs) {
-  TORCH_CHECK_VALUE(logits.dim() == 2, "`logits` must have shape (N, K), got ", logits.sizes());
-  TORCH_CHECK_VALUE(logits.device().is_cpu() && targets.device().is_cpu(), "fused_true_class runs on CPU");
-  TORCH_CHECK_VALUE(logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kDouble,
-                    "`logits` must be float32 or float64, got ", logits.scalar_type());
-  TORCH_CHECK_VALUE(targets.dim() == 1 && targets.size(0) == logits.size(0),
-                    "`targets` must have shape (", logits.size(0), ",), got ", targets.sizes());
+  check_rows(logits, "logits", targets, "fused_true_class");
   TORCH_CHECK_VALUE(params.scalar_type() == at::kDouble && params.dim() == 1 && params.is_contiguous() &&
                         params.device().is_cpu() && params.numel() > N_FLAGS,
                     "`params` must be a contiguous float64 CPU vector of flags, thresholds and γs");
@@ -212,10 +217,11 @@ at::Tensor fused_true_class_autograd(const at::Tensor& logits, const at::Tensor&
   return FusedTrueClass::apply(logits, targets, params, sample_gammas, reduction, keep);
 }
 
-// The float64 edges b/M of _binning (as numpy's arange(M + 1) / M)
+// The float64 edges b/M of _binning (as numpy's arange(M + 1) / M; M = 0, no bins: the edges of one bin)
 std::vector<double> bin_edges(int64_t m) {
-  std::vector<double> edges(static_cast<size_t>(std::max<int64_t>(m, 1) + 1));
-  for (size_t b = 0; b < edges.size(); ++b) edges[b] = static_cast<double>(b) / static_cast<double>(std::max<int64_t>(m, 1));
+  const int64_t bins = std::max<int64_t>(m, 1);
+  std::vector<double> edges(static_cast<size_t>(bins + 1));
+  for (int64_t b = 0; b <= bins; ++b) edges[b] = static_cast<double>(b) / static_cast<double>(bins);
   return edges;
 }
 
@@ -229,12 +235,7 @@ std::vector<double> bin_edges(int64_t m) {
 // order, so the results are the same for any thread count.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> top_label_scan_cpu(
     const at::Tensor& probs, const at::Tensor& targets, int64_t n_bins, int64_t classwise_bins) {
-  TORCH_CHECK_VALUE(probs.dim() == 2, "`probs` must have shape (N, K), got ", probs.sizes());
-  TORCH_CHECK_VALUE(probs.device().is_cpu() && targets.device().is_cpu(), "top_label_scan runs on CPU");
-  TORCH_CHECK_VALUE(probs.scalar_type() == at::kFloat || probs.scalar_type() == at::kDouble,
-                    "`probs` must be float32 or float64, got ", probs.scalar_type());
-  TORCH_CHECK_VALUE(targets.dim() == 1 && targets.size(0) == probs.size(0),
-                    "`targets` must have shape (", probs.size(0), ",), got ", targets.sizes());
+  check_rows(probs, "probs", targets, "top_label_scan");
   TORCH_CHECK_VALUE(n_bins >= 0 && classwise_bins >= 0, "bin counts must be >= 0");
   const at::Tensor p = probs.contiguous();
   const at::Tensor t = targets.to(at::kLong).contiguous();

@@ -29,17 +29,16 @@ inline void stats_span(const T* row, int64_t j, int64_t stop, double& s, double&
     const D d = __builtin_convertvector(v, D);
     ds += d;
     dsq += d * d;
-    vhi = vhi < v ? v : vhi;
-    vlo = v < vlo ? v : vlo;
+    vhi = Max{}(vhi, v);
+    vlo = Min{}(vlo, v);
   }
   const auto fs = fold<double, DB>(ds, Add{}), fsq = fold<double, DB>(dsq, Add{});
   s += fs[0] + fs[1];
   sq += fsq[0] + fsq[1];
-  const auto fh = fold<T, Bytes>(vhi, Max{});
-  const auto fl = fold<T, Bytes>(-vlo, Max{});  // the minimum as the maximum of the negated lanes
+  const auto fh = fold<T, Bytes>(vhi, Max{}), fl = fold<T, Bytes>(vlo, Min{});
   for (int l = 0; l < Vec<T, 16>::width; ++l) {
-    hi = hi < fh[l] ? fh[l] : hi;
-    lo = -fl[l] < lo ? -fl[l] : lo;
+    hi = Max{}(hi, fh[l]);
+    lo = Min{}(lo, fl[l]);
   }
 }
 
@@ -53,13 +52,16 @@ inline int64_t bin_index(double v, int64_t m, const double* edges) {
   return b;
 }
 
-// The first index of ``value`` in a row of at most 16 entries (present), branch-free: a bit per entry
-// equal to it, then the lowest set bit.
-template <typename T>
-inline int64_t first_index_of(const T* row, int64_t k, T value) {
-  uint32_t mask = 0;
-  for (int64_t j = 0; j < k; ++j) mask |= static_cast<uint32_t>(row[j] == value) << j;
-  return __builtin_ctz(mask | (uint32_t{1} << 16));
+// Rows up to this long are handled through a bit mask of their entries (no branch per entry: in short
+// rows the outcome of a test per entry is unpredictable, and mispredictions cost more than the mask)
+constexpr int64_t kMaskedRow = 32;
+
+// bit j set where pred(row[j]), for a row of at most kMaskedRow entries
+template <typename T, typename Pred>
+inline uint64_t mask_of(const T* row, int64_t k, Pred pred) {
+  uint64_t mask = 0;
+  for (int64_t j = 0; j < k; ++j) mask |= static_cast<uint64_t>(pred(row[j])) << j;
+  return mask;
 }
 
 // validation statistics of a part of the rows
@@ -118,11 +120,13 @@ ScanStats scan_rows(const scalar_t* p, const int64_t* t, int64_t begin, int64_t 
     if (!std::isfinite(s)) st.nonfinite = true;
     st.worst = std::max(st.worst, std::abs(s - 1.0));
     if (lo < 0) st.lowest = std::min(st.lowest, static_cast<double>(lo));
-    // the prediction is the first index of the maximum: the label is predicted when p_y is the maximum
-    // and no earlier entry holds it (a vectorised search of [0, y))
+    // the prediction is the first index of the maximum: in a short row the lowest set bit of the entries
+    // equal to it (p_y is the maximum in about half the rows); in a long row the label is predicted when
+    // p_y is the maximum and no earlier entry holds it (a vectorised search of [0, y))
     bool hit;
-    if (k <= 16) {  // short rows: no branch (p_y is the maximum for about half the rows: unpredictable)
-      hit = first_index_of(row, k, hi) == y;
+    if (k <= kMaskedRow) {
+      const uint64_t at_max = mask_of(row, k, [hi](scalar_t x) { return x == hi; });
+      hit = __builtin_ctzll(at_max | (uint64_t{1} << k)) == y;  // (no entry equal to a NaN maximum: k)
     } else if ((hit = row[y] == hi) && y > 0) {
       constexpr int WN = Vec<scalar_t, 16>::width;
       const int64_t whole = y - y % WN;
@@ -145,30 +149,20 @@ ScanStats scan_rows(const scalar_t* p, const int64_t* t, int64_t begin, int64_t 
       double* labels = cw + 2 * k * mc;
 #pragma omp simd
       for (int64_t j = 0; j < k; ++j) col_total[j] += static_cast<double>(row[j]);
-      if (k <= 32) {
-        // short rows: a bit per entry above the edge (no branch), then the set bits one by one; a branch
-        // per entry mispredicts here (about a fifth of a 10-class row is above the edge), and cost twice
-        // the time of this (1M x 10 on one core: 57 ms against 31 ms)
-        uint32_t above = 0;
-        for (int64_t j = 0; j < k; ++j) {
-          above |= static_cast<uint32_t>(static_cast<double>(row[j]) > first_edge) << j;
-        }
-        while (above != 0) {
-          const int64_t j = __builtin_ctz(above);
-          above &= above - 1;
-          const double v = static_cast<double>(row[j]);
-          const int64_t b = j * mc + bin_index(v, mc, cw_edges);
-          count[b] += 1.0;
-          psum[b] += v;
+      const auto add = [&](int64_t j) {
+        const double v = static_cast<double>(row[j]);
+        const int64_t b = j * mc + bin_index(v, mc, cw_edges);
+        count[b] += 1.0;
+        psum[b] += v;
+      };
+      if (k <= kMaskedRow) {  // about a fifth of a 10-class row is above the edge (1M x 10: 80 -> 67 ms)
+        const auto is_above = [first_edge](scalar_t x) { return static_cast<double>(x) > first_edge; };
+        for (uint64_t above = mask_of(row, k, is_above); above != 0; above &= above - 1) {
+          add(__builtin_ctzll(above));
         }
       } else {  // long rows: most entries are below the edge, a well-predicted branch
         for (int64_t j = 0; j < k; ++j) {
-          const double v = static_cast<double>(row[j]);
-          if (v > first_edge) {
-            const int64_t b = j * mc + bin_index(v, mc, cw_edges);
-            count[b] += 1.0;
-            psum[b] += v;
-          }
+          if (static_cast<double>(row[j]) > first_edge) add(j);
         }
       }
       labels[y * mc + bin_index(static_cast<double>(row[y]), mc, cw_edges)] += 1.0;

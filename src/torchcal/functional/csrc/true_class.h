@@ -89,6 +89,12 @@ struct Max {  // a lane that compares false (NaN) keeps ``a``
     return a < b ? b : a;
   }
 };
+struct Min {  // a lane that compares false (NaN) keeps ``a``
+  template <typename V>
+  V operator()(V a, V b) const {
+    return b < a ? b : a;
+  }
+};
 struct Or {
   template <typename V>
   V operator()(V a, V b) const {
