@@ -83,6 +83,31 @@ def test_confidences_on_bin_edges_and_at_one(dtype, fused):
         assert_same_scan(fused, plain, probs, targets)
 
 
+@pytest.mark.parametrize("k", [10, 33, 40, 100])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_classwise_entries_on_edges_at_every_lane(k, dtype, fused):
+    # entries exactly on a classwise edge b/15 (as the dtype rounds it) and one ulp either side, placed at
+    # every position of the row in turn: vector lanes, vector boundaries and the scalar tail
+    values = []
+    for b in (1, 2, 3, 5):
+        edge = torch.tensor(b / 15, dtype=dtype)
+        values += [edge, torch.nextafter(edge, torch.tensor(1.0, dtype=dtype))]
+        values += [torch.nextafter(edge, torch.tensor(0.0, dtype=dtype))]
+    rows = []
+    for pos in range(k):
+        value = values[pos % len(values)]
+        row = torch.full((k,), float((1 - value) / (k - 1)), dtype=dtype)
+        row[pos] = value
+        rows.append(row)
+    probs = torch.stack(rows)
+    targets = torch.arange(k) % k
+    fused, plain = both_paths(probs, targets)
+    assert_same_scan(fused, plain, probs, targets)
+    count = fused.classwise.finish(probs, targets)[0]
+    above = (probs.double() > 1 / 15).sum(0)  # per class, entries outside bin 0 (float64 comparison)
+    assert torch.equal(count[:, 1:].sum(1), above.double())
+
+
 def test_negative_zero_is_a_valid_probability(fused):
     probs = torch.tensor([[1.0, -0.0], [0.25, 0.75]])
     fused, plain = both_paths(probs, torch.tensor([0, 1]))
