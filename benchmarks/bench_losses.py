@@ -129,7 +129,10 @@ def run(args, path):
         base_fn = lambda: fwd_bwd(nnf.cross_entropy, logits, targets)  # noqa: E731
         base_t = timed(lambda: (base_fn(), sync(device)), steps * 3 if small else 3)[0]
         base_m = peak_memory(base_fn, device)
-        print(f"{n} x {k}: cross_entropy {1e3 * base_t:.3f} ms, peak {base_m / 2**20:.1f} MiB ({path} path)", flush=True)
+        print(
+            f"{n} x {k}: cross_entropy {1e3 * base_t:.3f} ms, peak {base_m / 2**20:.1f} MiB ({path} path)",
+            flush=True,
+        )
         for name in list_losses():
             loss_fn = create(name).to(device)
             fn = lambda: fwd_bwd(loss_fn, logits, targets)  # noqa: E731
@@ -157,7 +160,13 @@ def run(args, path):
                 sync(device)
                 row["compile_s"] = time.perf_counter() - start
                 row["compiled_time_ratio"] = statistics.median(
-                    paired(lambda: fwd_bwd(compiled, logits, targets), base_fn, rounds, steps, lambda: sync(device))[2]
+                    paired(
+                        lambda: fwd_bwd(compiled, logits, targets),
+                        base_fn,
+                        rounds,
+                        steps,
+                        lambda: sync(device),
+                    )[2]
                 )
             rows.append(row)
             flag = ""
@@ -168,7 +177,9 @@ def run(args, path):
                 flush=True,
             )
 
-    tag = ("quick-" if args.quick else "") + ("" if path in ("cpp", "cuda") or args.device == "cuda" else f"{path}-")
+    tag = ("quick-" if args.quick else "") + (
+        "" if path in ("cpp", "cuda") or args.device == "cuda" else f"{path}-"
+    )
     dev = "cuda-" + torch.cuda.get_device_name().replace(" ", "-") if device.type == "cuda" else hardware()
     write_results(rows, f"bench_losses-{tag}{dev}", first=("shape", "loss"))
 

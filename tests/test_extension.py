@@ -277,7 +277,14 @@ def test_dual_runner_up_ties_are_decided_on_the_logits(dtype):
     """x_j one ulp below x_t: different classes, so p_j < p_t exactly, although log_softmax may round both
     log-probabilities to the same value (the torch path then calls them tied and takes the next class)."""
     below = torch.nextafter(torch.tensor(1.0, dtype=dtype), torch.tensor(0.0, dtype=dtype))
-    z = torch.stack([torch.tensor(20.0, dtype=dtype), torch.tensor(1.0, dtype=dtype), below, torch.tensor(-3.0, dtype=dtype)])
+    z = torch.stack(
+        [
+            torch.tensor(20.0, dtype=dtype),
+            torch.tensor(1.0, dtype=dtype),
+            below,
+            torch.tensor(-3.0, dtype=dtype),
+        ]
+    )
     z, t = z[None], torch.tensor([1])
     log_p = torch.log_softmax(z.double(), 1)[0]
     want = -((1 - log_p[1].exp() + log_p[2].exp()) ** 2) * log_p[1]  # runner-up: class 2

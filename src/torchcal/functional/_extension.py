@@ -206,7 +206,9 @@ def build_cpu_extension(verbose: bool = False) -> Path:
                     stacklevel=2,
                 )
             if not hasattr(torch.ops.torchcal, "fused_true_class"):
-                raise RuntimeError(f"built {_library_path(flags)} but it registered no torchcal.fused_true_class")
+                raise RuntimeError(
+                    f"built {_library_path(flags)} but it registered no torchcal.fused_true_class"
+                )
             _state["loaded"] = _library_path(flags)
             return _state["loaded"]
         raise RuntimeError("could not build torchcal's C++ extension:\n" + "\n".join(failures))

@@ -32,7 +32,6 @@ from .._validation import label_range_error
 __all__ = ["cpu_kernels_available", "use_cpu_kernels"]
 
 
-
 def env_enabled(name: str) -> bool:
     """False when the environment variable ``name`` is 0, false, no or off (any case); True otherwise."""
     return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")

@@ -149,7 +149,11 @@ def sweep_from_sorted(conf_sorted, correct_sorted, p: int = 1):
                 break
             lo = hi + 1
     _, _, start, end = _equal_mass_cuts(n, best, best, dev)
-    count, conf_sum, corr_sum = (end - start).double(), c_conf[end] - c_conf[start], c_corr[end] - c_corr[start]
+    count, conf_sum, corr_sum = (
+        (end - start).double(),
+        c_conf[end] - c_conf[start],
+        c_corr[end] - c_corr[start],
+    )
     gaps = ((corr_sum - conf_sum) / count).abs() ** p
     value = ((count / n) * gaps).sum() ** (1.0 / p)
     return value, best
