@@ -302,3 +302,78 @@ def test_switches_from_the_environment(monkeypatch, value, expected):
     else:
         monkeypatch.setenv("TORCHCAL_TEST_SWITCH", value)
     assert env_enabled("TORCHCAL_TEST_SWITCH") is expected
+
+
+# -- the radix sort of the equal-mass estimators (csrc/sort.h) --------------------------------------------
+
+
+def _reference_sort(values, flags):
+    """The stable order by an independent route: Python's sort (stable) of float64 values."""
+    order = sorted(range(len(values)), key=lambda i: float(values[i]))
+    return [float(values[i]) for i in order], [bool(flags[i]) for i in order]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("n", [0, 1, 2, 7, 1000, 5000])
+def test_radix_sort_is_stable_and_carries_the_flags(n, dtype):
+    g = torch.Generator().manual_seed(n)
+    # few distinct values (many ties), 0, 1 and values that differ in their lowest mantissa bit only
+    base = torch.tensor([0.0, 1.0, 0.5, 1 / 3, 0.1, 0.75], dtype=dtype)
+    near = torch.nextafter(base[2:], torch.ones(4, dtype=dtype))
+    pool = torch.cat([base, near])
+    values = pool[torch.randint(0, pool.numel(), (n,), generator=g)]
+    flags = torch.rand(n, generator=g) < 0.5
+    got_values, got_flags = _extension.sort_with_flags(values, flags)
+    want_values, want_flags = _reference_sort(values.tolist(), flags.tolist())
+    assert got_values.dtype == dtype and got_flags.dtype == torch.bool
+    assert got_values.tolist() == want_values
+    assert got_flags.tolist() == want_flags
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_radix_sort_of_continuous_values_matches_torch(dtype):
+    g = torch.Generator().manual_seed(3)
+    values = torch.rand(200_000, generator=g, dtype=dtype) ** 3  # exponents and mantissas both vary
+    flags = torch.rand(200_000, generator=g) < 0.3
+    got_values, got_flags = _extension.sort_with_flags(values, flags)
+    want_values, order = torch.sort(values, stable=True)
+    assert torch.equal(got_values, want_values)
+    assert torch.equal(got_flags, flags[order])
+
+
+def test_radix_sort_treats_negative_zero_as_zero_and_keeps_order():
+    values = torch.tensor([0.5, -0.0, 0.0, -0.0, 0.25])
+    flags = torch.tensor([True, True, False, False, True])
+    got_values, got_flags = _extension.sort_with_flags(values, flags)
+    assert got_values.tolist() == [0.0, 0.0, 0.0, 0.25, 0.5]
+    assert got_flags.tolist() == [True, False, False, True, True]  # the three zeros in input order
+
+
+@pytest.mark.parametrize("bad", [-0.25, float("nan"), -float("inf")])
+def test_radix_sort_rejects_negative_and_nan(bad):
+    values = torch.tensor([0.5, bad, 0.25])
+    with pytest.raises(ValueError, match="non-negative and not NaN"):
+        _extension.sort_with_flags(values, torch.tensor([True, False, True]))
+
+
+def test_radix_sort_checks_its_arguments():
+    with pytest.raises(ValueError, match="1-D"):
+        _extension.sort_with_flags(torch.rand(3, 2), torch.zeros(3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="bool"):
+        _extension.sort_with_flags(torch.rand(3), torch.zeros(3))
+    with pytest.raises(ValueError, match="float32 or float64"):
+        _extension.sort_with_flags(torch.rand(3).half(), torch.zeros(3, dtype=torch.bool))
+
+
+def test_sorted_by_confidence_takes_the_radix_sort_and_agrees_with_the_torch_path():
+    from torchcal.functional.calibration import sorted_by_confidence
+
+    g = torch.Generator().manual_seed(5)
+    conf = (torch.randint(1, 40, (3000,), generator=g) / 40).float()  # many ties
+    correct = torch.rand(3000, generator=g) < 0.6
+    assert _extension.sort_applies(conf)
+    fast = sorted_by_confidence(conf, correct)
+    with F.use_cpu_extension(False):
+        assert not _extension.sort_applies(conf)
+        plain = sorted_by_confidence(conf, correct)
+    assert torch.equal(fast[0], plain[0]) and torch.equal(fast[1], plain[1])

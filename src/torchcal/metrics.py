@@ -6,7 +6,7 @@ import torch
 
 from ._validation import check_positive_int, scan_inputs
 from .functional import calibration as C
-from .functional._binning import classwise_sums
+from .functional._binning import classwise_sums, prefix_sums
 
 __all__ = ["CalibrationMetrics"]
 
@@ -210,16 +210,17 @@ class CalibrationMetrics:
             "s99_accuracy": scalars[5] / scalars[4] if float(scalars[4]) > 0 else nan,
         }
         if self.equal_mass:
-            equal_mass = {
-                "adaece": lambda c, k: C.adaece_from_sorted(c, k, self.n_bins),
-                "debiased_ece": lambda c, k: C.debiased_from_sorted(c, k, self.n_bins),
-                "ece_sweep": lambda c, k: C.sweep_from_sorted(c, k)[0],
-                "smece": lambda c, k: C.smooth_ece_from_conf(c, k)[0],
+            equal_mass = {  # (sorted confidences, correctness, their prefix sums) -> value
+                "adaece": lambda c, k, s: C.adaece_from_sorted(c, k, self.n_bins, s),
+                "debiased_ece": lambda c, k, s: C.debiased_from_sorted(c, k, self.n_bins, s),
+                "ece_sweep": lambda c, k, s: C.sweep_from_sorted(c, k, prefix=s)[0],
+                "smece": lambda c, k, s: C.smooth_ece_from_conf(c, k)[0],
             }
             wanted = [m for m in equal_mass if names is None or m in names]
             if wanted:
                 conf_s, corr_s = self.sorted_confidences()
-                out.update({m: equal_mass[m](conf_s, corr_s) for m in wanted})
+                sums = prefix_sums(conf_s, corr_s) if set(wanted) != {"smece"} else None
+                out.update({m: equal_mass[m](conf_s, corr_s, sums) for m in wanted})
         if names is not None:
             unknown = set(names) - set(out)
             if unknown:

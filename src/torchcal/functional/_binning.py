@@ -74,19 +74,45 @@ def bin_sums(index: torch.Tensor, n_bins: int, conf: torch.Tensor, correct: torc
     return pairs.sum(1), conf_sum, pairs[:, 1].contiguous()
 
 
-def equal_mass_sums(conf_sorted: torch.Tensor, correct_sorted: torch.Tensor, n_bins: int):
-    """Float64 per-group (count, confidence sum, correct sum) of already sorted confidences under the
-    equal-mass convention: the first r = N mod M groups hold q + 1 = N // M + 1 values, the rest q, so the
-    sums are two row-sums of reshaped views (no per-sample group index)."""
+def equal_mass_cuts(n: int, lo: int, hi: int, device=None):
+    """(b, j, start, end) of every bin j of the equal-mass cuts of N sorted values into b bins, for each b in
+    [lo, hi], flattened in that order: the first N mod b bins hold N // b + 1 values, the rest N // b."""
+    bs = torch.arange(lo, hi + 1, device=device)
+    b = torch.repeat_interleave(bs, bs)
+    first = torch.cumsum(bs, 0) - bs  # where each b's bins begin in the flat arrays
+    j = torch.arange(b.shape[0], device=device) - torch.repeat_interleave(first, bs)
+    q, r = n // b, n % b
+    start = j * q + torch.minimum(j, r)
+    return b, j, start, start + q + (j < r).long()
+
+
+def prefix_sums(conf_sorted: torch.Tensor, correct_sorted: torch.Tensor):
+    """Float64 prefix sums, with a leading 0 (length N + 1), of sorted confidences and of their correctness:
+    the sums over any run of the sorted order are one difference. AdaECE, debiased ECE and the ECE sweep share
+    them (:meth:`torchcal.metrics.CalibrationMetrics.compute` computes them once)."""
     n = conf_sorted.shape[0]
-    q, r = divmod(n, n_bins)
-    head = r * (q + 1)
+    out = torch.zeros(2, n + 1, dtype=torch.float64, device=conf_sorted.device)
+    torch.cumsum(conf_sorted, 0, dtype=torch.float64, out=out[0, 1:])
+    torch.cumsum(correct_sorted, 0, dtype=torch.float64, out=out[1, 1:])
+    return out[0], out[1]
 
-    def group_sums(x):
-        return torch.cat([x[:head].view(r, q + 1).sum(1), x[head:].view(n_bins - r, q).sum(1)])
 
-    count = torch.tensor([q + 1] * r + [q] * (n_bins - r), dtype=torch.float64, device=conf_sorted.device)
-    return count, group_sums(conf_sorted.double()), group_sums(correct_sorted.double())
+def equal_mass_sums(conf_sorted: torch.Tensor, correct_sorted: torch.Tensor, n_bins: int, prefix=None):
+    """Float64 per-group (count, confidence sum, correct sum) of already sorted confidences under the
+    equal-mass convention (the first r = N mod M groups hold N // M + 1 values, the rest N // M), as
+    differences of the :func:`prefix_sums` (pass ``prefix`` to reuse them). The correct sums are exact
+    (integers below 2^53); a confidence sum's rounding is that of the running total, ~1e-16 of N."""
+    c_conf, c_corr = prefix_sums(conf_sorted, correct_sorted) if prefix is None else prefix
+    count, start, end = _equal_mass_bounds(conf_sorted.shape[0], n_bins, c_conf.device)
+    return count.clone(), c_conf[end] - c_conf[start], c_corr[end] - c_corr[start]
+
+
+@lru_cache(maxsize=64)
+def _equal_mass_bounds(n: int, n_bins: int, device: torch.device):
+    """(count float64, start, end) of the n_bins equal-mass groups of N sorted values (cached: a handful of
+    small ops that would otherwise cost more than the sums at N = 10k)."""
+    _, _, start, end = equal_mass_cuts(n, n_bins, n_bins, device)
+    return (end - start).double(), start, end
 
 
 def stable_sort(values: torch.Tensor):

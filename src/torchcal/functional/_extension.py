@@ -18,7 +18,9 @@ shared by different machines never hands one a library for another's ISA; it bui
 refuses these flags (Clang without libomp, say), the portable flags ``-O3 -fopenmp-simd`` are used instead.
 
 Besides the losses the library holds the metrics' top-label scan (``torch.ops.torchcal.top_label_scan``,
-``csrc/scan.h``): the numba scan's pass and conventions, on torch's threads. ``TORCHCAL_CPP=0`` or :func:`use_cpu_extension` turns it off;
+``csrc/scan.h``): the numba scan's pass and conventions, on torch's threads, and the stable radix sort of
+confidences with their correctness (``torch.ops.torchcal.sort_with_flags``, ``csrc/sort.h``) of the
+equal-mass estimators. ``TORCHCAL_CPP=0`` or :func:`use_cpu_extension` turns it off;
 :func:`~torchcal.functional.use_cpu_kernels` (False) turns off both it and numba.
 """
 
@@ -42,7 +44,7 @@ __all__ = ["build_cpu_extension", "cpu_extension_available", "use_cpu_extension"
 _SCAN_DTYPES = (torch.float32, torch.float64)
 
 SOURCE = Path(__file__).with_name("csrc") / "fused_losses.cpp"
-HEADERS = (SOURCE.with_name("true_class.h"), SOURCE.with_name("scan.h"))
+HEADERS = (SOURCE.with_name("true_class.h"), SOURCE.with_name("scan.h"), SOURCE.with_name("sort.h"))
 REDUCTION_CODES = {"none": 0, "mean": 1, "sum": 2}
 PORTABLE_FLAGS = ["-O3", "-fopenmp-simd"]
 
@@ -294,3 +296,19 @@ def top_label_scan(probs, targets, n_bins=None, classwise_bins=None):
         tuple(cw.unbind(0)) if classwise_bins else None,
         sum_sq,
     )
+
+
+def sort_applies(values: torch.Tensor) -> bool:
+    """Whether the C++ radix sort takes these values (built and enabled; 1-D float32/64 CPU tensor)."""
+    return values.dtype in _SCAN_DTYPES and values.is_cpu and values.dim() == 1 and cpu_extension_available()
+
+
+def sort_with_flags(values: torch.Tensor, flags: torch.Tensor):
+    """Stable ascending sort of non-negative ``values`` carrying the bool ``flags`` along: (sorted values,
+    their flags), by the C++ radix sort (ties keep their input order; −0.0 sorts as 0.0; negative or NaN
+    values raise ValueError)."""
+    op = _state.get("sort")
+    if op is None:
+        overload = torch.ops.torchcal.sort_with_flags.default
+        op = _state["sort"] = getattr(overload, "_op", overload)
+    return op(values.detach(), flags.detach())

@@ -29,7 +29,9 @@ from .._validation import (
 )
 from ._binning import (
     classwise_sums,
+    equal_mass_cuts,
     equal_mass_sums,
+    prefix_sums,
     stable_sort,
 )
 
@@ -75,17 +77,25 @@ def classwise_from_sums(conf_sum, correct_sum, n) -> torch.Tensor:
 
 
 def sorted_by_confidence(conf: torch.Tensor, correct: torch.Tensor):
-    """Stable ascending sort of confidences, carrying correctness along (ties keep input order)."""
+    """Stable ascending sort of confidences, carrying correctness along (ties keep input order).
+
+    On CPU with the C++ extension built this is its radix sort of the bit patterns, which carries the
+    correctness itself (1M samples: ~5 ms, where the 64-bit key sort and the gather of the flags take ~27 ms);
+    otherwise :func:`~torchcal.functional._binning.stable_sort` and a gather."""
+    from . import _extension
+
+    if correct.dtype == torch.bool and _extension.sort_applies(conf):
+        return _extension.sort_with_flags(conf, correct)
     conf_sorted, order = stable_sort(conf)
     return conf_sorted, correct[order]
 
 
-def adaece_from_sorted(conf_sorted, correct_sorted, n_bins: int) -> torch.Tensor:
-    return ece_from_sums(*equal_mass_sums(conf_sorted, correct_sorted, n_bins))
+def adaece_from_sorted(conf_sorted, correct_sorted, n_bins: int, prefix=None) -> torch.Tensor:
+    return ece_from_sums(*equal_mass_sums(conf_sorted, correct_sorted, n_bins, prefix))
 
 
-def debiased_from_sorted(conf_sorted, correct_sorted, n_bins: int) -> torch.Tensor:
-    return debiased_from_sums(*equal_mass_sums(conf_sorted, correct_sorted, n_bins))
+def debiased_from_sorted(conf_sorted, correct_sorted, n_bins: int, prefix=None) -> torch.Tensor:
+    return debiased_from_sums(*equal_mass_sums(conf_sorted, correct_sorted, n_bins, prefix))
 
 
 def debiased_from_sums(count, conf_sum, correct_sum) -> torch.Tensor:
@@ -99,23 +109,11 @@ def debiased_from_sums(count, conf_sum, correct_sum) -> torch.Tensor:
     return ((count / n) * per_bin).sum(-1).clamp(min=0).sqrt()
 
 
-def _equal_mass_cuts(n: int, lo: int, hi: int, device):
-    """(b, j, start, end) of every bin j of the equal-mass cuts of N sorted values into b bins, for each b in
-    [lo, hi], flattened in that order: the first N mod b bins hold N // b + 1 values, the rest N // b."""
-    bs = torch.arange(lo, hi + 1, device=device)
-    b = torch.repeat_interleave(bs, bs)
-    first = torch.cumsum(bs, 0) - bs  # where each b's bins begin in the flat arrays
-    j = torch.arange(b.shape[0], device=device) - torch.repeat_interleave(first, bs)
-    q, r = n // b, n % b
-    start = j * q + torch.minimum(j, r)
-    return b, j, start, start + q + (j < r).long()
-
-
 def _first_non_monotone(c_corr: torch.Tensor, n: int, lo: int, hi: int) -> int | None:
     """The smallest b in [lo, hi] whose b equal-mass bins have decreasing accuracies somewhere, None if there
     is none: every (b, bin) pair of the block at once, from the prefix sums ``c_corr`` of the sorted
     correctness (integer sums: the comparisons are exact)."""
-    b, j, start, end = _equal_mass_cuts(n, lo, hi, c_corr.device)
+    b, j, start, end = equal_mass_cuts(n, lo, hi, c_corr.device)
     acc = (c_corr[end] - c_corr[start]) / (end - start).double()
     drop = (acc[1:] < acc[:-1]) & (j[1:] > 0)  # a decrease between neighbouring bins of the same b
     if not bool(drop.any()):
@@ -123,17 +121,16 @@ def _first_non_monotone(c_corr: torch.Tensor, n: int, lo: int, hi: int) -> int |
     return int(b[1:][drop].min())
 
 
-def sweep_from_sorted(conf_sorted, correct_sorted, p: int = 1):
+def sweep_from_sorted(conf_sorted, correct_sorted, p: int = 1, prefix=None):
     """Roelofs et al. 2022 ECE_sweep (equal mass): the largest b whose bin accuracies are monotone.
 
-    Returns (value, n_bins). Bin sums come from prefix sums; the b are tested in blocks, all bins of a block
+    Returns (value, n_bins). Bin sums come from :func:`prefix_sums` (``prefix``: already computed); the b are tested in blocks, all bins of a block
     in one pass of tensor ops (b = 2…64, then blocks doubling in length, at most ~2^22 bins each) instead of
     a loop of small ops per b.
     """
     n = conf_sorted.shape[0]
     dev = conf_sorted.device
-    c_conf = torch.cat([torch.zeros(1, dtype=torch.float64, device=dev), conf_sorted.double().cumsum(0)])
-    c_corr = torch.cat([torch.zeros(1, dtype=torch.float64, device=dev), correct_sorted.double().cumsum(0)])
+    c_conf, c_corr = prefix_sums(conf_sorted, correct_sorted) if prefix is None else prefix
 
     corr = correct_sorted.to(torch.int8)
     if bool((corr[1:] >= corr[:-1]).all()):
@@ -148,7 +145,7 @@ def sweep_from_sorted(conf_sorted, correct_sorted, p: int = 1):
                 best = failed - 1
                 break
             lo = hi + 1
-    _, _, start, end = _equal_mass_cuts(n, best, best, dev)
+    _, _, start, end = equal_mass_cuts(n, best, best, dev)
     count, conf_sum, corr_sum = (
         (end - start).double(),
         c_conf[end] - c_conf[start],

@@ -22,6 +22,7 @@
 #include <torch/library.h>
 
 #include "scan.h"
+#include "sort.h"
 #include "true_class.h"
 
 #include <atomic>
@@ -301,6 +302,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> top_label
   return {conf, correct, top, classwise, st};
 }
 
+// Stable ascending sort of 1-D non-negative float32/64 CPU values carrying a bool flag per value (sort.h):
+//   sort_with_flags(values, flags) -> (sorted values, their flags)
+std::tuple<at::Tensor, at::Tensor> sort_with_flags_cpu(const at::Tensor& values, const at::Tensor& flags) {
+  TORCH_CHECK_VALUE(values.dim() == 1, "`values` must be 1-D, got ", values.sizes());
+  TORCH_CHECK_VALUE(values.device().is_cpu() && flags.device().is_cpu(), "sort_with_flags runs on CPU");
+  TORCH_CHECK_VALUE(values.scalar_type() == at::kFloat || values.scalar_type() == at::kDouble,
+                    "`values` must be float32 or float64, got ", values.scalar_type());
+  TORCH_CHECK_VALUE(flags.dim() == 1 && flags.size(0) == values.size(0) && flags.scalar_type() == at::kBool,
+                    "`flags` must be a bool tensor of shape (", values.size(0), ",), got ", flags.scalar_type(),
+                    " ", flags.sizes());
+  const at::Tensor v = values.contiguous(), f = flags.contiguous();
+  at::Tensor out_v = at::empty_like(v), out_f = at::empty_like(f);
+  int64_t bad = 0;
+  AT_DISPATCH_FLOATING_TYPES(v.scalar_type(), "sort_with_flags", [&] {
+    bad = radix_sort_with_flags<scalar_t>(v.data_ptr<scalar_t>(), f.data_ptr<bool>(), v.size(0),
+                                          out_v.data_ptr<scalar_t>(), out_f.data_ptr<bool>());
+  });
+  TORCH_CHECK_VALUE(bad == 0, "`values` must be non-negative and not NaN (", bad, " are not)");
+  return {out_v, out_f};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(torchcal, m) {
@@ -310,11 +332,13 @@ TORCH_LIBRARY(torchcal, m) {
   m.def(
       "top_label_scan(Tensor probs, Tensor targets, int n_bins, int classwise_bins) -> "
       "(Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("sort_with_flags(Tensor values, Tensor flags) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(torchcal, CPU, m) {
   m.impl("fused_true_class", fused_true_class_cpu);
   m.impl("top_label_scan", top_label_scan_cpu);
+  m.impl("sort_with_flags", sort_with_flags_cpu);
 }
 
 TORCH_LIBRARY_IMPL(torchcal, AutogradCPU, m) { m.impl("fused_true_class", fused_true_class_autograd); }
