@@ -47,9 +47,23 @@ def assert_same_scan(fused, plain, probs, targets):
     assert abs(fused.stats[0] - plain.stats[0]) < 1e-6
 
 
-# K spans the C++ scan's vector cascade: 16-byte lanes, wide lanes, scalar tails
+# K spans the C++ scan's vector cascade (16-byte lanes, wide lanes, scalar tails) and its passes compiled
+# for rows of 2-16 classes (exact multiples of the vector widths among them)
 @pytest.mark.parametrize(
-    "n,k", [(1, 2), (7, 3), (500, 10), (300, 17), (200, 32), (200, 33), (100, 100), (64, 1000)]
+    "n,k",
+    [
+        (1, 2),
+        (7, 3),
+        (50, 4),
+        (60, 8),
+        (500, 10),
+        (70, 16),
+        (300, 17),
+        (200, 32),
+        (200, 33),
+        (100, 100),
+        (64, 1000),
+    ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_fused_scan_equals_torch_path(n, k, dtype, fused):
@@ -83,7 +97,7 @@ def test_confidences_on_bin_edges_and_at_one(dtype, fused):
         assert_same_scan(fused, plain, probs, targets)
 
 
-@pytest.mark.parametrize("k", [10, 33, 40, 100])
+@pytest.mark.parametrize("k", [10, 16, 33, 40, 100])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_classwise_entries_on_edges_at_every_lane(k, dtype, fused):
     # entries exactly on a classwise edge b/15 (as the dtype rounds it) and one ulp either side, placed at

@@ -27,6 +27,7 @@
 
 #include <atomic>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -218,6 +219,18 @@ at::Tensor fused_true_class_autograd(const at::Tensor& logits, const at::Tensor&
   return FusedTrueClass::apply(logits, targets, params, sample_gammas, reduction, keep);
 }
 
+// Calls run(std::integral_constant<int, k>) for 2 <= k <= Max, else run(std::integral_constant<int, 0>)
+template <int Max, typename Run>
+void with_fixed_length(int64_t k, const Run& run) {
+  if constexpr (Max < 2) {
+    run(std::integral_constant<int, 0>{});
+  } else if (k == Max) {
+    run(std::integral_constant<int, Max>{});
+  } else {
+    with_fixed_length<Max - 1>(k, run);
+  }
+}
+
 // The float64 edges b/M of _binning (as numpy's arange(M + 1) / M; M = 0, no bins: the edges of one bin)
 std::vector<double> bin_edges(int64_t m) {
   const int64_t bins = std::max<int64_t>(m, 1);
@@ -263,14 +276,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> top_label
     bool* hp = correct.data_ptr<bool>();
     double* topp = tops.data_ptr<double>();
     double* tabp = tables.data_ptr<double>();
-    at::parallel_for(0, parts, 1, [&](int64_t first, int64_t last) {
-      for (int64_t c = first; c < last; ++c) {
-        double* tab = tabp + c * table;
-        stats[static_cast<size_t>(c)] =
-            scan_rows<scalar_t>(pp, tp, std::min(n, c * rows), std::min(n, (c + 1) * rows), k, m, edges.data(),
-                                mc, cw_edges.data(), cp, hp, topp + c * 3 * m, tab, tab + 3 * mc * k);
-      }
-    });
+    // rows of up to kFixedRows classes take a pass compiled for their length
+    const auto run = [&](auto fixed) {
+      at::parallel_for(0, parts, 1, [&](int64_t first, int64_t last) {
+        for (int64_t c = first; c < last; ++c) {
+          double* tab = tabp + c * table;
+          stats[static_cast<size_t>(c)] = scan_rows<scalar_t, decltype(fixed)::value>(
+              pp, tp, std::min(n, c * rows), std::min(n, (c + 1) * rows), k, m, edges.data(), mc,
+              cw_edges.data(), cp, hp, topp + c * 3 * m, tab, tab + 3 * mc * k);
+        }
+      });
+    };
+    with_fixed_length<kFixedRows>(k, run);
   });
   ScanStats total;
   for (const ScanStats& s : stats) total.add(s);

@@ -15,6 +15,9 @@
 
 namespace torchcal {
 
+// Rows up to this long get a pass compiled for their length (scan_rows' Fixed)
+constexpr int kFixedRows = 16;
+
 // Rows up to this long are handled through a bit mask of their entries (no branch per entry: in short
 // rows the outcome of a test per entry is unpredictable, and mispredictions cost more than the mask)
 constexpr int64_t kMaskedRow = 32;
@@ -121,10 +124,13 @@ struct ScanStats {
 // (3·m); with mc > 0 adds the classwise sums to cw (3·K·mc: count, p sum, label count per class and bin)
 // and the column totals to col_total (K): entries above the first edge are binned one by one, bin 0 is
 // finished by the caller from the totals (most entries of a long row are in bin 0).
-template <typename scalar_t>
-ScanStats scan_rows(const scalar_t* p, const int64_t* t, int64_t begin, int64_t end, int64_t k, int64_t m,
-                    const double* edges, int64_t mc, const double* cw_edges, scalar_t* conf, bool* correct,
-                    double* top, double* cw, double* col_total) {
+// Fixed > 0: the caller guarantees k == Fixed, and every loop over a row has a compile-time length (rows of
+// up to kFixedRows classes: fully unrolled, no loop overhead or tail handling per row).
+template <typename scalar_t, int Fixed = 0>
+ScanStats scan_rows(const scalar_t* p, const int64_t* t, int64_t begin, int64_t end, int64_t k_runtime,
+                    int64_t m, const double* edges, int64_t mc, const double* cw_edges, scalar_t* conf,
+                    bool* correct, double* top, double* cw, double* col_total) {
+  const int64_t k = Fixed > 0 ? Fixed : k_runtime;
   ScanStats st;
   const scalar_t first_edge = below_or_at<scalar_t>(mc > 0 ? cw_edges[1] : 0.0);
   for (int64_t i = begin; i < end; ++i) {
