@@ -314,7 +314,7 @@ def _reference_sort(values, flags):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("n", [0, 1, 2, 7, 1000, 5000])
+@pytest.mark.parametrize("n", [0, 1, 2, 7, 1000, 5000, 300_000])  # 300k: several chunks sorted at once
 def test_radix_sort_is_stable_and_carries_the_flags(n, dtype):
     g = torch.Generator().manual_seed(n)
     # few distinct values (many ties), 0, 1 and values that differ in their lowest mantissa bit only

@@ -333,8 +333,13 @@ std::tuple<at::Tensor, at::Tensor> sort_with_flags_cpu(const at::Tensor& values,
   at::Tensor out_v = at::empty_like(v), out_f = at::empty_like(f);
   int64_t bad = 0;
   AT_DISPATCH_FLOATING_TYPES(v.scalar_type(), "sort_with_flags", [&] {
+    const auto parallel = [](int64_t count, const auto& fn) {
+      at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t c = begin; c < end; ++c) fn(c);
+      });
+    };
     bad = radix_sort_with_flags<scalar_t>(v.data_ptr<scalar_t>(), f.data_ptr<bool>(), v.size(0),
-                                          out_v.data_ptr<scalar_t>(), out_f.data_ptr<bool>());
+                                          out_v.data_ptr<scalar_t>(), out_f.data_ptr<bool>(), parallel);
   });
   TORCH_CHECK_VALUE(bad == 0, "`values` must be non-negative and not NaN (", bad, " are not)");
   return {out_v, out_f};

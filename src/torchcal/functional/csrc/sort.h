@@ -1,12 +1,14 @@
-// A stable ascending sort of non-negative floats carrying one flag per value: plain C++17 (no torch),
-// included by fused_losses.cpp. The equal-mass estimators (AdaECE, debiased ECE, ECE sweep) need the
-// top-label confidences in stable sorted order with their correctness; an LSD radix sort on the bit patterns
-// (which order as the values for non-negative IEEE floats) is stable by construction, so it needs no index
-// to break ties, and it moves 5 bytes per sample where a comparison sort of 64-bit (value, index) keys
-// followed by a gather of the flags moves several times that.
+// A stable ascending sort of non-negative floats carrying one flag per value: plain C++17 (no torch; the
+// caller passes its parallel loop), included by fused_losses.cpp. The equal-mass estimators (AdaECE,
+// debiased ECE, ECE sweep) need the top-label confidences in stable sorted order with their correctness.
+// An LSD radix sort of the bit patterns (which order as the values for non-negative IEEE floats) is stable by
+// construction, so it needs no index to break ties, and each pass moves one word per value (the bits and the
+// flag), where a comparison sort of 64-bit (value, index) keys followed by a gather of the flags moves
+// several times that.
 
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -18,65 +20,114 @@ namespace torchcal {
 // Sorts values[0, n) with their flags into out_values / out_flags (stable: equal values keep their order).
 // Returns the number of values that are negative (below −0.0) or NaN, which this order does not handle: the
 // caller raises when it is not 0 (the outputs are then unspecified). −0.0 sorts as +0.0.
-template <typename T>
-int64_t radix_sort_with_flags(const T* values, const bool* flags, int64_t n, T* out_values, bool* out_flags) {
+//
+// parallel(count, f) calls f(c) for every c in [0, count), possibly at once. The values are cut into
+// chunks (a number that depends on n only); each pass counts the digits of every chunk, gives each chunk its
+// own offsets in every bucket (chunk order within a bucket: stable) and moves the chunks at once.
+template <typename T, typename Parallel>
+int64_t radix_sort_with_flags(const T* values, const bool* flags, int64_t n, T* out_values, bool* out_flags,
+                              const Parallel& parallel) {
   using U = std::conditional_t<sizeof(T) == 4, uint32_t, uint64_t>;
   constexpr int kBits = 11, kBuckets = 1 << kBits;
   constexpr int kKeyBits = static_cast<int>(sizeof(U)) * 8 - 1;  // a non-negative value's bits: no sign
   constexpr int kDigits = (kKeyBits + kBits - 1) / kBits;
   constexpr U kSign = U{1} << kKeyBits;
   constexpr U kInf = static_cast<U>(sizeof(T) == 4 ? 0x7F800000ull : 0x7FF0000000000000ull);
-  // a moved word is (bits << 1) | flag: one write per value and pass, the flag riding below the digits
-  const auto word_of = [&](int64_t i) {
+  if (n == 0) return 0;
+  const int64_t chunks = std::min<int64_t>(16, std::max<int64_t>(1, n >> 16));
+  // (by value: the loops store through int64_t pointers, which could alias anything captured by reference)
+  const auto chunk_begin = [n, chunks](int64_t c) { return n / chunks * c + std::min(c, n % chunks); };
+  const auto bits_of = [&](int64_t i) {
     U u;
     std::memcpy(&u, values + i, sizeof(U));
-    u = u == kSign ? U{0} : u;  // −0.0
-    return static_cast<U>(u << 1) | static_cast<U>(flags[i]);
+    return u == kSign ? U{0} : u;  // −0.0
   };
-  std::vector<int64_t> hist(static_cast<size_t>(kDigits) * kBuckets, 0);
-  int64_t bad = 0;
-  for (int64_t i = 0; i < n; ++i) {  // the histograms of every digit, in one pass
-    U u;
-    std::memcpy(&u, values + i, sizeof(U));
-    u = u == kSign ? U{0} : u;
-    bad += u > kInf;  // sign bit set (negative) or NaN
-    for (int d = 0; d < kDigits; ++d) ++hist[d * kBuckets + ((u >> (d * kBits)) & (kBuckets - 1))];
-  }
-  if (bad != 0 || n == 0) return bad;
-  std::vector<U> first(static_cast<size_t>(n)), second;
-  U* src = nullptr;  // null until a pass has moved the words: the first pass reads the inputs
-  U* dst = first.data();
+  // a moved word is (bits << 1) | flag: one write per value and pass, the flag riding below the digits
+  const auto word_of = [&](int64_t i) { return static_cast<U>(bits_of(i) << 1) | static_cast<U>(flags[i]); };
+
+  // the histograms of every digit over all values (which passes can be skipped) and the invalid values
+  std::vector<int64_t> counts(static_cast<size_t>(chunks) * kDigits * kBuckets, 0);
+  std::vector<int64_t> bad(static_cast<size_t>(chunks), 0);
+  parallel(chunks, [&](int64_t c) {
+    int64_t* h = counts.data() + c * kDigits * kBuckets;
+    int64_t invalid = 0;
+    for (int64_t i = chunk_begin(c), end = chunk_begin(c + 1); i < end; ++i) {
+      const U u = bits_of(i);
+      invalid += u > kInf;  // sign bit set (negative) or NaN
+      for (int d = 0; d < kDigits; ++d) ++h[d * kBuckets + ((u >> (d * kBits)) & (kBuckets - 1))];
+    }
+    bad[c] = invalid;
+  });
+  int64_t n_bad = 0;
+  for (const int64_t b : bad) n_bad += b;
+  if (n_bad != 0) return n_bad;
+  std::vector<bool> active(kDigits, false);  // a digit some values differ in: its pass moves something
   for (int d = 0; d < kDigits; ++d) {
-    int64_t* h = hist.data() + d * kBuckets;
-    bool single = false;  // every value has the same digit: the pass would not move anything
-    for (int b = 0; b < kBuckets && !single; ++b) single = h[b] == n;
-    if (single) continue;
-    int64_t offset = 0;
-    for (int b = 0; b < kBuckets; ++b) {
-      const int64_t c = h[b];
-      h[b] = offset;
-      offset += c;
+    for (int b = 0; b < kBuckets && !active[d]; ++b) {
+      int64_t total = 0;
+      for (int64_t c = 0; c < chunks; ++c) total += counts[(c * kDigits + d) * kBuckets + b];
+      active[d] = total != 0 && total != n;
     }
+  }
+
+  std::vector<U> first(static_cast<size_t>(n)), second;
+  const U* src = nullptr;  // null until a pass has moved the words: the first pass reads the inputs
+  U* dst = first.data();
+  std::vector<int64_t> offsets(static_cast<size_t>(chunks) * kBuckets);
+  for (int d = 0; d < kDigits; ++d) {
+    if (!active[d]) continue;
     const int shift = 1 + d * kBits;
-    for (int64_t i = 0; i < n; ++i) {
-      const U w = src == nullptr ? word_of(i) : src[i];
-      dst[h[(w >> shift) & (kBuckets - 1)]++] = w;
+    const U* from = src;
+    const auto word_at = [&word_of, from](int64_t i) { return from == nullptr ? word_of(i) : from[i]; };
+    if (src == nullptr || chunks == 1) {  // the chunks are those the first pass counted
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t* h = counts.data() + (c * kDigits + d) * kBuckets;
+        std::copy(h, h + kBuckets, offsets.data() + c * kBuckets);
+      }
+    } else {
+      parallel(chunks, [&](int64_t c) {  // this pass's digit, counted per chunk of the current order
+        int64_t* h = offsets.data() + c * kBuckets;
+        std::fill(h, h + kBuckets, 0);
+        for (int64_t i = chunk_begin(c), end = chunk_begin(c + 1); i < end; ++i) {
+          ++h[(word_at(i) >> shift) & (kBuckets - 1)];
+        }
+      });
     }
+    int64_t at = 0;  // bucket by bucket, chunk by chunk: where each chunk's values of a bucket go
+    for (int b = 0; b < kBuckets; ++b) {
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t count = offsets[c * kBuckets + b];
+        offsets[c * kBuckets + b] = at;
+        at += count;
+      }
+    }
+    U* to = dst;
+    parallel(chunks, [&, to](int64_t c) {
+      int64_t* h = offsets.data() + c * kBuckets;
+      for (int64_t i = chunk_begin(c), end = chunk_begin(c + 1); i < end; ++i) {
+        const U w = word_at(i);
+        to[h[(w >> shift) & (kBuckets - 1)]++] = w;
+      }
+    });
     if (src == nullptr) {
       second.resize(static_cast<size_t>(n));
       src = first.data();
       dst = second.data();
     } else {
-      std::swap(src, dst);
+      src = dst;
+      dst = dst == first.data() ? second.data() : first.data();
     }
   }
-  for (int64_t i = 0; i < n; ++i) {
-    const U w = src == nullptr ? word_of(i) : src[i];
-    const U u = w >> 1;
-    std::memcpy(out_values + i, &u, sizeof(U));
-    out_flags[i] = (w & 1) != 0;
-  }
-  return bad;
+  const U* sorted = src;
+  parallel(chunks, [&, sorted](int64_t c) {
+    for (int64_t i = chunk_begin(c), end = chunk_begin(c + 1); i < end; ++i) {
+      const U w = sorted == nullptr ? word_of(i) : sorted[i];
+      const U u = w >> 1;
+      std::memcpy(out_values + i, &u, sizeof(U));
+      out_flags[i] = (w & 1) != 0;
+    }
+  });
+  return 0;
 }
 
 }  // namespace torchcal
