@@ -102,6 +102,24 @@ __attribute__((always_inline)) inline int64_t bin_index(double v, int64_t m, con
   return b;
 }
 
+// Adds entry j of a row, above the first classwise edge, to its class's bin: count and p sum. Always
+// inlined: a call inside the statistics' loop would keep its float64 accumulators in memory.
+template <typename T>
+struct ClasswiseAdd {
+  const T* row;
+  int64_t mc;
+  const double* edges;
+  double* count;
+  double* psum;
+
+  __attribute__((always_inline)) void operator()(int64_t j) const {
+    const double v = static_cast<double>(row[j]);
+    const int64_t b = j * mc + bin_index(v, mc, edges);
+    count[b] += 1.0;
+    psum[b] += v;
+  }
+};
+
 // validation statistics of a part of the rows
 struct ScanStats {
   double worst = 0.0;   // largest |Σ_j p_ij − 1|
@@ -138,16 +156,7 @@ ScanStats scan_rows(const scalar_t* p, const int64_t* t, int64_t begin, int64_t 
     int64_t y = t[i];
     st.n_bad += (y < 0) | (y >= k);
     y = std::min(std::max<int64_t>(y, 0), k - 1);
-    double* count = cw;
-    double* psum = cw + k * mc;
-    // a classwise entry above the first edge (inlined: a call inside the statistics' loop would keep its
-    // float64 accumulators in memory)
-    const auto add = [&](int64_t j) __attribute__((always_inline)) {
-      const double v = static_cast<double>(row[j]);
-      const int64_t b = j * mc + bin_index(v, mc, cw_edges);
-      count[b] += 1.0;
-      psum[b] += v;
-    };
+    const ClasswiseAdd<scalar_t> add{row, mc, cw_edges, cw, cw + k * mc};
     double s = 0.0, sq = 0.0;
     scalar_t hi = row[0], lo = row[0];
     {
