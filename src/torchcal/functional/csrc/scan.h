@@ -26,14 +26,6 @@ constexpr int kFixedRows = 16;
 // rows the outcome of a test per entry is unpredictable, and mispredictions cost more than the mask)
 constexpr int64_t kMaskedRow = 32;
 
-// bit j set where pred(row[j]), for a row of at most kMaskedRow entries
-template <typename T, typename Pred>
-inline uint64_t mask_of(const T* row, int64_t k, Pred pred) {
-  uint64_t mask = 0;
-  for (int64_t j = 0; j < k; ++j) mask |= static_cast<uint64_t>(pred(row[j])) << j;
-  return mask;
-}
-
 // The largest T not above the float64 value e: for x of type T, x > e exactly when x > below_or_at(e)
 template <typename T>
 inline T below_or_at(double e) {
@@ -42,26 +34,46 @@ inline T below_or_at(double e) {
   return f;
 }
 
-// bit l set where lane l of v is greater than e (false for NaN): one compare and one move-mask instruction
-// on x86 (a mask reduced in portable vector code, then tested, took about six), lane by lane elsewhere
-template <typename T, int Bytes>
-inline uint64_t greater_mask(typename Vec<T, Bytes>::type v, typename Vec<T, Bytes>::type e) {
+// bit l set where lane l of v is greater than (Equal: equal to) e, false for NaN: one compare and one
+// move-mask instruction on x86 (a mask reduced in portable vector code, then tested, took about six), lane
+// by lane elsewhere
+template <typename T, int Bytes, bool Equal = false>
+inline uint64_t compare_mask(typename Vec<T, Bytes>::type v, typename Vec<T, Bytes>::type e) {
 #if defined(__AVX__)
+  constexpr int kPredicate = Equal ? _CMP_EQ_OQ : _CMP_GT_OQ;
   if constexpr (Bytes == 32 && std::is_same_v<T, float>) {
-    return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps((__m256)v, (__m256)e, _CMP_GT_OQ)));
+    return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps((__m256)v, (__m256)e, kPredicate)));
   } else if constexpr (Bytes == 32 && std::is_same_v<T, double>) {
-    return static_cast<uint32_t>(_mm256_movemask_pd(_mm256_cmp_pd((__m256d)v, (__m256d)e, _CMP_GT_OQ)));
+    return static_cast<uint32_t>(_mm256_movemask_pd(_mm256_cmp_pd((__m256d)v, (__m256d)e, kPredicate)));
   }
 #endif
 #if defined(__SSE2__)
   if constexpr (Bytes == 16 && std::is_same_v<T, float>) {
-    return static_cast<uint32_t>(_mm_movemask_ps(_mm_cmpgt_ps((__m128)v, (__m128)e)));
+    const __m128 c = Equal ? _mm_cmpeq_ps((__m128)v, (__m128)e) : _mm_cmpgt_ps((__m128)v, (__m128)e);
+    return static_cast<uint32_t>(_mm_movemask_ps(c));
   } else if constexpr (Bytes == 16 && std::is_same_v<T, double>) {
-    return static_cast<uint32_t>(_mm_movemask_pd(_mm_cmpgt_pd((__m128d)v, (__m128d)e)));
+    const __m128d c = Equal ? _mm_cmpeq_pd((__m128d)v, (__m128d)e) : _mm_cmpgt_pd((__m128d)v, (__m128d)e);
+    return static_cast<uint32_t>(_mm_movemask_pd(c));
   }
 #endif
   uint64_t mask = 0;
-  for (int l = 0; l < Vec<T, Bytes>::width; ++l) mask |= static_cast<uint64_t>(v[l] > e[l]) << l;
+  for (int l = 0; l < Vec<T, Bytes>::width; ++l) {
+    mask |= static_cast<uint64_t>(Equal ? v[l] == e[l] : v[l] > e[l]) << l;
+  }
+  return mask;
+}
+
+// bit j set where row[j] > value (Equal: == value), for a row of at most kMaskedRow entries: 16-byte
+// vectors, then the tail entry by entry
+template <bool Equal, typename T>
+inline uint64_t row_mask(const T* row, int64_t k, T value) {
+  using V = typename Vec<T, 16>::type;
+  constexpr int W = Vec<T, 16>::width;
+  const V b = broadcast<V>(value);
+  uint64_t mask = 0;
+  int64_t j = 0;
+  for (; j + W <= k; j += W) mask |= compare_mask<T, 16, Equal>(load<V>(row + j), b) << j;
+  for (; j < k; ++j) mask |= static_cast<uint64_t>(Equal ? row[j] == value : row[j] > value) << j;
   return mask;
 }
 
@@ -91,7 +103,7 @@ inline void stats_span(const T* row, int64_t j, int64_t stop, double& s, double&
       D total = load<D>(col_total + j);
       total += d;
       std::memcpy(col_total + j, &total, sizeof(D));
-      for (uint64_t above = greater_mask<T, Bytes>(v, broadcast<V>(edge)); above != 0; above &= above - 1) {
+      for (uint64_t above = compare_mask<T, Bytes>(v, broadcast<V>(edge)); above != 0; above &= above - 1) {
         add(j + __builtin_ctzll(above));
       }
     }
@@ -210,7 +222,7 @@ ScanStats scan_rows(const scalar_t* p, const int64_t* t, int64_t begin, int64_t 
     // p_y is the maximum and no earlier entry holds it (a vectorised search of [0, y))
     bool hit;
     if (k <= kMaskedRow) {
-      const uint64_t at_max = mask_of(row, k, [hi](scalar_t x) { return x == hi; });
+      const uint64_t at_max = row_mask<true>(row, k, hi);
       hit = __builtin_ctzll(at_max | (uint64_t{1} << k)) == y;  // (no entry equal to a NaN maximum: k)
     } else if ((hit = row[y] == hi) && y > 0) {
       constexpr int WN = Vec<scalar_t, 16>::width;
@@ -233,8 +245,7 @@ ScanStats scan_rows(const scalar_t* p, const int64_t* t, int64_t begin, int64_t 
       if (k <= kMaskedRow) {  // about a fifth of a 10-class row is above the edge (1M x 10: 80 -> 67 ms)
 #pragma omp simd
         for (int64_t j = 0; j < k; ++j) col_total[j] += static_cast<double>(row[j]);
-        const auto is_above = [first_edge](scalar_t x) { return x > first_edge; };
-        for (uint64_t above = mask_of(row, k, is_above); above != 0; above &= above - 1) {
+        for (uint64_t above = row_mask<false>(row, k, first_edge); above != 0; above &= above - 1) {
           add(__builtin_ctzll(above));
         }
       }  // (long rows: in the statistics' pass)
