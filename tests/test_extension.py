@@ -1,6 +1,7 @@
 """The optional C++ loss operator (torchcal.functional._extension): build and load rules, and its losses
 against the plain torch path (values, gradients, gradcheck, layouts, threads, sizes)."""
 
+import math
 import os
 import subprocess
 import sys
@@ -377,3 +378,47 @@ def test_sorted_by_confidence_takes_the_radix_sort_and_agrees_with_the_torch_pat
         assert not _extension.sort_applies(conf)
         plain = sorted_by_confidence(conf, correct)
     assert torch.equal(fast[0], plain[0]) and torch.equal(fast[1], plain[1])
+
+
+# -- the per-sample sums of the C++ scan (CalibrationMetrics.update, NLL) --------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_scan_sums_match_their_definitions(dtype):
+    from tests.conftest import make_probs
+
+    probs, targets = make_probs(2000, 7, seed=3, sharpness=8, dtype=dtype)
+    probs[5] = 0.0  # a true class of probability 0 costs −log(tiny of the dtype)
+    probs[5, (int(targets[5]) + 1) % 7] = 1.0
+    threshold = 0.9
+    *_, sums = _extension.top_label_scan(probs, targets, 15, None, threshold)
+    p64 = probs.double()
+    p_true = p64[torch.arange(2000), targets]
+    tiny = torch.finfo(dtype).tiny
+    nll = -torch.log(p_true.clamp(min=tiny)).sum().item()  # float64 reference
+    assert sums.nll == pytest.approx(nll, rel=1e-13)
+    assert -math.log(tiny) > 80  # row 5's share
+    assert sums.p_true == pytest.approx(p_true.sum().item(), rel=1e-13)
+    conf, pred = probs.max(1)
+    correct = pred == targets
+    confident = conf >= threshold  # torch's comparison of the dtype with a Python number
+    assert sums.correct == correct.sum().item()
+    assert sums.confident == confident.sum().item()
+    assert sums.confident_correct == (confident & correct).sum().item()
+
+
+def test_scan_sums_compare_the_confidence_in_the_input_dtype():
+    # float32(0.7) = 0.69999998...: a float32 confidence equal to it is >= 0.7 for torch, which compares in
+    # float32, though below 0.7 in float64; the scan's S99 counts follow torch
+    probs = torch.tensor([[0.3, 0.7], [0.7, 0.3]], dtype=torch.float32)
+    assert float(probs[0, 1]) < 0.7
+    threshold = 0.7
+    *_, sums = _extension.top_label_scan(probs, torch.tensor([1, 0]), None, None, threshold)
+    assert int((probs.max(1).values >= threshold).sum()) == 2
+    assert sums.confident == 2 and sums.confident_correct == 2
+
+
+def test_no_sums_without_a_threshold():
+    probs = torch.tensor([[0.25, 0.75]])
+    *_, sums = _extension.top_label_scan(probs, torch.tensor([1]), 15, 15)
+    assert sums is None

@@ -158,16 +158,17 @@ def scan_inputs(
     num_classes: int | None = None,
     classwise_bins=None,
     n_bins=None,
+    threshold=None,
 ):
     """Validated (probs, targets, scan): validation, the top-label statistics and (with ``classwise_bins`` /
-    ``n_bins``) the classwise and top-label bin sums share one pass over ``probs``
-    (:func:`torchcal.functional._binning.scan_probs`)."""
+    ``n_bins`` / ``threshold``) the classwise and top-label bin sums and the per-sample sums share one pass
+    over ``probs`` (:func:`torchcal.functional._binning.scan_probs`)."""
     from .functional._binning import scan_probs
 
     probs, targets, tol = _scores_and_targets(
         probs, targets, from_logits, name, num_classes, check_values=False, fused_scan=True
     )
-    scan = scan_probs(probs, targets, classwise_bins, n_bins)
+    scan = scan_probs(probs, targets, classwise_bins, n_bins, threshold)
     if not from_logits:
         check_prob_stats(scan.stats, name, tol, probs.shape[1])
     return probs, targets, scan

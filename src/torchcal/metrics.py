@@ -97,6 +97,7 @@ class CalibrationMetrics:
             self.num_classes,
             classwise_bins=self.n_bins,
             n_bins=self.n_bins,
+            threshold=self.s99_threshold,
         )
         conf, correct = scan.conf, scan.correct
         if self._device is None:
@@ -110,22 +111,32 @@ class CalibrationMetrics:
         top += torch.stack(list(scan.top))
         _, cw_conf, cw_correct = classwise_sums(probs, targets, self.n_bins, scan.classwise)
         cw += torch.stack([cw_conf, cw_correct])
-        p_true = probs.gather(1, targets[:, None]).squeeze(1)
-        if scan.sum_sq is None:
-            brier = C.brier_per_sample(probs, targets).sum()
-        else:  # Σ_i (Σ_k p_ik² − 2 p_t + 1) from the fused scan's Σ p²
-            brier = C.brier_from_sums(scan.sum_sq, p_true, conf.shape[0]) * conf.shape[0]
-        confident = conf >= self.s99_threshold
-        scalars += torch.stack(
-            [
-                torch.tensor(float(conf.shape[0]), dtype=torch.float64, device=conf.device),
-                C.nll_from_true_probs(p_true).double().sum(),
-                brier,
-                correct.double().sum(),
-                confident.double().sum(),
-                (confident & correct).double().sum(),
-            ]
-        )
+        n = conf.shape[0]
+        if scan.sums is not None:  # the C++ scan summed them in its pass
+            sums = scan.sums
+            brier = scan.sum_sq - 2 * sums.p_true + n  # Σ_i (Σ_k p_ik² − 2 p_t + 1)
+            scalars += torch.tensor(
+                [n, sums.nll, brier, sums.correct, sums.confident, sums.confident_correct],
+                dtype=torch.float64,
+                device=conf.device,
+            )
+        else:
+            p_true = probs.gather(1, targets[:, None]).squeeze(1)
+            if scan.sum_sq is None:
+                brier = C.brier_per_sample(probs, targets).sum()
+            else:  # Σ_i (Σ_k p_ik² − 2 p_t + 1) from the fused scan's Σ p²
+                brier = C.brier_from_sums(scan.sum_sq, p_true, n) * n
+            confident = conf >= self.s99_threshold
+            scalars += torch.stack(
+                [
+                    torch.tensor(float(n), dtype=torch.float64, device=conf.device),
+                    C.nll_from_true_probs(p_true).double().sum(),
+                    brier,
+                    correct.double().sum(),
+                    confident.double().sum(),
+                    (confident & correct).double().sum(),
+                ]
+            )
         if self.equal_mass:
             self._conf.append(conf)
             self._correct.append(correct)

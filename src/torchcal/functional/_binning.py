@@ -185,6 +185,18 @@ def classwise_sums(probs: torch.Tensor, targets: torch.Tensor, n_bins: int, accu
     return accumulator.finish(probs, targets)
 
 
+class ScanSums(NamedTuple):
+    """Per-sample sums of one pass (C++ scan only, on request): float64 Σ −log max(p_y, tiny) (the log in
+    float64) and Σ p_y, and the counts of correct predictions, of confidences >= the threshold and of those
+    correct."""
+
+    nll: float
+    p_true: float
+    correct: float
+    confident: float
+    confident_correct: float
+
+
 class Scan(NamedTuple):
     """Result of :func:`scan_probs`."""
 
@@ -194,6 +206,7 @@ class Scan(NamedTuple):
     classwise: object  # object with .finish(probs, targets) -> classwise sums, or None
     top: tuple | None  # top-label equal-width (count, conf sum, correct sum) with ``n_bins``, else None
     sum_sq: float | None = None  # Σ_ik p_ik² in float64 (fused path only)
+    sums: ScanSums | None = None  # with ``threshold``, on the C++ path only
 
 
 class _FinishedClasswise:
@@ -205,11 +218,16 @@ class _FinishedClasswise:
 
 
 def scan_probs(
-    probs: torch.Tensor, targets: torch.Tensor, classwise_bins: int | None = None, n_bins: int | None = None
+    probs: torch.Tensor,
+    targets: torch.Tensor,
+    classwise_bins: int | None = None,
+    n_bins: int | None = None,
+    threshold: float | None = None,
 ) -> Scan:
     """One streaming pass over ``probs`` giving the top-label confidence and correctness, the validation
     statistics and, on request, the top-label equal-width bin sums (``n_bins``) and the classwise bin sums of
-    :func:`classwise_sums` (``classwise_bins``).
+    :func:`classwise_sums` (``classwise_bins``). With ``threshold`` the C++ scan also sums the per-sample
+    quantities of :class:`ScanSums` (other paths leave ``sums`` None: the caller computes them).
 
     On contiguous float32/float64 CPU tensors this is one fused compiled pass: the C++ operator's when it
     is built (:mod:`torchcal.functional._extension`), else numba's (:mod:`torchcal.functional._kernels`).
@@ -223,11 +241,11 @@ def scan_probs(
 
     fused = _extension if _extension.scan_applies(probs) else _kernels if _kernels.applies(probs) else None
     if fused is not None:
-        conf, correct, worst, lowest, nonfinite, top, cw, sum_sq = fused.top_label_scan(
-            probs, targets, n_bins, classwise_bins
+        conf, correct, worst, lowest, nonfinite, top, cw, sum_sq, sums = fused.top_label_scan(
+            probs, targets, n_bins, classwise_bins, threshold
         )
         classwise = None if cw is None else _FinishedClasswise(cw)
-        return Scan(conf, correct, (worst, lowest, nonfinite), classwise, top, sum_sq)
+        return Scan(conf, correct, (worst, lowest, nonfinite), classwise, top, sum_sq, sums)
     n, k = probs.shape
     acc = (
         None

@@ -275,15 +275,20 @@ def scan_applies(probs: torch.Tensor) -> bool:
     )
 
 
-def top_label_scan(probs, targets, n_bins=None, classwise_bins=None):
+def top_label_scan(probs, targets, n_bins=None, classwise_bins=None, threshold=None):
     """:func:`torchcal.functional._kernels.top_label_scan` (same arguments and results) by the C++ operator:
-    one pass on torch's threads, summed in an order that does not depend on the thread count."""
+    one pass on torch's threads, summed in an order that does not depend on the thread count. With a
+    ``threshold`` it also returns the per-sample sums (:class:`~torchcal.functional._binning.ScanSums`)."""
+    from ._binning import ScanSums
+
     op = _state.get("scan")
     if op is None:
         overload = torch.ops.torchcal.top_label_scan.default
         op = _state["scan"] = getattr(overload, "_op", overload)
-    conf, correct, top, cw, stats = op(probs.detach(), targets.detach(), n_bins or 0, classwise_bins or 0)
-    worst, lowest, nonfinite, sum_sq, n_bad = stats.tolist()
+    conf, correct, top, cw, stats = op(
+        probs.detach(), targets.detach(), n_bins or 0, classwise_bins or 0, threshold
+    )
+    worst, lowest, nonfinite, sum_sq, n_bad, *sums = stats.tolist()
     if n_bad:
         raise label_range_error(targets, probs.shape[1])
     return (
@@ -295,6 +300,7 @@ def top_label_scan(probs, targets, n_bins=None, classwise_bins=None):
         tuple(top.unbind(0)) if n_bins else None,
         tuple(cw.unbind(0)) if classwise_bins else None,
         sum_sq,
+        None if threshold is None else ScanSums(*sums),
     )
 
 

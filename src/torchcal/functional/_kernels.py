@@ -108,14 +108,16 @@ def applies(probs: torch.Tensor) -> bool:
     )
 
 
-def top_label_scan(probs, targets, n_bins=None, classwise_bins=None):
+def top_label_scan(probs, targets, n_bins=None, classwise_bins=None, threshold=None):
     """One pass over contiguous CPU ``probs`` (N, K) and integer ``targets`` (N,) (the pass checks their range).
 
-    Returns ``(conf, correct, worst, lowest, nonfinite, top, classwise, sum_sq)``: top-label confidence (in the
-    input dtype) and correctness (bool) tensors; the largest |row sum − 1|, the most negative entry (0.0 if
-    none) and whether any row sum is not finite; the top-label equal-width (count, conf sum, correct sum)
-    float64 tensors of shape (n_bins,) (None without ``n_bins``); the classwise (count, p sum, [y = k] sum),
-    each (K, classwise_bins) float64 (None without ``classwise_bins``); and Σ_ik p_ik² in float64.
+    Returns ``(conf, correct, worst, lowest, nonfinite, top, classwise, sum_sq, sums)``: top-label confidence
+    (in the input dtype) and correctness (bool) tensors; the largest |row sum − 1|, the most negative entry
+    (0.0 if none) and whether any row sum is not finite; the top-label equal-width (count, conf sum, correct
+    sum) float64 tensors of shape (n_bins,) (None without ``n_bins``); the classwise (count, p sum, [y = k]
+    sum), each (K, classwise_bins) float64 (None without ``classwise_bins``); Σ_ik p_ik² in float64; and the
+    per-sample sums of :class:`torchcal.functional._binning.ScanSums`, which the C++ scan computes on request
+    (``threshold``) and this one never (None: the caller computes them with torch).
     """
     kernels = _compiled()
     p = probs.detach().numpy()
@@ -174,6 +176,7 @@ def top_label_scan(probs, targets, n_bins=None, classwise_bins=None):
         top_t,
         cw_t,
         float(sum_sq),
+        None,
     )
 
 

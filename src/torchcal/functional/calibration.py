@@ -263,7 +263,9 @@ def negative_log_likelihood(probs, targets, *, from_logits: bool = False):
     """Mean negative log-likelihood −(1/N) Σ log p_t.
 
     p_t is clamped below at the smallest positive normal number of the working dtype (float32 for half
-    inputs), so a zero probability costs −log(tiny) (≈ 87.3 in float32) instead of inf. With
+    inputs), so a zero probability costs −log(tiny) (≈ 87.3 in float32) instead of inf. The C++ scan (CPU)
+    takes the log of the clamped p_t in float64, the torch path in the working dtype (they agree to its
+    rounding, ~1e-7 relative for float32). With
     ``from_logits=True`` the same clamp is applied to the log-softmax, so both paths agree.
 
     Example:
@@ -278,7 +280,9 @@ def negative_log_likelihood(probs, targets, *, from_logits: bool = False):
         log_p = torch.log_softmax(logits, dim=1).gather(1, targets[:, None]).squeeze(1)
         floor = math.log(torch.finfo(log_p.dtype).tiny)
         return (-log_p.clamp(min=floor)).double().mean()
-    probs, targets = probs_and_targets(probs, targets, False)
+    probs, targets, scan = scan_inputs(probs, targets, False, threshold=1.0)
+    if scan.sums is not None:  # the C++ scan's float64 sum of −log p_t (its log in float64)
+        return torch.tensor(scan.sums.nll / probs.shape[0], dtype=torch.float64, device=probs.device)
     p_true = probs.gather(1, targets[:, None]).squeeze(1)
     return nll_from_true_probs(p_true).double().mean()
 

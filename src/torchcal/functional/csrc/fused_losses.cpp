@@ -240,15 +240,18 @@ std::vector<double> bin_edges(int64_t m) {
 }
 
 // The metrics' top-label scan (scan.h) over contiguous CPU probabilities (N, K), rows in parallel:
-//   top_label_scan(probs, targets, n_bins, classwise_bins) -> (conf, correct, top, classwise, stats)
+//   top_label_scan(probs, targets, n_bins, classwise_bins, threshold=None)
+//     -> (conf, correct, top, classwise, stats)
 // conf (N,) in the input dtype, correct (N,) bool; top (3, n_bins) float64 equal-width (count, conf sum,
 // correct sum); classwise (3, K, classwise_bins) float64 (count, p sum, label count; bin 0 finished from the
 // column totals); stats float64 [largest |row sum − 1|, most negative entry or 0, any non-finite row sum,
-// Σ p², labels outside [0, K)] (the caller raises). n_bins or classwise_bins 0: that part is skipped (an
-// empty tensor). The rows are cut into parts that depend on N and K only and the parts' sums are added in
+// Σ p², labels outside [0, K), then with a threshold the per-sample sums Σ −log p_y, Σ p_y, correct,
+// confidence >= threshold, those correct (else 0)] (the caller raises on bad labels). n_bins or
+// classwise_bins 0: that part is skipped (an empty tensor). The rows are cut into parts that depend on N and K only and the parts' sums are added in
 // order, so the results are the same for any thread count.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> top_label_scan_cpu(
-    const at::Tensor& probs, const at::Tensor& targets, int64_t n_bins, int64_t classwise_bins) {
+    const at::Tensor& probs, const at::Tensor& targets, int64_t n_bins, int64_t classwise_bins,
+    c10::optional<double> threshold) {
   check_rows(probs, "probs", targets, "top_label_scan");
   TORCH_CHECK_VALUE(n_bins >= 0 && classwise_bins >= 0, "bin counts must be >= 0");
   const at::Tensor p = probs.contiguous();
@@ -287,7 +290,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> top_label
           double* tab = tabp + c * table;
           stats[static_cast<size_t>(c)] = scan_rows<scalar_t, decltype(fixed)::value>(
               pp, tp, std::min(n, c * rows), std::min(n, (c + 1) * rows), k, m, edges.data(), mc,
-              cw_edges.data(), cp, hp, topp + c * 3 * m, tab, tab + 3 * mc * k);
+              cw_edges.data(), cp, hp, topp + c * 3 * m, tab, tab + 3 * mc * k, threshold.has_value(),
+              static_cast<scalar_t>(threshold.value_or(1.0)));
         }
       });
     };
@@ -313,13 +317,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> top_label
       out[k * mc + j * mc] = std::max(col_total[j] - psum, 0.0);
     }
   }
-  at::Tensor st = at::empty({5}, f64);
+  at::Tensor st = at::empty({10}, f64);
   double* sp = st.data_ptr<double>();
   sp[0] = total.worst;
   sp[1] = total.lowest;
   sp[2] = total.nonfinite ? 1.0 : 0.0;
   sp[3] = total.sum_sq;
   sp[4] = static_cast<double>(total.n_bad);
+  sp[5] = total.nll;
+  sp[6] = total.p_true;
+  sp[7] = static_cast<double>(total.n_correct);
+  sp[8] = static_cast<double>(total.n_confident);
+  sp[9] = static_cast<double>(total.n_confident_correct);
   return {conf, correct, top, classwise, st};
 }
 
@@ -356,7 +365,7 @@ TORCH_LIBRARY(torchcal, m) {
       "fused_true_class(Tensor logits, Tensor targets, Tensor params, Tensor? sample_gammas, int reduction) -> "
       "Tensor");
   m.def(
-      "top_label_scan(Tensor probs, Tensor targets, int n_bins, int classwise_bins) -> "
+      "top_label_scan(Tensor probs, Tensor targets, int n_bins, int classwise_bins, float? threshold=None) -> "
       "(Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("sort_with_flags(Tensor values, Tensor flags) -> (Tensor, Tensor)");
 }

@@ -153,6 +153,10 @@ struct ScanStats {
   bool nonfinite = false;
   double sum_sq = 0.0;  // Σ_ij p_ij²
   int64_t n_bad = 0;    // labels outside [0, K)
+  // the per-sample sums of the streaming metrics (scan_rows' sums): Σ −log max(p_y, tiny) and Σ p_y in
+  // float64, the correct predictions, the confidences at or above the threshold and those among them correct
+  double nll = 0.0, p_true = 0.0;
+  int64_t n_correct = 0, n_confident = 0, n_confident_correct = 0;
 
   void add(const ScanStats& o) {
     worst = std::max(worst, o.worst);
@@ -160,6 +164,11 @@ struct ScanStats {
     nonfinite = nonfinite || o.nonfinite;
     sum_sq += o.sum_sq;
     n_bad += o.n_bad;
+    nll += o.nll;
+    p_true += o.p_true;
+    n_correct += o.n_correct;
+    n_confident += o.n_confident;
+    n_confident_correct += o.n_confident_correct;
   }
 };
 
@@ -167,13 +176,17 @@ struct ScanStats {
 // maximum is the label); with m > 0 adds (count, conf sum, correct sum) of the equal-width bins to top
 // (3·m); with mc > 0 adds the classwise sums to cw (3·K·mc: count, p sum, label count per class and bin)
 // and the column totals to col_total (K): entries above the first edge are binned one by one, bin 0 is
-// finished by the caller from the totals (most entries of a long row are in bin 0).
+// finished by the caller from the totals (most entries of a long row are in bin 0). With ``sums`` the
+// ScanStats also get the per-sample sums, the confidence compared with ``threshold`` in the input dtype (as
+// torch compares a tensor with a Python number) and −log p_y computed in float64 from p_y clamped below at
+// the dtype's smallest normal number (the torch path's clamp; its log is taken in the input dtype).
 // Fixed > 0: the caller guarantees k == Fixed, and every loop over a row has a compile-time length (rows of
 // up to kFixedRows classes: fully unrolled, no loop overhead or tail handling per row).
 template <typename scalar_t, int Fixed = 0>
 ScanStats scan_rows(const scalar_t* p, const int64_t* t, int64_t begin, int64_t end, int64_t k_runtime,
                     int64_t m, const double* edges, int64_t mc, const double* cw_edges, scalar_t* conf,
-                    bool* correct, double* top, double* cw, double* col_total) {
+                    bool* correct, double* top, double* cw, double* col_total, bool sums = false,
+                    scalar_t threshold = scalar_t(1)) {
   const int64_t k = Fixed > 0 ? Fixed : k_runtime;
   ScanStats st;
   const scalar_t first_edge = below_or_at<scalar_t>(mc > 0 ? cw_edges[1] : 0.0);
@@ -233,6 +246,16 @@ ScanStats scan_rows(const scalar_t* p, const int64_t* t, int64_t begin, int64_t 
     }
     conf[i] = hi;
     correct[i] = hit;
+    if (sums) {
+      const double pt = static_cast<double>(row[y]);
+      constexpr double kTiny = static_cast<double>(std::numeric_limits<scalar_t>::min());
+      st.nll -= std::log(pt > kTiny ? pt : kTiny);  // (NaN: the input is rejected)
+      st.p_true += pt;
+      st.n_correct += hit;
+      const bool confident = hi >= threshold;
+      st.n_confident += confident;
+      st.n_confident_correct += confident && hit;
+    }
     if (m > 0) {
       const double c = static_cast<double>(hi);
       double* b = top + bin_index(c, m, edges);
