@@ -160,19 +160,19 @@ def test_ties_with_many_classes_predict_the_lowest_index(k):
 
 
 @pytest.mark.parametrize("sigma", [0.003, 0.01, 0.0625, 0.4, 1.0])  # G = 3334 below σ = 0.01, else 1001
-def test_smece_convolution_in_numpy_equals_the_torch_steps(sigma):
-    """CPU data is smoothed in numpy (the σ search evaluates a dozen bandwidths; small torch ops cost more
-    than the FFTs); other devices take the torch steps. The two agree on the same data."""
+def test_smece_at_a_bandwidth_equals_a_direct_convolution(sigma, cpu_backend):
+    """The FFT convolution in numpy (every device) against the float64 reference's direct convolution."""
+    from tests.reference import metrics as R
     from torchcal.functional.calibration import _smooth_ece_at
 
     g = torch.Generator().manual_seed(3)
     conf = 0.3 + 0.7 * torch.rand(3000, generator=g, dtype=torch.float64)
     correct = torch.rand(3000, generator=g, dtype=torch.float64) < conf**2
-    in_numpy = _smooth_ece_at(conf, correct, sigma, in_numpy=True)
-    in_torch = _smooth_ece_at(conf, correct, sigma, in_numpy=False)
-    assert in_numpy.dtype == in_torch.dtype == torch.float64
-    assert 0.0 < in_torch.item() < 1.0
-    assert abs(in_numpy.item() - in_torch.item()) < 1e-12
+    got = _smooth_ece_at(conf, correct, sigma)
+    assert got.dtype == torch.float64 and got.device == conf.device
+    want = R.smece_at(conf.numpy(), correct.numpy(), sigma)
+    assert 0.0 < want < 1.0
+    assert abs(got.item() - want) < 1e-10
 
 
 @pytest.mark.parametrize("g", [2, 3, 1001, 1334, 3334])

@@ -171,7 +171,26 @@ def scan_inputs(
     scan = scan_probs(probs, targets, classwise_bins, n_bins, threshold)
     if not from_logits:
         check_prob_stats(scan.stats, name, tol, probs.shape[1])
+    if threshold is not None and scan.sums is None:  # the paths whose pass does not sum them
+        scan = scan._replace(sums=_torch_sums(probs, targets, scan, threshold))
     return probs, targets, scan
+
+
+def _torch_sums(probs, targets, scan, threshold):
+    """The per-sample sums of :class:`torchcal.functional._binning.ScanSums` by torch ops, as 0-d float64
+    tensors on the input's device (no host sync): −log p_t with the clamp and log in the input dtype."""
+    from .functional._binning import ScanSums
+    from .functional.calibration import nll_from_true_probs
+
+    p_true = probs.gather(1, targets[:, None]).squeeze(1)
+    confident = scan.conf >= threshold
+    return ScanSums(
+        nll_from_true_probs(p_true).double().sum(),
+        p_true.double().sum(),
+        scan.correct.double().sum(),
+        confident.double().sum(),
+        (confident & scan.correct).double().sum(),
+    )
 
 
 def probs_and_targets(probs, targets, from_logits: bool, name: str = "probs"):

@@ -111,32 +111,16 @@ class CalibrationMetrics:
         top += torch.stack(list(scan.top))
         _, cw_conf, cw_correct = classwise_sums(probs, targets, self.n_bins, scan.classwise)
         cw += torch.stack([cw_conf, cw_correct])
-        n = conf.shape[0]
-        if scan.sums is not None:  # the C++ scan summed them in its pass
-            sums = scan.sums
-            brier = scan.sum_sq - 2 * sums.p_true + n  # Σ_i (Σ_k p_ik² − 2 p_t + 1)
-            scalars += torch.tensor(
-                [n, sums.nll, brier, sums.correct, sums.confident, sums.confident_correct],
-                dtype=torch.float64,
-                device=conf.device,
-            )
-        else:
-            p_true = probs.gather(1, targets[:, None]).squeeze(1)
-            if scan.sum_sq is None:
-                brier = C.brier_per_sample(probs, targets).sum()
-            else:  # Σ_i (Σ_k p_ik² − 2 p_t + 1) from the fused scan's Σ p²
-                brier = C.brier_from_sums(scan.sum_sq, p_true, n) * n
-            confident = conf >= self.s99_threshold
-            scalars += torch.stack(
-                [
-                    torch.tensor(float(n), dtype=torch.float64, device=conf.device),
-                    C.nll_from_true_probs(p_true).double().sum(),
-                    brier,
-                    correct.double().sum(),
-                    confident.double().sum(),
-                    (confident & correct).double().sum(),
-                ]
-            )
+        n, sums = conf.shape[0], scan.sums
+        if scan.sum_sq is None:
+            brier = C.brier_per_sample(probs, targets).sum()
+        else:  # Σ_i (Σ_k p_ik² − 2 p_t + 1) from the fused scan's Σ p²
+            brier = scan.sum_sq - 2 * sums.p_true + n
+        batch = [n, sums.nll, brier, sums.correct, sums.confident, sums.confident_correct]
+        if all(isinstance(v, float | int) for v in batch):  # the C++ scan's sums: one small tensor
+            scalars += torch.tensor(batch, dtype=torch.float64, device=conf.device)
+        else:  # 0-d device tensors (no host sync)
+            scalars += torch.stack([torch.as_tensor(v, dtype=torch.float64, device=conf.device) for v in batch])
         if self.equal_mass:
             self._conf.append(conf)
             self._correct.append(correct)

@@ -186,15 +186,16 @@ def classwise_sums(probs: torch.Tensor, targets: torch.Tensor, n_bins: int, accu
 
 
 class ScanSums(NamedTuple):
-    """Per-sample sums of one pass (C++ scan only, on request): float64 Σ −log max(p_y, tiny) (the log in
-    float64) and Σ p_y, and the counts of correct predictions, of confidences >= the threshold and of those
-    correct."""
+    """Per-sample sums of one pass, on request (``threshold``): float64 Σ −log max(p_y, tiny) and Σ p_y, and
+    the counts of correct predictions, of confidences >= the threshold and of those correct. Python floats
+    from the C++ scan (its log in float64); 0-d float64 tensors on the input's device from torch ops
+    (:func:`torchcal._validation.scan_inputs`; the log in the input dtype)."""
 
-    nll: float
-    p_true: float
-    correct: float
-    confident: float
-    confident_correct: float
+    nll: float | torch.Tensor
+    p_true: float | torch.Tensor
+    correct: float | torch.Tensor
+    confident: float | torch.Tensor
+    confident_correct: float | torch.Tensor
 
 
 class Scan(NamedTuple):
@@ -206,7 +207,7 @@ class Scan(NamedTuple):
     classwise: object  # object with .finish(probs, targets) -> classwise sums, or None
     top: tuple | None  # top-label equal-width (count, conf sum, correct sum) with ``n_bins``, else None
     sum_sq: float | None = None  # Σ_ik p_ik² in float64 (fused path only)
-    sums: ScanSums | None = None  # with ``threshold``, on the C++ path only
+    sums: ScanSums | None = None  # with ``threshold`` (scan_inputs fills them on every path)
 
 
 class _FinishedClasswise:
@@ -227,7 +228,8 @@ def scan_probs(
     """One streaming pass over ``probs`` giving the top-label confidence and correctness, the validation
     statistics and, on request, the top-label equal-width bin sums (``n_bins``) and the classwise bin sums of
     :func:`classwise_sums` (``classwise_bins``). With ``threshold`` the C++ scan also sums the per-sample
-    quantities of :class:`ScanSums` (other paths leave ``sums`` None: the caller computes them).
+    quantities of :class:`ScanSums` (the other paths leave ``sums`` None for
+    :func:`torchcal._validation.scan_inputs` to fill).
 
     On contiguous float32/float64 CPU tensors this is one fused compiled pass: the C++ operator's when it
     is built (:mod:`torchcal.functional._extension`), else numba's (:mod:`torchcal.functional._kernels`).

@@ -12,8 +12,8 @@ cached under ``$TORCHCAL_EXTENSION_DIR`` (default: torch's extension root, ``~/.
 built, every process picks it up without compiling.
 
 Flags: where torch runs on GNU OpenMP (Linux wheels) the library is compiled with OpenMP, so its
-``at::parallel_for`` shares torch's threads (without it the operator runs on one thread), and on x86-64 for the CPU that builds it (``-march=native``: AVX2
-or AVX-512 vectors). A native build's name includes the CPU's model and feature flags, so a cache directory
+``at::parallel_for`` shares torch's threads (without it the operator runs on one thread), and on x86-64 for
+the CPU that builds it (``-march=native``: AVX2 or AVX-512 vectors). A native build's name includes the CPU's model and feature flags, so a cache directory
 shared by different machines never hands one a library for another's ISA; it builds its own. When the compiler
 refuses these flags (Clang without libomp, say), the portable flags ``-O3 -fopenmp-simd`` are used instead.
 
@@ -259,12 +259,18 @@ def fused_true_class(logits, targets, spec: _kernels.LossSpec, reduction: str) -
     sample = spec.sample_gammas
     if sample is not None and not sample.is_cpu:
         sample = sample.cpu()
-    op = _state.get("op")
+    return _op("fused_true_class")(logits, targets, params, sample, REDUCTION_CODES[reduction])
+
+
+def _op(name: str):
+    """The C++ callable of operator ``torchcal::<name>``, looked up once: the overload's Python ``__call__``
+    and the ``torch.ops`` lookups cost ~1.5 µs a call."""
+    ops = _state.setdefault("ops", {})
+    op = ops.get(name)
     if op is None:
-        overload = torch.ops.torchcal.fused_true_class.default
-        # the overload's C++ callable: its Python __call__ and the torch.ops lookups cost ~1.5 µs a call
-        op = _state["op"] = getattr(overload, "_op", overload)
-    return op(logits, targets, params, sample, REDUCTION_CODES[reduction])
+        overload = getattr(torch.ops.torchcal, name).default
+        op = ops[name] = getattr(overload, "_op", overload)
+    return op
 
 
 def scan_applies(probs: torch.Tensor) -> bool:
@@ -281,11 +287,7 @@ def top_label_scan(probs, targets, n_bins=None, classwise_bins=None, threshold=N
     ``threshold`` it also returns the per-sample sums (:class:`~torchcal.functional._binning.ScanSums`)."""
     from ._binning import ScanSums
 
-    op = _state.get("scan")
-    if op is None:
-        overload = torch.ops.torchcal.top_label_scan.default
-        op = _state["scan"] = getattr(overload, "_op", overload)
-    conf, correct, top, cw, stats = op(
+    conf, correct, top, cw, stats = _op("top_label_scan")(
         probs.detach(), targets.detach(), n_bins or 0, classwise_bins or 0, threshold
     )
     worst, lowest, nonfinite, sum_sq, n_bad, *sums = stats.tolist()
@@ -313,8 +315,4 @@ def sort_with_flags(values: torch.Tensor, flags: torch.Tensor):
     """Stable ascending sort of non-negative ``values`` carrying the bool ``flags`` along: (sorted values,
     their flags), by the C++ radix sort (ties keep their input order; −0.0 sorts as 0.0; negative or NaN
     values raise ValueError)."""
-    op = _state.get("sort")
-    if op is None:
-        overload = torch.ops.torchcal.sort_with_flags.default
-        op = _state["sort"] = getattr(overload, "_op", overload)
-    return op(values.detach(), flags.detach())
+    return _op("sort_with_flags")(values.detach(), flags.detach())

@@ -281,10 +281,7 @@ def negative_log_likelihood(probs, targets, *, from_logits: bool = False):
         floor = math.log(torch.finfo(log_p.dtype).tiny)
         return (-log_p.clamp(min=floor)).double().mean()
     probs, targets, scan = scan_inputs(probs, targets, False, threshold=1.0)
-    if scan.sums is not None:  # the C++ scan's float64 sum of −log p_t (its log in float64)
-        return torch.tensor(scan.sums.nll / probs.shape[0], dtype=torch.float64, device=probs.device)
-    p_true = probs.gather(1, targets[:, None]).squeeze(1)
-    return nll_from_true_probs(p_true).double().mean()
+    return torch.as_tensor(scan.sums.nll / probs.shape[0], dtype=torch.float64, device=probs.device)
 
 
 def brier_score(probs, targets, *, from_logits: bool = False):
@@ -336,46 +333,42 @@ def _spread(conf: torch.Tensor, correct: torch.Tensor, g: int) -> torch.Tensor:
     return grids
 
 
-def _smooth_ece_at(
-    conf: torch.Tensor, correct: torch.Tensor, sigma: float, cache=None, in_numpy: bool | None = None
-) -> torch.Tensor:
+def _smooth_ece_at(conf: torch.Tensor, correct: torch.Tensor, sigma: float, cache=None) -> torch.Tensor:
     """smECE at a fixed bandwidth with the discretisation of the relplot package (Błasiok & Nakkiran 2023).
 
     Samples are spread linearly onto a regular grid of G points on [0, 1], G = max(2000, round(20/σ))//2 + 1;
     the grid is convolved with a Gaussian of width σ after reflecting it at 0 and 1; both smoothed residual
     r̂ and density δ̂ are read by linear interpolation at E = max(round(10/σ), 200) points, δ̂ gets +1e-4,
-    and smECE_σ = Σ |r̂| / Σ δ̂. CPU data is convolved in numpy (``in_numpy``, default: on CPU).
+    and smECE_σ = Σ |r̂| / Σ δ̂.
+
+    The spreading runs where the data is (numba or torch); the (2, G) grids then go to the host, and the
+    convolution and the rest run in numpy for every device: the σ search evaluates a dozen bandwidths, and on
+    G ~ 1000 points numpy's steps cost a few µs where each small torch op costs ~10 µs (and on a GPU each
+    evaluation synchronised anyway, to compare smECE_σ with σ). ``cache`` keeps the data's spectra per G, the
+    grid and the interpolation weights across the evaluations of one search.
     """
-    dev = conf.device
-    in_numpy = dev.type == "cpu" if in_numpy is None else in_numpy
     g = max(2000, round(20 / sigma)) // 2 + 1
     size = _fft_size(g)
     cache = {} if cache is None else cache
-    key = (g, in_numpy)
-    if key not in cache:  # the data's spectra depend on σ only through G; σ >= 0.01 share G = 1001
-        grids = _spread(conf, correct, g)
-        ext = torch.cat([grids.flip(1)[:, :-1], grids, grids.flip(1)[:, 1:]], dim=1)  # reflect: 3G - 2
-        cache[key] = np.fft.rfft(ext.numpy(), size) if in_numpy else torch.fft.rfft(ext, size)
-    if in_numpy:
-        return torch.tensor(_smooth_ece_at_numpy(cache, key, g, size, sigma), dtype=torch.float64)
-
-    t = torch.linspace(0, 1, g, dtype=torch.float64, device=dev)
-    kernel = torch.exp(-((t - 0.5) ** 2) / (2 * sigma**2)) / (math.sqrt(2 * math.pi) * sigma)
-    full = torch.fft.irfft(cache[key] * torch.fft.rfft(kernel, size), size)
+    if g not in cache:  # the data's spectra depend on σ only through G; σ >= 0.01 share G = 1001
+        grids = _spread(conf, correct, g).cpu().numpy()
+        ext = np.concatenate([grids[:, :0:-1], grids, grids[:, -2::-1]], axis=1)  # reflect: 3G - 2 points
+        cache[g] = np.fft.rfft(ext, size)
+        cache["t", g] = np.linspace(0.0, 1.0, g)
+    t = cache["t", g]
+    kernel = np.exp(-((t - 0.5) ** 2) / (2 * sigma**2)) / (math.sqrt(2 * math.pi) * sigma)
+    full = np.fft.irfft(cache[g] * np.fft.rfft(kernel, size), size)
     start = g - 1 + g // 2  # the 'valid' part starts at G - 1; keep the G values centred on the data
     smoothed_residual, smoothed_ones = full[:, start : start + g]
-
     e = max(round(10 / sigma), 200)
-    t_eval = torch.linspace(0, 1, e, dtype=torch.float64, device=dev)
-    idx = (t_eval * (g - 1)).long().clamp(0, g - 2)
-    w = t_eval * (g - 1) - idx
-
-    def interp(values):
-        return values[idx] * (1 - w) + values[idx + 1] * w
-
-    num = interp(smoothed_residual)
-    den = interp(smoothed_ones) + 1e-4
-    return num.abs().sum() / den.sum()
+    if ("interp", g, e) not in cache:
+        pos = np.linspace(0.0, 1.0, e) * (g - 1)
+        idx = np.clip(pos.astype(np.int64), 0, g - 2)
+        cache["interp", g, e] = (idx, pos - idx)
+    idx, w = cache["interp", g, e]
+    num = smoothed_residual[idx] * (1 - w) + smoothed_residual[idx + 1] * w
+    den = smoothed_ones[idx] * (1 - w) + smoothed_ones[idx + 1] * w + 1e-4
+    return torch.tensor(float(np.abs(num).sum() / den.sum()), dtype=torch.float64, device=conf.device)
 
 
 @functools.lru_cache(maxsize=64)
@@ -396,28 +389,6 @@ def _fft_size(g: int) -> int:
             p35 *= 3
         p5 *= 5
     return best
-
-
-def _smooth_ece_at_numpy(cache: dict, key, g: int, size: int, sigma: float) -> float:
-    """:func:`_smooth_ece_at` for CPU data in numpy, from the data's spectra ``cache[key]``: the same steps,
-    without the fixed cost of some fifteen small torch ops per bandwidth (the σ search evaluates a dozen;
-    tested equal to the torch steps to 1e-12). The grid and the interpolation weights are kept in ``cache``."""
-    if ("t", g) not in cache:
-        cache["t", g] = np.linspace(0.0, 1.0, g)
-    t = cache["t", g]
-    kernel = np.exp(-((t - 0.5) ** 2) / (2 * sigma**2)) / (math.sqrt(2 * math.pi) * sigma)
-    full = np.fft.irfft(cache[key] * np.fft.rfft(kernel, size), size)
-    start = g - 1 + g // 2
-    smoothed_residual, smoothed_ones = full[:, start : start + g]
-    e = max(round(10 / sigma), 200)
-    if ("interp", g, e) not in cache:
-        pos = np.linspace(0.0, 1.0, e) * (g - 1)
-        idx = np.clip(pos.astype(np.int64), 0, g - 2)
-        cache["interp", g, e] = (idx, pos - idx)
-    idx, w = cache["interp", g, e]
-    num = smoothed_residual[idx] * (1 - w) + smoothed_residual[idx + 1] * w
-    den = smoothed_ones[idx] * (1 - w) + smoothed_ones[idx + 1] * w + 1e-4
-    return float(np.abs(num).sum() / den.sum())
 
 
 def smooth_ece_from_conf(conf, correct, sigma=None, eps: float = 1e-3, refine: int = 10):
