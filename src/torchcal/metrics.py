@@ -120,7 +120,9 @@ class CalibrationMetrics:
         if all(isinstance(v, float | int) for v in batch):  # the C++ scan's sums: one small tensor
             scalars += torch.tensor(batch, dtype=torch.float64, device=conf.device)
         else:  # 0-d device tensors (no host sync)
-            scalars += torch.stack([torch.as_tensor(v, dtype=torch.float64, device=conf.device) for v in batch])
+            scalars += torch.stack(
+                [torch.as_tensor(v, dtype=torch.float64, device=conf.device) for v in batch]
+            )
         if self.equal_mass:
             self._conf.append(conf)
             self._correct.append(correct)
