@@ -11,9 +11,6 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
-#if defined(__SSE2__)
-#include <immintrin.h>
-#endif
 
 #include "true_class.h"  // the vector helpers
 
@@ -32,35 +29,6 @@ inline T below_or_at(double e) {
   T f = static_cast<T>(e);
   if (static_cast<double>(f) > e) f = std::nextafter(f, -std::numeric_limits<T>::infinity());
   return f;
-}
-
-// bit l set where lane l of v is greater than (Equal: equal to) e, false for NaN: one compare and one
-// move-mask instruction on x86 (a mask reduced in portable vector code, then tested, took about six), lane
-// by lane elsewhere
-template <typename T, int Bytes, bool Equal = false>
-inline uint64_t compare_mask(typename Vec<T, Bytes>::type v, typename Vec<T, Bytes>::type e) {
-#if defined(__AVX__)
-  constexpr int kPredicate = Equal ? _CMP_EQ_OQ : _CMP_GT_OQ;
-  if constexpr (Bytes == 32 && std::is_same_v<T, float>) {
-    return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps((__m256)v, (__m256)e, kPredicate)));
-  } else if constexpr (Bytes == 32 && std::is_same_v<T, double>) {
-    return static_cast<uint32_t>(_mm256_movemask_pd(_mm256_cmp_pd((__m256d)v, (__m256d)e, kPredicate)));
-  }
-#endif
-#if defined(__SSE2__)
-  if constexpr (Bytes == 16 && std::is_same_v<T, float>) {
-    const __m128 c = Equal ? _mm_cmpeq_ps((__m128)v, (__m128)e) : _mm_cmpgt_ps((__m128)v, (__m128)e);
-    return static_cast<uint32_t>(_mm_movemask_ps(c));
-  } else if constexpr (Bytes == 16 && std::is_same_v<T, double>) {
-    const __m128d c = Equal ? _mm_cmpeq_pd((__m128d)v, (__m128d)e) : _mm_cmpgt_pd((__m128d)v, (__m128d)e);
-    return static_cast<uint32_t>(_mm_movemask_pd(c));
-  }
-#endif
-  uint64_t mask = 0;
-  for (int l = 0; l < Vec<T, Bytes>::width; ++l) {
-    mask |= static_cast<uint64_t>(Equal ? v[l] == e[l] : v[l] > e[l]) << l;
-  }
-  return mask;
 }
 
 // bit j set where row[j] > value (Equal: == value), for a row of at most kMaskedRow entries: 16-byte

@@ -10,6 +10,9 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
 
 namespace torchcal {
 
@@ -62,7 +65,7 @@ inline V broadcast(T x) {
   return v + x;
 }
 
-// a vector folded in halves down to 16 bytes with ``op`` (lane-wise sum, max, or): log2 steps instead of a
+// a vector folded in halves down to 16 bytes with ``op`` (lane-wise sum, max, min): log2 steps instead of a
 // sequential pass over up to 16 lanes, which at K = 100 costs as much as the row's arithmetic
 template <typename T, int Bytes, typename Op>
 inline typename Vec<T, 16>::type fold(typename Vec<T, Bytes>::type v, Op op) {
@@ -95,12 +98,6 @@ struct Min {  // a lane that compares false (NaN) keeps ``a``
     return b < a ? b : a;
   }
 };
-struct Or {
-  template <typename V>
-  V operator()(V a, V b) const {
-    return a | b;
-  }
-};
 
 // lanes [j, stop) of a row, stop − j a multiple of 2W: the largest entry strictly below ``below`` (or floor)
 template <typename T, int Bytes>
@@ -122,6 +119,42 @@ inline T masked_max_span(const T* row, int64_t j, int64_t stop, T below, T floor
   return best;
 }
 
+// bit l set where lane l of v is greater than (Equal: equal to) e, false for NaN: one compare and one
+// move-mask (AVX-512: mask-register) instruction on x86, where a mask reduced in portable vector code and
+// then tested took about six; lane by lane elsewhere
+template <typename T, int Bytes, bool Equal = false>
+inline uint64_t compare_mask(typename Vec<T, Bytes>::type v, typename Vec<T, Bytes>::type e) {
+#if defined(__AVX512F__)
+  if constexpr (Bytes == 64 && std::is_same_v<T, float>) {
+    return _mm512_cmp_ps_mask((__m512)v, (__m512)e, Equal ? _CMP_EQ_OQ : _CMP_GT_OQ);
+  } else if constexpr (Bytes == 64 && std::is_same_v<T, double>) {
+    return _mm512_cmp_pd_mask((__m512d)v, (__m512d)e, Equal ? _CMP_EQ_OQ : _CMP_GT_OQ);
+  }
+#endif
+#if defined(__AVX__)
+  constexpr int kPredicate = Equal ? _CMP_EQ_OQ : _CMP_GT_OQ;
+  if constexpr (Bytes == 32 && std::is_same_v<T, float>) {
+    return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps((__m256)v, (__m256)e, kPredicate)));
+  } else if constexpr (Bytes == 32 && std::is_same_v<T, double>) {
+    return static_cast<uint32_t>(_mm256_movemask_pd(_mm256_cmp_pd((__m256d)v, (__m256d)e, kPredicate)));
+  }
+#endif
+#if defined(__SSE2__)
+  if constexpr (Bytes == 16 && std::is_same_v<T, float>) {
+    const __m128 c = Equal ? _mm_cmpeq_ps((__m128)v, (__m128)e) : _mm_cmpgt_ps((__m128)v, (__m128)e);
+    return static_cast<uint32_t>(_mm_movemask_ps(c));
+  } else if constexpr (Bytes == 16 && std::is_same_v<T, double>) {
+    const __m128d c = Equal ? _mm_cmpeq_pd((__m128d)v, (__m128d)e) : _mm_cmpgt_pd((__m128d)v, (__m128d)e);
+    return static_cast<uint32_t>(_mm_movemask_pd(c));
+  }
+#endif
+  uint64_t mask = 0;
+  for (int l = 0; l < Vec<T, Bytes>::width; ++l) {
+    mask |= static_cast<uint64_t>(Equal ? v[l] == e[l] : v[l] > e[l]) << l;
+  }
+  return mask;
+}
+
 // the first index in [j, stop) (stop − j a multiple of W) of a vector holding ``value``, or stop
 template <typename T, int Bytes>
 inline int64_t first_vector_with(const T* row, int64_t j, int64_t stop, T value) {
@@ -129,11 +162,7 @@ inline int64_t first_vector_with(const T* row, int64_t j, int64_t stop, T value)
   constexpr int W = Vec<T, Bytes>::width;
   const V b = broadcast<V>(value);
   for (; j < stop; j += W) {
-    using I = std::conditional_t<sizeof(T) == 4, int32_t, int64_t>;  // the lanes of a comparison's mask
-    const auto hit = fold<I, Bytes>(load<V>(row + j) == b, Or{});
-    I any = 0;
-    for (int l = 0; l < Vec<I, 16>::width; ++l) any |= hit[l];
-    if (any != 0) return j;
+    if (compare_mask<T, Bytes, true>(load<V>(row + j), b) != 0) return j;
   }
   return stop;
 }
