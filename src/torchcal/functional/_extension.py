@@ -38,6 +38,7 @@ import torch
 
 from .._validation import label_range_error
 from . import _kernels
+from ._binning import ScanSums
 
 __all__ = ["build_cpu_extension", "cpu_extension_available", "use_cpu_extension"]
 
@@ -285,8 +286,6 @@ def top_label_scan(probs, targets, n_bins=None, classwise_bins=None, threshold=N
     """:func:`torchcal.functional._kernels.top_label_scan` (same arguments and results) by the C++ operator:
     one pass on torch's threads, summed in an order that does not depend on the thread count. With a
     ``threshold`` it also returns the per-sample sums (:class:`~torchcal.functional._binning.ScanSums`)."""
-    from ._binning import ScanSums
-
     conf, correct, top, cw, stats = _op("top_label_scan")(
         probs.detach(), targets.detach(), n_bins or 0, classwise_bins or 0, threshold
     )
