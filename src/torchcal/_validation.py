@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 
 import numpy as np
 import torch
@@ -41,6 +42,12 @@ def check_positive_int(value, name: str, minimum: int = 1) -> int:
     return int(value)
 
 
+def check_bool(value, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"`{name}` must be a bool, got {type(value).__name__}")
+    return value
+
+
 def check_float(value, name: str, low=None, high=None, low_open=False, high_open=False) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"`{name}` must be a real number, got {type(value).__name__}")
@@ -65,7 +72,7 @@ def label_range_error(labels, k: int, name: str = "targets") -> ValueError:
 def check_targets(targets, n: int, num_classes: int, name: str = "targets", check_range: bool = True):
     """Checks integer class labels of shape (n,) in [0, num_classes) (the range only with ``check_range``:
     the fused scan checks it in its own pass)."""
-    targets = as_tensor(targets, name)
+    targets = as_data(targets, name)
     if targets.dtype == torch.bool or targets.is_floating_point() or targets.is_complex():
         raise TypeError(f"`{name}` must hold integer class indices, got dtype {targets.dtype}")
     if targets.ndim != 1:
@@ -97,11 +104,42 @@ def _upcast_low_precision(x: torch.Tensor) -> torch.Tensor:
     return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
-def check_logits(logits, name: str = "logits") -> torch.Tensor:
+# Rows of "logits" checked for looking like probabilities (a cheap test on the first rows only).
+_PROBS_LOOK_ROWS = 64
+
+
+def as_data(x, name: str) -> torch.Tensor:
+    """``x`` as a tensor that metrics and calibrators treat as data: detached from any autograd graph."""
+    return as_tensor(x, name).detach()
+
+
+def check_logits(logits, name: str = "logits", *, warn_if_probs: str | None = None) -> torch.Tensor:
+    """Checks finite floating (N, K) logits. With ``warn_if_probs`` (the advice to print), warns when the
+    first rows are non-negative and sum to 1, i.e. look like probabilities passed where logits are expected
+    (one host sync in all, shared with the finiteness check)."""
     logits = check_scores(logits, name)
-    if not bool(torch.isfinite(logits).all()):
+    if warn_if_probs is None:
+        if not bool(torch.isfinite(logits).all()):
+            raise ValueError(f"`{name}` contains NaN or infinite values")
+        return _upcast_low_precision(logits)
+    head = logits[:_PROBS_LOOK_ROWS]
+    tol = _SUM_TOL.get(head.dtype, 1e-4) * max(1.0, head.shape[1] / 100)
+    finite, lowest, worst = torch.stack(
+        [torch.isfinite(logits).all().double(), head.amin().double(), (head.double().sum(1) - 1).abs().amax()]
+    ).tolist()
+    if not finite:
         raise ValueError(f"`{name}` contains NaN or infinite values")
+    if lowest >= 0 and worst <= tol:
+        warnings.warn(
+            f"`{name}` rows are non-negative and sum to 1: they look like probabilities, not logits; "
+            f"{warn_if_probs}",
+            UserWarning,
+            stacklevel=3,
+        )
     return _upcast_low_precision(logits)
+
+
+_FROM_LOGITS_ADVICE = "from_logits=True applies a softmax to them (pass from_logits=False for probabilities)"
 
 
 def check_probs(probs, name: str = "probs") -> torch.Tensor:
@@ -207,8 +245,9 @@ def _scores_and_targets(
     it applies) also checks the label range."""
     if not isinstance(from_logits, bool):
         raise TypeError(f"`from_logits` must be a bool, got {type(from_logits).__name__}")
+    probs = as_data(probs, name)
     if from_logits:
-        probs = torch.softmax(check_logits(probs, name), dim=1)
+        probs = torch.softmax(check_logits(probs, name, warn_if_probs=_FROM_LOGITS_ADVICE), dim=1)
     else:
         probs = check_scores(probs, name)
     tol = _SUM_TOL.get(probs.dtype, 1e-4)

@@ -60,7 +60,21 @@ class _ValidationBins(nn.Module):
         validation pass (no second pass needed).
         """
         if metrics is not None:
+            if val_probs is not None or val_targets is not None:
+                raise ValueError(
+                    "pass the validation set either as (val_probs, val_targets) or as `metrics`, not both"
+                )
+            from .metrics import CalibrationMetrics
+
+            if not isinstance(metrics, CalibrationMetrics):
+                raise TypeError(f"`metrics` must be a CalibrationMetrics, got {type(metrics).__name__}")
+            if not metrics.equal_mass:
+                raise ValueError("`metrics` was built with equal_mass=False: AdaFocal needs equal-mass bins")
+            if metrics.num_samples == 0:
+                raise ValueError("`metrics` holds no samples: update() it with the validation pass first")
             conf_s, corr_s = metrics.sorted_confidences()
+        elif val_probs is None or val_targets is None:
+            raise ValueError("update() needs the validation set: (val_probs, val_targets) or metrics=...")
         else:
             from .functional.calibration import sorted_by_confidence
 

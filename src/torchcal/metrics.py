@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ._validation import check_positive_int, scan_inputs
+from ._validation import check_bool, check_float, check_positive_int, scan_inputs
 from .functional import calibration as C
 from .functional._binning import classwise_sums, prefix_sums
 
@@ -62,9 +62,10 @@ class CalibrationMetrics:
     ):
         self.num_classes = check_positive_int(num_classes, "num_classes", minimum=2)
         self.n_bins = check_positive_int(n_bins, "n_bins")
-        self.from_logits = from_logits
-        self.equal_mass = equal_mass
-        self.s99_threshold = s99_threshold
+        self.from_logits = check_bool(from_logits, "from_logits")
+        self.equal_mass = check_bool(equal_mass, "equal_mass")
+        # the same check as confidence_at_least's `threshold`
+        self.s99_threshold = check_float(s99_threshold, "s99_threshold", low=0, high=1)
         self._device = None
         self.reset()
 
@@ -190,7 +191,19 @@ class CalibrationMetrics:
     def compute(self, names=None) -> dict[str, torch.Tensor]:
         """Every supported metric as 0-d float64 tensors: ece, mce, classwise_ece, nll, brier, error,
         s99_fraction, s99_accuracy and, with ``equal_mass``, adaece, debiased_ece, ece_sweep, smece.
-        ``names`` restricts the result to those metrics (and skips the work of the others)."""
+        ``names`` (one name or an iterable of names) restricts the result to those metrics (and skips the
+        work of the others)."""
+        if isinstance(names, str):
+            names = (names,)
+        elif names is not None:
+            try:
+                names = tuple(names)
+            except TypeError:
+                raise TypeError(
+                    f"`names` must be a metric name or an iterable of names, got {type(names).__name__}"
+                ) from None
+            if not all(isinstance(n, str) for n in names):
+                raise TypeError(f"`names` must hold metric names (strings), got {names!r}")
         top, cw, scalars = self._views()
         n = scalars[0]
         if float(n) == 0:

@@ -128,3 +128,21 @@ def test_tiny_cifar_run_with_augmentation(tmp_path):
                              "loss.name=flsd-53", "loss.reduction=sum"])  # fmt: skip
     rows = train(cfg, tmp_path / "run")
     assert len(rows) == 1 and np.isfinite(rows[0]["train_loss"])
+
+
+def test_cifar10_c_block_size_comes_from_the_file(tmp_path):
+    """A file of 5·n rows (here n = 7, not the released 10,000) splits into five blocks of n rows."""
+    images = np.zeros((35, 32, 32, 3), dtype=np.uint8)
+    for s in range(5):
+        images[s * 7 : (s + 1) * 7] = 10 * (s + 1)
+    np.save(tmp_path / "gaussian_noise.npy", images)
+    np.save(tmp_path / "labels.npy", np.arange(35) % 10)
+    data = load_cifar10_c(tmp_path, "gaussian_noise", 2)
+    assert len(data) == 7 and torch.allclose(data.inputs, torch.full_like(data.inputs, 20 / 255))
+    assert data.targets.tolist() == [(7 + i) % 10 for i in range(7)]
+    np.save(tmp_path / "gaussian_noise.npy", images[:33])
+    with pytest.raises(DatasetError, match="5 severity blocks of equal size"):
+        load_cifar10_c(tmp_path, "gaussian_noise", 1)
+    np.save(tmp_path / "gaussian_noise.npy", images[:30])
+    with pytest.raises(DatasetError, match="labels but"):
+        load_cifar10_c(tmp_path, "gaussian_noise", 1)

@@ -5,9 +5,9 @@ from torchcal.experiments.config import ConfigError, RunConfig, apply_overrides,
 
 def test_defaults_file_and_overrides(tmp_path):
     path = tmp_path / "run.yaml"
-    path.write_text("loss:\n  name: flsd-53\noptim:\n  name: sgd\n  lr: 1\n  milestones: [150, 250]\n")
+    path.write_text("loss:\n  name: dfl\noptim:\n  name: sgd\n  lr: 1\n  milestones: [150, 250]\n")
     cfg = load_config(path, ["optim.lr=0.05", "train.epochs=2", "loss.kwargs.gamma=3", "data.augment=true"])
-    assert cfg.loss.name == "flsd-53" and cfg.optim.name == "sgd"
+    assert cfg.loss.name == "dfl" and cfg.optim.name == "sgd"
     assert cfg.optim.lr == 0.05 and isinstance(cfg.optim.lr, float)
     assert cfg.optim.milestones == [150, 250]
     assert cfg.train.epochs == 2 and cfg.loss.kwargs == {"gamma": 3}

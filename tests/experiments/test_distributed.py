@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 from torchcal.experiments.config import load_config
 from torchcal.experiments.train import train
 
-ARGS = ["data.name=digits", "data.ood=", "data.val_size=300", "data.batch_size=64", "model.width=16",
+ARGS = ["data.name=digits", "data.ood=", "data.val_size=260", "data.batch_size=64", "model.width=16",
         "train.epochs=2", "train.num_threads=1", "loss.name=adafocal"]  # fmt: skip
 
 

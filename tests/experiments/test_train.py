@@ -13,9 +13,9 @@ import yaml
 
 from torchcal.experiments.config import load_config
 from torchcal.experiments.evaluate import evaluate_run, report
-from torchcal.experiments.train import CheckpointError, train
+from torchcal.experiments.train import CheckpointError, RunError, train
 
-TINY = ["data.name=digits", "data.ood=", "data.val_size=300", "data.batch_size=64", "model.width=16",
+TINY = ["data.name=digits", "data.ood=", "data.val_size=260", "data.batch_size=64", "model.width=16",
         "train.epochs=3", "train.num_threads=1"]  # fmt: skip
 
 
@@ -38,7 +38,7 @@ def test_run_folder_contents(tmp_path):
     assert {"val_ece", "test_ece", "train_loss"} <= set(json.loads(lines[-1]))
     logits = torch.load(run / "logits.pt", weights_only=True)
     assert set(logits) == {"val", "test", "shift"} and logits["test"]["logits"].shape[1] == 10
-    with pytest.raises(FileExistsError, match="--resume"):
+    with pytest.raises(RunError, match="--resume"):
         train(tiny(), run)
 
 
@@ -46,7 +46,7 @@ def test_stop_and_resume_equals_uninterrupted(tmp_path):
     train(tiny("loss.name=adafocal"), tmp_path / "full")
     train(tiny("loss.name=adafocal"), tmp_path / "part", stop_after=1)
     assert len((tmp_path / "part" / "metrics.jsonl").read_text().splitlines()) == 1
-    rows = train(tiny(), tmp_path / "part", resume=True)  # the config comes from the checkpoint
+    rows = train(None, tmp_path / "part", resume=True)  # the config comes from the checkpoint
     assert [r["epoch"] for r in rows] == [0, 1, 2]
     full, part = weights(tmp_path / "full"), weights(tmp_path / "part")
     for name in full:
@@ -73,6 +73,7 @@ def test_sigkill_at_any_moment_then_resume(tmp_path, kill_after):
     leftovers = [p.name for p in run.glob("*.tmp")] if run.exists() else []
     if (run / "checkpoint.pt").exists():
         torch.load(run / "checkpoint.pt", weights_only=True)  # never half-written
+    if (run / "config.yaml").exists():  # started: resume (from its config alone before the first checkpoint)
         train(load_config(None, cfg_args), run, resume=True)
     else:
         train(load_config(None, cfg_args), run)
@@ -94,7 +95,7 @@ def test_corrupt_or_foreign_checkpoints(tmp_path):
     torch.save({"weights": torch.zeros(2)}, run / "checkpoint.pt")
     with pytest.raises(CheckpointError, match="not a torchcal checkpoint"):
         train(tiny(), run, resume=True)
-    with pytest.raises(CheckpointError, match="does not exist"):
+    with pytest.raises(RunError, match="does not exist"):
         train(tiny(), tmp_path / "empty", resume=True)
 
 
@@ -107,7 +108,7 @@ def test_evaluate_and_report(tmp_path):
         assert result["ts"]["parameters"]["temperature_"] > 0
         runs.append(tmp_path / loss)
     markdown, csv_text = report(runs, tmp_path / "report")
-    assert "| digits · mlp · ce | 1 |" in markdown and "| digits · mlp · fl-3 | 1 |" in markdown
+    assert "| digits · mlp · ce | 0 |" in markdown and "| digits · mlp · fl-3 | 0 |" in markdown
     assert (tmp_path / "report" / "report.md").exists() and len(csv_text.splitlines()) == 3
 
 

@@ -8,9 +8,12 @@ from typing import Any, ClassVar
 
 import torch
 
-from .._validation import check_logits, check_targets
+from .._validation import as_data, check_logits, check_targets
 
 __all__ = ["Calibrator", "NotFittedError"]
+
+
+_LOGITS_ADVICE = "calibrators take logits (for probabilities pass torch.log(probs))"
 
 
 class NotFittedError(RuntimeError):
@@ -55,11 +58,28 @@ class Calibrator:
 
     # -- parameters ----------------------------------------------------------------------------------
 
-    def get_params(self) -> dict[str, Any]:
-        """Constructor arguments, read back from attributes of the same name."""
-        params = inspect.signature(type(self).__init__).parameters.values()
+    @classmethod
+    def _param_names(cls) -> list[str]:
+        params = inspect.signature(cls.__init__).parameters.values()
         kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-        return {p.name: getattr(self, p.name) for p in params if p.name != "self" and p.kind in kinds}
+        return [p.name for p in params if p.name != "self" and p.kind in kinds]
+
+    def get_params(self, deep: bool = True) -> dict[str, Any]:
+        """Constructor arguments, read back from attributes of the same name (scikit-learn's estimator
+        protocol; calibrators hold no nested estimators, so ``deep`` changes nothing)."""
+        return {name: getattr(self, name) for name in self._param_names()}
+
+    def set_params(self, **params) -> Calibrator:
+        """Sets constructor arguments by name (scikit-learn's protocol); unknown names raise ``ValueError``.
+        A fitted calibrator keeps its fitted values until the next ``fit``. Returns self."""
+        valid = self._param_names()
+        for name, value in params.items():
+            if name not in valid:
+                raise ValueError(
+                    f"{type(self).__name__} has no parameter {name!r}; valid parameters: {valid}"
+                )
+            setattr(self, name, value)
+        return self
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.get_params().items())
@@ -78,7 +98,7 @@ class Calibrator:
             )
 
     def _check_input(self, logits) -> torch.Tensor:
-        logits = check_logits(logits, "logits")
+        logits = check_logits(as_data(logits, "logits"), "logits", warn_if_probs=_LOGITS_ADVICE)
         if logits.shape[1] != self.num_classes_:
             raise ValueError(
                 f"`logits` has {logits.shape[1]} classes but this {type(self).__name__} was fitted on "
@@ -87,20 +107,33 @@ class Calibrator:
         return logits
 
     def fit(self, logits, targets) -> Calibrator:
-        """Learns the calibration map from validation ``logits`` (N, K) and integer ``targets`` (N,)."""
-        logits = check_logits(logits, "logits")
+        """Learns the calibration map from validation ``logits`` (N, K) and integer ``targets`` (N,).
+
+        Inputs are data: a tensor that carries gradients is detached, and fitting works the same inside
+        ``torch.no_grad()`` or ``torch.inference_mode()`` (the optimisers that need autograd enable it on
+        private copies)."""
+        logits = check_logits(as_data(logits, "logits"), "logits", warn_if_probs=_LOGITS_ADVICE)
         targets = check_targets(targets, logits.shape[0], logits.shape[1]).to(logits.device)
         for attr in self.fitted_attributes:  # a refit starts from scratch
             self.__dict__.pop(attr, None)
         self.__dict__.pop("num_classes_", None)
-        self._fit(logits, targets)
+        with torch.inference_mode(False), torch.enable_grad():
+            if logits.is_inference():  # inference tensors cannot be saved for backward: use normal copies
+                logits, targets = logits.clone(), targets.clone()
+            self._fit(logits, targets)
         self.num_classes_ = int(logits.shape[1])
         return self
 
     def transform(self, logits) -> torch.Tensor:
-        """Calibrated probabilities (N, K) for ``logits`` (N, K); rows sum to one."""
+        """Calibrated probabilities (N, K) for ``logits`` (N, K); rows sum to one. The result carries no
+        gradient (the input is treated as data)."""
         self._check_fitted()
-        return self._transform(self._check_input(logits))
+        with torch.no_grad():
+            return self._transform(self._check_input(logits))
+
+    def predict_proba(self, logits) -> torch.Tensor:
+        """Alias of :meth:`transform` (scikit-learn's name for calibrated class probabilities)."""
+        return self.transform(logits)
 
     def fit_transform(self, logits, targets) -> torch.Tensor:
         return self.fit(logits, targets).transform(logits)

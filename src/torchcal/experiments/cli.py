@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
+import os
 import time
+import warnings
 from pathlib import Path
 
 import typer
@@ -11,10 +15,53 @@ from rich.console import Console
 from rich.markdown import Markdown
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from .config import ConfigError, load_config
+from .config import apply_overrides, load_config
+from .errors import UserError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Calibration experiments with torchcal.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Calibration experiments with torchcal. A user error (bad config, missing file or folder) prints one "
+    "line and exits with status 2; --debug (or TORCHCAL_DEBUG=1) shows its traceback.",
+)
 console = Console(width=max(Console().width, 180))
+_DEBUG = {"on": False}
+
+
+def _debug() -> bool:
+    return _DEBUG["on"] or os.environ.get("TORCHCAL_DEBUG", "") not in ("", "0")
+
+
+@app.callback()
+def _root(debug: bool = typer.Option(False, "--debug", help="show the traceback of user errors")):
+    _DEBUG["on"] = debug
+
+
+def _user_errors(command):
+    """A command's :class:`UserError` becomes one line on stderr and exit status 2; warnings are printed as
+    one line each (no source line)."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        with warnings.catch_warnings():
+            warnings.simplefilter("default")
+            previous = warnings.showwarning
+            warnings.showwarning = lambda message, *a, **k: typer.echo(
+                f"torchcal: warning: {message}", err=True
+            )
+            try:
+                return command(*args, **kwargs)
+            except UserError as err:
+                if _debug():
+                    raise
+                typer.echo(f"torchcal: error: {err}", err=True)
+                raise typer.Exit(code=2) from None
+            finally:
+                warnings.showwarning = previous
+
+    return wrapper
+
 
 DEMO_LOSSES = ("ce", "ls-0.05", "brier", "mmce", "fl-3", "flsd-53", "dfl", "adafocal", "fcl")
 
@@ -24,39 +71,60 @@ def _progress():
                     console=console, transient=False)  # fmt: skip
 
 
-def _train_with_bar(cfg, run_dir, resume=False, label=None):
+def _train_with_bar(cfg, run_dir, resume=False, label=None, total=None):
     from .train import train
 
-    with _progress() as bar:
-        task = bar.add_task(label or f"train {run_dir}", total=cfg.train.epochs)
+    total = total if total is not None else cfg.train.epochs
+    bar = _progress()
+    task = None
 
-        def step(epoch, batch, n_batches):
-            bar.update(task, completed=epoch + batch / n_batches)
+    def step(epoch, batch, n_batches):  # the bar appears with the first batch, after every check passed
+        nonlocal task
+        if task is None:
+            bar.start()
+            task = bar.add_task(label or f"train {run_dir}", total=total)
+        bar.update(task, completed=epoch + batch / n_batches)
 
+    try:
         rows = train(cfg, run_dir, resume=resume, progress=step)
-        bar.update(task, completed=cfg.train.epochs)
+        if task is not None:
+            bar.update(task, completed=total)
+    finally:
+        bar.stop()
     return rows
 
 
 @app.command()
+@_user_errors
 def train(
     config: Path = typer.Argument(None, help="YAML config file (optional: defaults otherwise)"),
     overrides: list[str] = typer.Argument(None, help="section.key=value overrides, e.g. optim.lr=0.1"),
     run_dir: Path = typer.Option(Path("runs/run"), "--run-dir", "-o", help="folder of the run"),
-    resume: bool = typer.Option(False, "--resume", help="continue the run in --run-dir from its checkpoint"),
+    resume: bool = typer.Option(
+        False,
+        "--resume",
+        help="continue the run in --run-dir from its checkpoint, with its saved config; overrides may only "
+        "ask for more train.epochs (or train.device, train.num_threads, data.eval_batch_size)",
+    ),
 ):
     """Train a model with a calibration loss; the run folder holds config, metrics log, checkpoint, logits."""
+    from .train import _saved_run
+
     overrides = list(overrides or [])
     if config is not None and "=" in str(config) and not config.exists():  # only overrides were given
         overrides, config = [str(config), *overrides], None
     if resume:
-        cfg = load_config(None, [])
-    else:
-        try:
+        cfg = None
+        if config is not None:  # the file must describe this run, up to the changes resuming allows
             cfg = load_config(config, overrides)
-        except ConfigError as err:
-            raise typer.BadParameter(str(err)) from None
-    rows = _train_with_bar(cfg, run_dir, resume=resume)
+        elif overrides:
+            cfg = apply_overrides(copy.deepcopy(_saved_run(run_dir)[0]), overrides)
+        # the bar needs the epoch count: the saved one unless changed
+        bar_cfg = cfg if cfg is not None else _saved_run(run_dir)[0]
+        rows = _train_with_bar(cfg, run_dir, resume=True, total=bar_cfg.train.epochs)
+    else:
+        cfg = load_config(config, overrides)
+        rows = _train_with_bar(cfg, run_dir)
     console.print(f"trained {len(rows)} epochs; last: {json.dumps(rows[-1]) if rows else '-'}")
 
 
@@ -77,41 +145,64 @@ def build_extension(verbose: bool = typer.Option(False, help="show the compiler'
 
 
 @app.command()
+@_user_errors
 def evaluate(run_dir: Path, calibrators: str = typer.Option("ts,fts", help="comma-separated calibrators")):
-    """Every metric before and after each calibrator (fitted on validation), written to results.json."""
-    from .evaluate import evaluate_run
+    """Every metric before and after each calibrator (fitted on validation), added to results.json (other
+    calibrators' results are kept); the fitted calibrators are saved in <run>/calibrators/."""
+    from .evaluate import check_calibrators, evaluate_run
 
-    result = evaluate_run(run_dir, tuple(c for c in calibrators.split(",") if c))
-    console.print_json(json.dumps(result))
+    names = check_calibrators(c.strip() for c in calibrators.split(",") if c.strip())
+    result = evaluate_run(run_dir, names)
+    console.print_json(json.dumps({k: result[k] for k in ("uncalibrated", *names)}))
+
+
+def _parameters_text(parameters: dict) -> str:
+    names = {"temperature_": "T", "gamma_": "γ"}
+    shown = {k: v for k, v in parameters.items() if k != "num_classes_"}
+    return (
+        ", ".join(f"{names.get(k, k)} = {v:.4g}" for k, v in shown.items()) or "fitted (no scalar parameters)"
+    )
 
 
 @app.command()
+@_user_errors
 def calibrate(run_dir: Path, method: str = typer.Option("ts", "--method", "-m", help="ts, fts, ets, ...")):
-    """Fit one post-hoc calibrator on the run's validation logits and evaluate it on test."""
+    """Fit one post-hoc calibrator on the run's validation logits, evaluate it on test, save it in
+    <run>/calibrators/<method>.pt and .json and add its results to results.json."""
     from .evaluate import calibrate_run
 
     out = calibrate_run(run_dir, method)
     out.pop("calibrator")
     console.print_json(json.dumps(out))
+    folder = Path(run_dir) / "calibrators"
+    typer.echo(f"{method}: {_parameters_text(out['parameters'])}; saved to {folder / method}.pt and .json")
 
 
 @app.command()
+@_user_errors
 def report(
     run_dirs: list[Path],
     out: Path = typer.Option(Path("report"), "--out", help="output folder"),
     calibrator: str = typer.Option("ts", help="calibrator of the post columns"),
 ):
-    """The papers' table over runs (Markdown and CSV)."""
+    """The papers' table over runs (Markdown, CSV and HTML): runs whose configs differ only in the seed are
+    averaged in one row; unfinished run folders are skipped with a warning."""
+    from .evaluate import check_calibrators, collect_groups
     from .evaluate import report as make_report
     from .html_report import html_report
 
-    markdown, _ = make_report(run_dirs, out, calibrator)
-    page = html_report(run_dirs, out, calibrator)
+    check_calibrators([calibrator])
+    finished = [run for g in collect_groups(run_dirs, calibrator) for run in g.runs]  # warns once per skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the same warnings again
+        markdown, _ = make_report(finished, out, calibrator)
+        page = html_report(finished, out, calibrator)
     console.print(Markdown(markdown))
     console.print(f"report.md, report.csv and {page.name} (with figures) in {out}/")
 
 
 @app.command()
+@_user_errors
 def sweep(
     sweep_file: Path = typer.Argument(..., help="sweep YAML (grid of runs)"),
     backend: str = typer.Option("local", help="local or ray"),
@@ -121,12 +212,15 @@ def sweep(
     calibrator: str = typer.Option("ts", help="calibrator of the report's post columns"),
 ):
     """Run a grid of trainings (resumable: finished runs are kept) and aggregate them into one report."""
+    from .evaluate import check_calibrators
     from .sweep import load_sweep, run_sweep
 
-    try:
-        spec = load_sweep(sweep_file)
-    except ConfigError as err:
-        raise typer.BadParameter(str(err)) from None
+    if backend not in ("local", "ray"):
+        raise UserError(f"--backend must be local or ray, got {backend!r}")
+    if workers < 1:
+        raise UserError(f"--workers must be >= 1, got {workers}")
+    check_calibrators([calibrator])
+    spec = load_sweep(sweep_file)
     state = run_sweep(spec, backend=backend, workers=workers, address=address, retry_failed=retry_failed,
                       report_calibrator=calibrator, log=console.print)  # fmt: skip
     failed = [k for k, v in state.items() if v.get("status") == "failed"]
@@ -136,6 +230,7 @@ def sweep(
 
 
 @app.command(name="list")
+@_user_errors
 def list_things(what: str = typer.Argument(..., help="models | datasets | losses | calibrators | presets")):
     """List the registered models, datasets, losses, calibrators or the paper presets (configs/*.yaml)."""
     from ..calibrators import list_calibrators
@@ -151,17 +246,18 @@ def list_things(what: str = typer.Argument(..., help="models | datasets | losses
         "presets": list_presets,
     }
     if what not in table:
-        raise typer.BadParameter(f"choose one of {sorted(table)}")
+        raise UserError(f"cannot list {what!r}: choose one of {sorted(table)}")
     items = table[what]()
     for item in items:
         console.print(f"{item}: {items[item]}" if isinstance(items, dict) else item)
 
 
 @app.command()
+@_user_errors
 def demo(
     out: Path = typer.Option(Path("torchcal-demo"), "--out", help="output folder"),
-    epochs: int = typer.Option(3, help="epochs per loss"),
-    limit_train: int = typer.Option(0, help="use only the first n training images (0: all)"),
+    epochs: int = typer.Option(3, min=1, help="epochs per loss"),
+    limit_train: int = typer.Option(0, min=0, help="use only the first n training images (0: all)"),
 ):
     """Fashion-MNIST (or digits when it is missing): train with 9 losses, calibrate with TS and FTS,
     evaluate on test, a Gaussian-noise shifted test set and an OOD set, and write the report."""
@@ -180,7 +276,7 @@ def demo(
                       "noise σ = 0.5; OOD: scikit-learn digits rescaled to 28 × 28")  # fmt: skip
     except DatasetError as err:
         console.print(f"[yellow]Fashion-MNIST not found ({err}); falling back to scikit-learn digits[/]")
-        cfg.data.name, cfg.data.ood, cfg.data.val_size = "digits", "", 300
+        cfg.data.name, cfg.data.ood, cfg.data.val_size = "digits", "", 260  # a fifth of digits' 1,300
     runs = []
     for loss in DEMO_LOSSES:
         run_cfg = load_config(None, [])
@@ -190,7 +286,7 @@ def demo(
         if (run_dir / "logits.pt").exists():
             console.print(f"{loss}: already trained, kept")
         else:
-            resume = (run_dir / "checkpoint.pt").exists()
+            resume = (run_dir / "config.yaml").exists()  # started before: continue it
             _train_with_bar(run_cfg, run_dir, resume=resume, label=f"{loss:>9}")
         evaluate_run(run_dir, tuple(cfg.train.calibrators))
         runs.append(run_dir)
@@ -248,7 +344,7 @@ def list_presets() -> dict[str, str]:
 
 
 def main() -> None:  # console script entry point
-    app()
+    app()  # user errors exit with status 2 inside each command; click's usage errors do too
 
 
 if __name__ == "__main__":

@@ -1,17 +1,23 @@
 """Typed experiment configuration: one dataclass per component, YAML files, dotted command-line overrides.
 
 Every component owns its defaults. A run is a YAML file plus ``section.key=value`` overrides; an unknown
-section or key fails with the list of valid ones, and values are parsed as YAML and checked against the
-field's type.
+section or key fails with the list of valid ones, values are parsed as YAML and checked against the field's
+type, and :func:`validate_config` refuses values that cannot run (non-positive epochs, widths or batch
+sizes, NaN rates, unknown datasets, models, losses or calibrators, loss arguments the loss does not take)
+before anything is written.
 """
 
 from __future__ import annotations
 
+import copy
+import math
 import types
 import typing
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+from .errors import ConfigError
 
 __all__ = [
     "DataConfig",
@@ -25,11 +31,11 @@ __all__ = [
     "apply_overrides",
     "config_to_dict",
     "config_from_dict",
+    "validate_config",
+    "flatten_config",
+    "RESUMABLE_KEYS",
+    "resume_config",
 ]
-
-
-class ConfigError(ValueError):
-    """A configuration file or override that does not fit the schema."""
 
 
 @dataclass
@@ -119,8 +125,9 @@ def _section_types(cls) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in fields(cls)}
 
 
-def config_from_dict(raw: dict, base: RunConfig | None = None) -> RunConfig:
-    """A RunConfig from nested dicts, starting from ``base`` (defaults if None); unknown keys fail."""
+def config_from_dict(raw: dict, base: RunConfig | None = None, *, validate: bool = True) -> RunConfig:
+    """A RunConfig from nested dicts, starting from ``base`` (defaults if None); unknown keys fail, and so
+    do values :func:`validate_config` refuses (unless ``validate=False``)."""
     cfg = base if base is not None else RunConfig()
     if not isinstance(raw, dict):
         raise ConfigError(f"a config must be a mapping of sections, got {type(raw).__name__}")
@@ -134,7 +141,7 @@ def config_from_dict(raw: dict, base: RunConfig | None = None) -> RunConfig:
         types_ = _section_types(type(target))
         for key, value in values.items():
             _set(target, section, key, value, types_)
-    return cfg
+    return validate_config(cfg) if validate else cfg
 
 
 def _set(target, section, key, value, types_):
@@ -149,8 +156,9 @@ def _set(target, section, key, value, types_):
     setattr(target, key, value)
 
 
-def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
-    """Applies ``section.key=value`` strings (values parsed as YAML: 0.1, true, [150, 250], {gamma: 3})."""
+def apply_overrides(cfg: RunConfig, overrides: list[str], *, validate: bool = True) -> RunConfig:
+    """Applies ``section.key=value`` strings (values parsed as YAML: 0.1, true, [150, 250], {gamma: 3}),
+    then validates the result (unless ``validate=False``)."""
     import yaml
 
     for item in overrides:
@@ -161,15 +169,26 @@ def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
         if len(parts) < 2:
             raise ConfigError(f"override {item!r} must name a section and a key, e.g. optim.lr=0.1")
         section, key = parts[0], parts[1]
-        value = yaml.safe_load(text) if text.strip() else ""
+        try:
+            value = yaml.safe_load(text) if text.strip() else ""
+        except yaml.YAMLError as err:
+            raise ConfigError(
+                f"override {item!r}: the value is not valid YAML ({_yaml_problem(err)})"
+            ) from None
         if len(parts) > 2:  # loss.kwargs.gamma=3
             if key != "kwargs" and not (section == "loss" and key == "kwargs"):
                 raise ConfigError(f"only loss.kwargs takes nested keys, got {path!r}")
             nested = dict(cfg.loss.kwargs)
             nested[".".join(parts[2:])] = value
             value, key = nested, "kwargs"
-        config_from_dict({section: {key: value}}, cfg)
-    return cfg
+        config_from_dict({section: {key: value}}, cfg, validate=False)
+    return validate_config(cfg) if validate else cfg
+
+
+def _yaml_problem(err) -> str:
+    mark = getattr(err, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"{getattr(err, 'problem', None) or err}{where}"
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
@@ -181,11 +200,159 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r} does not exist")
-        with open(p) as fh:
-            raw = yaml.safe_load(fh) or {}
-        cfg = config_from_dict(raw, cfg)
+        try:
+            with open(p) as fh:
+                raw = yaml.safe_load(fh) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {_yaml_problem(err)}") from None
+        except (OSError, UnicodeDecodeError) as err:
+            raise ConfigError(f"config file {str(p)!r} cannot be read: {err}") from None
+        cfg = config_from_dict(raw, cfg, validate=False)
     return apply_overrides(cfg, overrides or [])
 
 
 def config_to_dict(cfg: RunConfig) -> dict:
     return asdict(cfg)
+
+
+def flatten_config(cfg: RunConfig | dict) -> dict[str, Any]:
+    """``{"section.key": value}`` of a config (or of its dict form, e.g. a saved ``config.yaml``)."""
+    raw = config_to_dict(cfg) if isinstance(cfg, RunConfig) else cfg
+    return {f"{section}.{key}": value for section, values in raw.items() if isinstance(values, dict)
+            for key, value in values.items()}  # fmt: skip
+
+
+# -- validation ---------------------------------------------------------------------------------------------
+
+_AMP = ("auto", "bfloat16", "float16", "off")
+_OPTIMIZERS = ("adam", "sgd")
+_SHIFTS = ("", "gaussian_noise", "cifar10_c")
+_OODS = ("", "digits", "svhn")
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _finite(value: float, name: str, low: float | None = None, *, open_low: bool = False) -> None:
+    _check(math.isfinite(value), f"{name} must be a finite number, got {value}")
+    if low is not None:
+        ok = value > low if open_low else value >= low
+        _check(ok, f"{name} must be {'>' if open_low else '>='} {low}, got {value}")
+
+
+def validate_config(cfg: RunConfig) -> RunConfig:
+    """Refuses, with a :class:`ConfigError` naming the key, every value that cannot run: non-positive
+    counts and sizes, NaN or negative rates, unknown names (dataset, model, loss, optimizer, calibrator,
+    shift, OOD set, autocast mode), loss arguments the loss does not accept, and settings that would be
+    ignored (``loss.update_every`` for a loss without a validation update). Returns ``cfg``."""
+    from ..calibrators import list_calibrators
+    from ..losses import create as create_loss
+    from .data import list_datasets
+    from .models import list_models
+
+    d, m, lo, o, t = cfg.data, cfg.model, cfg.loss, cfg.optim, cfg.train
+    _check(
+        d.name in list_datasets(),
+        f"unknown dataset data.name={d.name!r}; available: {sorted(list_datasets())}",
+    )
+    _check(d.val_size >= 1, f"data.val_size must be >= 1, got {d.val_size}")
+    _check(d.batch_size >= 1, f"data.batch_size must be >= 1, got {d.batch_size}")
+    _check(d.eval_batch_size >= 1, f"data.eval_batch_size must be >= 1, got {d.eval_batch_size}")
+    _check(d.limit_train >= 0, f"data.limit_train must be >= 0 (0: all), got {d.limit_train}")
+    _check(d.max_len >= 1, f"data.max_len must be >= 1, got {d.max_len}")
+    _check(d.shift in _SHIFTS, f"unknown shift data.shift={d.shift!r}; available: {list(_SHIFTS)}")
+    _check(d.ood in _OODS, f"unknown OOD set data.ood={d.ood!r}; available: {list(_OODS)}")
+    _finite(d.shift_severity, "data.shift_severity", 0)
+    if d.shift == "cifar10_c":
+        _check(d.shift_severity in (1, 2, 3, 4, 5),
+               f"data.shift_severity must be a severity 1-5 for cifar10_c, got {d.shift_severity}")  # fmt: skip
+    _check(
+        m.name in list_models(), f"unknown model model.name={m.name!r}; available: {sorted(list_models())}"
+    )
+    _check(m.width >= 1, f"model.width must be >= 1, got {m.width}")
+    _check(lo.reduction in ("mean", "sum"),
+           f"loss.reduction must be 'mean' or 'sum' for training, got {lo.reduction!r}")  # fmt: skip
+    _check(
+        lo.update_every >= 0, f"loss.update_every must be >= 0 (0: after every epoch), got {lo.update_every}"
+    )
+    try:
+        loss = create_loss(lo.name, reduction=lo.reduction, **lo.kwargs)
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"loss.name={lo.name!r} with loss.kwargs={lo.kwargs}: {err}") from None
+    if lo.update_every:
+        _check(hasattr(loss, "update"), f"loss.update_every={lo.update_every} applies only to losses updated "
+               f"from the validation set (adafocal, adadualfocal, calfocal), not {lo.name!r}")  # fmt: skip
+    _check(o.name in _OPTIMIZERS, f"unknown optimizer optim.name={o.name!r}; available: {list(_OPTIMIZERS)}")
+    _finite(o.lr, "optim.lr", 0, open_low=True)
+    _finite(o.momentum, "optim.momentum", 0)
+    _finite(o.weight_decay, "optim.weight_decay", 0)
+    _finite(o.gamma, "optim.gamma", 0, open_low=True)
+    _finite(o.grad_clip_norm, "optim.grad_clip_norm", 0)
+    ok = all(isinstance(e, int) and not isinstance(e, bool) and e >= 1 for e in o.milestones)
+    _check(ok and list(o.milestones) == sorted(set(o.milestones)),
+           f"optim.milestones must be increasing positive epochs, got {o.milestones}")  # fmt: skip
+    _check(t.epochs >= 1, f"train.epochs must be >= 1, got {t.epochs}")
+    _check(t.seed >= 0, f"train.seed must be >= 0, got {t.seed}")
+    _check(t.num_threads >= 0, f"train.num_threads must be >= 0 (0: torch's default), got {t.num_threads}")
+    _check(t.amp in _AMP, f"train.amp must be one of {list(_AMP)}, got {t.amp!r}")
+    _check(t.channels_last in ("auto", True, False),
+           f"train.channels_last must be auto, true or false, got {t.channels_last!r}")  # fmt: skip
+    unknown = [c for c in t.calibrators if c not in list_calibrators()]
+    _check(
+        not unknown, f"unknown calibrator(s) {unknown} in train.calibrators; available: {list_calibrators()}"
+    )
+    if t.device != "auto":
+        import torch
+
+        try:
+            torch.device(t.device)
+        except (RuntimeError, TypeError, ValueError):
+            raise ConfigError(
+                f"train.device={t.device!r} is not a device (auto, cpu, cuda, cuda:1, ...)"
+            ) from None
+    return cfg
+
+
+# -- resuming -----------------------------------------------------------------------------------------------
+
+# What a resumed run may change: the number of epochs (to train further) and how it runs, never what it
+# computes. Everything else must equal the saved config.
+RESUMABLE_KEYS = (
+    "train.epochs",
+    "train.device",
+    "train.num_threads",
+    "train.calibrators",
+    "data.eval_batch_size",
+)
+
+
+def resume_config(
+    saved: RunConfig, requested: RunConfig, done_epochs: int, adjusted: dict | None = None
+) -> RunConfig:
+    """The config of a resumed run: ``saved`` with the changes of ``requested`` that resuming allows
+    (:data:`RESUMABLE_KEYS`; ``train.epochs`` no fewer than the ``done_epochs`` already trained). Any other
+    difference raises a :class:`ConfigError` naming the keys. ``adjusted`` maps keys the run adjusted at its
+    start to ``{"requested": value, ...}``: asking for the originally requested value is no change."""
+    adjusted = adjusted or {}
+    old, new = flatten_config(saved), flatten_config(requested)
+    changed = {
+        k for k in old if old[k] != new[k] and not (k in adjusted and new[k] == adjusted[k].get("requested"))
+    }
+    refused = sorted(changed - set(RESUMABLE_KEYS))
+    if refused:
+        detail = ", ".join(f"{k}: {old[k]!r} -> {new[k]!r}" for k in refused)
+        raise ConfigError(
+            f"--resume continues the saved run and cannot change what it computes ({detail}); only "
+            f"{', '.join(RESUMABLE_KEYS)} may change: start a new run folder for the rest"
+        )
+    if new["train.epochs"] < done_epochs:
+        raise ConfigError(
+            f"train.epochs={new['train.epochs']} is fewer than the {done_epochs} epochs this run has trained"
+        )
+    out = copy.deepcopy(saved)
+    for key in changed:
+        section, name = key.split(".", 1)
+        setattr(getattr(out, section), name, new[key])
+    return validate_config(out)

@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .errors import DatasetError
+
 __all__ = [
     "Dataset",
     "DatasetError",
@@ -33,10 +35,6 @@ __all__ = [
 
 FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
 _IDX_TYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
-
-
-class DatasetError(FileNotFoundError):
-    """A dataset file is missing or malformed; the message says where to put what."""
 
 
 @dataclass
@@ -187,8 +185,9 @@ def load_svhn(root: str | Path, split: str = "test") -> Dataset:
 
 
 def load_cifar10_c(root: str | Path, corruption: str = "gaussian_noise", severity: int = 5) -> Dataset:
-    """CIFAR-10-C ``<corruption>.npy`` (50,000 × 32 × 32 × 3 uint8, severities 1-5 in blocks of 10,000) and
-    ``labels.npy``."""
+    """CIFAR-10-C ``<corruption>.npy`` (50,000 × 32 × 32 × 3 uint8: severities 1-5 in five equal blocks,
+    10,000 rows each in the released files) and ``labels.npy``. The block size is read from the file (rows / 5,
+    checked), so subsets in the same layout work too."""
     if not 1 <= severity <= 5:
         raise ValueError(f"`severity` must be in 1..5, got {severity}")
     root = Path(root)
@@ -198,9 +197,17 @@ def load_cifar10_c(root: str | Path, corruption: str = "gaussian_noise", severit
             raise DatasetError(
                 f"missing file {path}: put CIFAR-10-C's {path.name} there (data.root=<folder>)"
             )
-    block = slice((severity - 1) * 10000, severity * 10000)
-    x = np.load(images, mmap_mode="r")[block]
-    y = np.load(labels)[block]
+    x_all = np.load(images, mmap_mode="r")
+    y_all = np.load(labels, mmap_mode="r")
+    rows = x_all.shape[0]
+    if rows == 0 or rows % 5 or x_all.shape[1:] != (32, 32, 3):
+        raise DatasetError(f"{images} holds an array of shape {x_all.shape}: CIFAR-10-C files hold 5 severity "
+                           "blocks of equal size, shape (5·n, 32, 32, 3)")  # fmt: skip
+    if y_all.shape != (rows,):
+        raise DatasetError(f"{labels} holds {y_all.shape} labels but {images} has {rows} rows")
+    per = rows // 5
+    block = slice((severity - 1) * per, severity * per)
+    x, y = x_all[block], np.asarray(y_all[block])
     return Dataset(torch.from_numpy(np.ascontiguousarray(x.transpose(0, 3, 1, 2)).astype(np.float32) / 255.0),
                    torch.from_numpy(y.astype(np.int64)))  # fmt: skip
 

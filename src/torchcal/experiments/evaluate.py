@@ -6,17 +6,31 @@ from __future__ import annotations
 import csv
 import io
 import json
+from collections import defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from .. import functional as F
 from ..calibrators import create as create_calibrator
-from .train import LOGITS, atomic_write_bytes
+from ..calibrators import get_calibrator_class
+from .errors import RunError, UserError
+from .train import CALIBRATORS, LOGITS, RESULTS, atomic_write_bytes
 
-__all__ = ["evaluate_run", "calibrate_run", "report", "METRIC_COLUMNS"]
-
-RESULTS = "results.json"
+__all__ = [
+    "evaluate_run",
+    "calibrate_run",
+    "check_calibrators",
+    "collect_groups",
+    "report",
+    "load_logits",
+    "read_results",
+    "RunGroup",
+    "GROUP_IGNORED_KEYS",
+    "METRIC_COLUMNS",
+    "RESULTS",
+]
 METRIC_COLUMNS = ("error", "nll", "brier", "ece", "adaece", "classwise_ece", "mce", "smece")
 
 
@@ -36,20 +50,70 @@ def _metrics(probs: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
     }
 
 
-def _load_logits(run_dir: Path) -> dict:
-    path = Path(run_dir) / LOGITS
+def load_logits(run_dir) -> dict:
+    """The run's ``logits.pt`` (split -> {"logits", "targets"}); a missing folder or file, an unfinished run
+    and a damaged file are :class:`RunError` naming the path."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise RunError(f"run folder {run_dir} does not exist")
+    path = run_dir / LOGITS
     if not path.exists():
-        raise FileNotFoundError(f"{path} not found: train the run to the end first (torchcal train ...)")
-    return torch.load(path, map_location="cpu", weights_only=True)
+        raise RunError(f"{path} not found: the run has not finished; train it to the end first "
+                       f"(torchcal train -o {run_dir} --resume)")  # fmt: skip
+    try:
+        logits = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - any unpickling failure means the same thing to the user
+        raise RunError(f"{path} is damaged or not a torchcal logits file ({type(err).__name__}): delete it "
+                       f"and run torchcal train -o {run_dir} --resume to write it again") from None  # fmt: skip
+    ok = isinstance(logits, dict) and all(
+        isinstance(logits.get(s), dict) and {"logits", "targets"} <= set(logits[s]) for s in ("val", "test")
+    )
+    if not ok:
+        raise RunError(f"{path} is not a torchcal logits file (no val and test logits and targets)")
+    return logits
 
 
-def calibrate_run(run_dir, method: str, **kwargs) -> dict:
-    """Fits calibrator ``method`` on the run's validation logits and evaluates test (and shift / OOD)."""
-    logits = _load_logits(Path(run_dir))
+def read_results(run_dir) -> dict:
+    """The run's ``results.json`` ({} when there is none); a damaged file is a :class:`RunError`."""
+    path = Path(run_dir) / RESULTS
+    if not path.exists():
+        return {}
+    try:
+        res = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        res = None
+    if not isinstance(res, dict):
+        raise RunError(f"{path} is damaged: delete it and run torchcal evaluate {run_dir} again")
+    return res
+
+
+def _merge_results(run_dir: Path, entries: dict) -> dict:
+    """Adds ``entries`` (calibrator name -> its results, "uncalibrated" -> ...) to ``results.json``, keeping
+    the results of other calibrators already there; returns the whole file's content."""
+    result = {**read_results(run_dir), **entries}
+    text = json.dumps(result, indent=2, sort_keys=True)
+    atomic_write_bytes(Path(run_dir) / RESULTS, lambda fh: fh.write(text.encode()))
+    return result
+
+
+def check_calibrators(names) -> tuple[str, ...]:
+    """The calibrator names, each checked against the registry (a :class:`UserError` otherwise)."""
+    names = tuple(names)
+    for name in names:
+        try:
+            get_calibrator_class(name)
+        except ValueError as err:
+            raise UserError(str(err)) from None
+    if not names:
+        raise UserError("no calibrator given")
+    return names
+
+
+def _fit_and_score(logits: dict, method: str, **kwargs):
+    """(fitted calibrator, its results): fitted on validation, scored on test (and shift / OOD)."""
     cal = create_calibrator(method, **kwargs).fit(logits["val"]["logits"], logits["val"]["targets"])
-    out = {"calibrator": cal.state_dict()}
-    params = {k: v for k, v in out["calibrator"]["fitted"].items() if isinstance(v, float | int)}
-    out["parameters"] = params
+    fitted = cal.state_dict()["fitted"]
+    out = {"parameters": {k: v for k, v in fitted.items() if isinstance(v, float | int)}}
     for split in ("test", "shift"):
         if split in logits:
             out[split] = _metrics(cal.transform(logits[split]["logits"]), logits[split]["targets"])
@@ -57,13 +121,40 @@ def calibrate_run(run_dir, method: str, **kwargs) -> dict:
         out["ood_auroc"] = F.ood_auroc(
             cal.transform(logits["test"]["logits"]), cal.transform(logits["ood"]["logits"])
         ).item()
-    return out
+    return cal, out
+
+
+def _save_calibrator(run_dir: Path, method: str, cal) -> None:
+    folder = run_dir / CALIBRATORS
+    folder.mkdir(exist_ok=True)
+    state, text = cal.state_dict(), cal.to_json()
+    atomic_write_bytes(folder / f"{method}.pt", lambda fh: torch.save(state, fh))
+    atomic_write_bytes(folder / f"{method}.json", lambda fh: fh.write(text.encode()))
+
+
+def calibrate_run(run_dir, method: str, *, save: bool = True, **kwargs) -> dict:
+    """Fits calibrator ``method`` on the run's validation logits and evaluates test (and shift / OOD);
+    returns ``{"calibrator": state_dict, "parameters": ..., "test": ..., ...}``.
+
+    With ``save`` the fitted calibrator is written to ``<run>/calibrators/<method>.pt`` (its
+    ``state_dict()``, loadable with ``torch.load(weights_only=True)``) and ``<method>.json`` (``to_json()``;
+    rebuild it with :func:`torchcal.calibrators.from_json`), and its results are added to ``results.json``
+    (other calibrators' results are kept)."""
+    check_calibrators([method])
+    run_dir = Path(run_dir)
+    cal, out = _fit_and_score(load_logits(run_dir), method, **kwargs)
+    if save:
+        _save_calibrator(run_dir, method, cal)
+        _merge_results(run_dir, {method: out})
+    return {"calibrator": cal.state_dict(), **out}
 
 
 def evaluate_run(run_dir, calibrators=("ts", "fts")) -> dict:
-    """Metrics of the uncalibrated model and after each calibrator; written to ``results.json``."""
+    """Metrics of the uncalibrated model and after each calibrator (each saved as by
+    :func:`calibrate_run`), added to ``results.json``; returns the file's whole content."""
     run_dir = Path(run_dir)
-    logits = _load_logits(run_dir)
+    calibrators = check_calibrators(calibrators)
+    logits = load_logits(run_dir)
     result = {"uncalibrated": {}}
     for split in ("val", "test", "shift"):
         if split in logits:
@@ -75,24 +166,143 @@ def evaluate_run(run_dir, calibrators=("ts", "fts")) -> dict:
             logits["test"]["logits"], logits["ood"]["logits"], from_logits=True
         ).item()
     for method in calibrators:
-        out = calibrate_run(run_dir, method)
-        out.pop("calibrator")
-        result[method] = out
-    text = json.dumps(result, indent=2, sort_keys=True)
-    atomic_write_bytes(run_dir / RESULTS, lambda fh: fh.write(text.encode()))
-    return result
+        cal, result[method] = _fit_and_score(logits, method)
+        _save_calibrator(run_dir, method, cal)
+    return _merge_results(run_dir, result)
 
 
-def report(run_dirs, out_dir, calibrator: str = "ts") -> tuple[str, str]:
-    """The papers' table: one row per method (dataset · model · loss; runs that differ only in the seed are
-    averaged, mean ± std), each metric "pre / post" the calibrator with its temperature in brackets, plus the
-    shifted-set ECE and the OOD AUROC; values ×100. Writes ``report.md`` and ``report.csv`` to ``out_dir``
-    and returns (markdown, csv)."""
-    from .html_report import summarise
+# Keys that never change what a run computes: runs that differ only in these (and the seed) share a row.
+GROUP_IGNORED_KEYS = (
+    "train.seed",
+    "train.device",
+    "train.num_threads",
+    "train.calibrators",
+    "data.eval_batch_size",
+)
 
+
+@dataclass
+class RunGroup:
+    """One row of the report: runs whose resolved configs are equal except in :data:`GROUP_IGNORED_KEYS`
+    (so, in practice, the seed). ``stats`` maps a column to (mean, std, number of runs) of test values ×100."""
+
+    label: str
+    runs: list[Path]
+    seeds: list[int]
+    config: dict
+    stats: dict[str, tuple[float, float, int]] = field(default_factory=dict)
+    results: list[dict] = field(default_factory=list)
+
+    @property
+    def seeds_text(self) -> str:
+        return ", ".join(str(s) for s in self.seeds)
+
+
+def _finished_run(run_dir: Path, calibrator: str, warn):
+    """(flattened config, results with ``calibrator``) of a finished run, or None (with a warning) for an
+    unfinished or damaged one. A missing folder is a :class:`RunError`."""
+    import yaml
+
+    from .config import flatten_config
+
+    if not run_dir.is_dir():
+        raise RunError(f"run folder {run_dir} does not exist")
+    try:
+        raw = yaml.safe_load((run_dir / "config.yaml").read_text())
+        if not isinstance(raw, dict):
+            raise ValueError("not a mapping")
+    except FileNotFoundError:
+        warn(f"{run_dir}: skipped, not a run (no config.yaml)")
+        return None
+    except (ValueError, yaml.YAMLError, OSError) as err:
+        warn(f"{run_dir}: skipped, config.yaml is damaged ({err})")
+        return None
+    if not (run_dir / LOGITS).exists():
+        warn(
+            f"{run_dir}: skipped, unfinished (no {LOGITS}; resume it with torchcal train -o {run_dir} --resume)"
+        )
+        return None
+    try:
+        load_logits(run_dir)  # the figures and any re-evaluation need them: a damaged file skips the run
+        res = read_results(run_dir)
+        if "uncalibrated" not in res or calibrator not in res:
+            res = evaluate_run(run_dir, (calibrator,))
+    except RunError as err:
+        warn(f"{run_dir}: skipped, {err}")
+        return None
+    raw.pop("meta", None)
+    return flatten_config(raw), res
+
+
+def collect_groups(run_dirs, calibrator: str = "ts", warn=None) -> list[RunGroup]:
+    """The report's rows. Runs are grouped by their whole resolved config except :data:`GROUP_IGNORED_KEYS`;
+    a row is labelled dataset · model · loss, plus ``[key=value, ...]`` for the keys in which rows with
+    the same dataset · model · loss differ. Unfinished or damaged run folders are skipped with a warning
+    (``warn``, default :func:`warnings.warn`); when none is left a :class:`RunError` is raised."""
+    import warnings
+
+    check_calibrators([calibrator])
+    warn = warn or (lambda message: warnings.warn(message, UserWarning, stacklevel=3))
+    by_key: dict[str, RunGroup] = {}
+    for run_dir in map(Path, run_dirs):
+        found = _finished_run(run_dir, calibrator, warn)
+        if found is None:
+            continue
+        flat, res = found
+        config = {k: v for k, v in flat.items() if k not in GROUP_IGNORED_KEYS}
+        key = json.dumps(config, sort_keys=True, default=str)
+        base = f"{flat.get('data.name')} · {flat.get('model.name')} · {flat.get('loss.name')}"
+        group = by_key.setdefault(key, RunGroup(base, [], [], config))
+        group.runs.append(run_dir)
+        group.seeds.append(flat.get("train.seed"))
+        group.results.append(res)
+    if not by_key:
+        raise RunError("no finished run to report among the given folders")
+    groups = list(by_key.values())
+    base = {id(g): g.label for g in groups}
+    for group in groups:
+        twins = [g for g in groups if base[id(g)] == base[id(group)]]
+        if len(twins) > 1:
+            differ = sorted(
+                k for k in group.config if len({json.dumps(g.config.get(k), default=str) for g in twins}) > 1
+            )
+            group.label += " [" + ", ".join(f"{k}={group.config[k]}" for k in differ) + "]"
+        repeated = sorted({s for s in group.seeds if group.seeds.count(s) > 1})
+        if repeated:
+            warn(f"{group.label}: runs with the same seed {repeated} are averaged as separate runs "
+                 f"({', '.join(map(str, group.runs))})")  # fmt: skip
+        group.stats = _group_stats(group.results, calibrator)
+    return groups
+
+
+def _group_stats(results: list[dict], calibrator: str) -> dict[str, tuple[float, float, int]]:
+    values = defaultdict(list)
+    for res in results:
+        for m in METRIC_COLUMNS:
+            values[f"{m} pre"].append(100 * res["uncalibrated"]["test"][m])
+            values[f"{m} post"].append(100 * res[calibrator]["test"][m])
+        values["T"].append(res[calibrator]["parameters"].get("temperature_", float("nan")))
+        if "shift" in res["uncalibrated"]:
+            values["shift ece pre"].append(100 * res["uncalibrated"]["shift"]["ece"])
+            values["shift ece post"].append(100 * res[calibrator]["shift"]["ece"])
+        if "ood_auroc" in res["uncalibrated"]:
+            values["ood auroc pre"].append(100 * res["uncalibrated"]["ood_auroc"])
+            values["ood auroc post"].append(100 * res[calibrator]["ood_auroc"])
+    out = {}
+    for col, vals in values.items():
+        t = torch.tensor(vals, dtype=torch.float64)
+        out[col] = (float(t.mean()), float(t.std()) if len(vals) > 1 else 0.0, len(vals))
+    return out
+
+
+def report(run_dirs, out_dir, calibrator: str = "ts", warn=None) -> tuple[str, str]:
+    """The papers' table: one row per group of runs (:func:`collect_groups`: equal configs but the seed,
+    averaged, mean ± std, with the seeds and run folders named), each metric "pre / post" the calibrator
+    with its temperature in brackets, plus the shifted-set ECE and the OOD AUROC; values ×100. Writes
+    ``report.md`` and ``report.csv`` to ``out_dir`` (created only when there is something to report) and
+    returns (markdown, csv)."""
+    groups = collect_groups(run_dirs, calibrator, warn)
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    summary = summarise(run_dirs, calibrator)
     columns = [
         "error",
         "nll",
@@ -114,10 +324,11 @@ def report(run_dirs, out_dir, calibrator: str = "ts") -> tuple[str, str]:
     buf = io.StringIO()
     writer = csv.writer(buf)
     stat_cols = [f"{c} {w}" for c in columns for w in ("pre", "post") if not (c == "error" and w == "post")]
-    writer.writerow(["method", "calibrator", "seeds", "temperature_mean",
+    writer.writerow(["method", "calibrator", "n_runs", "seeds", "runs", "temperature_mean",
                      *[f"{c.replace(' ', '_')}_{k}" for c in stat_cols for k in ("mean", "std")]])  # fmt: skip
-    for method, stats in summary.items():
-        cells = [method, str(stats["ece pre"][2])]
+    for group in groups:
+        stats = group.stats
+        cells = [group.label, group.seeds_text]
         for col in columns:
             if col == "error":
                 cells.append(fmt(stats["error pre"]))
@@ -129,15 +340,18 @@ def report(run_dirs, out_dir, calibrator: str = "ts") -> tuple[str, str]:
             else:
                 cells.append("")
         md.append("| " + " | ".join(cells) + " |")
-        row = [method, calibrator, stats["ece pre"][2], stats["T"][0]]
+        row = [group.label, calibrator, len(group.runs), group.seeds_text, ";".join(map(str, group.runs)),
+               stats["T"][0]]  # fmt: skip
         for c in stat_cols:
             mean, std, _ = stats.get(c, (float("nan"), float("nan"), 0))
             row += [mean, std]
         writer.writerow(row)
     title = (f"Test metrics ×100: uncalibrated / after {calibrator} fitted on the validation split (its mean "
-             "temperature in brackets after ECE); mean ± std over seeds; shift = the shifted test set; OOD "
-             "AUROC by predictive entropy.\n\n")  # fmt: skip
-    markdown = title + "\n".join(md) + "\n"
+             "temperature in brackets after ECE); mean ± std over the runs of a row, which differ only in "
+             "their seed; shift = the shifted test set; OOD AUROC by predictive entropy.\n\n")  # fmt: skip
+    sources = ["", "Runs of each row:", ""] + [f"- {g.label}: {', '.join(map(str, g.runs))}" for g in groups]
+    markdown = title + "\n".join(md + sources) + "\n"
+    out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(out_dir / "report.md", lambda fh: fh.write(markdown.encode()))
     csv_text = buf.getvalue()
     atomic_write_bytes(out_dir / "report.csv", lambda fh: fh.write(csv_text.encode()))

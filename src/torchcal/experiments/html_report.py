@@ -7,58 +7,26 @@ from __future__ import annotations
 import base64
 import html
 import io
-import json
-from collections import defaultdict
 from pathlib import Path
 
 import torch
-import yaml
 
-from .evaluate import METRIC_COLUMNS, RESULTS, evaluate_run
+from .errors import RunError
+from .evaluate import collect_groups
 from .train import atomic_write_bytes, read_metrics
 
 __all__ = ["group_runs", "html_report", "summarise"]
 
 
-def _run_key(run_dir: Path) -> str:
-    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
-    return f"{cfg['data']['name']} · {cfg['model']['name']} · {cfg['loss']['name']}"
-
-
-def group_runs(run_dirs) -> dict[str, list[Path]]:
-    """Runs that differ only in their seed share a group (dataset · model · loss)."""
-    groups = defaultdict(list)
-    for run_dir in map(Path, run_dirs):
-        groups[_run_key(run_dir)].append(run_dir)
-    return dict(groups)
+def group_runs(run_dirs, calibrator: str = "ts") -> dict[str, list[Path]]:
+    """Row label -> run folders of the report's rows (:func:`torchcal.experiments.evaluate.collect_groups`:
+    runs whose configs differ only in the seed share a row)."""
+    return {g.label: g.runs for g in collect_groups(run_dirs, calibrator)}
 
 
 def summarise(run_dirs, calibrator: str = "ts") -> dict[str, dict[str, tuple[float, float, int]]]:
-    """Per group and column: (mean, std, number of seeds) of the test metrics ×100, pre and post."""
-    out = {}
-    for key, runs in group_runs(run_dirs).items():
-        values = defaultdict(list)
-        for run in runs:
-            path = run / RESULTS
-            res = json.loads(path.read_text()) if path.exists() else evaluate_run(run, (calibrator,))
-            if calibrator not in res:
-                res = evaluate_run(run, (calibrator,))
-            for m in METRIC_COLUMNS:
-                values[f"{m} pre"].append(100 * res["uncalibrated"]["test"][m])
-                values[f"{m} post"].append(100 * res[calibrator]["test"][m])
-            values["T"].append(res[calibrator]["parameters"].get("temperature_", float("nan")))
-            if "shift" in res["uncalibrated"]:
-                values["shift ece pre"].append(100 * res["uncalibrated"]["shift"]["ece"])
-                values["shift ece post"].append(100 * res[calibrator]["shift"]["ece"])
-            if "ood_auroc" in res["uncalibrated"]:
-                values["ood auroc pre"].append(100 * res["uncalibrated"]["ood_auroc"])
-                values["ood auroc post"].append(100 * res[calibrator]["ood_auroc"])
-        out[key] = {}
-        for col, vals in values.items():
-            t = torch.tensor(vals, dtype=torch.float64)
-            std = float(t.std()) if len(vals) > 1 else 0.0
-            out[key][col] = (float(t.mean()), std, len(vals))
-    return out
+    """Per row and column: (mean, std, number of runs) of the test metrics ×100, pre and post."""
+    return {g.label: g.stats for g in collect_groups(run_dirs, calibrator)}
 
 
 def _png(fig) -> str:
@@ -97,7 +65,10 @@ def _figures(run_dir: Path, calibrator: str) -> list[tuple[str, str]]:
     ax.set_ylabel("test samples")
     ax.legend()
     figs.append(("confidence histogram", _png(fig)))
-    rows = read_metrics(run_dir)
+    try:
+        rows = read_metrics(run_dir)
+    except RunError:  # a damaged log costs the training curves, not the report
+        rows = []
     if rows:
         fig, ax = plt.subplots(figsize=(4.2, 3))
         for split in ("val", "test"):
@@ -126,30 +97,39 @@ def _figures(run_dir: Path, calibrator: str) -> list[tuple[str, str]]:
     return figs
 
 
-def html_report(run_dirs, out_dir, calibrator: str = "ts") -> Path:
-    """Writes ``report.html`` (one file) to ``out_dir``; returns its path."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    summary = summarise(run_dirs, calibrator)
-    cols = [c for c in next(iter(summary.values())) if c != "T"]
-    head = "".join(f"<th>{html.escape(c)}</th>" for c in ["run group", "seeds", *cols, f"T ({calibrator})"])
+def html_report(run_dirs, out_dir, calibrator: str = "ts", warn=None) -> Path:
+    """Writes ``report.html`` (one file) to ``out_dir``; returns its path. Rows as in
+    :func:`torchcal.experiments.evaluate.collect_groups`, each naming its seeds and run folders."""
+    groups = collect_groups(run_dirs, calibrator, warn)
+    cols = list(dict.fromkeys(c for g in groups for c in g.stats if c != "T"))
+    names = ["run group", "seeds", *cols, f"T ({calibrator})", "runs"]
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in names)
     body = []
-    for key, stats in summary.items():
-        cells = [html.escape(key), str(stats[cols[0]][2])]
-        cells += [f"{m:.2f} ± {s:.2f}" if n > 1 else f"{m:.2f}" for m, s, n in (stats[c] for c in cols)]
+    for group in groups:
+        stats = group.stats
+        cells = [html.escape(group.label), html.escape(group.seeds_text)]
+        for c in cols:
+            m, s, n = stats.get(c, (float("nan"), 0.0, 0))
+            cells.append("-" if n == 0 else f"{m:.2f} ± {s:.2f}" if n > 1 else f"{m:.2f}")
         cells.append(f"{stats['T'][0]:.2f}")
+        cells.append(f'<span class="runs">{html.escape(", ".join(str(r) for r in group.runs))}</span>')
         body.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
     sections = []
-    for key, runs in group_runs(run_dirs).items():
+    for group in groups:
+        run = group.runs[0]
         figs = "".join(f'<figure><img src="{src}"><figcaption>{html.escape(t)}</figcaption></figure>'
-                       for t, src in _figures(runs[0], calibrator))  # fmt: skip
-        sections.append(f"<h2>{html.escape(key)} <small>({html.escape(runs[0].name)})</small></h2>{figs}")
+                       for t, src in _figures(run, calibrator))  # fmt: skip
+        shown = f"figures of {run.name}, seed {group.seeds[0]}"
+        sections.append(f"<h2>{html.escape(group.label)} <small>({html.escape(shown)})</small></h2>{figs}")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>torchcal report</title><style>
 body{{font-family:sans-serif;margin:2em}} table{{border-collapse:collapse;font-size:13px}}
 td,th{{border:1px solid #ccc;padding:3px 6px;text-align:right}} td:first-child{{text-align:left}}
+.runs{{font-size:11px;color:#555}}
 figure{{display:inline-block;margin:6px}} figcaption{{text-align:center;font-size:12px}}</style></head><body>
-<h1>torchcal report</h1><p>Test metrics ×100, mean ± std over seeds; "pre" uncalibrated, "post" after
-{html.escape(calibrator)} fitted on the validation split.</p>
+<h1>torchcal report</h1><p>Test metrics ×100, mean ± std over the runs of a row (their configs differ only
+in the seed); "pre" uncalibrated, "post" after {html.escape(calibrator)} fitted on the validation split.</p>
 <table><tr>{head}</tr>{"".join(body)}</table>{"".join(sections)}</body></html>"""
     path = out_dir / "report.html"
     atomic_write_bytes(path, lambda fh: fh.write(page.encode()))

@@ -96,7 +96,7 @@ def expand(sweep: Sweep) -> list[dict]:
 
 def _command(sweep: Sweep, run: dict, run_dir: Path) -> list[str]:
     cmd = [sys.executable, "-m", "torchcal", "train"]
-    if (run_dir / "checkpoint.pt").exists():
+    if (run_dir / "config.yaml").exists():  # started before (perhaps killed before its first checkpoint)
         return [*cmd, "--resume", "-o", str(run_dir)]
     if run["base"]:
         cmd.append(str(run["base"]))

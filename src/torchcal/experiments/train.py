@@ -13,10 +13,12 @@ checkpoint repeats exactly what the uninterrupted run does.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
+import secrets
 import subprocess
-import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -25,13 +27,24 @@ from .. import __version__
 from ..adafocal import AdaFocalLoss
 from ..losses import create as create_loss
 from ..metrics import CalibrationMetrics
-from .config import RunConfig, config_from_dict, config_to_dict
+from .config import (
+    RunConfig,
+    config_from_dict,
+    config_to_dict,
+    flatten_config,
+    resume_config,
+    validate_config,
+)
 from .data import load_splits, random_crop_flip
+from .errors import CheckpointError, ConfigError, RunError
 from .models import create_model
 
 __all__ = [
     "train",
     "CheckpointError",
+    "RunError",
+    "read_metrics",
+    "RUN_FILES",
     "atomic_write_bytes",
     "load_checkpoint",
     "predict_logits",
@@ -42,17 +55,18 @@ CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.jsonl"
 CONFIG = "config.yaml"
 LOGITS = "logits.pt"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that is corrupt or does not belong to this run."""
+RESULTS = "results.json"
+CALIBRATORS = "calibrators"  # folder of the fitted calibrators (<name>.pt, <name>.json)
+RUN_FILES = (CONFIG, CHECKPOINT, METRICS, LOGITS)
 
 
 def atomic_write_bytes(path: Path, write) -> None:
     """Calls ``write(file_object)`` on a temporary file next to ``path``, fsyncs it, then renames it over
-    ``path``: readers see the old or the new file, never a partial one."""
+    ``path``: readers see the old or the new file, never a partial one. The file gets the permissions of
+    any new file (0666 minus the process's umask), so colleagues and web servers can read reports."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as fh:
             write(fh)
@@ -138,11 +152,24 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
+    """The per-epoch rows of ``metrics.jsonl`` (``[]`` when there is none); a damaged file is a
+    :class:`RunError` naming the file and line."""
     path = Path(run_dir) / METRICS
     if not path.exists():
         return []
-    with open(path) as fh:
-        return [json.loads(line) for line in fh if line.strip()]
+    rows = []
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        for number, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                row = None
+            if not isinstance(row, dict) or not isinstance(row.get("epoch"), int):
+                raise RunError(f"{path} is damaged: line {number} is not a complete epoch record")
+            rows.append(row)
+    return rows
 
 
 def _epoch_metrics(model, splits, cfg, device, names=("val", "test"), rank=0, world=1) -> dict:
@@ -179,9 +206,24 @@ def _barrier(world):
 
 
 def train(
-    cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, progress=None, stop_after: int | None = None
+    cfg: RunConfig | None,
+    run_dir: str | Path,
+    *,
+    resume: bool = False,
+    progress=None,
+    stop_after: int | None = None,
 ):
     """Trains (or resumes) the run in ``run_dir``; returns the list of per-epoch metric rows.
+
+    Everything is checked before anything is written: the config (:func:`validate_config`), the run folder
+    (a new run refuses a folder that holds one), the data files and that the model fits the data. Values
+    the data forces (a validation split capped at a fifth of a small training set) are written as used,
+    with the request in ``config.yaml``'s ``meta.adjusted``.
+
+    With ``resume=True`` the saved config is used; ``cfg`` may be None or ask for the changes resuming
+    allows (:data:`~torchcal.experiments.config.RESUMABLE_KEYS`, e.g. more ``train.epochs``); any other
+    difference is refused. Training a finished run further replaces its logits and removes the results and
+    calibrators of the earlier model.
 
     ``progress`` is an optional callable ``(epoch, batch, n_batches)``. ``stop_after`` ends the call after that
     many epochs of this call (the run stays resumable), for tests and time-boxed jobs.
@@ -189,38 +231,46 @@ def train(
     import yaml
 
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     ckpt_path = run_dir / CHECKPOINT
-    state = None
+    state, adjusted, resumes, changes, done = None, {}, [], {}, 0
     if resume:
-        if not ckpt_path.exists():
-            raise CheckpointError(f"cannot resume: {ckpt_path} does not exist (was the run started?)")
-        state = load_checkpoint(ckpt_path)
-        cfg = config_from_dict(state["config"])
-    elif ckpt_path.exists():
-        raise FileExistsError(
-            f"{run_dir} already holds a run; pass --resume to continue it or choose another folder"
-        )
+        saved, adjusted, resumes, state = _saved_run(run_dir)
+        done = int(state["epoch"]) if state is not None else 0
+        cfg = saved if cfg is None else resume_config(saved, cfg, done, adjusted)
+        old, new = flatten_config(saved), flatten_config(cfg)
+        changes = {k: [old[k], new[k]] for k in old if old[k] != new[k]}
+    else:
+        if cfg is None:
+            raise TypeError("train() needs a RunConfig unless resume=True")
+        held = [f for f in RUN_FILES if (run_dir / f).exists()]
+        if held:
+            raise RunError(
+                f"{run_dir} already holds a run ({', '.join(held)}); pass --resume to continue it or choose "
+                "another folder"
+            )
+    cfg = validate_config(copy.deepcopy(cfg))  # the caller's object is never changed
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
     device = resolve_device(cfg.train.device)
     rank, world = _distributed(device)
-    meta = {"torchcal_version": __version__, "git_revision": _git_revision(), "world_size": world}
+    splits = load_splits(cfg.data)
+    adjusted.update(_adjust_to_data(cfg, splits))
+    train_set = splits["train"]
+    num_classes = int(max(int(s.targets.max()) for k, s in splits.items() if k != "ood")) + 1
+    torch.manual_seed(cfg.train.seed)
+    model = _build_model(cfg, train_set, num_classes).to(device)
+    loss_fn = create_loss(cfg.loss.name, reduction=cfg.loss.reduction, **cfg.loss.kwargs).to(device)
+    # everything the run needs exists and fits: only now is anything written
+    if resume and state is not None:
+        resumes = [*resumes, {"from_epoch": done, "changed": changes}] if changes or done else resumes
+    meta = {"torchcal_version": __version__, "git_revision": _git_revision(), "world_size": world,
+            "device": str(device), "num_classes": num_classes, "adjusted": adjusted, "resumes": resumes}  # fmt: skip
     if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(
             run_dir / CONFIG,
             lambda fh: fh.write(yaml.safe_dump({**config_to_dict(cfg), "meta": meta}).encode()),
         )
-    splits = load_splits(cfg.data)
-    train_set = splits["train"]
-    num_classes = int(max(int(s.targets.max()) for k, s in splits.items() if k != "ood")) + 1
-    torch.manual_seed(cfg.train.seed)
-    extra = {}
-    if cfg.model.name == "text_cnn":
-        extra = {"embeddings": train_set.embeddings, "vocab_size": train_set.vocab_size}
-    model = create_model(
-        cfg.model.name, num_classes, train_set.inputs.shape[1:], cfg.model.width, **extra
-    ).to(device)
     amp_dtype, channels_last = _speed_options(cfg, device, train_set.inputs.ndim == 4)
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
@@ -230,7 +280,6 @@ def train(
             model, device_ids=[device] if device.type == "cuda" else None
         )
     step_model = torch.compile(step_model) if cfg.train.compile else step_model
-    loss_fn = create_loss(cfg.loss.name, reduction=cfg.loss.reduction, **cfg.loss.kwargs).to(device)
     opt, sched = _optimizer(cfg, model)
     start_epoch, rows = 0, []
     if state is not None:
@@ -307,7 +356,7 @@ def train(
         checkpoint = {
             "format": "torchcal-checkpoint-1", "epoch": epoch + 1, "model": model.state_dict(),
             "optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "loss": loss_fn.state_dict(),
-            "rng": torch.get_rng_state(), "config": config_to_dict(cfg),
+            "rng": torch.get_rng_state(), "config": config_to_dict(cfg), "adjusted": adjusted,
         }  # fmt: skip
         if rank == 0:  # one writer; the others wait so that a resume finds a complete checkpoint
             atomic_write_bytes(ckpt_path, lambda fh, c=checkpoint: torch.save(c, fh))
@@ -317,6 +366,8 @@ def train(
         if stop_after is not None and done_here >= stop_after and epoch + 1 < cfg.train.epochs:
             return rows
 
+    if done_here == 0 and (run_dir / LOGITS).exists():
+        return rows  # a finished run resumed without more epochs: its logits are those of this model
     if rank == 0:
         logits = {}
         for name, split in splits.items():
@@ -325,6 +376,107 @@ def train(
                     "logits": predict_logits(model, split.inputs, cfg.data.eval_batch_size, device),
                     "targets": split.targets,
                 }
+        had_logits = (run_dir / LOGITS).exists()
         atomic_write_bytes(run_dir / LOGITS, lambda fh: torch.save(logits, fh))
+        if had_logits:  # trained further: results and calibrators of the earlier model no longer apply
+            _drop_stale_results(run_dir)
     _barrier(world)
     return rows
+
+
+def _drop_stale_results(run_dir: Path) -> None:
+    import shutil
+
+    stale = [p for p in (run_dir / RESULTS, run_dir / CALIBRATORS) if p.exists()]
+    for path in stale:
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    if stale:
+        warnings.warn(
+            f"{run_dir}: trained further, so {', '.join(p.name for p in stale)} of the earlier model were "
+            "removed; run torchcal evaluate again",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def _saved_run(run_dir: Path):
+    """(saved config, adjusted values, resume history, checkpoint state or None) of a run to resume. A run
+    interrupted before its first checkpoint resumes from its saved config at epoch 0."""
+    import yaml
+
+    ckpt_path, cfg_path = run_dir / CHECKPOINT, run_dir / CONFIG
+    if not run_dir.is_dir():
+        raise RunError(f"cannot resume: {run_dir} does not exist")
+    meta = {}
+    if cfg_path.exists():
+        try:
+            meta = (yaml.safe_load(cfg_path.read_text()) or {}).get("meta") or {}
+        except (yaml.YAMLError, AttributeError, OSError):
+            meta = {}
+    if ckpt_path.exists():
+        state = load_checkpoint(ckpt_path)
+        saved = config_from_dict(state["config"], validate=False)
+        return (
+            saved,
+            dict(state.get("adjusted") or meta.get("adjusted") or {}),
+            list(meta.get("resumes", [])),
+            state,
+        )
+    if not cfg_path.exists():
+        raise RunError(f"cannot resume: {run_dir} holds no run (no {CONFIG}, no {CHECKPOINT})")
+    try:
+        raw = yaml.safe_load(cfg_path.read_text()) or {}
+        raw.pop("meta", None)
+        saved = config_from_dict(raw, validate=False)
+    except (yaml.YAMLError, ConfigError, AttributeError) as err:
+        raise RunError(f"cannot resume: {cfg_path} is damaged ({err})") from None
+    return saved, dict(meta.get("adjusted") or {}), list(meta.get("resumes", [])), None
+
+
+def _adjust_to_data(cfg: RunConfig, splits) -> dict:
+    """Values the data made different from the request, written into ``cfg`` (so the saved config is what
+    ran) and returned as ``{key: {"requested", "used", "why"}}`` for the run's ``meta.adjusted``."""
+    adjusted = {}
+    n_val = len(splits["val"])
+    if n_val != cfg.data.val_size:
+        why = ("Tiny-ImageNet's validation split is 50 training images per class" if cfg.data.name ==
+               "tiny_imagenet" else "capped at a fifth of the training set")  # fmt: skip
+        adjusted["data.val_size"] = {"requested": cfg.data.val_size, "used": n_val, "why": why}
+        cfg.data.val_size = n_val
+    if cfg.data.limit_train and len(splits["train"]) < cfg.data.limit_train:
+        adjusted["data.limit_train"] = {"requested": cfg.data.limit_train, "used": 0,
+                                        "why": f"the training split has only {len(splits['train'])} samples"}  # fmt: skip
+        cfg.data.limit_train = 0
+    for key, item in adjusted.items():
+        warnings.warn(
+            f"{key}={item['requested']} adjusted to {item['used']}: {item['why']}", UserWarning, stacklevel=3
+        )
+    return adjusted
+
+
+def _build_model(cfg: RunConfig, train_set, num_classes: int):
+    """The configured model, checked on two training samples: a model that does not fit the data is a
+    :class:`ConfigError` before anything is written."""
+    extra = {}
+    if cfg.model.name == "text_cnn":
+        extra = {"embeddings": train_set.embeddings, "vocab_size": train_set.vocab_size}
+    shape = tuple(train_set.inputs.shape[1:])
+    try:
+        model = create_model(cfg.model.name, num_classes, shape, cfg.model.width, **extra)
+    except ValueError as err:
+        raise ConfigError(
+            f"model.name={cfg.model.name!r} cannot be built for data.name={cfg.data.name!r}: {err}"
+        ) from None
+    try:
+        with torch.no_grad():
+            out = model.eval()(train_set.inputs[:2])
+    except (RuntimeError, ValueError, IndexError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(
+            f"model.name={cfg.model.name!r} does not fit the inputs of data.name={cfg.data.name!r} "
+            f"(one sample has shape {shape}): {first}"
+        ) from None
+    if tuple(out.shape) != (min(2, len(train_set)), num_classes):
+        raise ConfigError(f"model.name={cfg.model.name!r} gives outputs of shape {tuple(out.shape)} for "
+                          f"{num_classes} classes")  # fmt: skip
+    return model.train()

@@ -1,4 +1,5 @@
-"""Pure tensor functions: calibration metrics, binning helpers, the focal calibration map, bootstrap."""
+"""Pure tensor functions, like ``torch.nn.functional``: calibration metrics, the training losses (their
+``nn.Module`` twins are in :mod:`torchcal.losses`), the focal calibration map, bootstrap intervals."""
 
 from ._extension import build_cpu_extension, cpu_extension_available, use_cpu_extension
 from ._kernels import cpu_kernels_available, use_cpu_kernels
@@ -20,6 +21,22 @@ from .calibration import (
     smooth_calibration_error,
 )
 from .focal_map import focal_calibration_map
+from .losses import (
+    brier_loss,
+    calfocal_loss,
+    cross_entropy,
+    dual_focal_loss,
+    dual_sample_dependent_focal_loss,
+    focal_calibration_loss,
+    focal_gamma_star,
+    focal_loss,
+    inverse_focal_loss,
+    label_smoothing_loss,
+    mmce_loss,
+    mmce_penalty,
+    sample_dependent_focal_loss,
+    varying_focal_loss,
+)
 
 # Short aliases.
 ece = expected_calibration_error
@@ -65,3 +82,24 @@ __all__ = [
     "use_cpu_extension",
     "use_cpu_kernels",
 ]
+METRIC_FUNCTIONS = list(__all__)  # (with the kernel switches) re-exported at torchcal's top level
+
+# the functional losses (their nn.Module twins are in torchcal.losses)
+__all__ += [
+    "brier_loss",
+    "calfocal_loss",
+    "cross_entropy",
+    "dual_focal_loss",
+    "dual_sample_dependent_focal_loss",
+    "focal_calibration_loss",
+    "focal_gamma_star",
+    "focal_loss",
+    "inverse_focal_loss",
+    "label_smoothing_loss",
+    "mmce_loss",
+    "mmce_penalty",
+    "sample_dependent_focal_loss",
+    "varying_focal_loss",
+]
+
+LOSS_FUNCTIONS = __all__[len(METRIC_FUNCTIONS) :]
