@@ -64,6 +64,11 @@ def load_sweep(path: str | Path) -> Sweep:
     sweep = Sweep(out=Path(raw["out"]), base=raw.get("base"), grid=grid, overrides=list(raw.get("overrides", [])),
                   resources={"cpus": 1, "gpus": 0, **raw.get("resources", {})},
                   evaluate=list(raw.get("evaluate", ["ts", "fts"])))  # fmt: skip
+    from ..calibrators import list_calibrators
+
+    unknown = [c for c in sweep.evaluate if c not in list_calibrators()]
+    if unknown:
+        raise ConfigError(f"unknown calibrator(s) {unknown} in `evaluate`; available: {list_calibrators()}")
     for run in expand(sweep):  # validate every combination now, not hours later
         load_config(run["base"], run["overrides"])
     return sweep
