@@ -53,3 +53,21 @@ def test_plot_argument_errors():
         plot_reliability_diagram({"count": 1})
     with pytest.raises(ValueError, match="`binning` must be one of"):
         reliability_diagram_data(torch.tensor([[0.5, 0.5]]), torch.tensor([0]), binning="quantile")
+
+
+def test_accuracy_bars_stay_visible_in_under_confident_bins():
+    """Each accuracy bar reaches its bin's accuracy and no gap bar hides it: gap bars are hatched outlines
+    with a transparent face, from the accuracy to the mean confidence, in both directions."""
+    pytest.importorskip("matplotlib")
+    from torchcal.plotting import plot_reliability_diagram, reliability_diagram_data
+
+    # two bins: confidence 0.55 with accuracy 1 (under-confident), confidence 0.95 with accuracy 0.5
+    probs = torch.tensor([[0.55, 0.45]] * 4 + [[0.95, 0.05]] * 4, dtype=torch.float64)
+    targets = torch.tensor([0, 0, 0, 0, 0, 0, 1, 1])
+    data = reliability_diagram_data(probs, targets, n_bins=10)
+    fig = plot_reliability_diagram(data)
+    accuracy_bars, gap_bars = fig.axes[0].containers[:2]
+    assert [round(b.get_height(), 6) for b in accuracy_bars] == [1.0, 0.5]
+    assert [round(b.get_y(), 6) for b in gap_bars] == [1.0, 0.5]
+    assert [round(b.get_y() + b.get_height(), 6) for b in gap_bars] == [0.55, 0.95]
+    assert all(b.get_facecolor()[3] == 0 for b in gap_bars)  # transparent: the accuracy bar shows through

@@ -94,8 +94,9 @@ def plot_reliability_diagram(
     title: str | None = None,
     axes=None,
 ):
-    """Draws a reliability diagram: accuracy bars, gap bars to the mean confidence, the diagonal, and a
-    histogram of bin counts underneath; the title carries the calibration error (×100, like the papers).
+    """Draws a reliability diagram: accuracy bars (always up to the bin's accuracy), hatched gap bars between
+    the accuracy and the mean confidence (above the bar when over-confident, across its top when
+    under-confident), the diagonal, and a histogram of bin counts underneath; the title carries the calibration error (×100, like the papers).
 
     Pass either ``data`` (from :func:`reliability_diagram_data`) or ``probs`` and ``targets``. ``axes`` may be
     a pair (diagram, histogram) of matplotlib axes to draw into. Requires matplotlib (``pip install
@@ -144,18 +145,19 @@ def plot_reliability_diagram(
         linewidth=0.6,
         label="accuracy",
     )
+    # the gap between accuracy and mean confidence, hatched over a transparent face: above an accuracy bar
+    # in over-confident bins, across its top part in under-confident ones, where the bar stays visible
     ax.bar(
         lo,
         conf - acc,
         bottom=acc,
         width=width,
         align="edge",
-        color="#DD8452",
-        alpha=0.55,
+        facecolor=(0, 0, 0, 0),
         edgecolor="#C44E52",
-        hatch="//",
-        linewidth=0.6,
-        label="gap to confidence",
+        hatch="///",
+        linewidth=0.8,
+        label="gap to mean confidence",
     )
     ax.plot([0, 1], [0, 1], "k--", linewidth=1, label="perfect calibration")
     ax.set_xlim(0, 1)

@@ -169,7 +169,7 @@ def test_html_report_with_seeds_and_figures(tmp_path):
     page = html_report(runs, tmp_path / "report").read_text()
     # one figure set per group: 6 for AdaFocal (with γ and gap per bin), 4 for CE
     assert (
-        page.count("data:image/png;base64,") == 10
+        page.count("data:image/png;base64,") == 12  # 2 comparison figures first
         and "AdaFocal validation gap per bin" in page
         and " ± " in page
     )

@@ -94,6 +94,8 @@ class TrainConfig:
     amp: str = "auto"  # autocast dtype: auto (bfloat16 on CUDA, off on CPU), bfloat16, float16, off
     channels_last: str | bool = "auto"  # auto (on for CUDA convolutional models), true, false
     compile: bool = False  # torch.compile the model
+    # test-set metrics in metrics.jsonl every n epochs and at the last (0: none; the logits are always saved)
+    test_every: int = 1
 
 
 @dataclass
@@ -295,6 +297,9 @@ def validate_config(cfg: RunConfig) -> RunConfig:
            f"optim.milestones must be increasing positive epochs, got {o.milestones}")  # fmt: skip
     _check(t.epochs >= 1, f"train.epochs must be >= 1, got {t.epochs}")
     _check(t.seed >= 0, f"train.seed must be >= 0, got {t.seed}")
+    _check(
+        t.test_every >= 0, f"train.test_every must be >= 0 (0: no per-epoch test pass), got {t.test_every}"
+    )
     _check(t.num_threads >= 0, f"train.num_threads must be >= 0 (0: torch's default), got {t.num_threads}")
     _check(t.amp in _AMP, f"train.amp must be one of {list(_AMP)}, got {t.amp!r}")
     _check(t.channels_last in ("auto", True, False),
@@ -321,6 +326,7 @@ def validate_config(cfg: RunConfig) -> RunConfig:
 # computes. Everything else must equal the saved config.
 RESUMABLE_KEYS = (
     "train.epochs",
+    "train.test_every",
     "train.device",
     "train.num_threads",
     "train.calibrators",

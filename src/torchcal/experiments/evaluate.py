@@ -176,6 +176,7 @@ GROUP_IGNORED_KEYS = (
     "train.seed",
     "train.device",
     "train.num_threads",
+    "train.test_every",
     "train.calibrators",
     "data.eval_batch_size",
 )
@@ -295,12 +296,12 @@ def _group_stats(results: list[dict], calibrator: str) -> dict[str, tuple[float,
     return out
 
 
-def report(run_dirs, out_dir, calibrator: str = "ts", warn=None) -> tuple[str, str]:
+def report(run_dirs, out_dir, calibrator: str = "ts", warn=None, note: str = "") -> tuple[str, str]:
     """The papers' table: one row per group of runs (:func:`collect_groups`: equal configs but the seed,
     averaged, mean ± std, with the seeds and run folders named), each metric "pre / post" the calibrator
     with its temperature in brackets, plus the shifted-set ECE and the OOD AUROC; values ×100. Writes
     ``report.md`` and ``report.csv`` to ``out_dir`` (created only when there is something to report) and
-    returns (markdown, csv)."""
+    returns (markdown, csv). ``note`` (e.g. the regime the runs are in) is printed under the title."""
     groups = collect_groups(run_dirs, calibrator, warn)
     out_dir = Path(out_dir)
     columns = [
@@ -350,7 +351,7 @@ def report(run_dirs, out_dir, calibrator: str = "ts", warn=None) -> tuple[str, s
              "temperature in brackets after ECE); mean ± std over the runs of a row, which differ only in "
              "their seed; shift = the shifted test set; OOD AUROC by predictive entropy.\n\n")  # fmt: skip
     sources = ["", "Runs of each row:", ""] + [f"- {g.label}: {', '.join(map(str, g.runs))}" for g in groups]
-    markdown = title + "\n".join(md + sources) + "\n"
+    markdown = title + (f"**{note}**\n\n" if note else "") + "\n".join(md + sources) + "\n"
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(out_dir / "report.md", lambda fh: fh.write(markdown.encode()))
     csv_text = buf.getvalue()

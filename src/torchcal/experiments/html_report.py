@@ -13,7 +13,7 @@ import torch
 
 from .errors import RunError
 from .evaluate import collect_groups
-from .train import atomic_write_bytes, read_metrics
+from .train import CALIBRATORS, atomic_write_bytes, read_metrics
 
 __all__ = ["group_runs", "html_report", "summarise"]
 
@@ -44,13 +44,17 @@ def _figures(run_dir: Path, calibrator: str) -> list[tuple[str, str]]:
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
 
-    from ..calibrators import create
+    from ..calibrators import create, from_json
     from ..plotting import plot_reliability_diagram
 
     figs = []
     logits = torch.load(run_dir / "logits.pt", weights_only=True)
     test, val = logits["test"], logits["val"]
-    cal = create(calibrator).fit(val["logits"], val["targets"])
+    saved = run_dir / CALIBRATORS / f"{calibrator}.json"
+    try:  # the calibrator evaluate_run fitted and saved (the one whose numbers the table shows)
+        cal = from_json(saved.read_text())
+    except (OSError, ValueError, KeyError):
+        cal = create(calibrator).fit(val["logits"], val["targets"])
     pre, post = torch.softmax(test["logits"], 1), cal.transform(test["logits"])
     figs.append(
         ("reliability, uncalibrated", _png(plot_reliability_diagram(probs=pre, targets=test["targets"])))
@@ -72,7 +76,9 @@ def _figures(run_dir: Path, calibrator: str) -> list[tuple[str, str]]:
     if rows:
         fig, ax = plt.subplots(figsize=(4.2, 3))
         for split in ("val", "test"):
-            ax.plot([r["epoch"] for r in rows], [100 * r[f"{split}_ece"] for r in rows], label=f"{split} ECE")
+            logged = [r for r in rows if f"{split}_ece" in r]  # test metrics may be logged every n epochs
+            ax.plot([r["epoch"] for r in logged], [100 * r[f"{split}_ece"] for r in logged], marker=".",
+                    label=f"{split} ECE")  # fmt: skip
         ax.set_xlabel("epoch")
         ax.set_ylabel("ECE ×100")
         ax.legend()
@@ -97,22 +103,83 @@ def _figures(run_dir: Path, calibrator: str) -> list[tuple[str, str]]:
     return figs
 
 
-def html_report(run_dirs, out_dir, calibrator: str = "ts", warn=None) -> Path:
-    """Writes ``report.html`` (one file) to ``out_dir``; returns its path. Rows as in
-    :func:`torchcal.experiments.evaluate.collect_groups`, each naming its seeds and run folders."""
+def _comparison_figures(groups, calibrator: str) -> list[tuple[str, str]]:
+    """Across the report's rows: ECE before and after the calibrator (mean ± std over each row's runs), and
+    the uncalibrated reliability curves of every row on one axis (test predictions of a row's runs pooled,
+    15 equal-mass bins)."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from ..plotting import reliability_diagram_data
+
+    short = [g.label.split(" · ")[-1] for g in groups]
+    labels = short if len(set(short)) == len(short) else [g.label for g in groups]
+    pre = np.array([g.stats["ece pre"][:2] for g in groups])
+    post = np.array([g.stats["ece post"][:2] for g in groups])
+    x = np.arange(len(groups))
+    fig, ax = plt.subplots(figsize=(max(5.0, 0.75 * len(groups) + 2), 3.4), constrained_layout=True)
+    ax.bar(x - 0.2, pre[:, 0], 0.4, yerr=pre[:, 1], capsize=3, color="#C44E52", label="uncalibrated")
+    ax.bar(x + 0.2, post[:, 0], 0.4, yerr=post[:, 1], capsize=3, color="#4C72B0", label=f"after {calibrator}")
+    ax.set_xticks(x, labels, rotation=30 if max(map(len, labels)) > 8 else 0, ha="right")
+    ax.set_ylabel("test ECE ×100 (mean ± std)")
+    ax.legend(fontsize=8)
+    figs = [(f"test ECE per method, before and after {calibrator} (error bars: std over the runs of a row)",
+             _png(fig))]  # fmt: skip
+    fig, ax = plt.subplots(figsize=(4.6, 4.2), constrained_layout=True)
+    ax.plot([0, 1], [0, 1], "k--", linewidth=1, label="perfect calibration")
+    for label, group in zip(labels, groups, strict=True):
+        pooled = [
+            torch.load(r / "logits.pt", map_location="cpu", weights_only=True)["test"] for r in group.runs
+        ]
+        logits = torch.cat([p["logits"] for p in pooled])
+        targets = torch.cat([p["targets"] for p in pooled])
+        data = reliability_diagram_data(logits, targets, n_bins=15, binning="equal_mass", from_logits=True)
+        ax.plot(data.confidence.numpy(), data.accuracy.numpy(), marker=".", linewidth=1.2, label=label)
+    ax.set_xlabel("mean confidence (15 equal-mass bins)")
+    ax.set_ylabel("accuracy")
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=7, loc="upper left")
+    figs.append(("reliability curves, uncalibrated (below the diagonal: over-confident)", _png(fig)))
+    return figs
+
+
+def html_report(run_dirs, out_dir, calibrator: str = "ts", warn=None, note: str = "") -> Path:
+    """Writes ``report.html`` (one file) to ``out_dir``; returns its path. It opens with the table (rows as in
+    :func:`torchcal.experiments.evaluate.collect_groups`, each naming its seeds and run folders) and the
+    comparison across rows (ECE before/after the calibrator with error bars; every row's reliability curve
+    on one axis), then one section of figures per row. ``note`` (e.g. the regime) is shown under the title."""
     groups = collect_groups(run_dirs, calibrator, warn)
-    cols = list(dict.fromkeys(c for g in groups for c in g.stats if c != "T"))
-    names = ["run group", "seeds", *cols, f"T ({calibrator})", "runs"]
+    # one column per metric, "uncalibrated → calibrated" in one cell (the error does not change for the
+    # argmax-preserving calibrators, so it is shown once)
+    metrics = list(dict.fromkeys(c.rsplit(" ", 1)[0] for g in groups for c in g.stats if c != "T"))
+
+    def stat(value):
+        m, s, n = value
+        return f"{m:.2f}" + (f"<small> ± {s:.2f}</small>" if n > 1 else "")
+
+    names = ["run group", "seeds", *(f"{m} (pre → post)" if m != "error" else "error" for m in metrics)]
+    names += [f"T ({calibrator})", "runs"]
     head = "".join(f"<th>{html.escape(c)}</th>" for c in names)
     body = []
     for group in groups:
         stats = group.stats
         cells = [html.escape(group.label), html.escape(group.seeds_text)]
-        for c in cols:
-            m, s, n = stats.get(c, (float("nan"), 0.0, 0))
-            cells.append("-" if n == 0 else f"{m:.2f} ± {s:.2f}" if n > 1 else f"{m:.2f}")
-        cells.append(f"{stats['T'][0]:.2f}")
-        cells.append(f'<span class="runs">{html.escape(", ".join(str(r) for r in group.runs))}</span>')
+        for m in metrics:
+            pre, post = stats.get(f"{m} pre"), stats.get(f"{m} post")
+            if pre is None:
+                cells.append("-")
+            elif m == "error" or post is None:
+                cells.append(stat(pre))
+            else:
+                cells.append(f"{stat(pre)} → {stat(post)}")
+        cells.append(stat(stats["T"]))
+        paths = "\n".join(str(r) for r in group.runs)
+        names_only = ", ".join(r.name for r in group.runs)
+        cells.append(f'<span class="runs" title="{html.escape(paths)}">{html.escape(names_only)}</span>')
         body.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
     sections = []
     for group in groups:
@@ -121,16 +188,22 @@ def html_report(run_dirs, out_dir, calibrator: str = "ts", warn=None) -> Path:
                        for t, src in _figures(run, calibrator))  # fmt: skip
         shown = f"figures of {run.name}, seed {group.seeds[0]}"
         sections.append(f"<h2>{html.escape(group.label)} <small>({html.escape(shown)})</small></h2>{figs}")
+    comparison = "".join(f'<figure><img src="{src}"><figcaption>{html.escape(t)}</figcaption></figure>'
+                         for t, src in _comparison_figures(groups, calibrator))  # fmt: skip
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>torchcal report</title><style>
 body{{font-family:sans-serif;margin:2em}} table{{border-collapse:collapse;font-size:13px}}
-td,th{{border:1px solid #ccc;padding:3px 6px;text-align:right}} td:first-child{{text-align:left}}
-.runs{{font-size:11px;color:#555}}
+td,th{{border:1px solid #ccc;padding:3px 6px;text-align:right;white-space:nowrap}}
+td:first-child{{text-align:left}} th{{white-space:normal;max-width:110px}} small{{color:#555}}
+.runs{{font-size:11px;color:#555}} .note{{font-weight:bold;background:#fff6d6;padding:6px 10px;display:inline-block}}
+figcaption{{max-width:520px;margin:auto}}
 figure{{display:inline-block;margin:6px}} figcaption{{text-align:center;font-size:12px}}</style></head><body>
 <h1>torchcal report</h1><p>Test metrics ×100, mean ± std over the runs of a row (their configs differ only
 in the seed); "pre" uncalibrated, "post" after {html.escape(calibrator)} fitted on the validation split.</p>
-<table><tr>{head}</tr>{"".join(body)}</table>{"".join(sections)}</body></html>"""
+{f'<p class="note">{html.escape(note)}</p>' if note else ""}
+<p>Run folders: hover a row's runs for their full paths (they are listed in report.md and report.csv).</p>
+<div style="overflow-x:auto"><table><tr>{head}</tr>{"".join(body)}</table></div><h2>Comparison</h2>{comparison}{"".join(sections)}</body></html>"""
     path = out_dir / "report.html"
     atomic_write_bytes(path, lambda fh: fh.write(page.encode()))
     return path

