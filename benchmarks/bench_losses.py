@@ -9,10 +9,10 @@ events on CPU, ``torch.cuda.max_memory_allocated`` on CUDA). Optionally times ``
 functional losses (compile time and steady-state ratio). Writes a CSV to benchmarks/results/.
 
     python benchmarks/bench_losses.py [--repeats 20] [--quick] [--compile] [--device cuda]
-                                      [--path default|cpp|numba|torch]
+                                      [--path default|cpp|torch]
 
-On CPU the losses take the C++ operator when it is built (``--path cpp`` builds it), else numba, else
-torch; ``--path`` forces one (the CSV records it).
+On CPU the losses take the C++ operator when it is built (``--path cpp`` builds it), else torch;
+``--path`` forces one (the CSV records it).
 """
 
 from __future__ import annotations
@@ -64,23 +64,15 @@ def cpu_path(name):
     """Context manager selecting the CPU path of the losses (and the name the CSV records)."""
     import contextlib
 
-    from torchcal.functional import (
-        build_cpu_extension,
-        cpu_extension_available,
-        cpu_kernels_available,
-        use_cpu_extension,
-        use_cpu_kernels,
-    )
+    from torchcal.functional import build_cpu_extension, cpu_extension_available, use_cpu_extension
 
     stack = contextlib.ExitStack()
     if name == "cpp":
         build_cpu_extension()
-    elif name == "numba":
-        stack.enter_context(use_cpu_extension(False))
     elif name == "torch":
-        stack.enter_context(use_cpu_kernels(False))
+        stack.enter_context(use_cpu_extension(False))
     if name == "default":
-        name = "cpp" if cpu_extension_available() else "numba" if cpu_kernels_available() else "torch"
+        name = "cpp" if cpu_extension_available() else "torch"
     return stack, name
 
 
@@ -108,7 +100,7 @@ def main():
     parser.add_argument("--quick", action="store_true", help="small shapes only")
     parser.add_argument("--compile", action="store_true", help="also time torch.compile'd losses")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--path", default="default", choices=["default", "cpp", "numba", "torch"])
+    parser.add_argument("--path", default="default", choices=["default", "cpp", "torch"])
     args = parser.parse_args()
     stack, path = cpu_path(args.path)
     with stack:

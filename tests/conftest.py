@@ -16,16 +16,14 @@ def _seed():
     torch.manual_seed(0)
 
 
-@pytest.fixture(params=["cpp", "numba", "torch"])
+@pytest.fixture(params=["cpp", "torch"])
 def cpu_backend(request):
-    """Runs a metric test on each CPU path of the scan: the C++ operator, the numba kernels, plain torch."""
-    from torchcal.functional import _kernels, use_cpu_extension, use_cpu_kernels
+    """Runs a metric test on each CPU path of the scan: the C++ operator and plain torch."""
+    from torchcal.functional import use_cpu_extension
 
     if request.param == "cpp":
         request.getfixturevalue("cpp_extension")
-    if request.param == "numba" and _kernels._compiled() is None:
-        pytest.skip("numba is not installed (pip install 'torchcal[fast]')")
-    with use_cpu_kernels(request.param != "torch"), use_cpu_extension(request.param == "cpp"):
+    with use_cpu_extension(request.param == "cpp"):
         yield request.param
 
 
@@ -42,14 +40,12 @@ def cpp_extension():
     build_cpu_extension()
 
 
-@pytest.fixture(params=["cpp", "numba", "torch"])
+@pytest.fixture(params=["cpp", "torch"])
 def loss_backend(request):
-    """Runs a loss test on each CPU path: the C++ operator, the fused numba kernels, and plain torch."""
-    from torchcal.functional import _kernels, use_cpu_extension, use_cpu_kernels
+    """Runs a loss test on each CPU path: the C++ operator and plain torch."""
+    from torchcal.functional import use_cpu_extension
 
     if request.param == "cpp":
         request.getfixturevalue("cpp_extension")
-    if request.param == "numba" and _kernels._compiled() is None:
-        pytest.skip("numba is not installed (pip install 'torchcal[fast]')")
-    with use_cpu_kernels(request.param != "torch"), use_cpu_extension(request.param == "cpp"):
+    with use_cpu_extension(request.param == "cpp"):
         yield request.param

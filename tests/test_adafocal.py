@@ -9,7 +9,7 @@ from tests.reference import losses as R
 from torchcal.adafocal import AdaFocalLoss, CalFocalLoss
 from torchcal.metrics import CalibrationMetrics
 
-# every test here runs on the fused numba CPU losses (where they apply) and on the torch path
+# every test here runs on the C++ CPU losses and on the torch path
 pytestmark = pytest.mark.usefixtures("loss_backend")
 
 

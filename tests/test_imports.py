@@ -28,3 +28,61 @@ def test_public_api_is_reexported():
         "confidence_at_least",
     ):
         assert hasattr(torchcal, name), name
+
+
+def _import_graph():
+    """{module: the torchcal modules it imports} from the source (module level and inside functions)."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1] / "src"
+    graph = {}
+    for path in sorted((root / "torchcal").rglob("*.py")):
+        parts = path.relative_to(root).with_suffix("").parts
+        is_package = parts[-1] == "__init__"
+        module = ".".join(parts[:-1] if is_package else parts)
+        package = module if is_package else module.rsplit(".", 1)[0]
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+                if node.module is None:
+                    deps.update(f"{target}.{alias.name}" for alias in node.names)
+                else:
+                    deps.add(target)
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torchcal"):
+                deps.add(node.module)
+        graph[module] = deps
+    return {m: {d for d in deps if d in graph and d != m} for m, deps in graph.items()}
+
+
+def test_no_import_cycles():
+    """No module reaches itself through imports, except a package's __init__ through its own children
+    (a package imports its submodules; a submodule importing a sibling is not an import of the package)."""
+    graph = _import_graph()
+    cycles = []
+
+    def reach(start):
+        seen, todo = set(), [start]
+        while todo:
+            for dep in graph[todo.pop()]:
+                if dep not in seen:
+                    seen.add(dep)
+                    todo.append(dep)
+        return seen
+
+    for module in graph:
+        is_package = any(other.startswith(module + ".") for other in graph)
+        if module in reach(module) and not is_package:
+            cycles.append(module)
+    assert cycles == [], cycles
+
+
+def test_argument_checking_is_a_leaf():
+    graph = _import_graph()
+    assert graph["torchcal._validation"] == set()
+    assert graph["torchcal.functional._spec"] == set()
+    # which implementation runs is decided in the seam only
+    users = {m for m, deps in graph.items() if "torchcal.functional._extension" in deps}
+    assert users <= {"torchcal.functional._backend", "torchcal.functional"}, users

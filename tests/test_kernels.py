@@ -1,5 +1,5 @@
-"""The fused CPU paths (the C++ operator and the numba kernels) against the torch path: the metrics' scan
-entry by entry, including the awkward inputs, and the fused losses."""
+"""The CPU accelerator (the C++ operators) against the torch path, through the backend seam: the metrics'
+scan entry by entry, including the awkward inputs, the sort, and the fused losses."""
 
 import math
 
@@ -8,29 +8,23 @@ import torch
 
 import torchcal.functional as F
 from tests.conftest import make_probs
-from torchcal.functional import _extension, _kernels
-from torchcal.functional._binning import scan_probs
-
-pytestmark = pytest.mark.skipif(_kernels._compiled() is None, reason="numba is not installed")
+from torchcal.functional import _backend, _extension
 
 
-@pytest.fixture(params=["cpp", "numba"])
-def fused(request):
-    """The fused path under test: the C++ operator or the numba kernels (``use_cpu_kernels(True)`` selects
-    it; ``use_cpu_kernels(False)`` is the plain torch path they are compared with)."""
-    if request.param == "cpp":
-        request.getfixturevalue("cpp_extension")
-    with F.use_cpu_extension(request.param == "cpp"):
-        yield request.param
+@pytest.fixture
+def fused(cpp_extension):
+    """The accelerated path under test, the C++ operator (``use_cpu_extension(True)`` selects it;
+    ``use_cpu_extension(False)`` is the plain torch path it is compared with)."""
+    with F.use_cpu_extension(True):
+        yield "cpp"
 
 
 def both_paths(probs, targets, n_bins=15, classwise_bins=15):
-    with F.use_cpu_kernels(True):
-        assert _extension.scan_applies(probs) == _extension.cpu_extension_available()
-        assert _kernels.applies(probs)
-        fused = scan_probs(probs, targets, classwise_bins, n_bins)
-    with F.use_cpu_kernels(False):
-        plain = scan_probs(probs, targets, classwise_bins, n_bins)
+    with F.use_cpu_extension(True):
+        assert _extension.scan_applies(probs)
+        fused = _backend.scan(probs, targets, classwise_bins, n_bins)
+    with F.use_cpu_extension(False):
+        plain = _backend.scan(probs, targets, classwise_bins, n_bins)
     return fused, plain
 
 
@@ -142,26 +136,20 @@ def test_invalid_probabilities_give_the_same_error_on_both_paths(bad, message, f
     probs, targets = make_probs(50, 4, dtype=torch.float32)
     probs[17, 2] = bad
     for enabled in (True, False):
-        with F.use_cpu_kernels(enabled), pytest.raises(ValueError, match=message):
+        with F.use_cpu_extension(enabled), pytest.raises(ValueError, match=message):
             F.expected_calibration_error(probs, targets)
 
 
-def test_kernels_skip_what_they_do_not_handle():
+def test_strided_input_takes_the_torch_path_with_the_same_value(fused):
     probs, targets = make_probs(40, 5, dtype=torch.float32)
     wide = torch.zeros(40, 10)
     wide[:, ::2] = probs
     strided = wide[:, ::2]
     assert not strided.is_contiguous()
-    with F.use_cpu_kernels(True):
-        assert not _kernels.applies(strided)
-        assert not _kernels.applies(probs.half())
-        assert _kernels.applies(probs)
-        torch.testing.assert_close(
-            F.expected_calibration_error(strided, targets), F.expected_calibration_error(probs, targets)
-        )
-    with F.use_cpu_kernels(False):
-        assert not _kernels.applies(probs)
-        assert not F.cpu_kernels_available()
+    assert not _extension.scan_applies(strided) and _extension.scan_applies(probs)
+    torch.testing.assert_close(
+        F.expected_calibration_error(strided, targets), F.expected_calibration_error(probs, targets)
+    )
 
 
 def test_targets_of_other_integer_dtypes(fused):
@@ -171,23 +159,31 @@ def test_targets_of_other_integer_dtypes(fused):
         torch.testing.assert_close(F.expected_calibration_error(probs, targets.to(dtype)), ref)
 
 
-def test_use_cpu_kernels_rejects_non_bool_and_restores_state():
-    before = F.cpu_kernels_available()
+def test_use_cpu_extension_rejects_non_bool_and_restores_state():
+    before = F.cpu_extension_available()
     with pytest.raises(TypeError, match="enabled"):
-        with F.use_cpu_kernels(1):
+        with F.use_cpu_extension(1):
             pass
     with pytest.raises(RuntimeError):
-        with F.use_cpu_kernels(not before):
+        with F.use_cpu_extension(not before):
             raise RuntimeError
-    assert F.cpu_kernels_available() == before
+    assert F.cpu_extension_available() == before
+
+
+def test_retired_numba_switches_are_deprecated_aliases():
+    with pytest.warns(DeprecationWarning, match="use_cpu_extension"):
+        with F.use_cpu_kernels(False):
+            assert not F.cpu_extension_available()
+    with pytest.warns(DeprecationWarning, match="cpu_extension_available"):
+        assert F.cpu_kernels_available() == F.cpu_extension_available()
 
 
 def test_probs_requiring_grad_are_scanned(fused):
     logits = torch.randn(30, 4, requires_grad=True)
     targets = torch.randint(0, 4, (30,))
-    with F.use_cpu_kernels(True):
+    with F.use_cpu_extension(True):
         fused = F.expected_calibration_error(logits, targets, from_logits=True)
-    with F.use_cpu_kernels(False):
+    with F.use_cpu_extension(False):
         plain = F.expected_calibration_error(logits, targets, from_logits=True)
     torch.testing.assert_close(fused, plain, rtol=1e-12, atol=1e-12)
 
@@ -200,11 +196,14 @@ def test_stable_sort_keeps_tied_values_in_input_order(n):
     values = (torch.randint(0, 7, (n,), generator=g) / 6).float()  # few distinct values: many ties
     values[0] = 0.0
     got, order = stable_sort(values)
-    want, want_order = torch.sort(values, stable=True)
-    assert torch.equal(got, want) and torch.equal(order, want_order)
+    want_order = torch.tensor(sorted(range(n), key=lambda i: (float(values[i]), i)))  # stable by definition
+    assert torch.equal(order, want_order) and torch.equal(got, values[want_order])
     assert got.dtype == torch.float32 and order.dtype == torch.int64
-    got64, order64 = stable_sort(values.double())  # the torch fallback
-    assert torch.equal(order64, want_order)
+    correct = torch.arange(n) % 3 == 0
+    for enabled in (True, False):  # the seam's sort with flags: C++ radix sort and torch
+        with F.use_cpu_extension(enabled):
+            s_values, s_flags = _backend.sort_with_flags(values, correct)
+        assert torch.equal(s_values, values[want_order]) and torch.equal(s_flags, correct[want_order])
 
 
 @pytest.mark.parametrize("n,m", [(3, 15), (15, 15), (16, 15), (1000, 15), (1001, 7), (7, 1)])
@@ -231,13 +230,11 @@ def test_fused_losses_run_where_they_apply(fused):
     import torchcal.functional.losses as L
 
     z = torch.randn(8, 3, requires_grad=True)
-    with F.use_cpu_kernels(True):
-        assert _kernels.loss_applies(z)
+    with F.use_cpu_extension(True):
+        assert _backend._fast_cpu_call(z, torch.zeros(8, dtype=torch.long), "mean")
         name = L.focal_loss(z, torch.zeros(8, dtype=torch.long)).grad_fn.name()
-        assert name.endswith("FusedTrueClassBackward" if fused == "numba" else "FusedTrueClass>")
-        if fused == "numba":
-            assert not _kernels.loss_applies(torch.randn(2, _kernels._LOSS_MAX_ELEMENTS))  # too large
-    with F.use_cpu_kernels(False):
+        assert name.endswith("FusedTrueClass>")
+    with F.use_cpu_extension(False):
         assert "Fused" not in L.focal_loss(z, torch.zeros(8, dtype=torch.long)).grad_fn.name()
 
 
@@ -246,11 +243,11 @@ def test_fused_losses_refuse_second_order_gradients(fused):
 
     z = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
     t = torch.tensor([0, 1, 2, 3, 0, 1])
-    with F.use_cpu_kernels(True):
+    with F.use_cpu_extension(True):
         (g,) = torch.autograd.grad(L.focal_loss(z, t, 2.0), z, create_graph=False)
         with pytest.raises(RuntimeError, match="differentiable once"):
             torch.autograd.grad(L.focal_loss(z, t, 2.0), z, create_graph=True)
-    with F.use_cpu_kernels(False):
+    with F.use_cpu_extension(False):
         (g_torch,) = torch.autograd.grad(L.focal_loss(z, t, 2.0), z)
     torch.testing.assert_close(g, g_torch, rtol=1e-12, atol=1e-15)
 
@@ -262,9 +259,9 @@ def test_fused_flsd_compares_p_t_with_thresholds_in_the_input_dtype(dtype, fused
     # p_t = 0.5 exactly (two equal logits) and p_t = 0.2 as nearly as the dtype allows
     z = torch.tensor([[0.0, 0.0], [math.log(0.2), math.log(0.8)]], dtype=dtype)
     t = torch.tensor([0, 0])
-    with F.use_cpu_kernels(True):
+    with F.use_cpu_extension(True):
         fused = L.sample_dependent_focal_loss(z, t, (5, 3, 2), (0.2, 0.5), reduction="none")
-    with F.use_cpu_kernels(False):
+    with F.use_cpu_extension(False):
         plain = L.sample_dependent_focal_loss(z, t, (5, 3, 2), (0.2, 0.5), reduction="none")
     torch.testing.assert_close(fused, plain, rtol=1e-6, atol=0)
     assert fused[0].item() == pytest.approx(0.5**2 * math.log(2), rel=1e-6)  # γ = 2 at p_t = 0.5
@@ -273,7 +270,7 @@ def test_fused_flsd_compares_p_t_with_thresholds_in_the_input_dtype(dtype, fused
 def test_fused_loss_label_errors_name_the_label(fused):
     import torchcal.functional.losses as L
 
-    with F.use_cpu_kernels(True), pytest.raises(ValueError, match=r"must lie in \[0, 3\), found label -2"):
+    with F.use_cpu_extension(True), pytest.raises(ValueError, match=r"must lie in \[0, 3\), found label -2"):
         L.focal_loss(torch.randn(4, 3), torch.tensor([0, -2, 1, 5]))
 
 
@@ -301,7 +298,7 @@ def test_every_registered_loss_is_the_same_on_both_paths(dtype, reduction, fused
         results = []
         for enabled in (True, False):
             x = z.clone().requires_grad_(True)
-            with F.use_cpu_kernels(enabled):
+            with F.use_cpu_extension(enabled):
                 value = loss_fn(x, t)
                 (grad,) = torch.autograd.grad(value, x, upstream)
             results.append((value.detach(), grad))
@@ -317,11 +314,11 @@ def test_fused_adafocal_follows_gamma_updates(dual, fused):
     g = torch.Generator().manual_seed(5)
     z, t = 2 * torch.randn(64, 5, generator=g), torch.randint(0, 5, (64,), generator=g)
     loss = AdaFocalLoss(n_bins=4, dual=dual)
-    with F.use_cpu_kernels(True):
+    with F.use_cpu_extension(True):
         before = loss(z, t)
         loss.update(torch.softmax(z, 1), t)  # new γ and new equal-mass bins, changed in place
         after = loss(z, t)
-    with F.use_cpu_kernels(False):
+    with F.use_cpu_extension(False):
         expected = loss(z, t)
     assert not torch.allclose(before, after)
     torch.testing.assert_close(after, expected, rtol=1e-5, atol=1e-6)
@@ -336,25 +333,20 @@ def test_threaded_scan_matches_one_thread(fused):
     try:
         for n_threads in (1, 3):
             torch.set_num_threads(n_threads)
-            if fused == "numba":
-                assert len(_kernels._row_parts(*probs.shape)) - 1 == n_threads
             m = CalibrationMetrics(10, equal_mass=False)
-            with F.use_cpu_kernels(True):
+            with F.use_cpu_extension(True):
                 m.update(probs, targets)
             results.append(m.compute())
     finally:
         torch.set_num_threads(threads)
-    for name in results[0]:
-        if fused == "cpp":  # parts depend on N and K only, summed in order: identical for any thread count
-            assert torch.equal(results[0][name], results[1][name]), name
-        else:
-            torch.testing.assert_close(results[0][name], results[1][name], rtol=1e-12, atol=1e-12, msg=name)
+    for name in results[0]:  # parts depend on N and K only, summed in order: identical for any thread count
+        assert torch.equal(results[0][name], results[1][name]), name
 
 
 def test_cpp_scan_skips_what_it_does_not_handle(cpp_extension):
     probs, _ = make_probs(40, 5, dtype=torch.float32)
     assert _extension.scan_applies(probs)
-    assert not _extension.scan_applies(probs[:, ::2])  # strided: the numba or torch path
+    assert not _extension.scan_applies(probs[:, ::2])  # strided: the torch path
     assert not _extension.scan_applies(probs.half())
     with F.use_cpu_extension(False):
         assert not _extension.scan_applies(probs)
@@ -371,9 +363,9 @@ def test_fused_losses_without_gradients(fused):
     import torchcal.functional.losses as L
 
     z, t = torch.randn(16, 5), torch.randint(0, 5, (16,))
-    with F.use_cpu_kernels(False):
+    with F.use_cpu_extension(False):
         expected = [L.focal_loss(z, t, 2.0), L.focal_calibration_loss(z, t)]
-    with F.use_cpu_kernels(True), torch.no_grad():
+    with F.use_cpu_extension(True), torch.no_grad():
         got = [L.focal_loss(z, t, 2.0), L.focal_calibration_loss(z, t)]
     for a, b in zip(got, expected):
         assert not a.requires_grad

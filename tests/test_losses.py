@@ -11,7 +11,7 @@ from tests.reference import losses as R
 from torchcal.functional import focal_calibration_map
 from torchcal.losses import create, list_losses
 
-# every test here runs on the fused numba CPU losses (where they apply) and on the torch path
+# every test here runs on the C++ CPU losses and on the torch path
 pytestmark = pytest.mark.usefixtures("loss_backend")
 
 

@@ -7,7 +7,7 @@ import torch
 
 import torchcal.functional as F
 
-# every test here runs on the fused numba CPU kernels and on the torch path
+# every test here runs on the C++ CPU operators and on the torch path
 pytestmark = pytest.mark.usefixtures("cpu_backend")
 
 

@@ -9,7 +9,7 @@ import torchcal.functional as F
 from tests.conftest import make_probs
 from tests.reference import metrics as R
 
-# every test here runs on the fused numba CPU kernels and on the torch path
+# every test here runs on the C++ CPU operators and on the torch path
 pytestmark = pytest.mark.usefixtures("cpu_backend")
 
 SHAPES = [(1, 2), (7, 2), (50, 3), (200, 10), (333, 7)]

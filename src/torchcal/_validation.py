@@ -1,7 +1,10 @@
-"""Cheap argument checks shared by every public function.
+"""Cheap argument checks shared by every public function: a leaf module.
 
-Each check costs at most one reduction over the input and raises ``ValueError`` or ``TypeError`` with
-the argument's name and what was expected. Nothing here ever repairs an input silently.
+Each check costs at most one reduction over the input (or works on statistics handed to it) and raises
+``ValueError`` or ``TypeError`` with the argument's name and what was expected. Nothing here ever repairs an
+input silently, and nothing here imports :mod:`torchcal.functional`: which implementation computes what is
+decided by :mod:`torchcal.functional._backend`, and the metrics' validated entry is
+:mod:`torchcal.functional._inputs`.
 """
 
 from __future__ import annotations
@@ -175,94 +178,6 @@ def check_prob_stats(stats, name, tol, k) -> None:
             f"rows of `{name}` must sum to 1 (largest deviation {worst:.3g}); "
             "pass from_logits=True if these are logits"
         )
-
-
-def top_label_inputs(probs, targets, from_logits: bool, name: str = "probs"):
-    """Validated (conf, correct) of the top label, from one pass over ``probs`` (softmax first if asked)."""
-    scan = scan_inputs(probs, targets, from_logits, name)[2]
-    return scan.conf, scan.correct
-
-
-def top_label_bins(probs, targets, from_logits: bool, n_bins: int, name: str = "probs"):
-    """Validated top-label equal-width (count, confidence sum, correct sum), float64 of shape (n_bins,)."""
-    return scan_inputs(probs, targets, from_logits, name, n_bins=n_bins)[2].top
-
-
-def scan_inputs(
-    probs,
-    targets,
-    from_logits: bool,
-    name: str = "probs",
-    num_classes: int | None = None,
-    classwise_bins=None,
-    n_bins=None,
-    threshold=None,
-):
-    """Validated (probs, targets, scan): validation, the top-label statistics and (with ``classwise_bins`` /
-    ``n_bins`` / ``threshold``) the classwise and top-label bin sums and the per-sample sums share one pass
-    over ``probs`` (:func:`torchcal.functional._binning.scan_probs`)."""
-    from .functional._binning import scan_probs
-
-    probs, targets, tol = _scores_and_targets(
-        probs, targets, from_logits, name, num_classes, check_values=False, fused_scan=True
-    )
-    scan = scan_probs(probs, targets, classwise_bins, n_bins, threshold)
-    if not from_logits:
-        check_prob_stats(scan.stats, name, tol, probs.shape[1])
-    if threshold is not None and scan.sums is None:  # the paths whose pass does not sum them
-        scan = scan._replace(sums=_torch_sums(probs, targets, scan, threshold))
-    return probs, targets, scan
-
-
-def _torch_sums(probs, targets, scan, threshold):
-    """The per-sample sums of :class:`torchcal.functional._binning.ScanSums` by torch ops, as 0-d float64
-    tensors on the input's device (no host sync): −log p_t with the clamp and log in the input dtype."""
-    from .functional._binning import ScanSums
-    from .functional.calibration import nll_from_true_probs
-
-    p_true = probs.gather(1, targets[:, None]).squeeze(1)
-    confident = scan.conf >= threshold
-    return ScanSums(
-        nll_from_true_probs(p_true).double().sum(),
-        p_true.double().sum(),
-        scan.correct.double().sum(),
-        confident.double().sum(),
-        (confident & scan.correct).double().sum(),
-    )
-
-
-def probs_and_targets(probs, targets, from_logits: bool, name: str = "probs"):
-    """The common entry of every metric: validated probabilities (softmax applied if asked) and targets."""
-    return _scores_and_targets(probs, targets, from_logits, name)[:2]
-
-
-def _scores_and_targets(
-    probs, targets, from_logits, name, num_classes=None, check_values=True, fused_scan=False
-):
-    """Shared checks: (probs, targets, row-sum tolerance). With ``check_values=False`` the probability values
-    are left for the caller to check from statistics of its own pass (:func:`check_prob_stats`); with
-    ``fused_scan`` the caller's pass is :func:`torchcal.functional._binning.scan_probs`, whose fused kernel (when
-    it applies) also checks the label range."""
-    if not isinstance(from_logits, bool):
-        raise TypeError(f"`from_logits` must be a bool, got {type(from_logits).__name__}")
-    probs = as_data(probs, name)
-    if from_logits:
-        probs = torch.softmax(check_logits(probs, name, warn_if_probs=_FROM_LOGITS_ADVICE), dim=1)
-    else:
-        probs = check_scores(probs, name)
-    tol = _SUM_TOL.get(probs.dtype, 1e-4)
-    probs = _upcast_low_precision(probs)
-    if check_values and not from_logits:
-        check_prob_stats(row_stats(probs.sum(dim=1), probs.amin()), name, tol, probs.shape[1])
-    if num_classes is not None and probs.shape[1] != num_classes:
-        raise ValueError(f"`{name}` has {probs.shape[1]} classes, this metric was built for {num_classes}")
-    from .functional import _extension, _kernels
-
-    in_scan = fused_scan and (_extension.scan_applies(probs) or _kernels.applies(probs))
-    targets = check_targets(targets, probs.shape[0], probs.shape[1], check_range=not in_scan)
-    if targets.device != probs.device:
-        raise ValueError(f"`targets` is on {targets.device} but `{name}` is on {probs.device}")
-    return probs, targets, tol
 
 
 def check_logits_for_loss(logits, targets, check_range: bool = True):

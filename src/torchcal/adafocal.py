@@ -6,10 +6,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._validation import check_choice, check_float, check_positive_int, top_label_inputs
+from ._validation import check_choice, check_float, check_positive_int
+from .functional import _backend
 from .functional import losses as L
 from .functional._binning import equal_mass_sums
-from .functional._kernels import LossSpec
+from .functional._inputs import top_label_inputs
+from .functional._spec import LossSpec
 
 __all__ = ["AdaFocalLoss", "CalFocalLoss"]
 
@@ -162,7 +164,7 @@ class AdaFocalLoss(_ValidationBins):
             return L._signed_gamma_weight(gammas.to(p_t.device, p_t.dtype)[bins])(log_pt)
 
         spec = self._fused_spec(gammas, edges)
-        return L._true_class_loss(logits, targets, self.reduction, weight, spec=spec)
+        return _backend.true_class_loss(logits, targets, self.reduction, weight, spec=spec)
 
     @torch.no_grad()
     def update(self, val_probs=None, val_targets=None, *, metrics=None, from_logits: bool = False) -> None:
@@ -208,7 +210,7 @@ def _ada_dual(logits, targets, bins, reduction):
         )
 
     spec = bins._fused_spec(bins.gamma_per_bin, bins.bin_edges, dual=True)
-    return L._true_class_loss(logits, targets, reduction, weight, runner_up=True, spec=spec)
+    return _backend.true_class_loss(logits, targets, reduction, weight, runner_up=True, spec=spec)
 
 
 class CalFocalLoss(_ValidationBins):

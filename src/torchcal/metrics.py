@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from ._validation import check_bool, check_float, check_positive_int, scan_inputs
+from ._validation import check_bool, check_float, check_positive_int
 from .functional import calibration as C
 from .functional._binning import classwise_sums, prefix_sums
+from .functional._inputs import scan_inputs
 
 __all__ = ["CalibrationMetrics"]
 

@@ -8,9 +8,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ._validation import check_choice, check_positive_int, scan_inputs
+from ._validation import check_choice, check_positive_int
 from .functional import calibration as C
 from .functional._binning import equal_mass_sums, equal_width_edges
+from .functional._inputs import scan_inputs
 
 __all__ = ["ReliabilityDiagram", "reliability_diagram_data", "plot_reliability_diagram", "save_figure"]
 

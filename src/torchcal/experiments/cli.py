@@ -134,9 +134,7 @@ def build_extension(verbose: bool = typer.Option(False, help="show the compiler'
     try:
         path = build_cpu_extension(verbose=verbose)
     except (RuntimeError, OSError) as err:
-        console.print(
-            f"[red]could not build the C++ operators[/red] (the numba/torch paths still work): {err}"
-        )
+        console.print(f"[red]could not build the C++ operators[/red] (the torch path still works): {err}")
         raise typer.Exit(1) from None
     console.print(f"C++ operators (losses, metrics scan) ready in {time.perf_counter() - t0:.1f} s: {path}")
 

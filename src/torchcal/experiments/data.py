@@ -8,12 +8,12 @@ import functools
 import gzip
 import os
 import struct
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from .dataset import Dataset
 from .errors import DatasetError
 
 __all__ = [
@@ -36,20 +36,6 @@ __all__ = [
 
 FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
 _IDX_TYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
-
-
-@dataclass
-class Dataset:
-    """Tensors of one split: inputs (N, ...) and integer labels (N,); text training sets also carry the
-    embedding matrix of their vocabulary (``embeddings``)."""
-
-    inputs: torch.Tensor
-    targets: torch.Tensor
-    embeddings: torch.Tensor | None = None
-    vocab_size: int | None = None
-
-    def __len__(self) -> int:
-        return int(self.targets.shape[0])
 
 
 def read_idx(path: str | Path) -> np.ndarray:

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from .data import Dataset, DatasetError
+from .dataset import Dataset
+from .errors import DatasetError
 
 __all__ = ["tokenize", "Vocabulary", "load_20newsgroups", "load_ag_news", "load_glove", "encode"]
 

@@ -1,8 +1,8 @@
 """Pure tensor functions, like ``torch.nn.functional``: calibration metrics, the training losses (their
 ``nn.Module`` twins are in :mod:`torchcal.losses`), the focal calibration map, bootstrap intervals."""
 
+from ._backend import cpu_kernels_available, use_cpu_kernels
 from ._extension import build_cpu_extension, cpu_extension_available, use_cpu_extension
-from ._kernels import cpu_kernels_available, use_cpu_kernels
 from .bootstrap import BootstrapResult, bootstrap_ci
 from .calibration import (
     ConfidenceShare,

@@ -18,7 +18,6 @@ import math
 from functools import lru_cache
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
 from .._validation import row_stats
@@ -27,7 +26,7 @@ from .._validation import row_stats
 _CHUNK_ELEMENTS = 1 << 22
 # Rows per chunk of the top-label scan: 2**_SCAN_SHIFT entries (a cache-resident scratch buffer).
 _SCAN_SHIFT = 20
-# Up to this many classes scan_probs uses torch.max(dim=1) directly.
+# Up to this many classes torch_scan uses torch.max(dim=1) directly.
 _SMALL_K = 16
 
 
@@ -116,23 +115,10 @@ def _equal_mass_bounds(n: int, n_bins: int, device: torch.device):
 
 
 def stable_sort(values: torch.Tensor):
-    """Stable ascending sort (ties keep input order) of 1-D non-negative values: (sorted values, order).
-
-    For float32 CPU tensors (fewer than 2**32 values) this is one numpy sort of unique 64-bit keys
-    ``bits << 32 | position`` (non-negative IEEE floats order as their bit patterns, so unique keys make any
-    sort stable): numpy's SIMD integer sort is about 10x faster than ``torch.sort(stable=True)`` on CPU.
-    Everything else uses ``torch.sort(stable=True)``.
-    """
-    n = values.shape[0]
-    if values.device.type != "cpu" or values.dtype != torch.float32 or n >= 1 << 32:
-        return torch.sort(values, stable=True)
-    keys = values.detach().numpy().view(np.uint32).astype(np.uint64)
-    keys <<= np.uint64(32)
-    keys |= np.arange(n, dtype=np.uint64)
-    keys.sort()
-    order = (keys & np.uint64(0xFFFFFFFF)).astype(np.int64)
-    keys >>= np.uint64(32)
-    return torch.from_numpy(keys.astype(np.uint32).view(np.float32)), torch.from_numpy(order)
+    """Stable ascending sort (ties keep input order) of 1-D values: (sorted values, order), by
+    ``torch.sort(stable=True)`` (the confidences' sort that also needs the permutation, e.g. the bootstrap's;
+    the equal-mass estimators sort through :func:`torchcal.functional._backend.sort_with_flags`)."""
+    return torch.sort(values, stable=True)
 
 
 class _ClasswiseAccumulator:
@@ -174,7 +160,7 @@ def classwise_sums(probs: torch.Tensor, targets: torch.Tensor, n_bins: int, accu
     individually (at most M − 1 per row, since a row sums to 1); bin 0 of each class gets the rest of the
     column total (summed in float64). Rows are processed in chunks of at most 4M entries, so no (N, K) int64
     or float64 buffer is ever allocated. ``accumulator`` may carry sums already gathered by
-    :func:`scan_probs` (the same pass as the top-label statistics).
+    :func:`torch_scan` (the same pass as the top-label statistics).
     """
     n, k = probs.shape
     if accumulator is None:
@@ -199,7 +185,7 @@ class ScanSums(NamedTuple):
 
 
 class Scan(NamedTuple):
-    """Result of :func:`scan_probs`."""
+    """Result of :func:`torch_scan`."""
 
     conf: torch.Tensor  # top-label confidence (N,), input dtype
     correct: torch.Tensor  # argmax == target (N,), bool (ties: the lowest index is the prediction)
@@ -218,36 +204,24 @@ class _FinishedClasswise:
         return self.sums
 
 
-def scan_probs(
+def torch_scan(
     probs: torch.Tensor,
     targets: torch.Tensor,
     classwise_bins: int | None = None,
     n_bins: int | None = None,
-    threshold: float | None = None,
 ) -> Scan:
-    """One streaming pass over ``probs`` giving the top-label confidence and correctness, the validation
-    statistics and, on request, the top-label equal-width bin sums (``n_bins``) and the classwise bin sums of
-    :func:`classwise_sums` (``classwise_bins``). With ``threshold`` the C++ scan also sums the per-sample
-    quantities of :class:`ScanSums` (the other paths leave ``sums`` None for
-    :func:`torchcal._validation.scan_inputs` to fill).
+    """The torch implementation of the top-label scan (:func:`torchcal.functional._backend.scan` picks it
+    or the C++ one): the top-label confidence and correctness, the validation statistics and, on request,
+    the top-label equal-width bin sums (``n_bins``) and the classwise bin sums of :func:`classwise_sums`
+    (``classwise_bins``). It leaves ``sums`` None (the per-sample sums come from torch ops in
+    :func:`torchcal.functional._inputs.scan_inputs`) and does not check the label range.
 
-    On contiguous float32/float64 CPU tensors this is one fused compiled pass: the C++ operator's when it
-    is built (:mod:`torchcal.functional._extension`), else numba's (:mod:`torchcal.functional._kernels`).
-    Otherwise rows are copied chunk by chunk into a small cache-resident scratch buffer, where the row
-    sums, the minimum (for validation), the maximum over the other classes are taken; memory is read once. This avoids ``torch.max(dim=1)``, whose index-returning
-    reduction is 4-6x slower on CPU than ``amax``: the true class is the argmax iff p_true > max_{j != y} p_j,
-    the confidence is max(p_true, that maximum), and rows where p_true ties it are resolved with an exact
-    ``argmax`` (lowest index wins) on those rows only.
+    Rows are copied chunk by chunk into a small cache-resident scratch buffer, where the row sums, the
+    minimum (for validation) and the maximum over the other classes are taken; memory is read once. This
+    avoids ``torch.max(dim=1)``, whose index-returning reduction is 4-6x slower on CPU than ``amax``: the
+    true class is the argmax iff p_true > max_{j != y} p_j, the confidence is max(p_true, that maximum), and
+    rows where p_true ties it are resolved with an exact ``argmax`` (lowest index wins) on those rows only.
     """
-    from . import _extension, _kernels
-
-    fused = _extension if _extension.scan_applies(probs) else _kernels if _kernels.applies(probs) else None
-    if fused is not None:
-        conf, correct, worst, lowest, nonfinite, top, cw, sum_sq, sums = fused.top_label_scan(
-            probs, targets, n_bins, classwise_bins, threshold
-        )
-        classwise = None if cw is None else _FinishedClasswise(cw)
-        return Scan(conf, correct, (worst, lowest, nonfinite), classwise, top, sum_sq, sums)
     n, k = probs.shape
     acc = (
         None

@@ -1,10 +1,11 @@
-"""Optional C++ operator for the fused focal-family losses on CPU (``csrc/fused_losses.cpp``).
+"""The CPU accelerator: the optional C++ operators (``csrc/fused_losses.cpp``), built, loaded and called here.
 
-The numba path (:mod:`._kernels`) already fuses the per-sample arithmetic, but it runs inside a Python
-``torch.autograd.Function``: at batch sizes of a few hundred, that round trip through Python costs as much as
-PyTorch's whole fused cross entropy. The C++ operator ``torch.ops.torchcal.fused_true_class`` computes the
-same losses (same conventions, per-sample float64 arithmetic; the dual loss's ties decided on the logits, see
-docs/decisions.md 38) with a C++ autograd node, so forward and backward never re-enter Python.
+Which implementation runs is decided in one place, :mod:`torchcal.functional._backend`; this module only
+builds the library and wraps its operators. The loss operator ``torch.ops.torchcal.fused_true_class``
+computes the focal-family losses of the torch path (same conventions, per-sample float64 arithmetic; the
+dual loss's ties decided on the logits, see docs/decisions.md 38) with a C++ autograd node, so forward and
+backward never re-enter Python (at batch sizes of a few hundred a Python round trip costs as much as
+PyTorch's whole fused cross entropy).
 
 It is compiled on request with ``torch.utils.cpp_extension`` (GCC or Clang and ninja are needed; ~20-30 s,
 once per torch and Python version and CPU) by :func:`build_cpu_extension` or ``torchcal build-extension``, and
@@ -18,10 +19,10 @@ shared by different machines never hands one a library for another's ISA; it bui
 refuses these flags (Clang without libomp, say), the portable flags ``-O3 -fopenmp-simd`` are used instead.
 
 Besides the losses the library holds the metrics' top-label scan (``torch.ops.torchcal.top_label_scan``,
-``csrc/scan.h``): the numba scan's pass and conventions, on torch's threads, and the stable radix sort of
-confidences with their correctness (``torch.ops.torchcal.sort_with_flags``, ``csrc/sort.h``) of the
-equal-mass estimators. ``TORCHCAL_CPP=0`` or :func:`use_cpu_extension` turns it off;
-:func:`~torchcal.functional.use_cpu_kernels` (False) turns off both it and numba.
+``csrc/scan.h``): validation, prediction, confidence, equal-width bins, classwise sums and per-sample sums in
+one pass on torch's threads, and the stable radix sort of confidences with their correctness
+(``torch.ops.torchcal.sort_with_flags``, ``csrc/sort.h``) of the equal-mass estimators. ``TORCHCAL_CPP=0`` or
+:func:`use_cpu_extension` turns it off; the torch path then computes everything.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ from pathlib import Path
 import torch
 
 from .._validation import label_range_error
-from . import _kernels
 from ._binning import ScanSums
+from ._spec import LossSpec, env_enabled, switched
 
 __all__ = ["build_cpu_extension", "cpu_extension_available", "use_cpu_extension"]
 
@@ -86,7 +87,7 @@ def _native_flags() -> list[str]:
 _PREFERRED_FLAGS = _native_flags()
 FLAG_SETS = [_PREFERRED_FLAGS] + ([PORTABLE_FLAGS] if _PREFERRED_FLAGS != PORTABLE_FLAGS else [])
 
-_state = {"enabled": _kernels.env_enabled("TORCHCAL_CPP"), "loaded": None}
+_state = {"enabled": env_enabled("TORCHCAL_CPP"), "loaded": None}
 _lock = threading.Lock()
 
 
@@ -219,8 +220,7 @@ def build_cpu_extension(verbose: bool = False) -> Path:
 
 def cpu_extension_available() -> bool:
     """True when the C++ operators (the fused losses and the metrics' scan) are built, loaded and enabled
-    (``TORCHCAL_CPP`` unset or not 0, and CPU kernels not switched off with
-    :func:`~torchcal.functional.use_cpu_kernels`).
+    (``TORCHCAL_CPP`` unset or not 0, and not switched off with :func:`use_cpu_extension`).
 
     Example:
         >>> from torchcal.functional import cpu_extension_available, use_cpu_extension
@@ -228,7 +228,7 @@ def cpu_extension_available() -> bool:
         ...     cpu_extension_available()
         False
     """
-    if not (_state["enabled"] and _kernels._state["enabled"]):
+    if not _state["enabled"]:
         return False
     if _state["loaded"] is None:
         with _lock:
@@ -239,7 +239,7 @@ def cpu_extension_available() -> bool:
 
 def use_cpu_extension(enabled: bool):
     """Context manager that switches the C++ operators (losses and the metrics' scan) on or off, process-wide
-    (with them off, the numba kernels or the torch path compute). Switching them on does not build them.
+    (with them off, the torch path computes). Switching them on does not build them.
 
     Example:
         >>> import torch
@@ -251,10 +251,10 @@ def use_cpu_extension(enabled: bool):
         >>> torch.allclose(without, focal_loss(logits, targets, gamma=2.0))
         True
     """
-    return _kernels.switched(_state, enabled)
+    return switched(_state, enabled)
 
 
-def fused_true_class(logits, targets, spec: _kernels.LossSpec, reduction: str) -> torch.Tensor:
+def fused_true_class(logits, targets, spec: LossSpec, reduction: str) -> torch.Tensor:
     """The loss described by ``spec`` through the C++ operator (checks the label range)."""
     params = spec.cpp_params32 if logits.dtype == torch.float32 else spec.cpp_params64
     sample = spec.sample_gammas
@@ -283,9 +283,15 @@ def scan_applies(probs: torch.Tensor) -> bool:
 
 
 def top_label_scan(probs, targets, n_bins=None, classwise_bins=None, threshold=None):
-    """:func:`torchcal.functional._kernels.top_label_scan` (same arguments and results) by the C++ operator:
-    one pass on torch's threads, summed in an order that does not depend on the thread count. With a
-    ``threshold`` it also returns the per-sample sums (:class:`~torchcal.functional._binning.ScanSums`)."""
+    """One pass over contiguous CPU ``probs`` (N, K) and integer ``targets`` (N,) (the pass checks their range)
+    on torch's threads, summed in an order that does not depend on the thread count.
+
+    Returns ``(conf, correct, worst, lowest, nonfinite, top, classwise, sum_sq, sums)``: top-label confidence
+    (in the input dtype) and correctness (bool); the largest |row sum − 1|, the most negative entry (0.0 if
+    none) and whether any row sum is not finite; the top-label equal-width (count, conf sum, correct sum)
+    float64 tensors of shape (n_bins,) (None without ``n_bins``); the classwise (count, p sum, [y = k] sum),
+    each (K, classwise_bins) float64 (None without ``classwise_bins``); Σ_ik p_ik² in float64; with a
+    ``threshold`` the per-sample sums (:class:`~torchcal.functional._binning.ScanSums`, else None)."""
     conf, correct, top, cw, stats = _op("top_label_scan")(
         probs.detach(), targets.detach(), n_bins or 0, classwise_bins or 0, threshold
     )

@@ -7,9 +7,10 @@ from typing import NamedTuple
 
 import torch
 
-from .._validation import check_float, check_positive_int, scan_inputs
+from .._validation import check_float, check_positive_int
 from . import calibration as C
 from ._binning import equal_width_index, stable_sort
+from ._inputs import nll_from_true_probs, scan_inputs
 
 __all__ = ["BootstrapResult", "bootstrap_ci"]
 
@@ -62,7 +63,7 @@ class _Weighted:
             self.sizes = sizes.double().to(conf.device)
         elif name == "nll":
             p_true = probs.gather(1, targets[:, None]).squeeze(1)
-            self.per_sample = C.nll_from_true_probs(p_true).double()
+            self.per_sample = nll_from_true_probs(p_true).double()
         elif name == "brier":
             self.per_sample = C.brier_per_sample(probs, targets)
         else:  # error

@@ -25,18 +25,15 @@ from .._validation import (
     check_positive_int,
     check_probs,
     check_targets,
-    probs_and_targets,
-    scan_inputs,
-    top_label_bins,
-    top_label_inputs,
 )
+from . import _backend
 from ._binning import (
     classwise_sums,
     equal_mass_cuts,
     equal_mass_sums,
     prefix_sums,
-    stable_sort,
 )
+from ._inputs import probs_and_targets, scan_inputs, top_label_bins, top_label_inputs
 
 __all__ = [
     "expected_calibration_error",
@@ -83,14 +80,9 @@ def sorted_by_confidence(conf: torch.Tensor, correct: torch.Tensor):
     """Stable ascending sort of confidences, carrying correctness along (ties keep input order).
 
     On CPU with the C++ extension built this is its radix sort of the bit patterns, which carries the
-    correctness itself (1M samples on 2 cores: ~13 ms, where the 64-bit key sort and the gather of the flags
-    take ~27 ms); otherwise :func:`~torchcal.functional._binning.stable_sort` and a gather."""
-    from . import _extension
-
-    if correct.dtype == torch.bool and _extension.sort_applies(conf):
-        return _extension.sort_with_flags(conf, correct)
-    conf_sorted, order = stable_sort(conf)
-    return conf_sorted, correct[order]
+    correctness itself (1M samples on 2 cores: ~13 ms); otherwise ``torch.sort(stable=True)`` and a gather
+    (:func:`torchcal.functional._backend.sort_with_flags`)."""
+    return _backend.sort_with_flags(conf, correct)
 
 
 def adaece_from_sorted(conf_sorted, correct_sorted, n_bins: int, prefix=None) -> torch.Tensor:
@@ -152,12 +144,6 @@ def sweep_from_sorted(conf_sorted, correct_sorted, p: int = 1, prefix=None):
     gaps = ((corr_sum - conf_sum) / count).abs() ** p
     value = ((count / n) * gaps).sum() ** (1.0 / p)
     return value, best
-
-
-def nll_from_true_probs(p_true: torch.Tensor) -> torch.Tensor:
-    """Per-sample −log p_t with p_t clamped below at the smallest positive normal of its dtype."""
-    tiny = torch.finfo(p_true.dtype).tiny
-    return -torch.log(p_true.clamp(min=tiny))
 
 
 def brier_per_sample(probs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -320,10 +306,6 @@ def error_rate(probs, targets, *, from_logits: bool = False):
 
 def _spread(conf: torch.Tensor, correct: torch.Tensor, g: int) -> torch.Tensor:
     """(2, G) float64 grids: residual conf − correct and weight 1 spread linearly onto G points of [0, 1]."""
-    from . import _kernels
-
-    if _kernels.applies(conf):
-        return _kernels.spread_on_grid(conf, correct, g)
     conf = conf.double()
     residual = conf - correct.double()
     pos = conf * (g - 1)
@@ -344,7 +326,7 @@ def _smooth_ece_at(conf: torch.Tensor, correct: torch.Tensor, sigma: float, cach
     r̂ and density δ̂ are read by linear interpolation at E = max(round(10/σ), 200) points, δ̂ gets +1e-4,
     and smECE_σ = Σ |r̂| / Σ δ̂.
 
-    The spreading runs where the data is (numba or torch); the (2, G) grids then go to the host, and the
+    The spreading runs where the data is (torch ops); the (2, G) grids then go to the host, and the
     convolution and the rest run in numpy for every device: the σ search evaluates a dozen bandwidths, and on
     G ~ 1000 points numpy's steps cost a few µs where each small torch op costs ~10 µs (and on a GPU each
     evaluation synchronised anyway, to compare smECE_σ with σ). ``cache`` keeps the data's spectra per G, the

@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as nnf
 
 from .._validation import check_choice, check_float, check_label_range, check_logits_for_loss
-from . import _extension, _kernels
+from . import _backend
+from ._spec import LossSpec
 
 __all__ = [
     "brier_loss",
@@ -67,128 +68,10 @@ def _gamma(gamma, name="gamma", low=0.0):
     return check_float(gamma, name, low=low)
 
 
-def _runner_up(log_p, log_pt):
-    """log p_j and j for the largest class strictly below p_t (ties with p_t excluded; −inf when none),
-    without sorting: a masked max over rows, chunked through one small cache-resident buffer so that no
-    (N, K) temporary is allocated."""
-    n, k = log_p.shape
-    rows = min(n, max(1, (1 << 18) // k))
-    buf = torch.empty(rows, k, dtype=log_p.dtype, device=log_p.device)
-    values = torch.empty(n, dtype=log_p.dtype, device=log_p.device)
-    index = torch.empty(n, dtype=torch.long, device=log_p.device)
-    for s in range(0, n, rows):
-        m = min(rows, n - s)
-        chunk = buf[:m].copy_(log_p[s : s + m])
-        chunk.masked_fill_(chunk >= log_pt[s : s + m, None], -math.inf)
-        torch.max(chunk, dim=1, out=(values[s : s + m], index[s : s + m]))
-    return values, index
-
-
-class _TrueClassLoss(torch.autograd.Function):
-    """Per-sample f(p_t[, p_j]) + λ·Σ_k (p_k − onehot_k)² with an analytic backward.
-
-    ``weight_fn(log_pt) -> (loss, c_t)`` or, with ``runner_up``, ``weight_fn(log_pt, p_j) -> (loss, c_t, c_j)``
-    gives the per-sample loss and c = p·∂loss/∂p for p_t (and for the runner-up p_j of the dual focal loss,
-    the largest probability strictly below p_t). Since ∂p_a/∂z = p_a(e_a − p), the gradient is
-    −(c_t + c_j)·p + c_t e_t + c_j e_j, plus λ·(2p⊙(p − Σp² + p_t) − 2p_t e_t) for the squared-error term:
-    one (N, K) pass in the backward like cross entropy's, instead of autograd's chain through per-sample and
-    (N, K) temporaries. Only log_softmax is saved.
-    """
-
-    @staticmethod
-    def forward(ctx, logits, targets, weight_fn, brier_lambda, runner_up):
-        log_p = torch.log_softmax(logits, dim=1)
-        log_pt = log_p.gather(1, targets[:, None]).squeeze(1)
-        c_j = j = sq = None
-        if runner_up:
-            log_pj, j = _runner_up(log_p, log_pt)
-            loss, c_t, c_j = weight_fn(log_pt, log_pj.exp())
-        else:
-            loss, c_t = weight_fn(log_pt)
-        if brier_lambda:
-            sq = torch.linalg.vector_norm(log_p.exp(), dim=1) ** 2
-            loss = loss + brier_lambda * (sq - 2 * log_pt.exp() + 1)
-        ctx.brier_lambda = brier_lambda
-        ctx.save_for_backward(log_p, targets, c_t, c_j, j, sq)
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        log_p, targets, c_t, c_j, j, sq = ctx.saved_tensors
-        lam = ctx.brier_lambda
-        c_t = c_t * grad_loss
-        row = c_t if c_j is None else c_t + c_j * grad_loss
-        p = torch.exp(log_p)
-        at_target = c_t
-        if lam:
-            w = (2 * lam) * grad_loss
-            p_t = log_p.gather(1, targets[:, None]).squeeze(1).exp()
-            # p ⊙ (−row + w·(p − Σp² + p_t))
-            grad = torch.addcmul((w * (p_t - sq) - row)[:, None], p, w[:, None]).mul_(p)
-            at_target = at_target - w * p_t
-        else:
-            grad = p.mul_(-row[:, None])
-        grad.scatter_add_(1, targets[:, None], at_target[:, None])
-        if c_j is not None:
-            grad.scatter_add_(1, j[:, None], (c_j * grad_loss)[:, None])
-        return grad, None, None, None, None
-
-
-_INTEGER_DTYPES = frozenset((torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8))
-_FUSED_DTYPES = frozenset((torch.float32, torch.float64))
-
-
-def _fast_cpu_call(logits, targets, reduction) -> bool:
-    """Whether a loss call can go straight to the C++ operator: valid CPU float32/64 (N >= 1, K >= 2)
-    logits and integer targets of matching length. Attribute checks only (a few µs); anything else takes
-    the validated path below, which raises the named errors (the operator checks the labels). Autocast needs
-    no care: the operator has no autocast rule and its float32/64 input is used as it is."""
-    if type(logits) is not torch.Tensor or type(targets) is not torch.Tensor:
-        return False
-    if not _extension.cpu_extension_available():  # first: the numba and torch paths pay one check only
-        return False
-    shape = logits.shape
-    return (
-        len(shape) == 2
-        and targets.ndim == 1
-        and shape[0] == targets.shape[0] > 0
-        and shape[1] >= 2
-        and logits.dtype in _FUSED_DTYPES
-        and targets.dtype in _INTEGER_DTYPES
-        and reduction in _extension.REDUCTION_CODES
-        and logits.is_cpu  # (`.device` builds a device object: several µs here)
-        and targets.is_cpu
-    )
-
-
-def _true_class_loss(logits, targets, reduction, weight_fn, *, brier_lambda=0.0, runner_up=False, spec=None):
-    """Dispatch for losses that describe themselves with a :class:`~torchcal.functional._kernels.LossSpec`
-    (``spec``, which then carries the runner-up and Brier options too): on CPU the C++ operator when built
-    (``_extension``), else the fused numba loss for small batches; :class:`_TrueClassLoss` otherwise."""
-    if spec is not None and _fast_cpu_call(logits, targets, reduction):
-        return _extension.fused_true_class(logits, targets, spec, reduction)
-    check_choice(reduction, "reduction", REDUCTIONS)
-    logits, targets = check_logits_for_loss(logits, targets, check_range=False)
-    if logits.dtype in (torch.float16, torch.bfloat16):
-        logits = logits.float()
-    if spec is not None:
-        if _fast_cpu_call(logits, targets, reduction):  # now checked and converted (numpy input, half)
-            return _extension.fused_true_class(logits, targets, spec, reduction)
-        if _kernels.loss_applies(logits):  # checks the label range in its pass
-            if not torch.is_autocast_enabled("cpu"):  # entering a disabled autocast region costs ~10 µs
-                return _kernels.FusedTrueClass.apply(logits, targets, spec, reduction)
-            with torch.autocast("cpu", enabled=False):
-                return _kernels.FusedTrueClass.apply(logits, targets, spec, reduction)
-    check_label_range(targets, logits.shape[1])
-    with torch.autocast(logits.device.type, enabled=False):
-        loss = _TrueClassLoss.apply(logits, targets, weight_fn, brier_lambda, runner_up)
-    return _reduce(loss, reduction)
-
-
 @functools.lru_cache(maxsize=256)
-def _spec(gammas: tuple, thresholds: tuple = (), **options) -> _kernels.LossSpec:
+def _spec(gammas: tuple, thresholds: tuple = (), **options) -> LossSpec:
     """Description of a loss for the fused path, for constant hyper-parameters (built once per setting)."""
-    return _kernels.LossSpec(gammas, thresholds, upper_on_tie=True, **options)
+    return LossSpec(gammas, thresholds, upper_on_tie=True, **options)
 
 
 def _cached(fn):
@@ -340,7 +223,7 @@ def brier_loss(logits, targets, *, reduction: str = "mean"):
         return zero, zero
 
     spec = _spec((0.0,), nll=False, brier=1.0)
-    return _true_class_loss(logits, targets, reduction, no_nll, brier_lambda=1.0, spec=spec)
+    return _backend.true_class_loss(logits, targets, reduction, no_nll, brier_lambda=1.0, spec=spec)
 
 
 # ----------------------------------------------------------------------------- focal family
@@ -361,7 +244,7 @@ def focal_loss(logits, targets, gamma: float = 3.0, *, reduction: str = "mean"):
         tensor(0.0122)
     """
     gamma, _, spec = _gamma_spec(gamma)
-    return _true_class_loss(logits, targets, reduction, _focal_weight(gamma), spec=spec)
+    return _backend.true_class_loss(logits, targets, reduction, _focal_weight(gamma), spec=spec)
 
 
 def inverse_focal_loss(logits, targets, gamma: float = 1.0, *, reduction: str = "mean"):
@@ -373,7 +256,7 @@ def inverse_focal_loss(logits, targets, gamma: float = 1.0, *, reduction: str = 
         tensor(1.0397)
     """
     gamma, _, spec = _gamma_spec(gamma, "inverse")
-    return _true_class_loss(logits, targets, reduction, _inverse_focal_weight(gamma), spec=spec)
+    return _backend.true_class_loss(logits, targets, reduction, _inverse_focal_weight(gamma), spec=spec)
 
 
 def _pick_gamma(values, thresholds, gammas):
@@ -415,7 +298,7 @@ def sample_dependent_focal_loss(
     def weight(log_pt):
         return _focal_weight(_pick_gamma(log_pt.exp(), thresholds, gammas))(log_pt)
 
-    return _true_class_loss(logits, targets, reduction, weight, spec=spec)
+    return _backend.true_class_loss(logits, targets, reduction, weight, spec=spec)
 
 
 def varying_focal_loss(logits, targets, gamma: torch.Tensor, *, reduction: str = "mean"):
@@ -432,8 +315,8 @@ def varying_focal_loss(logits, targets, gamma: torch.Tensor, *, reduction: str =
     if gamma.shape != (n,):
         raise ValueError(f"`gamma` must have shape ({n},), one γ per sample, got {tuple(gamma.shape)}")
     gamma = gamma.to(logits.device)
-    spec = _kernels.LossSpec((), sample_gammas=gamma)
-    return _true_class_loss(logits, targets, reduction, _signed_gamma_weight(gamma), spec=spec)
+    spec = LossSpec((), sample_gammas=gamma)
+    return _backend.true_class_loss(logits, targets, reduction, _signed_gamma_weight(gamma), spec=spec)
 
 
 def dual_focal_loss(logits, targets, gamma: float = 5.0, *, reduction: str = "mean"):
@@ -450,7 +333,9 @@ def dual_focal_loss(logits, targets, gamma: float = 5.0, *, reduction: str = "me
         tensor(0.2362)
     """
     gamma, _, spec = _gamma_spec(gamma, "dual")
-    return _true_class_loss(logits, targets, reduction, _dual_weight(gamma), runner_up=True, spec=spec)
+    return _backend.true_class_loss(
+        logits, targets, reduction, _dual_weight(gamma), runner_up=True, spec=spec
+    )
 
 
 def dual_sample_dependent_focal_loss(
@@ -468,7 +353,7 @@ def dual_sample_dependent_focal_loss(
     def weight(log_pt, p_j):
         return _dual_weight(_pick_gamma(log_pt.exp() - p_j, thresholds, gammas))(log_pt, p_j)
 
-    return _true_class_loss(logits, targets, reduction, weight, runner_up=True, spec=spec)
+    return _backend.true_class_loss(logits, targets, reduction, weight, runner_up=True, spec=spec)
 
 
 def focal_calibration_loss(logits, targets, gamma: float = 4.0, lambda_: float = 1.5, *, reduction="mean"):
@@ -481,7 +366,9 @@ def focal_calibration_loss(logits, targets, gamma: float = 4.0, lambda_: float =
         tensor(1.1931)
     """
     gamma, lam, spec = _gamma_spec(gamma, "fcl", lambda_)
-    return _true_class_loss(logits, targets, reduction, _focal_weight(gamma), brier_lambda=lam, spec=spec)
+    return _backend.true_class_loss(
+        logits, targets, reduction, _focal_weight(gamma), brier_lambda=lam, spec=spec
+    )
 
 
 # ----------------------------------------------------------------------------- MMCE
@@ -592,9 +479,9 @@ def _calfocal_spec(edges, acc, conf, lam):
         return None
     interior = edges[1:-1].double().numpy()
     if conf is None:  # eq. 2: γ_n = exp(λ(p_n − A_b))
-        return _kernels.LossSpec(acc.double().numpy(), interior, upper_on_tie=False, cal_lambda=lam)
+        return LossSpec(acc.double().numpy(), interior, upper_on_tie=False, cal_lambda=lam)
     bin_gamma = torch.exp(lam * (conf.double() - acc.double())).numpy()  # eq. 3: one γ per bin
-    return _kernels.LossSpec(bin_gamma, interior, upper_on_tie=False)
+    return LossSpec(bin_gamma, interior, upper_on_tie=False)
 
 
 def _calfocal(logits, targets, edges, acc, conf, lam, reduction, spec):
@@ -610,7 +497,7 @@ def _calfocal(logits, targets, edges, acc, conf, lam, reduction, spec):
             gamma = torch.exp(lam * (conf.to(p_t.dtype) - a))[b]
         return _focal_weight(gamma)(log_pt)
 
-    return _true_class_loss(logits, targets, reduction, weight, spec=spec)
+    return _backend.true_class_loss(logits, targets, reduction, weight, spec=spec)
 
 
 def _lambert_w(x: float, branch: int) -> float:

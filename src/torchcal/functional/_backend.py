@@ -1,0 +1,148 @@
+"""The backend seam: the one place that decides which implementation of each kernel runs.
+
+Two implementations per kernel, one per role (see docs/architecture.md):
+
+* **torch** — the reference, and the path of every device (GPU included) and of CPUs without the compiled
+  library: :func:`torchcal.functional._binning.torch_scan`, ``torch.sort(stable=True)``,
+  :class:`torchcal.functional._true_class.TrueClassLoss`;
+* **C++** — the CPU accelerator, when built and enabled (:mod:`torchcal.functional._extension`): one pass
+  for the scan, a radix sort carrying the correctness, a fused loss with its own autograd node.
+
+Kernels: the metrics' top-label scan (:func:`scan`, which also gives the classwise and per-sample sums), the
+stable sort of confidences with their correctness (:func:`sort_with_flags`), and the p_t-only training loss
+(:func:`true_class_loss`). Public functions call these; no other module asks which backend exists.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from .._validation import check_choice, check_label_range, check_logits_for_loss
+from . import _extension
+from ._binning import Scan, _FinishedClasswise, torch_scan
+from ._true_class import TrueClassLoss
+
+__all__ = [
+    "scan",
+    "scan_checks_labels",
+    "sort_with_flags",
+    "true_class_loss",
+    "use_cpu_kernels",
+    "cpu_kernels_available",
+]
+
+REDUCTIONS = ("none", "mean", "sum")
+
+
+# -- metrics: the top-label scan and the stable sort ---------------------------------------------------------
+
+
+def scan_checks_labels(probs: torch.Tensor) -> bool:
+    """Whether :func:`scan` checks the label range in its own pass (the C++ scan does; the torch path needs
+    the caller's check)."""
+    return _extension.scan_applies(probs)
+
+
+def scan(probs, targets, classwise_bins=None, n_bins=None, threshold=None) -> Scan:
+    """The top-label scan of validated ``probs`` (N, K) and ``targets`` (N,): confidence, correctness,
+    validation statistics and, on request, the equal-width (``n_bins``) and classwise (``classwise_bins``)
+    bin sums and (``threshold``; C++ only, else None) the per-sample sums. C++ for contiguous float32/64 CPU
+    tensors when the library is built; torch otherwise."""
+    if _extension.scan_applies(probs):
+        conf, correct, worst, lowest, nonfinite, top, cw, sum_sq, sums = _extension.top_label_scan(
+            probs, targets, n_bins, classwise_bins, threshold
+        )
+        classwise = None if cw is None else _FinishedClasswise(cw)
+        return Scan(conf, correct, (worst, lowest, nonfinite), classwise, top, sum_sq, sums)
+    return torch_scan(probs, targets, classwise_bins, n_bins)
+
+
+def sort_with_flags(values: torch.Tensor, flags: torch.Tensor):
+    """Stable ascending sort of non-negative confidences ``values`` carrying the bool ``flags`` (correctness)
+    along: (sorted values, their flags). C++ radix sort on CPU when built; ``torch.sort(stable=True)`` and a
+    gather otherwise."""
+    if flags.dtype == torch.bool and _extension.sort_applies(values):
+        return _extension.sort_with_flags(values, flags)
+    values_sorted, order = torch.sort(values, stable=True)
+    return values_sorted, flags[order]
+
+
+# -- losses: the p_t-only training losses --------------------------------------------------------------------
+
+_INTEGER_DTYPES = frozenset((torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8))
+_FUSED_DTYPES = frozenset((torch.float32, torch.float64))
+
+
+def _fast_cpu_call(logits, targets, reduction) -> bool:
+    """Whether a loss call can go straight to the C++ operator: valid CPU float32/64 (N >= 1, K >= 2)
+    logits and integer targets of matching length. Attribute checks only (a few µs); anything else takes
+    the validated path below, which raises the named errors (the operator checks the labels). Autocast needs
+    no care: the operator has no autocast rule and its float32/64 input is used as it is."""
+    if type(logits) is not torch.Tensor or type(targets) is not torch.Tensor:
+        return False
+    if not _extension.cpu_extension_available():  # first: the torch path pays one check only
+        return False
+    shape = logits.shape
+    return (
+        len(shape) == 2
+        and targets.ndim == 1
+        and shape[0] == targets.shape[0] > 0
+        and shape[1] >= 2
+        and logits.dtype in _FUSED_DTYPES
+        and targets.dtype in _INTEGER_DTYPES
+        and reduction in _extension.REDUCTION_CODES
+        and logits.is_cpu  # (`.device` builds a device object: several µs here)
+        and targets.is_cpu
+    )
+
+
+def _reduce(loss: torch.Tensor, reduction: str) -> torch.Tensor:
+    if reduction == "mean":
+        return loss.mean()
+    if reduction == "sum":
+        return loss.sum()
+    return loss
+
+
+def true_class_loss(logits, targets, reduction, weight_fn, *, brier_lambda=0.0, runner_up=False, spec=None):
+    """A p_t-only loss: the C++ operator on CPU when built and the loss describes itself with a
+    :class:`~torchcal.functional._spec.LossSpec` (``spec``, which then carries the runner-up and Brier options
+    too); :class:`~torchcal.functional._true_class.TrueClassLoss` with ``weight_fn`` otherwise."""
+    if spec is not None and _fast_cpu_call(logits, targets, reduction):
+        return _extension.fused_true_class(logits, targets, spec, reduction)
+    check_choice(reduction, "reduction", REDUCTIONS)
+    logits, targets = check_logits_for_loss(logits, targets, check_range=False)
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    if spec is not None and _fast_cpu_call(logits, targets, reduction):  # now checked and converted
+        return _extension.fused_true_class(logits, targets, spec, reduction)
+    check_label_range(targets, logits.shape[1])
+    with torch.autocast(logits.device.type, enabled=False):
+        loss = TrueClassLoss.apply(logits, targets, weight_fn, brier_lambda, runner_up)
+    return _reduce(loss, reduction)
+
+
+# -- retired switches ----------------------------------------------------------------------------------------
+
+
+def use_cpu_kernels(enabled: bool):
+    """Deprecated alias of :func:`~torchcal.functional.use_cpu_extension` (the numba kernels it switched were
+    retired in favour of the C++ operators; decision 65)."""
+    warnings.warn(
+        "use_cpu_kernels is deprecated: the numba kernels were retired; use use_cpu_extension",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return _extension.use_cpu_extension(enabled)
+
+
+def cpu_kernels_available() -> bool:
+    """Deprecated alias of :func:`~torchcal.functional.cpu_extension_available` (decision 65)."""
+    warnings.warn(
+        "cpu_kernels_available is deprecated: the numba kernels were retired; use cpu_extension_available",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return _extension.cpu_extension_available()

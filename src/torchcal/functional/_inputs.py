@@ -1,0 +1,109 @@
+"""The metrics' validated entry: checks (from :mod:`torchcal._validation`), the softmax when asked, and the
+top-label scan through the backend seam (:mod:`torchcal.functional._backend`), sharing one pass."""
+
+from __future__ import annotations
+
+import torch
+
+from .._validation import (
+    _FROM_LOGITS_ADVICE,
+    _SUM_TOL,
+    _upcast_low_precision,
+    as_data,
+    check_logits,
+    check_prob_stats,
+    check_scores,
+    check_targets,
+    row_stats,
+)
+from . import _backend
+from ._binning import ScanSums
+
+__all__ = ["scan_inputs", "top_label_inputs", "top_label_bins", "probs_and_targets", "nll_from_true_probs"]
+
+
+def nll_from_true_probs(p_true: torch.Tensor) -> torch.Tensor:
+    """Per-sample −log p_t with p_t clamped below at the smallest positive normal of its dtype."""
+    tiny = torch.finfo(p_true.dtype).tiny
+    return -torch.log(p_true.clamp(min=tiny))
+
+
+def top_label_inputs(probs, targets, from_logits: bool, name: str = "probs"):
+    """Validated (conf, correct) of the top label, from one pass over ``probs`` (softmax first if asked)."""
+    scan = scan_inputs(probs, targets, from_logits, name)[2]
+    return scan.conf, scan.correct
+
+
+def top_label_bins(probs, targets, from_logits: bool, n_bins: int, name: str = "probs"):
+    """Validated top-label equal-width (count, confidence sum, correct sum), float64 of shape (n_bins,)."""
+    return scan_inputs(probs, targets, from_logits, name, n_bins=n_bins)[2].top
+
+
+def scan_inputs(
+    probs,
+    targets,
+    from_logits: bool,
+    name: str = "probs",
+    num_classes: int | None = None,
+    classwise_bins=None,
+    n_bins=None,
+    threshold=None,
+):
+    """Validated (probs, targets, scan): validation, the top-label statistics and (with ``classwise_bins`` /
+    ``n_bins`` / ``threshold``) the classwise and top-label bin sums and the per-sample sums share one pass
+    over ``probs`` (:func:`torchcal.functional._backend.scan`)."""
+    probs, targets, tol = _scores_and_targets(
+        probs, targets, from_logits, name, num_classes, check_values=False, fused_scan=True
+    )
+    scan = _backend.scan(probs, targets, classwise_bins, n_bins, threshold)
+    if not from_logits:
+        check_prob_stats(scan.stats, name, tol, probs.shape[1])
+    if threshold is not None and scan.sums is None:  # the paths whose pass does not sum them
+        scan = scan._replace(sums=_torch_sums(probs, targets, scan, threshold))
+    return probs, targets, scan
+
+
+def _torch_sums(probs, targets, scan, threshold):
+    """The per-sample sums of :class:`torchcal.functional._binning.ScanSums` by torch ops, as 0-d float64
+    tensors on the input's device (no host sync): −log p_t with the clamp and log in the input dtype."""
+    p_true = probs.gather(1, targets[:, None]).squeeze(1)
+    confident = scan.conf >= threshold
+    return ScanSums(
+        nll_from_true_probs(p_true).double().sum(),
+        p_true.double().sum(),
+        scan.correct.double().sum(),
+        confident.double().sum(),
+        (confident & scan.correct).double().sum(),
+    )
+
+
+def probs_and_targets(probs, targets, from_logits: bool, name: str = "probs"):
+    """The common entry of every metric: validated probabilities (softmax applied if asked) and targets."""
+    return _scores_and_targets(probs, targets, from_logits, name)[:2]
+
+
+def _scores_and_targets(
+    probs, targets, from_logits, name, num_classes=None, check_values=True, fused_scan=False
+):
+    """Shared checks: (probs, targets, row-sum tolerance). With ``check_values=False`` the probability values
+    are left for the caller to check from statistics of its own pass (:func:`check_prob_stats`); with
+    ``fused_scan`` the caller's pass is :func:`torchcal.functional._backend.scan`, whose fused kernel (when
+    it applies) also checks the label range."""
+    if not isinstance(from_logits, bool):
+        raise TypeError(f"`from_logits` must be a bool, got {type(from_logits).__name__}")
+    probs = as_data(probs, name)
+    if from_logits:
+        probs = torch.softmax(check_logits(probs, name, warn_if_probs=_FROM_LOGITS_ADVICE), dim=1)
+    else:
+        probs = check_scores(probs, name)
+    tol = _SUM_TOL.get(probs.dtype, 1e-4)
+    probs = _upcast_low_precision(probs)
+    if check_values and not from_logits:
+        check_prob_stats(row_stats(probs.sum(dim=1), probs.amin()), name, tol, probs.shape[1])
+    if num_classes is not None and probs.shape[1] != num_classes:
+        raise ValueError(f"`{name}` has {probs.shape[1]} classes, this metric was built for {num_classes}")
+    in_scan = fused_scan and _backend.scan_checks_labels(probs)
+    targets = check_targets(targets, probs.shape[0], probs.shape[1], check_range=not in_scan)
+    if targets.device != probs.device:
+        raise ValueError(f"`targets` is on {targets.device} but `{name}` is on {probs.device}")
+    return probs, targets, tol

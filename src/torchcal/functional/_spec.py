@@ -1,0 +1,81 @@
+"""Leaf helpers of the backend seam: the description of a fused p_t-only loss (:class:`LossSpec`) that the
+C++ operator executes, and the environment / context-manager switches. Imports nothing of torchcal."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import numpy as np
+import torch
+
+__all__ = ["LossSpec", "env_enabled", "switched"]
+
+
+def env_enabled(name: str) -> bool:
+    """False when the environment variable ``name`` is 0, false, no or off (any case); True otherwise."""
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+@contextlib.contextmanager
+def switched(state: dict, enabled: bool):
+    """Sets ``state["enabled"]`` for the duration of a ``with`` block (the body of
+    :func:`~torchcal.functional.use_cpu_extension`)."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"`enabled` must be a bool, got {type(enabled).__name__}")
+    previous = state["enabled"]
+    state["enabled"] = enabled
+    try:
+        yield
+    finally:
+        state["enabled"] = previous
+
+
+class LossSpec:
+    """What a fused p_t-only loss computes (``csrc/losses.h`` of the C++ operator; the torch path of :mod:`._true_class` computes the same from the per-loss weight functions).
+
+    γ_i is ``gammas[j]`` with j the number of ``thresholds`` below the selection value (at or below with
+    ``upper_on_tie``), or one γ per sample (``sample_gammas``, a tensor); negative γ means the inverse focal
+    form with |γ| (the AdaFocal convention). The selection value is p_t, or p_t − p_j with ``margin``; with
+    ``cal_lambda`` γ = exp(λ(p_t − gammas[j])) (CalFocal eq. 2). ``dual``: the dual focal base; ``nll=False``:
+    no likelihood term; ``brier``: λ of an added Σ_k (p_k − onehot_k)² term.
+    """
+
+    __slots__ = (
+        "gammas",
+        "thresholds32",
+        "thresholds64",
+        "sample_gammas",
+        "flags",
+        "brier",
+        "cpp_params32",
+        "cpp_params64",
+    )
+
+    def __init__(
+        self,
+        gammas,
+        thresholds=(),
+        upper_on_tie=True,
+        sample_gammas=None,
+        *,
+        dual=False,
+        margin=False,
+        nll=True,
+        cal_lambda=None,
+        brier=0.0,
+    ):
+        self.gammas = np.asarray(gammas, dtype=np.float64).reshape(-1)
+        # the torch path compares with thresholds in the input dtype: float32-rounded copies for float32
+        self.thresholds64 = np.asarray(thresholds, dtype=np.float64).reshape(-1)
+        self.thresholds32 = self.thresholds64.astype(np.float32).astype(np.float64)
+        self.sample_gammas = sample_gammas
+        self.brier = float(brier)
+        # P_UPPER, P_DUAL, P_MARGIN, P_NLL, P_CAL, P_CAL_LAMBDA, P_BRIER (P_ROUND32, P_TINY are per call)
+        cal = cal_lambda is not None
+        self.flags = (upper_on_tie, dual, margin, nll, cal, cal_lambda if cal else 0.0, self.brier)
+        # the same packed into one float64 vector per input dtype for the C++ operator (``_extension``):
+        # flags, number of thresholds, thresholds, γs
+        head = np.array([*self.flags, len(self.thresholds64)], dtype=np.float64)
+        self.cpp_params32 = torch.from_numpy(np.concatenate([head, self.thresholds32, self.gammas]))
+        self.cpp_params64 = torch.from_numpy(np.concatenate([head, self.thresholds64, self.gammas]))
