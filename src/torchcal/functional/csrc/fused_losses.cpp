@@ -1,8 +1,7 @@
 // torchcal's fused CPU focal-family loss as a PyTorch operator with a C++ autograd node.
 //
 // Built on request by torchcal.functional._extension (torch.utils.cpp_extension, ~20-30 s once, cached).
-// It computes the losses of the numba kernels true_class_forward / true_class_backward of _numba_kernels.py
-// (same conventions and per-sample float64 arithmetic; log p from its own fused log-softmax for float32 rows,
+// It computes the p_t-only losses of the torch path (torchcal/functional/_true_class.py) (same conventions and per-sample float64 arithmetic; log p from its own fused log-softmax for float32 rows,
 // and the dual loss's ties decided on the logits: docs/decisions.md 38 and 41), and keeps the whole forward +
 // backward in C++: no Python autograd.Function round trip, which at batch sizes of a few hundred costs as
 // much as PyTorch's fused cross entropy itself.

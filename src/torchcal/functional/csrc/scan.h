@@ -1,5 +1,5 @@
-// The metrics' top-label scan: plain C++17 (no torch), included by fused_losses.cpp. The same pass and
-// conventions as the numba kernels scan_short_rows / scan_long_rows and classwise of _numba_kernels.py: one
+// The metrics' top-label scan: plain C++17 (no torch), included by fused_losses.cpp. The conventions of the
+// torch path (torchcal/functional/_binning.py torch_scan, classwise_sums): one
 // read of each row gives the validation statistics, the top-label confidence and correctness, the
 // equal-width top-label bin sums and the classwise bin sums.
 

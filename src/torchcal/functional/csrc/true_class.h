@@ -1,6 +1,6 @@
 // The per-row arithmetic of torchcal's fused focal-family losses: plain C++17 (no torch), included by
-// fused_losses.cpp. Same conventions and per-sample float64 arithmetic as the numba kernels
-// true_class_forward / true_class_backward of _numba_kernels.py (differences: docs/decisions.md 38).
+// fused_losses.cpp. Same conventions as the torch path (torchcal/functional/_true_class.py with the losses'
+// weight functions), per-sample float64 arithmetic (differences: docs/decisions.md 38).
 
 #pragma once
 
@@ -305,7 +305,7 @@ struct RowStats {
 };
 
 // Loss and coefficients c = p·∂loss/∂p of sample i, written to o[O_LOSS..O_SQ]: the float64 arithmetic of
-// the numba kernel true_class_forward (γ from the schedule or per sample, focal / dual / inverse forms,
+// the p_t-only losses (γ from the schedule or per sample, focal / dual / inverse forms,
 // CalFocal's γ, the Brier term). ``round32``: p_t (and the margin) are compared with the thresholds in
 // float32, as the torch path compares in the input dtype.
 inline void row_loss(const Spec& s, int64_t i, bool round32, double tiny, const RowStats& r, double* o) {
