@@ -116,11 +116,18 @@ def as_data(x, name: str) -> torch.Tensor:
     return as_tensor(x, name).detach()
 
 
-def check_logits(logits, name: str = "logits", *, warn_if_probs: str | None = None) -> torch.Tensor:
+def check_logits(
+    logits, name: str = "logits", *, warn_if_probs: str | None = None, check_finite: bool = True
+) -> torch.Tensor:
     """Checks finite floating (N, K) logits. With ``warn_if_probs`` (the advice to print), warns when the
     first rows are non-negative and sum to 1, i.e. look like probabilities passed where logits are expected
-    (one host sync in all, shared with the finiteness check)."""
+    (one host sync in all, shared with the finiteness check). ``check_finite=False`` leaves finiteness to a
+    caller whose own pass checks it (``isfinite`` over the whole input costs as much as a softmax on CPU)."""
     logits = check_scores(logits, name)
+    if not check_finite:
+        if warn_if_probs is not None:
+            _warn_if_probs(logits[:_PROBS_LOOK_ROWS], name, warn_if_probs)
+        return _upcast_low_precision(logits)
     if warn_if_probs is None:
         if not bool(torch.isfinite(logits).all()):
             raise ValueError(f"`{name}` contains NaN or infinite values")
@@ -140,6 +147,17 @@ def check_logits(logits, name: str = "logits", *, warn_if_probs: str | None = No
             stacklevel=3,
         )
     return _upcast_low_precision(logits)
+
+
+def _warn_if_probs(head: torch.Tensor, name: str, advice: str) -> None:
+    tol = _SUM_TOL.get(head.dtype, 1e-4) * max(1.0, head.shape[1] / 100)
+    lowest, worst = torch.stack([head.amin().double(), (head.double().sum(1) - 1).abs().amax()]).tolist()
+    if lowest >= 0 and worst <= tol:
+        warnings.warn(
+            f"`{name}` rows are non-negative and sum to 1: they look like probabilities, not logits; {advice}",
+            UserWarning,
+            stacklevel=4,
+        )
 
 
 _FROM_LOGITS_ADVICE = "from_logits=True applies a softmax to them (pass from_logits=False for probabilities)"

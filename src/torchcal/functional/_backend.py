@@ -9,7 +9,7 @@ Two implementations per kernel, one per role (see docs/architecture.md):
   for the scan, a radix sort carrying the correctness, a fused loss with its own autograd node.
 
 Kernels: the metrics' top-label scan (:func:`scan`, which also gives the classwise and per-sample sums), the
-stable sort of confidences with their correctness (:func:`sort_with_flags`), and the p_t-only training loss
+top label straight from logits (:func:`top_label_from_logits`, no probability matrix), the stable sort of confidences with their correctness (:func:`sort_with_flags`), and the p_t-only training loss
 (:func:`true_class_loss`). Public functions call these; no other module asks which backend exists.
 """
 
@@ -21,12 +21,13 @@ import torch
 
 from .._validation import check_choice, check_label_range, check_logits_for_loss
 from . import _extension
-from ._binning import Scan, _FinishedClasswise, torch_scan
+from ._binning import Scan, _FinishedClasswise, bin_sums, equal_width_index, torch_scan
 from ._true_class import TrueClassLoss
 
 __all__ = [
     "scan",
     "scan_checks_labels",
+    "top_label_from_logits",
     "sort_with_flags",
     "true_class_loss",
     "use_cpu_kernels",
@@ -57,6 +58,20 @@ def scan(probs, targets, classwise_bins=None, n_bins=None, threshold=None) -> Sc
         classwise = None if cw is None else _FinishedClasswise(cw)
         return Scan(conf, correct, (worst, lowest, nonfinite), classwise, top, sum_sq, sums)
     return torch_scan(probs, targets, classwise_bins, n_bins)
+
+
+def top_label_from_logits(logits, targets, n_bins=None):
+    """The top label straight from validated ``logits`` (N, K), without the (N, K) probability matrix:
+    (conf, correct, equal-width (count, conf sum, correct sum) or None without ``n_bins``). conf is the
+    largest softmax probability, 1 / Σ_j exp(z_j − max_j z_j). C++ (one pass; it checks the label range) for
+    contiguous float32/64 CPU logits when built; torch otherwise (the caller checks the label range)."""
+    if _extension.scan_applies(logits):
+        return _extension.logits_top_label(logits, targets, n_bins)
+    top_logit, pred = logits.max(dim=1)
+    conf = torch.exp(logits - top_logit[:, None]).sum(dim=1).reciprocal_()
+    correct = pred == targets
+    top = None if n_bins is None else bin_sums(equal_width_index(conf, n_bins), n_bins, conf, correct)
+    return conf, correct, top
 
 
 def sort_with_flags(values: torch.Tensor, flags: torch.Tensor):

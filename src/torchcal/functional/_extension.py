@@ -321,3 +321,17 @@ def sort_with_flags(values: torch.Tensor, flags: torch.Tensor):
     their flags), by the C++ radix sort (ties keep their input order; −0.0 sorts as 0.0; negative or NaN
     values raise ValueError)."""
     return _op("sort_with_flags")(values.detach(), flags.detach())
+
+
+def logits_top_label(logits, targets, n_bins=None):
+    """The top label of contiguous CPU ``logits`` (N, K) without the probability matrix, by the C++ operator:
+    (conf in the input dtype, correct (bool), top-label equal-width (count, conf sum, correct sum) float64
+    tensors of shape (n_bins,) or None without ``n_bins``). conf = 1 / Σ_j exp(z_j − max_j z_j); ties in the
+    maximum predict the lowest class. Raises ValueError for a label outside [0, K) or a non-finite row."""
+    conf, correct, top, stats = _op("logits_top_label")(logits.detach(), targets.detach(), n_bins or 0)
+    nonfinite, n_bad = stats.tolist()
+    if n_bad:
+        raise label_range_error(targets, logits.shape[1])
+    if nonfinite:
+        raise ValueError("`probs` contains NaN or infinite values")
+    return conf, correct, (tuple(top.unbind(0)) if n_bins else None)

@@ -29,14 +29,33 @@ def nll_from_true_probs(p_true: torch.Tensor) -> torch.Tensor:
 
 
 def top_label_inputs(probs, targets, from_logits: bool, name: str = "probs"):
-    """Validated (conf, correct) of the top label, from one pass over ``probs`` (softmax first if asked)."""
+    """Validated (conf, correct) of the top label, from one pass over ``probs`` (from logits: without the
+    probability matrix, :func:`logits_top_label`)."""
+    if from_logits is True:
+        return logits_top_label(probs, targets, None, name)[:2]
     scan = scan_inputs(probs, targets, from_logits, name)[2]
     return scan.conf, scan.correct
 
 
 def top_label_bins(probs, targets, from_logits: bool, n_bins: int, name: str = "probs"):
     """Validated top-label equal-width (count, confidence sum, correct sum), float64 of shape (n_bins,)."""
+    if from_logits is True:
+        return logits_top_label(probs, targets, n_bins, name)[2]
     return scan_inputs(probs, targets, from_logits, name, n_bins=n_bins)[2].top
+
+
+def logits_top_label(logits, targets, n_bins, name: str = "probs"):
+    """Validated (conf, correct, equal-width bin sums or None) straight from logits: the top-label
+    confidence is the largest softmax probability, 1 / Σ_j exp(z_j − max_j z_j), so metrics that need only
+    the top label never build the (N, K) softmax (:func:`torchcal.functional._backend.top_label_from_logits`).
+    Same checks as :func:`scan_inputs` with ``from_logits=True``."""
+    logits = as_data(logits, name)
+    in_op = _backend.scan_checks_labels(logits)  # the C++ pass checks finiteness and labels itself
+    logits = check_logits(logits, name, warn_if_probs=_FROM_LOGITS_ADVICE, check_finite=not in_op)
+    targets = check_targets(targets, logits.shape[0], logits.shape[1], check_range=not in_op)
+    if targets.device != logits.device:
+        raise ValueError(f"`targets` is on {targets.device} but `{name}` is on {logits.device}")
+    return _backend.top_label_from_logits(logits, targets, n_bins)
 
 
 def scan_inputs(

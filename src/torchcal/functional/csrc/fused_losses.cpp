@@ -331,6 +331,103 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> top_label
   return {conf, correct, top, classwise, st};
 }
 
+// The smallest entry of a row (a loop the compiler vectorises; the row is in cache after the maximum)
+template <typename T>
+inline T row_min(const T* row, int64_t k) {
+  T lo = row[0];
+  for (int64_t j = 1; j < k; ++j) lo = row[j] < lo ? row[j] : lo;
+  return lo;
+}
+
+// The row maximum and Σ_j exp(x_j − max): float32 rows with the fused losses' vectorised exp, float64 rows
+// entry by entry; NaN and +inf make the sum NaN, −inf is caught by the caller's minimum
+inline double max_and_exp_sum(const float* row, int64_t k, float& mx) {
+  mx = row_max(row, k);
+  return exp_sum_row(row, k, mx, nullptr, nullptr);
+}
+
+inline double max_and_exp_sum(const double* row, int64_t k, double& mx) {
+  mx = row[0];
+  for (int64_t j = 1; j < k; ++j) mx = mx < row[j] ? row[j] : mx;
+  double s = 0.0;
+  for (int64_t j = 0; j < k; ++j) s += std::exp(row[j] - mx);
+  return s;
+}
+
+// The top label of contiguous CPU logits (N, K) without the probability matrix, rows in parallel:
+//   logits_top_label(logits, targets, n_bins) -> (conf, correct, top, stats)
+// conf = max softmax = 1 / Σ_j exp(x_j − max) (computed in float64 from the row's exp sum; float32 rows
+// take the vectorised exp of the fused losses), returned in the input dtype; correct = [first index of the
+// row maximum == target] (ties predict the lowest class, as the probability path); top (3, n_bins) float64
+// equal-width (count, conf sum, correct sum) of the returned conf, as top_label_scan; stats float64 [rows
+// holding a NaN or infinite logit, labels outside [0, K)]: the pass is the finiteness check too. Parts depend on N and K only and
+// are summed in order: the same result for any thread count.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> logits_top_label_cpu(const at::Tensor& logits,
+                                                                                 const at::Tensor& targets,
+                                                                                 int64_t n_bins) {
+  check_rows(logits, "logits", targets, "logits_top_label");
+  TORCH_CHECK_VALUE(n_bins >= 0, "n_bins must be >= 0");
+  const at::Tensor x = logits.contiguous();
+  const at::Tensor t = targets.to(at::kLong).contiguous();
+  const int64_t n = x.size(0), k = x.size(1), m = n_bins;
+  const auto f64 = x.options().dtype(at::kDouble);
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>({64, n * k >> 14, n}));
+  const int64_t rows = (n + parts - 1) / parts;
+  at::Tensor conf = at::empty({n}, x.options());
+  at::Tensor correct = at::empty({n}, x.options().dtype(at::kBool));
+  at::Tensor tops = at::zeros({parts, 3 * std::max<int64_t>(m, 1)}, f64);
+  std::vector<int64_t> bad(static_cast<size_t>(parts), 0), nonfinite(static_cast<size_t>(parts), 0);
+  const std::vector<double> edges = bin_edges(m);
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "logits_top_label", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const int64_t* tp = t.data_ptr<int64_t>();
+    scalar_t* cp = conf.data_ptr<scalar_t>();
+    bool* hp = correct.data_ptr<bool>();
+    double* topp = tops.data_ptr<double>();
+    at::parallel_for(0, parts, 1, [&](int64_t first, int64_t last) {
+      for (int64_t c = first; c < last; ++c) {
+        double* top = topp + c * 3 * std::max<int64_t>(m, 1);
+        int64_t n_bad = 0, n_nonfinite = 0;
+        for (int64_t i = std::min(n, c * rows); i < std::min(n, (c + 1) * rows); ++i) {
+          const scalar_t* row = xp + i * k;
+          scalar_t mx;
+          const double s = max_and_exp_sum(row, k, mx);
+          int64_t pred = 0;
+          while (pred < k - 1 && !(row[pred] == mx)) ++pred;
+          if (!std::isfinite(s) || !std::isfinite(static_cast<double>(row_min(row, k)))) ++n_nonfinite;
+          const scalar_t cf = static_cast<scalar_t>(1.0 / s);
+          const int64_t y = tp[i];
+          const bool ok = y >= 0 && y < k;
+          if (!ok) ++n_bad;
+          const bool hit = ok && pred == y;
+          cp[i] = cf;
+          hp[i] = hit;
+          if (m > 0) {
+            const double v = static_cast<double>(cf);
+            const int64_t b = bin_index(v, m, edges.data());
+            top[b] += 1.0;
+            top[m + b] += v;
+            top[2 * m + b] += hit ? 1.0 : 0.0;
+          }
+        }
+        bad[static_cast<size_t>(c)] = n_bad;
+        nonfinite[static_cast<size_t>(c)] = n_nonfinite;
+      }
+    });
+  });
+  at::Tensor top = m > 0 ? tops.sum(0).view({3, m}) : at::empty({3, 0}, f64);  // summed in part order
+  at::Tensor st = at::empty({2}, f64);
+  double* sp = st.data_ptr<double>();
+  int64_t total_bad = 0, total_nonfinite = 0;
+  for (int64_t c = 0; c < parts; ++c) {
+    total_bad += bad[static_cast<size_t>(c)];
+    total_nonfinite += nonfinite[static_cast<size_t>(c)];
+  }
+  sp[0] = static_cast<double>(total_nonfinite);
+  sp[1] = static_cast<double>(total_bad);
+  return {conf, correct, top, st};
+}
+
 // Stable ascending sort of 1-D non-negative float32/64 CPU values carrying a bool flag per value (sort.h):
 //   sort_with_flags(values, flags) -> (sorted values, their flags)
 std::tuple<at::Tensor, at::Tensor> sort_with_flags_cpu(const at::Tensor& values, const at::Tensor& flags) {
@@ -367,12 +464,14 @@ TORCH_LIBRARY(torchcal, m) {
       "top_label_scan(Tensor probs, Tensor targets, int n_bins, int classwise_bins, float? threshold=None) -> "
       "(Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("sort_with_flags(Tensor values, Tensor flags) -> (Tensor, Tensor)");
+  m.def("logits_top_label(Tensor logits, Tensor targets, int n_bins) -> (Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(torchcal, CPU, m) {
   m.impl("fused_true_class", fused_true_class_cpu);
   m.impl("top_label_scan", top_label_scan_cpu);
   m.impl("sort_with_flags", sort_with_flags_cpu);
+  m.impl("logits_top_label", logits_top_label_cpu);
 }
 
 TORCH_LIBRARY_IMPL(torchcal, AutogradCPU, m) { m.impl("fused_true_class", fused_true_class_autograd); }
