@@ -71,3 +71,17 @@ def test_accuracy_bars_stay_visible_in_under_confident_bins():
     assert [round(b.get_y(), 6) for b in gap_bars] == [1.0, 0.5]
     assert [round(b.get_y() + b.get_height(), 6) for b in gap_bars] == [0.55, 0.95]
     assert all(b.get_facecolor()[3] == 0 for b in gap_bars)  # transparent: the accuracy bar shows through
+
+
+def test_saved_figures_follow_the_umask(tmp_path):
+    pytest.importorskip("matplotlib")
+    import stat
+
+    probs, targets = make_probs(100, 3)
+    old = os.umask(0o022)
+    try:
+        save_figure(plot_reliability_diagram(probs=probs, targets=targets), tmp_path / "fig.png")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "fig.png").stat().st_mode) == 0o644
+    assert [p.name for p in tmp_path.iterdir()] == ["fig.png"]  # no temporary file left

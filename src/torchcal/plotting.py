@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-import tempfile
+import secrets
 from dataclasses import dataclass
 
 import torch
@@ -182,13 +182,14 @@ def plot_reliability_diagram(
 
 
 def save_figure(fig, path, **savefig_kwargs) -> None:
-    """Saves a matplotlib figure atomically (temporary file in the same folder, then ``os.replace``)."""
+    """Saves a matplotlib figure atomically (temporary file in the same folder, then ``os.replace``), with the
+    permissions of any new file (0666 minus the umask)."""
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     suffix = os.path.splitext(path)[1] or ".png"
-    fd, tmp = tempfile.mkstemp(dir=folder, suffix=suffix)
-    os.close(fd)
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.{secrets.token_hex(6)}.tmp{suffix}")
+    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # created with the umask applied
     try:
         fig.savefig(tmp, **savefig_kwargs)
         os.replace(tmp, path)
