@@ -181,17 +181,21 @@ def report(
     calibrator: str = typer.Option("ts", help="calibrator of the post columns"),
 ):
     """The papers' table over runs (Markdown, CSV and HTML): runs whose configs differ only in the seed are
-    averaged in one row; unfinished run folders are skipped with a warning."""
+    averaged in one row; unfinished run folders are skipped with a warning. With cross-entropy runs among
+    them, the report names the regime their fitted temperature shows."""
+    from .demo import regime_note
     from .evaluate import check_calibrators, collect_groups
     from .evaluate import report as make_report
     from .html_report import html_report
 
     check_calibrators([calibrator])
-    finished = [run for g in collect_groups(run_dirs, calibrator) for run in g.runs]  # warns once per skip
+    groups = collect_groups(run_dirs, calibrator)  # warns once per skipped folder
+    finished = [run for g in groups for run in g.runs]
+    note = regime_note(groups)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the same warnings again
-        markdown, _ = make_report(finished, out, calibrator)
-        page = html_report(finished, out, calibrator)
+        markdown, _ = make_report(finished, out, calibrator, note=note)
+        page = html_report(finished, out, calibrator, note=note)
     console.print(Markdown(markdown))
     console.print(f"report.md, report.csv and {page.name} (with figures) in {out}/")
 
@@ -266,7 +270,7 @@ def demo(
     from rich.progress import Progress
 
     from .data import DatasetError, load_fashion_mnist
-    from .demo import DEMO_LOSSES, PROTOCOLS, demo_jobs, regime, run_jobs
+    from .demo import DEMO_LOSSES, PROTOCOLS, demo_jobs, regime_note, run_jobs
     from .evaluate import collect_groups
     from .evaluate import report as make_report
     from .html_report import html_report
@@ -290,8 +294,7 @@ def demo(
         run_jobs(jobs, calibrators, workers or None, on_done=lambda job: bar.advance(task))
     runs = [job.run_dir for job in jobs]
     groups = {c: collect_groups(runs, c) for c in calibrators}
-    ce = next((g for g in groups["ts"] if g.config.get("loss.name") == "ce"), None)
-    note = regime(ce.stats["T"][0]) if ce is not None else ""
+    note = regime_note(groups["ts"])
     for calibrator in calibrators:
         make_report(runs, out / f"report-{calibrator}", calibrator, note=note)
         html_report(runs, out / f"report-{calibrator}", calibrator, note=note)

@@ -12,13 +12,23 @@ Protocols (``PROTOCOLS``; decision 63 says why):
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["DEMO_LOSSES", "PROTOCOLS", "DemoJob", "demo_jobs", "run_jobs", "regime", "summary_rows"]
+__all__ = [
+    "DEMO_LOSSES",
+    "PROTOCOLS",
+    "DemoJob",
+    "demo_jobs",
+    "run_jobs",
+    "regime",
+    "regime_note",
+    "summary_rows",
+]
 
 DEMO_LOSSES = ("ce", "ls-0.05", "brier", "mmce", "fl-3", "flsd-53", "dfl", "adafocal", "fcl")
 
@@ -120,6 +130,16 @@ def regime(ce_temperature: float) -> str:
                 "losses that lower confidence make it worse here")  # fmt: skip
     return (f"calibrated regime: cross entropy's fitted temperature is {ce_temperature:.2f} ≈ 1; there is "
             "little over-confidence for the calibration losses to remove")  # fmt: skip
+
+
+def regime_note(groups) -> str:
+    """The regime of each cross-entropy row among ``groups`` (from
+    :func:`torchcal.experiments.evaluate.collect_groups` with temperature scaling: its mean fitted T), or ""
+    when there is none. One row: its :func:`regime`; several: each prefixed with its label."""
+    ce = [g for g in groups if g.config.get("loss.name") == "ce" and math.isfinite(g.stats["T"][0])]
+    if len(ce) == 1:
+        return regime(ce[0].stats["T"][0])
+    return "; ".join(f"{g.label}: {regime(g.stats['T'][0])}" for g in ce)
 
 
 def summary_rows(groups_by_calibrator: dict[str, list]) -> list[dict]:
