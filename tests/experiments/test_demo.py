@@ -71,7 +71,9 @@ def test_demo_command_on_a_tiny_protocol(tmp_path, monkeypatch):
 def test_report_names_the_regime_of_cross_entropy_runs(tmp_path):
     jobs = demo_jobs(tmp_path, "short", ("ce", "fl-3"), (0,), TINY)
     run_jobs(jobs, ("ts",), 1)
-    result = CliRunner().invoke(app, ["report", *(str(j.run_dir) for j in jobs), "--out", str(tmp_path / "r")])
+    result = CliRunner().invoke(
+        app, ["report", *(str(j.run_dir) for j in jobs), "--out", str(tmp_path / "r")]
+    )
     assert result.exit_code == 0, result.output
     t = json.loads((jobs[0].run_dir / "results.json").read_text())["ts"]["parameters"]["temperature_"]
     assert regime(t) in (tmp_path / "r" / "report.md").read_text()

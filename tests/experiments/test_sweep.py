@@ -34,7 +34,7 @@ def test_expand_names_and_validation(tmp_path):
         load_sweep(write_sweep(tmp_path, {"optim.lrate": [0.1]}, "bad.yaml"))
     with pytest.raises(ConfigError, match="unknown sweep keys"):
         load_sweep(write_sweep(tmp_path, {}, "bad2.yaml", backend="ray"))
-    with pytest.raises(ConfigError, match=r"unknown calibrator\(s\) \['tss'\] in `evaluate`"):
+    with pytest.raises(ConfigError, match=r"`evaluate`: unknown calibrator 'tss'"):
         load_sweep(write_sweep(tmp_path, {"train.seed": [0]}, "bad3.yaml", evaluate=["tss"]))
     with pytest.raises(ConfigError, match="train.epochs must be >= 1"):
         load_sweep(write_sweep(tmp_path, {"train.epochs": [2, 0]}, "bad4.yaml"))

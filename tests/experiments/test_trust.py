@@ -147,7 +147,7 @@ def test_saved_config_is_what_ran(tmp_path):
         (["optim.milestones=[5, 2]"], "optim.milestones must be increasing"),
         (["loss.reduction=none"], "loss.reduction must be 'mean' or 'sum'"),
         (["loss.name=fl-3", "loss.kwargs.gama=2"], "loss.kwargs"),
-        (["train.calibrators=[ts, nope]"], "unknown calibrator(s) ['nope']"),
+        (["train.calibrators=[ts, nope]"], "train.calibrators: unknown calibrator 'nope'"),
         (["data.shift=cifar10_c"], "severity 1-5"),
         (["data.limit_train=-1"], "data.limit_train must be >= 0"),
         (["train.device=gpu0"], "is not a device"),
@@ -285,3 +285,44 @@ def test_calibrate_saves_the_calibrator_and_results_accumulate(runs, tmp_path):
     assert res["ts"]["parameters"]["temperature_"] == t
     assert {p.name for p in (run / "calibrators").iterdir()} == {f"{m}.{e}" for m in ("ts", "ets", "histogram")
                                                                  for e in ("pt", "json")}  # fmt: skip
+
+
+# -- calibrator specs (issue 19: the papers' criterion from every entry point) ------------------------------
+
+
+def test_calibrator_specs_from_the_cli_name_their_results_files_and_report(runs, tmp_path):
+    import torchcal.functional as F
+
+    run = tmp_path / "run"
+    shutil.copytree(runs / "ce-e1-s0", run)
+    result = runner.invoke(
+        app, ["evaluate", str(run), "--calibrators", "ts:objective=ece,ts:objective=adaece"]
+    )
+    assert result.exit_code == 0, result.output
+    res = json.loads((run / "results.json").read_text())
+    assert {"ts:objective=ece", "ts:objective=adaece"} <= set(res)
+    t = res["ts:objective=ece"]["parameters"]["temperature_"]
+    assert round(t, 1) == pytest.approx(t)  # a value of the 0.1-step grid
+    logits = torch.load(run / "logits.pt", weights_only=True)
+    val = logits["val"]
+    grid = [round(0.1 * i, 1) for i in range(1, 101)]
+    eces = [F.ece(val["logits"] / g, val["targets"], from_logits=True).item() for g in grid]
+    assert t == pytest.approx(grid[eces.index(min(eces))])  # the first minimiser of validation ECE
+    assert (run / "calibrators" / "ts_objective-ece.json").exists()
+    result = runner.invoke(app, ["calibrate", str(run), "-m", "ts:objective=nope"])
+    assert result.exit_code == 2 and "`objective` must be one of" in result.output
+    result = runner.invoke(app, ["calibrate", str(run), "-m", "ts:object=ece"])
+    assert result.exit_code == 2 and "unexpected keyword argument 'object'" in result.output
+    markdown, _ = report([run], tmp_path / "rep", "ts:objective=ece")
+    assert "minimising validation ECE (15 equal-width bins)" in markdown
+
+
+def test_calibrator_specs_are_validated_in_configs_and_presets():
+    from torchcal.experiments.cli import list_presets
+
+    cfg = tiny("train.calibrators=[ts:objective=ece, fts:objective=nll]")
+    assert cfg.train.calibrators == ["ts:objective=ece", "fts:objective=nll"]
+    with pytest.raises(ConfigError, match="unexpected keyword argument 'objectiv'"):
+        tiny("train.calibrators=[ts:objectiv=ece]")
+    for name, path in list_presets().items():  # the papers' criteria (decision 67)
+        assert load_config(path).train.calibrators == ["ts:objective=ece", "ts:objective=adaece", "fts"], name

@@ -57,6 +57,60 @@ def create(name: str, **kwargs) -> Calibrator:
     return get_calibrator_class(name)(**kwargs)
 
 
+def _spec_value(text: str):
+    lowered = text.strip().lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text.strip()
+
+
+def parse_spec(spec: str) -> tuple[str, dict]:
+    """A calibrator spec ``name[:key=value[:key=value...]]`` as (name, keyword arguments); values are read
+    as bool, int, float or else string.
+
+    Example:
+        >>> from torchcal.calibrators import parse_spec
+        >>> parse_spec("ts:objective=ece:n_bins=10")
+        ('ts', {'objective': 'ece', 'n_bins': 10})
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(
+            f"a calibrator spec must be a non-empty string like 'ts' or 'ts:objective=ece', got {spec!r}"
+        )
+    name, *args = [part.strip() for part in spec.split(":")]
+    kwargs = {}
+    for arg in args:
+        key, sep, value = arg.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(
+                f"calibrator spec {spec!r}: {arg!r} must look like key=value (e.g. ts:objective=ece)"
+            )
+        kwargs[key.strip()] = _spec_value(value)
+    return name, kwargs
+
+
+def from_spec(spec: str) -> Calibrator:
+    """A new, unfitted calibrator from a spec such as ``"ts"`` or ``"ts:objective=ece"`` (:func:`parse_spec`);
+    an unknown name or argument is a ``ValueError`` naming it.
+
+    Example:
+        >>> from torchcal.calibrators import from_spec
+        >>> from_spec("ts:objective=adaece").objective
+        'adaece'
+    """
+    name, kwargs = parse_spec(spec)
+    cls = get_calibrator_class(name)
+    try:
+        return cls(**kwargs)
+    except TypeError as err:
+        raise ValueError(f"calibrator spec {spec!r}: {err}") from None
+
+
 def from_json(text: str) -> Calibrator:
     """Rebuilds any calibrator from its ``to_json()`` text."""
     name = json.loads(text).get("name")
@@ -80,6 +134,8 @@ __all__ = [
     "create",
     "fit_temperature_nll",
     "from_json",
+    "from_spec",
     "get_calibrator_class",
     "list_calibrators",
+    "parse_spec",
 ]

@@ -169,8 +169,10 @@ def calibrate(run_dir: Path, method: str = typer.Option("ts", "--method", "-m", 
     out = calibrate_run(run_dir, method)
     out.pop("calibrator")
     console.print_json(json.dumps(out))
-    folder = Path(run_dir) / "calibrators"
-    typer.echo(f"{method}: {_parameters_text(out['parameters'])}; saved to {folder / method}.pt and .json")
+    from .evaluate import calibrator_file_stem
+
+    saved = Path(run_dir) / "calibrators" / calibrator_file_stem(method)
+    typer.echo(f"{method}: {_parameters_text(out['parameters'])}; saved to {saved}.pt and .json")
 
 
 @app.command()
@@ -208,7 +210,10 @@ def sweep(
     workers: int = typer.Option(1, help="local: runs in parallel (each a process)"),
     address: str = typer.Option(None, help="ray: cluster address (e.g. auto); default starts a local Ray"),
     retry_failed: bool = typer.Option(False, "--retry-failed", help="run failed runs again"),
-    calibrator: str = typer.Option("ts", help="calibrator of the report's post columns"),
+    calibrator: str = typer.Option(
+        None,
+        help="calibrator spec of the report's post columns (default: the sweep's first `evaluate` entry)",
+    ),
 ):
     """Run a grid of trainings (resumable: finished runs are kept) and aggregate them into one report."""
     from .evaluate import check_calibrators
@@ -218,8 +223,9 @@ def sweep(
         raise UserError(f"--backend must be local or ray, got {backend!r}")
     if workers < 1:
         raise UserError(f"--workers must be >= 1, got {workers}")
-    check_calibrators([calibrator])
     spec = load_sweep(sweep_file)
+    calibrator = calibrator or spec.evaluate[0]
+    check_calibrators([calibrator])
     state = run_sweep(spec, backend=backend, workers=workers, address=address, retry_failed=retry_failed,
                       report_calibrator=calibrator, log=console.print)  # fmt: skip
     failed = [k for k, v in state.items() if v.get("status") == "failed"]

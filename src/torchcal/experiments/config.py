@@ -249,7 +249,7 @@ def validate_config(cfg: RunConfig) -> RunConfig:
     counts and sizes, NaN or negative rates, unknown names (dataset, model, loss, optimizer, calibrator,
     shift, OOD set, autocast mode), loss arguments the loss does not accept, and settings that would be
     ignored (``loss.update_every`` for a loss without a validation update). Returns ``cfg``."""
-    from ..calibrators import list_calibrators
+    from ..calibrators import from_spec
     from ..losses import create as create_loss
     from .data import list_datasets
     from .models import list_models
@@ -304,10 +304,11 @@ def validate_config(cfg: RunConfig) -> RunConfig:
     _check(t.amp in _AMP, f"train.amp must be one of {list(_AMP)}, got {t.amp!r}")
     _check(t.channels_last in ("auto", True, False),
            f"train.channels_last must be auto, true or false, got {t.channels_last!r}")  # fmt: skip
-    unknown = [c for c in t.calibrators if c not in list_calibrators()]
-    _check(
-        not unknown, f"unknown calibrator(s) {unknown} in train.calibrators; available: {list_calibrators()}"
-    )
+    for spec in t.calibrators:  # specs such as "ts" or "ts:objective=ece"
+        try:
+            from_spec(spec)
+        except ValueError as err:
+            raise ConfigError(f"train.calibrators: {err}") from None
     if t.device != "auto":
         import torch
 

@@ -13,8 +13,7 @@ from pathlib import Path
 import torch
 
 from .. import functional as F
-from ..calibrators import create as create_calibrator
-from ..calibrators import get_calibrator_class
+from ..calibrators import from_spec
 from .errors import RunError, UserError
 from .train import CALIBRATORS, LOGITS, RESULTS, atomic_write_bytes
 
@@ -97,11 +96,12 @@ def _merge_results(run_dir: Path, entries: dict) -> dict:
 
 
 def check_calibrators(names) -> tuple[str, ...]:
-    """The calibrator names, each checked against the registry (a :class:`UserError` otherwise)."""
-    names = tuple(names)
+    """The calibrator specs (``ts``, ``ts:objective=ece``, ...; :func:`torchcal.calibrators.parse_spec`), each
+    checked against the registry and the calibrator's arguments (a :class:`UserError` otherwise)."""
+    names = tuple(n.strip() if isinstance(n, str) else n for n in names)
     for name in names:
         try:
-            get_calibrator_class(name)
+            from_spec(name)
         except ValueError as err:
             raise UserError(str(err)) from None
     if not names:
@@ -109,9 +109,36 @@ def check_calibrators(names) -> tuple[str, ...]:
     return names
 
 
-def _fit_and_score(logits: dict, method: str, **kwargs):
+def calibrator_file_stem(spec: str) -> str:
+    """The file name (without suffix) of a fitted calibrator in ``<run>/calibrators/``: ``ts``,
+    ``ts_objective-ece``."""
+    return spec.replace(":", "_").replace("=", "-").replace("/", "-")
+
+
+def describe_calibrator(spec: str) -> str:
+    """How a calibrator spec chooses its parameters, for report titles: e.g. "ts (T minimising validation
+    NLL)", "ts:objective=ece (T on the grid 0.1, 0.2, ..., 10 minimising validation ECE, 15 bins)"."""
+    cal = from_spec(spec)
+    objective = getattr(cal, "objective", None)
+    bins = getattr(cal, "n_bins", 15)
+    criteria = {"nll": "validation NLL", "ece": f"validation ECE ({bins} equal-width bins)",
+                "adaece": f"validation equal-mass ECE ({bins} bins)"}  # fmt: skip
+    if cal.name == "temperature_scaling":
+        how = "T minimising " if objective == "nll" else "T on the papers' grid 0.1, 0.2, ..., 10 minimising "
+        return f"{spec} ({how}{criteria.get(objective, objective)})"
+    if cal.name == "focal_temperature_scaling":
+        return f"{spec} ((γ, T) on the grid of Komisarenko & Kull minimising {criteria.get(objective, objective)})"
+    return spec
+
+
+def _fit_and_score(logits: dict, method: str):
     """(fitted calibrator, its results): fitted on validation, scored on test (and shift / OOD)."""
-    cal = create_calibrator(method, **kwargs).fit(logits["val"]["logits"], logits["val"]["targets"])
+    try:
+        cal = from_spec(method).fit(logits["val"]["logits"], logits["val"]["targets"])
+    except (ValueError, TypeError) as err:
+        if "`" not in str(err) and "calibrator spec" not in str(err):
+            raise  # not an argument error: a bug, with its traceback
+        raise UserError(f"calibrator {method!r} cannot be fitted: {err}") from None
     fitted = cal.state_dict()["fitted"]
     out = {"parameters": {k: v for k, v in fitted.items() if isinstance(v, float | int)}}
     for split in ("test", "shift"):
@@ -128,11 +155,12 @@ def _save_calibrator(run_dir: Path, method: str, cal) -> None:
     folder = run_dir / CALIBRATORS
     folder.mkdir(exist_ok=True)
     state, text = cal.state_dict(), cal.to_json()
-    atomic_write_bytes(folder / f"{method}.pt", lambda fh: torch.save(state, fh))
-    atomic_write_bytes(folder / f"{method}.json", lambda fh: fh.write(text.encode()))
+    stem = calibrator_file_stem(method)
+    atomic_write_bytes(folder / f"{stem}.pt", lambda fh: torch.save(state, fh))
+    atomic_write_bytes(folder / f"{stem}.json", lambda fh: fh.write(text.encode()))
 
 
-def calibrate_run(run_dir, method: str, *, save: bool = True, **kwargs) -> dict:
+def calibrate_run(run_dir, method: str, *, save: bool = True) -> dict:
     """Fits calibrator ``method`` on the run's validation logits and evaluates test (and shift / OOD);
     returns ``{"calibrator": state_dict, "parameters": ..., "test": ..., ...}``.
 
@@ -142,7 +170,7 @@ def calibrate_run(run_dir, method: str, *, save: bool = True, **kwargs) -> dict:
     (other calibrators' results are kept)."""
     check_calibrators([method])
     run_dir = Path(run_dir)
-    cal, out = _fit_and_score(load_logits(run_dir), method, **kwargs)
+    cal, out = _fit_and_score(load_logits(run_dir), method)
     if save:
         _save_calibrator(run_dir, method, cal)
         _merge_results(run_dir, {method: out})
@@ -347,9 +375,10 @@ def report(run_dirs, out_dir, calibrator: str = "ts", warn=None, note: str = "")
             mean, std, _ = stats.get(c, (float("nan"), float("nan"), 0))
             row += [mean, std]
         writer.writerow(row)
-    title = (f"Test metrics ×100: uncalibrated / after {calibrator} fitted on the validation split (its mean "
-             "temperature in brackets after ECE); mean ± std over the runs of a row, which differ only in "
-             "their seed; shift = the shifted test set; OOD AUROC by predictive entropy.\n\n")  # fmt: skip
+    title = (f"Test metrics ×100: uncalibrated / after {describe_calibrator(calibrator)}, fitted on the "
+             "validation split (its mean temperature in brackets after ECE); mean ± std over the runs of a row, "
+             "which differ only in their seed; shift = the shifted test set; OOD AUROC by predictive "
+             "entropy.\n\n")  # fmt: skip
     sources = ["", "Runs of each row:", ""] + [f"- {g.label}: {', '.join(map(str, g.runs))}" for g in groups]
     markdown = title + (f"**{note}**\n\n" if note else "") + "\n".join(md + sources) + "\n"
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from .errors import RunError
-from .evaluate import collect_groups
+from .evaluate import calibrator_file_stem, collect_groups, describe_calibrator
 from .train import CALIBRATORS, atomic_write_bytes, read_metrics
 
 __all__ = ["group_runs", "html_report", "summarise"]
@@ -44,17 +44,17 @@ def _figures(run_dir: Path, calibrator: str) -> list[tuple[str, str]]:
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
 
-    from ..calibrators import create, from_json
+    from ..calibrators import from_json, from_spec
     from ..plotting import plot_reliability_diagram
 
     figs = []
     logits = torch.load(run_dir / "logits.pt", weights_only=True)
     test, val = logits["test"], logits["val"]
-    saved = run_dir / CALIBRATORS / f"{calibrator}.json"
+    saved = run_dir / CALIBRATORS / f"{calibrator_file_stem(calibrator)}.json"
     try:  # the calibrator evaluate_run fitted and saved (the one whose numbers the table shows)
         cal = from_json(saved.read_text())
     except (OSError, ValueError, KeyError):
-        cal = create(calibrator).fit(val["logits"], val["targets"])
+        cal = from_spec(calibrator).fit(val["logits"], val["targets"])
     pre, post = torch.softmax(test["logits"], 1), cal.transform(test["logits"])
     figs.append(
         ("reliability, uncalibrated", _png(plot_reliability_diagram(probs=pre, targets=test["targets"])))
@@ -200,7 +200,8 @@ td:first-child{{text-align:left}} th{{white-space:normal;max-width:110px}} small
 figcaption{{max-width:520px;margin:auto}}
 figure{{display:inline-block;margin:6px}} figcaption{{text-align:center;font-size:12px}}</style></head><body>
 <h1>torchcal report</h1><p>Test metrics ×100, mean ± std over the runs of a row (their configs differ only
-in the seed); "pre" uncalibrated, "post" after {html.escape(calibrator)} fitted on the validation split.</p>
+in the seed); "pre" uncalibrated, "post" after {html.escape(describe_calibrator(calibrator))}, fitted on the
+validation split.</p>
 {f'<p class="note">{html.escape(note)}</p>' if note else ""}
 <p>Run folders: hover a row's runs for their full paths (they are listed in report.md and report.csv).</p>
 <div style="overflow-x:auto"><table><tr>{head}</tr>{"".join(body)}</table></div><h2>Comparison</h2>{comparison}{"".join(sections)}</body></html>"""

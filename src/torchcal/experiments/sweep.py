@@ -64,11 +64,15 @@ def load_sweep(path: str | Path) -> Sweep:
     sweep = Sweep(out=Path(raw["out"]), base=raw.get("base"), grid=grid, overrides=list(raw.get("overrides", [])),
                   resources={"cpus": 1, "gpus": 0, **raw.get("resources", {})},
                   evaluate=list(raw.get("evaluate", ["ts", "fts"])))  # fmt: skip
-    from ..calibrators import list_calibrators
+    from ..calibrators import from_spec
 
-    unknown = [c for c in sweep.evaluate if c not in list_calibrators()]
-    if unknown:
-        raise ConfigError(f"unknown calibrator(s) {unknown} in `evaluate`; available: {list_calibrators()}")
+    if not sweep.evaluate:
+        raise ConfigError("`evaluate` must list at least one calibrator spec (e.g. ts:objective=ece)")
+    for spec in sweep.evaluate:  # specs such as "ts" or "ts:objective=ece"
+        try:
+            from_spec(spec)
+        except ValueError as err:
+            raise ConfigError(f"`evaluate`: {err}") from None
     for run in expand(sweep):  # validate every combination now, not hours later
         load_config(run["base"], run["overrides"])
     return sweep
