@@ -326,3 +326,20 @@ def test_calibrator_specs_are_validated_in_configs_and_presets():
         tiny("train.calibrators=[ts:objectiv=ece]")
     for name, path in list_presets().items():  # the papers' criteria (decision 67)
         assert load_config(path).train.calibrators == ["ts:objective=ece", "ts:objective=adaece", "fts"], name
+
+
+def test_report_gives_standard_errors_and_s99(runs, tmp_path):
+    import csv
+    import io
+    import math
+
+    folders = [runs / "ce-e1-s0", runs / "ce-e1-s1"]
+    markdown, csv_text = report(folders, tmp_path / "rep")
+    assert "S99 (% with conf ≥ 0.99)" in markdown
+    row = next(csv.DictReader(io.StringIO(csv_text)))
+    ece = [100 * evaluate_run(f, ("ts",))["uncalibrated"]["test"]["ece"] for f in folders]
+    std = abs(ece[0] - ece[1]) / math.sqrt(2)  # sample std of two values
+    assert float(row["ece_pre_std"]) == pytest.approx(std, rel=1e-9)
+    assert float(row["ece_pre_sem"]) == pytest.approx(std / math.sqrt(2), rel=1e-9)
+    s99 = [100 * evaluate_run(f, ("ts",))["uncalibrated"]["test"]["s99_fraction"] for f in folders]
+    assert float(row["s99_fraction_pre_mean"]) == pytest.approx(sum(s99) / 2, abs=1e-9)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +31,7 @@ __all__ = [
     "METRIC_COLUMNS",
     "RESULTS",
 ]
-METRIC_COLUMNS = ("error", "nll", "brier", "ece", "adaece", "classwise_ece", "mce", "smece")
+METRIC_COLUMNS = ("error", "nll", "brier", "ece", "adaece", "classwise_ece", "mce", "smece", "s99_fraction")
 
 
 def _metrics(probs: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
@@ -341,20 +342,23 @@ def report(run_dirs, out_dir, calibrator: str = "ts", warn=None, note: str = "")
         "classwise_ece",
         "mce",
         "smece",
+        "s99_fraction",
         "shift ece",
         "ood auroc",
     ]
+    headers = {"s99_fraction": "S99 (% with conf ≥ 0.99)"}
 
     def fmt(stat):
         mean, std, n = stat
         return f"{mean:.2f} ± {std:.2f}" if n > 1 else f"{mean:.2f}"
 
-    md = ["| method | seeds | " + " | ".join(columns) + " |", "|" + "---|" * (len(columns) + 2)]
+    md = ["| method | seeds | " + " | ".join(headers.get(c, c) for c in columns) + " |",
+          "|" + "---|" * (len(columns) + 2)]  # fmt: skip
     buf = io.StringIO()
     writer = csv.writer(buf)
     stat_cols = [f"{c} {w}" for c in columns for w in ("pre", "post") if not (c == "error" and w == "post")]
     writer.writerow(["method", "calibrator", "n_runs", "seeds", "runs", "temperature_mean",
-                     *[f"{c.replace(' ', '_')}_{k}" for c in stat_cols for k in ("mean", "std")]])  # fmt: skip
+                     *[f"{c.replace(' ', '_')}_{k}" for c in stat_cols for k in ("mean", "std", "sem")]])  # fmt: skip
     for group in groups:
         stats = group.stats
         cells = [group.label, group.seeds_text]
@@ -372,13 +376,14 @@ def report(run_dirs, out_dir, calibrator: str = "ts", warn=None, note: str = "")
         row = [group.label, calibrator, len(group.runs), group.seeds_text, ";".join(map(str, group.runs)),
                stats["T"][0]]  # fmt: skip
         for c in stat_cols:
-            mean, std, _ = stats.get(c, (float("nan"), float("nan"), 0))
-            row += [mean, std]
+            mean, std, n = stats.get(c, (float("nan"), float("nan"), 0))
+            row += [mean, std, std / math.sqrt(n) if n > 1 else float("nan")]  # standard error of the mean
         writer.writerow(row)
     title = (f"Test metrics ×100: uncalibrated / after {describe_calibrator(calibrator)}, fitted on the "
              "validation split (its mean temperature in brackets after ECE); mean ± std over the runs of a row, "
-             "which differ only in their seed; shift = the shifted test set; OOD AUROC by predictive "
-             "entropy.\n\n")  # fmt: skip
+             "which differ only in their seed (standard errors in report.csv); S99 = share of test samples with "
+             "confidence ≥ 0.99 (Mukhoti et al., Table 6); shift = the shifted test set; OOD AUROC by "
+             "predictive entropy.\n\n")  # fmt: skip
     sources = ["", "Runs of each row:", ""] + [f"- {g.label}: {', '.join(map(str, g.runs))}" for g in groups]
     markdown = title + (f"**{note}**\n\n" if note else "") + "\n".join(md + sources) + "\n"
     out_dir.mkdir(parents=True, exist_ok=True)
