@@ -11,7 +11,7 @@ import pytest
 import torch
 import yaml
 
-from torchcal.experiments.config import load_config
+from torchcal.experiments.config import ConfigError, load_config
 from torchcal.experiments.evaluate import evaluate_run, report
 from torchcal.experiments.train import CheckpointError, RunError, train
 
@@ -181,3 +181,45 @@ def test_every_registered_loss_trains_in_the_runner(tmp_path, loss):
     assert all(r["train_loss"] == r["train_loss"] for r in rows)  # finite, not NaN
     if loss in ("adafocal", "adadualfocal"):
         assert len(rows[-1]["gammas"]) == 15 and len(rows[-1]["gaps"]) == 15
+
+
+def test_best_validation_model_selection_is_exact_and_resumable(tmp_path):
+    from torchcal.experiments.data import load_splits
+    from torchcal.experiments.models import create_model
+    from torchcal.experiments.train import predict_logits
+
+    # a learning rate high enough that the validation error does not fall every epoch
+    cfg = tiny("train.epochs=4", "train.select=best_val_error", "optim.lr=0.05")
+    rows = train(cfg, tmp_path / "full")
+    errors = [r["val_error"] for r in rows]
+    best = errors.index(min(errors))  # the earliest epoch with the lowest validation error
+    selection = json.loads((tmp_path / "full" / "selection.json").read_text())
+    assert selection == {"rule": "best_val_error", "epoch": best, "val_error": errors[best]}
+    saved = torch.load(tmp_path / "full" / "best.pt", weights_only=True)
+    assert saved["epoch"] == best
+    model = create_model("mlp", 10, (1, 28, 28), 16)
+    model.load_state_dict(saved["model"])
+    splits = load_splits(cfg.data)
+    logits = torch.load(tmp_path / "full" / "logits.pt", weights_only=True)
+    torch.testing.assert_close(
+        logits["test"]["logits"], predict_logits(model, splits["test"].inputs, 1000, "cpu")
+    )
+    if best != len(rows) - 1:  # (here the validation error rises in the last epoch) the last model differs
+        last = create_model("mlp", 10, (1, 28, 28), 16)
+        last.load_state_dict(weights(tmp_path / "full"))
+        assert not torch.equal(
+            logits["test"]["logits"], predict_logits(last, splits["test"].inputs, 1000, "cpu")
+        )
+    train(cfg, tmp_path / "part", stop_after=2)
+    train(None, tmp_path / "part", resume=True)
+    assert json.loads((tmp_path / "part" / "selection.json").read_text()) == selection
+    part = torch.load(tmp_path / "part" / "logits.pt", weights_only=True)
+    assert torch.equal(part["test"]["logits"], logits["test"]["logits"])
+    last_rule = json.loads(
+        (
+            train(tiny("train.epochs=1"), tmp_path / "last") and tmp_path / "last" / "selection.json"
+        ).read_text()
+    )
+    assert last_rule["rule"] == "last" and last_rule["epoch"] == 0
+    with pytest.raises(ConfigError, match="train.select must be"):
+        tiny("train.select=best")

@@ -324,8 +324,11 @@ def test_calibrator_specs_are_validated_in_configs_and_presets():
     assert cfg.train.calibrators == ["ts:objective=ece", "fts:objective=nll"]
     with pytest.raises(ConfigError, match="unexpected keyword argument 'objectiv'"):
         tiny("train.calibrators=[ts:objectiv=ece]")
-    for name, path in list_presets().items():  # the papers' criteria (decision 67)
-        assert load_config(path).train.calibrators == ["ts:objective=ece", "ts:objective=adaece", "fts"], name
+    for name, path in list_presets().items():  # the papers' criteria (decision 67) and selection (68)
+        preset = load_config(path)
+        assert preset.train.calibrators == ["ts:objective=ece", "ts:objective=adaece", "fts"], name
+        best = name.startswith(("tinyimagenet", "20newsgroups"))
+        assert preset.train.select == ("best_val_error" if best else "last"), name
 
 
 def test_report_gives_standard_errors_and_s99(runs, tmp_path):

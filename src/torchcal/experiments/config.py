@@ -96,6 +96,9 @@ class TrainConfig:
     compile: bool = False  # torch.compile the model
     # test-set metrics in metrics.jsonl every n epochs and at the last (0: none; the logits are always saved)
     test_every: int = 1
+    # the model whose logits are evaluated: "last" epoch, or "best_val_error" (lowest validation error; the
+    # earliest such epoch; its weights kept in best.pt, resumable)
+    select: str = "last"
 
 
 @dataclass
@@ -297,6 +300,8 @@ def validate_config(cfg: RunConfig) -> RunConfig:
            f"optim.milestones must be increasing positive epochs, got {o.milestones}")  # fmt: skip
     _check(t.epochs >= 1, f"train.epochs must be >= 1, got {t.epochs}")
     _check(t.seed >= 0, f"train.seed must be >= 0, got {t.seed}")
+    _check(t.select in ("last", "best_val_error"),
+           f"train.select must be 'last' or 'best_val_error', got {t.select!r}")  # fmt: skip
     _check(
         t.test_every >= 0, f"train.test_every must be >= 0 (0: no per-epoch test pass), got {t.test_every}"
     )

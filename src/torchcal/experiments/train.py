@@ -55,6 +55,10 @@ CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.jsonl"
 CONFIG = "config.yaml"
 LOGITS = "logits.pt"
+BEST = (
+    "best.pt"  # with train.select=best_val_error: the weights of the epoch with the lowest validation error
+)
+SELECTION = "selection.json"  # which epoch's model made logits.pt, and by which rule
 RESULTS = "results.json"
 CALIBRATORS = "calibrators"  # folder of the fitted calibrators (<name>.pt, <name>.json)
 RUN_FILES = (CONFIG, CHECKPOINT, METRICS, LOGITS)
@@ -285,8 +289,9 @@ def train(
         )
     step_model = torch.compile(step_model) if cfg.train.compile else step_model
     opt, sched = _optimizer(cfg, model)
-    start_epoch, rows = 0, []
+    start_epoch, rows, best = 0, [], None
     if state is not None:
+        best = state.get("best")
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
@@ -360,12 +365,20 @@ def train(
             if len(loss_fn.gap_history):
                 row["gaps"] = [float(g) for g in loss_fn.gap_history[-1]]
         rows.append(row)
+        improved = cfg.train.select == "best_val_error" and (
+            best is None or row["val_error"] < best["val_error"]
+        )
+        if improved:  # the earliest epoch with the lowest validation error wins ties
+            best = {"epoch": epoch, "val_error": row["val_error"]}
         checkpoint = {
             "format": "torchcal-checkpoint-1", "epoch": epoch + 1, "model": model.state_dict(),
             "optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "loss": loss_fn.state_dict(),
-            "rng": torch.get_rng_state(), "config": config_to_dict(cfg), "adjusted": adjusted,
+            "rng": torch.get_rng_state(), "config": config_to_dict(cfg), "adjusted": adjusted, "best": best,
         }  # fmt: skip
         if rank == 0:  # one writer; the others wait so that a resume finds a complete checkpoint
+            if improved:  # written before the checkpoint that records it: a resume never points past it
+                weights = {"format": "torchcal-best-1", **best, "model": model.state_dict()}
+                atomic_write_bytes(run_dir / BEST, lambda fh, w=weights: torch.save(w, fh))
             atomic_write_bytes(ckpt_path, lambda fh, c=checkpoint: torch.save(c, fh))
             _write_jsonl(run_dir / METRICS, rows)
         _barrier(world)
@@ -376,6 +389,15 @@ def train(
     if done_here == 0 and (run_dir / LOGITS).exists():
         return rows  # a finished run resumed without more epochs: its logits are those of this model
     if rank == 0:
+        selection = {
+            "rule": cfg.train.select,
+            "epoch": cfg.train.epochs - 1,
+            "val_error": rows[-1]["val_error"],
+        }
+        if cfg.train.select == "best_val_error":
+            saved = _load_best(run_dir / BEST)
+            model.load_state_dict(saved["model"])
+            selection.update(epoch=saved["epoch"], val_error=saved["val_error"])
         logits = {}
         for name, split in splits.items():
             if name != "train":
@@ -385,10 +407,22 @@ def train(
                 }
         had_logits = (run_dir / LOGITS).exists()
         atomic_write_bytes(run_dir / LOGITS, lambda fh: torch.save(logits, fh))
+        text = json.dumps(selection, indent=2)
+        atomic_write_bytes(run_dir / SELECTION, lambda fh: fh.write(text.encode()))
         if had_logits:  # trained further: results and calibrators of the earlier model no longer apply
             _drop_stale_results(run_dir)
     _barrier(world)
     return rows
+
+
+def _load_best(path: Path) -> dict:
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - any unpickling failure means the same thing to the user
+        raise CheckpointError(f"{path} (the best validation model) is missing or damaged ({err})") from None
+    if not isinstance(saved, dict) or saved.get("format") != "torchcal-best-1":
+        raise CheckpointError(f"{path} is not a torchcal best-model file")
+    return saved
 
 
 def _drop_stale_results(run_dir: Path) -> None:
