@@ -146,3 +146,54 @@ def test_cifar10_c_block_size_comes_from_the_file(tmp_path):
     np.save(tmp_path / "gaussian_noise.npy", images[:30])
     with pytest.raises(DatasetError, match="labels but"):
         load_cifar10_c(tmp_path, "gaussian_noise", 1)
+
+
+def test_auroc_for_every_configured_ood_set(tmp_path):
+    """CIFAR-10 with SVHN and CIFAR-10-C (Gaussian noise, severity 5) as OOD sets, as in the papers' AUROC
+    tables: results.json has one AUROC per set, each equal to ood_auroc of the saved logits, and the report
+    one column per set."""
+    sio = pytest.importorskip("scipy.io")
+    import json
+
+    import torchcal.functional as F
+    from torchcal.experiments.evaluate import evaluate_run, report
+
+    write_cifar(tmp_path / "data", 10, per_batch=8)
+    rng = np.random.default_rng(1)
+    svhn = tmp_path / "svhn"
+    svhn.mkdir()
+    sio.savemat(svhn / "test_32x32.mat", {"X": rng.integers(0, 256, size=(32, 32, 3, 6), dtype=np.uint8),
+                                          "y": rng.integers(1, 11, size=(6, 1)).astype(np.uint8)})  # fmt: skip
+    c10c = tmp_path / "CIFAR-10-C"
+    c10c.mkdir()
+    np.save(c10c / "gaussian_noise.npy", rng.integers(0, 256, size=(20, 32, 32, 3), dtype=np.uint8))
+    np.save(c10c / "labels.npy", np.arange(20) % 10)
+    cfg = load_config(None, [f"data.root={tmp_path / 'data'}", "data.name=cifar10", "data.val_size=5",
+                             "data.shift=", "data.ood=[svhn, cifar10_c]", f"data.ood_root={svhn}",
+                             f"data.shift_root={c10c}", "model.name=small_cnn", "model.width=8",
+                             "train.epochs=1"])  # fmt: skip
+    train(cfg, tmp_path / "run")
+    logits = torch.load(tmp_path / "run" / "logits.pt", weights_only=True)
+    assert {"ood", "ood_svhn", "ood_cifar10_c"} <= set(logits) and len(
+        logits["ood_cifar10_c"]["targets"]
+    ) == 4
+    assert torch.equal(logits["ood"]["logits"], logits["ood_svhn"]["logits"])  # the first set
+    res = evaluate_run(tmp_path / "run", ("ts",))
+    by_set = res["uncalibrated"]["ood_auroc_by_set"]
+    assert set(by_set) == {"svhn", "cifar10_c"} and set(res["ts"]["ood_auroc_by_set"]) == {
+        "svhn",
+        "cifar10_c",
+    }
+    for name, value in by_set.items():
+        expected = F.ood_auroc(logits["test"]["logits"], logits[f"ood_{name}"]["logits"], from_logits=True)
+        assert value == pytest.approx(expected.item())
+    assert (
+        json.loads((tmp_path / "run" / "results.json").read_text())["uncalibrated"]["ood_auroc"]
+        == by_set["svhn"]
+    )
+    markdown, _ = report([tmp_path / "run"], tmp_path / "rep")
+    assert "ood auroc cifar10_c | ood auroc svhn |" in markdown
+    with pytest.raises(Exception, match=r"unknown OOD set\(s\) \['mnist'\]"):
+        load_config(None, ["data.ood=svhn,mnist"])
+    with pytest.raises(Exception, match="is the training dataset itself"):
+        load_config(None, ["data.name=digits", "data.ood=digits"])

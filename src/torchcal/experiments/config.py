@@ -51,7 +51,9 @@ class DataConfig:
     shift: str = "gaussian_noise"  # shifted test set: gaussian_noise (synthetic), cifar10_c, or "" for none
     shift_severity: float = 0.5  # noise σ for gaussian_noise; severity 1-5 for cifar10_c
     shift_root: str = ""  # folder of CIFAR-10-C (<corruption>.npy, labels.npy)
-    ood: str = "digits"  # out-of-distribution set: digits, svhn, or "" for none
+    # out-of-distribution set(s): digits, svhn, cifar10_c (Gaussian noise, severity 5, from shift_root), a list
+    # or comma-separated names (AUROC for each; the first is the report's "ood auroc"), or "" for none
+    ood: str | list = "digits"
     ood_root: str = ""  # folder of SVHN's test_32x32.mat
     glove: str = (
         ""  # text datasets: GloVe vectors file (glove.6B.100d.txt); empty: embeddings learned from scratch
@@ -232,7 +234,7 @@ def flatten_config(cfg: RunConfig | dict) -> dict[str, Any]:
 _AMP = ("auto", "bfloat16", "float16", "off")
 _OPTIMIZERS = ("adam", "sgd")
 _SHIFTS = ("", "gaussian_noise", "cifar10_c")
-_OODS = ("", "digits", "svhn")
+_OODS = ("", "digits", "svhn", "cifar10_c")
 
 
 def _check(ok: bool, message: str) -> None:
@@ -268,7 +270,15 @@ def validate_config(cfg: RunConfig) -> RunConfig:
     _check(d.limit_train >= 0, f"data.limit_train must be >= 0 (0: all), got {d.limit_train}")
     _check(d.max_len >= 1, f"data.max_len must be >= 1, got {d.max_len}")
     _check(d.shift in _SHIFTS, f"unknown shift data.shift={d.shift!r}; available: {list(_SHIFTS)}")
-    _check(d.ood in _OODS, f"unknown OOD set data.ood={d.ood!r}; available: {list(_OODS)}")
+    from .data import ood_names
+
+    oods = ood_names(d.ood)
+    unknown = [o for o in oods if o not in _OODS or not o]
+    _check(not unknown, f"unknown OOD set(s) {unknown} in data.ood; available: {list(_OODS[1:])}")
+    _check(len(set(oods)) == len(oods), f"data.ood lists a set twice: {oods}")
+    _check(not (d.name == "digits" and "digits" in oods),
+           "data.ood=digits is the training dataset itself (data.name=digits): choose another OOD set or none "
+           "(data.ood=)")  # fmt: skip
     _finite(d.shift_severity, "data.shift_severity", 0)
     if d.shift == "cifar10_c":
         _check(d.shift_severity in (1, 2, 3, 4, 5),

@@ -132,6 +132,11 @@ def describe_calibrator(spec: str) -> str:
     return spec
 
 
+def _ood_sets(logits: dict) -> list[str]:
+    """Names of the OOD sets in a run's logits (``ood_<name>``; runs from before several sets: none)."""
+    return [k[4:] for k in logits if k.startswith("ood_")]
+
+
 def _fit_and_score(logits: dict, method: str):
     """(fitted calibrator, its results): fitted on validation, scored on test (and shift / OOD)."""
     try:
@@ -146,9 +151,12 @@ def _fit_and_score(logits: dict, method: str):
         if split in logits:
             out[split] = _metrics(cal.transform(logits[split]["logits"]), logits[split]["targets"])
     if "ood" in logits:
-        out["ood_auroc"] = F.ood_auroc(
-            cal.transform(logits["test"]["logits"]), cal.transform(logits["ood"]["logits"])
-        ).item()
+        test_probs = cal.transform(logits["test"]["logits"])
+        out["ood_auroc"] = F.ood_auroc(test_probs, cal.transform(logits["ood"]["logits"])).item()
+        out["ood_auroc_by_set"] = {
+            name: F.ood_auroc(test_probs, cal.transform(logits[f"ood_{name}"]["logits"])).item()
+            for name in _ood_sets(logits)
+        }
     return cal, out
 
 
@@ -194,6 +202,12 @@ def evaluate_run(run_dir, calibrators=("ts", "fts")) -> dict:
         result["uncalibrated"]["ood_auroc"] = F.ood_auroc(
             logits["test"]["logits"], logits["ood"]["logits"], from_logits=True
         ).item()
+        result["uncalibrated"]["ood_auroc_by_set"] = {
+            name: F.ood_auroc(
+                logits["test"]["logits"], logits[f"ood_{name}"]["logits"], from_logits=True
+            ).item()
+            for name in _ood_sets(logits)
+        }
     for method in calibrators:
         cal, result[method] = _fit_and_score(logits, method)
         _save_calibrator(run_dir, method, cal)
@@ -318,6 +332,9 @@ def _group_stats(results: list[dict], calibrator: str) -> dict[str, tuple[float,
         if "ood_auroc" in res["uncalibrated"]:
             values["ood auroc pre"].append(100 * res["uncalibrated"]["ood_auroc"])
             values["ood auroc post"].append(100 * res[calibrator]["ood_auroc"])
+            for name, value in res["uncalibrated"].get("ood_auroc_by_set", {}).items():
+                values[f"ood auroc {name} pre"].append(100 * value)
+                values[f"ood auroc {name} post"].append(100 * res[calibrator]["ood_auroc_by_set"][name])
     out = {}
     for col, vals in values.items():
         t = torch.tensor(vals, dtype=torch.float64)
@@ -347,6 +364,10 @@ def report(run_dirs, out_dir, calibrator: str = "ts", warn=None, note: str = "")
         "ood auroc",
     ]
     headers = {"s99_fraction": "S99 (% with conf ≥ 0.99)"}
+    ood_sets = sorted({c[len("ood auroc ") : -len(" pre")] for g in groups for c in g.stats
+                       if c.startswith("ood auroc ") and c.endswith(" pre") and c != "ood auroc pre"})  # fmt: skip
+    if len(ood_sets) > 1:  # one AUROC column per OOD set
+        columns = [*columns[:-1], *(f"ood auroc {name}" for name in ood_sets)]
 
     def fmt(stat):
         mean, std, n = stat
@@ -383,7 +404,7 @@ def report(run_dirs, out_dir, calibrator: str = "ts", warn=None, note: str = "")
              "validation split (its mean temperature in brackets after ECE); mean ± std over the runs of a row, "
              "which differ only in their seed (standard errors in report.csv); S99 = share of test samples with "
              "confidence ≥ 0.99 (Mukhoti et al., Table 6); shift = the shifted test set; OOD AUROC by "
-             "predictive entropy.\n\n")  # fmt: skip
+             "predictive entropy (test set against each OOD set).\n\n")  # fmt: skip
     sources = ["", "Runs of each row:", ""] + [f"- {g.label}: {', '.join(map(str, g.runs))}" for g in groups]
     markdown = title + (f"**{note}**\n\n" if note else "") + "\n".join(md + sources) + "\n"
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -156,6 +156,8 @@ def html_report(run_dirs, out_dir, calibrator: str = "ts", warn=None, note: str 
     # one column per metric, "uncalibrated → calibrated" in one cell (the error does not change for the
     # argmax-preserving calibrators, so it is shown once)
     metrics = list(dict.fromkeys(c.rsplit(" ", 1)[0] for g in groups for c in g.stats if c != "T"))
+    per_set = [m for m in metrics if m.startswith("ood auroc ")]  # one column per OOD set when several
+    metrics = [m for m in metrics if m not in (per_set if len(per_set) < 2 else ["ood auroc"])]
 
     def stat(value):
         m, s, n = value

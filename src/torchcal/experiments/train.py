@@ -264,7 +264,7 @@ def train(
     splits = load_splits(cfg.data)
     adjusted.update(_adjust_to_data(cfg, splits))
     train_set = splits["train"]
-    num_classes = int(max(int(s.targets.max()) for k, s in splits.items() if k != "ood")) + 1
+    num_classes = int(max(int(s.targets.max()) for k, s in splits.items() if not k.startswith("ood"))) + 1
     torch.manual_seed(cfg.train.seed)
     model = _build_model(cfg, train_set, num_classes).to(device)
     loss_fn = create_loss(cfg.loss.name, reduction=cfg.loss.reduction, **cfg.loss.kwargs).to(device)
@@ -398,13 +398,15 @@ def train(
             saved = _load_best(run_dir / BEST)
             model.load_state_dict(saved["model"])
             selection.update(epoch=saved["epoch"], val_error=saved["val_error"])
-        logits = {}
+        logits, done = {}, {}
         for name, split in splits.items():
             if name != "train":
-                logits[name] = {
-                    "logits": predict_logits(model, split.inputs, cfg.data.eval_batch_size, device),
-                    "targets": split.targets,
-                }
+                if id(split) not in done:  # "ood" is also "ood_<first set>": predicted once, stored once
+                    done[id(split)] = {
+                        "logits": predict_logits(model, split.inputs, cfg.data.eval_batch_size, device),
+                        "targets": split.targets,
+                    }
+                logits[name] = done[id(split)]
         had_logits = (run_dir / LOGITS).exists()
         atomic_write_bytes(run_dir / LOGITS, lambda fh: torch.save(logits, fh))
         text = json.dumps(selection, indent=2)
