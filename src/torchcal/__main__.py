@@ -1,3 +1,4 @@
 from torchcal.experiments.cli import main
 
-main()
+if __name__ == "__main__":  # (spawned worker processes import this module without running the CLI)
+    main()
