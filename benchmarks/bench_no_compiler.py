@@ -12,15 +12,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import statistics
 import sys
-import time
 import warnings
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_metrics import hardware, write_results  # noqa: E402
+from bench_metrics import hardware, timed, write_results  # noqa: E402
 
 import torchcal  # noqa: E402
 import torchcal.functional as F  # noqa: E402
@@ -28,13 +26,7 @@ import torchcal.functional.losses as L  # noqa: E402
 
 
 def median_time(fn, reps):
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return timed(fn, reps)[0]  # bench_metrics' timer: median over repeats after a warm-up call
 
 
 def main():

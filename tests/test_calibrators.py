@@ -331,3 +331,21 @@ def test_warnings_are_not_raised_on_normal_fits(data):
         warnings.simplefilter("error")
         TemperatureScaling().fit(*data)
         EnsembleTemperatureScaling().fit(*data)
+
+
+def test_calibrator_specs_parse_and_name_their_errors():
+    from torchcal.calibrators import from_spec, parse_spec
+
+    assert parse_spec("ts") == ("ts", {})
+    assert parse_spec(" fts : objective=nll : n_bins=10 ") == ("fts", {"objective": "nll", "n_bins": 10})
+    assert parse_spec("spline:x=true") == ("spline", {"x": True})
+    assert parse_spec("ts:bounds=0.5")[1] == {"bounds": 0.5}
+    cal = from_spec("ts:objective=ece:n_bins=10")
+    assert isinstance(cal, TemperatureScaling) and (cal.objective, cal.n_bins) == ("ece", 10)
+    for bad, message in [("", "non-empty string"), ("ts:objective", "must look like key=value"),
+                         ("ts:=ece", "must look like key=value"), ("platt", "unknown calibrator 'platt'"),
+                         ("ts:objectiv=ece", "unexpected keyword argument 'objectiv'")]:  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            from_spec(bad)
+    with pytest.raises(ValueError, match="non-empty string"):
+        parse_spec(None)

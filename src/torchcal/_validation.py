@@ -124,40 +124,24 @@ def check_logits(
     (one host sync in all, shared with the finiteness check). ``check_finite=False`` leaves finiteness to a
     caller whose own pass checks it (``isfinite`` over the whole input costs as much as a softmax on CPU)."""
     logits = check_scores(logits, name)
-    if not check_finite:
-        if warn_if_probs is not None:
-            _warn_if_probs(logits[:_PROBS_LOOK_ROWS], name, warn_if_probs)
-        return _upcast_low_precision(logits)
-    if warn_if_probs is None:
-        if not bool(torch.isfinite(logits).all()):
-            raise ValueError(f"`{name}` contains NaN or infinite values")
-        return _upcast_low_precision(logits)
-    head = logits[:_PROBS_LOOK_ROWS]
-    tol = _SUM_TOL.get(head.dtype, 1e-4) * max(1.0, head.shape[1] / 100)
-    finite, lowest, worst = torch.stack(
-        [torch.isfinite(logits).all().double(), head.amin().double(), (head.double().sum(1) - 1).abs().amax()]
-    ).tolist()
-    if not finite:
+    # one host sync for everything asked: [all finite], [most negative head entry, worst head row sum − 1]
+    stats = [torch.isfinite(logits).all().double()] if check_finite else []
+    if warn_if_probs is not None:
+        head = logits[:_PROBS_LOOK_ROWS]
+        stats += [head.amin().double(), (head.double().sum(1) - 1).abs().amax()]
+    values = torch.stack(stats).tolist() if stats else []
+    if check_finite and not values.pop(0):
         raise ValueError(f"`{name}` contains NaN or infinite values")
-    if lowest >= 0 and worst <= tol:
-        warnings.warn(
-            f"`{name}` rows are non-negative and sum to 1: they look like probabilities, not logits; "
-            f"{warn_if_probs}",
-            UserWarning,
-            stacklevel=3,
-        )
+    if warn_if_probs is not None:
+        lowest, worst = values
+        if lowest >= 0 and worst <= _SUM_TOL.get(head.dtype, 1e-4) * max(1.0, head.shape[1] / 100):
+            warnings.warn(
+                f"`{name}` rows are non-negative and sum to 1: they look like probabilities, not logits; "
+                f"{warn_if_probs}",
+                UserWarning,
+                stacklevel=3,
+            )
     return _upcast_low_precision(logits)
-
-
-def _warn_if_probs(head: torch.Tensor, name: str, advice: str) -> None:
-    tol = _SUM_TOL.get(head.dtype, 1e-4) * max(1.0, head.shape[1] / 100)
-    lowest, worst = torch.stack([head.amin().double(), (head.double().sum(1) - 1).abs().amax()]).tolist()
-    if lowest >= 0 and worst <= tol:
-        warnings.warn(
-            f"`{name}` rows are non-negative and sum to 1: they look like probabilities, not logits; {advice}",
-            UserWarning,
-            stacklevel=4,
-        )
 
 
 _FROM_LOGITS_ADVICE = "from_logits=True applies a softmax to them (pass from_logits=False for probabilities)"

@@ -51,6 +51,21 @@ class Calibrator:
 
     Subclasses implement ``_fit(logits, targets)`` and ``_transform(logits)``; both receive validated
     tensors (float32 or float64, on any device).
+
+    Calibrators follow scikit-learn's estimator protocol (``get_params``, ``set_params``, ``clone``,
+    ``predict_proba``):
+
+    Example:
+        >>> import torch
+        >>> from sklearn.base import clone
+        >>> from torchcal.calibrators import TemperatureScaling
+        >>> g = torch.Generator().manual_seed(0)
+        >>> logits, targets = 3 * torch.randn(500, 4, generator=g), torch.randint(0, 4, (500,), generator=g)
+        >>> ts = TemperatureScaling().set_params(objective="ece").fit(logits, targets)
+        >>> ts.temperature_ >= 1.0, clone(ts).is_fitted, clone(ts).objective
+        (True, False, 'ece')
+        >>> torch.equal(ts.predict_proba(logits), ts.transform(logits))
+        True
     """
 
     name: ClassVar[str] = ""

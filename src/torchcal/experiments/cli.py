@@ -192,12 +192,9 @@ def report(
 
     check_calibrators([calibrator])
     groups = collect_groups(run_dirs, calibrator)  # warns once per skipped folder
-    finished = [run for g in groups for run in g.runs]
     note = regime_note(groups)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the same warnings again
-        markdown, _ = make_report(finished, out, calibrator, note=note)
-        page = html_report(finished, out, calibrator, note=note)
+    markdown, _ = make_report(run_dirs, out, calibrator, note=note, groups=groups)
+    page = html_report(run_dirs, out, calibrator, note=note, groups=groups)
     console.print(Markdown(markdown))
     console.print(f"report.md, report.csv and {page.name} (with figures) in {out}/")
 
@@ -302,8 +299,8 @@ def demo(
     groups = {c: collect_groups(runs, c) for c in calibrators}
     note = regime_note(groups["ts"])
     for calibrator in calibrators:
-        make_report(runs, out / f"report-{calibrator}", calibrator, note=note)
-        html_report(runs, out / f"report-{calibrator}", calibrator, note=note)
+        make_report(runs, out / f"report-{calibrator}", calibrator, note=note, groups=groups[calibrator])
+        html_report(runs, out / f"report-{calibrator}", calibrator, note=note, groups=groups[calibrator])
     console.print(_summary_table(groups, calibrators))
     if note:
         console.print(f"[bold]{note}[/bold]")

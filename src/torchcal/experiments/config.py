@@ -34,6 +34,7 @@ __all__ = [
     "validate_config",
     "flatten_config",
     "RESUMABLE_KEYS",
+    "EXECUTION_KEYS",
     "resume_config",
 ]
 
@@ -338,16 +339,18 @@ def validate_config(cfg: RunConfig) -> RunConfig:
 
 # -- resuming -----------------------------------------------------------------------------------------------
 
-# What a resumed run may change: the number of epochs (to train further) and how it runs, never what it
-# computes. Everything else must equal the saved config.
-RESUMABLE_KEYS = (
-    "train.epochs",
+# Settings of how a run executes or is logged and evaluated, never of what it computes: a resumed run may
+# change them, and runs that differ only in them (and the seed) share a report row.
+EXECUTION_KEYS = (
     "train.test_every",
     "train.device",
     "train.num_threads",
     "train.calibrators",
     "data.eval_batch_size",
 )
+# What a resumed run may change: the number of epochs (to train further) and the execution settings.
+# Everything else must equal the saved config.
+RESUMABLE_KEYS = ("train.epochs", *EXECUTION_KEYS)
 
 
 def resume_config(

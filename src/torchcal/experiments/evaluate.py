@@ -15,6 +15,7 @@ import torch
 
 from .. import functional as F
 from ..calibrators import from_spec
+from .config import EXECUTION_KEYS, flatten_config
 from .errors import RunError, UserError
 from .train import CALIBRATORS, LOGITS, RESULTS, atomic_write_bytes
 
@@ -137,27 +138,33 @@ def _ood_sets(logits: dict) -> list[str]:
     return [k[4:] for k in logits if k.startswith("ood_")]
 
 
+def _scores(logits: dict, to_probs) -> dict:
+    """Test (and shift) metrics and OOD AUROCs of one model, ``to_probs`` mapping logits to probabilities
+    (softmax, or a fitted calibrator), applied once per split."""
+    probs = {split: to_probs(logits[split]["logits"]) for split in ("test", "shift") if split in logits}
+    out = {split: _metrics(p, logits[split]["targets"]) for split, p in probs.items()}
+    if "ood" in logits:
+        sets = _ood_sets(logits)  # ood_<name> per set; "ood" is the first (or the only one of older runs)
+        by_set = {
+            name: F.ood_auroc(probs["test"], to_probs(logits[f"ood_{name}"]["logits"])).item()
+            for name in sets
+        }
+        out["ood_auroc"] = (
+            by_set[sets[0]] if sets else F.ood_auroc(probs["test"], to_probs(logits["ood"]["logits"])).item()
+        )
+        out["ood_auroc_by_set"] = by_set
+    return out
+
+
 def _fit_and_score(logits: dict, method: str):
     """(fitted calibrator, its results): fitted on validation, scored on test (and shift / OOD)."""
     try:
         cal = from_spec(method).fit(logits["val"]["logits"], logits["val"]["targets"])
-    except (ValueError, TypeError) as err:
-        if "`" not in str(err) and "calibrator spec" not in str(err):
-            raise  # not an argument error: a bug, with its traceback
+    except ValueError as err:  # an argument of the spec or the data it is fitted on (named in the message)
         raise UserError(f"calibrator {method!r} cannot be fitted: {err}") from None
     fitted = cal.state_dict()["fitted"]
     out = {"parameters": {k: v for k, v in fitted.items() if isinstance(v, float | int)}}
-    for split in ("test", "shift"):
-        if split in logits:
-            out[split] = _metrics(cal.transform(logits[split]["logits"]), logits[split]["targets"])
-    if "ood" in logits:
-        test_probs = cal.transform(logits["test"]["logits"])
-        out["ood_auroc"] = F.ood_auroc(test_probs, cal.transform(logits["ood"]["logits"])).item()
-        out["ood_auroc_by_set"] = {
-            name: F.ood_auroc(test_probs, cal.transform(logits[f"ood_{name}"]["logits"])).item()
-            for name in _ood_sets(logits)
-        }
-    return cal, out
+    return cal, {**out, **_scores(logits, cal.transform)}
 
 
 def _save_calibrator(run_dir: Path, method: str, cal) -> None:
@@ -192,37 +199,20 @@ def evaluate_run(run_dir, calibrators=("ts", "fts")) -> dict:
     run_dir = Path(run_dir)
     calibrators = check_calibrators(calibrators)
     logits = load_logits(run_dir)
-    result = {"uncalibrated": {}}
-    for split in ("val", "test", "shift"):
-        if split in logits:
-            result["uncalibrated"][split] = _metrics(
-                torch.softmax(logits[split]["logits"], 1), logits[split]["targets"]
-            )
-    if "ood" in logits:
-        result["uncalibrated"]["ood_auroc"] = F.ood_auroc(
-            logits["test"]["logits"], logits["ood"]["logits"], from_logits=True
-        ).item()
-        result["uncalibrated"]["ood_auroc_by_set"] = {
-            name: F.ood_auroc(
-                logits["test"]["logits"], logits[f"ood_{name}"]["logits"], from_logits=True
-            ).item()
-            for name in _ood_sets(logits)
-        }
+
+    def softmax(z):
+        return torch.softmax(z, 1)
+
+    result = {"uncalibrated": _scores(logits, softmax)}
+    result["uncalibrated"]["val"] = _metrics(softmax(logits["val"]["logits"]), logits["val"]["targets"])
     for method in calibrators:
         cal, result[method] = _fit_and_score(logits, method)
         _save_calibrator(run_dir, method, cal)
     return _merge_results(run_dir, result)
 
 
-# Keys that never change what a run computes: runs that differ only in these (and the seed) share a row.
-GROUP_IGNORED_KEYS = (
-    "train.seed",
-    "train.device",
-    "train.num_threads",
-    "train.test_every",
-    "train.calibrators",
-    "data.eval_batch_size",
-)
+# Runs that differ only in these (the seed and the execution settings) share a report row.
+GROUP_IGNORED_KEYS = ("train.seed", *EXECUTION_KEYS)
 
 
 @dataclass
@@ -246,8 +236,6 @@ def _finished_run(run_dir: Path, calibrator: str, warn):
     """(flattened config, results with ``calibrator``) of a finished run, or None (with a warning) for an
     unfinished or damaged one. A missing folder is a :class:`RunError`."""
     import yaml
-
-    from .config import flatten_config
 
     if not run_dir.is_dir():
         raise RunError(f"run folder {run_dir} does not exist")
@@ -342,13 +330,16 @@ def _group_stats(results: list[dict], calibrator: str) -> dict[str, tuple[float,
     return out
 
 
-def report(run_dirs, out_dir, calibrator: str = "ts", warn=None, note: str = "") -> tuple[str, str]:
+def report(
+    run_dirs, out_dir, calibrator: str = "ts", warn=None, note: str = "", groups=None
+) -> tuple[str, str]:
     """The papers' table: one row per group of runs (:func:`collect_groups`: equal configs but the seed,
     averaged, mean ± std, with the seeds and run folders named), each metric "pre / post" the calibrator
     with its temperature in brackets, plus the shifted-set ECE and the OOD AUROC; values ×100. Writes
     ``report.md`` and ``report.csv`` to ``out_dir`` (created only when there is something to report) and
-    returns (markdown, csv). ``note`` (e.g. the regime the runs are in) is printed under the title."""
-    groups = collect_groups(run_dirs, calibrator, warn)
+    returns (markdown, csv). ``note`` (e.g. the regime the runs are in) is printed under the title; ``groups``
+    (from :func:`collect_groups` with this calibrator) saves collecting them again."""
+    groups = collect_groups(run_dirs, calibrator, warn) if groups is None else groups
     out_dir = Path(out_dir)
     columns = [
         "error",

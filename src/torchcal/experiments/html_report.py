@@ -147,12 +147,13 @@ def _comparison_figures(groups, calibrator: str) -> list[tuple[str, str]]:
     return figs
 
 
-def html_report(run_dirs, out_dir, calibrator: str = "ts", warn=None, note: str = "") -> Path:
+def html_report(run_dirs, out_dir, calibrator: str = "ts", warn=None, note: str = "", groups=None) -> Path:
     """Writes ``report.html`` (one file) to ``out_dir``; returns its path. It opens with the table (rows as in
     :func:`torchcal.experiments.evaluate.collect_groups`, each naming its seeds and run folders) and the
     comparison across rows (ECE before/after the calibrator with error bars; every row's reliability curve
-    on one axis), then one section of figures per row. ``note`` (e.g. the regime) is shown under the title."""
-    groups = collect_groups(run_dirs, calibrator, warn)
+    on one axis), then one section of figures per row. ``note`` (e.g. the regime) is shown under the title;
+    ``groups`` (from ``collect_groups`` with this calibrator) saves collecting them again."""
+    groups = collect_groups(run_dirs, calibrator, warn) if groups is None else groups
     # one column per metric, "uncalibrated → calibrated" in one cell (the error does not change for the
     # argmax-preserving calibrators, so it is shown once)
     metrics = list(dict.fromkeys(c.rsplit(" ", 1)[0] for g in groups for c in g.stats if c != "T"))

@@ -195,11 +195,12 @@ def run_sweep(
 
     done = [sweep.out / name for name, s in state.items() if s.get("status") == "done"]
     if done:
-        from .evaluate import report
+        from .evaluate import collect_groups, report
         from .html_report import html_report
 
-        report(done, sweep.out / "report", report_calibrator)
-        html_report(done, sweep.out / "report", report_calibrator)
+        groups = collect_groups(done, report_calibrator)
+        report(done, sweep.out / "report", report_calibrator, groups=groups)
+        html_report(done, sweep.out / "report", report_calibrator, groups=groups)
     failed = [name for name, s in state.items() if s.get("status") == "failed"]
     if failed:
         log(f"{len(failed)} failed runs: {failed}; their output is in {state_path}")

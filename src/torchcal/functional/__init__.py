@@ -21,22 +21,8 @@ from .calibration import (
     smooth_calibration_error,
 )
 from .focal_map import focal_calibration_map
-from .losses import (
-    brier_loss,
-    calfocal_loss,
-    cross_entropy,
-    dual_focal_loss,
-    dual_sample_dependent_focal_loss,
-    focal_calibration_loss,
-    focal_gamma_star,
-    focal_loss,
-    inverse_focal_loss,
-    label_smoothing_loss,
-    mmce_loss,
-    mmce_penalty,
-    sample_dependent_focal_loss,
-    varying_focal_loss,
-)
+from .losses import *  # noqa: F403  (the functional losses: functional.losses.__all__)
+from .losses import __all__ as LOSS_FUNCTIONS
 
 # Short aliases.
 ece = expected_calibration_error
@@ -85,21 +71,4 @@ __all__ = [
 METRIC_FUNCTIONS = list(__all__)  # (with the kernel switches) re-exported at torchcal's top level
 
 # the functional losses (their nn.Module twins are in torchcal.losses)
-__all__ += [
-    "brier_loss",
-    "calfocal_loss",
-    "cross_entropy",
-    "dual_focal_loss",
-    "dual_sample_dependent_focal_loss",
-    "focal_calibration_loss",
-    "focal_gamma_star",
-    "focal_loss",
-    "inverse_focal_loss",
-    "label_smoothing_loss",
-    "mmce_loss",
-    "mmce_penalty",
-    "sample_dependent_focal_loss",
-    "varying_focal_loss",
-]
-
-LOSS_FUNCTIONS = __all__[len(METRIC_FUNCTIONS) :]
+__all__ += LOSS_FUNCTIONS

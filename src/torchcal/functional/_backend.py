@@ -22,6 +22,7 @@ import torch
 from .._validation import check_choice, check_label_range, check_logits_for_loss
 from . import _extension
 from ._binning import Scan, _FinishedClasswise, bin_sums, equal_width_index, torch_scan
+from ._spec import REDUCTIONS, reduce_loss
 from ._true_class import TrueClassLoss
 
 __all__ = [
@@ -33,9 +34,6 @@ __all__ = [
     "use_cpu_kernels",
     "cpu_kernels_available",
 ]
-
-REDUCTIONS = ("none", "mean", "sum")
-
 
 # -- metrics: the top-label scan and the stable sort ---------------------------------------------------------
 
@@ -113,14 +111,6 @@ def _fast_cpu_call(logits, targets, reduction) -> bool:
     )
 
 
-def _reduce(loss: torch.Tensor, reduction: str) -> torch.Tensor:
-    if reduction == "mean":
-        return loss.mean()
-    if reduction == "sum":
-        return loss.sum()
-    return loss
-
-
 def true_class_loss(logits, targets, reduction, weight_fn, *, brier_lambda=0.0, runner_up=False, spec=None):
     """A p_t-only loss: the C++ operator on CPU when built and the loss describes itself with a
     :class:`~torchcal.functional._spec.LossSpec` (``spec``, which then carries the runner-up and Brier options
@@ -136,7 +126,7 @@ def true_class_loss(logits, targets, reduction, weight_fn, *, brier_lambda=0.0, 
     check_label_range(targets, logits.shape[1])
     with torch.autocast(logits.device.type, enabled=False):
         loss = TrueClassLoss.apply(logits, targets, weight_fn, brier_lambda, runner_up)
-    return _reduce(loss, reduction)
+    return reduce_loss(loss, reduction)
 
 
 # -- retired switches ----------------------------------------------------------------------------------------

@@ -114,13 +114,6 @@ def _equal_mass_bounds(n: int, n_bins: int, device: torch.device):
     return (end - start).double(), start, end
 
 
-def stable_sort(values: torch.Tensor):
-    """Stable ascending sort (ties keep input order) of 1-D values: (sorted values, order), by
-    ``torch.sort(stable=True)`` (the confidences' sort that also needs the permutation, e.g. the bootstrap's;
-    the equal-mass estimators sort through :func:`torchcal.functional._backend.sort_with_flags`)."""
-    return torch.sort(values, stable=True)
-
-
 class _ClasswiseAccumulator:
     """Per-class bin sums of entries above the first edge 1/M, and float64 column totals, chunk by chunk."""
 

@@ -1,5 +1,6 @@
 """Leaf helpers of the backend seam: the description of a fused p_t-only loss (:class:`LossSpec`) that the
-C++ operator executes, and the environment / context-manager switches. Imports nothing of torchcal."""
+C++ operator executes, the reductions shared by every loss, and the environment / context-manager switches.
+Imports nothing of torchcal."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import os
 import numpy as np
 import torch
 
-__all__ = ["LossSpec", "env_enabled", "switched"]
+__all__ = ["LossSpec", "REDUCTIONS", "env_enabled", "reduce_loss", "switched"]
 
 
 def env_enabled(name: str) -> bool:
@@ -41,16 +42,7 @@ class LossSpec:
     no likelihood term; ``brier``: λ of an added Σ_k (p_k − onehot_k)² term.
     """
 
-    __slots__ = (
-        "gammas",
-        "thresholds32",
-        "thresholds64",
-        "sample_gammas",
-        "flags",
-        "brier",
-        "cpp_params32",
-        "cpp_params64",
-    )
+    __slots__ = ("sample_gammas", "cpp_params32", "cpp_params64")
 
     def __init__(
         self,
@@ -65,17 +57,28 @@ class LossSpec:
         cal_lambda=None,
         brier=0.0,
     ):
-        self.gammas = np.asarray(gammas, dtype=np.float64).reshape(-1)
+        gammas = np.asarray(gammas, dtype=np.float64).reshape(-1)
         # the torch path compares with thresholds in the input dtype: float32-rounded copies for float32
-        self.thresholds64 = np.asarray(thresholds, dtype=np.float64).reshape(-1)
-        self.thresholds32 = self.thresholds64.astype(np.float32).astype(np.float64)
+        thresholds64 = np.asarray(thresholds, dtype=np.float64).reshape(-1)
+        thresholds32 = thresholds64.astype(np.float32).astype(np.float64)
         self.sample_gammas = sample_gammas
-        self.brier = float(brier)
-        # P_UPPER, P_DUAL, P_MARGIN, P_NLL, P_CAL, P_CAL_LAMBDA, P_BRIER (P_ROUND32, P_TINY are per call)
+        # P_UPPER, P_DUAL, P_MARGIN, P_NLL, P_CAL, P_CAL_LAMBDA, P_BRIER (P_ROUND32, P_TINY are per call), packed
+        # with the number of thresholds, the thresholds and the γs into one float64 vector per input dtype for
+        # the C++ operator (``_extension``)
         cal = cal_lambda is not None
-        self.flags = (upper_on_tie, dual, margin, nll, cal, cal_lambda if cal else 0.0, self.brier)
-        # the same packed into one float64 vector per input dtype for the C++ operator (``_extension``):
-        # flags, number of thresholds, thresholds, γs
-        head = np.array([*self.flags, len(self.thresholds64)], dtype=np.float64)
-        self.cpp_params32 = torch.from_numpy(np.concatenate([head, self.thresholds32, self.gammas]))
-        self.cpp_params64 = torch.from_numpy(np.concatenate([head, self.thresholds64, self.gammas]))
+        flags = (upper_on_tie, dual, margin, nll, cal, cal_lambda if cal else 0.0, float(brier))
+        head = np.array([*flags, len(thresholds64)], dtype=np.float64)
+        self.cpp_params32 = torch.from_numpy(np.concatenate([head, thresholds32, gammas]))
+        self.cpp_params64 = torch.from_numpy(np.concatenate([head, thresholds64, gammas]))
+
+
+REDUCTIONS = ("none", "mean", "sum")
+
+
+def reduce_loss(loss: torch.Tensor, reduction: str) -> torch.Tensor:
+    """Per-sample ``loss`` reduced by ``reduction`` ("none" | "mean" | "sum", already checked)."""
+    if reduction == "mean":
+        return loss.mean()
+    if reduction == "sum":
+        return loss.sum()
+    return loss

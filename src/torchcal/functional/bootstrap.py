@@ -9,7 +9,7 @@ import torch
 
 from .._validation import check_float, check_positive_int
 from . import calibration as C
-from ._binning import equal_width_index, stable_sort
+from ._binning import equal_width_index
 from ._inputs import nll_from_true_probs, scan_inputs
 
 __all__ = ["BootstrapResult", "bootstrap_ci"]
@@ -54,7 +54,7 @@ class _Weighted:
             self.bins = equal_width_index(conf, n_bins)
             self.conf, self.correct = conf.double(), correct.double()
         elif name in ("adaece", "debiased"):
-            conf_s, self.order = stable_sort(conf)  # as C.sorted_by_confidence
+            conf_s, self.order = torch.sort(conf, stable=True)  # the order of C.sorted_by_confidence
             self.conf, self.correct = conf_s.double(), correct[self.order].double()
             q, r = divmod(self.n, n_bins)
             sizes = torch.full((n_bins,), q, dtype=torch.long)

@@ -20,7 +20,8 @@ import torch.nn.functional as nnf
 
 from .._validation import check_choice, check_float, check_label_range, check_logits_for_loss
 from . import _backend
-from ._spec import LossSpec
+from ._spec import REDUCTIONS, LossSpec
+from ._spec import reduce_loss as _reduce
 
 __all__ = [
     "brier_loss",
@@ -38,16 +39,6 @@ __all__ = [
     "sample_dependent_focal_loss",
     "varying_focal_loss",
 ]
-
-REDUCTIONS = ("none", "mean", "sum")
-
-
-def _reduce(loss: torch.Tensor, reduction: str) -> torch.Tensor:
-    if reduction == "mean":
-        return loss.mean()
-    if reduction == "sum":
-        return loss.sum()
-    return loss
 
 
 def _prepare(logits, targets, reduction):
