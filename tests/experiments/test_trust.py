@@ -343,6 +343,9 @@ def test_report_gives_standard_errors_and_s99(runs, tmp_path):
     folders = [runs / "ce-e1-s0", runs / "ce-e1-s1"]
     markdown, csv_text = report(folders, tmp_path / "rep")
     assert "S99 (% with conf ≥ 0.99)" in markdown
+    from torchcal.experiments.html_report import html_report
+
+    assert "S99 (% with conf ≥ 0.99) (pre → post)" in html_report(folders, tmp_path / "rep").read_text()
     row = next(csv.DictReader(io.StringIO(csv_text)))
     ece = [100 * evaluate_run(f, ("ts",))["uncalibrated"]["test"]["ece"] for f in folders]
     std = abs(ece[0] - ece[1]) / math.sqrt(2)  # sample std of two values

@@ -211,6 +211,9 @@ def evaluate_run(run_dir, calibrators=("ts", "fts")) -> dict:
     return _merge_results(run_dir, result)
 
 
+# Report column titles where the results key is not self-explanatory
+COLUMN_HEADERS = {"s99_fraction": "S99 (% with conf ≥ 0.99)"}
+
 # Runs that differ only in these (the seed and the execution settings) share a report row.
 GROUP_IGNORED_KEYS = ("train.seed", *EXECUTION_KEYS)
 
@@ -354,7 +357,7 @@ def report(
         "shift ece",
         "ood auroc",
     ]
-    headers = {"s99_fraction": "S99 (% with conf ≥ 0.99)"}
+    headers = COLUMN_HEADERS
     ood_sets = sorted({c[len("ood auroc ") : -len(" pre")] for g in groups for c in g.stats
                        if c.startswith("ood auroc ") and c.endswith(" pre") and c != "ood auroc pre"})  # fmt: skip
     if len(ood_sets) > 1:  # one AUROC column per OOD set

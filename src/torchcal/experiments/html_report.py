@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from .errors import RunError
-from .evaluate import calibrator_file_stem, collect_groups, describe_calibrator
+from .evaluate import COLUMN_HEADERS, calibrator_file_stem, collect_groups, describe_calibrator
 from .train import CALIBRATORS, atomic_write_bytes, read_metrics
 
 __all__ = ["group_runs", "html_report", "summarise"]
@@ -164,7 +164,8 @@ def html_report(run_dirs, out_dir, calibrator: str = "ts", warn=None, note: str 
         m, s, n = value
         return f"{m:.2f}" + (f"<small> ± {s:.2f}</small>" if n > 1 else "")
 
-    names = ["run group", "seeds", *(f"{m} (pre → post)" if m != "error" else "error" for m in metrics)]
+    names = ["run group", "seeds"]
+    names += [f"{COLUMN_HEADERS.get(m, m)} (pre → post)" if m != "error" else "error" for m in metrics]
     names += [f"T ({calibrator})", "runs"]
     head = "".join(f"<th>{html.escape(c)}</th>" for c in names)
     body = []
