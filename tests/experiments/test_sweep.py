@@ -79,11 +79,13 @@ def test_paper_sweep_files_load():
     from pathlib import Path
 
     files = sorted(Path(__file__).resolve().parents[2].joinpath("sweeps").glob("*.yaml"))
-    assert len(files) == 4
+    assert len(files) == 6
     sizes = {f.stem: len(expand(load_sweep(f))) for f in files}
     assert sizes == {
         "cifar10_table": 180,
         "cifar100_table": 180,
         "tinyimagenet_table": 45,
         "20newsgroups_table": 45,
+        "agnews_table": 45,
+        "finsen_table": 45,
     }

@@ -1,5 +1,9 @@
-"""Text readers on fixture files in their on-disk formats: 20 Newsgroups bydate folders, AG News CSV, GloVe."""
+"""Text readers on fixture files in their on-disk formats: 20 Newsgroups bydate and 20news-19997 folders,
+AG News CSV, FinSen CSV, GloVe."""
 
+import csv
+
+import numpy as np
 import pytest
 import torch
 
@@ -9,8 +13,11 @@ from torchcal.experiments.text import (
     Vocabulary,
     encode,
     load_20newsgroups,
+    load_20newsgroups_papers,
     load_ag_news,
+    load_finsen,
     load_glove,
+    papers_20ng_split,
     tokenize,
 )
 from torchcal.experiments.train import train
@@ -86,3 +93,107 @@ def test_text_cnn_run(tmp_path):
     with pytest.raises(ValueError, match="text dataset"):
         train(load_config(None, [f"data.root={tmp_path / 'data'}", "data.name=20newsgroups", "model.name=text_cnn"]),
               tmp_path / "bad")  # fmt: skip
+
+
+def write_19997(root, per_group=400, folder="20_newsgroups"):
+    """The 20news-19997 layout: <folder>/<group>/<message number>, headers up to the first blank line."""
+    for group, words in GROUPS.items():
+        (root / folder / group).mkdir(parents=True)
+        for i in range(per_group):
+            (root / folder / group / str(51000 + i)).write_bytes(
+                f"Newsgroups: {group}\nPath: x\n\n{words} doc{i} caf\xe9\n".encode("latin-1")
+            )
+        (root / folder / group / "README.txt").write_text("not a message")  # skipped: not a number
+
+
+def test_papers_20ng_split_is_the_papers_code():
+    """The released loader's procedure, written out literally: seed NumPy's global generator with 1, shuffle
+    the indices in place, last int(0.2 n) = test, the 900 before = validation, the rest = train."""
+    n = 19997
+    state = np.random.get_state()  # noqa: NPY002 (the papers' code, literally)
+    try:
+        indices = np.arange(n)
+        np.random.seed(1)  # noqa: NPY002
+        np.random.shuffle(indices)  # noqa: NPY002
+    finally:
+        np.random.set_state(state)  # noqa: NPY002
+    n_test = int(0.2 * n)
+    train, val, test = papers_20ng_split(n)
+    assert (len(train), len(val), len(test)) == (15098, 900, 3999)  # the papers' sizes
+    assert np.array_equal(train, indices[: -(n_test + 900)])
+    assert np.array_equal(val, indices[n - n_test - 900 : n - n_test])
+    assert np.array_equal(test, indices[-n_test:])
+    with pytest.raises(DatasetError, match="more than 1120 documents, got 1100"):
+        papers_20ng_split(1100)
+
+
+def test_20newsgroups_papers_reader(tmp_path):
+    write_19997(tmp_path, per_group=400)
+    (tr_x, tr_y), (va_x, va_y), (te_x, te_y) = load_20newsgroups_papers(tmp_path)
+    assert (len(tr_x), len(va_x), len(te_x)) == (60, 900, 240)
+    # every message once, headers dropped (the text starts at the blank line, as in the papers' code)
+    assert sorted(tr_x + va_x + te_x) == sorted(
+        f"\n\n{w} doc{i} caf\xe9\n" for w in GROUPS.values() for i in range(400)
+    )
+    labels = {w: k for k, w in enumerate(GROUPS.values())}  # GROUPS is in sorted order
+    for x, y in zip(tr_x + va_x + te_x, tr_y + va_y + te_y):
+        assert labels[x.split(" doc")[0].strip()] == y
+    order = np.random.RandomState(1).permutation(1200)  # document k = group k // 400, message k % 400
+    assert te_x[0] == f"\n\n{list(GROUPS.values())[order[-240] // 400]} doc{order[-240] % 400} caf\xe9\n"
+    with pytest.raises(DatasetError, match="20news-19997.tar.gz"):
+        load_20newsgroups_papers(tmp_path / "nothing")
+    write_19997(tmp_path / "keras", per_group=400, folder="20_newsgroup")  # the papers' code's folder name
+    assert load_20newsgroups_papers(tmp_path / "keras")[2][0] == te_x
+
+
+def write_finsen(path, n=40):
+    with open(path, "w", newline="", encoding="utf-8") as fh:
+        w = csv.writer(fh)
+        w.writerow(["Country", "Title", "Content", "Category", "Time"])
+        for i in range(n):
+            cat = [" Stock Market ", "Economy", "Bonds"][i % 3]
+            w.writerow(["US", f"t{i}", f"article {i}, about {cat.strip().lower()}", cat, "2024-01-01"])
+
+
+def test_finsen_reader(tmp_path):
+    from sklearn.model_selection import train_test_split
+
+    write_finsen(tmp_path / "finsen.csv", n=40)
+    (tr_x, tr_y), (va_x, va_y), (te_x, te_y) = load_finsen(tmp_path)
+    # the released loader: 30 % held out with random_state 42, then halved with random_state 42
+    tr_idx, rest = train_test_split(list(range(40)), test_size=0.3, random_state=42)
+    va_idx, te_idx = train_test_split(rest, test_size=0.5, random_state=42)
+    assert tr_x == [f"article {i}, about {['stock market', 'economy', 'bonds'][i % 3]}" for i in tr_idx]
+    assert va_x[0] == f"article {va_idx[0]}, about {['stock market', 'economy', 'bonds'][va_idx[0] % 3]}"
+    assert (len(tr_x), len(va_x), len(te_x)) == (28, 6, 6)
+    names = ["Bonds", "Economy", "Stock Market"]  # sorted, stripped: LabelEncoder's order
+    for i, y in zip(te_idx, te_y):
+        assert names[y] == ["Stock Market", "Economy", "Bonds"][i % 3]
+    with pytest.raises(DatasetError, match="finsen.csv"):
+        load_finsen(tmp_path / "nothing")
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "finsen.csv").write_text("Title,Text\na,b\n")
+    with pytest.raises(DatasetError, match=r"missing \['Category', 'Content'\]"):
+        load_finsen(tmp_path / "bad")
+
+
+@pytest.mark.parametrize("dataset", ["20newsgroups_papers", "finsen"])
+def test_fixed_split_text_runs(tmp_path, dataset):
+    if dataset == "finsen":
+        (tmp_path / "data").mkdir()
+        write_finsen(tmp_path / "data" / "finsen.csv", n=60)
+        n_val, n_test = 9, 9
+    else:
+        write_19997(tmp_path / "data", per_group=400)
+        n_val, n_test = 900, 240
+    cfg = load_config(None, [f"data.root={tmp_path / 'data'}", f"data.name={dataset}", "data.max_len=150",
+                             "data.shift=", "data.ood=", "data.batch_size=32", "data.eval_batch_size=2000",
+                             "model.name=text_cnn", "train.epochs=1", "train.calibrators=[]"])  # fmt: skip
+    with pytest.warns(UserWarning, match="data.val_size=5000 adjusted"):
+        train(cfg, tmp_path / "run")
+    logits = torch.load(tmp_path / "run" / "logits.pt", weights_only=True)
+    assert logits["val"]["logits"].shape[0] == n_val and logits["test"]["logits"].shape[0] == n_test
+    import yaml
+
+    saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert saved["data"]["val_size"] == n_val and saved["meta"]["adjusted"]["data.val_size"]["used"] == n_val

@@ -327,12 +327,14 @@ def test_calibrator_specs_are_validated_in_configs_and_presets():
     for name, path in list_presets().items():  # the papers' criteria (decision 67) and selection (68)
         preset = load_config(path)
         assert preset.train.calibrators == ["ts:objective=ece", "ts:objective=adaece", "fts"], name
-        best = name.startswith(("tinyimagenet", "20newsgroups", "agnews"))
+        best = name.startswith(("tinyimagenet", "20newsgroups", "agnews", "finsen"))
         assert preset.train.select == ("best_val_error" if best else "last"), name
         if name.startswith("tinyimagenet"):  # AdaFocal / FTS train at 64, the FCL paper at 128
             assert preset.data.batch_size == (128 if name.endswith("_fcl") else 64), name
-        if name.startswith("agnews"):
-            assert preset.data.name == "ag_news" and preset.model.name == "text_cnn", name
+        text_sets = {"agnews": "ag_news", "20newsgroups": "20newsgroups_papers", "finsen": "finsen"}
+        for prefix, dataset in text_sets.items():  # the papers' splits (decisions 71, 72)
+            if name.startswith(prefix):
+                assert preset.data.name == dataset and preset.model.name == "text_cnn", name
 
 
 def test_report_gives_standard_errors_and_s99(runs, tmp_path):

@@ -286,12 +286,22 @@ _DATASETS = {
     "cifar10": "CIFAR-10 python pickles (cifar-10-batches-py); 45k/5k split with seed 1",
     "cifar100": "CIFAR-100 python pickles (cifar-100-python); 45k/5k split with seed 1",
     "20newsgroups": "20 Newsgroups bydate folders + GloVe 100-d vectors (data.glove)",
+    "20newsgroups_papers": "20news-19997 folders in the papers' split 15,098 / 900 / 3,999 + GloVe (data.glove)",
     "ag_news": "AG News train.csv / test.csv + GloVe 100-d vectors (data.glove)",
+    "finsen": "FinSen finsen.csv in its loader's 70 / 15 / 15 split (seed 42) + GloVe (data.glove)",
     "tiny_imagenet": "Tiny-ImageNet-200 folders; validation = 50 training images per class, test = val split",
 }
 _SHIFTS = {"gaussian_noise": "additive Gaussian noise of σ = shift_severity", "cifar10_c": "CIFAR-10-C"}
 _OOD = {"digits": "scikit-learn digits 28 x 28", "svhn": "SVHN test_32x32.mat",
         "cifar10_c": "CIFAR-10-C Gaussian noise, severity 5 (data.shift_root)"}  # fmt: skip
+
+
+_TEXT = ("20newsgroups", "20newsgroups_papers", "ag_news", "finsen")
+FIXED_VALIDATION = {  # datasets whose split fixes the validation set (data.val_size and split_seed unused)
+    "tiny_imagenet": "Tiny-ImageNet's validation split is 50 training images per class",
+    "20newsgroups_papers": "the papers' 20 Newsgroups split fixes 900 validation documents",
+    "finsen": "FinSen's split fixes 15 % of the articles for validation",
+}
 
 
 def list_datasets() -> dict[str, str]:
@@ -306,13 +316,15 @@ def load_splits(cfg) -> dict[str, Dataset]:
         )
     elif cfg.name in ("cifar10", "cifar100"):
         train, test = load_cifar(cfg.root or "data", 10 if cfg.name == "cifar10" else 100)
-    elif cfg.name in ("20newsgroups", "ag_news"):
+    elif cfg.name in _TEXT:
         from .text import text_splits
 
-        train, test, embeddings = text_splits(cfg.name, cfg.root or "data", cfg.glove, max_len=cfg.max_len)
+        train, fixed_val, test, embeddings = text_splits(
+            cfg.name, cfg.root or "data", cfg.glove, max_len=cfg.max_len
+        )
         train.embeddings = embeddings
     elif cfg.name == "tiny_imagenet":
-        train, tiny_val, test = load_tiny_imagenet(cfg.root or "data")
+        train, fixed_val, test = load_tiny_imagenet(cfg.root or "data")
     elif cfg.name == "digits":
         full = load_digits_28()
         perm = torch.randperm(len(full), generator=torch.Generator().manual_seed(0))
@@ -322,8 +334,8 @@ def load_splits(cfg) -> dict[str, Dataset]:
     else:
         raise ValueError(f"unknown dataset {cfg.name!r}; available: {sorted(_DATASETS)}")
     embeddings, vocab_size = train.embeddings, train.vocab_size
-    if cfg.name == "tiny_imagenet":
-        val = tiny_val
+    if cfg.name in FIXED_VALIDATION:
+        val = fixed_val
     else:
         train, val = split_train_val(train, min(cfg.val_size, len(train) // 5), cfg.split_seed)
     if cfg.limit_train:

@@ -1,6 +1,6 @@
-"""Text classification data of the papers: 20 Newsgroups (bydate folders) and AG News (CSV), tokenised into
-padded index sequences, with GloVe vectors for the global-pooling CNN (Mukhoti et al.'s 20 Newsgroups setup:
-100-d GloVe, 1,000 tokens, 20,000 words)."""
+"""Text classification data of the papers: 20 Newsgroups (the bydate folders, or the papers' split of the
+20news-19997 folders), AG News (CSV) and FinSen (CSV), tokenised into padded index sequences, with GloVe vectors
+for the global-pooling CNN (Mukhoti et al.'s 20 Newsgroups setup: 100-d GloVe, 1,000 tokens, 20,000 words)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,23 @@ import re
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .dataset import Dataset
 from .errors import DatasetError
 
-__all__ = ["tokenize", "Vocabulary", "load_20newsgroups", "load_ag_news", "load_glove", "encode"]
+__all__ = [
+    "tokenize",
+    "Vocabulary",
+    "load_20newsgroups",
+    "load_20newsgroups_papers",
+    "papers_20ng_split",
+    "load_ag_news",
+    "load_finsen",
+    "load_glove",
+    "encode",
+]
 
 _TOKEN = re.compile(r"[a-z0-9']+")
 
@@ -93,6 +104,98 @@ def load_20newsgroups(root: str | Path):
     return (tr_texts, tr_labels), (te_texts, te_labels)
 
 
+PAPERS_20NG_VAL = 900  # validation documents of Mukhoti et al.'s split (also AdaFocal's, FCL's)
+
+
+def papers_20ng_split(n: int, val: int = PAPERS_20NG_VAL) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(train, val, test) indices of the papers' 20 Newsgroups split of ``n`` documents (decision 71).
+
+    The released code of Mukhoti et al. (``NewsGroup/ng_loader.py``, reused by AdaFocal and FCL) shuffles the
+    documents with NumPy's legacy generator seeded with 1, takes the last ``int(0.2 n)`` as the test set and the
+    ``val`` before them as the validation set; the 19,997 documents of 20news-19997 give 15,098 / 900 / 3,999.
+
+    >>> [len(part) for part in papers_20ng_split(19997)]
+    [15098, 900, 3999]
+    """
+    n_test = int(0.2 * n)
+    if n - n_test - val < 1:
+        raise DatasetError(
+            f"the papers' 20 Newsgroups split needs more than {n_test + val} documents, got {n}"
+        )
+    order = np.random.RandomState(1).permutation(n)
+    cut = n - n_test - val
+    return order[:cut], order[cut : n - n_test], order[n - n_test :]
+
+
+_19997_FOLDERS = (
+    "20_newsgroups",
+    "20_newsgroup",
+)  # the tarball's name, the Keras example's (the papers' code)
+
+
+def load_20newsgroups_papers(root: str | Path, val: int = PAPERS_20NG_VAL):
+    """(train, val, test) (texts, labels) pairs in the papers' split of the 20news-19997 folders.
+
+    ``root`` holds ``20_newsgroups/`` (as ``20news-19997.tar.gz`` unpacks; ``20_newsgroup/`` as the papers'
+    code names it): one sub-folder per newsgroup, one file per message named by its number. As in the papers'
+    code the groups and files are read in sorted order, files whose name is not a number are skipped, and a
+    message's header (up to its first blank line) is dropped; labels follow the sorted newsgroup names.
+    """
+    root = Path(root)
+    folder = next((root / f for f in _19997_FOLDERS if (root / f).is_dir()), None)
+    if folder is None:
+        raise DatasetError(
+            f"missing folder {root / _19997_FOLDERS[0]}: unpack 20news-19997.tar.gz under data.root (one "
+            "sub-folder per newsgroup, one file per message); data.name=20newsgroups reads the bydate folders"
+        )
+    texts, labels = [], []
+    groups = sorted(p.name for p in folder.iterdir() if p.is_dir())
+    for label, group in enumerate(groups):
+        for doc in sorted((folder / group).iterdir(), key=lambda p: p.name):
+            if not doc.name.isdigit():
+                continue
+            text = doc.read_text(encoding="latin-1")
+            header_end = text.find("\n\n")
+            texts.append(text[header_end:] if header_end > 0 else text)
+            labels.append(label)
+    parts = papers_20ng_split(len(texts), val)
+    return tuple(([texts[i] for i in idx], [labels[i] for i in idx]) for idx in parts)
+
+
+def load_finsen(root: str | Path):
+    """(train, val, test) (texts, labels) pairs of FinSen (Liang et al. 2024), from ``finsen.csv`` under
+    ``root``: a header row naming at least ``Content`` (the text) and ``Category`` (the class); labels follow the
+    sorted category names (surrounding spaces removed). The split is the one of the dataset's released loader:
+    70 / 15 / 15 %, scikit-learn's ``train_test_split`` with ``random_state=42`` twice (decision 72)."""
+    from sklearn.model_selection import train_test_split
+
+    path = Path(root) / "finsen.csv"
+    if not path.is_file():
+        raise DatasetError(
+            f"missing file {path}: put FinSen's finsen.csv (columns Content, Category) under data.root"
+        )
+    with open(path, newline="", encoding="utf-8") as fh:
+        reader = csv.DictReader(fh)
+        missing = {"Content", "Category"} - set(reader.fieldnames or ())
+        if missing:
+            raise DatasetError(
+                f"{path}: the header must name Content and Category; missing {sorted(missing)}"
+            )
+        rows = [(row["Content"] or "", (row["Category"] or "").strip()) for row in reader]
+    if len(rows) < 7:
+        raise DatasetError(f"{path}: {len(rows)} articles; the 70/15/15 split needs at least 7")
+    names = sorted({c for _, c in rows})
+    if "" in names:
+        raise DatasetError(f"{path}: an article has an empty Category")
+    index = {c: i for i, c in enumerate(names)}
+    texts, labels = [t for t, _ in rows], [index[c] for _, c in rows]
+    train_idx, rest = train_test_split(np.arange(len(rows)), test_size=0.3, random_state=42)
+    val_idx, test_idx = train_test_split(rest, test_size=0.5, random_state=42)
+    return tuple(
+        ([texts[i] for i in idx], [labels[i] for i in idx]) for idx in (train_idx, val_idx, test_idx)
+    )
+
+
 def _read_ag_csv(path: Path):
     if not path.is_file():
         raise DatasetError(f"missing file {path}: put AG News's train.csv and test.csv under data.root")
@@ -112,13 +215,23 @@ def load_ag_news(root: str | Path):
     return _read_ag_csv(root / "train.csv"), _read_ag_csv(root / "test.csv")
 
 
+TEXT_LOADERS = {
+    "20newsgroups": load_20newsgroups,
+    "20newsgroups_papers": load_20newsgroups_papers,
+    "ag_news": load_ag_news,
+    "finsen": load_finsen,
+}
+
+
 def text_splits(name: str, root: str, glove: str, max_words: int = 20000, max_len: int = 1000):
-    """Encoded (train, test) Datasets and the GloVe embedding matrix for the vocabulary of the training texts."""
-    loader = {"20newsgroups": load_20newsgroups, "ag_news": load_ag_news}[name]
-    (tr_x, tr_y), (te_x, te_y) = loader(root)
-    vocab = Vocabulary(tr_x, max_words)
-    train = Dataset(encode(tr_x, vocab, max_len), torch.tensor(tr_y, dtype=torch.long))
-    test = Dataset(encode(te_x, vocab, max_len), torch.tensor(te_y, dtype=torch.long))
+    """Encoded train, validation and test Datasets and the GloVe embedding matrix for the vocabulary of the
+    training texts; the validation set is None where the dataset has no fixed one (the runner splits it off
+    the training set)."""
+    parts = TEXT_LOADERS[name](root)
+    vocab = Vocabulary(parts[0][0], max_words)
+    encoded = [Dataset(encode(x, vocab, max_len), torch.tensor(y, dtype=torch.long)) for x, y in parts]
+    train, test = encoded[0], encoded[-1]
+    val = encoded[1] if len(encoded) == 3 else None
     embeddings = load_glove(glove, vocab) if glove else None
     train.vocab_size = len(vocab)
-    return train, test, embeddings
+    return train, val, test, embeddings

@@ -35,7 +35,7 @@ from .config import (
     resume_config,
     validate_config,
 )
-from .data import load_splits, random_crop_flip
+from .data import FIXED_VALIDATION, load_splits, random_crop_flip
 from .errors import CheckpointError, ConfigError, RunError
 from .models import create_model
 
@@ -482,8 +482,7 @@ def _adjust_to_data(cfg: RunConfig, splits) -> dict:
     adjusted = {}
     n_val = len(splits["val"])
     if n_val != cfg.data.val_size:
-        why = ("Tiny-ImageNet's validation split is 50 training images per class" if cfg.data.name ==
-               "tiny_imagenet" else "capped at a fifth of the training set")  # fmt: skip
+        why = FIXED_VALIDATION.get(cfg.data.name, "capped at a fifth of the training set")
         adjusted["data.val_size"] = {"requested": cfg.data.val_size, "used": n_val, "why": why}
         cfg.data.val_size = n_val
     if cfg.data.limit_train and len(splits["train"]) < cfg.data.limit_train:
