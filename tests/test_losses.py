@@ -203,8 +203,10 @@ def test_bad_arguments():
         L.focal_loss(z, torch.tensor([0, 1, 2, 3]))
     with pytest.raises(ValueError, match=r"`targets` must have shape \(4,\)"):
         L.focal_loss(z, torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match=r"soft `targets` \(class probabilities\) must have the shape"):
+        L.focal_loss(z, torch.zeros(4))  # floating targets are class probabilities, of the logits' shape
     with pytest.raises(TypeError, match="integer class indices"):
-        L.focal_loss(z, torch.zeros(4))
+        L.focal_loss(z, torch.zeros(4, dtype=torch.bool))
     with pytest.raises(ValueError, match="at least 2 classes"):
         L.focal_loss(torch.zeros(4, 1), torch.zeros(4, dtype=torch.long))
     with pytest.raises(ValueError, match="one more entry than `thresholds`"):
@@ -335,9 +337,14 @@ def test_varying_focal_loss_matches_the_per_sample_reference():
 
 @pytest.mark.parametrize("label", [-100, -1, 3])
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
-def test_cross_entropy_never_ignores_a_label(label, smoothing):
-    """PyTorch's cross entropy skips label −100 by default; ours raises for every label outside [0, K)."""
+def test_cross_entropy_with_ignore_index_none_ignores_no_label(label, smoothing):
+    """With ``ignore_index=None`` every label outside [0, K) raises, −100 included (decisions 40, 73)."""
     import torchcal.functional.losses as Lf
 
     with pytest.raises(ValueError, match=rf"must lie in \[0, 3\), found label {label}"):
-        Lf.cross_entropy(torch.randn(4, 3), torch.tensor([0, label, 1, 2]), label_smoothing=smoothing)
+        Lf.cross_entropy(
+            torch.randn(4, 3), torch.tensor([0, label, 1, 2]), label_smoothing=smoothing, ignore_index=None
+        )
+    if label != -100:  # the default ignores −100 only
+        with pytest.raises(ValueError, match=rf"must lie in \[0, 3\), found label {label}"):
+            Lf.cross_entropy(torch.randn(4, 3), torch.tensor([0, label, -100, 2]), label_smoothing=smoothing)

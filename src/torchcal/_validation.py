@@ -205,12 +205,17 @@ def check_logits_for_loss(logits, targets, check_range: bool = True):
     return logits, targets.long()
 
 
-def check_label_range(targets: torch.Tensor, k: int) -> None:
-    """Labels in [0, k), checked for CPU tensors only (no device synchronisation)."""
-    if targets.device.type == "cpu":
+def check_label_range(targets: torch.Tensor, k: int, ignore_index: int | None = None) -> None:
+    """Labels in [0, k) (those equal to ``ignore_index`` excepted), checked for CPU tensors only (no device
+    synchronisation)."""
+    if targets.device.type == "cpu" and targets.numel():
         lo, hi = torch.stack(torch.aminmax(targets)).tolist()
         if lo < 0 or hi >= k:
-            raise label_range_error(lo if lo < 0 else hi, k)
+            if ignore_index is None:
+                raise label_range_error(lo if lo < 0 else hi, k)
+            bad = targets[((targets < 0) | (targets >= k)) & (targets != ignore_index)]
+            if bad.numel():
+                raise label_range_error(bad, k)
 
 
 def check_choice(value, name: str, choices) -> str:

@@ -11,6 +11,7 @@ from .functional import _backend
 from .functional import losses as L
 from .functional._binning import equal_mass_sums
 from .functional._inputs import top_label_inputs
+from .functional._loss_inputs import check_ignore_index
 from .functional._spec import LossSpec
 
 __all__ = ["AdaFocalLoss", "CalFocalLoss"]
@@ -133,9 +134,11 @@ class AdaFocalLoss(_ValidationBins):
         switch_threshold: float = 0.2,
         *,
         dual: bool = False,
+        ignore_index=L.IGNORE_INDEX,
         reduction: str = "mean",
     ):
         super().__init__(n_bins)
+        self.ignore_index = check_ignore_index(ignore_index)
         self.lambda_ = check_float(lambda_, "lambda_", low=0)
         self.gamma_max = check_float(gamma_max, "gamma_max")
         self.gamma_min = check_float(gamma_min, "gamma_min", high=self.gamma_max)
@@ -154,7 +157,7 @@ class AdaFocalLoss(_ValidationBins):
 
     def forward(self, logits, targets):
         if self.dual:
-            return _ada_dual(logits, targets, self, self.reduction)
+            return _ada_dual(logits, targets, self, self.reduction, self.ignore_index)
         buffers = self._buffers  # (module attribute lookup of a buffer costs ~1 µs per access)
         gammas, edges = buffers["gamma_per_bin"], buffers["bin_edges"]
 
@@ -164,7 +167,15 @@ class AdaFocalLoss(_ValidationBins):
             return L._signed_gamma_weight(gammas.to(p_t.device, p_t.dtype)[bins])(log_pt)
 
         spec = self._fused_spec(gammas, edges)
-        return _backend.true_class_loss(logits, targets, self.reduction, weight, spec=spec)
+        return _backend.true_class_loss(
+            logits,
+            targets,
+            self.reduction,
+            weight,
+            spec=spec,
+            ignore_index=self.ignore_index,
+            soft_refusal=L._BINS_NEED_LABELS,
+        )
 
     @torch.no_grad()
     def update(self, val_probs=None, val_targets=None, *, metrics=None, from_logits: bool = False) -> None:
@@ -194,7 +205,7 @@ class AdaFocalLoss(_ValidationBins):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
-def _ada_dual(logits, targets, bins, reduction):
+def _ada_dual(logits, targets, bins, reduction, ignore_index):
     """AdaDualFocal: the dual focal base (1 − p_t + p_j) with AdaFocal's per-bin γ (inverse form for γ < 0)."""
 
     def weight(log_pt, p_j):
@@ -210,15 +221,33 @@ def _ada_dual(logits, targets, bins, reduction):
         )
 
     spec = bins._fused_spec(bins.gamma_per_bin, bins.bin_edges, dual=True)
-    return _backend.true_class_loss(logits, targets, reduction, weight, runner_up=True, spec=spec)
+    return _backend.true_class_loss(
+        logits,
+        targets,
+        reduction,
+        weight,
+        runner_up=True,
+        spec=spec,
+        ignore_index=ignore_index,
+        soft_refusal=L._DUAL_NEEDS_LABELS,
+    )
 
 
 class CalFocalLoss(_ValidationBins):
     """CalFocal (Ghosh et al. 2022, eq. 2 with ``case=1``, eq. 3 with ``case=2``): γ from the validation
     accuracy (and confidence) of the bin containing p_t; :meth:`update` adopts new validation statistics."""
 
-    def __init__(self, n_bins: int = 15, lambda_: float = 10.0, case: int = 2, *, reduction: str = "mean"):
+    def __init__(
+        self,
+        n_bins: int = 15,
+        lambda_: float = 10.0,
+        case: int = 2,
+        *,
+        ignore_index=L.IGNORE_INDEX,
+        reduction: str = "mean",
+    ):
         super().__init__(n_bins)
+        self.ignore_index = check_ignore_index(ignore_index)
         self.lambda_ = check_float(lambda_, "lambda_")
         self.case = check_choice(case, "case", {1, 2})
         self.reduction = check_choice(reduction, "reduction", L.REDUCTIONS)
@@ -233,7 +262,14 @@ class CalFocalLoss(_ValidationBins):
         conf = confidence if self.case == 2 else None
         if type(logits) is not torch.Tensor or not (logits.is_cpu and edges.is_cpu):  # the checked path
             return L.calfocal_loss(
-                logits, targets, edges, acc, self.lambda_, bin_confidence=conf, reduction=self.reduction
+                logits,
+                targets,
+                edges,
+                acc,
+                self.lambda_,
+                bin_confidence=conf,
+                ignore_index=self.ignore_index,
+                reduction=self.reduction,
             )
         spec = self._cached_spec(
             "_cal_spec_cache",
@@ -241,7 +277,9 @@ class CalFocalLoss(_ValidationBins):
             (self.case, self.lambda_),
             lambda: L._calfocal_spec(edges, acc, conf, self.lambda_),
         )
-        return L._calfocal(logits, targets, edges, acc, conf, self.lambda_, self.reduction, spec)
+        return L._calfocal(
+            logits, targets, edges, acc, conf, self.lambda_, self.reduction, spec, self.ignore_index
+        )
 
     @torch.no_grad()
     def update(self, val_probs=None, val_targets=None, *, metrics=None, from_logits: bool = False) -> None:

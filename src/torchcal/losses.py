@@ -21,6 +21,7 @@ from torch import nn
 from ._validation import check_choice, check_float, check_positive_int
 from .adafocal import AdaFocalLoss, CalFocalLoss
 from .functional import losses as L
+from .functional._loss_inputs import check_ignore_index
 
 __all__ = [
     "AdaFocalLoss",
@@ -41,14 +42,19 @@ __all__ = [
 
 
 class _Loss(nn.Module):
+    """Every loss takes ``ignore_index`` (−100 by default, as ``nn.CrossEntropyLoss``; None ignores no label)
+    and (N, K, d1, ...) inputs; see :mod:`torchcal.functional.losses`."""
+
     _args: tuple[str, ...] = ()
 
-    def __init__(self, reduction: str = "mean"):
+    def __init__(self, reduction: str = "mean", ignore_index=L.IGNORE_INDEX):
         super().__init__()
         self.reduction = check_choice(reduction, "reduction", L.REDUCTIONS)
+        self.ignore_index = check_ignore_index(ignore_index)
 
     def extra_repr(self) -> str:
-        return ", ".join(f"{a}={getattr(self, a)!r}" for a in (*self._args, "reduction"))
+        args = (*self._args, "reduction") + (() if self.ignore_index == L.IGNORE_INDEX else ("ignore_index",))
+        return ", ".join(f"{a}={getattr(self, a)!r}" for a in args)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.extra_repr()})"
@@ -59,13 +65,17 @@ class CrossEntropyLoss(_Loss):
 
     _args = ("label_smoothing",)
 
-    def __init__(self, label_smoothing: float = 0.0, reduction: str = "mean"):
-        super().__init__(reduction)
+    def __init__(self, label_smoothing: float = 0.0, reduction: str = "mean", *, ignore_index=L.IGNORE_INDEX):
+        super().__init__(reduction, ignore_index)
         self.label_smoothing = check_float(label_smoothing, "label_smoothing", low=0, high=1)
 
     def forward(self, logits, targets):
         return L.cross_entropy(
-            logits, targets, label_smoothing=self.label_smoothing, reduction=self.reduction
+            logits,
+            targets,
+            label_smoothing=self.label_smoothing,
+            ignore_index=self.ignore_index,
+            reduction=self.reduction,
         )
 
 
@@ -73,7 +83,7 @@ class BrierLoss(_Loss):
     """Σ_k (p_k − onehot_k)²."""
 
     def forward(self, logits, targets):
-        return L.brier_loss(logits, targets, reduction=self.reduction)
+        return L.brier_loss(logits, targets, ignore_index=self.ignore_index, reduction=self.reduction)
 
 
 class FocalLoss(_Loss):
@@ -81,19 +91,23 @@ class FocalLoss(_Loss):
 
     _args = ("gamma",)
 
-    def __init__(self, gamma: float = 3.0, reduction: str = "mean"):
-        super().__init__(reduction)
+    def __init__(self, gamma: float = 3.0, reduction: str = "mean", *, ignore_index=L.IGNORE_INDEX):
+        super().__init__(reduction, ignore_index)
         self.gamma = check_float(gamma, "gamma", low=0)
 
     def forward(self, logits, targets):
-        return L.focal_loss(logits, targets, self.gamma, reduction=self.reduction)
+        return L.focal_loss(
+            logits, targets, self.gamma, ignore_index=self.ignore_index, reduction=self.reduction
+        )
 
 
 class InverseFocalLoss(FocalLoss):
     """Inverse focal loss −(1 + p_t)^γ log p_t."""
 
     def forward(self, logits, targets):
-        return L.inverse_focal_loss(logits, targets, self.gamma, reduction=self.reduction)
+        return L.inverse_focal_loss(
+            logits, targets, self.gamma, ignore_index=self.ignore_index, reduction=self.reduction
+        )
 
 
 class SampleDependentFocalLoss(_Loss):
@@ -101,14 +115,21 @@ class SampleDependentFocalLoss(_Loss):
 
     _args = ("gammas", "thresholds")
 
-    def __init__(self, gammas=(5.0, 3.0), thresholds=(0.2,), reduction: str = "mean"):
-        super().__init__(reduction)
+    def __init__(
+        self, gammas=(5.0, 3.0), thresholds=(0.2,), reduction: str = "mean", *, ignore_index=L.IGNORE_INDEX
+    ):
+        super().__init__(reduction, ignore_index)
         gammas, thresholds = L._check_schedule(gammas, thresholds)
         self.gammas, self.thresholds = tuple(gammas), tuple(thresholds)
 
     def forward(self, logits, targets):
         return L.sample_dependent_focal_loss(
-            logits, targets, self.gammas, self.thresholds, reduction=self.reduction
+            logits,
+            targets,
+            self.gammas,
+            self.thresholds,
+            ignore_index=self.ignore_index,
+            reduction=self.reduction,
         )
 
 
@@ -117,18 +138,25 @@ class DualSampleDependentFocalLoss(SampleDependentFocalLoss):
 
     def forward(self, logits, targets):
         return L.dual_sample_dependent_focal_loss(
-            logits, targets, self.gammas, self.thresholds, reduction=self.reduction
+            logits,
+            targets,
+            self.gammas,
+            self.thresholds,
+            ignore_index=self.ignore_index,
+            reduction=self.reduction,
         )
 
 
 class DualFocalLoss(FocalLoss):
     """Dual focal loss −(1 − p_t + p_j)^γ log p_t."""
 
-    def __init__(self, gamma: float = 5.0, reduction: str = "mean"):
-        super().__init__(gamma, reduction)
+    def __init__(self, gamma: float = 5.0, reduction: str = "mean", *, ignore_index=L.IGNORE_INDEX):
+        super().__init__(gamma, reduction, ignore_index=ignore_index)
 
     def forward(self, logits, targets):
-        return L.dual_focal_loss(logits, targets, self.gamma, reduction=self.reduction)
+        return L.dual_focal_loss(
+            logits, targets, self.gamma, ignore_index=self.ignore_index, reduction=self.reduction
+        )
 
 
 class FocalCalibrationLoss(_Loss):
@@ -136,13 +164,27 @@ class FocalCalibrationLoss(_Loss):
 
     _args = ("gamma", "lambda_")
 
-    def __init__(self, gamma: float = 4.0, lambda_: float = 1.5, reduction: str = "mean"):
-        super().__init__(reduction)
+    def __init__(
+        self,
+        gamma: float = 4.0,
+        lambda_: float = 1.5,
+        reduction: str = "mean",
+        *,
+        ignore_index=L.IGNORE_INDEX,
+    ):
+        super().__init__(reduction, ignore_index)
         self.gamma = check_float(gamma, "gamma", low=0)
         self.lambda_ = check_float(lambda_, "lambda_", low=0)
 
     def forward(self, logits, targets):
-        return L.focal_calibration_loss(logits, targets, self.gamma, self.lambda_, reduction=self.reduction)
+        return L.focal_calibration_loss(
+            logits,
+            targets,
+            self.gamma,
+            self.lambda_,
+            ignore_index=self.ignore_index,
+            reduction=self.reduction,
+        )
 
 
 class MMCELoss(_Loss):
@@ -150,14 +192,26 @@ class MMCELoss(_Loss):
 
     _args = ("lambda_", "normalization")
 
-    def __init__(self, lambda_: float = 2.0, normalization: str = "paper", reduction: str = "mean"):
-        super().__init__(reduction)
+    def __init__(
+        self,
+        lambda_: float = 2.0,
+        normalization: str = "paper",
+        reduction: str = "mean",
+        *,
+        ignore_index=L.IGNORE_INDEX,
+    ):
+        super().__init__(reduction, ignore_index)
         self.lambda_ = check_float(lambda_, "lambda_", low=0)
         self.normalization = check_choice(normalization, "normalization", {"paper", "code"})
 
     def forward(self, logits, targets):
         return L.mmce_loss(
-            logits, targets, self.lambda_, normalization=self.normalization, reduction=self.reduction
+            logits,
+            targets,
+            self.lambda_,
+            normalization=self.normalization,
+            ignore_index=self.ignore_index,
+            reduction=self.reduction,
         )
 
 
@@ -167,8 +221,15 @@ class ScheduledFocalLoss(_Loss):
 
     _args = ("gammas", "milestones")
 
-    def __init__(self, gammas=(5.0, 3.0, 1.0), milestones=(100, 250), reduction: str = "mean"):
-        super().__init__(reduction)
+    def __init__(
+        self,
+        gammas=(5.0, 3.0, 1.0),
+        milestones=(100, 250),
+        reduction: str = "mean",
+        *,
+        ignore_index=L.IGNORE_INDEX,
+    ):
+        super().__init__(reduction, ignore_index)
         gammas = tuple(check_float(g, "gammas", low=0) for g in gammas)
         milestones = tuple(check_positive_int(m, "milestones") for m in milestones)
         if len(gammas) != len(milestones) + 1 or list(milestones) != sorted(set(milestones)):
@@ -184,7 +245,9 @@ class ScheduledFocalLoss(_Loss):
         return self.gammas[sum(self.epoch >= m for m in self.milestones)]
 
     def forward(self, logits, targets):
-        return L.focal_loss(logits, targets, self.gamma, reduction=self.reduction)
+        return L.focal_loss(
+            logits, targets, self.gamma, ignore_index=self.ignore_index, reduction=self.reduction
+        )
 
     def get_extra_state(self):
         return {"epoch": self.epoch}

@@ -49,7 +49,7 @@ def test_every_paper_preset_loads_and_names_real_components():
     from torchcal.losses import create
 
     presets = list_presets()
-    assert len(presets) == 72 + 27  # CIFAR; Tiny-ImageNet, 20 Newsgroups and AG News
+    assert len(presets) == 72 + 36  # CIFAR; Tiny-ImageNet, 20 Newsgroups, AG News and FinSen
     for name, path in presets.items():
         cfg = load_config(path)
         assert cfg.model.name in list_models(), name

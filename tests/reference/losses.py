@@ -93,3 +93,52 @@ def mmce(logits, targets, lam, normalization="paper", bandwidth=0.4):
         cc, ww, cw = cc / m**2, ww / n**2, cw / (m * n)
     penalty = math.sqrt(max(cc + ww - 2 * cw, 0.0))
     return [v + lam * penalty for v in ce_i]
+
+
+# -- soft targets (class probabilities q per sample; decision 73) ---------------------------------------------
+
+
+def _per_sample_soft(logits, q, fn):
+    return [
+        fn(softmax([float(v) for v in row]), [float(v) for v in qs])
+        for row, qs in zip(logits.tolist(), q.tolist())
+    ]
+
+
+def soft_ce(logits, q, eps=0.0):
+    def f(p, qs):
+        k = len(p)
+        return -sum(((1 - eps) * qs[j] + eps / k) * math.log(p[j]) for j in range(k))
+
+    return _per_sample_soft(logits, q, f)
+
+
+def soft_focal(logits, q, gamma):
+    return _per_sample_soft(
+        logits, q, lambda p, qs: -sum(qj * (1 - pj) ** gamma * math.log(pj) for pj, qj in zip(p, qs))
+    )
+
+
+def soft_inverse_focal(logits, q, gamma):
+    return _per_sample_soft(
+        logits, q, lambda p, qs: -sum(qj * (1 + pj) ** gamma * math.log(pj) for pj, qj in zip(p, qs))
+    )
+
+
+def soft_flsd(logits, q, gammas, thresholds):
+    def f(p, qs):
+        total = 0.0
+        for pj, qj in zip(p, qs):
+            g = gammas[sum(1 for th in thresholds if pj >= th)]
+            total -= qj * (1 - pj) ** g * math.log(pj)
+        return total
+
+    return _per_sample_soft(logits, q, f)
+
+
+def soft_brier(logits, q):
+    return _per_sample_soft(logits, q, lambda p, qs: sum((pj - qj) ** 2 for pj, qj in zip(p, qs)))
+
+
+def soft_fcl(logits, q, gamma, lam):
+    return [a + lam * b for a, b in zip(soft_focal(logits, q, gamma), soft_brier(logits, q))]

@@ -19,11 +19,12 @@ import warnings
 
 import torch
 
-from .._validation import check_choice, check_label_range, check_logits_for_loss
+from .._validation import check_choice
 from . import _extension
 from ._binning import Scan, _FinishedClasswise, bin_sums, equal_width_index, torch_scan
+from ._loss_inputs import IGNORE_INDEX, loss_rows, reduce_rows
 from ._spec import REDUCTIONS, reduce_loss
-from ._true_class import TrueClassLoss
+from ._true_class import SoftTargetLoss, TrueClassLoss
 
 __all__ = [
     "scan",
@@ -111,22 +112,47 @@ def _fast_cpu_call(logits, targets, reduction) -> bool:
     )
 
 
-def true_class_loss(logits, targets, reduction, weight_fn, *, brier_lambda=0.0, runner_up=False, spec=None):
+def true_class_loss(
+    logits,
+    targets,
+    reduction,
+    weight_fn,
+    *,
+    brier_lambda=0.0,
+    runner_up=False,
+    spec=None,
+    ignore_index=IGNORE_INDEX,
+    soft_refusal=None,
+):
     """A p_t-only loss: the C++ operator on CPU when built and the loss describes itself with a
     :class:`~torchcal.functional._spec.LossSpec` (``spec``, which then carries the runner-up and Brier options
-    too); :class:`~torchcal.functional._true_class.TrueClassLoss` with ``weight_fn`` otherwise."""
+    too); :class:`~torchcal.functional._true_class.TrueClassLoss` with ``weight_fn`` otherwise, and
+    :class:`~torchcal.functional._true_class.SoftTargetLoss` for soft targets (unless ``soft_refusal`` says
+    why the loss refuses them). (N, K, d1, ...) inputs and labels equal to ``ignore_index`` go through
+    :func:`~torchcal.functional._loss_inputs.loss_rows` (decision 73)."""
     if spec is not None and _fast_cpu_call(logits, targets, reduction):
-        return _extension.fused_true_class(logits, targets, spec, reduction)
+        if ignore_index is None or not 0 <= ignore_index < logits.shape[1]:
+            try:  # ignored labels lie outside [0, K): the operator raises on them, and nothing is lost
+                return _extension.fused_true_class(logits, targets, spec, reduction)
+            except ValueError:
+                if ignore_index is None:
+                    raise
     check_choice(reduction, "reduction", REDUCTIONS)
-    logits, targets = check_logits_for_loss(logits, targets, check_range=False)
-    if logits.dtype in (torch.float16, torch.bfloat16):
-        logits = logits.float()
-    if spec is not None and _fast_cpu_call(logits, targets, reduction):  # now checked and converted
-        return _extension.fused_true_class(logits, targets, spec, reduction)
-    check_label_range(targets, logits.shape[1])
-    with torch.autocast(logits.device.type, enabled=False):
-        loss = TrueClassLoss.apply(logits, targets, weight_fn, brier_lambda, runner_up)
-    return reduce_loss(loss, reduction)
+    rows = loss_rows(logits, targets, ignore_index, soft_refusal=soft_refusal)
+    if rows.soft:
+        with torch.autocast(rows.logits.device.type, enabled=False):
+            loss = SoftTargetLoss.apply(rows.logits, rows.targets, weight_fn, brier_lambda)
+        return reduce_rows(loss, rows, reduction)
+    direct = rows.keep is None and len(rows.shape) == 1  # plain (N, K) rows, nothing to mask or reshape
+    inner = reduction if direct else "none"
+    if spec is not None and _fast_cpu_call(rows.logits, rows.targets, inner):
+        loss = _extension.fused_true_class(rows.logits, rows.targets, spec, inner)
+    else:
+        with torch.autocast(rows.logits.device.type, enabled=False):
+            loss = TrueClassLoss.apply(rows.logits, rows.targets, weight_fn, brier_lambda, runner_up)
+        if direct:
+            return reduce_loss(loss, reduction)
+    return loss if direct else reduce_rows(loss, rows, reduction)
 
 
 # -- retired switches ----------------------------------------------------------------------------------------

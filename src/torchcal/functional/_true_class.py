@@ -1,5 +1,6 @@
 """The torch implementation of the p_t-only losses (focal family, dual focal, the Brier term): the reference
-path, and the path of every device the C++ operator does not take. :mod:`._backend` decides which runs."""
+path, and the path of every device the C++ operator does not take; and of the same losses against soft
+targets (class probabilities). :mod:`._backend` decides which runs."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import math
 
 import torch
 
-__all__ = ["TrueClassLoss"]
+__all__ = ["TrueClassLoss", "SoftTargetLoss"]
 
 
 def _runner_up(log_p, log_pt):
@@ -75,3 +76,35 @@ class TrueClassLoss(torch.autograd.Function):
         if c_j is not None:
             grad.scatter_add_(1, j[:, None], (c_j * grad_loss)[:, None])
         return grad, None, None, None, None
+
+
+class SoftTargetLoss(torch.autograd.Function):
+    """Per-sample Σ_k q_k f(p_k) + λ·Σ_k (p_k − q_k)² against target distributions q (N, K), with an analytic
+    backward (decision 73).
+
+    ``weight_fn(log_p) -> (loss, c)`` is the same elementwise function as :class:`TrueClassLoss`'s, applied to
+    every class: f(p_k) and c_k = p_k f'(p_k). With one-hot q this is the hard-label loss. The gradient is
+    q⊙c − p·Σ_k q_k c_k, plus 2λ·(p⊙(p − q) − p·Σ_k p_k (p_k − q_k)) for the squared-error term. No gradient
+    flows to the targets.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, q, weight_fn, brier_lambda):
+        log_p = torch.log_softmax(logits, dim=1)
+        f, c = weight_fn(log_p)
+        loss = (q * f).sum(dim=1)
+        if brier_lambda:
+            loss = loss + brier_lambda * (log_p.exp() - q).square().sum(dim=1)
+        ctx.brier_lambda = brier_lambda
+        ctx.save_for_backward(log_p, q, q * c)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        log_p, q, qc = ctx.saved_tensors
+        p = torch.exp(log_p)
+        grad = qc - p * qc.sum(dim=1, keepdim=True)
+        if ctx.brier_lambda:
+            pd = p * (p - q)
+            grad = grad + (2 * ctx.brier_lambda) * (pd - p * pd.sum(dim=1, keepdim=True))
+        return grad * grad_loss[:, None], None, None, None

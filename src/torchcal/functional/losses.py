@@ -1,4 +1,9 @@
-"""Training losses for calibration (SPEC §1), as pure functions of logits and integer targets.
+"""Training losses for calibration (SPEC §1), as pure functions of logits and targets.
+
+Every loss takes (N, K) logits with (N,) integer labels, and also, as ``F.cross_entropy`` does, (N, K, d1, ...)
+logits with (N, d1, ...) labels, labels equal to ``ignore_index`` (−100 by default; ``None`` ignores none)
+left out, and soft targets (class probabilities of the logits' shape) where the loss's definition extends
+to them (see :mod:`torchcal.functional._loss_inputs` and decision 73).
 
 Everything starts from ``log_softmax``; ``1 − p_t`` is ``−expm1(log p_t)`` (no cancellation as p_t → 1).
 Losses that depend on the logits only through p_t (and the runner-up p_j, and a squared-error term) run
@@ -18,10 +23,10 @@ import math
 import torch
 import torch.nn.functional as nnf
 
-from .._validation import check_choice, check_float, check_label_range, check_logits_for_loss
+from .._validation import check_choice, check_float, check_label_range
 from . import _backend
+from ._loss_inputs import IGNORE_INDEX, check_ignore_index, check_loss_inputs, loss_rows, reduce_rows
 from ._spec import REDUCTIONS, LossSpec
-from ._spec import reduce_loss as _reduce
 
 __all__ = [
     "brier_loss",
@@ -39,16 +44,6 @@ __all__ = [
     "sample_dependent_focal_loss",
     "varying_focal_loss",
 ]
-
-
-def _prepare(logits, targets, reduction):
-    check_choice(reduction, "reduction", REDUCTIONS)
-    logits, targets = check_logits_for_loss(logits, targets)
-    log_p = torch.log_softmax(
-        logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits, 1
-    )
-    log_pt = log_p.gather(1, targets[:, None]).squeeze(1)
-    return log_p, log_pt, targets
 
 
 def _one_minus_pt(log_pt: torch.Tensor) -> torch.Tensor:
@@ -160,36 +155,48 @@ def _signed_gamma_weight(gamma):
 # ----------------------------------------------------------------------------- CE and friends
 
 
-def cross_entropy(logits, targets, *, label_smoothing: float = 0.0, reduction: str = "mean"):
-    """Cross entropy −log p_t, optionally against (1 − ε)·onehot + ε/K (PyTorch's ``label_smoothing``).
+def cross_entropy(
+    logits, targets, *, label_smoothing: float = 0.0, ignore_index=IGNORE_INDEX, reduction: str = "mean"
+):
+    """Cross entropy −log p_t, optionally against (1 − ε)·onehot + ε/K (PyTorch's ``label_smoothing``);
+    −Σ_k q_k log p_k against soft targets q (smoothed as (1 − ε)·q + ε/K). ``F.cross_entropy``'s semantics,
+    except that ``ignore_index=None`` ignores no label.
 
     Example:
         >>> import torch
         >>> logits = torch.tensor([[2.0, 0.0], [0.0, 1.0]])
         >>> cross_entropy(logits, torch.tensor([0, 1]))
         tensor(0.2201)
+        >>> cross_entropy(logits, torch.tensor([0, -100]))  # the second sample is ignored
+        tensor(0.1269)
+        >>> cross_entropy(logits, torch.tensor([[1.0, 0.0], [0.5, 0.5]]), reduction="none")  # soft targets
+        tensor([0.1269, 0.8133])
     """
     eps = check_float(label_smoothing, "label_smoothing", low=0, high=1)
     check_choice(reduction, "reduction", REDUCTIONS)
-    logits, targets = check_logits_for_loss(logits, targets, check_range=False)
-    if logits.dtype in (torch.float16, torch.bfloat16):
-        logits = logits.float()
+    ignore_index = check_ignore_index(ignore_index)
+    logits, targets, soft = check_loss_inputs(logits, targets, ignore_index, check_range=False)
+    ignored = _NO_IGNORED_LABEL if ignore_index is None else ignore_index
     try:
-        # no ignored label (PyTorch's default −100 would drop such samples silently): on CPU every label
-        # outside [0, K) raises IndexError inside the op, so the range needs no separate pass
+        # on CPU every label outside [0, K) but the ignored one raises IndexError inside the op, so the range
+        # needs no separate pass (decision 40)
         return nnf.cross_entropy(
-            logits, targets, label_smoothing=eps, reduction=reduction, ignore_index=_NO_IGNORED_LABEL
+            logits, targets, label_smoothing=eps, reduction=reduction, ignore_index=ignored
         )
     except IndexError as err:
+        if soft:
+            raise
         error = err
-    check_label_range(targets, logits.shape[1])  # the named ValueError (outside the except: no chained trace)
+    check_label_range(targets, logits.shape[1], ignore_index)  # the named ValueError (no chained trace)
     raise error
 
 
 _NO_IGNORED_LABEL = -(2**63)  # int64's minimum, a label no dataset holds
 
 
-def label_smoothing_loss(logits, targets, epsilon: float = 0.05, *, reduction: str = "mean"):
+def label_smoothing_loss(
+    logits, targets, epsilon: float = 0.05, *, ignore_index=IGNORE_INDEX, reduction: str = "mean"
+):
     """Label smoothing LS-ε: cross entropy against (1 − ε)·onehot + ε/K (Müller et al. 2019; ε = 0.05 in
     Mukhoti et al.). Same as ``cross_entropy(..., label_smoothing=epsilon)``.
     Example:
@@ -197,11 +204,13 @@ def label_smoothing_loss(logits, targets, epsilon: float = 0.05, *, reduction: s
         >>> label_smoothing_loss(torch.tensor([[2.0, 0.0], [0.0, 1.0]]), torch.tensor([0, 1]), 0.1)
         tensor(0.2951)
     """
-    return cross_entropy(logits, targets, label_smoothing=epsilon, reduction=reduction)
+    return cross_entropy(
+        logits, targets, label_smoothing=epsilon, ignore_index=ignore_index, reduction=reduction
+    )
 
 
-def brier_loss(logits, targets, *, reduction: str = "mean"):
-    """Brier loss Σ_k (p_k − onehot_k)² of softmax probabilities.
+def brier_loss(logits, targets, *, ignore_index=IGNORE_INDEX, reduction: str = "mean"):
+    """Brier loss Σ_k (p_k − onehot_k)² of softmax probabilities; Σ_k (p_k − q_k)² against soft targets q.
 
     Example:
         >>> import torch
@@ -214,16 +223,19 @@ def brier_loss(logits, targets, *, reduction: str = "mean"):
         return zero, zero
 
     spec = _spec((0.0,), nll=False, brier=1.0)
-    return _backend.true_class_loss(logits, targets, reduction, no_nll, brier_lambda=1.0, spec=spec)
+    return _backend.true_class_loss(
+        logits, targets, reduction, no_nll, brier_lambda=1.0, spec=spec, ignore_index=ignore_index
+    )
 
 
 # ----------------------------------------------------------------------------- focal family
 
 
-def focal_loss(logits, targets, gamma: float = 3.0, *, reduction: str = "mean"):
+def focal_loss(logits, targets, gamma: float = 3.0, *, ignore_index=IGNORE_INDEX, reduction: str = "mean"):
     r"""Focal loss :math:`-(1 - p_t)^\gamma \log p_t` (Lin et al. 2017; Mukhoti et al. 2020).
 
     γ = 0 is cross entropy. Finite loss and gradients for any finite logits, also for 0 < γ < 1 as p_t → 1.
+    Against soft targets q: −Σ_k q_k (1 − p_k)^γ log p_k (decision 73).
 
     Args:
         gamma: γ >= 0 (use :func:`inverse_focal_loss` for the AdaFocal's negative γ).
@@ -235,11 +247,16 @@ def focal_loss(logits, targets, gamma: float = 3.0, *, reduction: str = "mean"):
         tensor(0.0122)
     """
     gamma, _, spec = _gamma_spec(gamma)
-    return _backend.true_class_loss(logits, targets, reduction, _focal_weight(gamma), spec=spec)
+    return _backend.true_class_loss(
+        logits, targets, reduction, _focal_weight(gamma), spec=spec, ignore_index=ignore_index
+    )
 
 
-def inverse_focal_loss(logits, targets, gamma: float = 1.0, *, reduction: str = "mean"):
-    r"""Inverse focal loss :math:`-(1 + p_t)^\gamma \log p_t` (Wang et al. 2021), used by AdaFocal for γ < 0.
+def inverse_focal_loss(
+    logits, targets, gamma: float = 1.0, *, ignore_index=IGNORE_INDEX, reduction: str = "mean"
+):
+    r"""Inverse focal loss :math:`-(1 + p_t)^\gamma \log p_t` (Wang et al. 2021), used by AdaFocal for γ < 0;
+    −Σ_k q_k (1 + p_k)^γ log p_k against soft targets q.
 
     Example:
         >>> import torch
@@ -247,7 +264,9 @@ def inverse_focal_loss(logits, targets, gamma: float = 1.0, *, reduction: str = 
         tensor(1.0397)
     """
     gamma, _, spec = _gamma_spec(gamma, "inverse")
-    return _backend.true_class_loss(logits, targets, reduction, _inverse_focal_weight(gamma), spec=spec)
+    return _backend.true_class_loss(
+        logits, targets, reduction, _inverse_focal_weight(gamma), spec=spec, ignore_index=ignore_index
+    )
 
 
 def _pick_gamma(values, thresholds, gammas):
@@ -270,13 +289,20 @@ def _check_schedule(gammas, thresholds):
 
 
 def sample_dependent_focal_loss(
-    logits, targets, gammas=(5.0, 3.0), thresholds=(0.2,), *, reduction: str = "mean"
+    logits,
+    targets,
+    gammas=(5.0, 3.0),
+    thresholds=(0.2,),
+    *,
+    ignore_index=IGNORE_INDEX,
+    reduction: str = "mean",
 ):
     """Sample-dependent focal loss (FLSD) of Mukhoti et al. 2020.
 
     γ_i is chosen from the **detached** p_t: ``gammas[j]`` where j is the number of ``thresholds`` <= p_t,
     so a p_t equal to a threshold takes the upper γ. FLSD-53: gammas (5, 3), thresholds (0.2,);
-    FLSD-532: gammas (5, 3, 2), thresholds (0.2, 0.5).
+    FLSD-532: gammas (5, 3, 2), thresholds (0.2, 0.5). Against soft targets q: −Σ_k q_k (1 − p_k)^γ_k log p_k
+    with γ_k chosen from the detached p_k by the same thresholds (decision 73).
 
     Example:
         >>> import torch
@@ -289,12 +315,15 @@ def sample_dependent_focal_loss(
     def weight(log_pt):
         return _focal_weight(_pick_gamma(log_pt.exp(), thresholds, gammas))(log_pt)
 
-    return _backend.true_class_loss(logits, targets, reduction, weight, spec=spec)
+    return _backend.true_class_loss(logits, targets, reduction, weight, spec=spec, ignore_index=ignore_index)
 
 
-def varying_focal_loss(logits, targets, gamma: torch.Tensor, *, reduction: str = "mean"):
-    """Focal loss with a per-sample γ tensor (N,): focal form where γ_i >= 0, inverse focal with |γ_i| where
-    γ_i < 0 (the AdaFocal convention). γ is treated as a constant (no gradient).
+def varying_focal_loss(
+    logits, targets, gamma: torch.Tensor, *, ignore_index=IGNORE_INDEX, reduction: str = "mean"
+):
+    """Focal loss with a per-sample γ tensor of the labels' shape ((N,) or (N, d1, ...)): focal form where
+    γ_i >= 0, inverse focal with |γ_i| where γ_i < 0 (the AdaFocal convention). γ is treated as a constant
+    (no gradient).
     Example:
         >>> import torch
         >>> z = torch.tensor([[2.0, 0.0], [0.0, 1.0]])
@@ -302,15 +331,32 @@ def varying_focal_loss(logits, targets, gamma: torch.Tensor, *, reduction: str =
         tensor([0.0018, 0.5423])
     """
     gamma = torch.as_tensor(gamma).detach()
-    n = logits.shape[0] if isinstance(logits, torch.Tensor) and logits.ndim == 2 else None
-    if gamma.shape != (n,):
-        raise ValueError(f"`gamma` must have shape ({n},), one γ per sample, got {tuple(gamma.shape)}")
-    gamma = gamma.to(logits.device)
+    shape = (
+        (logits.shape[0], *logits.shape[2:])
+        if isinstance(logits, torch.Tensor) and logits.ndim >= 2
+        else None
+    )
+    if shape is None or tuple(gamma.shape) != shape:
+        raise ValueError(f"`gamma` must have shape {shape}, one γ per sample, got {tuple(gamma.shape)}")
+    gamma = gamma.to(logits.device).reshape(-1)
     spec = LossSpec((), sample_gammas=gamma)
-    return _backend.true_class_loss(logits, targets, reduction, _signed_gamma_weight(gamma), spec=spec)
+    return _backend.true_class_loss(
+        logits,
+        targets,
+        reduction,
+        _signed_gamma_weight(gamma),
+        spec=spec,
+        ignore_index=ignore_index,
+        soft_refusal="γ is given per sample, for its true class",
+    )
 
 
-def dual_focal_loss(logits, targets, gamma: float = 5.0, *, reduction: str = "mean"):
+_DUAL_NEEDS_LABELS = "the dual focal loss is defined by the true class and the runner-up below it"
+
+
+def dual_focal_loss(
+    logits, targets, gamma: float = 5.0, *, ignore_index=IGNORE_INDEX, reduction: str = "mean"
+):
     r"""Dual focal loss :math:`-(1 - p_t + p_j)^\gamma \log p_t` (Tao et al. 2023).
 
     p_j is the largest probability strictly smaller than p_t: the runner-up when the true class is the
@@ -325,12 +371,25 @@ def dual_focal_loss(logits, targets, gamma: float = 5.0, *, reduction: str = "me
     """
     gamma, _, spec = _gamma_spec(gamma, "dual")
     return _backend.true_class_loss(
-        logits, targets, reduction, _dual_weight(gamma), runner_up=True, spec=spec
+        logits,
+        targets,
+        reduction,
+        _dual_weight(gamma),
+        runner_up=True,
+        spec=spec,
+        ignore_index=ignore_index,
+        soft_refusal=_DUAL_NEEDS_LABELS,
     )
 
 
 def dual_sample_dependent_focal_loss(
-    logits, targets, gammas=(5.0, 3.0), thresholds=(0.2,), *, reduction: str = "mean"
+    logits,
+    targets,
+    gammas=(5.0, 3.0),
+    thresholds=(0.2,),
+    *,
+    ignore_index=IGNORE_INDEX,
+    reduction: str = "mean",
 ):
     """DualFLSD: the dual focal form with γ_i chosen by the FLSD thresholds applied to the detached margin
     p_t − p_j (Tao et al. 2023's sample-dependent variant; DualFLSD-53 by default).
@@ -344,12 +403,24 @@ def dual_sample_dependent_focal_loss(
     def weight(log_pt, p_j):
         return _dual_weight(_pick_gamma(log_pt.exp() - p_j, thresholds, gammas))(log_pt, p_j)
 
-    return _backend.true_class_loss(logits, targets, reduction, weight, runner_up=True, spec=spec)
+    return _backend.true_class_loss(
+        logits,
+        targets,
+        reduction,
+        weight,
+        runner_up=True,
+        spec=spec,
+        ignore_index=ignore_index,
+        soft_refusal=_DUAL_NEEDS_LABELS,
+    )
 
 
-def focal_calibration_loss(logits, targets, gamma: float = 4.0, lambda_: float = 1.5, *, reduction="mean"):
+def focal_calibration_loss(
+    logits, targets, gamma: float = 4.0, lambda_: float = 1.5, *, ignore_index=IGNORE_INDEX, reduction="mean"
+):
     r"""Focal calibration loss: focal(γ) + λ·Σ_k (p_k − onehot_k)² ("Towards Trustworthy DNN through
-    Euclidean Distance"; e.g. (γ, λ) = (4.0, 1.5) for CIFAR-10 ResNet-50).
+    Euclidean Distance"; e.g. (γ, λ) = (4.0, 1.5) for CIFAR-10 ResNet-50); against soft targets q, the soft
+    focal term plus λ·Σ_k (p_k − q_k)².
 
     Example:
         >>> import torch
@@ -358,20 +429,29 @@ def focal_calibration_loss(logits, targets, gamma: float = 4.0, lambda_: float =
     """
     gamma, lam, spec = _gamma_spec(gamma, "fcl", lambda_)
     return _backend.true_class_loss(
-        logits, targets, reduction, _focal_weight(gamma), brier_lambda=lam, spec=spec
+        logits,
+        targets,
+        reduction,
+        _focal_weight(gamma),
+        brier_lambda=lam,
+        spec=spec,
+        ignore_index=ignore_index,
     )
 
 
 # ----------------------------------------------------------------------------- MMCE
 
 
-def mmce_penalty(logits, targets, *, normalization: str = "paper", bandwidth: float = 0.4):
+def mmce_penalty(
+    logits, targets, *, normalization: str = "paper", bandwidth: float = 0.4, ignore_index=IGNORE_INDEX
+):
     """Kumar et al. 2018 weighted MMCE of a batch, on top-label confidences r and correctness c.
 
     MMCE_w² = Σ_{c,c}(1−r)(1−r')k/m² + Σ_{w,w} r r' k/n² − 2 Σ_{c,w}(1−r) r' k/(m n), k = exp(−|r − r'|/0.4),
     m correct and n wrong samples; the result is sqrt(max(0, ·)) and 0 when the batch is all correct or all
     wrong. ``normalization="code"`` reproduces the released code, which divides each block once more by
-    m², n² and m·n (a term about batch-size² smaller); the paper presets use it.
+    m², n² and m·n (a term about batch-size² smaller); the paper presets use it. Positions labelled
+    ``ignore_index`` are not part of the batch.
 
     Example:
         >>> import torch
@@ -379,10 +459,23 @@ def mmce_penalty(logits, targets, *, normalization: str = "paper", bandwidth: fl
         tensor(0.5573)
     """
     check_choice(normalization, "normalization", {"paper", "code"})
-    log_p, _, targets = _prepare(logits, targets, "none")
+    return _mmce_rows(
+        loss_rows(logits, targets, ignore_index, soft_refusal=_MMCE_NEEDS_LABELS), normalization, bandwidth
+    )
+
+
+_MMCE_NEEDS_LABELS = "MMCE measures whether the top-label prediction is correct"
+
+
+def _mmce_rows(rows, normalization, bandwidth):
+    """The weighted MMCE of checked rows; ignored rows get zero weight (no indexing: sync-free)."""
+    log_p = torch.log_softmax(rows.logits, 1)
     conf, pred = log_p.exp().max(1)
-    correct = (pred == targets).to(conf.dtype)
+    correct = (pred == rows.targets).to(conf.dtype)
     wrong = 1 - correct
+    if rows.keep is not None:
+        kept = rows.keep.to(conf.dtype)
+        correct, wrong = correct * kept, wrong * kept
     m, n = correct.sum(), wrong.sum()
     kernel = torch.exp(-(conf[:, None] - conf[None, :]).abs() / bandwidth)
     a = (1 - conf) * correct  # weights of correct samples
@@ -400,12 +493,19 @@ def mmce_penalty(logits, targets, *, normalization: str = "paper", bandwidth: fl
 
 
 def mmce_loss(
-    logits, targets, lambda_: float = 2.0, *, normalization: str = "paper", reduction: str = "mean"
+    logits,
+    targets,
+    lambda_: float = 2.0,
+    *,
+    normalization: str = "paper",
+    ignore_index=IGNORE_INDEX,
+    reduction: str = "mean",
 ):
     """Cross entropy + λ·MMCE_w(batch) (Kumar et al. 2018; λ = 2 for images, 8 for text).
 
     The MMCE term belongs to the batch: ``"mean"`` is CE.mean() + λ·MMCE, ``"none"`` gives every sample
-    CE_i + λ·MMCE (so its mean is the "mean" loss) and ``"sum"`` is the sum of ``"none"``.
+    CE_i + λ·MMCE (so its mean is the "mean" loss) and ``"sum"`` is the sum of ``"none"``. Positions labelled
+    ``ignore_index`` are left out of both terms (their "none" loss is 0).
 
     Example:
         >>> import torch
@@ -415,9 +515,11 @@ def mmce_loss(
     """
     lam = check_float(lambda_, "lambda_", low=0)
     check_choice(reduction, "reduction", REDUCTIONS)
-    ce = cross_entropy(logits, targets, reduction="none")
-    loss = ce + lam * mmce_penalty(logits, targets, normalization=normalization)
-    return _reduce(loss, reduction)
+    check_choice(normalization, "normalization", {"paper", "code"})
+    rows = loss_rows(logits, targets, ignore_index, soft_refusal=_MMCE_NEEDS_LABELS)
+    ce = nnf.cross_entropy(rows.logits, rows.targets, reduction="none")
+    loss = ce + lam * _mmce_rows(rows, normalization, 0.4)
+    return reduce_rows(loss, rows, reduction)
 
 
 # ----------------------------------------------------------------------------- CalFocal and γ*
@@ -431,6 +533,7 @@ def calfocal_loss(
     lambda_: float = 10.0,
     *,
     bin_confidence=None,
+    ignore_index=IGNORE_INDEX,
     reduction: str = "mean",
 ):
     """CalFocal (Ghosh et al. 2022, eq. 2 and 3): focal loss whose γ follows validation calibration.
@@ -461,7 +564,8 @@ def calfocal_loss(
         if conf.shape != acc.shape:
             raise ValueError(f"`bin_confidence` must have shape {tuple(acc.shape)}, got {tuple(conf.shape)}")
 
-    return _calfocal(logits, targets, edges, acc, conf, lam, reduction, _calfocal_spec(edges, acc, conf, lam))
+    spec = _calfocal_spec(edges, acc, conf, lam)
+    return _calfocal(logits, targets, edges, acc, conf, lam, reduction, spec, ignore_index)
 
 
 def _calfocal_spec(edges, acc, conf, lam):
@@ -475,7 +579,10 @@ def _calfocal_spec(edges, acc, conf, lam):
     return LossSpec(bin_gamma, interior, upper_on_tie=False)
 
 
-def _calfocal(logits, targets, edges, acc, conf, lam, reduction, spec):
+_BINS_NEED_LABELS = "the validation bin is looked up by the true-class probability"
+
+
+def _calfocal(logits, targets, edges, acc, conf, lam, reduction, spec, ignore_index=IGNORE_INDEX):
     """CalFocal on checked bin statistics (``torchcal.adafocal.CalFocalLoss`` passes its cached ``spec``)."""
 
     def weight(log_pt):
@@ -488,7 +595,15 @@ def _calfocal(logits, targets, edges, acc, conf, lam, reduction, spec):
             gamma = torch.exp(lam * (conf.to(p_t.dtype) - a))[b]
         return _focal_weight(gamma)(log_pt)
 
-    return _backend.true_class_loss(logits, targets, reduction, weight, spec=spec)
+    return _backend.true_class_loss(
+        logits,
+        targets,
+        reduction,
+        weight,
+        spec=spec,
+        ignore_index=ignore_index,
+        soft_refusal=_BINS_NEED_LABELS,
+    )
 
 
 def _lambert_w(x: float, branch: int) -> float:
