@@ -15,6 +15,9 @@ $(BIN)/python:
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	@# timm without its dependencies: its torchvision would replace torch; the tests use two of its
+	@# self-contained files (mixup, soft-target cross entropy)
+	$(BIN)/python -m pip install --quiet --no-deps "timm>=1.0"
 	touch $@
 
 setup: $(VENV)/.installed

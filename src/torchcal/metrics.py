@@ -74,57 +74,27 @@ class CalibrationMetrics:
 
     def reset(self) -> None:
         """Forget everything seen so far."""
-        m, k = self.n_bins, self.num_classes
-        dev = self._device
         # One flat float64 buffer for every constant-size sum, so sync() is a single all-reduce.
-        self._sums = torch.zeros(3 * m + 2 * k * m + 6, dtype=torch.float64, device=dev)
+        self._sums = torch.zeros(
+            state_size(self.num_classes, self.n_bins), dtype=torch.float64, device=self._device
+        )
         self._conf: list[torch.Tensor] = []
         self._correct: list[torch.Tensor] = []
 
     def _views(self):
-        m, km = self.n_bins, self.num_classes * self.n_bins
-        s = self._sums
-        top = s[: 3 * m].view(3, m)
-        cw = s[3 * m : 3 * m + 2 * km].view(2, self.num_classes, m)
-        scalars = s[3 * m + 2 * km :]  # n, nll, brier, correct, s99 count, s99 hits
-        return top, cw, scalars
+        return state_views(self._sums, self.num_classes, self.n_bins)
 
     def update(self, probs_or_logits, targets) -> None:
         """Adds a batch: probabilities (or logits if ``from_logits``) of shape (B, K) and targets (B,)."""
-        probs, targets, scan = scan_inputs(
-            probs_or_logits,
-            targets,
-            self.from_logits,
-            "probs_or_logits",
-            self.num_classes,
-            classwise_bins=self.n_bins,
-            n_bins=self.n_bins,
-            threshold=self.s99_threshold,
+        sums, conf, correct = batch_state(
+            probs_or_logits, targets, self.num_classes, self.n_bins, self.from_logits, self.s99_threshold
         )
-        conf, correct = scan.conf, scan.correct
         if self._device is None:
-            self._device = probs.device
-            self._sums = self._sums.to(probs.device)
-        elif probs.device != self._device:
-            raise ValueError(
-                f"`probs_or_logits` is on {probs.device}, earlier batches were on {self._device}"
-            )
-        top, cw, scalars = self._views()
-        top += torch.stack(list(scan.top))
-        _, cw_conf, cw_correct = classwise_sums(probs, targets, self.n_bins, scan.classwise)
-        cw += torch.stack([cw_conf, cw_correct])
-        n, sums = conf.shape[0], scan.sums
-        if scan.sum_sq is None:
-            brier = C.brier_per_sample(probs, targets).sum()
-        else:  # Σ_i (Σ_k p_ik² − 2 p_t + 1) from the fused scan's Σ p²
-            brier = scan.sum_sq - 2 * sums.p_true + n
-        batch = [n, sums.nll, brier, sums.correct, sums.confident, sums.confident_correct]
-        if all(isinstance(v, float | int) for v in batch):  # the C++ scan's sums: one small tensor
-            scalars += torch.tensor(batch, dtype=torch.float64, device=conf.device)
-        else:  # 0-d device tensors (no host sync)
-            scalars += torch.stack(
-                [torch.as_tensor(v, dtype=torch.float64, device=conf.device) for v in batch]
-            )
+            self._device = sums.device
+            self._sums = self._sums.to(sums.device)
+        elif sums.device != self._device:
+            raise ValueError(f"`probs_or_logits` is on {sums.device}, earlier batches were on {self._device}")
+        self._sums += sums
         if self.equal_mass:
             self._conf.append(conf)
             self._correct.append(correct)
@@ -205,36 +175,97 @@ class CalibrationMetrics:
                 ) from None
             if not all(isinstance(n, str) for n in names):
                 raise TypeError(f"`names` must hold metric names (strings), got {names!r}")
-        top, cw, scalars = self._views()
-        n = scalars[0]
-        if float(n) == 0:
-            raise RuntimeError("CalibrationMetrics.compute() called before any update()")
-        nan = torch.tensor(float("nan"), dtype=torch.float64, device=n.device)
-        out = {
-            "ece": C.ece_from_sums(top[0], top[1], top[2]),
-            "mce": C.mce_from_sums(top[0], top[1], top[2]),
-            "classwise_ece": C.classwise_from_sums(cw[0], cw[1], n),
-            "nll": scalars[1] / n,
-            "brier": scalars[2] / n,
-            "error": 1 - scalars[3] / n,
-            "s99_fraction": scalars[4] / n,
-            "s99_accuracy": scalars[5] / scalars[4] if float(scalars[4]) > 0 else nan,
+        if not self.equal_mass:
+            return results(self._sums, None, None, self.num_classes, self.n_bins, names)
+        return results(self._sums, self._conf, self._correct, self.num_classes, self.n_bins, names)
+
+
+# -- the state and its results, shared with torchcal.integrations.torchmetrics ------------------------------
+
+
+def state_size(num_classes: int, n_bins: int) -> int:
+    """Length of the flat float64 state: top-label bins (3·M), classwise bins (2·K·M) and 6 scalars."""
+    return 3 * n_bins + 2 * num_classes * n_bins + 6
+
+
+def state_views(sums: torch.Tensor, num_classes: int, n_bins: int):
+    """(top (3, M), classwise (2, K, M), scalars (6,): n, nll, brier, correct, s99 count, s99 hits) views."""
+    m, km = n_bins, num_classes * n_bins
+    top = sums[: 3 * m].view(3, m)
+    cw = sums[3 * m : 3 * m + 2 * km].view(2, num_classes, m)
+    return top, cw, sums[3 * m + 2 * km :]
+
+
+def batch_state(probs_or_logits, targets, num_classes, n_bins, from_logits, s99_threshold):
+    """A batch's contribution: (flat float64 sums of :func:`state_size`, top-label confidences, correctness)."""
+    probs, targets, scan = scan_inputs(
+        probs_or_logits,
+        targets,
+        from_logits,
+        "probs_or_logits",
+        num_classes,
+        classwise_bins=n_bins,
+        n_bins=n_bins,
+        threshold=s99_threshold,
+    )
+    conf, correct = scan.conf, scan.correct
+    sums = torch.zeros(state_size(num_classes, n_bins), dtype=torch.float64, device=probs.device)
+    top, cw, scalars = state_views(sums, num_classes, n_bins)
+    top += torch.stack(list(scan.top))
+    _, cw_conf, cw_correct = classwise_sums(probs, targets, n_bins, scan.classwise)
+    cw += torch.stack([cw_conf, cw_correct])
+    n, batch_sums = conf.shape[0], scan.sums
+    if scan.sum_sq is None:
+        brier = C.brier_per_sample(probs, targets).sum()
+    else:  # Σ_i (Σ_k p_ik² − 2 p_t + 1) from the fused scan's Σ p²
+        brier = scan.sum_sq - 2 * batch_sums.p_true + n
+    batch = [n, batch_sums.nll, brier, batch_sums.correct, batch_sums.confident, batch_sums.confident_correct]
+    if all(isinstance(v, float | int) for v in batch):  # the C++ scan's sums: one small tensor
+        scalars += torch.tensor(batch, dtype=torch.float64, device=conf.device)
+    else:  # 0-d device tensors (no host sync)
+        scalars += torch.stack([torch.as_tensor(v, dtype=torch.float64, device=conf.device) for v in batch])
+    return sums, conf, correct
+
+
+EQUAL_WIDTH_METRICS = ("ece", "mce", "classwise_ece", "nll", "brier", "error", "s99_fraction", "s99_accuracy")
+EQUAL_MASS_METRICS = ("adaece", "debiased_ece", "ece_sweep", "smece")
+
+
+def results(sums, conf, correct, num_classes, n_bins, names=None) -> dict[str, torch.Tensor]:
+    """The metrics of a state: flat ``sums`` and, for the equal-mass ones, the lists of per-sample top-label
+    confidences and correctness (None: not kept)."""
+    top, cw, scalars = state_views(sums, num_classes, n_bins)
+    n = scalars[0]
+    if float(n) == 0:
+        raise RuntimeError("CalibrationMetrics.compute() called before any update()")
+    nan = torch.tensor(float("nan"), dtype=torch.float64, device=n.device)
+    out = {
+        "ece": C.ece_from_sums(top[0], top[1], top[2]),
+        "mce": C.mce_from_sums(top[0], top[1], top[2]),
+        "classwise_ece": C.classwise_from_sums(cw[0], cw[1], n),
+        "nll": scalars[1] / n,
+        "brier": scalars[2] / n,
+        "error": 1 - scalars[3] / n,
+        "s99_fraction": scalars[4] / n,
+        "s99_accuracy": scalars[5] / scalars[4] if float(scalars[4]) > 0 else nan,
+    }
+    if conf is not None:
+        equal_mass = {  # (sorted confidences, correctness, their prefix sums) -> value
+            "adaece": lambda c, k, s: C.adaece_from_sorted(c, k, n_bins, s),
+            "debiased_ece": lambda c, k, s: C.debiased_from_sorted(c, k, n_bins, s),
+            "ece_sweep": lambda c, k, s: C.sweep_from_sorted(c, k, prefix=s)[0],
+            "smece": lambda c, k, s: C.smooth_ece_from_conf(c, k)[0],
         }
-        if self.equal_mass:
-            equal_mass = {  # (sorted confidences, correctness, their prefix sums) -> value
-                "adaece": lambda c, k, s: C.adaece_from_sorted(c, k, self.n_bins, s),
-                "debiased_ece": lambda c, k, s: C.debiased_from_sorted(c, k, self.n_bins, s),
-                "ece_sweep": lambda c, k, s: C.sweep_from_sorted(c, k, prefix=s)[0],
-                "smece": lambda c, k, s: C.smooth_ece_from_conf(c, k)[0],
-            }
-            wanted = [m for m in equal_mass if names is None or m in names]
-            if wanted:
-                conf_s, corr_s = self.sorted_confidences()
-                sums = prefix_sums(conf_s, corr_s) if set(wanted) != {"smece"} else None
-                out.update({m: equal_mass[m](conf_s, corr_s, sums) for m in wanted})
-        if names is not None:
-            unknown = set(names) - set(out)
-            if unknown:
-                raise ValueError(f"`names` has metrics this accumulator does not compute: {sorted(unknown)}")
-            out = {k: v for k, v in out.items() if k in names}
-        return out
+        wanted = [m for m in equal_mass if names is None or m in names]
+        if wanted:
+            conf = conf if isinstance(conf, torch.Tensor) else torch.cat(list(conf))
+            correct = correct if isinstance(correct, torch.Tensor) else torch.cat(list(correct))
+            conf_s, corr_s = C.sorted_by_confidence(conf, correct.bool())
+            prefix = prefix_sums(conf_s, corr_s) if set(wanted) != {"smece"} else None
+            out.update({m: equal_mass[m](conf_s, corr_s, prefix) for m in wanted})
+    if names is not None:
+        unknown = set(names) - set(out)
+        if unknown:
+            raise ValueError(f"`names` has metrics this accumulator does not compute: {sorted(unknown)}")
+        out = {k: v for k, v in out.items() if k in names}
+    return out

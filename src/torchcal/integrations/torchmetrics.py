@@ -1,0 +1,206 @@
+"""The calibration metrics as ``torchmetrics.Metric`` classes (``pip install torchcal[torchmetrics]``).
+
+Each metric keeps the constant-size float64 sums of :class:`torchcal.metrics.CalibrationMetrics`
+(3·M top-label bin sums, 2·K·M classwise bin sums and 6 scalars), summed across processes on sync, so DDP
+moves O(K·M) numbers, not every sample. Only the equal-mass estimators (``adaece``, ``debiased_ece``,
+``ece_sweep``, ``smece``) also keep every sample's top-label confidence and correctness, concatenated across
+processes (equal-mass bins need them all). Metrics with the same state (ECE, MCE, classwise ECE, Brier, NLL,
+error) share one update inside a ``MetricCollection`` (torchmetrics' compute groups). ``compute`` calls the
+same functions as the one-shot API.
+
+Inputs are probabilities (or logits with ``from_logits=True``) of shape (N, K) or (N, K, d1, ...) with
+integer targets (N,) or (N, d1, ...); targets equal to ``ignore_index`` are left out.
+
+Example:
+    >>> import torch
+    >>> from torchmetrics import MetricCollection
+    >>> from torchcal.integrations.torchmetrics import AdaptiveCalibrationError, ExpectedCalibrationError
+    >>> from torchcal.functional import expected_calibration_error
+    >>> metrics = MetricCollection({"ece": ExpectedCalibrationError(num_classes=4, from_logits=True),
+    ...                             "adaece": AdaptiveCalibrationError(num_classes=4, from_logits=True)})
+    >>> g = torch.Generator().manual_seed(0)
+    >>> logits, targets = torch.randn(200, 4, generator=g), torch.randint(0, 4, (200,), generator=g)
+    >>> for i in range(0, 200, 50):
+    ...     metrics.update(logits[i:i + 50], targets[i:i + 50])
+    >>> out = metrics.compute()
+    >>> bool(torch.isclose(out["ece"], expected_calibration_error(logits, targets, from_logits=True).double()))
+    True
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    from torchmetrics import Metric
+    from torchmetrics.utilities import dim_zero_cat
+except ImportError as err:  # pragma: no cover - exercised only without torchmetrics
+    raise ImportError(
+        "torchcal.integrations.torchmetrics needs torchmetrics: pip install 'torchcal[torchmetrics]'"
+    ) from err
+
+from .._validation import as_data, check_bool, check_choice, check_float, check_positive_int
+from ..functional._loss_inputs import check_ignore_index
+from ..metrics import EQUAL_MASS_METRICS, EQUAL_WIDTH_METRICS, batch_state, results, state_size
+
+__all__ = [
+    "CalibrationMetric",
+    "ExpectedCalibrationError",
+    "MaxCalibrationError",
+    "ClasswiseCalibrationError",
+    "AdaptiveCalibrationError",
+    "DebiasedCalibrationError",
+    "SmoothCalibrationError",
+    "BrierScore",
+    "NegativeLogLikelihood",
+]
+
+METRICS = EQUAL_WIDTH_METRICS + EQUAL_MASS_METRICS
+
+
+class CalibrationMetric(Metric):
+    """One torchcal calibration metric (``metric``: one of :data:`METRICS`) as a ``torchmetrics.Metric``.
+
+    Args:
+        num_classes: K.
+        metric: "ece", "mce", "classwise_ece", "nll", "brier", "error", "s99_fraction", "s99_accuracy",
+            "adaece", "debiased_ece", "ece_sweep" or "smece".
+        n_bins: bins of the binned estimators (15, the papers').
+        from_logits: ``update`` receives logits and applies softmax.
+        ignore_index: targets with this value are left out (None: every target must be a class).
+        s99_threshold: the confidence threshold of the S99 metrics.
+        **kwargs: ``torchmetrics.Metric`` options (``sync_on_compute``, ``dist_sync_on_step``, ...).
+    """
+
+    is_differentiable = False
+    higher_is_better = False
+    full_state_update = False
+
+    def __init__(
+        self,
+        num_classes: int,
+        metric: str = "ece",
+        n_bins: int = 15,
+        *,
+        from_logits: bool = False,
+        ignore_index: int | None = None,
+        s99_threshold: float = 0.99,
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        self.num_classes = check_positive_int(num_classes, "num_classes", minimum=2)
+        self.metric = check_choice(metric, "metric", METRICS)
+        self.n_bins = check_positive_int(n_bins, "n_bins")
+        self.from_logits = check_bool(from_logits, "from_logits")
+        self.ignore_index = check_ignore_index(ignore_index)
+        self.s99_threshold = check_float(s99_threshold, "s99_threshold", low=0, high=1)
+        self.add_state(
+            "sums",
+            default=torch.zeros(state_size(self.num_classes, self.n_bins), dtype=torch.float64),
+            dist_reduce_fx="sum",
+        )
+        self.equal_mass = self.metric in EQUAL_MASS_METRICS
+        if self.equal_mass:  # every sample's (confidence, correct), in one tensor: all-gathered as one
+            self.add_state("samples", default=[], dist_reduce_fx="cat")
+
+    def update(self, preds, target) -> None:
+        """Adds a batch of probabilities (or logits) (N, K[, d1, ...]) and targets (N[, d1, ...])."""
+        preds, target = _rows(preds, target, self.ignore_index)
+        if preds.device != self.sums.device:
+            raise ValueError(
+                f"`preds` is on {preds.device} but the metric's state is on {self.sums.device}: "
+                f"move the metric with .to({str(preds.device)!r})"
+            )
+        if preds.shape[0] == 0:  # every target ignored
+            return
+        sums, conf, correct = batch_state(
+            preds, target, self.num_classes, self.n_bins, self.from_logits, self.s99_threshold
+        )
+        self.sums += sums
+        if self.equal_mass:
+            self.samples.append(torch.stack([conf.double(), correct.double()], dim=1))
+
+    def compute(self) -> torch.Tensor:
+        """The metric over every batch since the last ``reset`` (all processes after a sync), a 0-d float64
+        tensor."""
+        samples = None
+        if self.equal_mass:
+            samples = (
+                dim_zero_cat(self.samples) if len(self.samples) else torch.zeros(0, 2, dtype=torch.float64)
+            )
+        conf = None if samples is None else samples[:, 0]
+        correct = None if samples is None else samples[:, 1] > 0.5
+        return results(self.sums, conf, correct, self.num_classes, self.n_bins, (self.metric,))[self.metric]
+
+
+def _rows(preds, target, ignore_index):
+    """(N, K, d1, ...) scores as (N·d1·..., K) rows and their targets, ignored targets dropped."""
+    preds, target = as_data(preds, "preds"), as_data(target, "target")
+    if preds.ndim > 2:
+        k = preds.shape[1]
+        if tuple(target.shape) != (preds.shape[0], *preds.shape[2:]):
+            raise ValueError(
+                f"`target` must have shape {(preds.shape[0], *preds.shape[2:])} to match `preds`, got "
+                f"{tuple(target.shape)}"
+            )
+        preds, target = preds.movedim(1, -1).reshape(-1, k), target.reshape(-1)
+    if ignore_index is not None and target.ndim == 1 and target.shape[0] == preds.shape[0]:
+        keep = target != ignore_index
+        preds, target = preds[keep], target[keep]
+    return preds, target
+
+
+class ExpectedCalibrationError(CalibrationMetric):
+    """Top-label ECE with equal-width bins (SPEC §3)."""
+
+    def __init__(self, num_classes: int, n_bins: int = 15, **kwargs):
+        super().__init__(num_classes, "ece", n_bins, **kwargs)
+
+
+class MaxCalibrationError(CalibrationMetric):
+    """Top-label MCE: the largest bin gap, equal-width bins."""
+
+    def __init__(self, num_classes: int, n_bins: int = 15, **kwargs):
+        super().__init__(num_classes, "mce", n_bins, **kwargs)
+
+
+class ClasswiseCalibrationError(CalibrationMetric):
+    """Classwise ECE (SCE, Nixon et al. 2019), equal-width bins per class."""
+
+    def __init__(self, num_classes: int, n_bins: int = 15, **kwargs):
+        super().__init__(num_classes, "classwise_ece", n_bins, **kwargs)
+
+
+class AdaptiveCalibrationError(CalibrationMetric):
+    """AdaECE: top-label ECE with equal-mass bins (keeps every sample's confidence)."""
+
+    def __init__(self, num_classes: int, n_bins: int = 15, **kwargs):
+        super().__init__(num_classes, "adaece", n_bins, **kwargs)
+
+
+class DebiasedCalibrationError(CalibrationMetric):
+    """Debiased ECE (Kumar et al. 2019; keeps every sample's confidence)."""
+
+    def __init__(self, num_classes: int, n_bins: int = 15, **kwargs):
+        super().__init__(num_classes, "debiased_ece", n_bins, **kwargs)
+
+
+class SmoothCalibrationError(CalibrationMetric):
+    """smECE (Błasiok & Nakkiran 2023; keeps every sample's confidence)."""
+
+    def __init__(self, num_classes: int, n_bins: int = 15, **kwargs):
+        super().__init__(num_classes, "smece", n_bins, **kwargs)
+
+
+class BrierScore(CalibrationMetric):
+    """Multiclass Brier score: mean Σ_k (p_k − y_k)²."""
+
+    def __init__(self, num_classes: int, n_bins: int = 15, **kwargs):
+        super().__init__(num_classes, "brier", n_bins, **kwargs)
+
+
+class NegativeLogLikelihood(CalibrationMetric):
+    """Mean negative log-likelihood −log p_t."""
+
+    def __init__(self, num_classes: int, n_bins: int = 15, **kwargs):
+        super().__init__(num_classes, "nll", n_bins, **kwargs)

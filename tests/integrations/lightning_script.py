@@ -1,0 +1,66 @@
+"""A Lightning run for tests/integrations/test_lightning.py: `python lightning_script.py OUT DEVICES`.
+
+Lightning's DDP launcher runs this file once per process; each rank writes what it saw to OUT/rank<r>.json.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from torchcal.integrations.lightning import CalibrationCallback
+from torchcal.losses import AdaFocalLoss
+
+
+def blobs(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randint(0, 4, (n,), generator=g)
+    x = torch.randn(n, 8, generator=g) + 1.5 * torch.nn.functional.one_hot(y, 8).float()
+    return x, y
+
+
+class Module(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(8, 4)
+        self.loss = AdaFocalLoss(n_bins=5)
+
+    def training_step(self, batch, _):
+        x, y = batch
+        return self.loss(self.net(x), y)
+
+    def validation_step(self, batch, _):
+        x, y = batch
+        return {"logits": self.net(x), "targets": y}
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def main(out: Path, devices: int):
+    torch.manual_seed(0)
+    train = DataLoader(TensorDataset(*blobs(256, 0)), batch_size=32)
+    val = DataLoader(TensorDataset(*blobs(128, 1)), batch_size=32)
+    callback = CalibrationCallback(num_classes=4, calibrator="ts", metrics=("ece", "adaece", "nll"))
+    module = Module()
+    trainer = pl.Trainer(
+        max_epochs=2, accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto",
+        default_root_dir=str(out), callbacks=[callback], enable_progress_bar=False, logger=False,
+        num_sanity_val_steps=1, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module, train, val)
+    rank = trainer.global_rank
+    state = {
+        "logged": {k: float(v) for k, v in trainer.callback_metrics.items()},
+        "gamma_history": module.loss.gamma_history.tolist(),
+        "temperature": float(callback.calibrator_.temperature_),
+        "checkpoint": str(trainer.checkpoint_callback.best_model_path),
+    }
+    (out / f"rank{rank}.json").write_text(json.dumps(state))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), int(sys.argv[2]))
