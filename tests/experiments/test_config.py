@@ -12,7 +12,7 @@ def test_defaults_file_and_overrides(tmp_path):
     assert cfg.optim.milestones == [150, 250]
     assert cfg.train.epochs == 2 and cfg.loss.kwargs == {"gamma": 3}
     assert cfg.data.augment is True
-    assert config_to_dict(RunConfig())["model"] == {"name": "mlp", "width": 256}
+    assert config_to_dict(RunConfig())["model"] == {"name": "mlp", "width": 256, "checkpoint": ""}
 
 
 @pytest.mark.parametrize(
@@ -49,12 +49,15 @@ def test_every_paper_preset_loads_and_names_real_components():
     from torchcal.losses import create
 
     presets = list_presets()
-    assert len(presets) == 72 + 36  # CIFAR; Tiny-ImageNet, 20 Newsgroups, AG News and FinSen
+    assert len(presets) == 72 + 36 + 9 + 4  # CIFAR; Tiny-ImageNet, 20NG, AG News, FinSen; SST; BERT
     for name, path in presets.items():
         cfg = load_config(path)
         assert cfg.model.name in list_models(), name
         create(cfg.loss.name, reduction=cfg.loss.reduction, **cfg.loss.kwargs)
-        assert cfg.optim.grad_clip_norm == 2.0 and cfg.train.epochs in (350, 100, 50)
+        if "_bert_" in name:  # fine-tuning: the Hugging Face recipe (decision 75)
+            assert cfg.optim.grad_clip_norm == 1.0 and cfg.train.epochs == 10 and cfg.loss.reduction == "mean"
+            continue
+        assert cfg.optim.grad_clip_norm == 2.0 and cfg.train.epochs in (350, 100, 50, 25), name
         assert cfg.loss.reduction == ("mean" if cfg.loss.name == "brier" else "sum")
     fcl = load_config(presets["cifar10_resnet50_fcl"])
     assert fcl.loss.kwargs == {"gamma": 4.0, "lambda_": 1.5}

@@ -197,3 +197,57 @@ def test_fixed_split_text_runs(tmp_path, dataset):
 
     saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
     assert saved["data"]["val_size"] == n_val and saved["meta"]["adjusted"]["data.val_size"]["used"] == n_val
+
+
+SST_LINES = {
+    "train.txt": ["(3 (2 It) (4 (4 works) (2 .)))", "(0 (1 Dull) (1 (2 and) (0 slow)))", "(2 (2 It) (2 exists))",
+                  "(4 (4 (2 -LRB-) (4 (4 Great) (2 -RRB-))) (3 fun))", "(1 (1 Not) (2 good))", "(3 (3 Nice) (2 film))"],
+    "dev.txt": ["(4 (4 Superb) (2 .))", "(2 (2 A) (2 film))", "(0 (0 Awful) (2 .))"],
+    "test.txt": ["(1 (1 Weak) (2 plot))", "(3 (3 Fine) (2 .))", "(2 (2 Some) (2 film))"],
+}  # fmt: skip
+
+
+def write_sst(root, nested=True):
+    folder = root / "trees" if nested else root
+    folder.mkdir(parents=True)
+    for name, lines in SST_LINES.items():
+        (folder / name).write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def test_sst_reader_binary_and_fine(tmp_path):
+    from torchcal.experiments.text import load_sst, parse_ptb_tree
+
+    write_sst(tmp_path)
+    (tr_x, tr_y), (va_x, va_y), (te_x, te_y) = load_sst(tmp_path, binary=True)
+    assert tr_x == [
+        "It works .",
+        "Dull and slow",
+        "( Great ) fun",
+        "Not good",
+        "Nice film",
+    ]  # neutral dropped
+    assert tr_y == [1, 0, 1, 0, 1] and va_y == [1, 0] and te_y == [0, 1]
+    (tr_x, tr_y), _, (te_x, te_y) = load_sst(tmp_path, binary=False)
+    assert tr_y == [3, 0, 2, 4, 1, 3] and te_x[2] == "Some film" and te_y == [1, 3, 2]
+    write_sst(tmp_path / "flat", nested=False)  # the three files straight in data.root
+    assert load_sst(tmp_path / "flat", binary=True)[0][1] == [1, 0, 1, 0, 1]
+    with pytest.raises(DatasetError, match="trainDevTestTrees_PTB.zip"):
+        load_sst(tmp_path / "nothing", binary=True)
+    (tmp_path / "bad" / "trees").mkdir(parents=True)
+    for name in ("train.txt", "dev.txt", "test.txt"):
+        (tmp_path / "bad" / "trees" / name).write_text("(3 (2 It) (4 works)\n")  # unbalanced
+    with pytest.raises(DatasetError, match=r"train.txt, line 1: not a PTB sentiment tree"):
+        load_sst(tmp_path / "bad", binary=True)
+    with pytest.raises(ValueError, match="not a PTB sentiment tree"):
+        parse_ptb_tree("It works")
+
+
+def test_sst_runs_with_the_text_cnn(tmp_path):
+    write_sst(tmp_path / "data")
+    cfg = load_config(None, [f"data.root={tmp_path / 'data'}", "data.name=sst_binary", "data.max_len=150",
+                             "data.shift=", "data.ood=", "data.batch_size=4", "model.name=text_cnn", "train.epochs=1",
+                             "train.calibrators=[]", "optim.name=adagrad", "optim.lr=0.05"])  # fmt: skip
+    with pytest.warns(UserWarning, match="dev split is the validation set"):
+        train(cfg, tmp_path / "run")
+    logits = torch.load(tmp_path / "run" / "logits.pt", weights_only=True)
+    assert logits["val"]["logits"].shape == (2, 2) and logits["test"]["logits"].shape == (2, 2)

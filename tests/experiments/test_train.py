@@ -223,3 +223,39 @@ def test_best_validation_model_selection_is_exact_and_resumable(tmp_path):
     assert last_rule["rule"] == "last" and last_rule["epoch"] == 0
     with pytest.raises(ConfigError, match="train.select must be"):
         tiny("train.select=best")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_gradient_accumulation_is_the_same_update(tmp_path, reduction):
+    """train.accumulate=k runs each batch as k micro-batches weighted by their share: the weights equal those
+    of whole batches up to float rounding (64 = 22 + 21 + 21 samples, and the last batch of 36 = 12 · 3). SGD:
+    Adam would turn rounding noise on near-zero gradients into full-size steps."""
+    lr = "0.05" if reduction == "mean" else "0.001"
+    extra = [
+        "data.augment=false",
+        f"loss.reduction={reduction}",
+        "loss.name=fl-2",
+        "optim.name=sgd",
+        f"optim.lr={lr}",
+    ]
+    train(tiny(*extra), tmp_path / "whole")
+    train(tiny(*extra, "train.accumulate=3"), tmp_path / "micro")
+    a, b = weights(tmp_path / "whole"), weights(tmp_path / "micro")
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-6)
+    rows = [json.loads(x) for x in (tmp_path / "micro" / "metrics.jsonl").read_text().splitlines()]
+    whole = [json.loads(x) for x in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["train_loss"] == pytest.approx(whole[-1]["train_loss"], rel=1e-4)
+    with pytest.raises(ConfigError, match="train.accumulate=65 splits a batch of data.batch_size=64"):
+        tiny("train.accumulate=65")
+
+
+def test_optimizer_and_schedule_checks():
+    with pytest.raises(ConfigError, match="optim.schedule must be 'multistep' or 'linear'"):
+        tiny("optim.schedule=cosine")
+    with pytest.raises(ConfigError, match="optim.warmup_epochs=1.0 applies to optim.schedule=linear only"):
+        tiny("optim.warmup_epochs=1.0")
+    with pytest.raises(ConfigError, match="apply to optim.schedule=multistep only"):
+        tiny("optim.schedule=linear", "optim.milestones=[2]")
+    for name in ("adamw", "adagrad"):
+        assert tiny(f"optim.name={name}").optim.name == name

@@ -327,14 +327,22 @@ def test_calibrator_specs_are_validated_in_configs_and_presets():
     for name, path in list_presets().items():  # the papers' criteria (decision 67) and selection (68)
         preset = load_config(path)
         assert preset.train.calibrators == ["ts:objective=ece", "ts:objective=adaece", "fts"], name
-        best = name.startswith(("tinyimagenet", "20newsgroups", "agnews", "finsen"))
+        best = name.startswith(("tinyimagenet", "20newsgroups", "agnews", "finsen", "sstbinary"))
         assert preset.train.select == ("best_val_error" if best else "last"), name
         if name.startswith("tinyimagenet"):  # AdaFocal / FTS train at 64, the FCL paper at 128
             assert preset.data.batch_size == (128 if name.endswith("_fcl") else 64), name
-        text_sets = {"agnews": "ag_news", "20newsgroups": "20newsgroups_papers", "finsen": "finsen"}
-        for prefix, dataset in text_sets.items():  # the papers' splits (decisions 71, 72)
+        text_sets = {"agnews": "ag_news", "20newsgroups": "20newsgroups_papers", "finsen": "finsen",
+                     "sstbinary": "sst_binary"}  # fmt: skip
+        for prefix, dataset in text_sets.items():  # the papers' splits (decisions 71, 72, 76)
             if name.startswith(prefix):
-                assert preset.data.name == dataset and preset.model.name == "text_cnn", name
+                model = "transformer" if "_bert_" in name else "text_cnn"
+                assert preset.data.name == dataset and preset.model.name == model, name
+        if "_bert_" in name:  # AdaFocal's BERT recipe (decision 75)
+            assert (preset.optim.name, preset.optim.lr, preset.data.batch_size) == ("adamw", 2e-5, 32), name
+            assert (preset.data.max_len, preset.data.eval_max_len, preset.train.epochs) == (128, 512, 10), (
+                name
+            )
+            assert preset.loss.update_every == (100 if name.endswith("adafocal100") else 0), name
 
 
 def test_report_gives_standard_errors_and_s99(runs, tmp_path):

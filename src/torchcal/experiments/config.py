@@ -59,13 +59,16 @@ class DataConfig:
     glove: str = (
         ""  # text datasets: GloVe vectors file (glove.6B.100d.txt); empty: embeddings learned from scratch
     )
-    max_len: int = 1000  # text datasets: tokens per document
+    max_len: int = 1000  # text datasets: tokens per document (training set)
+    eval_max_len: int = 0  # text datasets: tokens per document of the evaluated sets (0: max_len)
 
 
 @dataclass
 class ModelConfig:
     name: str = "mlp"
     width: int = 256
+    # model.name=transformer: a local Hugging Face checkpoint folder (config.json, weights, tokenizer files)
+    checkpoint: str = ""
 
 
 @dataclass
@@ -85,6 +88,10 @@ class OptimConfig:
     milestones: list = field(default_factory=list)
     gamma: float = 0.1
     grad_clip_norm: float = 0.0  # 0: no clipping
+    # learning-rate schedule: "multistep" (× gamma at each of the milestones, per epoch) or "linear" (linear
+    # warm-up over warmup_epochs, then linear decay to 0 at the last step; per step)
+    schedule: str = "multistep"
+    warmup_epochs: float = 0.0
 
 
 @dataclass
@@ -102,6 +109,9 @@ class TrainConfig:
     # the model whose logits are evaluated: "last" epoch, or "best_val_error" (lowest validation error; the
     # earliest such epoch; its weights kept in best.pt, resumable)
     select: str = "last"
+    # gradient accumulation: each batch of data.batch_size runs as this many micro-batches (the same update
+    # up to rounding; MMCE's batch term then belongs to the micro-batch)
+    accumulate: int = 1
 
 
 @dataclass
@@ -233,7 +243,7 @@ def flatten_config(cfg: RunConfig | dict) -> dict[str, Any]:
 # -- validation ---------------------------------------------------------------------------------------------
 
 _AMP = ("auto", "bfloat16", "float16", "off")
-_OPTIMIZERS = ("adam", "sgd")
+_OPTIMIZERS = ("adam", "adamw", "adagrad", "sgd")
 _SHIFTS = ("", "gaussian_noise", "cifar10_c")
 _OODS = ("", "digits", "svhn", "cifar10_c")
 
@@ -270,6 +280,7 @@ def validate_config(cfg: RunConfig) -> RunConfig:
     _check(d.eval_batch_size >= 1, f"data.eval_batch_size must be >= 1, got {d.eval_batch_size}")
     _check(d.limit_train >= 0, f"data.limit_train must be >= 0 (0: all), got {d.limit_train}")
     _check(d.max_len >= 1, f"data.max_len must be >= 1, got {d.max_len}")
+    _check(d.eval_max_len >= 0, f"data.eval_max_len must be >= 0 (0: data.max_len), got {d.eval_max_len}")
     _check(d.shift in _SHIFTS, f"unknown shift data.shift={d.shift!r}; available: {list(_SHIFTS)}")
     from .data import ood_names
 
@@ -288,6 +299,16 @@ def validate_config(cfg: RunConfig) -> RunConfig:
         m.name in list_models(), f"unknown model model.name={m.name!r}; available: {sorted(list_models())}"
     )
     _check(m.width >= 1, f"model.width must be >= 1, got {m.width}")
+    from .data import TEXT_DATASETS
+
+    _check(d.name not in TEXT_DATASETS or not (d.shift or oods),
+           f"data.name={d.name} is a text dataset: set data.shift= and data.ood= (the shift and OOD sets are "
+           "image sets)")  # fmt: skip
+    _check(m.name not in ("transformer", "text_cnn") or d.name in TEXT_DATASETS,
+           f"model.name={m.name} needs a text dataset ({', '.join(TEXT_DATASETS)}), not data.name={d.name!r}")  # fmt: skip
+    _check((m.name == "transformer") == bool(m.checkpoint),
+           "model.checkpoint (a local Hugging Face checkpoint folder) goes with model.name=transformer, and "
+           f"model.name=transformer needs it; got model.name={m.name!r}, model.checkpoint={m.checkpoint!r}")  # fmt: skip
     _check(lo.reduction in ("mean", "sum"),
            f"loss.reduction must be 'mean' or 'sum' for training, got {lo.reduction!r}")  # fmt: skip
     _check(
@@ -306,11 +327,21 @@ def validate_config(cfg: RunConfig) -> RunConfig:
     _finite(o.weight_decay, "optim.weight_decay", 0)
     _finite(o.gamma, "optim.gamma", 0, open_low=True)
     _finite(o.grad_clip_norm, "optim.grad_clip_norm", 0)
+    _check(o.schedule in ("multistep", "linear"),
+           f"optim.schedule must be 'multistep' or 'linear', got {o.schedule!r}")  # fmt: skip
+    _finite(o.warmup_epochs, "optim.warmup_epochs", 0)
+    _check(o.warmup_epochs == 0 or o.schedule == "linear",
+           f"optim.warmup_epochs={o.warmup_epochs} applies to optim.schedule=linear only")  # fmt: skip
+    _check(not (o.schedule == "linear" and o.milestones),
+           f"optim.milestones={o.milestones} apply to optim.schedule=multistep only")  # fmt: skip
     ok = all(isinstance(e, int) and not isinstance(e, bool) and e >= 1 for e in o.milestones)
     _check(ok and list(o.milestones) == sorted(set(o.milestones)),
            f"optim.milestones must be increasing positive epochs, got {o.milestones}")  # fmt: skip
     _check(t.epochs >= 1, f"train.epochs must be >= 1, got {t.epochs}")
     _check(t.seed >= 0, f"train.seed must be >= 0, got {t.seed}")
+    _check(t.accumulate >= 1, f"train.accumulate must be >= 1, got {t.accumulate}")
+    _check(t.accumulate <= d.batch_size,
+           f"train.accumulate={t.accumulate} splits a batch of data.batch_size={d.batch_size}: at most that many")  # fmt: skip
     _check(t.select in ("last", "best_val_error"),
            f"train.select must be 'last' or 'best_val_error', got {t.select!r}")  # fmt: skip
     _check(
@@ -371,6 +402,11 @@ def resume_config(
         raise ConfigError(
             f"--resume continues the saved run and cannot change what it computes ({detail}); only "
             f"{', '.join(RESUMABLE_KEYS)} may change: start a new run folder for the rest"
+        )
+    if "train.epochs" in changed and new.get("optim.schedule") == "linear" and done_epochs:
+        raise ConfigError(
+            "optim.schedule=linear decays the learning rate to 0 at train.epochs: a run trained with it cannot "
+            "be extended to more epochs (it would not match a longer run); start a new run folder"
         )
     if new["train.epochs"] < done_epochs:
         raise ConfigError(

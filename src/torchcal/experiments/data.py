@@ -289,6 +289,8 @@ _DATASETS = {
     "20newsgroups_papers": "20news-19997 folders in the papers' split 15,098 / 900 / 3,999 + GloVe (data.glove)",
     "ag_news": "AG News train.csv / test.csv + GloVe 100-d vectors (data.glove)",
     "finsen": "FinSen finsen.csv in its loader's 70 / 15 / 15 split (seed 42) + GloVe (data.glove)",
+    "sst_binary": "Stanford Sentiment Treebank PTB trees, binary (6,920 / 872 / 1,821 sentences)",
+    "sst_fine": "Stanford Sentiment Treebank PTB trees, five classes (8,544 / 1,101 / 2,210 sentences)",
     "tiny_imagenet": "Tiny-ImageNet-200 folders; validation = 50 training images per class, test = val split",
 }
 _SHIFTS = {"gaussian_noise": "additive Gaussian noise of σ = shift_severity", "cifar10_c": "CIFAR-10-C"}
@@ -296,11 +298,13 @@ _OOD = {"digits": "scikit-learn digits 28 x 28", "svhn": "SVHN test_32x32.mat",
         "cifar10_c": "CIFAR-10-C Gaussian noise, severity 5 (data.shift_root)"}  # fmt: skip
 
 
-_TEXT = ("20newsgroups", "20newsgroups_papers", "ag_news", "finsen")
+TEXT_DATASETS = ("20newsgroups", "20newsgroups_papers", "ag_news", "finsen", "sst_binary", "sst_fine")
 FIXED_VALIDATION = {  # datasets whose split fixes the validation set (data.val_size and split_seed unused)
     "tiny_imagenet": "Tiny-ImageNet's validation split is 50 training images per class",
     "20newsgroups_papers": "the papers' 20 Newsgroups split fixes 900 validation documents",
     "finsen": "FinSen's split fixes 15 % of the articles for validation",
+    "sst_binary": "the Stanford Sentiment Treebank's dev split is the validation set",
+    "sst_fine": "the Stanford Sentiment Treebank's dev split is the validation set",
 }
 
 
@@ -308,19 +312,26 @@ def list_datasets() -> dict[str, str]:
     return dict(_DATASETS)
 
 
-def load_splits(cfg) -> dict[str, Dataset]:
-    """train / val / test (and shift / ood when configured) for a :class:`DataConfig`."""
+def load_splits(cfg, tokenizer=None) -> dict[str, Dataset]:
+    """train / val / test (and shift / ood when configured) for a :class:`DataConfig`; text datasets are
+    encoded with a Hugging Face ``tokenizer`` when given (a transformer model), else with their own
+    vocabulary."""
     if cfg.name == "fashion_mnist":
         train, test = load_fashion_mnist(
             cfg.root or os.environ.get("TORCHCAL_FASHION_MNIST", FASHION_MNIST_DIR)
         )
     elif cfg.name in ("cifar10", "cifar100"):
         train, test = load_cifar(cfg.root or "data", 10 if cfg.name == "cifar10" else 100)
-    elif cfg.name in _TEXT:
+    elif cfg.name in TEXT_DATASETS:
         from .text import text_splits
 
         train, fixed_val, test, embeddings = text_splits(
-            cfg.name, cfg.root or "data", cfg.glove, max_len=cfg.max_len
+            cfg.name,
+            cfg.root or "data",
+            cfg.glove,
+            max_len=cfg.max_len,
+            eval_max_len=cfg.eval_max_len,
+            tokenizer=tokenizer,
         )
         train.embeddings = embeddings
     elif cfg.name == "tiny_imagenet":
@@ -333,6 +344,10 @@ def load_splits(cfg) -> dict[str, Dataset]:
         test = Dataset(full.inputs[test_idx], full.targets[test_idx])
     else:
         raise ValueError(f"unknown dataset {cfg.name!r}; available: {sorted(_DATASETS)}")
+    if tokenizer is not None and cfg.name not in TEXT_DATASETS:
+        raise ValueError(
+            f"model.name=transformer needs a text dataset ({', '.join(TEXT_DATASETS)}), not {cfg.name!r}"
+        )
     embeddings, vocab_size = train.embeddings, train.vocab_size
     if cfg.name in FIXED_VALIDATION:
         val = fixed_val

@@ -77,6 +77,49 @@ def _text_cnn(num_classes, in_shape, width, embeddings=None, vocab_size=None):
     return TextCNN(num_classes, vocab_size or embeddings.shape[0], embeddings)
 
 
+class TransformerClassifier(nn.Module):
+    """A Hugging Face sequence-classification model from a local checkpoint folder, fed the runner's (B, 2, L)
+    token ids and attention masks; each batch is cut to its longest document (dynamic padding)."""
+
+    def __init__(self, checkpoint: str, num_classes: int):
+        super().__init__()
+        from pathlib import Path
+
+        path = Path(checkpoint)
+        if not (path / "config.json").is_file():
+            from .text import _CHECKPOINT_HELP
+
+            raise ValueError(f"model.checkpoint={checkpoint!r}: {_CHECKPOINT_HELP}")
+        try:
+            from transformers import AutoModelForSequenceClassification
+            from transformers.utils import logging as hf_logging
+        except ImportError:
+            raise ValueError(
+                "model.name=transformer needs Hugging Face transformers: pip install 'torchcal[huggingface]'"
+            ) from None
+        verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+        hf_logging.set_verbosity_error()  # the expected "newly initialised classifier" notice
+        hf_logging.disable_progress_bar()
+        try:
+            self.hf = AutoModelForSequenceClassification.from_pretrained(
+                str(path), num_labels=num_classes, local_files_only=True, ignore_mismatched_sizes=True
+            )
+        except OSError as err:
+            first = str(err).strip().splitlines()[0]
+            raise ValueError(f"model.checkpoint={checkpoint!r} cannot be loaded: {first}") from None
+        finally:
+            hf_logging.set_verbosity(verbosity)
+            if bars:
+                hf_logging.enable_progress_bar()
+
+    def forward(self, x):
+        if x.ndim != 3 or x.shape[1] != 2:
+            raise ValueError(f"a transformer takes (B, 2, L) token ids and masks, got shape {tuple(x.shape)}")
+        ids, mask = x[:, 0], x[:, 1]
+        length = int(mask.sum(1).max())  # dynamic padding (one host sync per batch)
+        return self.hf(input_ids=ids[:, :length], attention_mask=mask[:, :length]).logits
+
+
 _MODELS = {
     "mlp": (_mlp, "two hidden ReLU layers of `width` units"),
     "small_cnn": (_small_cnn, "two conv + pool blocks and a `width`-unit head"),
@@ -86,6 +129,10 @@ _MODELS = {
     "wrn_26_10": (lambda k, s, w: WideResNet(26, 10, k), "WRN-26-10 without dropout"),
     "densenet121": (lambda k, s, w: DenseNet((6, 12, 24, 16), 32, k), "DenseNet-121 (growth 32) for CIFAR"),
     "text_cnn": (_text_cnn, "global-pooling CNN over (GloVe) word embeddings, for text datasets"),
+    "transformer": (
+        None,
+        "a Hugging Face sequence classifier from the local folder model.checkpoint (BERT, ...)",
+    ),
 }
 
 
@@ -99,4 +146,6 @@ def create_model(name: str, num_classes: int, in_shape, width: int = 256, **extr
         raise ValueError(f"unknown model {name!r}; available: {sorted(_MODELS)}")
     if name == "text_cnn":
         return _text_cnn(num_classes, tuple(in_shape), width, **extra)
+    if name == "transformer":
+        return TransformerClassifier(extra["checkpoint"], num_classes)
     return _MODELS[name][0](num_classes, tuple(in_shape), width)

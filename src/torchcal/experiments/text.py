@@ -23,6 +23,10 @@ __all__ = [
     "papers_20ng_split",
     "load_ag_news",
     "load_finsen",
+    "load_sst",
+    "parse_ptb_tree",
+    "load_tokenizer",
+    "encode_with_tokenizer",
     "load_glove",
     "encode",
 ]
@@ -215,23 +219,143 @@ def load_ag_news(root: str | Path):
     return _read_ag_csv(root / "train.csv"), _read_ag_csv(root / "test.csv")
 
 
+_PTB_LEAF = re.compile(r"\(\d ([^()\s]+)\)")
+_PTB_ESCAPES = {"-LRB-": "(", "-RRB-": ")", "-LSB-": "[", "-RSB-": "]", "-LCB-": "{", "-RCB-": "}"}
+
+
+def parse_ptb_tree(line: str) -> tuple[int, str]:
+    """(root sentiment 0-4, sentence) of one Stanford Sentiment Treebank line in PTB form, e.g.
+    ``(3 (2 It) (4 (4 works) (2 .)))`` -> (3, "It works .") (the leaves in order, brackets unescaped).
+
+    >>> parse_ptb_tree("(3 (2 It) (4 (4 works) (2 .)))")
+    (3, 'It works .')
+    """
+    line = line.strip()
+    if not (line.startswith("(") and line.endswith(")")) or len(line) < 4 or not line[1].isdigit():
+        raise ValueError(f"not a PTB sentiment tree: {line[:60]!r}")
+    words = [_PTB_ESCAPES.get(w, w) for w in _PTB_LEAF.findall(line)]
+    if not words or line.count("(") != line.count(")"):
+        raise ValueError(f"not a PTB sentiment tree: {line[:60]!r}")
+    return int(line[1]), " ".join(words)
+
+
+_SST_FILES = ("train.txt", "dev.txt", "test.txt")
+
+
+def load_sst(root: str | Path, binary: bool):
+    """(train, val, test) (texts, labels) of the Stanford Sentiment Treebank from the PTB tree files of
+    ``trainDevTestTrees_PTB.zip`` (``trees/train.txt``, ``dev.txt``, ``test.txt`` under ``root``, or the
+    three files in ``root`` itself). A sentence is the leaves of its tree and its label the root's.
+    ``binary``: the papers' SST Binary, neutral sentences (2) dropped, 0-1 negative, 3-4 positive
+    (6,920 / 872 / 1,821 sentences); otherwise the five fine-grained classes (8,544 / 1,101 / 2,210)."""
+    root = Path(root)
+    folder = root / "trees" if (root / "trees" / "train.txt").is_file() else root
+    parts = []
+    for name in _SST_FILES:
+        path = folder / name
+        if not path.is_file():
+            raise DatasetError(
+                f"missing file {root / 'trees' / name}: unzip the Stanford Sentiment Treebank's "
+                "trainDevTestTrees_PTB.zip under data.root (trees/train.txt, dev.txt, test.txt)"
+            )
+        texts, labels = [], []
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                label, text = parse_ptb_tree(line)
+            except ValueError as err:
+                raise DatasetError(f"{path}, line {number}: {err}") from None
+            if binary:
+                if label == 2:
+                    continue
+                label = int(label > 2)
+            texts.append(text)
+            labels.append(label)
+        parts.append((texts, labels))
+    return tuple(parts)
+
+
 TEXT_LOADERS = {
     "20newsgroups": load_20newsgroups,
     "20newsgroups_papers": load_20newsgroups_papers,
     "ag_news": load_ag_news,
     "finsen": load_finsen,
+    "sst_binary": lambda root: load_sst(root, binary=True),
+    "sst_fine": lambda root: load_sst(root, binary=False),
 }
 
 
-def text_splits(name: str, root: str, glove: str, max_words: int = 20000, max_len: int = 1000):
+def load_tokenizer(checkpoint: str | Path):
+    """The tokenizer of a local Hugging Face checkpoint folder (nothing is downloaded)."""
+    from .errors import ConfigError
+
+    path = Path(checkpoint)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"model.checkpoint={str(checkpoint)!r}: {_CHECKPOINT_HELP}")
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise ConfigError(
+            "model.name=transformer needs Hugging Face transformers: pip install 'torchcal[huggingface]'"
+        ) from None
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(
+            f"model.checkpoint={str(checkpoint)!r} has no usable tokenizer files: {first}"
+        ) from None
+
+
+_CHECKPOINT_HELP = (
+    "not a Hugging Face checkpoint folder (config.json, model.safetensors or pytorch_model.bin, and the "
+    "tokenizer files): on a machine with internet, `huggingface-cli download bert-base-uncased --local-dir "
+    "<folder>` (or `save_pretrained(<folder>)`), then point model.checkpoint at that folder"
+)
+
+
+def encode_with_tokenizer(texts, tokenizer, max_len: int) -> torch.Tensor:
+    """(N, 2, L) int64: token ids and attention mask from the checkpoint's own tokenizer, truncated at
+    ``max_len`` and padded to the longest document of the set (L <= max_len); the model trims every batch to
+    its own longest document (dynamic padding)."""
+    enc = tokenizer(list(texts), truncation=True, max_length=max_len, padding="longest", return_tensors="pt")
+    return torch.stack([enc["input_ids"].long(), enc["attention_mask"].long()], dim=1)
+
+
+def text_splits(
+    name: str,
+    root: str,
+    glove: str,
+    max_words: int = 20000,
+    max_len: int = 1000,
+    eval_max_len: int = 0,
+    tokenizer=None,
+):
     """Encoded train, validation and test Datasets and the GloVe embedding matrix for the vocabulary of the
     training texts; the validation set is None where the dataset has no fixed one (the runner splits it off
-    the training set)."""
+    the training set). The training texts are cut at ``max_len`` tokens, the others at ``eval_max_len`` (0:
+    ``max_len``). With a Hugging Face ``tokenizer`` the inputs are (N, 2, L) ids and masks of its tokens and
+    there is no vocabulary or GloVe matrix."""
     parts = TEXT_LOADERS[name](root)
-    vocab = Vocabulary(parts[0][0], max_words)
-    encoded = [Dataset(encode(x, vocab, max_len), torch.tensor(y, dtype=torch.long)) for x, y in parts]
+    lengths = [max_len] + [eval_max_len or max_len] * (len(parts) - 1)
+    if tokenizer is not None:
+        if glove:
+            raise ValueError("data.glove applies to text_cnn; a transformer uses its checkpoint's embeddings")
+        encoded = [
+            Dataset(encode_with_tokenizer(x, tokenizer, n), torch.tensor(y, dtype=torch.long))
+            for (x, y), n in zip(parts, lengths)
+        ]
+        embeddings, vocab_size = None, None
+    else:
+        vocab = Vocabulary(parts[0][0], max_words)
+        encoded = [
+            Dataset(encode(x, vocab, n), torch.tensor(y, dtype=torch.long))
+            for (x, y), n in zip(parts, lengths)
+        ]
+        embeddings = load_glove(glove, vocab) if glove else None
+        vocab_size = len(vocab)
     train, test = encoded[0], encoded[-1]
     val = encoded[1] if len(encoded) == 3 else None
-    embeddings = load_glove(glove, vocab) if glove else None
-    train.vocab_size = len(vocab)
+    train.vocab_size = vocab_size
     return train, val, test, embeddings

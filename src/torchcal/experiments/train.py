@@ -13,6 +13,7 @@ checkpoint repeats exactly what the uninterrupted run does.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -38,6 +39,7 @@ from .config import (
 from .data import FIXED_VALIDATION, load_splits, random_crop_flip
 from .errors import CheckpointError, ConfigError, RunError
 from .models import create_model
+from .text import load_tokenizer
 
 __all__ = [
     "train",
@@ -121,7 +123,8 @@ def predict_logits(model, inputs: torch.Tensor, batch_size: int, device) -> torc
     return torch.cat(out)
 
 
-def _optimizer(cfg: RunConfig, model):
+def _optimizer(cfg: RunConfig, model, steps_per_epoch: int):
+    """(optimizer, scheduler, whether the scheduler steps per batch)."""
     o = cfg.optim
     if o.name == "sgd":
         opt = torch.optim.SGD(
@@ -131,10 +134,30 @@ def _optimizer(cfg: RunConfig, model):
         # foreach: one multi-tensor update instead of a loop over parameters (torch's default on CUDA only);
         # the same arithmetic, ~30% less optimizer time for the demo's MLP on CPU
         opt = torch.optim.Adam(model.parameters(), lr=o.lr, weight_decay=o.weight_decay, foreach=True)
+    elif o.name == "adamw":
+        # BERT's recipe: no weight decay on biases and normalisation weights (the 1-D parameters; decision 75)
+        params = [p for p in model.parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for p in params if p.ndim > 1], "weight_decay": o.weight_decay},
+            {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0},
+        ]
+        opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=o.lr, foreach=True)
+    elif o.name == "adagrad":
+        opt = torch.optim.Adagrad(model.parameters(), lr=o.lr, weight_decay=o.weight_decay, foreach=True)
     else:
-        raise ValueError(f"unknown optimizer {o.name!r}; available: ['adam', 'sgd']")
+        raise ValueError(f"unknown optimizer {o.name!r}; available: ['adam', 'adamw', 'adagrad', 'sgd']")
+    if o.schedule == "linear":  # linear warm-up, then linear decay to 0 at the last step (per step)
+        total = cfg.train.epochs * steps_per_epoch
+        warmup = round(o.warmup_epochs * steps_per_epoch)
+
+        def factor(step: int) -> float:
+            if step < warmup:
+                return step / warmup
+            return max(0.0, (total - step) / max(1, total - warmup))
+
+        return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor), True
     sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=list(o.milestones), gamma=o.gamma)
-    return opt, sched
+    return opt, sched, False
 
 
 def _speed_options(cfg, device, is_image):
@@ -261,7 +284,8 @@ def train(
         torch.set_num_threads(cfg.train.num_threads)
     device = resolve_device(cfg.train.device)
     rank, world = _distributed(device)
-    splits = load_splits(cfg.data)
+    tokenizer = load_tokenizer(cfg.model.checkpoint) if cfg.model.name == "transformer" else None
+    splits = load_splits(cfg.data, tokenizer)
     adjusted.update(_adjust_to_data(cfg, splits))
     train_set = splits["train"]
     num_classes = int(max(int(s.targets.max()) for k, s in splits.items() if not k.startswith("ood"))) + 1
@@ -288,7 +312,10 @@ def train(
             model, device_ids=[device] if device.type == "cuda" else None
         )
     step_model = torch.compile(step_model) if cfg.train.compile else step_model
-    opt, sched = _optimizer(cfg, model)
+    n = len(train_set)
+    bs = cfg.data.batch_size
+    n_batches = (n + bs - 1) // bs
+    opt, sched, per_step = _optimizer(cfg, model, n_batches)
     start_epoch, rows, best = 0, [], None
     if state is not None:
         best = state.get("best")
@@ -303,9 +330,6 @@ def train(
             _write_jsonl(run_dir / METRICS, rows)  # drop an epoch logged after the last checkpoint
         _barrier(world)
 
-    n = len(train_set)
-    bs = cfg.data.batch_size
-    n_batches = (n + bs - 1) // bs
     done_here = 0
     for epoch in range(start_epoch, cfg.train.epochs):
         if hasattr(loss_fn, "set_epoch"):
@@ -317,20 +341,32 @@ def train(
         for b in range(n_batches):
             # the global batch b, sharded across ranks (every rank sees the same permutation)
             idx = order[b * bs : (b + 1) * bs][rank::world]
-            x, y = train_set.inputs[idx].to(device), train_set.targets[idx].to(device)
-            if cfg.data.augment:
-                x = random_crop_flip(x, epoch_gen)
-            if channels_last:
-                x = x.contiguous(memory_format=torch.channels_last)
             opt.zero_grad(set_to_none=True)
-            with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
-                loss = loss_fn(step_model(x), y)
-            # DDP averages gradients over ranks: a summed loss is scaled back to the global batch's sum
-            (loss * world if world > 1 and cfg.loss.reduction == "sum" else loss).backward()
+            # gradient accumulation: the batch as train.accumulate micro-batches, each loss weighted by its
+            # share of the batch ("mean") so that the update is the whole batch's
+            parts = [p for p in idx.tensor_split(cfg.train.accumulate) if len(p)]
+            for j, part in enumerate(parts):
+                x, y = train_set.inputs[part].to(device), train_set.targets[part].to(device)
+                if cfg.data.augment:
+                    x = random_crop_flip(x, epoch_gen)
+                if channels_last:
+                    x = x.contiguous(memory_format=torch.channels_last)
+                last = j == len(parts) - 1
+                with step_model.no_sync() if world > 1 and not last else contextlib.nullcontext():
+                    with torch.autocast(
+                        device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None
+                    ):
+                        loss = loss_fn(step_model(x), y)
+                    if len(parts) > 1 and cfg.loss.reduction == "mean":
+                        loss = loss * (len(part) / len(idx))
+                    # DDP averages gradients over ranks: a summed loss is scaled back to the global batch's sum
+                    (loss * world if world > 1 and cfg.loss.reduction == "sum" else loss).backward()
+                total += loss.detach()
             if cfg.optim.grad_clip_norm > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip_norm)
             opt.step()
-            total += loss.detach()
+            if per_step:
+                sched.step()
             if cfg.loss.update_every and hasattr(loss_fn, "update") and (b + 1) % cfg.loss.update_every == 0:
                 loss_fn.update(
                     metrics=_epoch_metrics(model, splits, cfg, device, ("val",), rank, world)["val"]
@@ -338,7 +374,8 @@ def train(
                 model.train()
             if progress is not None:
                 progress(epoch, b + 1, n_batches)
-        sched.step()
+        if not per_step:
+            sched.step()
         every = cfg.train.test_every
         with_test = every > 0 and ((epoch + 1) % every == 0 or epoch + 1 == cfg.train.epochs)
         names = ("val", "test") if with_test else ("val",)
@@ -502,6 +539,8 @@ def _build_model(cfg: RunConfig, train_set, num_classes: int):
     extra = {}
     if cfg.model.name == "text_cnn":
         extra = {"embeddings": train_set.embeddings, "vocab_size": train_set.vocab_size}
+    elif cfg.model.name == "transformer":
+        extra = {"checkpoint": cfg.model.checkpoint}
     shape = tuple(train_set.inputs.shape[1:])
     try:
         model = create_model(cfg.model.name, num_classes, shape, cfg.model.width, **extra)
