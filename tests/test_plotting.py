@@ -85,3 +85,28 @@ def test_saved_figures_follow_the_umask(tmp_path):
         os.umask(old)
     assert stat.S_IMODE((tmp_path / "fig.png").stat().st_mode) == 0o644
     assert [p.name for p in tmp_path.iterdir()] == ["fig.png"]  # no temporary file left
+
+
+def test_multilabel_small_multiples(tmp_path):
+    from torchcal.functional import multilabel_adaece, multilabel_ece
+    from torchcal.plotting import multilabel_reliability_data, plot_multilabel_reliability, save_figure
+
+    g = torch.Generator().manual_seed(0)
+    z = 2 * torch.randn(500, 3, generator=g)
+    y = (torch.rand(500, 3, generator=g) < torch.sigmoid(z / 2)).float()
+    for binning, metric in (("equal_width", multilabel_ece), ("equal_mass", multilabel_adaece)):
+        per_label, pooled = multilabel_reliability_data(z, y, from_logits=True, binning=binning)
+        expected = metric(z, y, from_logits=True, average="none")
+        assert [float(d.value) for d in per_label] == pytest.approx(expected.tolist(), abs=1e-12)
+        assert float(pooled.value) == pytest.approx(
+            float(metric(z, y, from_logits=True, average="micro")), abs=1e-12
+        )
+        assert all(float(d.count.sum()) == 500 for d in per_label) and float(pooled.count.sum()) == 1500
+    fig = plot_multilabel_reliability(z, y, from_logits=True, label_names=["a", "b", "c"], ncols=2)
+    assert len(fig.axes) == 2 * 4  # three labels and the pooled panel, each a diagram and a histogram
+    titles = [ax.get_title() for ax in fig.axes if ax.get_title()]
+    assert titles[0].startswith("a\nECE = ") and titles[-1].startswith("all labels pooled")
+    save_figure(fig, tmp_path / "ml.png")
+    assert (tmp_path / "ml.png").stat().st_size > 10_000
+    with pytest.raises(ValueError, match="`label_names` has 2 names for 3 labels"):
+        plot_multilabel_reliability(z, y, from_logits=True, label_names=["a", "b"])

@@ -16,15 +16,22 @@ from __future__ import annotations
 
 import re
 
+import torch
 from torch import nn
 
 from ._validation import check_choice, check_float, check_positive_int
 from .adafocal import AdaFocalLoss, CalFocalLoss
+from .functional import binary as B
 from .functional import losses as L
 from .functional._loss_inputs import check_ignore_index
 
 __all__ = [
     "AdaFocalLoss",
+    "BinaryBrierLoss",
+    "BinaryCrossEntropyLoss",
+    "BinaryDualFocalLoss",
+    "BinaryFocalCalibrationLoss",
+    "BinaryFocalLoss",
     "BrierLoss",
     "CalFocalLoss",
     "CrossEntropyLoss",
@@ -38,6 +45,7 @@ __all__ = [
     "ScheduledFocalLoss",
     "create",
     "list_losses",
+    "loss_task",
 ]
 
 
@@ -256,6 +264,117 @@ class ScheduledFocalLoss(_Loss):
         self.epoch = int(state["epoch"])
 
 
+# -- sigmoid outputs (binary / multi-label; SPEC §6) ---------------------------------------------------------
+
+
+class _BinaryLoss(nn.Module):
+    """Base of the sigmoid losses: ``reduction`` and an optional ``pos_weight`` (L,) kept as a buffer (it
+    follows ``.to(device)``)."""
+
+    _args: tuple[str, ...] = ()
+
+    def __init__(self, reduction: str = "mean", pos_weight=None):
+        super().__init__()
+        self.reduction = check_choice(reduction, "reduction", L.REDUCTIONS)
+        self.register_buffer(
+            "pos_weight", None if pos_weight is None else torch.as_tensor(pos_weight).double()
+        )
+
+    def extra_repr(self) -> str:
+        args = (*self._args, "reduction") + (() if self.pos_weight is None else ("pos_weight",))
+        return ", ".join(f"{a}={getattr(self, a)!r}" for a in args)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.extra_repr()})"
+
+
+class BinaryCrossEntropyLoss(_BinaryLoss):
+    """Binary cross entropy from logits, with optional label smoothing y ← y(1 − ε) + ε/2."""
+
+    _args = ("label_smoothing",)
+
+    def __init__(self, label_smoothing: float = 0.0, reduction: str = "mean", *, pos_weight=None):
+        super().__init__(reduction, pos_weight)
+        self.label_smoothing = check_float(label_smoothing, "label_smoothing", low=0, high=1)
+
+    def forward(self, logits, targets):
+        return B.binary_cross_entropy(
+            logits, targets, pos_weight=self.pos_weight, label_smoothing=self.label_smoothing,
+            reduction=self.reduction,
+        )  # fmt: skip
+
+
+class BinaryFocalLoss(_BinaryLoss):
+    """Sigmoid focal loss −y(1 − p)^γ log p − (1 − y)p^γ log(1 − p), optional α-balancing."""
+
+    _args = ("gamma", "alpha")
+
+    def __init__(self, gamma: float = 2.0, alpha=None, reduction: str = "mean", *, pos_weight=None):
+        super().__init__(reduction, pos_weight)
+        self.gamma = check_float(gamma, "gamma", low=0)
+        self.alpha = None if alpha is None else check_float(alpha, "alpha", low=0, high=1)
+
+    def forward(self, logits, targets):
+        return B.binary_focal_loss(
+            logits,
+            targets,
+            self.gamma,
+            alpha=self.alpha,
+            pos_weight=self.pos_weight,
+            reduction=self.reduction,
+        )
+
+
+class BinaryFocalCalibrationLoss(_BinaryLoss):
+    """Binary focal(γ) + λ·(p − y)² per label (FCL for multi-label outputs)."""
+
+    _args = ("gamma", "lambda_")
+
+    def __init__(self, gamma: float = 4.0, lambda_: float = 1.5, reduction: str = "mean", *, pos_weight=None):
+        super().__init__(reduction, pos_weight)
+        self.gamma = check_float(gamma, "gamma", low=0)
+        self.lambda_ = check_float(lambda_, "lambda_", low=0)
+
+    def forward(self, logits, targets):
+        return B.binary_focal_calibration_loss(
+            logits, targets, self.gamma, self.lambda_, pos_weight=self.pos_weight, reduction=self.reduction
+        )
+
+
+class BinaryBrierLoss(_BinaryLoss):
+    """(σ(z) − y)² per label."""
+
+    def __init__(self, reduction: str = "mean"):
+        super().__init__(reduction)
+
+    def forward(self, logits, targets):
+        return B.binary_brier_loss(logits, targets, reduction=self.reduction)
+
+
+class BinaryDualFocalLoss(_BinaryLoss):
+    """Dual focal loss per label as the two-class problem [0, z] (decision 78)."""
+
+    _args = ("gamma",)
+
+    def __init__(self, gamma: float = 5.0, reduction: str = "mean"):
+        super().__init__(reduction)
+        self.gamma = check_float(gamma, "gamma", low=0)
+
+    def forward(self, logits, targets):
+        return B.binary_dual_focal_loss(logits, targets, self.gamma, reduction=self.reduction)
+
+
+_MULTILABEL = {
+    "bce": lambda **kw: BinaryCrossEntropyLoss(**kw),
+    "binary-brier": lambda **kw: BinaryBrierLoss(**kw),
+    "binary-fcl": lambda **kw: BinaryFocalCalibrationLoss(**kw),
+    "binary-dfl": lambda **kw: BinaryDualFocalLoss(**kw),
+}
+_MULTILABEL_PATTERNS = {
+    r"binary-fl-(\d+(?:\.\d+)?)": lambda v, **kw: BinaryFocalLoss(float(v), **kw),
+    r"binary-ls-(\d*\.?\d+)": lambda v, **kw: BinaryCrossEntropyLoss(label_smoothing=float(v), **kw),
+}
+
 _FIXED = {
     "ce": lambda **kw: CrossEntropyLoss(**kw),
     "brier": lambda **kw: BrierLoss(**kw),
@@ -279,9 +398,21 @@ _PATTERNS = {
 }
 
 
-def list_losses() -> list[str]:
-    """Registered names (parametrised families shown with the papers' values: fl-1/2/3, ifl-1, ls-0.05)."""
+def list_losses(task: str = "multiclass") -> list[str]:
+    """Registered names for softmax outputs (``task="multiclass"``; parametrised families shown with the
+    papers' values: fl-1/2/3, ifl-1, ls-0.05) or for sigmoid outputs (``"multilabel"``: bce, binary-fl-2,
+    binary-ls-0.05, binary-fcl, binary-brier, binary-dfl)."""
+    check_choice(task, "task", {"multiclass", "multilabel"})
+    if task == "multilabel":
+        return sorted([*_MULTILABEL, "binary-fl-2", "binary-ls-0.05"])
     return sorted([*_FIXED, "fl-1", "fl-2", "fl-3", "ifl-1", "ls-0.05"])
+
+
+def loss_task(name: str) -> str:
+    """ "multilabel" for the sigmoid losses' names, "multiclass" otherwise."""
+    key = name.lower()
+    patterns = _MULTILABEL_PATTERNS
+    return "multilabel" if key in _MULTILABEL or any(re.fullmatch(p, key) for p in patterns) else "multiclass"
 
 
 def create(name: str, **kwargs) -> nn.Module:
@@ -291,8 +422,13 @@ def create(name: str, **kwargs) -> nn.Module:
     key = name.lower()
     if key in _FIXED:
         return _FIXED[key](**kwargs)
-    for pattern, make in _PATTERNS.items():
+    if key in _MULTILABEL:
+        return _MULTILABEL[key](**kwargs)
+    for pattern, make in (*_PATTERNS.items(), *_MULTILABEL_PATTERNS.items()):
         match = re.fullmatch(pattern, key)
         if match:
             return make(match.group(1), **kwargs)
-    raise ValueError(f"unknown loss {name!r}; choose one of {list_losses()} (fl-<γ>, ls-<ε> take any value)")
+    raise ValueError(
+        f"unknown loss {name!r}; choose one of {list_losses()} or, for sigmoid outputs, "
+        f"{list_losses('multilabel')} (fl-<γ>, ls-<ε>, binary-fl-<γ>, binary-ls-<ε> take any value)"
+    )

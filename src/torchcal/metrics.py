@@ -9,7 +9,7 @@ from .functional import calibration as C
 from .functional._binning import classwise_sums, prefix_sums
 from .functional._inputs import scan_inputs
 
-__all__ = ["CalibrationMetrics"]
+__all__ = ["CalibrationMetrics", "MultilabelCalibrationMetrics"]
 
 
 class CalibrationMetrics:
@@ -269,3 +269,165 @@ def results(sums, conf, correct, num_classes, n_bins, names=None) -> dict[str, t
             raise ValueError(f"`names` has metrics this accumulator does not compute: {sorted(unknown)}")
         out = {k: v for k, v in out.items() if k in names}
     return out
+
+
+# -- sigmoid outputs (binary / multi-label; SPEC §6) ---------------------------------------------------------
+
+
+class MultilabelCalibrationMetrics:
+    """Accumulates the multi-label (sigmoid) metrics of :mod:`torchcal.functional.binary` over batches,
+    mergeable and all-reducible.
+
+    State: per-label equal-width bin sums of p (count, p sum, positives), 3·L·M float64 numbers, and per-label
+    sums of Brier and NLL; with ``equal_mass`` (default) also every sample's (p, y), 16·L bytes per sample, for
+    the equal-mass ECE and the AUROC. ``compute()`` calls the one-shot functions' arithmetic, so k updates
+    give the one-shot values up to float64 summation order.
+
+    Example:
+        >>> import torch
+        >>> from torchcal.functional import multilabel_ece
+        >>> g = torch.Generator().manual_seed(0)
+        >>> logits, targets = torch.randn(200, 3, generator=g), torch.randint(0, 2, (200, 3), generator=g)
+        >>> m = MultilabelCalibrationMetrics(num_labels=3, from_logits=True)
+        >>> for i in range(0, 200, 64):
+        ...     m.update(logits[i:i + 64], targets[i:i + 64])
+        >>> out = m.compute()
+        >>> torch.allclose(out["ece"], multilabel_ece(logits, targets, from_logits=True))
+        True
+    """
+
+    def __init__(
+        self, num_labels: int, n_bins: int = 15, *, from_logits: bool = False, equal_mass: bool = True
+    ):
+        self.num_labels = check_positive_int(num_labels, "num_labels")
+        self.n_bins = check_positive_int(n_bins, "n_bins")
+        self.from_logits = check_bool(from_logits, "from_logits")
+        self.equal_mass = check_bool(equal_mass, "equal_mass")
+        self._device = None
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget everything seen so far."""
+        size = 3 * self.num_labels * self.n_bins + 2 * self.num_labels + 1
+        self._sums = torch.zeros(size, dtype=torch.float64, device=self._device)
+        self._samples: list[torch.Tensor] = []  # (B, 2, L) float64: p and y
+
+    def _views(self):
+        lm = self.num_labels * self.n_bins
+        s = self._sums
+        bins = s[: 3 * lm].view(3, self.num_labels, self.n_bins)
+        brier, nll = (
+            s[3 * lm : 3 * lm + self.num_labels],
+            s[3 * lm + self.num_labels : 3 * lm + 2 * self.num_labels],
+        )
+        return bins, brier, nll, s[-1:]
+
+    def update(self, probs_or_logits, targets) -> None:
+        """Adds a batch: probabilities (or logits if ``from_logits``) (B, L) or (B,), targets of that shape."""
+        from .functional import binary as B
+        from .functional._binning import equal_width_index
+
+        p, y = B._metric_inputs(probs_or_logits, targets, self.from_logits)
+        if p.shape[1] != self.num_labels:
+            raise ValueError(
+                f"`probs_or_logits` has {p.shape[1]} labels, expected num_labels={self.num_labels}"
+            )
+        if self._device is None:
+            self._device = p.device
+            self._sums = self._sums.to(p.device)
+        elif p.device != self._device:
+            raise ValueError(f"`probs_or_logits` is on {p.device}, earlier batches were on {self._device}")
+        m, labels = self.n_bins, self.num_labels
+        index = (equal_width_index(p, m) + torch.arange(labels, device=p.device) * m).reshape(-1)
+        bins, brier, nll, n = self._views()
+        flat = (torch.bincount(index, minlength=labels * m).double(),
+                torch.bincount(index, weights=p.reshape(-1), minlength=labels * m),
+                torch.bincount(index, weights=y.reshape(-1), minlength=labels * m))  # fmt: skip
+        bins += torch.stack(flat).view(3, labels, m)
+        brier += ((p - y) ** 2).sum(0)
+        if self.from_logits:
+            z = torch.as_tensor(probs_or_logits).detach().double().reshape(p.shape)
+            nll += torch.nn.functional.binary_cross_entropy_with_logits(z, y, reduction="none").sum(0)
+        else:
+            q = p.clamp(1e-12, 1 - 1e-12)
+            nll += (-(y * q.log() + (1 - y) * (1 - q).log())).sum(0)
+        n += p.shape[0]
+        if self.equal_mass:
+            self._samples.append(torch.stack([p, y], dim=1))
+
+    def merge(self, other: MultilabelCalibrationMetrics) -> MultilabelCalibrationMetrics:
+        """Adds the state of ``other`` (same settings) into this one; returns self."""
+        if not isinstance(other, MultilabelCalibrationMetrics):
+            raise TypeError(f"`other` must be a MultilabelCalibrationMetrics, got {type(other).__name__}")
+        mine = (self.num_labels, self.n_bins, self.equal_mass)
+        theirs = (other.num_labels, other.n_bins, other.equal_mass)
+        if mine != theirs:
+            raise ValueError(f"cannot merge metrics with settings {theirs} into {mine}")
+        if self._device is None:
+            self._device = other._device
+            self._sums = self._sums.to(other._sums.device)
+        self._sums += other._sums.to(self._sums.device)
+        self._samples += [s.to(self._sums.device) for s in other._samples]
+        return self
+
+    def sync(self, group=None) -> MultilabelCalibrationMetrics:
+        """Makes every rank hold the global state (all-reduce of the sums, all-gather of the samples)."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return self
+        dist.all_reduce(self._sums, op=dist.ReduceOp.SUM, group=group)
+        if self.equal_mass:
+            device = self._sums.device
+            mine = (
+                torch.cat(self._samples)
+                if self._samples
+                else torch.zeros(0, 2, self.num_labels, dtype=torch.float64)
+            )
+            mine = mine.to(device)
+            world = dist.get_world_size(group)
+            sizes = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(world)]
+            dist.all_gather(sizes, torch.tensor([mine.shape[0]], device=device), group=group)
+            sizes = [int(s) for s in sizes]
+            packed = torch.zeros(max(sizes), 2, self.num_labels, dtype=torch.float64, device=device)
+            packed[: mine.shape[0]] = mine
+            gathered = [torch.empty_like(packed) for _ in range(world)]
+            dist.all_gather(gathered, packed, group=group)
+            self._samples = [g[:s] for g, s in zip(gathered, sizes, strict=True)]
+        return self
+
+    @property
+    def num_samples(self) -> int:
+        return int(self._views()[3][0])
+
+    def compute(self) -> dict[str, torch.Tensor]:
+        """ece, ece_micro, mce (macro over labels, equal-width), brier, nll and, with ``equal_mass``, adaece,
+        adaece_micro and auroc (mean over the labels that have both classes); ``<name>_per_label`` (L,)
+        tensors beside each macro value."""
+        from .functional import binary as B
+        from .functional.calibration import ece_from_sums, mce_from_sums
+
+        bins, brier, nll, n = self._views()
+        if float(n[0]) == 0:
+            raise RuntimeError("MultilabelCalibrationMetrics.compute() called before any update()")
+        ece = torch.stack([ece_from_sums(*bins[:, j]) for j in range(self.num_labels)])
+        mce = torch.stack([mce_from_sums(*bins[:, j]) for j in range(self.num_labels)])
+        out = {
+            "ece": ece.mean(), "ece_per_label": ece, "ece_micro": ece_from_sums(*bins.sum(1)),
+            "mce": mce.mean(), "mce_per_label": mce,
+            "brier": (brier / n).mean(), "brier_per_label": brier / n,
+            "nll": (nll / n).mean(), "nll_per_label": nll / n,
+        }  # fmt: skip
+        if self.equal_mass:
+            samples = torch.cat(self._samples)
+            p, y = samples[:, 0], samples[:, 1]
+            ada = B.multilabel_adaece(p, y, n_bins=self.n_bins, average="none")
+            auroc = B.multilabel_auroc(p, y, average="none")
+            kept = auroc[~torch.isnan(auroc)]
+            out.update({
+                "adaece": ada.mean(), "adaece_per_label": ada,
+                "adaece_micro": B.multilabel_adaece(p, y, n_bins=self.n_bins, average="micro"),
+                "auroc": kept.mean() if kept.numel() else auroc.new_tensor(float("nan")),
+                "auroc_per_label": auroc,
+            })  # fmt: skip
+        return out

@@ -13,7 +13,14 @@ from .functional import calibration as C
 from .functional._binning import equal_mass_sums, equal_width_edges
 from .functional._inputs import scan_inputs
 
-__all__ = ["ReliabilityDiagram", "reliability_diagram_data", "plot_reliability_diagram", "save_figure"]
+__all__ = [
+    "ReliabilityDiagram",
+    "reliability_diagram_data",
+    "plot_reliability_diagram",
+    "multilabel_reliability_data",
+    "plot_multilabel_reliability",
+    "save_figure",
+]
 
 
 @dataclass(frozen=True)
@@ -178,6 +185,104 @@ def plot_reliability_diagram(
     )
     hist.set_xlabel("confidence")
     hist.set_ylabel("count")
+    return fig
+
+
+def _diagram_from_pairs(conf, correct, n_bins, binning) -> ReliabilityDiagram:
+    """The diagram of 1-D (confidence, outcome) pairs: equal-width or equal-mass bins."""
+    from .functional._binning import bin_sums, equal_width_index
+
+    if binning == "equal_width":
+        count, conf_sum, correct_sum = bin_sums(equal_width_index(conf, n_bins), n_bins, conf, correct)
+        edges = equal_width_edges(n_bins, torch.float64, conf.device)
+        lower, upper = edges[:-1], edges[1:]
+    else:
+        conf_s, corr_s = C.sorted_by_confidence(conf, correct.bool())
+        count, conf_sum, correct_sum = equal_mass_sums(conf_s, corr_s, n_bins)
+        ends = count.long().cumsum(0)
+        starts = ends - count.long()
+        nan = torch.full_like(count, float("nan"))
+        c64 = conf_s.double()
+        lower = torch.where(count > 0, c64[starts.clamp(max=len(c64) - 1)], nan)
+        upper = torch.where(count > 0, c64[(ends - 1).clamp(min=0)], nan)
+    safe = count.clamp(min=1)
+    nan = torch.full_like(count, float("nan"))
+    return ReliabilityDiagram(binning=binning, count=count,
+                              confidence=torch.where(count > 0, conf_sum / safe, nan),
+                              accuracy=torch.where(count > 0, correct_sum / safe, nan), lower=lower, upper=upper,
+                              value=C.ece_from_sums(count, conf_sum, correct_sum))  # fmt: skip
+
+
+def multilabel_reliability_data(
+    probs, targets, *, n_bins: int = 15, binning: str = "equal_width", from_logits: bool = False
+) -> tuple[list[ReliabilityDiagram], ReliabilityDiagram]:
+    """Reliability of each label's p (bin "accuracy" = fraction of positives, "confidence" = mean p) and of
+    all labels pooled, with the conventions of :func:`~torchcal.functional.multilabel_calibration_error`
+    (its per-label and micro values are the diagrams' ``value``; for equal-mass bins the diagrams show the
+    bins that estimator uses).
+
+    Example:
+        >>> import torch
+        >>> p = torch.tensor([[0.9, 0.2], [0.8, 0.1], [0.3, 0.7], [0.6, 0.4]])
+        >>> per_label, pooled = multilabel_reliability_data(p, torch.tensor([[1, 0], [1, 0], [0, 1], [0, 1]]), n_bins=5)
+        >>> [round(float(d.value), 2) for d in per_label], round(float(pooled.value), 2)
+        ([0.3, 0.3], 0.3)
+    """
+    from .functional import binary as B
+
+    n_bins = check_positive_int(n_bins, "n_bins")
+    check_choice(binning, "binning", {"equal_width", "equal_mass"})
+    p, y = B._metric_inputs(probs, targets, from_logits)
+    per_label = [
+        _diagram_from_pairs(p[:, j].contiguous(), y[:, j].contiguous(), n_bins, binning)
+        for j in range(p.shape[1])
+    ]
+    return per_label, _diagram_from_pairs(p.reshape(-1), y.reshape(-1), n_bins, binning)
+
+
+def plot_multilabel_reliability(
+    probs,
+    targets,
+    *,
+    label_names=None,
+    n_bins: int = 15,
+    binning: str = "equal_width",
+    from_logits: bool = False,
+    ncols: int = 4,
+    title: str | None = None,
+):
+    """Small multiples: one reliability diagram (with its histogram) per label and one for all labels
+    pooled, the multi-label calibration picture of :func:`multilabel_reliability_data`. Returns the Figure."""
+    try:
+        import matplotlib
+
+        if not os.environ.get("DISPLAY"):
+            matplotlib.use("Agg", force=False)
+        import matplotlib.pyplot as plt
+    except ImportError as err:  # pragma: no cover - exercised only without matplotlib
+        raise ImportError("plotting needs matplotlib: pip install 'torchcal[plot]'") from err
+    per_label, pooled = multilabel_reliability_data(
+        probs, targets, n_bins=n_bins, binning=binning, from_logits=from_logits
+    )
+    names = list(label_names) if label_names is not None else [f"label {j}" for j in range(len(per_label))]
+    if len(names) != len(per_label):
+        raise ValueError(f"`label_names` has {len(names)} names for {len(per_label)} labels")
+    panels = [*zip(names, per_label), ("all labels pooled", pooled)]
+    ncols = min(check_positive_int(ncols, "ncols"), len(panels))
+    nrows = -(-len(panels) // ncols)
+    fig = plt.figure(figsize=(3.2 * ncols, 4.0 * nrows), constrained_layout=True)
+    grid = fig.add_gridspec(2 * nrows, ncols, height_ratios=[3, 1] * nrows)
+    for i, (name, data) in enumerate(panels):
+        r, c = divmod(i, ncols)
+        ax = fig.add_subplot(grid[2 * r, c])
+        hist = fig.add_subplot(grid[2 * r + 1, c], sharex=ax)
+        plot_reliability_diagram(data, title=name, axes=(ax, hist))
+        ax.set_ylabel("fraction positive")
+        hist.set_xlabel("predicted probability p")
+        if i:
+            ax.get_legend().remove()
+    if title:
+        fig.suptitle(title)
     return fig
 
 

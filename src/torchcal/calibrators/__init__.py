@@ -14,6 +14,13 @@ from __future__ import annotations
 import json
 
 from .base import Calibrator, NotFittedError
+from .binary import (
+    BinaryCalibrator,
+    BinaryHistogramBinning,
+    BinaryIsotonicCalibration,
+    BinaryTemperatureScaling,
+    PlattScaling,
+)
 from .nonparametric import HistogramBinning, IsotonicCalibration, SplineCalibration
 from .scaling import MatrixScaling, VectorScaling
 from .temperature import (
@@ -38,23 +45,36 @@ _REGISTRY: dict[str, type[Calibrator]] = {
 }
 _ALIASES = {cls.name: key for key, cls in _REGISTRY.items()}
 _ALIASES.update({"temperature": "ts", "histogram_binning": "histogram"})
+# sigmoid outputs (binary / multi-label): the same short names, one map per label
+_BINARY_REGISTRY: dict[str, type[Calibrator]] = {
+    "ts": BinaryTemperatureScaling,
+    "platt": PlattScaling,
+    "histogram": BinaryHistogramBinning,
+    "isotonic": BinaryIsotonicCalibration,
+}
+_BINARY_ALIASES = {cls.name: key for key, cls in _BINARY_REGISTRY.items()}
+_TASKS = ("multiclass", "multilabel")
 
 
-def list_calibrators() -> list[str]:
-    """Registered short names, sorted."""
-    return sorted(_REGISTRY)
+def list_calibrators(task: str = "multiclass") -> list[str]:
+    """Registered short names, sorted: for softmax outputs, or with ``task="multilabel"`` for sigmoid ones."""
+    if task not in _TASKS:
+        raise ValueError(f"`task` must be one of {list(_TASKS)}, got {task!r}")
+    return sorted(_REGISTRY if task == "multiclass" else _BINARY_REGISTRY)
 
 
-def get_calibrator_class(name: str) -> type[Calibrator]:
-    key = _ALIASES.get(name, name)
-    if key not in _REGISTRY:
-        raise ValueError(f"unknown calibrator {name!r}; choose one of {list_calibrators()}")
-    return _REGISTRY[key]
+def get_calibrator_class(name: str, task: str = "multiclass") -> type[Calibrator]:
+    registry, aliases = (_REGISTRY, _ALIASES) if task == "multiclass" else (_BINARY_REGISTRY, _BINARY_ALIASES)
+    key = aliases.get(name, name)
+    if key not in registry:
+        raise ValueError(f"unknown calibrator {name!r}; choose one of {list_calibrators(task)}")
+    return registry[key]
 
 
-def create(name: str, **kwargs) -> Calibrator:
-    """A new, unfitted calibrator by short name (``"ts"``, ``"fts"``, ...) or full name."""
-    return get_calibrator_class(name)(**kwargs)
+def create(name: str, task: str = "multiclass", **kwargs) -> Calibrator:
+    """A new, unfitted calibrator by short name (``"ts"``, ``"fts"``, ...) or full name; ``task="multilabel"``
+    for sigmoid outputs (``"ts"``, ``"platt"``, ``"histogram"``, ``"isotonic"``)."""
+    return get_calibrator_class(name, task)(**kwargs)
 
 
 def _spec_value(text: str):
@@ -94,7 +114,7 @@ def parse_spec(spec: str) -> tuple[str, dict]:
     return name, kwargs
 
 
-def from_spec(spec: str) -> Calibrator:
+def from_spec(spec: str, task: str = "multiclass") -> Calibrator:
     """A new, unfitted calibrator from a spec such as ``"ts"`` or ``"ts:objective=ece"`` (:func:`parse_spec`);
     an unknown name or argument is a ``ValueError`` naming it.
 
@@ -104,7 +124,7 @@ def from_spec(spec: str) -> Calibrator:
         'adaece'
     """
     name, kwargs = parse_spec(spec)
-    cls = get_calibrator_class(name)
+    cls = get_calibrator_class(name, task)
     try:
         return cls(**kwargs)
     except TypeError as err:
@@ -114,10 +134,15 @@ def from_spec(spec: str) -> Calibrator:
 def from_json(text: str) -> Calibrator:
     """Rebuilds any calibrator from its ``to_json()`` text."""
     name = json.loads(text).get("name")
-    return get_calibrator_class(name).from_json(text)
+    task = "multilabel" if name in _BINARY_ALIASES else "multiclass"
+    return get_calibrator_class(name, task).from_json(text)
 
 
 __all__ = [
+    "BinaryCalibrator",
+    "BinaryHistogramBinning",
+    "BinaryIsotonicCalibration",
+    "BinaryTemperatureScaling",
     "Calibrator",
     "EnsembleTemperatureScaling",
     "FTS_GAMMA_GRID",
@@ -128,6 +153,7 @@ __all__ = [
     "MatrixScaling",
     "NotFittedError",
     "PAPER_TEMPERATURE_GRID",
+    "PlattScaling",
     "SplineCalibration",
     "TemperatureScaling",
     "VectorScaling",

@@ -1,8 +1,23 @@
 """Pure tensor functions, like ``torch.nn.functional``: calibration metrics, the training losses (their
-``nn.Module`` twins are in :mod:`torchcal.losses`), the focal calibration map, bootstrap intervals."""
+``nn.Module`` twins are in :mod:`torchcal.losses`), for softmax and for sigmoid (binary / multi-label,
+:mod:`torchcal.functional.binary`) outputs, the focal calibration map, bootstrap intervals."""
 
 from ._backend import cpu_kernels_available, use_cpu_kernels
 from ._extension import build_cpu_extension, cpu_extension_available, use_cpu_extension
+from .binary import (  # noqa: F401  (the sigmoid losses are listed in LOSS_FUNCTIONS below)
+    binary_brier_loss,
+    binary_cross_entropy,
+    binary_dual_focal_loss,
+    binary_focal_calibration_loss,
+    binary_focal_loss,
+    multilabel_adaece,
+    multilabel_auroc,
+    multilabel_brier_score,
+    multilabel_calibration_error,
+    multilabel_ece,
+    multilabel_mce,
+    multilabel_nll,
+)
 from .bootstrap import BootstrapResult, bootstrap_ci
 from .calibration import (
     ConfidenceShare,
@@ -22,7 +37,17 @@ from .calibration import (
 )
 from .focal_map import focal_calibration_map
 from .losses import *  # noqa: F403  (the functional losses: functional.losses.__all__)
-from .losses import __all__ as LOSS_FUNCTIONS
+from .losses import __all__ as _MULTICLASS_LOSSES
+
+# the functional losses: softmax (functional.losses) and sigmoid (functional.binary)
+LOSS_FUNCTIONS = [
+    *_MULTICLASS_LOSSES,
+    "binary_brier_loss",
+    "binary_cross_entropy",
+    "binary_dual_focal_loss",
+    "binary_focal_calibration_loss",
+    "binary_focal_loss",
+]
 
 # Short aliases.
 ece = expected_calibration_error
@@ -60,6 +85,13 @@ __all__ = [
     "kde_ece",
     "maximum_calibration_error",
     "mce",
+    "multilabel_adaece",
+    "multilabel_auroc",
+    "multilabel_brier_score",
+    "multilabel_calibration_error",
+    "multilabel_ece",
+    "multilabel_mce",
+    "multilabel_nll",
     "negative_log_likelihood",
     "nll",
     "ood_auroc",

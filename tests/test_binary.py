@@ -1,0 +1,264 @@
+"""Binary / multi-label (sigmoid) losses and metrics (SPEC §6): float64 references, F.binary_cross_entropy_
+with_logits, scikit-learn's roc_auc_score and torchmetrics' BinaryCalibrationError as peers, edge cases."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as nnf
+
+import torchcal.functional as F
+from torchcal.functional import binary as B
+
+pytestmark = pytest.mark.usefixtures("loss_backend")
+
+
+def data(n=40, labels=3, seed=0, scale=3.0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    z = scale * torch.randn(n, labels, generator=g, dtype=dtype)
+    y = (torch.rand(n, labels, generator=g, dtype=torch.float64) < torch.sigmoid(z.double() / 2)).to(dtype)
+    return z, y
+
+
+def sig(v):
+    return 1 / (1 + math.exp(-v))
+
+
+def ref(z, y, f):
+    """Elementwise float64 reference: f(p, y) with p = σ(z), plain Python math."""
+    return torch.tensor([[f(sig(a), b) for a, b in zip(ra, rb)] for ra, rb in zip(z.tolist(), y.tolist())],
+                        dtype=torch.float64)  # fmt: skip
+
+
+def focal_ref(gamma, alpha=None, pw=1.0):
+    def f(p, y):
+        a_pos, a_neg = (alpha, 1 - alpha) if alpha is not None else (1.0, 1.0)
+        return -a_pos * pw * y * (1 - p) ** gamma * math.log(p) - a_neg * (1 - y) * p**gamma * math.log(1 - p)
+
+    return f
+
+
+def dfl_ref(gamma):
+    def f(p, y):
+        pt = p if y == 1 else 1 - p
+        pj = 1 - pt if 1 - pt < pt else 0.0
+        return -((1 - pt + pj) ** gamma) * math.log(pt)
+
+    return f
+
+
+CASES = [
+    ("bce", lambda z, y: B.binary_cross_entropy(z, y, reduction="none"), focal_ref(0.0)),
+    ("focal-2", lambda z, y: B.binary_focal_loss(z, y, 2.0, reduction="none"), focal_ref(2.0)),
+    ("focal-0.5", lambda z, y: B.binary_focal_loss(z, y, 0.5, reduction="none"), focal_ref(0.5)),
+    ("focal-alpha", lambda z, y: B.binary_focal_loss(z, y, 2.0, alpha=0.25, reduction="none"), focal_ref(2.0, 0.25)),
+    ("brier", lambda z, y: B.binary_brier_loss(z, y, reduction="none"), lambda p, y: (p - y) ** 2),
+    ("fcl", lambda z, y: B.binary_focal_calibration_loss(z, y, 3.0, 0.5, reduction="none"),
+     lambda p, y: focal_ref(3.0)(p, y) + 0.5 * (p - y) ** 2),
+    ("dfl", lambda z, y: B.binary_dual_focal_loss(z, y, 2.0, reduction="none"), dfl_ref(2.0)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name,fast,f", CASES, ids=[c[0] for c in CASES])
+def test_losses_match_the_float64_reference(name, fast, f):
+    z, y = data()
+    torch.testing.assert_close(fast(z, y), ref(z, y, f), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(fast(z[:, 0], y[:, 0]), ref(z[:, :1], y[:, :1], f)[:, 0])  # binary (N,)
+
+
+@pytest.mark.parametrize("name,fast,f", CASES, ids=[c[0] for c in CASES])
+def test_loss_gradients(name, fast, f):
+    z, y = data(n=6, labels=2, scale=2.0)
+    assert torch.autograd.gradcheck(lambda x: fast(x, y), (z.clone().requires_grad_(True),))
+
+
+def test_gamma_zero_and_pos_weight_equal_pytorch_bce():
+    z, y = data()
+    pw = torch.tensor([0.5, 2.0, 3.0], dtype=torch.float64)
+    for reduction in ("mean", "sum", "none"):
+        expected = nnf.binary_cross_entropy_with_logits(z, y, pos_weight=pw, reduction=reduction)
+        torch.testing.assert_close(B.binary_cross_entropy(z, y, pos_weight=pw, reduction=reduction), expected)
+        torch.testing.assert_close(
+            B.binary_focal_loss(z, y, 0.0, pos_weight=pw, reduction=reduction), expected
+        )
+    ref_pw = ref(z, y, focal_ref(2.0))  # pos_weight on the positive term of the focal loss
+    pos = torch.tensor([[focal_ref(2.0, pw=float(w))(sig(a), 1.0) for a, w in zip(r, pw)] for r in z.tolist()],
+                       dtype=torch.float64)  # fmt: skip
+    expected = torch.where(y == 1, pos, ref_pw)
+    torch.testing.assert_close(B.binary_focal_loss(z, y, 2.0, pos_weight=pw, reduction="none"), expected)
+
+
+def test_soft_targets_and_label_smoothing():
+    z, _ = data(n=10)
+    g = torch.Generator().manual_seed(3)
+    y = torch.rand(10, 3, generator=g, dtype=torch.float64)  # soft targets
+    torch.testing.assert_close(B.binary_focal_loss(z, y, 2.0, reduction="none"), ref(z, y, focal_ref(2.0)))
+    torch.testing.assert_close(
+        B.binary_focal_loss(z, y, 2.0, alpha=0.3, pos_weight=torch.tensor([1.0, 2.0, 0.5]), reduction="none"),
+        torch.tensor([[focal_ref(2.0, 0.3, w)(sig(a), b) for a, b, w in zip(ra, rb, (1.0, 2.0, 0.5))]
+                      for ra, rb in zip(z.tolist(), y.tolist())], dtype=torch.float64),
+    )  # fmt: skip
+    hard = (y > 0.5).double()
+    torch.testing.assert_close(
+        B.binary_cross_entropy(z, hard, label_smoothing=0.1),
+        nnf.binary_cross_entropy_with_logits(z, hard * 0.9 + 0.05),
+    )
+    with pytest.raises(ValueError, match="must be 0 or 1 here"):
+        B.binary_dual_focal_loss(z, y)
+
+
+def test_the_accelerator_path_equals_the_hard_path(monkeypatch):
+    """Off CPU the targets' 0/1-ness is not checked (no sync): the soft path must give the same loss and
+    gradient as the hard (fused) path."""
+    z, y = data()
+    pw = torch.tensor([0.5, 2.0, 3.0], dtype=torch.float64)
+    for fn in (lambda a: B.binary_focal_loss(a, y, 2.0, alpha=0.25, pos_weight=pw, reduction="none"),
+               lambda a: B.binary_focal_calibration_loss(a, y, reduction="none")):  # fmt: skip
+        za, zb = z.clone().requires_grad_(True), z.clone().requires_grad_(True)
+        hard = fn(za)
+        monkeypatch.setattr(B, "_is_hard", lambda t: False)
+        soft = fn(zb)
+        monkeypatch.undo()
+        torch.testing.assert_close(hard, soft)
+        hard.sum().backward()
+        soft.sum().backward()
+        torch.testing.assert_close(za.grad, zb.grad)
+
+
+@pytest.mark.parametrize("fn", [B.binary_focal_loss, B.binary_focal_calibration_loss, B.binary_dual_focal_loss,
+                                B.binary_cross_entropy, B.binary_brier_loss])  # fmt: skip
+def test_extreme_logits_and_autocast_stay_finite(fn):
+    z = torch.tensor([[1e4, -1e4, 0.0], [-1e4, 1e4, 30.0]], requires_grad=True)
+    y = torch.tensor([[1.0, 0.0, 1.0], [1.0, 0.0, 0.0]])
+    loss = fn(z, y)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(z.grad).all()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.isfinite(fn(z.bfloat16(), y))
+    if fn is B.binary_focal_loss:  # γ < 1: the power's derivative is infinite at p = 1
+        z.grad = None
+        B.binary_focal_loss(z, y, 0.3).backward()
+        assert torch.isfinite(z.grad).all()
+
+
+def test_loss_input_errors():
+    z, y = data(n=4)
+    with pytest.raises(ValueError, match=r"must have the shape of the scores \(4, 3\)"):
+        B.binary_focal_loss(z, y[:, :2])
+    with pytest.raises(ValueError, match=r"must lie in \[0, 1\]"):
+        B.binary_focal_loss(z, y * 2)
+    with pytest.raises(ValueError, match=r"`pos_weight` must have shape \(3,\)"):
+        B.binary_focal_loss(z, y, pos_weight=torch.ones(2))
+    with pytest.raises(ValueError, match="`alpha` must be <= 1"):
+        B.binary_focal_loss(z, y, alpha=1.5)
+    with pytest.raises(ValueError, match=r"shape \(N,\) or \(N, L\)"):
+        B.binary_brier_loss(torch.zeros(2, 2, 2), torch.zeros(2, 2, 2))
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+def ece_ref(p, y, n_bins=15, norm="l1"):
+    """Per-label equal-width calibration error of p (bins (m/M, (m+1)/M], 0 in bin 0), plain Python."""
+    bins = [[] for _ in range(n_bins)]
+    for pi, yi in zip(p, y):
+        m = max(0, math.ceil(pi * n_bins) - 1)
+        bins[m].append((pi, yi))
+    gaps = [(len(b), abs(sum(x for x, _ in b) / len(b) - sum(t for _, t in b) / len(b))) for b in bins if b]
+    if norm == "max":
+        return max(g for _, g in gaps)
+    return sum(c * g for c, g in gaps) / len(p)
+
+
+def test_metrics_match_the_reference_and_peers():
+    from sklearn.metrics import roc_auc_score
+    from torchmetrics.classification import BinaryCalibrationError
+
+    z, y = data(n=500, labels=4, seed=1)
+    p = torch.sigmoid(z)
+    per_label = B.multilabel_ece(p, y, average="none")
+    for j in range(4):
+        assert abs(float(per_label[j]) - ece_ref(p[:, j].tolist(), y[:, j].tolist())) < 1e-12
+        peer = BinaryCalibrationError(n_bins=15, norm="l1")(p[:, j].float(), y[:, j].long())
+        assert abs(float(per_label[j]) - float(peer)) < 1e-5  # the same reliability of p
+        assert abs(float(B.multilabel_mce(p, y, average="none")[j]) - ece_ref(p[:, j].tolist(), y[:, j].tolist(),
+                                                                                norm="max")) < 1e-12  # fmt: skip
+    assert abs(float(B.multilabel_ece(p, y)) - float(per_label.mean())) < 1e-15  # macro
+    micro = ece_ref(p.reshape(-1).tolist(), y.reshape(-1).tolist())
+    assert abs(float(B.multilabel_ece(p, y, average="micro")) - micro) < 1e-12
+    torch.testing.assert_close(B.multilabel_ece(z, y, from_logits=True), B.multilabel_ece(p, y))
+    auroc = B.multilabel_auroc(p, y, average="none")
+    for j in range(4):
+        assert abs(float(auroc[j]) - roc_auc_score(y[:, j].numpy(), p[:, j].numpy())) < 1e-12
+    torch.testing.assert_close(B.multilabel_brier_score(p, y), ((p - y) ** 2).mean())
+    torch.testing.assert_close(
+        B.multilabel_nll(z, y, from_logits=True), nnf.binary_cross_entropy_with_logits(z, y)
+    )
+    torch.testing.assert_close(B.multilabel_nll(p, y), nnf.binary_cross_entropy(p, y), rtol=1e-9, atol=1e-9)
+
+
+def test_equal_mass_and_top_label_variants():
+    z, y = data(n=300, labels=2, seed=2)
+    p = torch.sigmoid(z)
+    for j in range(2):  # AdaECE of p equals the top-label AdaECE of the pair (conf, correct) = (p, y)
+        conf, correct = p[:, j], y[:, j]
+        order = torch.argsort(conf, stable=True)
+        chunks = torch.tensor_split(torch.arange(300), 15)
+        expected = sum(
+            len(c) / 300 * abs(float(conf[order][c].mean() - correct[order][c].mean())) for c in chunks
+        )
+        assert abs(float(B.multilabel_adaece(p, y, average="none")[j]) - expected) < 1e-12
+    top = B.multilabel_calibration_error(p, y, top_label=True, average="none")
+    for j in range(2):  # the binary top label: the multiclass ECE of the two columns (1 − p, p)
+        two = torch.stack([1 - p[:, j], p[:, j]], 1)
+        expected = F.expected_calibration_error(two, y[:, j].long())
+        assert abs(float(top[j]) - float(expected)) < 1e-12
+
+
+def test_auroc_of_a_one_class_label_is_missing():
+    p = torch.tensor([[0.9, 0.2], [0.8, 0.6], [0.3, 0.7]])
+    y = torch.tensor([[1, 0], [0, 0], [1, 0]])
+    with pytest.warns(UserWarning, match=r"AUROC is undefined for label\(s\) \['Edema'\]"):
+        values = B.multilabel_auroc(p, y, average="none", label_names=["Atelectasis", "Edema"])
+    assert math.isnan(values[1]) and values[0] == 0.5
+    with pytest.warns(UserWarning):
+        assert float(B.multilabel_auroc(p, y)) == 0.5  # the mean leaves the missing label out
+
+
+def test_metric_input_errors():
+    p = torch.tensor([[0.2, 0.9]])
+    with pytest.raises(ValueError, match=r"`probs` must lie in \[0, 1\].*from_logits=True"):
+        B.multilabel_ece(p * 3, torch.tensor([[0, 1]]))
+    with pytest.raises(ValueError, match="must be 0 or 1"):
+        B.multilabel_ece(p, torch.tensor([[0.5, 1.0]]))
+    with pytest.raises(ValueError, match="norm='max'"):
+        B.multilabel_calibration_error(p, torch.tensor([[0, 1]]), norm="max", binning="equal_mass")
+    with pytest.raises(ValueError, match="`average` must be one of"):
+        B.multilabel_ece(p, torch.tensor([[0, 1]]), average="weighted")
+
+
+def test_loss_modules_and_registry():
+    from torchcal.losses import create, list_losses, loss_task
+
+    z, y = data(n=8)
+    pw = torch.tensor([1.0, 2.0, 0.5])
+    expected = {
+        "bce": B.binary_cross_entropy(z, y),
+        "binary-ls-0.1": B.binary_cross_entropy(z, y, label_smoothing=0.1),
+        "binary-fl-3": B.binary_focal_loss(z, y, 3.0),
+        "binary-fcl": B.binary_focal_calibration_loss(z, y),
+        "binary-brier": B.binary_brier_loss(z, y),
+        "binary-dfl": B.binary_dual_focal_loss(z, y),
+    }
+    for name, value in expected.items():
+        assert loss_task(name) == "multilabel"
+        torch.testing.assert_close(create(name)(z, y), value)
+    module = create("binary-fl-2", pos_weight=pw, reduction="sum")
+    torch.testing.assert_close(module(z, y), B.binary_focal_loss(z, y, 2.0, pos_weight=pw, reduction="sum"))
+    assert module.pos_weight.dtype == torch.float64 and "pos_weight" in dict(module.named_buffers())
+    assert repr(create("binary-fl-2")) == "BinaryFocalLoss(gamma=2.0, alpha=None, reduction='mean')"
+    assert list_losses("multilabel") == ["bce", "binary-brier", "binary-dfl", "binary-fcl", "binary-fl-2",
+                                         "binary-ls-0.05"]  # fmt: skip
+    assert loss_task("fl-3") == "multiclass" and "bce" not in list_losses()
+    with pytest.raises(ValueError, match="for sigmoid outputs"):
+        create("binary-focal")
