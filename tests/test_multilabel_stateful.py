@@ -12,6 +12,7 @@ import torch.multiprocessing as mp
 
 import torchcal.functional as F
 from torchcal.calibrators import (
+    BinaryFocalTemperatureScaling,
     BinaryHistogramBinning,
     BinaryIsotonicCalibration,
     BinaryTemperatureScaling,
@@ -32,15 +33,16 @@ def data(n=2000, labels=3, seed=0, sharp=2.5):
     return sharp * z, y
 
 
-ALL = [BinaryTemperatureScaling, PlattScaling, BinaryHistogramBinning, BinaryIsotonicCalibration]
+ALL = [BinaryTemperatureScaling, PlattScaling, BinaryHistogramBinning, BinaryIsotonicCalibration,
+       BinaryFocalTemperatureScaling]  # fmt: skip
 
 
 def test_registry_and_specs():
-    assert list_calibrators("multilabel") == ["histogram", "isotonic", "platt", "ts"]
+    assert list_calibrators("multilabel") == ["fts", "histogram", "isotonic", "platt", "ts"]
     assert isinstance(from_spec("ts:per_label=false", task="multilabel"), BinaryTemperatureScaling)
     assert from_spec("histogram:n_bins=10", task="multilabel").n_bins == 10
-    with pytest.raises(ValueError, match="unknown calibrator 'fts'"):
-        from_spec("fts", task="multilabel")
+    with pytest.raises(ValueError, match="unknown calibrator 'ets'"):
+        from_spec("ets", task="multilabel")
 
 
 def test_temperature_per_label_and_shared():
@@ -81,6 +83,18 @@ def test_platt_matches_scipy_on_its_objective():
         assert abs(float(platt.intercept_[j]) - best.x[1]) < 1e-4
     separable = PlattScaling().fit(torch.tensor([-2.0, -1.0, 1.0, 2.0]), torch.tensor([0, 0, 1, 1]))
     assert math.isfinite(float(separable.slope_)) and float(separable.slope_) > 0  # target smoothing
+
+
+def test_binary_fts_is_the_two_class_fts():
+    from torchcal.calibrators import FocalTemperatureScaling
+
+    z, y = data(n=600, labels=2, seed=7)
+    fts = BinaryFocalTemperatureScaling().fit(z, y)
+    for j in range(2):
+        rows = torch.stack([torch.zeros_like(z[:, j]), z[:, j]], 1)
+        ref = FocalTemperatureScaling().fit(rows, y[:, j].long())
+        assert (float(fts.gamma_[j]), float(fts.temperature_[j])) == (ref.gamma_, ref.temperature_)
+        torch.testing.assert_close(fts.transform(z)[:, j], ref.transform(rows)[:, 1])
 
 
 def test_histogram_and_isotonic():
@@ -144,6 +158,7 @@ def test_streaming_equals_one_shot_and_merges():
         "auroc": F.multilabel_auroc(z, y),
         "brier": F.multilabel_brier_score(z, y, from_logits=True),
         "nll": F.multilabel_nll(z, y, from_logits=True),
+        "error": ((torch.sigmoid(z) >= 0.5).double() != y).double().mean(),
         "ece_per_label": F.multilabel_ece(z, y, from_logits=True, average="none"),
     }
     for name, value in expected.items():

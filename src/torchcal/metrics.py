@@ -308,7 +308,7 @@ class MultilabelCalibrationMetrics:
 
     def reset(self) -> None:
         """Forget everything seen so far."""
-        size = 3 * self.num_labels * self.n_bins + 2 * self.num_labels + 1
+        size = 3 * self.num_labels * self.n_bins + 3 * self.num_labels + 1
         self._sums = torch.zeros(size, dtype=torch.float64, device=self._device)
         self._samples: list[torch.Tensor] = []  # (B, 2, L) float64: p and y
 
@@ -316,11 +316,8 @@ class MultilabelCalibrationMetrics:
         lm = self.num_labels * self.n_bins
         s = self._sums
         bins = s[: 3 * lm].view(3, self.num_labels, self.n_bins)
-        brier, nll = (
-            s[3 * lm : 3 * lm + self.num_labels],
-            s[3 * lm + self.num_labels : 3 * lm + 2 * self.num_labels],
-        )
-        return bins, brier, nll, s[-1:]
+        per_label = s[3 * lm : 3 * lm + 3 * self.num_labels].view(3, self.num_labels)  # brier, nll, wrong
+        return bins, per_label[0], per_label[1], per_label[2], s[-1:]
 
     def update(self, probs_or_logits, targets) -> None:
         """Adds a batch: probabilities (or logits if ``from_logits``) (B, L) or (B,), targets of that shape."""
@@ -339,12 +336,13 @@ class MultilabelCalibrationMetrics:
             raise ValueError(f"`probs_or_logits` is on {p.device}, earlier batches were on {self._device}")
         m, labels = self.n_bins, self.num_labels
         index = (equal_width_index(p, m) + torch.arange(labels, device=p.device) * m).reshape(-1)
-        bins, brier, nll, n = self._views()
+        bins, brier, nll, wrong, n = self._views()
         flat = (torch.bincount(index, minlength=labels * m).double(),
                 torch.bincount(index, weights=p.reshape(-1), minlength=labels * m),
                 torch.bincount(index, weights=y.reshape(-1), minlength=labels * m))  # fmt: skip
         bins += torch.stack(flat).view(3, labels, m)
         brier += ((p - y) ** 2).sum(0)
+        wrong += ((p >= 0.5).double() != y).double().sum(0)
         if self.from_logits:
             z = torch.as_tensor(probs_or_logits).detach().double().reshape(p.shape)
             nll += torch.nn.functional.binary_cross_entropy_with_logits(z, y, reduction="none").sum(0)
@@ -398,16 +396,16 @@ class MultilabelCalibrationMetrics:
 
     @property
     def num_samples(self) -> int:
-        return int(self._views()[3][0])
+        return int(self._views()[4][0])
 
     def compute(self) -> dict[str, torch.Tensor]:
-        """ece, ece_micro, mce (macro over labels, equal-width), brier, nll and, with ``equal_mass``, adaece,
-        adaece_micro and auroc (mean over the labels that have both classes); ``<name>_per_label`` (L,)
-        tensors beside each macro value."""
+        """ece, ece_micro, mce (macro over labels, equal-width), brier, nll, error (the share of wrong 0/1
+        decisions at p >= 0.5) and, with ``equal_mass``, adaece, adaece_micro and auroc (mean over the labels
+        that have both classes); ``<name>_per_label`` (L,) tensors beside each macro value."""
         from .functional import binary as B
         from .functional.calibration import ece_from_sums, mce_from_sums
 
-        bins, brier, nll, n = self._views()
+        bins, brier, nll, wrong, n = self._views()
         if float(n[0]) == 0:
             raise RuntimeError("MultilabelCalibrationMetrics.compute() called before any update()")
         ece = torch.stack([ece_from_sums(*bins[:, j]) for j in range(self.num_labels)])
@@ -417,6 +415,7 @@ class MultilabelCalibrationMetrics:
             "mce": mce.mean(), "mce_per_label": mce,
             "brier": (brier / n).mean(), "brier_per_label": brier / n,
             "nll": (nll / n).mean(), "nll_per_label": nll / n,
+            "error": (wrong / n).mean(), "error_per_label": wrong / n,
         }  # fmt: skip
         if self.equal_mass:
             samples = torch.cat(self._samples)

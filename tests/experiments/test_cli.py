@@ -7,7 +7,13 @@ runner = CliRunner()
 
 def test_list():
     result = runner.invoke(app, ["list", "losses"])
-    assert result.exit_code == 0 and "flsd-53" in result.output
+    assert result.exit_code == 0 and "flsd-53: multiclass (softmax)" in result.output
+    assert "binary-fcl: multilabel (sigmoid)" in result.output
+    result = runner.invoke(app, ["list", "calibrators"])
+    assert (
+        "ts: multiclass (softmax), multilabel (sigmoid)" in result.output
+        and "platt: multilabel" in result.output
+    )
     assert runner.invoke(app, ["list", "things"]).exit_code != 0
 
 

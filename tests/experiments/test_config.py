@@ -49,11 +49,22 @@ def test_every_paper_preset_loads_and_names_real_components():
     from torchcal.losses import create
 
     presets = list_presets()
-    assert len(presets) == 72 + 36 + 9 + 4  # CIFAR; Tiny-ImageNet, 20NG, AG News, FinSen; SST; BERT
+    assert (
+        len(presets) == 72 + 36 + 9 + 4 + 3
+    )  # CIFAR; Tiny-ImageNet, 20NG, AG News, FinSen; SST; BERT; CheXNet
     for name, path in presets.items():
         cfg = load_config(path)
         assert cfg.model.name in list_models(), name
         create(cfg.loss.name, reduction=cfg.loss.reduction, **cfg.loss.kwargs)
+        if name.startswith("chestxray14"):  # CheXNet as the FCL paper trains it (decision 79)
+            assert (cfg.optim.name, cfg.optim.lr, cfg.optim.schedule, cfg.data.batch_size) == (
+                "adam",
+                1e-4,
+                "plateau",
+                32,
+            )
+            assert cfg.data.ten_crop and cfg.train.select == "best_val_nll" and cfg.train.epochs == 100
+            continue
         if "_bert_" in name:  # fine-tuning: the Hugging Face recipe (decision 75)
             assert cfg.optim.grad_clip_norm == 1.0 and cfg.train.epochs == 10 and cfg.loss.reduction == "mean"
             continue

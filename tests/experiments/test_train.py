@@ -251,7 +251,7 @@ def test_gradient_accumulation_is_the_same_update(tmp_path, reduction):
 
 
 def test_optimizer_and_schedule_checks():
-    with pytest.raises(ConfigError, match="optim.schedule must be 'multistep' or 'linear'"):
+    with pytest.raises(ConfigError, match="optim.schedule must be 'multistep', 'linear' or 'plateau'"):
         tiny("optim.schedule=cosine")
     with pytest.raises(ConfigError, match="optim.warmup_epochs=1.0 applies to optim.schedule=linear only"):
         tiny("optim.warmup_epochs=1.0")

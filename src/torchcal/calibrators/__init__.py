@@ -16,6 +16,7 @@ import json
 from .base import Calibrator, NotFittedError
 from .binary import (
     BinaryCalibrator,
+    BinaryFocalTemperatureScaling,
     BinaryHistogramBinning,
     BinaryIsotonicCalibration,
     BinaryTemperatureScaling,
@@ -48,6 +49,7 @@ _ALIASES.update({"temperature": "ts", "histogram_binning": "histogram"})
 # sigmoid outputs (binary / multi-label): the same short names, one map per label
 _BINARY_REGISTRY: dict[str, type[Calibrator]] = {
     "ts": BinaryTemperatureScaling,
+    "fts": BinaryFocalTemperatureScaling,
     "platt": PlattScaling,
     "histogram": BinaryHistogramBinning,
     "isotonic": BinaryIsotonicCalibration,
@@ -140,6 +142,7 @@ def from_json(text: str) -> Calibrator:
 
 __all__ = [
     "BinaryCalibrator",
+    "BinaryFocalTemperatureScaling",
     "BinaryHistogramBinning",
     "BinaryIsotonicCalibration",
     "BinaryTemperatureScaling",

@@ -17,7 +17,7 @@ from ..functional._binning import equal_width_index
 from ..functional.binary import _check_binary_targets, _check_scores
 from .base import Calibrator
 from .nonparametric import _interp_rows, _pav
-from .temperature import fit_temperature_nll
+from .temperature import FocalTemperatureScaling, fit_temperature_nll
 
 __all__ = [
     "BinaryCalibrator",
@@ -25,6 +25,7 @@ __all__ = [
     "PlattScaling",
     "BinaryHistogramBinning",
     "BinaryIsotonicCalibration",
+    "BinaryFocalTemperatureScaling",
 ]
 
 
@@ -246,4 +247,53 @@ class BinaryIsotonicCalibration(BinaryCalibrator):
             _interp_rows(p[:, j].contiguous(), self.thresholds_[j].to(p.device), self.values_[j].to(p.device))
             for j in range(p.shape[1])
         ]
+        return torch.stack(cols, 1)
+
+
+def _rows(z: torch.Tensor) -> torch.Tensor:
+    return torch.stack([torch.zeros_like(z), z], dim=1)
+
+
+class BinaryFocalTemperatureScaling(BinaryCalibrator):
+    """Focal temperature scaling (Komisarenko & Kull 2024) per label: the multiclass FTS of the two-class
+    logits [0, z] (its focal calibration map after temperature, (γ, T) by its grid on the objective), the
+    positive class's probability returned.
+
+    Example:
+        >>> import torch
+        >>> g = torch.Generator().manual_seed(0)
+        >>> z = torch.randn(3000, generator=g)
+        >>> y = (torch.rand(3000, generator=g) < torch.sigmoid(z)).float()
+        >>> fts = BinaryFocalTemperatureScaling().fit(3 * z, y)
+        >>> fts.transform(3 * z).shape, len(fts.gamma_), len(fts.temperature_)
+        (torch.Size([3000]), 1, 1)
+    """
+
+    name = "binary_focal_temperature_scaling"
+    fitted_attributes = ("gamma_", "temperature_")
+
+    def __init__(self, objective: str = "adaece", n_bins: int = 15):
+        self.objective = objective
+        self.n_bins = n_bins
+
+    def _fit(self, logits, targets):
+        gammas, temps = [], []
+        for j in range(logits.shape[1]):
+            fts = FocalTemperatureScaling(objective=self.objective, n_bins=self.n_bins)
+            fts.fit(_rows(logits[:, j]), targets[:, j].long())
+            gammas.append(float(fts.gamma_))
+            temps.append(float(fts.temperature_))
+        self.gamma_ = torch.tensor(gammas, dtype=torch.float64)
+        self.temperature_ = torch.tensor(temps, dtype=torch.float64)
+
+    def _transform(self, logits):
+        cols = []
+        for j in range(logits.shape[1]):
+            fts = FocalTemperatureScaling(objective=self.objective, n_bins=self.n_bins)
+            fts.gamma_, fts.temperature_, fts.num_classes_ = (
+                float(self.gamma_[j]),
+                float(self.temperature_[j]),
+                2,
+            )
+            cols.append(fts.transform(_rows(logits[:, j]))[:, 1])
         return torch.stack(cols, 1)

@@ -13,6 +13,10 @@ __all__ = ["CifarResNet", "WideResNet", "DenseNet", "Normalize", "CIFAR_MEAN", "
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2023, 0.1994, 0.2010)
 
 
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
 class Normalize(nn.Module):
     """Per-channel (x − mean)/std inside the model, so data stays in [0, 1] on disk and in augmentation."""
 
@@ -145,14 +149,24 @@ class _DenseLayer(nn.Module):
 
 
 class DenseNet(nn.Module):
-    """DenseNet-BC for CIFAR: 3 × 3 stem of 2·growth channels, bottleneck layers, transitions halving the
-    channels; DenseNet-121 = blocks (6, 12, 24, 16), growth 32."""
+    """DenseNet-BC: bottleneck layers, transitions halving the channels; DenseNet-121 = blocks (6, 12, 24, 16),
+    growth 32. ``stem="cifar"``: a 3 × 3 stem of 2·growth channels for 32 × 32 inputs; ``"imagenet"``: the
+    ImageNet stem (7 × 7 stride 2 and a max-pool) and ImageNet normalisation, for 224 × 224 inputs."""
 
-    def __init__(self, blocks, growth, num_classes):
+    def __init__(self, blocks, growth, num_classes, stem: str = "cifar"):
         super().__init__()
-        self.norm = Normalize(CIFAR_MEAN, CIFAR_STD)
         planes = 2 * growth
-        self.conv1 = nn.Conv2d(3, planes, 3, 1, 1, bias=False)
+        if (
+            stem == "imagenet"
+        ):  # Huang et al.'s ImageNet stem (CheXNet): 7 × 7 stride 2, BN, ReLU, 3 × 3 max-pool
+            self.norm = Normalize(IMAGENET_MEAN, IMAGENET_STD)
+            self.conv1 = nn.Sequential(
+                nn.Conv2d(3, planes, 7, 2, 3, bias=False), nn.BatchNorm2d(planes), nn.ReLU(inplace=True),
+                nn.MaxPool2d(3, 2, 1),
+            )  # fmt: skip
+        else:
+            self.norm = Normalize(CIFAR_MEAN, CIFAR_STD)
+            self.conv1 = nn.Conv2d(3, planes, 3, 1, 1, bias=False)
         stages = []
         for i, n in enumerate(blocks):
             for _ in range(n):

@@ -146,7 +146,7 @@ def evaluate(run_dir: Path, calibrators: str = typer.Option("ts,fts", help="comm
     calibrators' results are kept); the fitted calibrators are saved in <run>/calibrators/."""
     from .evaluate import check_calibrators, evaluate_run
 
-    names = check_calibrators(c.strip() for c in calibrators.split(",") if c.strip())
+    names = check_calibrators((c.strip() for c in calibrators.split(",") if c.strip()), None)
     result = evaluate_run(run_dir, names)
     console.print_json(json.dumps({k: result[k] for k in ("uncalibrated", *names)}))
 
@@ -177,6 +177,56 @@ def calibrate(run_dir: Path, method: str = typer.Option("ts", "--method", "-m", 
 
 @app.command()
 @_user_errors
+def gradcam(
+    run_dirs: list[Path],
+    out: Path = typer.Option(Path("gradcam.png"), "--out", help="figure file"),
+    target: str = typer.Option(..., help="class index, or label name of a multi-label run"),
+    images: str = typer.Option("0,1,2", help="comma-separated test-set indices"),
+    layer: str = typer.Option("", help="module name (default: the last layer with a feature map)"),
+    split: str = typer.Option("test", help="split the images come from"),
+):
+    """Grad-CAM heatmaps of the same images under each run's model, side by side (the FCL paper's Fig. 1)."""
+    import torch
+
+    from ..plotting import save_figure
+    from .errors import UserError
+    from .gradcam import gradcam_figure, load_run_model
+
+    models, data = {}, None
+    for run in run_dirs:
+        model, splits = load_run_model(run)
+        models[run.name] = model
+        data = data or splits
+    if split not in data:
+        raise UserError(
+            f"--split {split!r}: the runs have {sorted(k for k in data if not k.startswith('ood'))}"
+        )
+    chosen = data[split]
+    try:
+        indices = [int(i) for i in images.split(",") if i.strip()]
+    except ValueError:
+        raise UserError(f"--images must be comma-separated integers, got {images!r}") from None
+    if not indices or min(indices) < 0 or max(indices) >= len(chosen):
+        raise UserError(f"--images must lie in [0, {len(chosen)}), got {images!r}")
+    names = chosen.label_names or []
+    if target in names:
+        index = names.index(target)
+    elif target.isdigit():
+        index = int(target)
+    else:
+        raise UserError(f"--target must be a class index or one of the labels {names}, got {target!r}")
+    batch = chosen.inputs[torch.tensor(indices)]
+    if batch.ndim != 4:
+        raise UserError("Grad-CAM needs image inputs (B, C, H, W); these runs' data are not images")
+    fig = gradcam_figure(models, batch, index, layer=layer or None, titles=[f"{split}[{i}]" for i in indices])
+    save_figure(fig, out, dpi=110)
+    typer.echo(
+        f"Grad-CAM of {len(indices)} {split} images for target {target} under {len(models)} models: {out}"
+    )
+
+
+@app.command()
+@_user_errors
 def report(
     run_dirs: list[Path],
     out: Path = typer.Option(Path("report"), "--out", help="output folder"),
@@ -190,7 +240,7 @@ def report(
     from .evaluate import report as make_report
     from .html_report import html_report
 
-    check_calibrators([calibrator])
+    check_calibrators([calibrator], None)
     groups = collect_groups(run_dirs, calibrator)  # warns once per skipped folder
     note = regime_note(groups)
     markdown, _ = make_report(run_dirs, out, calibrator, note=note, groups=groups)
@@ -240,11 +290,21 @@ def list_things(what: str = typer.Argument(..., help="models | datasets | losses
     from .data import list_datasets
     from .models import list_models
 
+    def both(listing):  # softmax and sigmoid (multi-label) entries: the tasks each name serves
+        def tasks():
+            out = {}
+            for task, kind in (("multiclass", "softmax"), ("multilabel", "sigmoid")):
+                for name in listing(task):
+                    out.setdefault(name, []).append(f"{task} ({kind})")
+            return {name: ", ".join(out[name]) for name in sorted(out)}
+
+        return tasks
+
     table = {
         "models": list_models,
         "datasets": list_datasets,
-        "losses": list_losses,
-        "calibrators": list_calibrators,
+        "losses": both(list_losses),
+        "calibrators": both(list_calibrators),
         "presets": list_presets,
     }
     if what not in table:

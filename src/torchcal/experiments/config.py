@@ -59,6 +59,8 @@ class DataConfig:
     glove: str = (
         ""  # text datasets: GloVe vectors file (glove.6B.100d.txt); empty: embeddings learned from scratch
     )
+    image_size: int = 224  # images decoded per batch (chestxray14): side of the training images
+    ten_crop: bool = False  # chestxray14: evaluate on ten crops of image_size from images at 256/224 of it
     max_len: int = 1000  # text datasets: tokens per document (training set)
     eval_max_len: int = 0  # text datasets: tokens per document of the evaluated sets (0: max_len)
 
@@ -88,10 +90,12 @@ class OptimConfig:
     milestones: list = field(default_factory=list)
     gamma: float = 0.1
     grad_clip_norm: float = 0.0  # 0: no clipping
-    # learning-rate schedule: "multistep" (× gamma at each of the milestones, per epoch) or "linear" (linear
-    # warm-up over warmup_epochs, then linear decay to 0 at the last step; per step)
+    # learning-rate schedule: "multistep" (× gamma at each of the milestones, per epoch), "linear" (linear
+    # warm-up over warmup_epochs, then linear decay to 0 at the last step; per step) or "plateau" (× gamma
+    # when the validation NLL has not improved for `patience` epochs)
     schedule: str = "multistep"
     warmup_epochs: float = 0.0
+    patience: int = 5
 
 
 @dataclass
@@ -106,7 +110,8 @@ class TrainConfig:
     compile: bool = False  # torch.compile the model
     # test-set metrics in metrics.jsonl every n epochs and at the last (0: none; the logits are always saved)
     test_every: int = 1
-    # the model whose logits are evaluated: "last" epoch, or "best_val_error" (lowest validation error; the
+    # the model whose logits are evaluated: "last" epoch, "best_val_nll" (lowest validation loss, CheXNet's
+    # rule), or "best_val_error" (lowest validation error; the
     # earliest such epoch; its weights kept in best.pt, resumable)
     select: str = "last"
     # gradient accumulation: each batch of data.batch_size runs as this many micro-batches (the same update
@@ -281,6 +286,13 @@ def validate_config(cfg: RunConfig) -> RunConfig:
     _check(d.limit_train >= 0, f"data.limit_train must be >= 0 (0: all), got {d.limit_train}")
     _check(d.max_len >= 1, f"data.max_len must be >= 1, got {d.max_len}")
     _check(d.eval_max_len >= 0, f"data.eval_max_len must be >= 0 (0: data.max_len), got {d.eval_max_len}")
+    _check(d.image_size >= 8, f"data.image_size must be >= 8, got {d.image_size}")
+    from .data import LAZY_DATASETS
+
+    _check(not d.ten_crop or d.name in LAZY_DATASETS,
+           f"data.ten_crop applies to {', '.join(LAZY_DATASETS)} (evaluated images larger than the crops)")  # fmt: skip
+    _check(d.name not in LAZY_DATASETS or not d.shift,
+           f"data.shift applies to in-memory image sets, not data.name={d.name}: set data.shift=")  # fmt: skip
     _check(d.shift in _SHIFTS, f"unknown shift data.shift={d.shift!r}; available: {list(_SHIFTS)}")
     from .data import ood_names
 
@@ -318,6 +330,16 @@ def validate_config(cfg: RunConfig) -> RunConfig:
         loss = create_loss(lo.name, reduction=lo.reduction, **lo.kwargs)
     except (ValueError, TypeError) as err:
         raise ConfigError(f"loss.name={lo.name!r} with loss.kwargs={lo.kwargs}: {err}") from None
+    from ..losses import list_losses, loss_task
+    from .data import MULTILABEL_DATASETS
+
+    task = "multilabel" if d.name in MULTILABEL_DATASETS else "multiclass"
+    _check(loss_task(lo.name) == task,
+           f"loss.name={lo.name!r} is a loss for {loss_task(lo.name)} (softmax if multiclass, sigmoid if "
+           f"multilabel) outputs, but data.name={d.name} is {task}: choose one of {list_losses(task)}")  # fmt: skip
+    _check(task == "multiclass" or not oods,
+           f"data.ood applies to multiclass datasets (predictive-entropy AUROC); data.name={d.name} is "
+           "multi-label: set data.ood=")  # fmt: skip
     if lo.update_every:
         _check(hasattr(loss, "update"), f"loss.update_every={lo.update_every} applies only to losses updated "
                f"from the validation set (adafocal, adadualfocal, calfocal), not {lo.name!r}")  # fmt: skip
@@ -327,12 +349,13 @@ def validate_config(cfg: RunConfig) -> RunConfig:
     _finite(o.weight_decay, "optim.weight_decay", 0)
     _finite(o.gamma, "optim.gamma", 0, open_low=True)
     _finite(o.grad_clip_norm, "optim.grad_clip_norm", 0)
-    _check(o.schedule in ("multistep", "linear"),
-           f"optim.schedule must be 'multistep' or 'linear', got {o.schedule!r}")  # fmt: skip
+    _check(o.schedule in ("multistep", "linear", "plateau"),
+           f"optim.schedule must be 'multistep', 'linear' or 'plateau', got {o.schedule!r}")  # fmt: skip
+    _check(o.patience >= 0, f"optim.patience must be >= 0, got {o.patience}")
     _finite(o.warmup_epochs, "optim.warmup_epochs", 0)
     _check(o.warmup_epochs == 0 or o.schedule == "linear",
            f"optim.warmup_epochs={o.warmup_epochs} applies to optim.schedule=linear only")  # fmt: skip
-    _check(not (o.schedule == "linear" and o.milestones),
+    _check(not (o.schedule != "multistep" and o.milestones),
            f"optim.milestones={o.milestones} apply to optim.schedule=multistep only")  # fmt: skip
     ok = all(isinstance(e, int) and not isinstance(e, bool) and e >= 1 for e in o.milestones)
     _check(ok and list(o.milestones) == sorted(set(o.milestones)),
@@ -342,8 +365,8 @@ def validate_config(cfg: RunConfig) -> RunConfig:
     _check(t.accumulate >= 1, f"train.accumulate must be >= 1, got {t.accumulate}")
     _check(t.accumulate <= d.batch_size,
            f"train.accumulate={t.accumulate} splits a batch of data.batch_size={d.batch_size}: at most that many")  # fmt: skip
-    _check(t.select in ("last", "best_val_error"),
-           f"train.select must be 'last' or 'best_val_error', got {t.select!r}")  # fmt: skip
+    _check(t.select in ("last", "best_val_error", "best_val_nll"),
+           f"train.select must be 'last', 'best_val_error' or 'best_val_nll', got {t.select!r}")  # fmt: skip
     _check(
         t.test_every >= 0, f"train.test_every must be >= 0 (0: no per-epoch test pass), got {t.test_every}"
     )
@@ -353,9 +376,9 @@ def validate_config(cfg: RunConfig) -> RunConfig:
            f"train.channels_last must be auto, true or false, got {t.channels_last!r}")  # fmt: skip
     for spec in t.calibrators:  # specs such as "ts" or "ts:objective=ece"
         try:
-            from_spec(spec)
+            from_spec(spec, task)
         except ValueError as err:
-            raise ConfigError(f"train.calibrators: {err}") from None
+            raise ConfigError(f"train.calibrators ({task} outputs): {err}") from None
     if t.device != "auto":
         import torch
 

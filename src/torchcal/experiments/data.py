@@ -92,6 +92,26 @@ def load_fashion_mnist(root: str | Path = FASHION_MNIST_DIR) -> tuple[Dataset, D
     return out[0], out[1]
 
 
+# Fashion-MNIST attributes: a multi-label task on real images, each attribute a fixed set of the ten classes
+# (T-shirt/top, Trouser, Pullover, Dress, Coat, Sandal, Shirt, Sneaker, Bag, Ankle boot); they overlap, so an
+# image carries 0 to 3 of them (decision 79)
+FASHION_ATTRIBUTES = {
+    "upper_body": (0, 2, 4, 6),
+    "footwear": (5, 7, 9),
+    "warm": (2, 4, 9),
+    "summer": (0, 3, 5),
+    "long_sleeves": (2, 4, 6),
+}
+
+
+def fashion_attributes(labels: torch.Tensor) -> torch.Tensor:
+    """(N, 5) float 0/1 attribute targets of Fashion-MNIST class labels (:data:`FASHION_ATTRIBUTES`)."""
+    table = torch.zeros(10, len(FASHION_ATTRIBUTES))
+    for j, classes in enumerate(FASHION_ATTRIBUTES.values()):
+        table[list(classes), j] = 1.0
+    return table[labels]
+
+
 def load_digits_28() -> Dataset:
     """scikit-learn's bundled digits (1,797 images of 8 × 8), rescaled to 1 × 28 × 28 in [0, 1] (bilinear)."""
     from sklearn.datasets import load_digits
@@ -113,9 +133,10 @@ def split_train_val(train: Dataset, val_size: int, seed: int = 1) -> tuple[Datas
     np.random.RandomState(seed).shuffle(indices)
     perm = torch.from_numpy(indices)
     val_idx, train_idx = perm[:val_size], perm[val_size:]
+    names = train.label_names
     return (
-        Dataset(train.inputs[train_idx], train.targets[train_idx]),
-        Dataset(train.inputs[val_idx], train.targets[val_idx]),
+        Dataset(train.inputs[train_idx], train.targets[train_idx], label_names=names),
+        Dataset(train.inputs[val_idx], train.targets[val_idx], label_names=names),
     )
 
 
@@ -283,6 +304,8 @@ def gaussian_noise(data: Dataset, std: float, seed: int = 0) -> Dataset:
 _DATASETS = {
     "fashion_mnist": "Fashion-MNIST (IDX files; Debian package dataset-fashion-mnist)",
     "digits": "scikit-learn digits rescaled to 28 x 28 (bundled with scikit-learn)",
+    "fashion_mnist_attributes": "Fashion-MNIST images with 5 overlapping attributes of their class (multi-label)",
+    "chestxray14": "ChestX-ray14 (NIH): 14 pathologies, official split, images decoded per batch (multi-label)",
     "cifar10": "CIFAR-10 python pickles (cifar-10-batches-py); 45k/5k split with seed 1",
     "cifar100": "CIFAR-100 python pickles (cifar-100-python); 45k/5k split with seed 1",
     "20newsgroups": "20 Newsgroups bydate folders + GloVe 100-d vectors (data.glove)",
@@ -298,6 +321,10 @@ _OOD = {"digits": "scikit-learn digits 28 x 28", "svhn": "SVHN test_32x32.mat",
         "cifar10_c": "CIFAR-10-C Gaussian noise, severity 5 (data.shift_root)"}  # fmt: skip
 
 
+MULTILABEL_DATASETS = ("fashion_mnist_attributes", "chestxray14")
+LAZY_DATASETS = (
+    "chestxray14",
+)  # images decoded per batch: no shift set, ten-crop possible  # targets (N, L) of 0/1: sigmoid losses and metrics
 TEXT_DATASETS = ("20newsgroups", "20newsgroups_papers", "ag_news", "finsen", "sst_binary", "sst_fine")
 FIXED_VALIDATION = {  # datasets whose split fixes the validation set (data.val_size and split_seed unused)
     "tiny_imagenet": "Tiny-ImageNet's validation split is 50 training images per class",
@@ -305,6 +332,7 @@ FIXED_VALIDATION = {  # datasets whose split fixes the validation set (data.val_
     "finsen": "FinSen's split fixes 15 % of the articles for validation",
     "sst_binary": "the Stanford Sentiment Treebank's dev split is the validation set",
     "sst_fine": "the Stanford Sentiment Treebank's dev split is the validation set",
+    "chestxray14": "ChestX-ray14's validation set takes whole patients until data.val_size images",
 }
 
 
@@ -316,10 +344,14 @@ def load_splits(cfg, tokenizer=None) -> dict[str, Dataset]:
     """train / val / test (and shift / ood when configured) for a :class:`DataConfig`; text datasets are
     encoded with a Hugging Face ``tokenizer`` when given (a transformer model), else with their own
     vocabulary."""
-    if cfg.name == "fashion_mnist":
+    if cfg.name in ("fashion_mnist", "fashion_mnist_attributes"):
         train, test = load_fashion_mnist(
             cfg.root or os.environ.get("TORCHCAL_FASHION_MNIST", FASHION_MNIST_DIR)
         )
+        if cfg.name == "fashion_mnist_attributes":
+            names = list(FASHION_ATTRIBUTES)
+            train = Dataset(train.inputs, fashion_attributes(train.targets), label_names=names)
+            test = Dataset(test.inputs, fashion_attributes(test.targets), label_names=names)
     elif cfg.name in ("cifar10", "cifar100"):
         train, test = load_cifar(cfg.root or "data", 10 if cfg.name == "cifar10" else 100)
     elif cfg.name in TEXT_DATASETS:
@@ -336,6 +368,14 @@ def load_splits(cfg, tokenizer=None) -> dict[str, Dataset]:
         train.embeddings = embeddings
     elif cfg.name == "tiny_imagenet":
         train, fixed_val, test = load_tiny_imagenet(cfg.root or "data")
+    elif cfg.name == "chestxray14":
+        from .chestxray import load_chestxray14
+
+        # ten-crop evaluation: evaluated images at 256/224 of the crop size (CheXNet's 256 for crops of 224)
+        eval_size = round(cfg.image_size * 256 / 224) if cfg.ten_crop else cfg.image_size
+        train, fixed_val, test = load_chestxray14(
+            cfg.root or "data", cfg.val_size, cfg.split_seed, cfg.image_size, eval_size
+        )
     elif cfg.name == "digits":
         full = load_digits_28()
         perm = torch.randperm(len(full), generator=torch.Generator().manual_seed(0))
@@ -354,7 +394,12 @@ def load_splits(cfg, tokenizer=None) -> dict[str, Dataset]:
     else:
         train, val = split_train_val(train, min(cfg.val_size, len(train) // 5), cfg.split_seed)
     if cfg.limit_train:
-        train = Dataset(train.inputs[: cfg.limit_train], train.targets[: cfg.limit_train])
+        first = (
+            train.inputs.head(cfg.limit_train)
+            if hasattr(train.inputs, "head")
+            else train.inputs[: cfg.limit_train]
+        )
+        train = Dataset(first, train.targets[: cfg.limit_train], label_names=train.label_names)
     train.embeddings, train.vocab_size = embeddings, vocab_size
     splits = {"train": train, "val": val, "test": test}
     if not test.inputs.is_floating_point() and (cfg.shift or cfg.ood):

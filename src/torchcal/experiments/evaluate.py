@@ -51,6 +51,37 @@ def _metrics(probs: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
     }
 
 
+MULTILABEL_COLUMNS = ("error", "nll", "brier", "ece", "adaece", "mce", "ece_micro", "auroc")
+
+
+def _multilabel_metrics(probs: torch.Tensor, targets: torch.Tensor) -> dict:
+    """The multi-label metrics of a split (macro over labels unless named micro), with the per-label AUROC and
+    ECE of Table 9 of the FCL paper."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a one-class label: its AUROC is missing (NaN), reported as such
+        auroc = F.multilabel_auroc(probs, targets, average="none")
+    kept = auroc[~torch.isnan(auroc)]
+    return {
+        "error": ((probs >= 0.5).double() != targets.double()).double().mean().item(),
+        "nll": F.multilabel_nll(probs, targets).item(),
+        "brier": F.multilabel_brier_score(probs, targets).item(),
+        "ece": F.multilabel_ece(probs, targets).item(),
+        "adaece": F.multilabel_adaece(probs, targets).item(),
+        "mce": F.multilabel_mce(probs, targets).item(),
+        "ece_micro": F.multilabel_ece(probs, targets, average="micro").item(),
+        "auroc": kept.mean().item() if kept.numel() else float("nan"),
+        "auroc_per_label": auroc.tolist(),
+        "ece_per_label": F.multilabel_ece(probs, targets, average="none").tolist(),
+    }
+
+
+def run_task(logits: dict) -> str:
+    """ "multilabel" when the run's targets are (N, L) 0/1 matrices, else "multiclass"."""
+    return "multilabel" if logits["val"]["targets"].ndim == 2 else "multiclass"
+
+
 def load_logits(run_dir) -> dict:
     """The run's ``logits.pt`` (split -> {"logits", "targets"}); a missing folder or file, an unfinished run
     and a damaged file are :class:`RunError` naming the path."""
@@ -97,15 +128,21 @@ def _merge_results(run_dir: Path, entries: dict) -> dict:
     return result
 
 
-def check_calibrators(names) -> tuple[str, ...]:
+def check_calibrators(names, task: str | None = "multiclass") -> tuple[str, ...]:
     """The calibrator specs (``ts``, ``ts:objective=ece``, ...; :func:`torchcal.calibrators.parse_spec`), each
-    checked against the registry and the calibrator's arguments (a :class:`UserError` otherwise)."""
+    checked against the registry of ``task`` (None: valid for either) and the calibrator's arguments (a
+    :class:`UserError` otherwise)."""
     names = tuple(n.strip() if isinstance(n, str) else n for n in names)
     for name in names:
-        try:
-            from_spec(name)
-        except ValueError as err:
-            raise UserError(str(err)) from None
+        errors = []
+        for t in (task,) if task else ("multiclass", "multilabel"):
+            try:
+                from_spec(name, t)
+                break
+            except ValueError as err:
+                errors.append(err)
+        else:
+            raise UserError(str(errors[0])) from None
     if not names:
         raise UserError("no calibrator given")
     return names
@@ -120,7 +157,10 @@ def calibrator_file_stem(spec: str) -> str:
 def describe_calibrator(spec: str) -> str:
     """How a calibrator spec chooses its parameters, for report titles: e.g. "ts (T minimising validation
     NLL)", "ts:objective=ece (T on the grid 0.1, 0.2, ..., 10 minimising validation ECE, 15 bins)"."""
-    cal = from_spec(spec)
+    try:
+        cal = from_spec(spec)
+    except ValueError:
+        cal = from_spec(spec, "multilabel")
     objective = getattr(cal, "objective", None)
     bins = getattr(cal, "n_bins", 15)
     criteria = {"nll": "validation NLL", "ece": f"validation ECE ({bins} equal-width bins)",
@@ -128,6 +168,10 @@ def describe_calibrator(spec: str) -> str:
     if cal.name == "temperature_scaling":
         how = "T minimising " if objective == "nll" else "T on the papers' grid 0.1, 0.2, ..., 10 minimising "
         return f"{spec} ({how}{criteria.get(objective, objective)})"
+    if cal.name == "binary_temperature_scaling":
+        return f"{spec} (T per label minimising validation binary NLL)"
+    if cal.name == "platt":
+        return f"{spec} (Platt's σ(a·z + b) per label, validation binary NLL)"
     if cal.name == "focal_temperature_scaling":
         return f"{spec} ((γ, T) on the grid of Komisarenko & Kull minimising {criteria.get(objective, objective)})"
     return spec
@@ -142,7 +186,8 @@ def _scores(logits: dict, to_probs) -> dict:
     """Test (and shift) metrics and OOD AUROCs of one model, ``to_probs`` mapping logits to probabilities
     (softmax, or a fitted calibrator), applied once per split."""
     probs = {split: to_probs(logits[split]["logits"]) for split in ("test", "shift") if split in logits}
-    out = {split: _metrics(p, logits[split]["targets"]) for split, p in probs.items()}
+    metrics = _multilabel_metrics if run_task(logits) == "multilabel" else _metrics
+    out = {split: metrics(p, logits[split]["targets"]) for split, p in probs.items()}
     if "ood" in logits:
         sets = _ood_sets(logits)  # ood_<name> per set; "ood" is the first (or the only one of older runs)
         by_set = {
@@ -159,7 +204,7 @@ def _scores(logits: dict, to_probs) -> dict:
 def _fit_and_score(logits: dict, method: str):
     """(fitted calibrator, its results): fitted on validation, scored on test (and shift / OOD)."""
     try:
-        cal = from_spec(method).fit(logits["val"]["logits"], logits["val"]["targets"])
+        cal = from_spec(method, run_task(logits)).fit(logits["val"]["logits"], logits["val"]["targets"])
     except ValueError as err:  # an argument of the spec or the data it is fitted on (named in the message)
         raise UserError(f"calibrator {method!r} cannot be fitted: {err}") from None
     fitted = cal.state_dict()["fitted"]
@@ -184,9 +229,10 @@ def calibrate_run(run_dir, method: str, *, save: bool = True) -> dict:
     ``state_dict()``, loadable with ``torch.load(weights_only=True)``) and ``<method>.json`` (``to_json()``;
     rebuild it with :func:`torchcal.calibrators.from_json`), and its results are added to ``results.json``
     (other calibrators' results are kept)."""
-    check_calibrators([method])
     run_dir = Path(run_dir)
-    cal, out = _fit_and_score(load_logits(run_dir), method)
+    logits = load_logits(run_dir)
+    check_calibrators([method], run_task(logits))
+    cal, out = _fit_and_score(logits, method)
     if save:
         _save_calibrator(run_dir, method, cal)
         _merge_results(run_dir, {method: out})
@@ -197,18 +243,39 @@ def evaluate_run(run_dir, calibrators=("ts", "fts")) -> dict:
     """Metrics of the uncalibrated model and after each calibrator (each saved as by
     :func:`calibrate_run`), added to ``results.json``; returns the file's whole content."""
     run_dir = Path(run_dir)
-    calibrators = check_calibrators(calibrators)
     logits = load_logits(run_dir)
+    task = run_task(logits)
+    calibrators = check_calibrators(calibrators, task)
 
     def softmax(z):
-        return torch.softmax(z, 1)
+        return torch.sigmoid(z) if task == "multilabel" else torch.softmax(z, 1)
 
+    metrics = _multilabel_metrics if task == "multilabel" else _metrics
     result = {"uncalibrated": _scores(logits, softmax)}
-    result["uncalibrated"]["val"] = _metrics(softmax(logits["val"]["logits"]), logits["val"]["targets"])
+    result["uncalibrated"]["val"] = metrics(softmax(logits["val"]["logits"]), logits["val"]["targets"])
+    if task == "multilabel":
+        result["task"] = "multilabel"
+        result["label_names"] = _label_names(run_dir, logits["val"]["targets"].shape[1])
     for method in calibrators:
         cal, result[method] = _fit_and_score(logits, method)
         _save_calibrator(run_dir, method, cal)
     return _merge_results(run_dir, result)
+
+
+def _label_names(run_dir: Path, n: int) -> list[str]:
+    """The label names the run saved in ``config.yaml``'s meta (else label 0, label 1, ...)."""
+    import yaml
+
+    try:
+        meta = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("meta") or {}
+    except (OSError, yaml.YAMLError, AttributeError):
+        meta = {}
+    names = meta.get("label_names")
+    return (
+        [str(x) for x in names]
+        if isinstance(names, list) and len(names) == n
+        else [f"label {j}" for j in range(n)]
+    )
 
 
 # Report column titles where the results key is not self-explanatory
@@ -276,7 +343,7 @@ def collect_groups(run_dirs, calibrator: str = "ts", warn=None) -> list[RunGroup
     (``warn``, default :func:`warnings.warn`); when none is left a :class:`RunError` is raised."""
     import warnings
 
-    check_calibrators([calibrator])
+    check_calibrators([calibrator], None)
     warn = warn or (lambda message: warnings.warn(message, UserWarning, stacklevel=3))
     by_key: dict[str, RunGroup] = {}
     for run_dir in map(Path, run_dirs):
@@ -311,6 +378,8 @@ def collect_groups(run_dirs, calibrator: str = "ts", warn=None) -> list[RunGroup
 
 
 def _group_stats(results: list[dict], calibrator: str) -> dict[str, tuple[float, float, int]]:
+    if any(res.get("task") == "multilabel" for res in results):
+        return _multilabel_stats(results, calibrator)
     values = defaultdict(list)
     for res in results:
         for m in METRIC_COLUMNS:
@@ -333,6 +402,79 @@ def _group_stats(results: list[dict], calibrator: str) -> dict[str, tuple[float,
     return out
 
 
+def _multilabel_stats(results: list[dict], calibrator: str) -> dict[str, tuple[float, float, int]]:
+    values = defaultdict(list)
+    for res in results:
+        if res.get("task") != "multilabel":
+            raise RunError("a report row mixes multi-label and multiclass runs")
+        for m in MULTILABEL_COLUMNS:
+            values[f"{m} pre"].append(100 * res["uncalibrated"]["test"][m])
+            values[f"{m} post"].append(100 * res[calibrator]["test"][m])
+        for name, value in zip(
+            res["label_names"], res["uncalibrated"]["test"]["auroc_per_label"], strict=True
+        ):
+            values[f"auroc {name} pre"].append(100 * value)
+        for name, value in zip(res["label_names"], res[calibrator]["test"]["auroc_per_label"], strict=True):
+            values[f"auroc {name} post"].append(100 * value)
+        values["T"].append(res[calibrator]["parameters"].get("temperature_", float("nan")))
+    out = {}
+    for col, vals in values.items():
+        t = torch.tensor(vals, dtype=torch.float64)
+        out[col] = (float(t.mean()), float(t.std()) if len(vals) > 1 else 0.0, len(vals))
+    return out
+
+
+def _multilabel_report(groups, out_dir: Path, calibrator: str, note: str) -> tuple[str, str]:
+    """Table 9 of the FCL paper (CheXNet): per-label AUROC, their mean, then ECE and MCE (and AdaECE, NLL,
+    Brier, error) uncalibrated / calibrated, mean ± std over each row's runs, ×100."""
+    names = groups[0].results[0]["label_names"]
+    if any(g.results[0]["label_names"] != names for g in groups):
+        raise RunError("the runs of a multi-label report must share their labels")
+
+    def fmt(stat):
+        mean, std, n = stat
+        return f"{mean:.2f} ± {std:.2f}" if n > 1 else f"{mean:.2f}"
+
+    calibrated = ["ece", "mce", "adaece", "nll", "brier"]
+    md = ["| method | seeds | " + " | ".join(f"AUROC {n}" for n in names) + " | mean AUROC | "
+          + " | ".join(c.upper() if c in ("ece", "mce") else c for c in calibrated) + " | error |",
+          "|" + "---|" * (len(names) + len(calibrated) + 4)]  # fmt: skip
+    buf = io.StringIO()
+    writer = csv.writer(buf)
+    stat_cols = ([f"auroc {n} pre" for n in names] + ["auroc pre"]
+                 + [f"{c} {w}" for c in calibrated for w in ("pre", "post")] + ["error pre"])  # fmt: skip
+    writer.writerow(["method", "calibrator", "n_runs", "seeds", "runs",
+                     *[f"{c.replace(' ', '_')}_{k}" for c in stat_cols for k in ("mean", "std", "sem")]])  # fmt: skip
+    for group in groups:
+        st = group.stats
+        cells = [
+            group.label,
+            group.seeds_text,
+            *(fmt(st[f"auroc {n} pre"]) for n in names),
+            fmt(st["auroc pre"]),
+        ]
+        cells += [f"{fmt(st[f'{c} pre'])} / {fmt(st[f'{c} post'])}" for c in calibrated]
+        cells.append(fmt(st["error pre"]))
+        md.append("| " + " | ".join(cells) + " |")
+        row = [group.label, calibrator, len(group.runs), group.seeds_text, ";".join(map(str, group.runs))]
+        for c in stat_cols:
+            mean, std, n = st.get(c, (float("nan"), float("nan"), 0))
+            row += [mean, std, std / math.sqrt(n) if n > 1 else float("nan")]
+        writer.writerow(row)
+    title = (f"Multi-label test metrics ×100 (the layout of the FCL paper's CheXNet Table 9): AUROC per label and "
+             f"their mean (labels with one class in the test set left out), then ECE, MCE, AdaECE (equal-width / "
+             f"equal-mass, 15 bins, macro over labels), NLL and Brier: uncalibrated / after "
+             f"{describe_calibrator(calibrator)}, fitted on the validation split; error = share of wrong 0/1 "
+             f"decisions at p ≥ 0.5; mean ± std over the runs of a row (standard errors in report.csv).\n\n")  # fmt: skip
+    sources = ["", "Runs of each row:", ""] + [f"- {g.label}: {', '.join(map(str, g.runs))}" for g in groups]
+    markdown = title + (f"**{note}**\n\n" if note else "") + "\n".join(md + sources) + "\n"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(out_dir / "report.md", lambda fh: fh.write(markdown.encode()))
+    csv_text = buf.getvalue()
+    atomic_write_bytes(out_dir / "report.csv", lambda fh: fh.write(csv_text.encode()))
+    return markdown, csv_text
+
+
 def report(
     run_dirs, out_dir, calibrator: str = "ts", warn=None, note: str = "", groups=None
 ) -> tuple[str, str]:
@@ -344,6 +486,11 @@ def report(
     (from :func:`collect_groups` with this calibrator) saves collecting them again."""
     groups = collect_groups(run_dirs, calibrator, warn) if groups is None else groups
     out_dir = Path(out_dir)
+    multilabel = [g.results[0].get("task") == "multilabel" for g in groups]
+    if any(multilabel):
+        if not all(multilabel):
+            raise RunError("a report holds either multi-label or multiclass runs; report them separately")
+        return _multilabel_report(groups, out_dir, calibrator, note)
     columns = [
         "error",
         "nll",

@@ -50,11 +50,15 @@ def _figures(run_dir: Path, calibrator: str) -> list[tuple[str, str]]:
     figs = []
     logits = torch.load(run_dir / "logits.pt", weights_only=True)
     test, val = logits["test"], logits["val"]
+    multilabel = test["targets"].ndim == 2
     saved = run_dir / CALIBRATORS / f"{calibrator_file_stem(calibrator)}.json"
     try:  # the calibrator evaluate_run fitted and saved (the one whose numbers the table shows)
         cal = from_json(saved.read_text())
     except (OSError, ValueError, KeyError):
-        cal = from_spec(calibrator).fit(val["logits"], val["targets"])
+        task = "multilabel" if multilabel else "multiclass"
+        cal = from_spec(calibrator, task).fit(val["logits"], val["targets"])
+    if multilabel:
+        return _multilabel_figures(run_dir, calibrator, test, cal)
     pre, post = torch.softmax(test["logits"], 1), cal.transform(test["logits"])
     figs.append(
         ("reliability, uncalibrated", _png(plot_reliability_diagram(probs=pre, targets=test["targets"])))
@@ -103,6 +107,38 @@ def _figures(run_dir: Path, calibrator: str) -> list[tuple[str, str]]:
     return figs
 
 
+def _multilabel_figures(run_dir: Path, calibrator: str, test: dict, cal) -> list[tuple[str, str]]:
+    """A reliability diagram per label and pooled, before and after the calibrator, and ECE over epochs."""
+    import matplotlib.pyplot as plt
+
+    from ..plotting import plot_multilabel_reliability
+    from .evaluate import _label_names
+
+    names = _label_names(run_dir, test["targets"].shape[1])
+    pre, post = torch.sigmoid(test["logits"]), cal.transform(test["logits"])
+    figs = [
+        ("reliability per label, uncalibrated",
+         _png(plot_multilabel_reliability(pre, test["targets"], label_names=names, ncols=3))),
+        (f"reliability per label, {calibrator}",
+         _png(plot_multilabel_reliability(post, test["targets"], label_names=names, ncols=3))),
+    ]  # fmt: skip
+    try:
+        rows = read_metrics(run_dir)
+    except RunError:
+        rows = []
+    if rows:
+        fig, ax = plt.subplots(figsize=(4.2, 3))
+        for split in ("val", "test"):
+            logged = [r for r in rows if f"{split}_ece" in r]
+            ax.plot([r["epoch"] for r in logged], [100 * r[f"{split}_ece"] for r in logged], marker=".",
+                    label=f"{split} ECE (macro)")  # fmt: skip
+        ax.set_xlabel("epoch")
+        ax.set_ylabel("ECE ×100")
+        ax.legend()
+        figs.append(("ECE over epochs", _png(fig)))
+    return figs
+
+
 def _comparison_figures(groups, calibrator: str) -> list[tuple[str, str]]:
     """Across the report's rows: ECE before and after the calibrator (mean ± std over each row's runs), and
     the uncalibrated reliability curves of every row on one axis (test predictions of a row's runs pooled,
@@ -113,7 +149,7 @@ def _comparison_figures(groups, calibrator: str) -> list[tuple[str, str]]:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    from ..plotting import reliability_diagram_data
+    from ..plotting import multilabel_reliability_data, reliability_diagram_data
 
     short = [g.label.split(" · ")[-1] for g in groups]
     labels = short if len(set(short)) == len(short) else [g.label for g in groups]
@@ -136,7 +172,12 @@ def _comparison_figures(groups, calibrator: str) -> list[tuple[str, str]]:
         ]
         logits = torch.cat([p["logits"] for p in pooled])
         targets = torch.cat([p["targets"] for p in pooled])
-        data = reliability_diagram_data(logits, targets, n_bins=15, binning="equal_mass", from_logits=True)
+        if targets.ndim == 2:  # multi-label: all labels' p pooled
+            _, data = multilabel_reliability_data(logits, targets, binning="equal_mass", from_logits=True)
+        else:
+            data = reliability_diagram_data(
+                logits, targets, n_bins=15, binning="equal_mass", from_logits=True
+            )
         ax.plot(data.confidence.numpy(), data.accuracy.numpy(), marker=".", linewidth=1.2, label=label)
     ax.set_xlabel("mean confidence (15 equal-mass bins)")
     ax.set_ylabel("accuracy")

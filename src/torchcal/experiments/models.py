@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from .cifar_models import BasicBlock, Bottleneck, CifarResNet, DenseNet, WideResNet
@@ -128,12 +129,42 @@ _MODELS = {
     "resnet110_he": (_resnet110_he, "He et al.'s CIFAR ResNet-110: basic blocks 3 x 18, widths 16/32/64"),
     "wrn_26_10": (lambda k, s, w: WideResNet(26, 10, k), "WRN-26-10 without dropout"),
     "densenet121": (lambda k, s, w: DenseNet((6, 12, 24, 16), 32, k), "DenseNet-121 (growth 32) for CIFAR"),
+    "densenet121_imagenet": (
+        lambda k, s, w: DenseNet((6, 12, 24, 16), 32, k, stem="imagenet"),
+        "DenseNet-121 with the ImageNet stem, 224 x 224 inputs (CheXNet)",
+    ),
     "text_cnn": (_text_cnn, "global-pooling CNN over (GloVe) word embeddings, for text datasets"),
     "transformer": (
         None,
         "a Hugging Face sequence classifier from the local folder model.checkpoint (BERT, ...)",
     ),
 }
+
+
+class TenCrop(nn.Module):
+    """Ten-crop evaluation (CheXNet): in eval mode an input larger than ``crop`` is cut into its four corner
+    and centre crops and their mirror images; the ten outputs' probabilities (sigmoid for ``multilabel``,
+    else softmax) are averaged and returned as logits of the average (log-odds / log-probabilities, clamped
+    at 1e-7 from 0 and 1). In training mode, or for inputs of the crop size, the model runs as it is."""
+
+    def __init__(self, model: nn.Module, crop: int, multilabel: bool):
+        super().__init__()
+        self.model, self.crop, self.multilabel = model, crop, multilabel
+
+    def forward(self, x):
+        h, w = x.shape[-2:]
+        c = self.crop
+        if self.training or (h, w) == (c, c):
+            return self.model(x)
+        tops = [(0, 0), (0, w - c), (h - c, 0), (h - c, w - c), ((h - c) // 2, (w - c) // 2)]
+        crops = [x[..., t : t + c, l : l + c] for t, l in tops]
+        crops += [v.flip(-1) for v in crops]
+        outs = [self.model(v).float() for v in crops]
+        if self.multilabel:
+            p = torch.stack([torch.sigmoid(o) for o in outs]).mean(0).clamp(1e-7, 1 - 1e-7)
+            return torch.log(p) - torch.log1p(-p)
+        p = torch.stack([torch.softmax(o, 1) for o in outs]).mean(0)
+        return torch.log(p.clamp(min=1e-7))
 
 
 def list_models() -> dict[str, str]:

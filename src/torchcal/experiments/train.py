@@ -27,7 +27,7 @@ import torch
 from .. import __version__
 from ..adafocal import AdaFocalLoss
 from ..losses import create as create_loss
-from ..metrics import CalibrationMetrics
+from ..metrics import CalibrationMetrics, MultilabelCalibrationMetrics
 from .config import (
     RunConfig,
     config_from_dict,
@@ -38,7 +38,7 @@ from .config import (
 )
 from .data import FIXED_VALIDATION, load_splits, random_crop_flip
 from .errors import CheckpointError, ConfigError, RunError
-from .models import create_model
+from .models import TenCrop, create_model
 from .text import load_tokenizer
 
 __all__ = [
@@ -124,7 +124,8 @@ def predict_logits(model, inputs: torch.Tensor, batch_size: int, device) -> torc
 
 
 def _optimizer(cfg: RunConfig, model, steps_per_epoch: int):
-    """(optimizer, scheduler, whether the scheduler steps per batch)."""
+    """(optimizer, scheduler, when it steps: "step" (per batch), "epoch", or "plateau" (per epoch on the
+    validation NLL))."""
     o = cfg.optim
     if o.name == "sgd":
         opt = torch.optim.SGD(
@@ -155,9 +156,14 @@ def _optimizer(cfg: RunConfig, model, steps_per_epoch: int):
                 return step / warmup
             return max(0.0, (total - step) / max(1, total - warmup))
 
-        return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor), True
+        return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor), "step"
+    if o.schedule == "plateau":  # CheXNet: × gamma when the validation loss stalls for `patience` epochs
+        sched = torch.optim.lr_scheduler.ReduceLROnPlateau(
+            opt, mode="min", factor=o.gamma, patience=o.patience
+        )
+        return opt, sched, "plateau"
     sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=list(o.milestones), gamma=o.gamma)
-    return opt, sched, False
+    return opt, sched, "epoch"
 
 
 def _speed_options(cfg, device, is_image):
@@ -203,6 +209,15 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return rows
 
 
+_SELECTION_KEYS = {"best_val_error": "val_error", "best_val_nll": "val_nll"}  # train.select -> its row key
+_ROW_METRICS = (
+    "ece",
+    "adaece",
+    "nll",
+    "error",
+)  # per epoch in metrics.jsonl (multi-label: macro over labels)
+
+
 def _epoch_metrics(model, splits, cfg, device, names=("val", "test"), rank=0, world=1) -> dict:
     """Streaming metrics of each split; under data parallelism every rank scores its shard (rows rank,
     rank + world, ...) and ``sync`` all-reduces the bin sums, so every rank holds the global statistics."""
@@ -210,6 +225,11 @@ def _epoch_metrics(model, splits, cfg, device, names=("val", "test"), rank=0, wo
     for name in names:
         inputs, targets = splits[name].inputs[rank::world], splits[name].targets[rank::world]
         logits = predict_logits(model, inputs, cfg.data.eval_batch_size, device)
+        if targets.ndim == 2:  # multi-label: sigmoid outputs
+            m = MultilabelCalibrationMetrics(num_labels=logits.shape[1], from_logits=True)
+            m.update(logits, targets.to(logits.device))
+            out[name] = m.sync() if world > 1 else m
+            continue
         m = CalibrationMetrics(num_classes=logits.shape[1], from_logits=True)
         m.update(logits, targets.to(logits.device))
         out[name] = m.sync() if world > 1 else m
@@ -288,7 +308,10 @@ def train(
     splits = load_splits(cfg.data, tokenizer)
     adjusted.update(_adjust_to_data(cfg, splits))
     train_set = splits["train"]
-    num_classes = int(max(int(s.targets.max()) for k, s in splits.items() if not k.startswith("ood"))) + 1
+    if train_set.multilabel:  # (N, L) 0/1 targets: L sigmoid outputs
+        num_classes = int(train_set.targets.shape[1])
+    else:
+        num_classes = int(max(int(s.targets.max()) for k, s in splits.items() if not k.startswith("ood"))) + 1
     torch.manual_seed(cfg.train.seed)
     model = _build_model(cfg, train_set, num_classes).to(device)
     loss_fn = create_loss(cfg.loss.name, reduction=cfg.loss.reduction, **cfg.loss.kwargs).to(device)
@@ -297,6 +320,8 @@ def train(
         resumes = [*resumes, {"from_epoch": done, "changed": changes}] if changes or done else resumes
     meta = {"torchcal_version": __version__, "git_revision": _git_revision(), "world_size": world,
             "device": str(device), "num_classes": num_classes, "adjusted": adjusted, "resumes": resumes}  # fmt: skip
+    if train_set.multilabel:
+        meta["label_names"] = list(train_set.label_names or range(num_classes))
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(
@@ -315,7 +340,7 @@ def train(
     n = len(train_set)
     bs = cfg.data.batch_size
     n_batches = (n + bs - 1) // bs
-    opt, sched, per_step = _optimizer(cfg, model, n_batches)
+    opt, sched, sched_mode = _optimizer(cfg, model, n_batches)
     start_epoch, rows, best = 0, [], None
     if state is not None:
         best = state.get("best")
@@ -365,7 +390,7 @@ def train(
             if cfg.optim.grad_clip_norm > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip_norm)
             opt.step()
-            if per_step:
+            if sched_mode == "step":
                 sched.step()
             if cfg.loss.update_every and hasattr(loss_fn, "update") and (b + 1) % cfg.loss.update_every == 0:
                 loss_fn.update(
@@ -374,7 +399,7 @@ def train(
                 model.train()
             if progress is not None:
                 progress(epoch, b + 1, n_batches)
-        if not per_step:
+        if sched_mode == "epoch":
             sched.step()
         every = cfg.train.test_every
         with_test = every > 0 and ((epoch + 1) % every == 0 or epoch + 1 == cfg.train.epochs)
@@ -386,27 +411,25 @@ def train(
             total = torch.as_tensor(total, dtype=torch.float64, device=device)
             dist.all_reduce(total)
             total = total / world
+        if sched_mode == "plateau":
+            val = metrics["val"]
+            values = val.compute() if isinstance(val, MultilabelCalibrationMetrics) else val.compute("nll")
+            sched.step(float(values["nll"]))
         if hasattr(loss_fn, "update") and not cfg.loss.update_every:
             loss_fn.update(metrics=metrics["val"])  # AdaFocal: the validation pass we already made
         row = {"epoch": epoch, "train_loss": float(total) / n_batches, "lr": opt.param_groups[0]["lr"]}
         for split, m in metrics.items():
-            row.update(
-                {
-                    f"{split}_{k}": float(v)
-                    for k, v in m.compute(("ece", "adaece", "nll", "error")).items()
-                    if k in ("ece", "adaece", "nll", "error")
-                }
-            )
+            values = m.compute() if isinstance(m, MultilabelCalibrationMetrics) else m.compute(_ROW_METRICS)
+            row.update({f"{split}_{k}": float(values[k]) for k in _ROW_METRICS})
         if isinstance(loss_fn, AdaFocalLoss):
             row["gammas"] = [float(g) for g in loss_fn.gammas]
             if len(loss_fn.gap_history):
                 row["gaps"] = [float(g) for g in loss_fn.gap_history[-1]]
         rows.append(row)
-        improved = cfg.train.select == "best_val_error" and (
-            best is None or row["val_error"] < best["val_error"]
-        )
-        if improved:  # the earliest epoch with the lowest validation error wins ties
-            best = {"epoch": epoch, "val_error": row["val_error"]}
+        key = _SELECTION_KEYS.get(cfg.train.select)  # val_error or val_nll (None: the last epoch)
+        improved = key is not None and (best is None or row[key] < best[key])
+        if improved:  # the earliest epoch with the lowest validation error (or NLL) wins ties
+            best = {"epoch": epoch, key: row[key]}
         checkpoint = {
             "format": "torchcal-checkpoint-1", "epoch": epoch + 1, "model": model.state_dict(),
             "optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "loss": loss_fn.state_dict(),
@@ -431,10 +454,11 @@ def train(
             "epoch": cfg.train.epochs - 1,
             "val_error": rows[-1]["val_error"],
         }
-        if cfg.train.select == "best_val_error":
+        key = _SELECTION_KEYS.get(cfg.train.select)
+        if key is not None:
             saved = _load_best(run_dir / BEST)
             model.load_state_dict(saved["model"])
-            selection.update(epoch=saved["epoch"], val_error=saved["val_error"])
+            selection.update({"epoch": saved["epoch"], key: saved[key]})
         logits, done = {}, {}
         for name, split in splits.items():
             if name != "train":
@@ -560,4 +584,6 @@ def _build_model(cfg: RunConfig, train_set, num_classes: int):
     if tuple(out.shape) != (min(2, len(train_set)), num_classes):
         raise ConfigError(f"model.name={cfg.model.name!r} gives outputs of shape {tuple(out.shape)} for "
                           f"{num_classes} classes")  # fmt: skip
+    if cfg.data.ten_crop:
+        model = TenCrop(model, cfg.data.image_size, train_set.multilabel)
     return model.train()
