@@ -262,3 +262,15 @@ def test_loss_modules_and_registry():
     assert loss_task("fl-3") == "multiclass" and "bce" not in list_losses()
     with pytest.raises(ValueError, match="for sigmoid outputs"):
         create("binary-focal")
+
+
+def test_metrics_and_calibrators_treat_inputs_as_data():
+    """As their multiclass siblings: tensors that carry gradients are detached, not refused."""
+    from torchcal.calibrators import PlattScaling
+
+    z, y = data(n=50)
+    z = z.clone().requires_grad_(True)
+    assert not B.multilabel_ece(z, y, from_logits=True).requires_grad
+    assert not B.multilabel_auroc(z, y).requires_grad
+    out = PlattScaling().fit(z, y).transform(z)
+    assert not out.requires_grad and out.shape == z.shape

@@ -49,13 +49,21 @@ def test_every_paper_preset_loads_and_names_real_components():
     from torchcal.losses import create
 
     presets = list_presets()
-    assert (
-        len(presets) == 72 + 36 + 9 + 4 + 3
-    )  # CIFAR; Tiny-ImageNet, 20NG, AG News, FinSen; SST; BERT; CheXNet
+    # CIFAR; Tiny-ImageNet, 20NG, AG News, FinSen; SST; BERT; CheXNet; ImageNet
+    assert len(presets) == 72 + 36 + 9 + 4 + 3 + 5
     for name, path in presets.items():
         cfg = load_config(path)
         assert cfg.model.name in list_models(), name
         create(cfg.loss.name, reduction=cfg.loss.reduction, **cfg.loss.kwargs)
+        if name.startswith("imagenet"):  # AdaFocal's ImageNet protocol (decision 80)
+            assert (cfg.optim.lr, cfg.optim.milestones, cfg.train.epochs, cfg.data.val_size) == (
+                0.01,
+                [30, 60],
+                90,
+                25000,
+            )
+            assert cfg.model.name == "resnet50_imagenet" and cfg.data.batch_size == 128, name
+            continue
         if name.startswith("chestxray14"):  # CheXNet as the FCL paper trains it (decision 79)
             assert (cfg.optim.name, cfg.optim.lr, cfg.optim.schedule, cfg.data.batch_size) == (
                 "adam",

@@ -79,7 +79,7 @@ def test_paper_sweep_files_load():
     from pathlib import Path
 
     files = sorted(Path(__file__).resolve().parents[2].joinpath("sweeps").glob("*.yaml"))
-    assert len(files) == 8
+    assert len(files) == 9
     sizes = {f.stem: len(expand(load_sweep(f))) for f in files}
     assert sizes == {
         "cifar10_table": 180,
@@ -90,4 +90,5 @@ def test_paper_sweep_files_load():
         "finsen_table": 45,
         "sstbinary_table": 45,
         "20newsgroups_bert_table": 20,
+        "imagenet_table": 15,
     }

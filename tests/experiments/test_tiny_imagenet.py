@@ -36,7 +36,8 @@ def test_tiny_imagenet_splits(tmp_path):
     assert train.inputs.shape == (6, 3, 64, 64) and len(val) == 2 and len(test) == 3
     assert val.targets.tolist() == [0, 1] and test.targets.tolist() == [0, 1, 0]
     # the first sorted file of each class is validation; pixel values survive exactly (PNG)
-    assert torch.allclose(val.inputs[1], torch.full((3, 64, 64), 40 / 255))
+    assert val.inputs[1].dtype == torch.uint8  # decoded per batch; the runner scales it on the device
+    assert torch.equal(val.inputs[1], torch.full((3, 64, 64), 40, dtype=torch.uint8))
     with pytest.raises(DatasetError, match="need > 4"):
         load_tiny_imagenet(tmp_path, val_per_class=4)
     with pytest.raises(DatasetError, match="wnids.txt"):

@@ -1,7 +1,8 @@
 """ChestX-ray14 (Wang et al. 2017) for the CheXNet protocol (Rajpurkar et al. 2017; the FCL paper's appendix
 A.16): 112,120 frontal X-rays (PNG, 1024 × 1024), 14 pathologies per image, the official patient-wise
-``train_val_list.txt`` / ``test_list.txt`` split. Images are decoded on the fly, one batch at a time, so a
-run's memory does not grow with the dataset (decision 79).
+``train_val_list.txt`` / ``test_list.txt`` split. Images are decoded on the fly, one batch at a time
+(:class:`~torchcal.experiments.streaming.ImageFolderInputs`, in DataLoader workers with ``data.num_workers``),
+so a run's memory does not grow with the dataset (decisions 79, 80).
 """
 
 from __future__ import annotations
@@ -14,68 +15,15 @@ import torch
 
 from .dataset import Dataset
 from .errors import DatasetError
+from .streaming import ImageFolderInputs
 
-__all__ = ["PATHOLOGIES", "LazyImages", "load_chestxray14"]
+__all__ = ["PATHOLOGIES", "load_chestxray14"]
 
 # The 14 labels in the standard (CheXNet) order.
 PATHOLOGIES = (
     "Atelectasis", "Cardiomegaly", "Effusion", "Infiltration", "Mass", "Nodule", "Pneumonia", "Pneumothorax",
     "Consolidation", "Edema", "Emphysema", "Fibrosis", "Pleural_Thickening", "Hernia",
 )  # fmt: skip
-
-
-class LazyImages:
-    """Image files that look like an (N, 3, S, S) float tensor in [0, 1] to the runner: indexing with an
-    integer tensor, a list or a slice (``[i:j]``, ``[rank::world]``) decodes those files (Pillow), converts
-    them to RGB (a grayscale X-ray is repeated on the three channels) and resizes them to S × S; slicing with
-    a step returns another lazy view. Only the batch asked for is ever in memory."""
-
-    def __init__(self, paths, size: int):
-        self.paths = [Path(p) for p in paths]
-        self.size = int(size)
-
-    @property
-    def shape(self) -> torch.Size:
-        return torch.Size((len(self.paths), 3, self.size, self.size))
-
-    @property
-    def ndim(self) -> int:
-        return 4
-
-    def __len__(self) -> int:
-        return len(self.paths)
-
-    def is_floating_point(self) -> bool:
-        return True
-
-    def head(self, n: int) -> LazyImages:
-        """The first ``n`` images, still lazy."""
-        return LazyImages(self.paths[:n], self.size)
-
-    def _decode(self, path: Path) -> torch.Tensor:
-        from PIL import Image
-
-        try:
-            with Image.open(path) as image:
-                rgb = image.convert("RGB").resize((self.size, self.size), Image.Resampling.BILINEAR)
-                array = np.asarray(rgb, dtype=np.float32) / 255.0
-        except OSError as err:
-            raise DatasetError(f"cannot decode image {path}: {err}") from None
-        return torch.from_numpy(array.transpose(2, 0, 1).copy())
-
-    def __getitem__(self, index):
-        if isinstance(index, slice):
-            paths = self.paths[index]
-            if index.step not in (None, 1):  # a shard (rank::world): still lazy
-                return LazyImages(paths, self.size)
-        elif isinstance(index, int):
-            return self._decode(self.paths[index])
-        else:
-            positions = torch.as_tensor(index).reshape(-1).tolist()
-            paths = [self.paths[i] for i in positions]
-        if not paths:
-            return torch.zeros(0, 3, self.size, self.size)
-        return torch.stack([self._decode(p) for p in paths])
 
 
 def _image_index(root: Path) -> dict[str, Path]:
@@ -104,7 +52,7 @@ def load_chestxray14(
     image_size: int = 224,
     eval_size: int | None = None,
 ):
-    """(train, val, test) Datasets of ChestX-ray14: lazy images, (N, 14) float 0/1 targets in
+    """(train, val, test) Datasets of ChestX-ray14: lazy uint8 images, (N, 14) float 0/1 targets in
     :data:`PATHOLOGIES` order ("No Finding" = all zeros), ``label_names``.
 
     ``root`` holds ``Data_Entry_2017.csv`` (columns "Image Index", "Finding Labels" with labels separated
@@ -172,10 +120,15 @@ def load_chestxray14(
 
     def dataset(mask, size):
         idx = mask.nonzero().squeeze(1).tolist()
-        return Dataset(LazyImages([paths[i] for i in idx], size), targets[mask], label_names=names)
+        return Dataset(_lazy([paths[i] for i in idx], size), targets[mask], label_names=names)
 
     test_paths, test_targets, _ = part(test_names, eval_size)
     train = dataset(~is_val, image_size)
     val = dataset(is_val, eval_size)
-    test = Dataset(LazyImages(test_paths, eval_size), test_targets, label_names=names)
+    test = Dataset(_lazy(test_paths, eval_size), test_targets, label_names=names)
     return train, val, test
+
+
+def _lazy(paths, size):
+    """The X-rays decoded per batch, as uint8 RGB (the greyscale image on three channels) resized to S × S."""
+    return ImageFolderInputs(paths, size, resize="full")

@@ -78,17 +78,25 @@ def _head(x, fc):
 
 
 class CifarResNet(nn.Module):
-    """ResNet for 32 × 32 inputs: a 3 × 3 stem without max-pool, then stages of ``block`` (stride 2 at the
-    start of every stage but the first)."""
+    """ResNet: stages of ``block`` (stride 2 at the start of every stage but the first) after a stem:
+    ``stem="cifar"``, a 3 × 3 stem without max-pool for 32 × 32 inputs; ``"imagenet"``, He et al.'s 7 × 7
+    stride-2 stem and max-pool with ImageNet normalisation, for 224 × 224 inputs."""
 
-    def __init__(self, block, blocks, num_classes, widths=(64, 128, 256, 512), in_channels=3):
+    def __init__(self, block, blocks, num_classes, widths=(64, 128, 256, 512), in_channels=3, stem="cifar"):
         super().__init__()
-        self.norm = Normalize(CIFAR_MEAN, CIFAR_STD)
-        self.stem = nn.Sequential(
-            nn.Conv2d(in_channels, widths[0], 3, 1, 1, bias=False),
-            nn.BatchNorm2d(widths[0]),
-            nn.ReLU(inplace=True),
-        )
+        if stem == "imagenet":  # He et al.'s ImageNet stem: 7 × 7 stride 2, BN, ReLU, 3 × 3 max-pool stride 2
+            self.norm = Normalize(IMAGENET_MEAN, IMAGENET_STD)
+            self.stem = nn.Sequential(
+                nn.Conv2d(in_channels, widths[0], 7, 2, 3, bias=False), nn.BatchNorm2d(widths[0]),
+                nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, 1),
+            )  # fmt: skip
+        else:
+            self.norm = Normalize(CIFAR_MEAN, CIFAR_STD)
+            self.stem = nn.Sequential(
+                nn.Conv2d(in_channels, widths[0], 3, 1, 1, bias=False),
+                nn.BatchNorm2d(widths[0]),
+                nn.ReLU(inplace=True),
+            )
         layers, in_planes = [], widths[0]
         for i, (n, planes) in enumerate(zip(blocks, widths, strict=True)):
             for j in range(n):

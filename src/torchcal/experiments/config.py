@@ -59,7 +59,8 @@ class DataConfig:
     glove: str = (
         ""  # text datasets: GloVe vectors file (glove.6B.100d.txt); empty: embeddings learned from scratch
     )
-    image_size: int = 224  # images decoded per batch (chestxray14): side of the training images
+    image_size: int = 224  # images decoded per batch (imagenet, chestxray14): side of the training images
+    num_workers: int = 0  # DataLoader worker processes decoding those images (0: in the training process)
     ten_crop: bool = False  # chestxray14: evaluate on ten crops of image_size from images at 256/224 of it
     max_len: int = 1000  # text datasets: tokens per document (training set)
     eval_max_len: int = 0  # text datasets: tokens per document of the evaluated sets (0: max_len)
@@ -287,6 +288,7 @@ def validate_config(cfg: RunConfig) -> RunConfig:
     _check(d.max_len >= 1, f"data.max_len must be >= 1, got {d.max_len}")
     _check(d.eval_max_len >= 0, f"data.eval_max_len must be >= 0 (0: data.max_len), got {d.eval_max_len}")
     _check(d.image_size >= 8, f"data.image_size must be >= 8, got {d.image_size}")
+    _check(d.num_workers >= 0, f"data.num_workers must be >= 0, got {d.num_workers}")
     from .data import LAZY_DATASETS
 
     _check(not d.ten_crop or d.name in LAZY_DATASETS,
@@ -396,6 +398,7 @@ def validate_config(cfg: RunConfig) -> RunConfig:
 # Settings of how a run executes or is logged and evaluated, never of what it computes: a resumed run may
 # change them, and runs that differ only in them (and the seed) share a report row.
 EXECUTION_KEYS = (
+    "data.num_workers",
     "train.test_every",
     "train.device",
     "train.num_threads",

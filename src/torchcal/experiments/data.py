@@ -229,13 +229,6 @@ def load_cifar10_c(root: str | Path, corruption: str = "gaussian_noise", severit
                    torch.from_numpy(y.astype(np.int64)))  # fmt: skip
 
 
-def _read_image(path: Path) -> np.ndarray:
-    from PIL import Image
-
-    with Image.open(path) as img:
-        return np.asarray(img.convert("RGB"), dtype=np.uint8)
-
-
 def load_tiny_imagenet(root: str | Path, val_per_class: int = 50) -> tuple[Dataset, Dataset, Dataset]:
     """(train, validation, test) of Tiny-ImageNet-200 from its folder layout: ``wnids.txt``,
     ``train/<wnid>/images/*.JPEG``, ``val/images/*.JPEG`` with ``val/val_annotations.txt``. Validation =
@@ -259,7 +252,7 @@ def load_tiny_imagenet(root: str | Path, val_per_class: int = 50) -> tuple[Datas
                 f"{root / 'train' / w / 'images'} holds {len(files)} images, need > {val_per_class}"
             )
         for i, f in enumerate(files):
-            (va_x if i < val_per_class else tr_x).append(_read_image(f))
+            (va_x if i < val_per_class else tr_x).append(f)
             (va_y if i < val_per_class else tr_y).append(label[w])
     te_x, te_y = [], []
     annotations = root / "val" / "val_annotations.txt"
@@ -268,12 +261,18 @@ def load_tiny_imagenet(root: str | Path, val_per_class: int = 50) -> tuple[Datas
     for line in annotations.read_text().splitlines():
         parts = line.split("\t")
         if len(parts) >= 2:
-            te_x.append(_read_image(root / "val" / "images" / parts[0]))
+            path = root / "val" / "images" / parts[0]
+            if not path.is_file():
+                raise DatasetError(
+                    f"{annotations} names {parts[0]}, which is not in {root / 'val' / 'images'}"
+                )
+            te_x.append(path)
             te_y.append(label[parts[1]])
 
-    def to_dataset(xs, ys):
-        x = torch.from_numpy(np.stack(xs).transpose(0, 3, 1, 2).astype(np.float32) / 255.0)
-        return Dataset(x, torch.tensor(ys, dtype=torch.long))
+    def to_dataset(paths, ys):  # decoded per batch (decision 80): 100,000 images never sit in memory
+        from .streaming import ImageFolderInputs
+
+        return Dataset(ImageFolderInputs(paths, 64, resize="full"), torch.tensor(ys, dtype=torch.long))
 
     return to_dataset(tr_x, tr_y), to_dataset(va_x, va_y), to_dataset(te_x, te_y)
 
@@ -306,6 +305,7 @@ _DATASETS = {
     "digits": "scikit-learn digits rescaled to 28 x 28 (bundled with scikit-learn)",
     "fashion_mnist_attributes": "Fashion-MNIST images with 5 overlapping attributes of their class (multi-label)",
     "chestxray14": "ChestX-ray14 (NIH): 14 pathologies, official split, images decoded per batch (multi-label)",
+    "imagenet": "ImageNet train/ and val/ <wnid> folders, decoded per batch; val halved into validation / test",
     "cifar10": "CIFAR-10 python pickles (cifar-10-batches-py); 45k/5k split with seed 1",
     "cifar100": "CIFAR-100 python pickles (cifar-100-python); 45k/5k split with seed 1",
     "20newsgroups": "20 Newsgroups bydate folders + GloVe 100-d vectors (data.glove)",
@@ -333,6 +333,7 @@ FIXED_VALIDATION = {  # datasets whose split fixes the validation set (data.val_
     "sst_binary": "the Stanford Sentiment Treebank's dev split is the validation set",
     "sst_fine": "the Stanford Sentiment Treebank's dev split is the validation set",
     "chestxray14": "ChestX-ray14's validation set takes whole patients until data.val_size images",
+    "imagenet": "ImageNet's validation images are split into validation and test halves",
 }
 
 
@@ -368,6 +369,12 @@ def load_splits(cfg, tokenizer=None) -> dict[str, Dataset]:
         train.embeddings = embeddings
     elif cfg.name == "tiny_imagenet":
         train, fixed_val, test = load_tiny_imagenet(cfg.root or "data")
+    elif cfg.name == "imagenet":
+        from .streaming import load_imagenet
+
+        train, fixed_val, test = load_imagenet(cfg.root or "data/imagenet", cfg.image_size, cfg.val_size,
+                                               cfg.split_seed)  # fmt: skip
+        train.inputs.train = cfg.augment  # RandomResizedCrop + flip while decoding (the runner sets its seed)
     elif cfg.name == "chestxray14":
         from .chestxray import load_chestxray14
 

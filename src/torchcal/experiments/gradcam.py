@@ -128,6 +128,9 @@ def gradcam_figure(models: dict, images: torch.Tensor, target, *, layer: str | N
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
 
+    from .train import as_model_input
+
+    images = as_model_input(images)  # uint8 images of the lazy sets to [0, 1]
     maps = {name: grad_cam(_unwrap(m), _crop_for(m, images), target, layer) for name, m in models.items()}
     shown = _crop_for(next(iter(models.values())), images)
     n = shown.shape[0]

@@ -129,6 +129,10 @@ _MODELS = {
     "resnet110_he": (_resnet110_he, "He et al.'s CIFAR ResNet-110: basic blocks 3 x 18, widths 16/32/64"),
     "wrn_26_10": (lambda k, s, w: WideResNet(26, 10, k), "WRN-26-10 without dropout"),
     "densenet121": (lambda k, s, w: DenseNet((6, 12, 24, 16), 32, k), "DenseNet-121 (growth 32) for CIFAR"),
+    "resnet50_imagenet": (
+        lambda k, s, w: CifarResNet(Bottleneck, (3, 4, 6, 3), k, stem="imagenet"),
+        "ResNet-50 with the ImageNet stem, 224 x 224 inputs (the papers' ImageNet runs)",
+    ),
     "densenet121_imagenet": (
         lambda k, s, w: DenseNet((6, 12, 24, 16), 32, k, stem="imagenet"),
         "DenseNet-121 with the ImageNet stem, 224 x 224 inputs (CheXNet)",

@@ -1,0 +1,309 @@
+"""Datasets larger than memory: image folders read lazily, decoded and augmented per sample in DataLoader
+worker processes (decision 80).
+
+* :class:`ImageFolderInputs` behaves like the (N, 3, S, S) input tensor the runner indexes, but holds file
+  paths: a batch is decoded when asked for (Pillow; greyscale, CMYK and palette images become RGB) and comes
+  back as **uint8** (4× less memory and host-to-device traffic than float32; the runner scales it on the
+  device).
+* Training images get the standard ImageNet augmentation, RandomResizedCrop (scale 0.08-1, aspect ratio
+  3/4-4/3) and a horizontal flip, drawn from a generator seeded by (seed, epoch, sample index): a sample's
+  augmentation does not depend on which worker decodes it, so runs with any number of workers, resumed
+  runs and data-parallel ranks see the same images. Evaluated images are resized (shorter side to
+  256/224 of the crop) and centre-cropped.
+* :class:`TrainBatches` runs the decoding in persistent ``torch.utils.data.DataLoader`` workers (pinned
+  memory, prefetch) over the batches the runner's (seed, epoch) permutation gives; each rank decodes only
+  its shard. Workers receive (epoch, batch) keys and compute the indices themselves, so they persist
+  across epochs.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .errors import DatasetError
+
+__all__ = [
+    "ImageFolderInputs",
+    "image_folder",
+    "load_imagenet",
+    "random_resized_crop",
+    "epoch_order",
+    "EpochPlan",
+    "TrainBatches",
+    "sequential_batches",
+    "IMAGE_SUFFIXES",
+]
+
+IMAGE_SUFFIXES = (".jpeg", ".jpg", ".png")
+
+
+def _open_rgb(path: Path):
+    from PIL import Image
+
+    try:
+        with Image.open(path) as image:
+            return image.convert("RGB")  # greyscale (L), CMYK, palette and RGBA images as RGB
+    except OSError as err:
+        raise DatasetError(f"cannot decode image {path}: {err}") from None
+
+
+def random_resized_crop(
+    width: int, height: int, generator: torch.Generator, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)
+):
+    """(left, top, w, h) of a random crop covering ``scale`` of the area with aspect ratio in ``ratio`` (log-
+    uniform), 10 attempts, else the largest centred crop with the ratio clamped: torchvision's
+    RandomResizedCrop algorithm, drawn from ``generator``."""
+    area = width * height
+    log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
+    for _ in range(10):
+        draws = torch.rand(3, generator=generator, dtype=torch.float64).tolist()
+        target = area * (scale[0] + (scale[1] - scale[0]) * draws[0])
+        aspect = math.exp(log_lo + (log_hi - log_lo) * draws[1])
+        w, h = round(math.sqrt(target * aspect)), round(math.sqrt(target / aspect))
+        if 0 < w <= width and 0 < h <= height:
+            left = int(draws[2] * (width - w + 1))
+            top = int(torch.rand(1, generator=generator, dtype=torch.float64).item() * (height - h + 1))
+            return left, top, w, h
+    in_ratio = width / height
+    if in_ratio < ratio[0]:
+        w, h = width, round(width / ratio[0])
+    elif in_ratio > ratio[1]:
+        h, w = height, round(height * ratio[1])
+    else:
+        w, h = width, height
+    return (width - w) // 2, (height - h) // 2, w, h
+
+
+class ImageFolderInputs:
+    """Lazy image inputs: see the module docstring. ``train=True`` augments (call :meth:`set_epoch` each
+    epoch), otherwise resize + centre crop (``resize="crop"``) or a plain resize to S × S (``"full"``, a
+    no-op for images of that size, e.g. Tiny-ImageNet's). Slicing with a step (``[rank::world]``) or :meth:`head` gives
+    another lazy view; any other index decodes those images into a (B, 3, S, S) uint8 tensor."""
+
+    def __init__(
+        self, paths, size: int = 224, *, train: bool = False, seed: int = 0, epoch: int = 0, resize="crop"
+    ):
+        self.paths = [Path(p) for p in paths]
+        self.size, self.train, self.seed, self.epoch = int(size), bool(train), int(seed), int(epoch)
+        self.resize = (
+            resize  # evaluation: "crop" (shorter side to 256/224 of S, centre crop) or "full" (to S × S)
+        )
+        self.offset = 0  # index of paths[0] in the full set (views keep the samples' own seeds)
+        self.step = 1
+
+    # -- the tensor-like surface the runner uses -----------------------------------------------------------
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((len(self.paths), 3, self.size, self.size))
+
+    @property
+    def ndim(self) -> int:
+        return 4
+
+    @property
+    def dtype(self):
+        return torch.uint8
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def is_floating_point(self) -> bool:
+        return False
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def _view(self, start: int, stop: int, step: int) -> ImageFolderInputs:
+        view = ImageFolderInputs(self.paths[start:stop:step], self.size, train=self.train, seed=self.seed,
+                                 epoch=self.epoch, resize=self.resize)  # fmt: skip
+        view.offset, view.step = self.offset + start * self.step, self.step * step
+        return view
+
+    def head(self, n: int) -> ImageFolderInputs:
+        return self._view(0, n, 1)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self.paths))
+            if step != 1:
+                return self._view(start, stop, step)
+            positions = list(range(start, stop))
+        elif isinstance(index, int):
+            return self.decode(index)
+        else:
+            positions = torch.as_tensor(index).reshape(-1).tolist()
+        if not positions:
+            return torch.zeros(0, 3, self.size, self.size, dtype=torch.uint8)
+        return torch.stack([self.decode(i) for i in positions])
+
+    # -- decoding ----------------------------------------------------------------------------------------
+
+    def decode(self, i: int) -> torch.Tensor:
+        """Image ``i`` of this view as a (3, S, S) uint8 tensor, augmented (training) or centre-cropped."""
+        from PIL import Image
+
+        image = _open_rgb(self.paths[i])
+        s = self.size
+        if self.train:
+            global_index = self.offset + i * self.step
+            g = torch.Generator().manual_seed(hash((self.seed, self.epoch, global_index)) & (2**63 - 1))
+            left, top, w, h = random_resized_crop(image.width, image.height, g)
+            image = image.resize((s, s), Image.Resampling.BILINEAR, box=(left, top, left + w, top + h))
+            if torch.rand(1, generator=g).item() < 0.5:
+                image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        elif self.resize == "full":
+            if image.size != (s, s):
+                image = image.resize((s, s), Image.Resampling.BILINEAR)
+        else:
+            short = round(s * 256 / 224)
+            scale = short / min(image.width, image.height)
+            image = image.resize((max(s, round(image.width * scale)), max(s, round(image.height * scale))),
+                                 Image.Resampling.BILINEAR)  # fmt: skip
+            left, top = (image.width - s) // 2, (image.height - s) // 2
+            image = image.crop((left, top, left + s, top + s))
+        array = np.asarray(image, dtype=np.uint8)
+        return torch.from_numpy(array.transpose(2, 0, 1).copy())
+
+
+def image_folder(root: Path) -> tuple[list[Path], list[int], list[str]]:
+    """(paths, labels, class names) of a ``<class>/<image>`` folder (ImageNet's ``train/<wnid>/*.JPEG`` and
+    the usual ``val/<wnid>/*.JPEG`` layout); classes and files in sorted order."""
+    if not root.is_dir():
+        raise DatasetError(
+            f"missing folder {root}: put ImageNet's train/ and val/ folders (one sub-folder per class, e.g. "
+            "train/n01440764/*.JPEG; val/ in the same layout, as the usual valprep script makes it) under data.root"
+        )
+    classes = sorted(p.name for p in root.iterdir() if p.is_dir())
+    paths, labels = [], []
+    for label, name in enumerate(classes):
+        for path in sorted((root / name).iterdir()):
+            if path.suffix.lower() in IMAGE_SUFFIXES:
+                paths.append(path)
+                labels.append(label)
+    if not paths:
+        raise DatasetError(f"{root} holds no images in <class>/<image> folders")
+    return paths, labels, classes
+
+
+def load_imagenet(
+    root: str | Path, image_size: int = 224, val_size: int = 25000, split_seed: int = 1, seed: int = 0
+):
+    """(train, val, test) of ImageNet from ``root/train`` and ``root/val`` folders, lazily. The papers' split
+    (AdaFocal, appendix D): the 50,000 validation images are divided into validation and test halves
+    (``val_size`` of them, drawn with ``split_seed``, for validation; the rest for test)."""
+    from .dataset import Dataset
+
+    root = Path(root)
+    train_paths, train_labels, classes = image_folder(root / "train")
+    val_paths, val_labels, val_classes = image_folder(root / "val")
+    if val_classes != classes:
+        raise DatasetError(
+            f"{root}/val holds other classes than {root}/train ({len(val_classes)} vs {len(classes)})"
+        )
+    if not 0 < val_size < len(val_paths):
+        raise DatasetError(
+            f"data.val_size={val_size} must leave images of {root}/val ({len(val_paths)}) for both halves"
+        )
+    order = np.random.RandomState(split_seed).permutation(len(val_paths))
+    halves = order[:val_size], order[val_size:]
+
+    def part(paths, labels, train):
+        return Dataset(ImageFolderInputs(paths, image_size, train=train, seed=seed), torch.tensor(labels))
+
+    train = part(train_paths, train_labels, True)
+    val, test = (part([val_paths[i] for i in h], [val_labels[i] for i in h], False) for h in halves)
+    return train, val, test
+
+
+def epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
+    """The runner's sample order of an epoch: a permutation seeded by (seed, epoch)."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+
+
+class EpochPlan:
+    """This rank's share of batch ``b`` of epoch ``e`` (picklable: DataLoader workers compute it too)."""
+
+    def __init__(self, n: int, batch_size: int, seed: int, rank: int = 0, world: int = 1):
+        self.n, self.batch_size, self.seed, self.rank, self.world = n, batch_size, seed, rank, world
+        self._cached = (None, None)
+
+    def indices(self, epoch: int, b: int) -> torch.Tensor:
+        if self._cached[0] != epoch:  # one permutation per epoch and process
+            self._cached = (epoch, epoch_order(self.n, self.seed, epoch))
+        order = self._cached[1]
+        return order[b * self.batch_size : (b + 1) * self.batch_size][self.rank :: self.world]
+
+
+class _PlannedBatches(torch.utils.data.Dataset):
+    """Key (epoch, b) -> the decoded batch (a worker runs this)."""
+
+    def __init__(self, inputs, targets, plan: EpochPlan):
+        self.inputs, self.targets, self.plan = inputs, targets, plan
+
+    def __getitem__(self, key):
+        epoch, b = key
+        idx = self.plan.indices(epoch, b)
+        if hasattr(self.inputs, "set_epoch"):  # the augmentation of lazy images depends on the epoch
+            self.inputs.set_epoch(epoch)
+        return self.inputs[idx], self.targets[idx]
+
+
+class _EpochSampler(torch.utils.data.Sampler):
+    def __init__(self, n_batches: int):
+        self.n_batches, self.epoch = n_batches, 0
+
+    def __iter__(self):
+        return iter([(self.epoch, b) for b in range(self.n_batches)])
+
+    def __len__(self):
+        return self.n_batches
+
+
+class TrainBatches:
+    """The training batches of every epoch, decoded in ``num_workers`` persistent DataLoader workers (two
+    batches prefetched each, pinned memory on request) or, with 0 workers, in this process."""
+
+    def __init__(
+        self, inputs, targets, plan: EpochPlan, n_batches: int, num_workers: int = 0, pin_memory=False
+    ):
+        self.dataset, self.n_batches = _PlannedBatches(inputs, targets, plan), n_batches
+        self.sampler = _EpochSampler(n_batches)
+        self.loader = None
+        if num_workers > 0:
+            self.loader = torch.utils.data.DataLoader(
+                self.dataset, batch_size=None, sampler=self.sampler, num_workers=num_workers,
+                pin_memory=pin_memory, persistent_workers=True, prefetch_factor=2,
+            )  # fmt: skip
+
+    def epoch(self, epoch: int):
+        """An iterator of (inputs, targets) over the epoch's batches, in order."""
+        if self.loader is None:
+            return (self.dataset[(epoch, b)] for b in range(self.n_batches))
+        self.sampler.epoch = epoch
+        return iter(self.loader)
+
+
+class _Sequential(torch.utils.data.Dataset):
+    def __init__(self, inputs, batch_size):
+        self.inputs, self.batch_size = inputs, batch_size
+
+    def __len__(self):
+        return -(-len(self.inputs) // self.batch_size)
+
+    def __getitem__(self, b):
+        return self.inputs[b * self.batch_size : (b + 1) * self.batch_size]
+
+
+def sequential_batches(inputs, batch_size: int, num_workers: int = 0, pin_memory: bool = False):
+    """``inputs`` in consecutive batches, in order (evaluation); lazy inputs decoded in DataLoader workers."""
+    data = _Sequential(inputs, batch_size)
+    if not hasattr(inputs, "decode") or num_workers == 0:
+        return (data[b] for b in range(len(data)))
+    return iter(
+        torch.utils.data.DataLoader(data, batch_size=None, num_workers=num_workers, pin_memory=pin_memory)
+    )

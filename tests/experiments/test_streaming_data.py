@@ -1,0 +1,155 @@
+"""The lazy input pipeline on a 1,000-image "ImageNet" fixture in the real layout (train/<wnid>/*.JPEG,
+val/<wnid>/*.JPEG; greyscale and CMYK JPEGs among them): decoding, the standard augmentation drawn per
+(seed, epoch, sample), the papers' validation/test halves, and training that is identical with any number of
+DataLoader workers, after a SIGKILL and --resume, and under 2-rank DDP."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from torchcal.experiments.config import load_config
+from torchcal.experiments.errors import DatasetError
+from torchcal.experiments.streaming import ImageFolderInputs, load_imagenet, random_resized_crop
+from torchcal.experiments.train import train
+
+WNIDS = ["n01440764", "n01443537", "n01484850", "n01491361"]
+
+
+def write_imagenet(root, train_per_class=250, val_per_class=25):
+    """Class k: a bright square in quadrant k on noise; sizes vary; every 10th image greyscale, every 15th CMYK."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    count = 0
+    for split, n in (("train", train_per_class), ("val", val_per_class)):
+        for k, wnid in enumerate(WNIDS):
+            folder = root / split / wnid
+            folder.mkdir(parents=True)
+            for i in range(n):
+                w, h = int(rng.integers(40, 64)), int(rng.integers(40, 64))
+                pixels = rng.integers(0, 80, (h, w, 3), dtype=np.uint8)
+                y0, x0 = (k // 2) * h // 2, (k % 2) * w // 2
+                pixels[y0 : y0 + h // 2, x0 : x0 + w // 2] = 230
+                image = Image.fromarray(pixels)
+                count += 1
+                if count % 10 == 0:
+                    image = image.convert("L")
+                elif count % 15 == 0:
+                    image = image.convert("CMYK")
+                image.save(folder / f"{wnid}_{i}.JPEG", quality=90)
+
+
+@pytest.fixture(scope="module")
+def imagenet(tmp_path_factory):
+    root = tmp_path_factory.mktemp("imagenet")
+    write_imagenet(root)
+    return root
+
+
+def args(root, *extra):
+    return [f"data.root={root}", "data.name=imagenet", "data.image_size=32", "data.val_size=50", "data.shift=",
+            "data.ood=", "data.batch_size=100", "data.eval_batch_size=100", "data.augment=true",
+            "model.name=small_cnn", "model.width=16", "train.epochs=2", "train.num_threads=1",
+            "train.calibrators=[ts]", "optim.lr=0.003", *extra]  # fmt: skip
+
+
+def weights(run):
+    return torch.load(run / "checkpoint.pt", weights_only=True)["model"]
+
+
+def test_reader_layout_modes_and_halves(imagenet):
+    train_set, val, test = load_imagenet(imagenet, image_size=24, val_size=40, split_seed=1)
+    assert len(train_set) == 1000 and (len(val), len(test)) == (40, 60)
+    assert train_set.targets.tolist() == sorted(train_set.targets.tolist())  # classes in sorted wnid order
+    assert not {p.name for p in val.inputs.paths} & {p.name for p in test.inputs.paths}
+    modes = set()
+    from PIL import Image
+
+    for path in train_set.inputs.paths[:40]:
+        with Image.open(path) as image:
+            modes.add(image.mode)
+    assert {"L", "CMYK", "RGB"} <= modes
+    batch = val.inputs[torch.arange(10)]
+    assert batch.shape == (10, 3, 24, 24) and batch.dtype == torch.uint8
+    grey = [i for i, p in enumerate(train_set.inputs.paths[:40]) if Image.open(p).mode == "L"][0]
+    decoded = train_set.inputs.decode(grey)  # a greyscale JPEG on three equal channels
+    assert torch.equal(decoded[0], decoded[1]) and torch.equal(decoded[1], decoded[2])
+    with pytest.raises(DatasetError, match="train/n01440764/\\*.JPEG"):
+        load_imagenet(imagenet / "nothing")
+
+
+def test_augmentation_is_a_function_of_seed_epoch_and_sample(imagenet):
+    paths = [p for p in sorted((imagenet / "train" / WNIDS[0]).iterdir())][:6]
+    a = ImageFolderInputs(paths, 24, train=True, seed=3)
+    first = a[torch.arange(6)]
+    again = ImageFolderInputs(paths, 24, train=True, seed=3)
+    assert torch.equal(again[torch.arange(6)], first)
+    assert torch.equal(a[1::2][torch.arange(3)], first[1::2])  # a shard decodes its samples as the whole set
+    a.set_epoch(1)
+    assert not torch.equal(a[torch.arange(6)], first)  # another epoch, other crops
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        left, top, w, h = random_resized_crop(64, 48, g)
+        assert 0 <= left and left + w <= 64 and 0 <= top and top + h <= 48 and w * h >= 0.08 * 64 * 48 * 0.9
+
+
+def test_workers_do_not_change_the_run(imagenet, tmp_path):
+    train(load_config(None, args(imagenet)), tmp_path / "w0")
+    train(load_config(None, args(imagenet, "data.num_workers=2")), tmp_path / "w2")
+    a, b = weights(tmp_path / "w0"), weights(tmp_path / "w2")
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    rows = [json.loads(x) for x in (tmp_path / "w2" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["val_error"] < 0.6  # it learns from the fixture (chance: 0.75)
+
+
+def test_sigkill_with_workers_then_resume_is_identical(imagenet, tmp_path):
+    cfg_args = args(imagenet, "data.num_workers=2", "train.epochs=3")
+    train(load_config(None, cfg_args), tmp_path / "reference")
+    run = tmp_path / "killed"
+    code = ("from torchcal.experiments.config import load_config; from torchcal.experiments.train import train;"
+            f"train(load_config(None, {cfg_args!r}), {str(run)!r})")  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.time() + 120
+    while not (run / "checkpoint.pt").exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)  # workers die with their parent (DataLoader watches it)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL and not (run / "logits.pt").exists()
+    train(load_config(None, cfg_args), run, resume=True)
+    reference, resumed = weights(tmp_path / "reference"), weights(run)
+    for name in reference:
+        assert torch.equal(reference[name], resumed[name]), name
+
+
+def _port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, root, run_dir):
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})  # fmt: skip
+    train(load_config(None, args(root, "data.num_workers=1")), run_dir)
+    torch.distributed.destroy_process_group()
+
+
+def test_two_ddp_ranks_match_one_process(imagenet, tmp_path):
+    """Each rank decodes only its shard of every batch; the gradients are averaged, so the weights equal a
+    single process's with the same global batch (up to the order of float sums)."""
+    train(load_config(None, args(imagenet)), tmp_path / "single")
+    mp.start_processes(_worker, args=(2, _port(), str(imagenet), str(tmp_path / "ddp")), nprocs=2,
+                       start_method="spawn")  # fmt: skip
+    a, b = weights(tmp_path / "single"), weights(tmp_path / "ddp")
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5)
