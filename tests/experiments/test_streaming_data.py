@@ -153,3 +153,33 @@ def test_two_ddp_ranks_match_one_process(imagenet, tmp_path):
     a, b = weights(tmp_path / "single"), weights(tmp_path / "ddp")
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5)
+
+
+def test_crops_on_the_device_match_the_workers_crops(imagenet):
+    """augment_on=device: the same draws (box, flip) per sample; the crop resampled by grid_sample from the
+    image resized to 256/224 of the crop, close to Pillow's crop of the original."""
+    from torchcal.experiments.streaming import DeferredCrops, crop_on_device
+
+    paths = sorted((imagenet / "train" / WNIDS[1]).iterdir())[:16]
+    direct = ImageFolderInputs(paths, 32, train=True, seed=5)
+    deferred = ImageFolderInputs(paths, 32, train=True, seed=5)
+    deferred.defer_crop = True
+    batch = deferred[torch.arange(16)]
+    assert isinstance(batch, DeferredCrops) and batch.images.shape == (16, 3, 37, 37)
+    assert isinstance(batch[torch.tensor([1, 3])], DeferredCrops) and len(batch[torch.tensor([1, 3])]) == 2
+    on_device = crop_on_device(batch, "cpu")
+    reference = direct[torch.arange(16)].float() / 255
+    assert on_device.shape == reference.shape
+    assert float((on_device - reference).abs().mean()) < 0.06  # the same crops, another resampling path
+
+
+def test_device_augmentation_runs_and_ignores_workers(imagenet, tmp_path):
+    train(load_config(None, args(imagenet, "data.augment_on=device")), tmp_path / "w0")
+    train(load_config(None, args(imagenet, "data.augment_on=device", "data.num_workers=2")), tmp_path / "w2")
+    a, b = weights(tmp_path / "w0"), weights(tmp_path / "w2")
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    from torchcal.experiments.config import ConfigError
+
+    with pytest.raises(ConfigError, match="data.augment_on=device applies to data.name=imagenet"):
+        load_config(None, ["data.name=digits", "data.ood=", "data.augment_on=device"])

@@ -61,6 +61,9 @@ class DataConfig:
     )
     image_size: int = 224  # images decoded per batch (imagenet, chestxray14): side of the training images
     num_workers: int = 0  # DataLoader worker processes decoding those images (0: in the training process)
+    # where ImageNet's random crops are taken: "workers" (Pillow, on the CPU) or "device" (the workers draw
+    # and resize, the crops and flips are resampled on the GPU)
+    augment_on: str = "workers"
     ten_crop: bool = False  # chestxray14: evaluate on ten crops of image_size from images at 256/224 of it
     max_len: int = 1000  # text datasets: tokens per document (training set)
     eval_max_len: int = 0  # text datasets: tokens per document of the evaluated sets (0: max_len)
@@ -289,6 +292,12 @@ def validate_config(cfg: RunConfig) -> RunConfig:
     _check(d.eval_max_len >= 0, f"data.eval_max_len must be >= 0 (0: data.max_len), got {d.eval_max_len}")
     _check(d.image_size >= 8, f"data.image_size must be >= 8, got {d.image_size}")
     _check(d.num_workers >= 0, f"data.num_workers must be >= 0, got {d.num_workers}")
+    _check(
+        d.augment_on in ("workers", "device"),
+        f"data.augment_on must be 'workers' or 'device', got {d.augment_on!r}",
+    )
+    _check(d.augment_on == "workers" or d.name == "imagenet",
+           "data.augment_on=device applies to data.name=imagenet (its RandomResizedCrop)")  # fmt: skip
     from .data import LAZY_DATASETS
 
     _check(not d.ten_crop or d.name in LAZY_DATASETS,

@@ -10,6 +10,9 @@ worker processes (decision 80).
   augmentation does not depend on which worker decodes it, so runs with any number of workers, resumed
   runs and data-parallel ranks see the same images. Evaluated images are resized (shorter side to
   256/224 of the crop) and centre-cropped.
+* With ``data.augment_on=device`` the workers only decode, draw the crop and resize the whole image to a
+  fixed size; the crops and flips are then taken on the GPU in one ``grid_sample`` (:func:`crop_on_device`),
+  which takes the resampling off the CPU (the same draws; the resampling differs slightly from Pillow's).
 * :class:`TrainBatches` runs the decoding in persistent ``torch.utils.data.DataLoader`` workers (pinned
   memory, prefetch) over the batches the runner's (seed, epoch) permutation gives; each rank decodes only
   its shard. Workers receive (epoch, batch) keys and compute the indices themselves, so they persist
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -31,6 +35,8 @@ __all__ = [
     "image_folder",
     "load_imagenet",
     "random_resized_crop",
+    "DeferredCrops",
+    "crop_on_device",
     "epoch_order",
     "EpochPlan",
     "TrainBatches",
@@ -49,6 +55,48 @@ def _open_rgb(path: Path):
             return image.convert("RGB")  # greyscale (L), CMYK, palette and RGBA images as RGB
     except OSError as err:
         raise DatasetError(f"cannot decode image {path}: {err}") from None
+
+
+class DeferredCrops(NamedTuple):
+    """A training batch whose crops are taken on the device (``data.augment_on=device``): the decoded images
+    resized to R × R (R = 256/224 of the crop size) as uint8, each sample's crop box in fractions of its image
+    (x0, y0, x1, y1) and its flip. Indexing takes the same samples of all three."""
+
+    images: torch.Tensor
+    boxes: torch.Tensor
+    flips: torch.Tensor
+    size: int
+
+    def __getitem__(self, index):
+        if isinstance(index, int | str):  # the NamedTuple's own fields
+            return tuple.__getitem__(self, index)
+        return DeferredCrops(self.images[index], self.boxes[index], self.flips[index], self.size)
+
+    def __len__(self):
+        return int(self.images.shape[0])
+
+    def pin_memory(self):
+        return DeferredCrops(
+            self.images.pin_memory(), self.boxes.pin_memory(), self.flips.pin_memory(), self.size
+        )
+
+
+def crop_on_device(batch: DeferredCrops, device) -> torch.Tensor:
+    """The augmented (B, 3, S, S) float32 batch in [0, 1]: every sample's box resampled bilinearly to S × S
+    (and mirrored when its flip is set) with one ``grid_sample`` on ``device``."""
+    images = batch.images.to(device, non_blocking=True).float().div_(255)
+    boxes = batch.boxes.to(device, torch.float32)
+    x0, y0, x1, y1 = boxes.unbind(1)
+    sx = (x1 - x0) * torch.where(batch.flips.to(device), -1.0, 1.0)
+    theta = torch.zeros(len(batch), 2, 3, device=device)
+    theta[:, 0, 0], theta[:, 0, 2] = sx, x0 + x1 - 1
+    theta[:, 1, 1], theta[:, 1, 2] = y1 - y0, y0 + y1 - 1
+    grid = torch.nn.functional.affine_grid(
+        theta, (len(batch), 3, batch.size, batch.size), align_corners=False
+    )
+    return torch.nn.functional.grid_sample(
+        images, grid, mode="bilinear", padding_mode="border", align_corners=False
+    )
 
 
 def random_resized_crop(
@@ -89,9 +137,9 @@ class ImageFolderInputs:
     ):
         self.paths = [Path(p) for p in paths]
         self.size, self.train, self.seed, self.epoch = int(size), bool(train), int(seed), int(epoch)
-        self.resize = (
-            resize  # evaluation: "crop" (shorter side to 256/224 of S, centre crop) or "full" (to S × S)
-        )
+        # evaluation: "crop" (shorter side to 256/224 of S, centre crop) or "full" (to S × S)
+        self.resize = resize
+        self.defer_crop = False  # training: draw the crop here, take it on the device (DeferredCrops)
         self.offset = 0  # index of paths[0] in the full set (views keep the samples' own seeds)
         self.step = 1
 
@@ -122,6 +170,7 @@ class ImageFolderInputs:
         view = ImageFolderInputs(self.paths[start:stop:step], self.size, train=self.train, seed=self.seed,
                                  epoch=self.epoch, resize=self.resize)  # fmt: skip
         view.offset, view.step = self.offset + start * self.step, self.step * step
+        view.defer_crop = self.defer_crop
         return view
 
     def head(self, n: int) -> ImageFolderInputs:
@@ -139,7 +188,29 @@ class ImageFolderInputs:
             positions = torch.as_tensor(index).reshape(-1).tolist()
         if not positions:
             return torch.zeros(0, 3, self.size, self.size, dtype=torch.uint8)
+        if self.train and self.defer_crop:
+            parts = [self._decode_deferred(i) for i in positions]
+            return DeferredCrops(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]),
+                                 torch.tensor([p[2] for p in parts]), self.size)  # fmt: skip
         return torch.stack([self.decode(i) for i in positions])
+
+    def _generator(self, i: int) -> torch.Generator:
+        global_index = self.offset + i * self.step
+        return torch.Generator().manual_seed(hash((self.seed, self.epoch, global_index)) & (2**63 - 1))
+
+    def _decode_deferred(self, i: int):
+        """(image resized to R × R as uint8, crop box in fractions, flip) with the draws of :meth:`decode`."""
+        from PIL import Image
+
+        image = _open_rgb(self.paths[i])
+        g = self._generator(i)
+        left, top, w, h = random_resized_crop(image.width, image.height, g)
+        flip = torch.rand(1, generator=g).item() < 0.5
+        r = round(self.size * 256 / 224)
+        box = torch.tensor([left / image.width, top / image.height, (left + w) / image.width,
+                            (top + h) / image.height], dtype=torch.float64)  # fmt: skip
+        array = np.asarray(image.resize((r, r), Image.Resampling.BILINEAR), dtype=np.uint8)
+        return torch.from_numpy(array.transpose(2, 0, 1).copy()), box, flip
 
     # -- decoding ----------------------------------------------------------------------------------------
 
@@ -150,8 +221,7 @@ class ImageFolderInputs:
         image = _open_rgb(self.paths[i])
         s = self.size
         if self.train:
-            global_index = self.offset + i * self.step
-            g = torch.Generator().manual_seed(hash((self.seed, self.epoch, global_index)) & (2**63 - 1))
+            g = self._generator(i)
             left, top, w, h = random_resized_crop(image.width, image.height, g)
             image = image.resize((s, s), Image.Resampling.BILINEAR, box=(left, top, left + w, top + h))
             if torch.rand(1, generator=g).item() < 0.5:

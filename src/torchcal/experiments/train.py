@@ -39,7 +39,7 @@ from .config import (
 from .data import FIXED_VALIDATION, load_splits, random_crop_flip
 from .errors import CheckpointError, ConfigError, RunError
 from .models import TenCrop, create_model
-from .streaming import EpochPlan, TrainBatches, sequential_batches
+from .streaming import DeferredCrops, EpochPlan, TrainBatches, crop_on_device, sequential_batches
 from .text import load_tokenizer
 
 __all__ = [
@@ -117,7 +117,10 @@ def load_checkpoint(path: Path) -> dict:
 
 def as_model_input(x: torch.Tensor, device=None) -> torch.Tensor:
     """A batch on ``device`` as the model takes it: uint8 images (the lazy image sets') scaled to [0, 1]
-    float32 there (4× less host-to-device traffic than sending floats)."""
+    float32 there (4× less host-to-device traffic than sending floats); crops deferred to the device
+    (``data.augment_on=device``) taken there."""
+    if isinstance(x, DeferredCrops):
+        return crop_on_device(x, device if device is not None else "cpu")
     x = x.to(device, non_blocking=True) if device is not None else x
     return x.float().div_(255) if x.dtype == torch.uint8 else x
 
@@ -320,6 +323,7 @@ def train(
     train_set = splits["train"]
     if hasattr(train_set.inputs, "seed"):  # lazy images: their augmentation follows the run's seed
         train_set.inputs.seed = cfg.train.seed
+        train_set.inputs.defer_crop = cfg.data.augment_on == "device"
     if train_set.multilabel:  # (N, L) 0/1 targets: L sigmoid outputs
         num_classes = int(train_set.targets.shape[1])
     else:
