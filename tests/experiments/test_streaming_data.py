@@ -183,3 +183,15 @@ def test_device_augmentation_runs_and_ignores_workers(imagenet, tmp_path):
 
     with pytest.raises(ConfigError, match="data.augment_on=device applies to data.name=imagenet"):
         load_config(None, ["data.name=digits", "data.ood=", "data.augment_on=device"])
+
+
+def test_lazy_sets_refuse_the_in_memory_shift_and_ood_sets():
+    from torchcal.experiments.config import ConfigError, validate_config
+
+    for name in ("imagenet", "tiny_imagenet"):
+        with pytest.raises(ConfigError, match=f"not data.name={name} \\(decoded per batch\\)"):
+            validate_config(load_config(None, [f"data.name={name}"]))  # default shift and OOD sets
+    with pytest.raises(ConfigError, match="data.ten_crop applies to chestxray14"):
+        validate_config(
+            load_config(None, ["data.name=imagenet", "data.shift=", "data.ood=", "data.ten_crop=true"])
+        )

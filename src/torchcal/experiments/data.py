@@ -322,9 +322,8 @@ _OOD = {"digits": "scikit-learn digits 28 x 28", "svhn": "SVHN test_32x32.mat",
 
 
 MULTILABEL_DATASETS = ("fashion_mnist_attributes", "chestxray14")
-LAZY_DATASETS = (
-    "chestxray14",
-)  # images decoded per batch: no shift set, ten-crop possible  # targets (N, L) of 0/1: sigmoid losses and metrics
+# images decoded per batch: no shift or OOD set (those are small in-memory image sets)
+LAZY_DATASETS = ("chestxray14", "imagenet", "tiny_imagenet")
 TEXT_DATASETS = ("20newsgroups", "20newsgroups_papers", "ag_news", "finsen", "sst_binary", "sst_fine")
 FIXED_VALIDATION = {  # datasets whose split fixes the validation set (data.val_size and split_seed unused)
     "tiny_imagenet": "Tiny-ImageNet's validation split is 50 training images per class",
