@@ -1,3 +1,5 @@
+import socket
+
 import pytest
 import torch
 
@@ -49,3 +51,10 @@ def loss_backend(request):
         request.getfixturevalue("cpp_extension")
     with use_cpu_extension(request.param == "cpp"):
         yield request.param
+
+
+def free_port() -> int:
+    """A free TCP port on localhost for a test's torch.distributed rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

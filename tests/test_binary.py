@@ -112,11 +112,12 @@ def test_the_accelerator_path_equals_the_hard_path(monkeypatch):
     gradient as the hard (fused) path."""
     z, y = data()
     pw = torch.tensor([0.5, 2.0, 3.0], dtype=torch.float64)
+    check = B._check_binary_targets
     for fn in (lambda a: B.binary_focal_loss(a, y, 2.0, alpha=0.25, pos_weight=pw, reduction="none"),
                lambda a: B.binary_focal_calibration_loss(a, y, reduction="none")):  # fmt: skip
         za, zb = z.clone().requires_grad_(True), z.clone().requires_grad_(True)
         hard = fn(za)
-        monkeypatch.setattr(B, "_is_hard", lambda t: False)
+        monkeypatch.setattr(B, "_check_binary_targets", lambda *a, **k: (check(*a, **k)[0], False))
         soft = fn(zb)
         monkeypatch.undo()
         torch.testing.assert_close(hard, soft)
@@ -147,6 +148,8 @@ def test_loss_input_errors():
         B.binary_focal_loss(z, y[:, :2])
     with pytest.raises(ValueError, match=r"must lie in \[0, 1\]"):
         B.binary_focal_loss(z, y * 2)
+    with pytest.raises(ValueError, match=r"must be 0 or 1 \(1 = the label is present\), found 2"):
+        B.binary_focal_loss(z, (y * 2).long())  # integer targets: checked without a float copy
     with pytest.raises(ValueError, match=r"`pos_weight` must have shape \(3,\)"):
         B.binary_focal_loss(z, y, pos_weight=torch.ones(2))
     with pytest.raises(ValueError, match="`alpha` must be <= 1"):

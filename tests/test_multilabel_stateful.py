@@ -4,13 +4,13 @@ k updates / merge / 2-process sync equal to the one-shot functions."""
 
 import json
 import math
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 import torchcal.functional as F
+from tests.conftest import free_port
 from torchcal.calibrators import (
     BinaryFocalTemperatureScaling,
     BinaryHistogramBinning,
@@ -181,12 +181,6 @@ def test_streaming_equals_one_shot_and_merges():
         MultilabelCalibrationMetrics(4).update(torch.rand(3, 2), torch.zeros(3, 2))
 
 
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank, world, port, path):
     import torch.distributed as dist
 
@@ -202,7 +196,7 @@ def _worker(rank, world, port, path):
 
 
 def test_sync_over_two_gloo_processes(tmp_path):
-    mp.start_processes(_worker, args=(2, _port(), str(tmp_path / "out")), nprocs=2, start_method="spawn")
+    mp.start_processes(_worker, args=(2, free_port(), str(tmp_path / "out")), nprocs=2, start_method="spawn")
     z, y = data(n=500, labels=3, seed=6)
     ref = MultilabelCalibrationMetrics(3, from_logits=True)
     ref.update(z, y)

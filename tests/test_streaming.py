@@ -1,7 +1,6 @@
 """CalibrationMetrics: k updates equal the one-shot functions; merge; sync over torch.distributed (gloo)."""
 
 import os
-import socket
 
 import pytest
 import torch
@@ -9,7 +8,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import torchcal.functional as F
-from tests.conftest import make_probs
+from tests.conftest import free_port, make_probs
 from torchcal.metrics import CalibrationMetrics
 
 # every test here runs on the C++ CPU operators and on the torch path
@@ -95,12 +94,6 @@ def test_sync_without_distributed_is_a_no_op():
         torch.testing.assert_close(before[k], after[k], equal_nan=True)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank, world, port, path):
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -115,7 +108,7 @@ def _worker(rank, world, port, path):
 
 def test_sync_over_two_gloo_processes_equals_one_shot(tmp_path):
     world, path = 2, str(tmp_path / "out")
-    mp.start_processes(_worker, args=(world, _free_port(), path), nprocs=world, start_method="spawn")
+    mp.start_processes(_worker, args=(world, free_port(), path), nprocs=world, start_method="spawn")
     probs, targets = make_probs(301, 4, seed=11)
     expected = one_shot(probs, targets, 15)
     for rank in range(world):

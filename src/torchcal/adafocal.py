@@ -229,7 +229,6 @@ def _ada_dual(logits, targets, bins, reduction, ignore_index):
         runner_up=True,
         spec=spec,
         ignore_index=ignore_index,
-        soft_refusal=L._DUAL_NEEDS_LABELS,
     )
 
 

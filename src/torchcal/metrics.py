@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from ._validation import check_bool, check_float, check_positive_int
+from ._validation import as_data, check_bool, check_float, check_positive_int
 from .functional import calibration as C
 from .functional._binning import classwise_sums, prefix_sums
 from .functional._inputs import scan_inputs
 
-__all__ = ["CalibrationMetrics", "MultilabelCalibrationMetrics"]
+__all__ = ["CalibrationMetrics", "MultilabelCalibrationMetrics", "all_gather_rows", "metric_rows"]
 
 
 class CalibrationMetrics:
@@ -126,20 +126,11 @@ class CalibrationMetrics:
         if self.equal_mass:
             conf = torch.cat(self._conf) if self._conf else torch.zeros(0, device=self._sums.device)
             correct = torch.cat(self._correct) if self._correct else torch.zeros(0, dtype=torch.bool)
-            correct = correct.to(conf.device)
-            world = dist.get_world_size(group)
-            sizes = [torch.zeros(1, dtype=torch.long, device=conf.device) for _ in range(world)]
-            dist.all_gather(sizes, torch.tensor([conf.shape[0]], device=conf.device), group=group)
-            sizes = [int(s) for s in sizes]
-            longest = max(sizes)
-            packed = torch.zeros(2, longest, dtype=torch.float64, device=conf.device)
-            packed[0, : conf.shape[0]] = conf
-            packed[1, : conf.shape[0]] = correct.double()
-            gathered = [torch.empty_like(packed) for _ in range(world)]
-            dist.all_gather(gathered, packed, group=group)
+            rows = torch.stack([conf.double(), correct.to(conf.device).double()], dim=1)
+            gathered = all_gather_rows(rows, group)
             dtype = conf.dtype if conf.numel() else torch.float32
-            self._conf = [g[0, :s].to(dtype) for g, s in zip(gathered, sizes, strict=True)]
-            self._correct = [g[1, :s].bool() for g, s in zip(gathered, sizes, strict=True)]
+            self._conf = [g[:, 0].to(dtype) for g in gathered]
+            self._correct = [g[:, 1].bool() for g in gathered]
         return self
 
     # -- results -----------------------------------------------------------------------------------------
@@ -178,6 +169,51 @@ class CalibrationMetrics:
         if not self.equal_mass:
             return results(self._sums, None, None, self.num_classes, self.n_bins, names)
         return results(self._sums, self._conf, self._correct, self.num_classes, self.n_bins, names)
+
+
+def metric_rows(scores, targets, ignore_index=None, *, class_dim: int = 1, names=("scores", "targets")):
+    """Scores with extra dimensions as (rows, K) and their targets as (rows,), rows whose target equals
+    ``ignore_index`` dropped: the form every metric takes. ``class_dim=1`` for PyTorch's (N, K, d1, ...),
+    ``-1`` for Hugging Face's (N, T, K); ``names`` are the arguments' names in errors. The inputs are treated
+    as data (detached).
+
+    Example:
+        >>> import torch
+        >>> z, y = torch.zeros(2, 3, 4), torch.tensor([[0, 1, 2, -100], [2, 2, -100, -100]])
+        >>> rows, labels = metric_rows(z, y, ignore_index=-100)
+        >>> rows.shape, labels.tolist()
+        (torch.Size([5, 3]), [0, 1, 2, 2, 2])
+    """
+    scores, targets = as_data(scores, names[0]), as_data(targets, names[1])
+    if scores.ndim > 2:
+        k = scores.shape[class_dim]
+        expected = tuple(d for i, d in enumerate(scores.shape) if i != class_dim % scores.ndim)
+        if tuple(targets.shape) != expected:
+            raise ValueError(
+                f"`{names[1]}` must have shape {expected} to match `{names[0]}`, got {tuple(targets.shape)}"
+            )
+        scores, targets = scores.movedim(class_dim, -1).reshape(-1, k), targets.reshape(-1)
+    if ignore_index is not None and targets.ndim == 1 and targets.shape[0] == scores.shape[0]:
+        keep = targets != ignore_index
+        scores, targets = scores[keep], targets[keep]
+    return scores, targets
+
+
+def all_gather_rows(rows: torch.Tensor, group=None) -> list[torch.Tensor]:
+    """Every rank's ``rows`` (n_rank, ...) — shards of any length, on the device the process group uses —
+    on every rank, as a list in rank order (torch.distributed: the lengths first, then the rows padded to the
+    longest)."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.long, device=rows.device) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([rows.shape[0]], device=rows.device), group=group)
+    sizes = [int(n) for n in sizes]
+    packed = torch.zeros(max(sizes), *rows.shape[1:], dtype=rows.dtype, device=rows.device)
+    packed[: rows.shape[0]] = rows
+    gathered = [torch.empty_like(packed) for _ in range(world)]
+    dist.all_gather(gathered, packed, group=group)
+    return [g[:n] for g, n in zip(gathered, sizes, strict=True)]
 
 
 # -- the state and its results, shared with torchcal.integrations.torchmetrics ------------------------------
@@ -376,22 +412,9 @@ class MultilabelCalibrationMetrics:
             return self
         dist.all_reduce(self._sums, op=dist.ReduceOp.SUM, group=group)
         if self.equal_mass:
-            device = self._sums.device
-            mine = (
-                torch.cat(self._samples)
-                if self._samples
-                else torch.zeros(0, 2, self.num_labels, dtype=torch.float64)
-            )
-            mine = mine.to(device)
-            world = dist.get_world_size(group)
-            sizes = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(world)]
-            dist.all_gather(sizes, torch.tensor([mine.shape[0]], device=device), group=group)
-            sizes = [int(s) for s in sizes]
-            packed = torch.zeros(max(sizes), 2, self.num_labels, dtype=torch.float64, device=device)
-            packed[: mine.shape[0]] = mine
-            gathered = [torch.empty_like(packed) for _ in range(world)]
-            dist.all_gather(gathered, packed, group=group)
-            self._samples = [g[:s] for g, s in zip(gathered, sizes, strict=True)]
+            empty = torch.zeros(0, 2, self.num_labels, dtype=torch.float64)
+            mine = torch.cat(self._samples) if self._samples else empty
+            self._samples = all_gather_rows(mine.to(self._sums.device), group)
         return self
 
     @property

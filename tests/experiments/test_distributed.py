@@ -3,22 +3,16 @@ AdaFocal's γ agree across ranks (computed from the globally reduced validation 
 
 import json
 import os
-import socket
 
 import torch
 import torch.multiprocessing as mp
 
+from tests.conftest import free_port
 from torchcal.experiments.config import load_config
 from torchcal.experiments.train import train
 
 ARGS = ["data.name=digits", "data.ood=", "data.val_size=260", "data.batch_size=64", "model.width=16",
         "train.epochs=2", "train.num_threads=1", "loss.name=adafocal"]  # fmt: skip
-
-
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank, world, port, run_dir, out, resume, stop_after):
@@ -33,7 +27,7 @@ def _worker(rank, world, port, run_dir, out, resume, stop_after):
 def test_two_gloo_ranks_match_one_process_across_a_resume(tmp_path):
     single = train(load_config(None, ARGS), tmp_path / "single")
     for resume, stop_after in ((False, 1), (True, None)):  # stop after epoch 1, then --resume the 2-rank run
-        mp.start_processes(_worker, args=(2, _port(), str(tmp_path / "ddp"), str(tmp_path / "rows"), resume,
+        mp.start_processes(_worker, args=(2, free_port(), str(tmp_path / "ddp"), str(tmp_path / "rows"), resume,
                                           stop_after), nprocs=2, start_method="spawn")  # fmt: skip
     ranks = [json.loads((tmp_path / f"rows.{r}").read_text()) for r in range(2)]
     # every rank holds identical γ, equal to the single process's

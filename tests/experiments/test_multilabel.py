@@ -112,3 +112,16 @@ def test_softmax_and_sigmoid_pieces_are_kept_apart(runs, tmp_path):
         load_config(None, [*base, "loss.name=bce", "train.calibrators=[ets]"])
     with pytest.raises(ConfigError, match="data.ood applies to multiclass datasets"):
         load_config(None, [*base[:2], "data.ood=digits", "loss.name=bce"])
+
+
+def test_an_unknown_calibrator_names_both_registries(runs):
+    from typer.testing import CliRunner
+
+    from torchcal.experiments.cli import app
+
+    _, out = runs
+    result = CliRunner().invoke(app, ["report", str(out[("bce", 0)]), "--calibrator", "nope"])
+    assert result.exit_code == 2
+    assert "unknown calibrator 'nope'" in result.output and "'platt', 'ts'] (multi-label)" in result.output
+    result = CliRunner().invoke(app, ["report", str(out[("bce", 0)]), "--calibrator", "platt:max_iter=0"])
+    assert result.exit_code == 2 and "`max_iter` must be >= 1" in result.output

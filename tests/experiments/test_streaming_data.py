@@ -6,7 +6,6 @@ DataLoader workers, after a SIGKILL and --resume, and under 2-rank DDP."""
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from tests.conftest import free_port
 from torchcal.experiments.config import load_config
 from torchcal.experiments.errors import DatasetError
 from torchcal.experiments.streaming import ImageFolderInputs, load_imagenet, random_resized_crop
@@ -131,12 +131,6 @@ def test_sigkill_with_workers_then_resume_is_identical(imagenet, tmp_path):
         assert torch.equal(reference[name], resumed[name]), name
 
 
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank, world, port, root, run_dir):
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})  # fmt: skip
@@ -148,7 +142,7 @@ def test_two_ddp_ranks_match_one_process(imagenet, tmp_path):
     """Each rank decodes only its shard of every batch; the gradients are averaged, so the weights equal a
     single process's with the same global batch (up to the order of float sums)."""
     train(load_config(None, args(imagenet)), tmp_path / "single")
-    mp.start_processes(_worker, args=(2, _port(), str(imagenet), str(tmp_path / "ddp")), nprocs=2,
+    mp.start_processes(_worker, args=(2, free_port(), str(imagenet), str(tmp_path / "ddp")), nprocs=2,
                        start_method="spawn")  # fmt: skip
     a, b = weights(tmp_path / "single"), weights(tmp_path / "ddp")
     for name in a:

@@ -71,6 +71,8 @@ def test_loss_func_is_the_torchcal_loss():
     assert loss.reduction == "mean"  # restored
     with pytest.raises(TypeError, match="torchcal loss module"):
         loss_func(F.focal_loss)
+    with pytest.raises(ValueError, match="the batch has no `labels`"):
+        loss_func(loss)(outputs, None)
 
 
 def test_token_classification_ignores_padding_labels():

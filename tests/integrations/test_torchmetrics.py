@@ -2,7 +2,6 @@
 MulticlassCalibrationError, inside a MetricCollection, and synchronised over 2 gloo processes."""
 
 import json
-import socket
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ from torchmetrics import MetricCollection  # noqa: E402
 from torchmetrics.classification import MulticlassCalibrationError  # noqa: E402
 
 import torchcal.functional as F  # noqa: E402
+from tests.conftest import free_port
 from torchcal.integrations import torchmetrics as TM  # noqa: E402
 from torchcal.metrics import CalibrationMetrics  # noqa: E402
 
@@ -128,12 +128,6 @@ def test_bad_arguments_are_named():
         TM.ExpectedCalibrationError(num_classes=3).update(torch.randn(4, 3), torch.tensor([0, 1, 2, 0]))
 
 
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank, world, port, path):
     import torch.distributed as dist
 
@@ -150,7 +144,7 @@ def _worker(rank, world, port, path):
 
 
 def test_sync_over_two_gloo_processes(tmp_path):
-    mp.start_processes(_worker, args=(2, _port(), str(tmp_path / "out")), nprocs=2, start_method="spawn")
+    mp.start_processes(_worker, args=(2, free_port(), str(tmp_path / "out")), nprocs=2, start_method="spawn")
     logits, targets = data(n=300, k=4, seed=3)
     expected = CalibrationMetrics(4, from_logits=True)
     expected.update(logits, targets)

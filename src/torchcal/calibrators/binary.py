@@ -47,7 +47,7 @@ class BinaryCalibrator(Calibrator):
     def fit(self, logits, targets) -> BinaryCalibrator:
         """Learns one calibration map per label from validation logits (N,) or (N, L) and 0/1 targets."""
         z, z2 = self._as_2d(logits)
-        y = _check_binary_targets(as_data(targets, "targets"), z.shape, z.device, soft=False)
+        y, _ = _check_binary_targets(as_data(targets, "targets"), z.shape, z.device, soft=False)
         y2 = (y[:, None] if y.ndim == 1 else y).double()
         for attr in self.fitted_attributes:
             self.__dict__.pop(attr, None)

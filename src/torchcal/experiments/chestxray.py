@@ -77,7 +77,7 @@ def load_chestxray14(
     column = {name: j for j, name in enumerate(PATHOLOGIES)}
     images = _image_index(root)
 
-    def part(names, size):
+    def part(names):
         paths, targets, patients = [], [], []
         for name in names:
             row = rows.get(name)
@@ -100,7 +100,7 @@ def load_chestxray14(
 
     train_val = _read_list(root / "train_val_list.txt")
     test_names = _read_list(root / "test_list.txt")
-    paths, targets, patients = part(train_val, image_size)
+    paths, targets, patients = part(train_val)
     unique = sorted(set(patients))
     order = np.random.RandomState(split_seed).permutation(len(unique))
     count = {p: 0 for p in unique}
@@ -122,7 +122,7 @@ def load_chestxray14(
         idx = mask.nonzero().squeeze(1).tolist()
         return Dataset(_lazy([paths[i] for i in idx], size), targets[mask], label_names=names)
 
-    test_paths, test_targets, _ = part(test_names, eval_size)
+    test_paths, test_targets, _ = part(test_names)
     train = dataset(~is_val, image_size)
     val = dataset(is_val, eval_size)
     test = Dataset(_lazy(test_paths, eval_size), test_targets, label_names=names)

@@ -371,9 +371,9 @@ def load_splits(cfg, tokenizer=None) -> dict[str, Dataset]:
     elif cfg.name == "imagenet":
         from .streaming import load_imagenet
 
-        train, fixed_val, test = load_imagenet(cfg.root or "data/imagenet", cfg.image_size, cfg.val_size,
-                                               cfg.split_seed)  # fmt: skip
-        train.inputs.train = cfg.augment  # RandomResizedCrop + flip while decoding (the runner sets its seed)
+        train, fixed_val, test = load_imagenet(
+            cfg.root or "data/imagenet", cfg.image_size, cfg.val_size, cfg.split_seed, augment=cfg.augment
+        )
     elif cfg.name == "chestxray14":
         from .chestxray import load_chestxray14
 

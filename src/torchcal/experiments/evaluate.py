@@ -142,10 +142,31 @@ def check_calibrators(names, task: str | None = "multiclass") -> tuple[str, ...]
             except ValueError as err:
                 errors.append(err)
         else:
-            raise UserError(str(errors[0])) from None
+            raise UserError(_calibrator_error(name, task, errors)) from None
     if not names:
         raise UserError("no calibrator given")
     return names
+
+
+def _calibrator_error(spec, task, errors) -> str:
+    """The message for a spec no registry accepts: the error of the registry that knows its name, or, for a
+    name neither knows (``task`` None), both registries' names."""
+    from ..calibrators import get_calibrator_class, list_calibrators, parse_spec
+
+    if task is not None:
+        return str(errors[0])
+    try:
+        name = parse_spec(spec)[0]
+    except ValueError as err:
+        return str(err)
+    for t, err in zip(("multiclass", "multilabel"), errors, strict=True):
+        try:
+            get_calibrator_class(name, t)
+            return str(err)  # the name exists here: its argument is what is wrong
+        except ValueError:
+            pass
+    return (f"unknown calibrator {name!r}; choose one of {list_calibrators()} (multiclass) or "
+            f"{list_calibrators('multilabel')} (multi-label)")  # fmt: skip
 
 
 def calibrator_file_stem(spec: str) -> str:

@@ -73,20 +73,9 @@ def _figures(run_dir: Path, calibrator: str) -> list[tuple[str, str]]:
     ax.set_ylabel("test samples")
     ax.legend()
     figs.append(("confidence histogram", _png(fig)))
-    try:
-        rows = read_metrics(run_dir)
-    except RunError:  # a damaged log costs the training curves, not the report
-        rows = []
+    rows = _logged_rows(run_dir)
     if rows:
-        fig, ax = plt.subplots(figsize=(4.2, 3))
-        for split in ("val", "test"):
-            logged = [r for r in rows if f"{split}_ece" in r]  # test metrics may be logged every n epochs
-            ax.plot([r["epoch"] for r in logged], [100 * r[f"{split}_ece"] for r in logged], marker=".",
-                    label=f"{split} ECE")  # fmt: skip
-        ax.set_xlabel("epoch")
-        ax.set_ylabel("ECE ×100")
-        ax.legend()
-        figs.append(("ECE over epochs", _png(fig)))
+        figs.append(("ECE over epochs", _png(_ece_over_epochs(rows, "ECE"))))
     if rows and "gammas" in rows[0]:
         gammas = torch.tensor([r["gammas"] for r in rows])
         fig, ax = plt.subplots(figsize=(4.2, 3))
@@ -109,8 +98,6 @@ def _figures(run_dir: Path, calibrator: str) -> list[tuple[str, str]]:
 
 def _multilabel_figures(run_dir: Path, calibrator: str, test: dict, cal) -> list[tuple[str, str]]:
     """A reliability diagram per label and pooled, before and after the calibrator, and ECE over epochs."""
-    import matplotlib.pyplot as plt
-
     from ..plotting import plot_multilabel_reliability
     from .evaluate import _label_names
 
@@ -122,21 +109,32 @@ def _multilabel_figures(run_dir: Path, calibrator: str, test: dict, cal) -> list
         (f"reliability per label, {calibrator}",
          _png(plot_multilabel_reliability(post, test["targets"], label_names=names, ncols=3))),
     ]  # fmt: skip
-    try:
-        rows = read_metrics(run_dir)
-    except RunError:
-        rows = []
+    rows = _logged_rows(run_dir)
     if rows:
-        fig, ax = plt.subplots(figsize=(4.2, 3))
-        for split in ("val", "test"):
-            logged = [r for r in rows if f"{split}_ece" in r]
-            ax.plot([r["epoch"] for r in logged], [100 * r[f"{split}_ece"] for r in logged], marker=".",
-                    label=f"{split} ECE (macro)")  # fmt: skip
-        ax.set_xlabel("epoch")
-        ax.set_ylabel("ECE ×100")
-        ax.legend()
-        figs.append(("ECE over epochs", _png(fig)))
+        figs.append(("ECE over epochs", _png(_ece_over_epochs(rows, "ECE (macro)"))))
     return figs
+
+
+def _logged_rows(run_dir: Path) -> list[dict]:
+    try:
+        return read_metrics(run_dir)
+    except RunError:  # a damaged log costs the training curves, not the report
+        return []
+
+
+def _ece_over_epochs(rows: list[dict], name: str):
+    """Validation and test ECE per logged epoch (test metrics may be logged every n epochs)."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(4.2, 3))
+    for split in ("val", "test"):
+        logged = [r for r in rows if f"{split}_ece" in r]
+        ax.plot([r["epoch"] for r in logged], [100 * r[f"{split}_ece"] for r in logged], marker=".",
+                label=f"{split} {name}")  # fmt: skip
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("ECE ×100")
+    ax.legend()
+    return fig
 
 
 def _comparison_figures(groups, calibrator: str) -> list[tuple[str, str]]:
@@ -179,8 +177,9 @@ def _comparison_figures(groups, calibrator: str) -> list[tuple[str, str]]:
                 logits, targets, n_bins=15, binning="equal_mass", from_logits=True
             )
         ax.plot(data.confidence.numpy(), data.accuracy.numpy(), marker=".", linewidth=1.2, label=label)
-    ax.set_xlabel("mean confidence (15 equal-mass bins)")
-    ax.set_ylabel("accuracy")
+    multilabel = any(g.results[0].get("task") == "multilabel" for g in groups)
+    ax.set_xlabel(f"mean {'p, all labels pooled' if multilabel else 'confidence'} (15 equal-mass bins)")
+    ax.set_ylabel("fraction positive" if multilabel else "accuracy")
     ax.set_xlim(0, 1)
     ax.set_ylim(0, 1)
     ax.legend(fontsize=7, loc="upper left")

@@ -83,7 +83,18 @@ class DeferredCrops(NamedTuple):
 
 def crop_on_device(batch: DeferredCrops, device) -> torch.Tensor:
     """The augmented (B, 3, S, S) float32 batch in [0, 1]: every sample's box resampled bilinearly to S × S
-    (and mirrored when its flip is set) with one ``grid_sample`` on ``device``."""
+    (and mirrored when its flip is set) with one ``grid_sample`` on ``device``.
+
+    Example (the whole image as the box, mirrored):
+        >>> import torch
+        >>> image = torch.arange(16, dtype=torch.uint8).reshape(1, 1, 4, 4).expand(1, 3, 4, 4)
+        >>> batch = DeferredCrops(image, torch.tensor([[0.0, 0.0, 1.0, 1.0]]), torch.tensor([True]), 4)
+        >>> (crop_on_device(batch, "cpu")[0, 0] * 255).round().int()
+        tensor([[ 3,  2,  1,  0],
+                [ 7,  6,  5,  4],
+                [11, 10,  9,  8],
+                [15, 14, 13, 12]], dtype=torch.int32)
+    """
     images = batch.images.to(device, non_blocking=True).float().div_(255)
     boxes = batch.boxes.to(device, torch.float32)
     x0, y0, x1, y1 = boxes.unbind(1)
@@ -104,7 +115,14 @@ def random_resized_crop(
 ):
     """(left, top, w, h) of a random crop covering ``scale`` of the area with aspect ratio in ``ratio`` (log-
     uniform), 10 attempts, else the largest centred crop with the ratio clamped: torchvision's
-    RandomResizedCrop algorithm, drawn from ``generator``."""
+    RandomResizedCrop algorithm, drawn from ``generator``.
+
+    Example:
+        >>> import torch
+        >>> left, top, w, h = random_resized_crop(500, 375, torch.Generator().manual_seed(0))
+        >>> 0 <= left <= 500 - w and 0 <= top <= 375 - h and 0.08 <= w * h / (500 * 375) <= 1.0
+        True
+    """
     area = width * height
     log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
     for _ in range(10):
@@ -261,11 +279,13 @@ def image_folder(root: Path) -> tuple[list[Path], list[int], list[str]]:
 
 
 def load_imagenet(
-    root: str | Path, image_size: int = 224, val_size: int = 25000, split_seed: int = 1, seed: int = 0
+    root: str | Path, image_size: int = 224, val_size: int = 25000, split_seed: int = 1, augment: bool = True
 ):
     """(train, val, test) of ImageNet from ``root/train`` and ``root/val`` folders, lazily. The papers' split
     (AdaFocal, appendix D): the 50,000 validation images are divided into validation and test halves
-    (``val_size`` of them, drawn with ``split_seed``, for validation; the rest for test)."""
+    (``val_size`` of them, drawn with ``split_seed``, for validation; the rest for test). With ``augment`` the
+    training images get RandomResizedCrop + flip while decoding; the runner sets their seed to the run's
+    (``train.seed``)."""
     from .dataset import Dataset
 
     root = Path(root)
@@ -283,15 +303,20 @@ def load_imagenet(
     halves = order[:val_size], order[val_size:]
 
     def part(paths, labels, train):
-        return Dataset(ImageFolderInputs(paths, image_size, train=train, seed=seed), torch.tensor(labels))
+        return Dataset(ImageFolderInputs(paths, image_size, train=train), torch.tensor(labels))
 
-    train = part(train_paths, train_labels, True)
+    train = part(train_paths, train_labels, augment)
     val, test = (part([val_paths[i] for i in h], [val_labels[i] for i in h], False) for h in halves)
     return train, val, test
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
-    """The runner's sample order of an epoch: a permutation seeded by (seed, epoch)."""
+    """The runner's sample order of an epoch: a permutation seeded by (seed, epoch).
+
+    Example:
+        >>> torch.equal(epoch_order(5, seed=0, epoch=1), epoch_order(5, seed=0, epoch=1))
+        True
+    """
     return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
 
 

@@ -85,6 +85,7 @@ def sort_with_flags(values: torch.Tensor, flags: torch.Tensor):
 
 # -- losses: the p_t-only training losses --------------------------------------------------------------------
 
+_RUNNER_UP_NEEDS_LABELS = "the dual focal loss is defined by the true class and the runner-up below it"
 _INTEGER_DTYPES = frozenset((torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8))
 _FUSED_DTYPES = frozenset((torch.float32, torch.float64))
 
@@ -128,7 +129,7 @@ def true_class_loss(
     :class:`~torchcal.functional._spec.LossSpec` (``spec``, which then carries the runner-up and Brier options
     too); :class:`~torchcal.functional._true_class.TrueClassLoss` with ``weight_fn`` otherwise, and
     :class:`~torchcal.functional._true_class.SoftTargetLoss` for soft targets (unless ``soft_refusal`` says
-    why the loss refuses them). (N, K, d1, ...) inputs and labels equal to ``ignore_index`` go through
+    why the loss refuses them; losses with a runner-up always refuse them). (N, K, d1, ...) inputs and labels equal to ``ignore_index`` go through
     :func:`~torchcal.functional._loss_inputs.loss_rows` (decision 73)."""
     if spec is not None and _fast_cpu_call(logits, targets, reduction):
         if ignore_index is None or not 0 <= ignore_index < logits.shape[1]:
@@ -138,6 +139,8 @@ def true_class_loss(
                 if ignore_index is None:
                     raise
     check_choice(reduction, "reduction", REDUCTIONS)
+    if runner_up:  # the dual focal form: the soft-target path has no runner-up
+        soft_refusal = _RUNNER_UP_NEEDS_LABELS
     rows = loss_rows(logits, targets, ignore_index, soft_refusal=soft_refusal)
     if rows.soft:
         with torch.autocast(rows.logits.device.type, enabled=False):

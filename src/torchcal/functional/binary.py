@@ -50,7 +50,10 @@ __all__ = [
 # ----------------------------------------------------------------------------- inputs
 
 
-def _check_binary_targets(targets, shape, device, name="targets", soft=True) -> torch.Tensor:
+def _check_binary_targets(targets, shape, device, name="targets", soft=True) -> tuple[torch.Tensor, bool]:
+    """(targets, whether they are known to be exactly 0/1): integer and bool targets are; floating CPU
+    targets are checked in one pass when they are 0/1, and for finiteness and [0, 1] otherwise; on an
+    accelerator nothing is checked (no synchronisation) and they count as soft."""
     targets = as_tensor(targets, name)
     if targets.is_complex():
         raise TypeError(f"`{name}` must be real, got dtype {targets.dtype}")
@@ -60,18 +63,29 @@ def _check_binary_targets(targets, shape, device, name="targets", soft=True) -> 
         )
     if targets.device != device:
         raise ValueError(f"`{name}` is on {targets.device} but the scores are on {device}")
-    if targets.device.type == "cpu" and targets.numel():  # value checks cost no synchronisation on CPU
-        t = targets.double()
-        if not bool(torch.isfinite(t).all()):
+    if targets.dtype == torch.bool or not targets.is_floating_point():
+        hard = True
+        if targets.device.type == "cpu" and targets.numel() and targets.dtype != torch.bool:
+            lo, hi = torch.stack(torch.aminmax(targets)).tolist()
+            if lo < 0 or hi > 1:
+                raise ValueError(
+                    f"`{name}` must be 0 or 1 (1 = the label is present), found {lo if lo < 0 else hi}"
+                )
+        return targets, hard
+    if targets.device.type != "cpu":  # no synchronisation: the soft-target path serves 0/1 targets too
+        return targets, False
+    hard = bool(((targets == 0) | (targets == 1)).all())  # one pass decides the usual case (0/1 targets)
+    if not hard and targets.numel():
+        if not bool(torch.isfinite(targets).all()):
             raise ValueError(f"`{name}` contains NaN or infinite values")
-        lo, hi = float(t.min()), float(t.max())
+        lo, hi = torch.stack(torch.aminmax(targets)).double().tolist()
         if lo < 0 or hi > 1:
             raise ValueError(
                 f"`{name}` must lie in [0, 1] (1 = the label is present), found {lo if lo < 0 else hi:g}"
             )
-        if not soft and not bool(((t == 0) | (t == 1)).all()):
+        if not soft:
             raise ValueError(f"`{name}` must be 0 or 1 here (soft targets are not accepted)")
-    return targets
+    return targets, hard
 
 
 def _check_scores(x, name) -> torch.Tensor:
@@ -81,13 +95,6 @@ def _check_scores(x, name) -> torch.Tensor:
     if x.ndim not in (1, 2) or x.shape[0] == 0:
         raise ValueError(f"`{name}` must have shape (N,) or (N, L) with N >= 1, got {tuple(x.shape)}")
     return x
-
-
-def _is_hard(targets: torch.Tensor) -> bool:
-    """Whether the targets are exactly 0/1, known without a device synchronisation (CPU or integer/bool)."""
-    if targets.dtype == torch.bool or not targets.is_floating_point():
-        return True
-    return targets.device.type == "cpu" and bool(((targets == 0) | (targets == 1)).all())
 
 
 def _weights(pos_weight, alpha, logits):
@@ -113,12 +120,12 @@ def _two_class(multiclass, logits, targets, reduction, *, pos_weight=None, alpha
     """A multiclass p_t loss applied to every label as the two-class problem [0, z] (class 1 = present)."""
     check_choice(reduction, "reduction", REDUCTIONS)
     logits = _check_scores(logits, "logits")
-    targets = _check_binary_targets(targets, logits.shape, logits.device, soft=soft)
+    targets, hard = _check_binary_targets(targets, logits.shape, logits.device, soft=soft)
     w_pos, w_neg = _weights(pos_weight, alpha, logits)
     z = logits.reshape(-1)
     rows = torch.stack([torch.zeros_like(z), z], dim=1)
     shape = logits.shape
-    if _is_hard(targets):
+    if hard:
         y = targets.reshape(-1).long()
         loss = multiclass(rows, y, reduction="none", ignore_index=None, **kwargs).reshape(shape)
         if w_pos is not None or w_neg is not None:
@@ -160,7 +167,7 @@ def binary_cross_entropy(logits, targets, *, pos_weight=None, label_smoothing: f
     check_choice(reduction, "reduction", REDUCTIONS)
     eps = check_float(label_smoothing, "label_smoothing", low=0, high=1)
     logits = _check_scores(logits, "logits")
-    targets = _check_binary_targets(targets, logits.shape, logits.device)
+    targets, _ = _check_binary_targets(targets, logits.shape, logits.device)
     w_pos, _ = _weights(pos_weight, None, logits)
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
@@ -196,7 +203,7 @@ def binary_brier_loss(logits, targets, *, reduction="mean"):
     """
     check_choice(reduction, "reduction", REDUCTIONS)
     logits = _check_scores(logits, "logits")
-    targets = _check_binary_targets(targets, logits.shape, logits.device)
+    targets, _ = _check_binary_targets(targets, logits.shape, logits.device)
     z = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
     return reduce_loss((torch.sigmoid(z) - targets.to(z.dtype)) ** 2, reduction)
 
@@ -247,7 +254,7 @@ def _metric_inputs(probs, targets, from_logits):
     """(probabilities (N, L) float64, targets (N, L) float64) checked; (N,) becomes (N, 1)."""
     check_bool(from_logits, "from_logits")
     probs = _check_scores(as_data(probs, "probs"), "probs")
-    targets = _check_binary_targets(as_data(targets, "targets"), probs.shape, probs.device, soft=False)
+    targets, _ = _check_binary_targets(as_data(targets, "targets"), probs.shape, probs.device, soft=False)
     if not bool(torch.isfinite(probs).all()):
         raise ValueError("`probs` contains NaN or infinite values")
     p = torch.sigmoid(probs.double()) if from_logits else probs.double()
@@ -357,7 +364,7 @@ def multilabel_auroc(scores, targets, *, average: str = "macro", label_names=Non
     """
     check_choice(average, "average", {"macro", "none"})
     scores = _check_scores(as_data(scores, "scores"), "scores")
-    targets = _check_binary_targets(as_data(targets, "targets"), scores.shape, scores.device, soft=False)
+    targets, _ = _check_binary_targets(as_data(targets, "targets"), scores.shape, scores.device, soft=False)
     s, y = scores.double(), targets.double()
     if s.ndim == 1:
         s, y = s[:, None], y[:, None]
@@ -397,7 +404,7 @@ def multilabel_nll(probs, targets, *, average: str = "macro", from_logits: bool 
     check_choice(average, "average", {"macro", "none"})
     if from_logits:
         z = _check_scores(as_data(probs, "logits"), "logits").double()
-        y = _check_binary_targets(as_data(targets, "targets"), z.shape, z.device, soft=False).double()
+        y = _check_binary_targets(as_data(targets, "targets"), z.shape, z.device, soft=False)[0].double()
         z, y = (z[:, None], y[:, None]) if z.ndim == 1 else (z, y)
         values = nnf.binary_cross_entropy_with_logits(z, y, reduction="none").mean(0)
     else:

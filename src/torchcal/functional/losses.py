@@ -351,9 +351,6 @@ def varying_focal_loss(
     )
 
 
-_DUAL_NEEDS_LABELS = "the dual focal loss is defined by the true class and the runner-up below it"
-
-
 def dual_focal_loss(
     logits, targets, gamma: float = 5.0, *, ignore_index=IGNORE_INDEX, reduction: str = "mean"
 ):
@@ -378,7 +375,6 @@ def dual_focal_loss(
         runner_up=True,
         spec=spec,
         ignore_index=ignore_index,
-        soft_refusal=_DUAL_NEEDS_LABELS,
     )
 
 
@@ -411,7 +407,6 @@ def dual_sample_dependent_focal_loss(
         runner_up=True,
         spec=spec,
         ignore_index=ignore_index,
-        soft_refusal=_DUAL_NEEDS_LABELS,
     )
 
 

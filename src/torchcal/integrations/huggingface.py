@@ -34,7 +34,7 @@ except ImportError as err:  # pragma: no cover - exercised only without transfor
 from .._validation import check_positive_int
 from ..adafocal import AdaFocalLoss, CalFocalLoss
 from ..functional._loss_inputs import check_ignore_index
-from ..metrics import EQUAL_MASS_METRICS, EQUAL_WIDTH_METRICS, CalibrationMetrics
+from ..metrics import EQUAL_MASS_METRICS, EQUAL_WIDTH_METRICS, CalibrationMetrics, metric_rows
 
 __all__ = ["loss_func", "compute_metrics", "CalibrationTrainer"]
 
@@ -65,6 +65,11 @@ def loss_func(loss):
         )
 
     def compute_loss(outputs, labels, num_items_in_batch=None):
+        if labels is None:
+            raise ValueError(
+                "the batch has no `labels`: a torchcal loss needs them (name the dataset's label column "
+                "'labels', or set TrainingArguments(label_names=[...]))"
+            )
         logits = _logits_of(outputs)
         if num_items_in_batch is None:
             return loss(logits, labels)
@@ -82,13 +87,7 @@ def _rows(predictions, label_ids, ignore_index):
     ignored labels dropped."""
     if isinstance(predictions, tuple | list):
         predictions = predictions[0]
-    logits = torch.as_tensor(np.asarray(predictions))
-    labels = torch.as_tensor(np.asarray(label_ids))
-    logits = logits.reshape(-1, logits.shape[-1])
-    labels = labels.reshape(-1)
-    if ignore_index is not None:
-        keep = labels != ignore_index
-        logits, labels = logits[keep], labels[keep]
+    logits, labels = metric_rows(np.asarray(predictions), np.asarray(label_ids), ignore_index, class_dim=-1)
     return logits, labels.long()
 
 

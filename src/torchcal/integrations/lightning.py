@@ -39,7 +39,13 @@ from .._validation import check_bool, check_positive_int
 from ..adafocal import AdaFocalLoss, CalFocalLoss
 from ..calibrators import from_spec
 from ..functional._loss_inputs import check_ignore_index
-from ..metrics import EQUAL_MASS_METRICS, EQUAL_WIDTH_METRICS, CalibrationMetrics
+from ..metrics import (
+    EQUAL_MASS_METRICS,
+    EQUAL_WIDTH_METRICS,
+    CalibrationMetrics,
+    all_gather_rows,
+    metric_rows,
+)
 
 __all__ = ["CalibrationCallback"]
 
@@ -164,14 +170,7 @@ class CalibrationCallback(Callback):
                 "(logits, targets), or pass outputs_fn=(outputs, batch) -> (logits, targets); got "
                 f"{type(outputs).__name__}"
             )
-        logits, targets = logits.detach(), targets.detach()
-        if logits.ndim > 2:  # (N, K, d1, ...) -> rows
-            logits = logits.movedim(1, -1).reshape(-1, logits.shape[1])
-            targets = targets.reshape(-1)
-        if self.ignore_index is not None:
-            keep = targets != self.ignore_index
-            logits, targets = logits[keep], targets[keep]
-        return logits, targets
+        return metric_rows(logits, targets, self.ignore_index)
 
     # -- checkpoints -------------------------------------------------------------------------------------
 
@@ -212,20 +211,9 @@ def _gather_rows(logits: torch.Tensor, targets: torch.Tensor):
         return logits, targets
     import torch.distributed as dist
 
-    backend_device = (
-        torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    device = (
+        torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else logits.device
     )
-    device = backend_device or logits.device
-    world = dist.get_world_size()
-    n = torch.tensor([logits.shape[0]], device=device)
-    sizes = [torch.zeros_like(n) for _ in range(world)]
-    dist.all_gather(sizes, n)
-    sizes = [int(s) for s in sizes]
-    longest = max(sizes)
-    packed = torch.zeros(longest, logits.shape[1] + 1, dtype=torch.float64, device=device)
-    packed[: logits.shape[0], :-1] = logits.to(device, torch.float64)
-    packed[: logits.shape[0], -1] = targets.to(device, torch.float64)
-    gathered = [torch.empty_like(packed) for _ in range(world)]
-    dist.all_gather(gathered, packed)
-    rows = torch.cat([g[:s] for g, s in zip(gathered, sizes, strict=True)]).cpu()
+    mine = torch.cat([logits.to(device, torch.float64), targets.to(device, torch.float64)[:, None]], dim=1)
+    rows = torch.cat(all_gather_rows(mine)).cpu()
     return rows[:, :-1].to(logits.dtype), rows[:, -1].long()

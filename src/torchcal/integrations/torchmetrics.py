@@ -39,9 +39,9 @@ except ImportError as err:  # pragma: no cover - exercised only without torchmet
         "torchcal.integrations.torchmetrics needs torchmetrics: pip install 'torchcal[torchmetrics]'"
     ) from err
 
-from .._validation import as_data, check_bool, check_choice, check_float, check_positive_int
+from .._validation import check_bool, check_choice, check_float, check_positive_int
 from ..functional._loss_inputs import check_ignore_index
-from ..metrics import EQUAL_MASS_METRICS, EQUAL_WIDTH_METRICS, batch_state, results, state_size
+from ..metrics import EQUAL_MASS_METRICS, EQUAL_WIDTH_METRICS, batch_state, metric_rows, results, state_size
 
 __all__ = [
     "CalibrationMetric",
@@ -105,7 +105,7 @@ class CalibrationMetric(Metric):
 
     def update(self, preds, target) -> None:
         """Adds a batch of probabilities (or logits) (N, K[, d1, ...]) and targets (N[, d1, ...])."""
-        preds, target = _rows(preds, target, self.ignore_index)
+        preds, target = metric_rows(preds, target, self.ignore_index, names=("preds", "target"))
         if preds.device != self.sums.device:
             raise ValueError(
                 f"`preds` is on {preds.device} but the metric's state is on {self.sums.device}: "
@@ -131,23 +131,6 @@ class CalibrationMetric(Metric):
         conf = None if samples is None else samples[:, 0]
         correct = None if samples is None else samples[:, 1] > 0.5
         return results(self.sums, conf, correct, self.num_classes, self.n_bins, (self.metric,))[self.metric]
-
-
-def _rows(preds, target, ignore_index):
-    """(N, K, d1, ...) scores as (N·d1·..., K) rows and their targets, ignored targets dropped."""
-    preds, target = as_data(preds, "preds"), as_data(target, "target")
-    if preds.ndim > 2:
-        k = preds.shape[1]
-        if tuple(target.shape) != (preds.shape[0], *preds.shape[2:]):
-            raise ValueError(
-                f"`target` must have shape {(preds.shape[0], *preds.shape[2:])} to match `preds`, got "
-                f"{tuple(target.shape)}"
-            )
-        preds, target = preds.movedim(1, -1).reshape(-1, k), target.reshape(-1)
-    if ignore_index is not None and target.ndim == 1 and target.shape[0] == preds.shape[0]:
-        keep = target != ignore_index
-        preds, target = preds[keep], target[keep]
-    return preds, target
 
 
 class ExpectedCalibrationError(CalibrationMetric):
