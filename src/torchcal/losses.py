@@ -370,10 +370,12 @@ _MULTILABEL = {
     "binary-fcl": lambda **kw: BinaryFocalCalibrationLoss(**kw),
     "binary-dfl": lambda **kw: BinaryDualFocalLoss(**kw),
 }
+# parametrised names: (the argument the number fixes, the class that takes any value, the factory)
 _MULTILABEL_PATTERNS = {
-    r"binary-fl-(\d+(?:\.\d+)?)": lambda v, **kw: BinaryFocalLoss(float(v), **kw),
-    r"binary-ls-(\d*\.?\d+)": lambda v, **kw: BinaryCrossEntropyLoss(label_smoothing=float(v), **kw),
-}
+    r"binary-fl-(\d+(?:\.\d+)?)": ("gamma", "BinaryFocalLoss", lambda v, **kw: BinaryFocalLoss(float(v), **kw)),
+    r"binary-ls-(\d*\.?\d+)": ("label_smoothing", "BinaryCrossEntropyLoss",
+                                lambda v, **kw: BinaryCrossEntropyLoss(label_smoothing=float(v), **kw)),
+}  # fmt: skip
 
 _FIXED = {
     "ce": lambda **kw: CrossEntropyLoss(**kw),
@@ -390,12 +392,23 @@ _FIXED = {
     "adadualfocal": lambda **kw: AdaFocalLoss(dual=True, **kw),
     "calfocal": lambda **kw: CalFocalLoss(**kw),
 }
-# parametrised names: fl-3, ifl-1, ls-0.05
-_PATTERNS = {
-    r"fl-(\d+(?:\.\d+)?)": lambda v, **kw: FocalLoss(float(v), **kw),
-    r"ifl-(\d+(?:\.\d+)?)": lambda v, **kw: InverseFocalLoss(float(v), **kw),
-    r"ls-(\d*\.?\d+)": lambda v, **kw: CrossEntropyLoss(label_smoothing=float(v), **kw),
+# the constructor arguments a fixed name sets, with their values and the class that takes any
+_FIXED_ARGS = {
+    "flsd-53": {"gammas": (5, 3), "thresholds": (0.2,), "class": "SampleDependentFocalLoss"},
+    "flsd-532": {"gammas": (5, 3, 2), "thresholds": (0.2, 0.5), "class": "SampleDependentFocalLoss"},
+    "dualflsd-53": {"gammas": (5, 3), "thresholds": (0.2,), "class": "DualSampleDependentFocalLoss"},
+    "fls-531": {"gammas": (5, 3, 1), "milestones": (100, 250), "class": "ScheduledFocalLoss"},
+    "fls-532": {"gammas": (5, 3, 2), "milestones": (100, 250), "class": "ScheduledFocalLoss"},
+    "adadualfocal": {"dual": True, "class": "AdaFocalLoss"},
 }
+# parametrised names (fl-3, ifl-1, ls-0.05): (the argument the number fixes, the class that takes any value,
+# the factory)
+_PATTERNS = {
+    r"fl-(\d+(?:\.\d+)?)": ("gamma", "FocalLoss", lambda v, **kw: FocalLoss(float(v), **kw)),
+    r"ifl-(\d+(?:\.\d+)?)": ("gamma", "InverseFocalLoss", lambda v, **kw: InverseFocalLoss(float(v), **kw)),
+    r"ls-(\d*\.?\d+)": ("label_smoothing", "CrossEntropyLoss",
+                         lambda v, **kw: CrossEntropyLoss(label_smoothing=float(v), **kw)),
+}  # fmt: skip
 
 
 def list_losses(task: str = "multiclass") -> list[str]:
@@ -418,15 +431,41 @@ def loss_task(name: str) -> str:
 def create(name: str, **kwargs) -> nn.Module:
     """A loss module by the papers' label: "ce", "ls-0.05", "brier", "mmce", "fl-3", "flsd-53", "flsd-532",
     "fls-531", "dfl", "dualflsd-53", "fcl", "adafocal", "adadualfocal", "calfocal", "ifl-1"; keyword
-    arguments go to the constructor (e.g. ``reduction="sum"``)."""
+    arguments go to the constructor (e.g. ``reduction="sum"``). An argument the name fixes (γ of ``fl-3``,
+    ε of ``ls-0.05``, the schedule of ``flsd-53``) is a ``ValueError`` naming the loss to use instead.
+
+    Example:
+        >>> create("fl-2", reduction="sum").gamma
+        2.0
+        >>> create("fl-3", gamma=2)
+        Traceback (most recent call last):
+        ...
+        ValueError: loss 'fl-3' fixes gamma = 3 (the number in its name); for gamma = 2 name it 'fl-2' (fl-<γ> takes any value) or use torchcal.losses.FocalLoss(gamma=2)
+    """
     key = name.lower()
     if key in _FIXED:
+        fixed = sorted(set(_FIXED_ARGS.get(key, ())) & set(kwargs))
+        if fixed:
+            cls, values = _FIXED_ARGS[key]["class"], _FIXED_ARGS[key]
+            shown = ", ".join(f"{k} = {values[k]}" for k in _FIXED_ARGS[key] if k != "class")
+            raise ValueError(
+                f"loss {name!r} is {cls} with {shown}, so {', '.join(fixed)} cannot be passed; for other "
+                f"values use torchcal.losses.{cls}({', '.join(f'{k}=...' for k in fixed)})"
+            )
         return _FIXED[key](**kwargs)
     if key in _MULTILABEL:
         return _MULTILABEL[key](**kwargs)
-    for pattern, make in (*_PATTERNS.items(), *_MULTILABEL_PATTERNS.items()):
+    for pattern, (param, cls, make) in (*_PATTERNS.items(), *_MULTILABEL_PATTERNS.items()):
         match = re.fullmatch(pattern, key)
         if match:
+            if param in kwargs:
+                value, family = kwargs[param], pattern.split("(")[0]
+                symbol = "ε" if param == "label_smoothing" else "γ"
+                raise ValueError(
+                    f"loss {name!r} fixes {param} = {match.group(1)} (the number in its name); for {param} = "
+                    f"{value} name it '{family}{value}' ({family}<{symbol}> takes any value) or use "
+                    f"torchcal.losses.{cls}({param}={value})"
+                )
             return make(match.group(1), **kwargs)
     raise ValueError(
         f"unknown loss {name!r}; choose one of {list_losses()} or, for sigmoid outputs, "

@@ -23,7 +23,7 @@ def test_defaults_file_and_overrides(tmp_path):
             r"unknown key optim.lrate; valid keys of optim: \['gamma', 'grad_clip_norm', 'lr'",
         ),
         ("optimizer.lr=0.1", r"unknown config section 'optimizer'; valid sections: \['data', 'loss'"),
-        ("train.epochs=two", "train.epochs must be int, got 'two'"),
+        ("train.epochs=two", "train.epochs must be an integer, got 'two'"),
         ("train.epochs", "must look like section.key=value"),
         ("epochs=3", "must name a section and a key"),
         ("optim.lr.x=1", "only loss.kwargs takes nested keys"),

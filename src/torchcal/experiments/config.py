@@ -10,7 +10,9 @@ before anything is written.
 from __future__ import annotations
 
 import copy
+import functools
 import math
+import re
 import types
 import typing
 from dataclasses import asdict, dataclass, field, fields
@@ -28,6 +30,7 @@ __all__ = [
     "RunConfig",
     "ConfigError",
     "load_config",
+    "load_yaml",
     "apply_overrides",
     "config_to_dict",
     "config_from_dict",
@@ -178,9 +181,50 @@ def _set(target, section, key, value, types_):
     if annotation is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if not _type_ok(value, annotation):
-        name = getattr(annotation, "__name__", str(annotation))
+        if annotation is float and isinstance(value, str):
+            try:
+                parsed = float(value)
+            except ValueError:
+                parsed = None
+            what = "a finite number" if parsed is not None and not math.isfinite(parsed) else "a number"
+            raise ConfigError(f"{section}.{key} must be {what} (e.g. 0.1, 1e-5), got {value!r}")
+        name = {int: "an integer", float: "a number"}.get(
+            annotation, getattr(annotation, "__name__", annotation)
+        )
         raise ConfigError(f"{section}.{key} must be {name}, got {value!r}")
     setattr(target, key, value)
+
+
+# Python's exponent notation (1e-5, 1E-3, 5e4, 1.5e3): YAML 1.1 reads a number as a float only with a dot
+# and a signed exponent, so these would stay strings; ints (1_000) and dotted floats (.5, 1.5) it reads already.
+_EXPONENT_FLOAT = re.compile(r"^[-+]?(?:[0-9](?:_?[0-9])*(?:\.(?:[0-9](?:_?[0-9])*)?)?|\.[0-9](?:_?[0-9])*)"
+                             r"[eE][-+]?[0-9](?:_?[0-9])*$")  # fmt: skip
+
+
+@functools.cache
+def _number_loader():
+    import yaml
+
+    class NumberLoader(yaml.SafeLoader):
+        """YAML's safe loader that also reads every number a Python user writes as a number."""
+
+    NumberLoader.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT_FLOAT, list("-+0123456789."))
+    return NumberLoader
+
+
+def load_yaml(stream):
+    """``yaml.safe_load`` that reads every Python number literal (``1e-5``, ``1E-3``, ``.5``, ``1_000``) as a
+    number, where YAML 1.1 leaves exponents without a dot as strings.
+
+    Example:
+        >>> load_yaml("lr: 1e-5")
+        {'lr': 1e-05}
+        >>> load_yaml("[1E-3, .5, 1_000, 5e4]")
+        [0.001, 0.5, 1000, 50000.0]
+    """
+    import yaml
+
+    return yaml.load(stream, Loader=_number_loader())  # noqa: S506 (a subclass of SafeLoader)
 
 
 def apply_overrides(cfg: RunConfig, overrides: list[str], *, validate: bool = True) -> RunConfig:
@@ -197,7 +241,7 @@ def apply_overrides(cfg: RunConfig, overrides: list[str], *, validate: bool = Tr
             raise ConfigError(f"override {item!r} must name a section and a key, e.g. optim.lr=0.1")
         section, key = parts[0], parts[1]
         try:
-            value = yaml.safe_load(text) if text.strip() else ""
+            value = load_yaml(text) if text.strip() else ""
         except yaml.YAMLError as err:
             raise ConfigError(
                 f"override {item!r}: the value is not valid YAML ({_yaml_problem(err)})"
@@ -229,7 +273,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"config file {str(p)!r} does not exist")
         try:
             with open(p) as fh:
-                raw = yaml.safe_load(fh) or {}
+                raw = load_yaml(fh) or {}
         except yaml.YAMLError as err:
             raise ConfigError(f"config file {str(p)!r} is not valid YAML: {_yaml_problem(err)}") from None
         except (OSError, UnicodeDecodeError) as err:

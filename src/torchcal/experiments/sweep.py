@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import ConfigError, load_config
+from .config import ConfigError, load_config, load_yaml
 from .train import atomic_write_bytes
 
 __all__ = ["Sweep", "load_sweep", "expand", "run_sweep"]
@@ -47,12 +47,10 @@ class Sweep:
 
 
 def load_sweep(path: str | Path) -> Sweep:
-    import yaml
-
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"sweep file {str(path)!r} does not exist")
-    raw = yaml.safe_load(path.read_text()) or {}
+    raw = load_yaml(path.read_text()) or {}
     known = {"out", "base", "grid", "overrides", "resources", "evaluate"}
     if not isinstance(raw, dict) or set(raw) - known:
         raise ConfigError(f"unknown sweep keys {sorted(set(raw) - known)}; valid keys: {sorted(known)}")

