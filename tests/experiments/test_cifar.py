@@ -48,9 +48,33 @@ def test_cifar_pickles(tmp_path, num_classes):
     assert train_set.targets[: len(first[1])].tolist() == first[1]
 
 
-def test_missing_cifar_says_what_to_put_where(tmp_path):
-    with pytest.raises(DatasetError, match=r"Put the python version of CIFAR-10 .*data.root"):
-        load_cifar(tmp_path, 10)
+@pytest.mark.parametrize(
+    "num_classes, sub, archive",
+    [
+        (10, "cifar-10-batches-py", "cifar-10-python.tar.gz"),
+        (100, "cifar-100-python", "cifar-100-python.tar.gz"),
+    ],
+)
+def test_missing_cifar_names_the_sub_folder_the_path_and_the_archive(tmp_path, num_classes, sub, archive):
+    with pytest.raises(DatasetError) as caught:
+        load_cifar(tmp_path / "nowhere", num_classes)
+    message = str(caught.value)
+    assert (
+        f"looked for the folder {sub}" in message
+        and f"{tmp_path / 'nowhere' / sub} does not exist" in message
+    )
+    assert f"https://www.cs.toronto.edu/~kriz/{archive}" in message
+    assert f"tar xzf {archive} -C {tmp_path / 'nowhere'}" in message
+    write_cifar(tmp_path, num_classes)
+    lost = "test_batch" if num_classes == 10 else "test"
+    (tmp_path / sub / lost).unlink()  # a half-unpacked folder: the missing file is named
+    with pytest.raises(DatasetError, match=f"{tmp_path / sub} lacks {lost};"):
+        load_cifar(tmp_path, num_classes)
+
+
+def test_cifar_root_may_be_the_sub_folder_itself(tmp_path):
+    write_cifar(tmp_path, 10)
+    assert len(load_cifar(tmp_path / "cifar-10-batches-py", 10)[0]) == 30
 
 
 def test_papers_split_is_numpy_seed_1():

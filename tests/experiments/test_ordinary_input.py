@@ -111,3 +111,56 @@ def test_a_name_that_fixes_gamma_says_so_and_names_the_loss_to_use(tmp_path):
                                  "loss.kwargs.gamma=2"])  # fmt: skip
     assert result.exit_code == 2 and "fixes gamma = 3" in result.output and "'fl-2'" in result.output
     assert "multiple values" not in result.output and not (tmp_path / "r").exists()
+
+
+# -- missing CIFAR data ------------------------------------------------------------------------------------
+
+
+def test_missing_cifar_from_the_cli_names_the_sub_folder_path_and_archive(tmp_path):
+    root = tmp_path / "nowhere"
+    result = runner.invoke(app, ["train", "-o", str(tmp_path / "r"), "data.name=cifar10", f"data.root={root}",
+                                 "model.name=resnet110", "data.ood="])  # fmt: skip
+    assert result.exit_code == 2, result.output
+    line = result.output.strip()
+    assert len(line.splitlines()) == 1
+    assert "cifar-10-batches-py" in line and str(root / "cifar-10-batches-py") in line
+    assert "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz" in line and "data.root" in line
+    assert not (tmp_path / "r").exists()
+
+
+# -- an unavailable device ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", "mps"])
+def test_an_unavailable_device_is_refused_before_the_data_loads(tmp_path, monkeypatch, device):
+    import torch
+
+    import torchcal.experiments.train as train_module
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU-only build, whatever this host has
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+
+    def no_data(*args, **kwargs):
+        raise AssertionError("the data were loaded before the device was checked")
+
+    monkeypatch.setattr(train_module, "load_splits", no_data)
+    result = runner.invoke(app, ["train", "-o", str(tmp_path / "r"), *TINY, f"train.device={device}"])
+    assert result.exit_code == 2, result.output
+    line = result.output.strip()
+    assert len(line.splitlines()) == 1 and f"train.device={device} is not available here" in line
+    assert "train.device=cpu" in line and not (tmp_path / "r").exists()
+
+
+def test_a_gpu_index_beyond_the_machine_is_refused(monkeypatch):
+    import torch
+
+    from torchcal.experiments.train import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(
+        ConfigError, match=r"train.device=cuda:3 is not available here: .* 1 cuda device\(s\) \(cuda:0\)"
+    ):
+        resolve_device("cuda:3")
+    assert resolve_device("cuda:0") == torch.device("cuda", 0)
+    assert resolve_device("cpu") == torch.device("cpu")

@@ -158,30 +158,37 @@ def _images_from_rows(rows: np.ndarray) -> torch.Tensor:
     )
 
 
+_CIFAR = {  # num_classes: (sub-folder, archive, training files, test files, label key)
+    10: ("cifar-10-batches-py", "cifar-10-python.tar.gz", [f"data_batch_{i}" for i in range(1, 6)], ["test_batch"],
+         b"labels"),
+    100: ("cifar-100-python", "cifar-100-python.tar.gz", ["train"], ["test"], b"fine_labels"),
+}  # fmt: skip
+
+
 def load_cifar(root: str | Path, num_classes: int = 10) -> tuple[Dataset, Dataset]:
     """(train, test) of CIFAR-10 (``cifar-10-batches-py``: data_batch_1..5, test_batch) or CIFAR-100
-    (``cifar-100-python``: train, test; fine labels) from the python pickles; 3 × 32 × 32 images."""
-    root = Path(root)
-    if num_classes == 10:
-        folder = root / "cifar-10-batches-py" if (root / "cifar-10-batches-py").is_dir() else root
-        files = ([folder / f"data_batch_{i}" for i in range(1, 6)], [folder / "test_batch"])
-        label_key = b"labels"
-    elif num_classes == 100:
-        folder = root / "cifar-100-python" if (root / "cifar-100-python").is_dir() else root
-        files = ([folder / "train"], [folder / "test"])
-        label_key = b"fine_labels"
-    else:
+    (``cifar-100-python``: train, test; fine labels) from the python pickles; 3 × 32 × 32 images. ``root``
+    holds the sub-folder (or is it). Nothing is downloaded: a missing file is a :class:`DatasetError` that
+    names the sub-folder, the path tried and the archive to unpack there."""
+    if num_classes not in _CIFAR:
         raise ValueError(f"`num_classes` must be 10 or 100, got {num_classes}")
+    sub, archive, train_files, test_files, label_key = _CIFAR[num_classes]
+    root = Path(root)
+    folder = root if root.name == sub else root / sub
+    if not folder.is_dir() and (root / train_files[0]).is_file():  # the pickles directly in root
+        folder = root
+    missing = [name for name in (*train_files, *test_files) if not (folder / name).is_file()]
+    if missing:
+        found = f"{folder} lacks {', '.join(missing)}" if folder.is_dir() else f"{folder} does not exist"
+        raise DatasetError(
+            f"CIFAR-{num_classes} not found: looked for the folder {sub} (with {', '.join(train_files + test_files)}) "
+            f"in data.root={str(root)!r} and {found}; download https://www.cs.toronto.edu/~kriz/{archive} "
+            f"(the python version) and unpack it there (tar xzf {archive} -C {root}), or set data.root to the "
+            f"folder that holds {sub} (nothing is downloaded automatically)"
+        )
     out = []
-    for group in files:
-        try:
-            parts = [_unpickle(f) for f in group]
-        except DatasetError as err:
-            raise DatasetError(
-                f"{err}. Put the python version of CIFAR-{num_classes} (the folder {folder.name} with "
-                f"{', '.join(f.name for f in files[0] + files[1])}) under {root} and pass data.root=<folder>; "
-                "nothing is downloaded."
-            ) from None
+    for group in (train_files, test_files):
+        parts = [_unpickle(folder / name) for name in group]
         x = _images_from_rows(np.concatenate([p[b"data"] for p in parts]))
         y = torch.tensor(np.concatenate([np.asarray(p[label_key]) for p in parts]), dtype=torch.long)
         out.append(Dataset(x, y))

@@ -96,12 +96,38 @@ def _git_revision() -> str:
 
 
 def resolve_device(name: str) -> torch.device:
-    """ "auto": CUDA when available (the local rank's GPU under torchrun), else CPU."""
+    """ "auto": CUDA when available (the local rank's GPU under torchrun), else CPU. A device this torch
+    build or machine does not have (``cuda`` on a CPU-only build, ``mps`` off Apple silicon, ``cuda:3`` on a
+    machine with one GPU) is a :class:`ConfigError` in one sentence."""
     if name == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         return torch.device("cpu")
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError, ValueError):
+        raise ConfigError(
+            f"train.device={name!r} is not a device (auto, cpu, cuda, cuda:1, mps, ...)"
+        ) from None
+    if device.type == "cpu":
+        return device
+    if device.type == "mps":
+        backend = getattr(torch.backends, "mps", None)
+    else:
+        backend = getattr(torch, device.type, None)
+    available = getattr(backend, "is_available", None)
+    if available is None or not available():
+        why = {"cuda": f"this torch build ({torch.__version__}) has no CUDA or sees no NVIDIA GPU",
+               "mps": "MPS needs an Apple-silicon Mac with a torch build that has it"}.get(
+                   device.type, f"this torch build ({torch.__version__}) has no {device.type} device")  # fmt: skip
+        raise ConfigError(f"train.device={name} is not available here: {why}; use train.device=cpu (or auto)")
+    count = getattr(backend, "device_count", None)
+    if device.index is not None and count is not None and device.index >= count():
+        raise ConfigError(
+            f"train.device={name} is not available here: this machine has {count()} {device.type} device(s) "
+            f"({', '.join(f'{device.type}:{i}' for i in range(count()))})"
+        )
+    return device
 
 
 def load_checkpoint(path: Path) -> dict:
