@@ -164,3 +164,54 @@ def test_a_gpu_index_beyond_the_machine_is_refused(monkeypatch):
         resolve_device("cuda:3")
     assert resolve_device("cuda:0") == torch.device("cuda", 0)
     assert resolve_device("cpu") == torch.device("cpu")
+
+
+# -- every image model on every image dataset --------------------------------------------------------------
+
+IMAGE_MODELS = ["small_cnn", "mlp", "resnet50", "resnet110", "resnet110_he", "wrn_26_10", "densenet121",
+                "resnet50_imagenet", "densenet121_imagenet"]  # fmt: skip
+
+
+def test_the_list_covers_every_registered_model():
+    from torchcal.experiments.models import list_models
+
+    assert set(list_models()) - set(IMAGE_MODELS) == {"text_cnn", "transformer"}
+
+
+@pytest.mark.parametrize("name", IMAGE_MODELS)
+@pytest.mark.parametrize("channels", [1, 3])
+def test_every_image_model_runs_on_one_and_three_channel_images(name, channels):
+    import torch
+
+    from torchcal.experiments.models import create_model
+
+    stats = ((0.3,), (0.2,)) if channels == 1 else None
+    model = create_model(name, 7, (channels, 32, 32), 16, stats=stats)
+    with torch.no_grad():
+        out = model.eval()(torch.rand(2, channels, 32, 32))
+    assert out.shape == (2, 7) and torch.isfinite(out).all()
+    norm = getattr(model, "norm", None)
+    if norm is not None and channels == 1:  # the data's own statistics, not CIFAR's three channels
+        assert norm.mean.flatten().tolist() == pytest.approx([0.3]) and norm.std.flatten().tolist() == [
+            pytest.approx(0.2)
+        ]
+
+
+def test_a_grey_dataset_trains_a_cifar_resnet_normalised_with_its_own_statistics(tmp_path):
+    import torch
+
+    from torchcal.experiments.data import load_splits
+    from torchcal.experiments.train import _build_model
+
+    cfg = load_config(None, [*TINY, "model.name=resnet110_he"])
+    train_set = load_splits(cfg.data)["train"]
+    model = _build_model(cfg, train_set, 10)
+    x = train_set.inputs.double()
+    torch.testing.assert_close(model.norm.mean.flatten().double(), x.mean((0, 2, 3)), rtol=1e-6, atol=1e-7)
+    # the population standard deviation over every pixel, as float64 (float32 buffer: ~1e-7 relative)
+    torch.testing.assert_close(
+        model.norm.std.flatten().double(), x.std((0, 2, 3), correction=0), rtol=1e-6, atol=1e-7
+    )
+    result = runner.invoke(app, ["train", "-o", str(tmp_path / "r"), *TINY, "model.name=resnet110_he",
+                                 "data.limit_train=64", "data.val_size=32"])  # fmt: skip
+    assert result.exit_code == 0, result.output

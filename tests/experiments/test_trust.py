@@ -189,11 +189,15 @@ def test_damaged_files_are_named(runs, tmp_path):
     assert "| digits · mlp · ce | 1 |" in markdown
 
 
-def test_a_model_that_does_not_fit_the_data_is_one_sentence(tmp_path):
-    result = runner.invoke(app, ["train", "-o", str(tmp_path / "run"), *TINY, "model.name=resnet50"])
+def test_a_model_that_does_not_fit_the_data_is_one_sentence(tmp_path, monkeypatch):
+    from torchcal.experiments import models
+
+    # every registered image model takes every image size and channel count: a model for 5 features
+    monkeypatch.setitem(models._MODELS, "small_cnn", (lambda k, s, w, stats=None: torch.nn.Linear(5, k), ""))
+    result = runner.invoke(app, ["train", "-o", str(tmp_path / "run"), *TINY, "model.name=small_cnn"])
     assert (
         result.exit_code == 2
-        and "model.name='resnet50' does not fit the inputs of data.name='digits'" in (result.output)
+        and "model.name='small_cnn' does not fit the inputs of data.name='digits'" in (result.output)
     )
     assert not (tmp_path / "run").exists()
 
@@ -209,7 +213,7 @@ def test_a_model_that_does_not_fit_the_data_is_one_sentence(tmp_path):
         (["train", "-o", "RUN", "data.name=mnist"], "unknown dataset data.name='mnist'"),
         (
             ["train", "-o", "RUN", "data.name=cifar10", "data.root=EMPTY"],
-            "Put the python version of CIFAR-10",
+            "CIFAR-10 not found: looked for the folder cifar-10-batches-py",
         ),
         (["train", "-o", "RUN", "loss.name=focal-9"], "loss.name='focal-9'"),
         (["train", "-o", "EXISTING", *TINY], "already holds a run"),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["CifarResNet", "WideResNet", "DenseNet", "Normalize", "CIFAR_MEAN", "CIFAR_STD"]
+__all__ = ["CifarResNet", "WideResNet", "DenseNet", "Normalize", "input_norm", "CIFAR_MEAN", "CIFAR_STD"]
 
 # CIFAR-10 statistics, used for CIFAR-100 too (SPEC §5: the released code normalises the CIFAR-100 test set
 # with ImageNet statistics; we do not copy that).
@@ -27,6 +27,26 @@ class Normalize(nn.Module):
 
     def forward(self, x):
         return (x - self.mean) / self.std
+
+
+def input_norm(in_channels: int, stats=None, constants=(CIFAR_MEAN, CIFAR_STD)) -> Normalize:
+    """The input normalisation of a model for ``in_channels``-channel images: the papers' ``constants``
+    (CIFAR's, or ImageNet's for the ImageNet stems) for 3-channel images; for any other channel count the
+    data's own per-channel ``stats`` = (mean, std) when given, else none (mean 0, std 1; the batch norm after
+    the first convolution takes out the inputs' offset and scale either way).
+
+    Example:
+        >>> input_norm(1, ((0.29,), (0.35,))).mean.flatten().tolist()
+        [0.28999999165534973]
+        >>> input_norm(3).mean.shape
+        torch.Size([1, 3, 1, 1])
+    """
+    mean, std = constants
+    if in_channels != len(mean):
+        mean, std = stats if stats is not None else ((0.0,) * in_channels, (1.0,) * in_channels)
+        if len(mean) != in_channels or len(std) != in_channels:
+            raise ValueError(f"stats hold {len(mean)} channel means for {in_channels}-channel images")
+    return Normalize(tuple(float(m) for m in mean), tuple(float(s) for s in std))
 
 
 def _bn_relu_conv(cin, cout, k, stride=1):
@@ -80,18 +100,21 @@ def _head(x, fc):
 class CifarResNet(nn.Module):
     """ResNet: stages of ``block`` (stride 2 at the start of every stage but the first) after a stem:
     ``stem="cifar"``, a 3 × 3 stem without max-pool for 32 × 32 inputs; ``"imagenet"``, He et al.'s 7 × 7
-    stride-2 stem and max-pool with ImageNet normalisation, for 224 × 224 inputs."""
+    stride-2 stem and max-pool with ImageNet normalisation, for 224 × 224 inputs. Images of another channel
+    count than 3 are normalised with their ``stats`` or not at all (:func:`input_norm`)."""
 
-    def __init__(self, block, blocks, num_classes, widths=(64, 128, 256, 512), in_channels=3, stem="cifar"):
+    def __init__(
+        self, block, blocks, num_classes, widths=(64, 128, 256, 512), in_channels=3, stem="cifar", stats=None
+    ):
         super().__init__()
         if stem == "imagenet":  # He et al.'s ImageNet stem: 7 × 7 stride 2, BN, ReLU, 3 × 3 max-pool stride 2
-            self.norm = Normalize(IMAGENET_MEAN, IMAGENET_STD)
+            self.norm = input_norm(in_channels, stats, (IMAGENET_MEAN, IMAGENET_STD))
             self.stem = nn.Sequential(
                 nn.Conv2d(in_channels, widths[0], 7, 2, 3, bias=False), nn.BatchNorm2d(widths[0]),
                 nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, 1),
             )  # fmt: skip
         else:
-            self.norm = Normalize(CIFAR_MEAN, CIFAR_STD)
+            self.norm = input_norm(in_channels, stats)
             self.stem = nn.Sequential(
                 nn.Conv2d(in_channels, widths[0], 3, 1, 1, bias=False),
                 nn.BatchNorm2d(widths[0]),
@@ -125,14 +148,14 @@ class WideBlock(nn.Module):
 
 class WideResNet(nn.Module):
     """WRN-d-k (Zagoruyko & Komodakis 2016) without dropout; (d − 4)//6 blocks per stage, like the papers'
-    code (so WRN-26-10 has 3 blocks per stage)."""
+    code (so WRN-26-10 has 3 blocks per stage). Inputs of ``in_channels`` channels (:func:`input_norm`)."""
 
-    def __init__(self, depth, widen, num_classes):
+    def __init__(self, depth, widen, num_classes, in_channels=3, stats=None):
         super().__init__()
         n = (depth - 4) // 6
         widths = [16, 16 * widen, 32 * widen, 64 * widen]
-        self.norm = Normalize(CIFAR_MEAN, CIFAR_STD)
-        self.conv1 = nn.Conv2d(3, widths[0], 3, 1, 1, bias=False)
+        self.norm = input_norm(in_channels, stats)
+        self.conv1 = nn.Conv2d(in_channels, widths[0], 3, 1, 1, bias=False)
         layers, in_planes = [], widths[0]
         for i, planes in enumerate(widths[1:]):
             for j in range(n):
@@ -159,22 +182,23 @@ class _DenseLayer(nn.Module):
 class DenseNet(nn.Module):
     """DenseNet-BC: bottleneck layers, transitions halving the channels; DenseNet-121 = blocks (6, 12, 24, 16),
     growth 32. ``stem="cifar"``: a 3 × 3 stem of 2·growth channels for 32 × 32 inputs; ``"imagenet"``: the
-    ImageNet stem (7 × 7 stride 2 and a max-pool) and ImageNet normalisation, for 224 × 224 inputs."""
+    ImageNet stem (7 × 7 stride 2 and a max-pool) and ImageNet normalisation, for 224 × 224 inputs. Inputs of
+    ``in_channels`` channels (:func:`input_norm`)."""
 
-    def __init__(self, blocks, growth, num_classes, stem: str = "cifar"):
+    def __init__(self, blocks, growth, num_classes, stem: str = "cifar", in_channels=3, stats=None):
         super().__init__()
         planes = 2 * growth
         if (
             stem == "imagenet"
         ):  # Huang et al.'s ImageNet stem (CheXNet): 7 × 7 stride 2, BN, ReLU, 3 × 3 max-pool
-            self.norm = Normalize(IMAGENET_MEAN, IMAGENET_STD)
+            self.norm = input_norm(in_channels, stats, (IMAGENET_MEAN, IMAGENET_STD))
             self.conv1 = nn.Sequential(
-                nn.Conv2d(3, planes, 7, 2, 3, bias=False), nn.BatchNorm2d(planes), nn.ReLU(inplace=True),
+                nn.Conv2d(in_channels, planes, 7, 2, 3, bias=False), nn.BatchNorm2d(planes), nn.ReLU(inplace=True),
                 nn.MaxPool2d(3, 2, 1),
             )  # fmt: skip
         else:
-            self.norm = Normalize(CIFAR_MEAN, CIFAR_STD)
-            self.conv1 = nn.Conv2d(3, planes, 3, 1, 1, bias=False)
+            self.norm = input_norm(in_channels, stats)
+            self.conv1 = nn.Conv2d(in_channels, planes, 3, 1, 1, bias=False)
         stages = []
         for i, n in enumerate(blocks):
             for _ in range(n):

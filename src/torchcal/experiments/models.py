@@ -10,7 +10,7 @@ from .cifar_models import BasicBlock, Bottleneck, CifarResNet, DenseNet, WideRes
 __all__ = ["create_model", "list_models"]
 
 
-def _mlp(num_classes: int, in_shape, width: int) -> nn.Module:
+def _mlp(num_classes: int, in_shape, width: int, stats=None) -> nn.Module:
     size = 1
     for d in in_shape:
         size *= d
@@ -24,7 +24,7 @@ def _mlp(num_classes: int, in_shape, width: int) -> nn.Module:
     )
 
 
-def _small_cnn(num_classes: int, in_shape, width: int) -> nn.Module:
+def _small_cnn(num_classes: int, in_shape, width: int, stats=None) -> nn.Module:
     c, h, w_in = in_shape
     w = max(8, width // 8)
     return nn.Sequential(
@@ -34,16 +34,20 @@ def _small_cnn(num_classes: int, in_shape, width: int) -> nn.Module:
     )  # fmt: skip
 
 
-def _resnet50(num_classes, in_shape, width):
-    return CifarResNet(Bottleneck, (3, 4, 6, 3), num_classes, in_channels=in_shape[0])
+# The image models take images of any channel count: 3-channel images are normalised with the papers'
+# constants, others with the training data's own ``stats`` (cifar_models.input_norm).
+def _resnet50(num_classes, in_shape, width, stats=None):
+    return CifarResNet(Bottleneck, (3, 4, 6, 3), num_classes, in_channels=in_shape[0], stats=stats)
 
 
-def _resnet110(num_classes, in_shape, width):
-    return CifarResNet(Bottleneck, (3, 4, 26, 3), num_classes, in_channels=in_shape[0])
+def _resnet110(num_classes, in_shape, width, stats=None):
+    return CifarResNet(Bottleneck, (3, 4, 26, 3), num_classes, in_channels=in_shape[0], stats=stats)
 
 
-def _resnet110_he(num_classes, in_shape, width):
-    return CifarResNet(BasicBlock, (18, 18, 18), num_classes, widths=(16, 32, 64), in_channels=in_shape[0])
+def _resnet110_he(num_classes, in_shape, width, stats=None):
+    return CifarResNet(
+        BasicBlock, (18, 18, 18), num_classes, widths=(16, 32, 64), in_channels=in_shape[0], stats=stats
+    )
 
 
 class TextCNN(nn.Module):
@@ -127,14 +131,24 @@ _MODELS = {
     "resnet50": (_resnet50, "CIFAR ResNet-50: bottleneck blocks (3, 4, 6, 3), 3 x 3 stem"),
     "resnet110": (_resnet110, "the papers' 'ResNet-110': bottleneck blocks (3, 4, 26, 3) at ImageNet widths"),
     "resnet110_he": (_resnet110_he, "He et al.'s CIFAR ResNet-110: basic blocks 3 x 18, widths 16/32/64"),
-    "wrn_26_10": (lambda k, s, w: WideResNet(26, 10, k), "WRN-26-10 without dropout"),
-    "densenet121": (lambda k, s, w: DenseNet((6, 12, 24, 16), 32, k), "DenseNet-121 (growth 32) for CIFAR"),
+    "wrn_26_10": (
+        lambda k, s, w, stats=None: WideResNet(26, 10, k, in_channels=s[0], stats=stats),
+        "WRN-26-10 without dropout",
+    ),
+    "densenet121": (
+        lambda k, s, w, stats=None: DenseNet((6, 12, 24, 16), 32, k, in_channels=s[0], stats=stats),
+        "DenseNet-121 (growth 32) for CIFAR",
+    ),
     "resnet50_imagenet": (
-        lambda k, s, w: CifarResNet(Bottleneck, (3, 4, 6, 3), k, stem="imagenet"),
+        lambda k, s, w, stats=None: CifarResNet(
+            Bottleneck, (3, 4, 6, 3), k, in_channels=s[0], stem="imagenet", stats=stats
+        ),
         "ResNet-50 with the ImageNet stem, 224 x 224 inputs (the papers' ImageNet runs)",
     ),
     "densenet121_imagenet": (
-        lambda k, s, w: DenseNet((6, 12, 24, 16), 32, k, stem="imagenet"),
+        lambda k, s, w, stats=None: DenseNet(
+            (6, 12, 24, 16), 32, k, stem="imagenet", in_channels=s[0], stats=stats
+        ),
         "DenseNet-121 with the ImageNet stem, 224 x 224 inputs (CheXNet)",
     ),
     "text_cnn": (_text_cnn, "global-pooling CNN over (GloVe) word embeddings, for text datasets"),
@@ -176,11 +190,12 @@ def list_models() -> dict[str, str]:
 
 
 def create_model(name: str, num_classes: int, in_shape, width: int = 256, **extra) -> nn.Module:
-    """A model by registry name; ``extra`` carries data-dependent pieces (``embeddings``, ``vocab_size``)."""
+    """A model by registry name; ``extra`` carries data-dependent pieces (``embeddings``, ``vocab_size`` of
+    text models; ``stats``, the training images' per-channel (mean, std), of image models)."""
     if name not in _MODELS:
         raise ValueError(f"unknown model {name!r}; available: {sorted(_MODELS)}")
     if name == "text_cnn":
         return _text_cnn(num_classes, tuple(in_shape), width, **extra)
     if name == "transformer":
         return TransformerClassifier(extra["checkpoint"], num_classes)
-    return _MODELS[name][0](num_classes, tuple(in_shape), width)
+    return _MODELS[name][0](num_classes, tuple(in_shape), width, stats=extra.get("stats"))

@@ -609,6 +609,24 @@ def _adjust_to_data(cfg: RunConfig, splits) -> dict:
     return adjusted
 
 
+def _channel_stats(images: torch.Tensor) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per-channel mean and standard deviation of (N, C, H, W) images in [0, 1] (uint8 read as /255),
+    accumulated in float64 over 1,024 images at a time; a constant channel gets std 1."""
+    scale = 1 / 255 if images.dtype == torch.uint8 else 1.0
+    c = images.shape[1]
+    total = torch.zeros(c, dtype=torch.float64)
+    squares = torch.zeros(c, dtype=torch.float64)
+    for start in range(0, len(images), 1024):
+        x = images[start : start + 1024].to(torch.float64) * scale
+        total += x.sum((0, 2, 3))
+        squares += x.square().sum((0, 2, 3))
+    n = images.numel() // c
+    mean = total / n
+    std = (squares / n - mean.square()).clamp(min=0).sqrt()
+    std = torch.where(std > 1e-6, std, torch.ones_like(std))
+    return tuple(mean.tolist()), tuple(std.tolist())
+
+
 def _build_model(cfg: RunConfig, train_set, num_classes: int):
     """The configured model, checked on two training samples: a model that does not fit the data is a
     :class:`ConfigError` before anything is written."""
@@ -617,6 +635,12 @@ def _build_model(cfg: RunConfig, train_set, num_classes: int):
         extra = {"embeddings": train_set.embeddings, "vocab_size": train_set.vocab_size}
     elif cfg.model.name == "transformer":
         extra = {"checkpoint": cfg.model.checkpoint}
+    elif (
+        train_set.inputs.ndim == 4
+        and train_set.inputs.shape[1] != 3
+        and isinstance(train_set.inputs, torch.Tensor)
+    ):
+        extra = {"stats": _channel_stats(train_set.inputs)}  # images of other than 3 channels: their own
     shape = tuple(train_set.inputs.shape[1:])
     try:
         model = create_model(cfg.model.name, num_classes, shape, cfg.model.width, **extra)
