@@ -361,13 +361,24 @@ def collect_groups(run_dirs, calibrator: str = "ts", warn=None) -> list[RunGroup
     """The report's rows. Runs are grouped by their whole resolved config except :data:`GROUP_IGNORED_KEYS`;
     a row is labelled dataset · model · loss, plus ``[key=value, ...]`` for the keys in which rows with
     the same dataset · model · loss differ. Unfinished or damaged run folders are skipped with a warning
-    (``warn``, default :func:`warnings.warn`); when none is left a :class:`RunError` is raised."""
+    (``warn``, default :func:`warnings.warn`); when none is left a :class:`RunError` is raised.
+
+    A row counts each run once and each seed once: a folder given twice (or through a link) is read once,
+    and a run whose seed another run of its row already has (a copied folder, or the same training on
+    another device) is left out with a warning naming both folders, so ``n`` is the number of seeds."""
+    import os
     import warnings
 
     check_calibrators([calibrator], None)
     warn = warn or (lambda message: warnings.warn(message, UserWarning, stacklevel=3))
     by_key: dict[str, RunGroup] = {}
+    seen: dict[str, Path] = {}
     for run_dir in map(Path, run_dirs):
+        real = os.path.realpath(run_dir)
+        if real in seen:
+            warn(f"{run_dir} is given twice (as {seen[real]}): counted once")
+            continue
+        seen[real] = run_dir
         found = _finished_run(run_dir, calibrator, warn)
         if found is None:
             continue
@@ -376,6 +387,12 @@ def collect_groups(run_dirs, calibrator: str = "ts", warn=None) -> list[RunGroup
         key = json.dumps(config, sort_keys=True, default=str)
         base = f"{flat.get('data.name')} · {flat.get('model.name')} · {flat.get('loss.name')}"
         group = by_key.setdefault(key, RunGroup(base, [], [], config))
+        seed = flat.get("train.seed")
+        if seed in group.seeds:
+            twin = group.runs[group.seeds.index(seed)]
+            warn(f"{run_dir} repeats seed {seed} of {twin} with the same config (a copy, or the same training "
+                 f"elsewhere): left out, a report row counts each seed once")  # fmt: skip
+            continue
         group.runs.append(run_dir)
         group.seeds.append(flat.get("train.seed"))
         group.results.append(res)
@@ -390,10 +407,6 @@ def collect_groups(run_dirs, calibrator: str = "ts", warn=None) -> list[RunGroup
                 k for k in group.config if len({json.dumps(g.config.get(k), default=str) for g in twins}) > 1
             )
             group.label += " [" + ", ".join(f"{k}={group.config[k]}" for k in differ) + "]"
-        repeated = sorted({s for s in group.seeds if group.seeds.count(s) > 1})
-        if repeated:
-            warn(f"{group.label}: runs with the same seed {repeated} are averaged as separate runs "
-                 f"({', '.join(map(str, group.runs))})")  # fmt: skip
         group.stats = _group_stats(group.results, calibrator)
     return groups
 
