@@ -107,6 +107,76 @@ def test_soft_targets_and_label_smoothing():
         B.binary_dual_focal_loss(z, y)
 
 
+WEIGHTS = [(None, None), (0.0, None), (1.0, None), (0.25, None), (None, (0.0, 1.0, 2.0)), (None, (0.0, 0.0, 0.0)),
+           (1.0, (0.0, 3.0, 0.5)), (0.0, (0.0, 3.0, 0.5))]  # fmt: skip
+
+
+@pytest.mark.parametrize("alpha, pw", WEIGHTS)
+def test_soft_targets_with_zero_weights_match_the_reference(alpha, pw):
+    """Soft multi-label targets never sum to 1 across labels and may hold exact 0s and 1s beside
+    fractions: with α = 0 or 1, or a ``pos_weight`` entry of 0, an element's weights can all be 0, and its
+    loss is 0 (not a refusal). Float64 reference per element; the same values on hard targets."""
+    z, _ = data(n=12)
+    y = torch.tensor(
+        [[0.0, 1.0, 0.3], [1.0, 0.0, 0.7], [0.5, 0.0, 1.0], [0.0, 0.0, 0.0]] * 3, dtype=torch.float64
+    )
+    weights = pw if pw is not None else (1.0, 1.0, 1.0)
+    pos_weight = torch.tensor(pw, dtype=torch.float64) if pw is not None else None
+
+    def expected(f, targets):
+        return torch.tensor([[f(w)(sig(a), b) for a, b, w in zip(ra, rb, weights)]
+                             for ra, rb in zip(z.tolist(), targets.tolist())], dtype=torch.float64)  # fmt: skip
+
+    focal = expected(lambda w: focal_ref(2.0, alpha, w), y)
+    got = B.binary_focal_loss(z, y, 2.0, alpha=alpha, pos_weight=pos_weight, reduction="none")
+    torch.testing.assert_close(got, focal, rtol=1e-10, atol=1e-12)
+    fcl = expected(lambda w: lambda p, t: focal_ref(3.0, alpha, w)(p, t) + 0.5 * (p - t) ** 2, y)
+    got = B.binary_focal_calibration_loss(
+        z, y, 3.0, 0.5, alpha=alpha, pos_weight=pos_weight, reduction="none"
+    )
+    torch.testing.assert_close(got, fcl, rtol=1e-10, atol=1e-12)
+    hard = (y > 0.5).double()
+    got = B.binary_focal_loss(z, hard, 2.0, alpha=alpha, pos_weight=pos_weight, reduction="none")
+    torch.testing.assert_close(
+        got, expected(lambda w: focal_ref(2.0, alpha, w), hard), rtol=1e-10, atol=1e-12
+    )
+    zg = z[:4, :].clone().requires_grad_(True)  # the zero-weight elements' gradient is 0, the rest exact
+    fn = lambda a: B.binary_focal_loss(a, y[:4], 2.0, alpha=alpha, pos_weight=pos_weight, reduction="none")  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (zg,))
+
+
+def test_the_accelerator_path_serves_zero_weights_and_the_dual_focal_loss(monkeypatch):
+    """Off CPU float 0/1 targets take the soft path (no synchronisation): zero weights give 0 there too, and
+    the dual focal loss (0/1 targets only) checks its targets with one synchronisation and takes the hard
+    path rather than refusing float 0/1 targets."""
+    z, y = data()
+    check = B._check_binary_targets
+    pw = torch.tensor([0.0, 2.0, 1.0], dtype=torch.float64)
+    hard = {a: B.binary_focal_loss(z, y, 2.0, alpha=a, pos_weight=pw, reduction="none") for a in (0.0, 1.0)}
+    dual = B.binary_dual_focal_loss(z, y, 2.0, reduction="none")
+    monkeypatch.setattr(B, "_check_binary_targets", lambda *a, **k: (check(*a, **k)[0], False))
+    for a in (0.0, 1.0):
+        torch.testing.assert_close(
+            B.binary_focal_loss(z, y, 2.0, alpha=a, pos_weight=pw, reduction="none"), hard[a]
+        )
+    monkeypatch.undo()
+
+    class OnAccelerator(torch.Tensor):  # a CPU tensor that reports an accelerator, for the check only
+        @property
+        def device(self):
+            return torch.device("meta")
+
+    fake = y.as_subclass(OnAccelerator)
+    targets, is_hard = B._check_binary_targets(fake, y.shape, torch.device("meta"), soft=False)
+    assert is_hard
+    with pytest.raises(ValueError, match="must be 0 or 1 here"):
+        B._check_binary_targets(
+            (y * 0.5).as_subclass(OnAccelerator), y.shape, torch.device("meta"), soft=False
+        )
+    assert not B._check_binary_targets(fake, y.shape, torch.device("meta"))[1]
+    torch.testing.assert_close(dual, ref(z, y, dfl_ref(2.0)), rtol=1e-10, atol=1e-12)
+
+
 def test_the_accelerator_path_equals_the_hard_path(monkeypatch):
     """Off CPU the targets' 0/1-ness is not checked (no sync): the soft path must give the same loss and
     gradient as the hard (fused) path."""

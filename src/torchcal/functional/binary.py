@@ -53,7 +53,8 @@ __all__ = [
 def _check_binary_targets(targets, shape, device, name="targets", soft=True) -> tuple[torch.Tensor, bool]:
     """(targets, whether they are known to be exactly 0/1): integer and bool targets are; floating CPU
     targets are checked in one pass when they are 0/1, and for finiteness and [0, 1] otherwise; on an
-    accelerator nothing is checked (no synchronisation) and they count as soft."""
+    accelerator nothing is checked (no synchronisation) and they count as soft, unless ``soft=False`` (a
+    loss or metric defined for 0/1 targets only), where one synchronisation checks that they are 0/1."""
     targets = as_tensor(targets, name)
     if targets.is_complex():
         raise TypeError(f"`{name}` must be real, got dtype {targets.dtype}")
@@ -72,8 +73,12 @@ def _check_binary_targets(targets, shape, device, name="targets", soft=True) -> 
                     f"`{name}` must be 0 or 1 (1 = the label is present), found {lo if lo < 0 else hi}"
                 )
         return targets, hard
-    if targets.device.type != "cpu":  # no synchronisation: the soft-target path serves 0/1 targets too
-        return targets, False
+    if targets.device.type != "cpu":
+        if not soft:  # a loss defined by 0/1 targets only: one synchronisation checks them
+            if not bool(((targets == 0) | (targets == 1)).all()):
+                raise ValueError(f"`{name}` must be 0 or 1 here (soft targets are not accepted)")
+            return targets, True
+        return targets, False  # no synchronisation: the soft-target path serves 0/1 targets too
     hard = bool(((targets == 0) | (targets == 1)).all())  # one pass decides the usual case (0/1 targets)
     if not hard and targets.numel():
         if not bool(torch.isfinite(targets).all()):
@@ -144,10 +149,13 @@ def _two_class(multiclass, logits, targets, reduction, *, pos_weight=None, alpha
 
 def _weighted_soft(multiclass, rows, q, **kwargs):
     """Σ_k q_k f(p_k) for weights q that need not sum to 1 (α, pos_weight): scaled to rows of probabilities,
-    which the soft-target path checks, and scaled back (the loss is linear in q)."""
+    which the soft-target path checks, and scaled back (the loss is linear in q). A row whose weights are all
+    0 (a zero α or ``pos_weight`` on the only term its target has) adds 0: it is evaluated at (½, ½), a row
+    of probabilities, and multiplied by its total 0, so its loss and gradient are exactly 0."""
     total = q.sum(dim=1)
-    safe = torch.where(total > 0, total, torch.ones_like(total))
-    loss = multiclass(rows, q / safe[:, None], reduction="none", **kwargs)
+    empty = (total > 0).logical_not()[:, None]
+    scaled = torch.where(empty, torch.full_like(q, 0.5), q / torch.where(empty[:, 0], 1, total)[:, None])
+    loss = multiclass(rows, scaled, reduction="none", **kwargs)
     return loss * total
 
 
