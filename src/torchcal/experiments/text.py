@@ -286,13 +286,55 @@ TEXT_LOADERS = {
 }
 
 
+# A tokenizer's vocabulary on disk: the fast tokenizer's one file, WordPiece's, BPE's pair, or SentencePiece's.
+_TOKENIZER_FILES_TEXT = (
+    "tokenizer.json, or vocab.txt (WordPiece, BERT), or vocab.json and merges.txt (BPE, RoBERTa/GPT-2), or a "
+    "SentencePiece *.model file, beside tokenizer_config.json"
+)
+
+
+def _has_tokenizer_files(path: Path) -> bool:
+    if (path / "tokenizer.json").is_file() or (path / "vocab.txt").is_file():
+        return True
+    if (path / "vocab.json").is_file() and (path / "merges.txt").is_file():
+        return True
+    return any(p.is_file() for p in path.glob("*.model"))
+
+
+def _embedding_rows(path: Path) -> int | None:
+    """The model's vocabulary size (rows of its token embedding) from config.json, or None if it has none."""
+    import json
+
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for part in (config, config.get("text_config") or {}):
+        value = part.get("vocab_size") if isinstance(part, dict) else None
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
 def load_tokenizer(checkpoint: str | Path):
-    """The tokenizer of a local Hugging Face checkpoint folder (nothing is downloaded)."""
+    """The tokenizer of a local Hugging Face checkpoint folder (nothing is downloaded).
+
+    A folder without tokenizer files (tokenizer.json, vocab.txt, vocab.json and merges.txt, or a
+    SentencePiece ``*.model``) is a :class:`ConfigError`: transformers then
+    builds an empty tokenizer of a few special tokens that maps every word to [UNK] (a run at chance level).
+    So is a tokenizer whose vocabulary does not fit the model's token embedding (``vocab_size`` in
+    config.json): more tokens than embedding rows, or fewer than half of them (another model's tokenizer;
+    checkpoints pad their embedding by a few per cent at most)."""
     from .errors import ConfigError
 
     path = Path(checkpoint)
     if not (path / "config.json").is_file():
         raise ConfigError(f"model.checkpoint={str(checkpoint)!r}: {_CHECKPOINT_HELP}")
+    if not _has_tokenizer_files(path):
+        raise ConfigError(
+            f"model.checkpoint={str(checkpoint)!r} holds no tokenizer files (a tokenizer needs "
+            f"{_TOKENIZER_FILES_TEXT}): copy the model's tokenizer files into {path}"
+        )
     try:
         from transformers import AutoTokenizer
     except ImportError:
@@ -300,12 +342,21 @@ def load_tokenizer(checkpoint: str | Path):
             "model.name=transformer needs Hugging Face transformers: pip install 'torchcal[huggingface]'"
         ) from None
     try:
-        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError(
             f"model.checkpoint={str(checkpoint)!r} has no usable tokenizer files: {first}"
         ) from None
+    rows, tokens = _embedding_rows(path), len(tokenizer)
+    if rows is not None and not rows / 2 <= tokens <= rows:
+        why = "more tokens than" if tokens > rows else "fewer than half the"
+        raise ConfigError(
+            f"model.checkpoint={str(checkpoint)!r}: its tokenizer has {tokens} tokens, {why} {rows} rows of the "
+            f"model's token embedding (vocab_size in config.json), so it is not this model's tokenizer: copy "
+            f"the model's own tokenizer files ({_TOKENIZER_FILES_TEXT}) into {path}"
+        )
+    return tokenizer
 
 
 _CHECKPOINT_HELP = (
