@@ -60,3 +60,43 @@ def test_report_of_the_same_folder_twice_from_the_cli(runs, tmp_path):
     rows = (tmp_path / "r" / "report.csv").read_text().splitlines()
     header = rows[0].split(",")
     assert len(rows) == 2 and rows[1].split(",")[header.index("n_runs")] == "1"
+
+
+# -- a calibrator's search that ends on a bound is recorded ------------------------------------------------
+
+
+def test_a_search_on_a_bound_is_in_results_json_and_the_report(runs, tmp_path):
+    import json
+
+    import torch
+
+    run = tmp_path / "sharp"
+    shutil.copytree(runs / "ce-s0", run)
+    saved = torch.load(run / "logits.pt", weights_only=True)
+    for split in saved.values():  # a model 1000× over-confident: its ECE-optimal T lies beyond 10
+        split["logits"] = 1000 * split["logits"]
+    torch.save(saved, run / "logits.pt")
+    spec = "ts:objective=ece:extend=false"
+    result = runner.invoke(app, ["calibrate", str(run), "-m", spec])
+    assert result.exit_code == 0, result.output
+    assert (
+        "warning: calibrator 'ts:objective=ece:extend=false'" in result.output
+        and "an edge of its grid" in result.output
+    )
+    res = json.loads((run / "results.json").read_text())
+    assert res[spec]["parameters"]["temperature_"] == 10.0
+    assert len(res[spec]["warnings"]) == 1 and "an edge of its grid" in res[spec]["warnings"][0]
+    result = runner.invoke(app, ["report", str(run), str(runs / "ce-s1"), "--out", str(tmp_path / "rep"),
+                                 "--calibrator", spec])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    markdown = (tmp_path / "rep" / "report.md").read_text()
+    assert f"**Warnings of the {spec} fits** (1; also in each run's results.json):" in markdown
+    assert f"- digits · mlp · ce: {run}: " in markdown and "an edge of its grid" in markdown
+    page = (tmp_path / "rep" / "report.html").read_text()
+    assert f"Warnings of the {spec} fits (1; also in each run's results.json)" in page
+    # the search that follows the optimum beyond the grid (the default) says it left the grid, and records it
+    result = runner.invoke(app, ["calibrate", str(run), "-m", "ts:objective=ece"])
+    assert result.exit_code == 0 and "left its grid T in [0.1, 10]" in result.output
+    res = json.loads((run / "results.json").read_text())["ts:objective=ece"]
+    assert res["parameters"]["temperature_"] > 10 and res["search"]["T"]["grid"] == [0.1, 10.0]
+    assert res["search"]["T"]["chosen"] == res["parameters"]["temperature_"]

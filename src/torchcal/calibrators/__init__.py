@@ -6,7 +6,7 @@ Use a class directly or the registry::
     >>> list_calibrators()
     ['ets', 'fts', 'histogram', 'isotonic', 'matrix', 'spline', 'ts', 'vector']
     >>> create("ts", objective="ece")
-    TemperatureScaling(objective='ece', n_bins=15, grid=..., bounds=(0.01, 100.0))
+    TemperatureScaling(objective='ece', n_bins=15, grid=..., bounds=(0.01, 100.0), extend=True)
 """
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ from .scaling import MatrixScaling, VectorScaling
 from .temperature import (
     FTS_GAMMA_GRID,
     FTS_TEMPERATURE_GRID,
+    GAMMA_LIMITS,
     PAPER_TEMPERATURE_GRID,
+    SEARCH_LIMITS,
     EnsembleTemperatureScaling,
     FocalTemperatureScaling,
     TemperatureScaling,
@@ -150,6 +152,8 @@ __all__ = [
     "EnsembleTemperatureScaling",
     "FTS_GAMMA_GRID",
     "FTS_TEMPERATURE_GRID",
+    "GAMMA_LIMITS",
+    "SEARCH_LIMITS",
     "FocalTemperatureScaling",
     "HistogramBinning",
     "IsotonicCalibration",

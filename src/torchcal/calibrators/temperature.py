@@ -8,7 +8,7 @@ import warnings
 
 import torch
 
-from .._validation import check_choice, check_float, check_positive_int
+from .._validation import check_bool, check_choice, check_float, check_positive_int
 from ..functional import calibration as C
 from ..functional._binning import bin_sums, equal_mass_group_index, equal_width_index
 from ..functional.focal_map import _focal_ratio
@@ -22,6 +22,8 @@ __all__ = [
     "PAPER_TEMPERATURE_GRID",
     "FTS_GAMMA_GRID",
     "FTS_TEMPERATURE_GRID",
+    "SEARCH_LIMITS",
+    "GAMMA_LIMITS",
 ]
 
 #: T = 0.1, 0.2, ..., 10.0: the grid of Mukhoti et al. / Ghosh et al. for ECE-tuned temperature scaling.
@@ -30,6 +32,86 @@ PAPER_TEMPERATURE_GRID = tuple(round(0.1 * i, 1) for i in range(1, 101))
 FTS_GAMMA_GRID = (-0.5, -0.25, 0.05, 0.25, 0.37, 0.5, 0.75, 1.0, 5.0)
 #: T = 0.01, 0.02, ..., 5.00.
 FTS_TEMPERATURE_GRID = tuple(round(0.01 * i, 2) for i in range(1, 501))
+#: The widest temperatures a grid search goes to when its minimiser lies on an edge of its grid.
+SEARCH_LIMITS = (1e-3, 1e3)
+#: The widest γ focal temperature scaling goes to (the focal map needs γ > −1; (1 − q)^−γ stays finite in
+#: float32 for q <= 1/2 up to γ = 127).
+GAMMA_LIMITS = (-0.99, 50.0)
+_PER_DECADE = 20  # log-spaced points per decade beyond a grid's edge (T × 1.122 apart)
+_REFINE_POINTS = 40  # at most this many points of the grid's own step around a minimiser found beyond it
+
+
+def _first_minimum(columns: list[torch.Tensor]) -> tuple[int, int]:
+    """(row, column) of the first minimum of the (G, len(columns)) scores in (row, column) order."""
+    flat = torch.stack(columns, 1).reshape(-1)
+    best = int(torch.nonzero(flat == flat.min())[0])
+    return best // len(columns), best % len(columns)
+
+
+def _search_temperature(score_at, grid, extend: bool):
+    """Grid search over T whose minimiser is never silently an edge of the grid (decision 81).
+
+    ``score_at(t)`` gives the (G,) objective values at T = t (one per γ of focal temperature scaling, G = 1
+    for temperature scaling); the first minimiser in (γ, T) order wins, so the grid's own points win ties.
+    The grid is evaluated first. With ``extend``, while the minimiser is the grid's largest (smallest) T the
+    search goes on beyond it on a log-spaced grid (20 points per decade) one decade at a time, up to
+    :data:`SEARCH_LIMITS`; a minimiser found there is then refined with the grid's own step (at most 40
+    points) between its log-spaced neighbours. Returns (γ index, T, value, the (G, T) scores, the T
+    evaluated)."""
+    temps = list(grid)
+    columns = [score_at(t) for t in temps]
+    lo, hi = min(temps), max(temps)
+    ordered = sorted(set(temps))
+    step = min((b - a for a, b in zip(ordered, ordered[1:], strict=False)), default=None)
+    if extend:
+        ratio = 10 ** (1 / _PER_DECADE)
+        beyond = False
+        for direction in (1, -1):
+            edge = hi if direction == 1 else lo
+            limit = SEARCH_LIMITS[1] if direction == 1 else SEARCH_LIMITS[0]
+            while temps[_first_minimum(columns)[1]] == edge and (
+                edge < limit if direction == 1 else edge > limit
+            ):
+                for i in range(1, _PER_DECADE + 1):
+                    t = edge * ratio ** (direction * i)
+                    if (t - limit) * direction > -1e-9 * limit:  # at or (to rounding) beyond the limit
+                        t = limit
+                    temps.append(t)
+                    columns.append(score_at(t))
+                    if t == limit:
+                        break
+                edge, beyond = temps[-1], True
+        if beyond:
+            best_t = temps[_first_minimum(columns)[1]]
+            if best_t not in grid and best_t not in SEARCH_LIMITS:
+                left = max(best_t / ratio, SEARCH_LIMITS[0])
+                right = min(best_t * ratio, SEARCH_LIMITS[1])
+                width = max(step or 0.0, (right - left) / _REFINE_POINTS)
+                for i in range(math.floor(left / width) + 1, math.ceil(right / width)):
+                    t = round(i * width, 12)  # multiples of the grid's step: 12.1, not 12.0999...
+                    if all(abs(t - u) > 1e-12 * t for u in temps):
+                        temps.append(t)
+                        columns.append(score_at(t))
+    row, col = _first_minimum(columns)
+    return row, temps[col], float(columns[col][row]), columns, temps
+
+
+def _search_notes(what, name, chosen, grid, searched, limits, extend) -> tuple[dict, list[str]]:
+    """The record of a grid search of parameter ``name`` (the grid, the range searched, the value chosen)
+    and its warnings: the grid was left, a limit was hit, or (``extend=False``) an edge was chosen."""
+    lo, hi = min(grid), max(grid)
+    record = {"grid": [lo, hi], "searched": [min(searched), max(searched)], "chosen": chosen}
+    notes = []
+    if chosen in limits:
+        notes.append(f"{what} hit the bound {name} = {chosen:g} of its search ({name} in [{limits[0]:g}, "
+                     f"{limits[1]:g}]): the optimum lies outside it")  # fmt: skip
+    elif extend and not lo <= chosen <= hi:
+        notes.append(f"{what} left its grid {name} in [{lo:g}, {hi:g}]: the minimiser lies beyond it, at "
+                     f"{name} = {chosen:.4g} (searched {name} in [{min(searched):.4g}, {max(searched):.4g}])")  # fmt: skip
+    elif not extend and chosen in (lo, hi) and lo != hi:
+        notes.append(f"{what} chose {name} = {chosen:g}, an edge of its grid {name} in [{lo:g}, {hi:g}]: the "
+                     "optimum may lie beyond it (extend=True searches further)")  # fmt: skip
+    return record, notes
 
 
 def _nll_slope(z, z_true, beta, scratch):
@@ -118,6 +200,11 @@ class TemperatureScaling(Calibrator):
         n_bins: bins of the ECE objectives.
         grid: temperatures tried by the ECE objectives.
         bounds: (T_min, T_max) for the NLL objective.
+        extend: ECE objectives: when the minimiser is the grid's largest (smallest) T, search on beyond it,
+            log-spaced, up to T = 1000 (down to 0.001), and refine what is found there with the grid's step
+            (decision 81). Leaving the grid, or hitting a limit, gives a warning, and ``search_`` records the
+            grid, the range searched and the T chosen. ``False``: the grid only (a minimiser on its edge
+            gives a warning).
 
     Never changes the argmax (T > 0 rescales all logits of a row equally).
 
@@ -137,14 +224,21 @@ class TemperatureScaling(Calibrator):
     fitted_attributes = ("temperature_",)
 
     def __init__(
-        self, objective: str = "nll", n_bins: int = 15, grid=PAPER_TEMPERATURE_GRID, bounds=(0.01, 100.0)
+        self,
+        objective: str = "nll",
+        n_bins: int = 15,
+        grid=PAPER_TEMPERATURE_GRID,
+        bounds=(0.01, 100.0),
+        extend: bool = True,
     ):
         self.objective = objective
         self.n_bins = n_bins
         self.grid = grid
         self.bounds = bounds
+        self.extend = extend
 
     def _fit(self, logits, targets):
+        self.__dict__.pop("search_", None)  # set by the grid objectives only
         check_choice(self.objective, "objective", {"nll", "ece", "adaece"})
         if self.objective == "nll":
             lo = check_float(self.bounds[0], "bounds[0]", low=0, low_open=True)
@@ -155,18 +249,25 @@ class TemperatureScaling(Calibrator):
         grid = [check_float(t, "grid", low=0, low_open=True) for t in self.grid]
         if not grid:
             raise ValueError("`grid` must hold at least one temperature")
+        extend = check_bool(self.extend, "extend")
         z = logits - logits.max(dim=1, keepdim=True).values
         correct = z.argmax(1) == targets
-        values = []
-        for t in grid:
+
+        def score_at(t):
             conf = _top_conf_at(z, t)
             if self.objective == "ece":
-                sums = bin_sums(equal_width_index(conf, n_bins), n_bins, conf, correct)
-                values.append(float(C.ece_from_sums(*sums)))
+                value = C.ece_from_sums(*bin_sums(equal_width_index(conf, n_bins), n_bins, conf, correct))
             else:
-                values.append(float(C.adaece_from_sorted(*C.sorted_by_confidence(conf, correct), n_bins)))
-        best = min(values)
-        self.temperature_ = float(grid[values.index(best)])  # the first minimiser
+                value = C.adaece_from_sorted(*C.sorted_by_confidence(conf, correct), n_bins)
+            return torch.tensor([float(value)], dtype=torch.float64)
+
+        _, t, _, _, searched = _search_temperature(score_at, grid, extend)
+        self.temperature_ = float(t)  # the first minimiser
+        what = f"temperature scaling (objective={self.objective!r})"
+        record, notes = _search_notes(what, "T", t, grid, searched, SEARCH_LIMITS, extend)
+        self.search_ = {"T": record}
+        for note in notes:
+            warnings.warn(note, UserWarning, stacklevel=3)
 
     def transform_logits(self, logits) -> torch.Tensor:
         """Calibrated logits z / T."""
@@ -184,8 +285,13 @@ class FocalTemperatureScaling(Calibrator):
     scaling. Both parameters are chosen on the validation set by a full grid search: every γ in ``gammas``
     times every T in ``temperatures`` (defaults: the paper's 9 γ values and T = 0.01, ..., 5.00), minimising
     ``objective`` = ``"adaece"`` (equal-mass ECE, ``n_bins`` bins) or ``"nll"``. Ties go to the first pair in
-    (γ, T) order. For each T, the γ-independent parts of the map are computed once and all γ are mapped in
-    one batched tensor operation.
+    (γ, T) order. With ``extend`` (default), a minimiser on the largest (smallest) T of the grid is followed
+    beyond it, log-spaced up to T = 1000 (down to 0.001), and refined with the grid's step around what is
+    found there (decision 81; a 12× over-confident model needs T ≈ 12, beyond the paper's 5). A γ on an
+    edge of ``gammas`` is followed the same way (up to 50, down towards −1; T is searched again for the new
+    γ). Leaving a grid or hitting a limit (:data:`SEARCH_LIMITS`, :data:`GAMMA_LIMITS`) gives a warning;
+    ``search_`` records the grids, the ranges searched and the values chosen. For each T, the γ-independent
+    parts of the map are computed once and all γ are mapped in one batched tensor operation.
 
     The map preserves the argmax for every γ > −1 (h is increasing on [0, 1/2] and h(q) >= h(1 − q) for
     q >= 1/2; checked numerically on a fine grid and in the tests), so the fit needs only the mapped top-label
@@ -196,7 +302,7 @@ class FocalTemperatureScaling(Calibrator):
         >>> g = torch.Generator().manual_seed(0)
         >>> logits = 3 * torch.randn(2000, 4, generator=g)
         >>> targets = torch.multinomial(torch.softmax(logits / 3, 1), 1, generator=g).squeeze(1)
-        >>> fts = FocalTemperatureScaling(temperatures=[1.0, 2.0, 3.0, 4.0]).fit(logits, targets)
+        >>> fts = FocalTemperatureScaling(temperatures=[1.0, 2.0, 3.0, 4.0, 5.0]).fit(logits, targets)
         >>> fts.gamma_, fts.temperature_
         (1.0, 4.0)
     """
@@ -210,30 +316,38 @@ class FocalTemperatureScaling(Calibrator):
         temperatures=FTS_TEMPERATURE_GRID,
         objective: str = "adaece",
         n_bins: int = 15,
+        extend: bool = True,
     ):
         self.gammas = gammas
         self.temperatures = temperatures
         self.objective = objective
         self.n_bins = n_bins
+        self.extend = extend
 
     def _fit(self, logits, targets):
+        self.__dict__.pop("search_", None)
         check_choice(self.objective, "objective", {"adaece", "nll"})
         n_bins = check_positive_int(self.n_bins, "n_bins")
         gammas = [check_float(g, "gammas", low=-1, low_open=True) for g in self.gammas]
         temps = [check_float(t, "temperatures", low=0, low_open=True) for t in self.temperatures]
         if not gammas or not temps:
             raise ValueError("`gammas` and `temperatures` must each hold at least one value")
+        extend = check_bool(self.extend, "extend")
         n, k = logits.shape
-        n_g = len(gammas)
         dev, dtype = logits.device, logits.dtype
-        g = torch.tensor(gammas, dtype=dtype, device=dev)
-        g3 = g[:, None, None]
         group = equal_mass_group_index(n, n_bins, dev)
-        flat_group = (torch.arange(n_g, device=dev)[:, None] * n_bins + group).reshape(-1)
-        # Two (G, N, K) work buffers reused for every T: allocation, not arithmetic, dominates otherwise.
-        num = torch.empty(n_g, n, k, dtype=dtype, device=dev)
-        den = torch.empty_like(num)
-        scores = torch.empty(n_g, len(temps), dtype=torch.float64)
+        n_g = g = g3 = flat_group = num = den = None
+
+        def use_gammas(values):
+            nonlocal n_g, g, g3, flat_group, num, den
+            n_g = len(values)
+            g = torch.tensor(values, dtype=dtype, device=dev)
+            g3 = g[:, None, None]
+            flat_group = (torch.arange(n_g, device=dev)[:, None] * n_bins + group).reshape(-1)
+            # Two (G, N, K) work buffers reused for every T: allocation, not arithmetic, dominates otherwise.
+            num = torch.empty(n_g, n, k, dtype=dtype, device=dev)
+            den = torch.empty_like(num)
+
         centred = logits - logits.max(dim=1, keepdim=True).values
         pred = centred.argmax(dim=1)  # the focal map preserves the argmax for gamma > -1 (see above)
         correct_pred = (pred == targets).double()
@@ -243,7 +357,8 @@ class FocalTemperatureScaling(Calibrator):
         floor = math.log(torch.finfo(dtype).tiny) + 8
         # (N, K) work buffers as well: fresh multi-megabyte tensors cost page faults on every T.
         log_q, q, l1, a, tmp = (torch.empty(n, k, dtype=dtype, device=dev) for _ in range(5))
-        for j, t in enumerate(temps):
+
+        def score_at(t):  # (G,) objective values at T = t
             torch.div(centred, t, out=log_q)  # row max is 0, so log Σ exp needs no shift
             true_lq = log_q.gather(1, targets[:, None]).squeeze(1)
             # The NLL objective uses the exact true-class log-probability below, never a clamped one.
@@ -272,8 +387,7 @@ class FocalTemperatureScaling(Calibrator):
                     true_lq - g[:, None] * l1_true - torch.log1p(g[:, None] * _focal_ratio(true_lq, l1_true))
                 )
                 log_true = torch.where((targets == pred)[None, :], log_top, log_true)
-                scores[:, j] = (log_total - log_true).double().mean(1).cpu()
-                continue
+                return (log_total - log_true).double().mean(1).cpu()
             conf = torch.exp(log_top - log_total)
             conf_s, order = torch.sort(conf, dim=1, stable=True)
             corr_s = correct_pred.expand(n_g, n).gather(1, order)
@@ -282,12 +396,34 @@ class FocalTemperatureScaling(Calibrator):
             corr_sum = torch.zeros(size, dtype=torch.float64, device=dev)
             conf_sum.index_add_(0, flat_group, conf_s.reshape(-1).double())
             corr_sum.index_add_(0, flat_group, corr_s.reshape(-1))
-            scores[:, j] = ((corr_sum - conf_sum).abs().view(n_g, n_bins).sum(1) / n).cpu()
-        flat = scores.reshape(-1)
-        best = int(torch.nonzero(flat == flat.min())[0])
-        self.gamma_ = float(gammas[best // len(temps)])
-        self.temperature_ = float(temps[best % len(temps)])
-        self.objective_value_ = float(flat[best])
+            return ((corr_sum - conf_sum).abs().view(n_g, n_bins).sum(1) / n).cpu()
+
+        searched_g = list(gammas)
+        use_gammas(searched_g)
+        row, t, value, _, searched_t = _search_temperature(score_at, temps, extend)
+        while extend:  # γ on an edge of its grid: more γ beyond it, and T searched again for all of them
+            best, more = searched_g[row], []
+            if best == max(searched_g) and best < GAMMA_LIMITS[1]:  # 10 per decade (steps of 0.25 up to 1)
+                more = [
+                    min(max(best * 10 ** (i / 10), best + 0.25 * i), GAMMA_LIMITS[1]) for i in range(1, 11)
+                ]
+            elif best == min(searched_g) and best > GAMMA_LIMITS[0]:  # halving the distance to −1
+                more = [max(-1 + (best + 1) / 2**i, GAMMA_LIMITS[0]) for i in range(1, 6)]
+            more = list(dict.fromkeys(m for m in more if m not in searched_g))
+            if not more:
+                break
+            searched_g += more
+            use_gammas(searched_g)
+            row, t, value, _, searched_t = _search_temperature(score_at, temps, extend)
+        self.gamma_, self.temperature_, self.objective_value_ = float(searched_g[row]), float(t), value
+        what = f"focal temperature scaling (objective={self.objective!r})"
+        record_t, notes_t = _search_notes(what, "T", t, temps, searched_t, SEARCH_LIMITS, extend)
+        record_g, notes_g = _search_notes(
+            what, "γ", searched_g[row], gammas, searched_g, GAMMA_LIMITS, extend
+        )
+        self.search_ = {"T": record_t, "gamma": record_g}
+        for note in notes_t + notes_g:
+            warnings.warn(note, UserWarning, stacklevel=3)
 
     def _transform(self, logits):
         from ..functional.focal_map import focal_log_map

@@ -186,15 +186,20 @@ def describe_calibrator(spec: str) -> str:
     bins = getattr(cal, "n_bins", 15)
     criteria = {"nll": "validation NLL", "ece": f"validation ECE ({bins} equal-width bins)",
                 "adaece": f"validation equal-mass ECE ({bins} bins)"}  # fmt: skip
+    beyond = ", searched beyond its edge when the minimum lies there" if getattr(cal, "extend", False) else ""
     if cal.name == "temperature_scaling":
-        how = "T minimising " if objective == "nll" else "T on the papers' grid 0.1, 0.2, ..., 10 minimising "
+        how = (
+            "T minimising "
+            if objective == "nll"
+            else f"T on the papers' grid 0.1, 0.2, ..., 10{beyond}, minimising "
+        )
         return f"{spec} ({how}{criteria.get(objective, objective)})"
     if cal.name == "binary_temperature_scaling":
         return f"{spec} (T per label minimising validation binary NLL)"
     if cal.name == "platt":
         return f"{spec} (Platt's σ(a·z + b) per label, validation binary NLL)"
     if cal.name == "focal_temperature_scaling":
-        return f"{spec} ((γ, T) on the grid of Komisarenko & Kull minimising {criteria.get(objective, objective)})"
+        return f"{spec} ((γ, T) on the grid of Komisarenko & Kull{beyond}, minimising {criteria.get(objective, objective)})"
     return spec
 
 
@@ -224,12 +229,23 @@ def _scores(logits: dict, to_probs) -> dict:
 
 def _fit_and_score(logits: dict, method: str):
     """(fitted calibrator, its results): fitted on validation, scored on test (and shift / OOD)."""
+    import warnings
+
     try:
-        cal = from_spec(method, run_task(logits)).fit(logits["val"]["logits"], logits["val"]["targets"])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cal = from_spec(method, run_task(logits)).fit(logits["val"]["logits"], logits["val"]["targets"])
     except ValueError as err:  # an argument of the spec or the data it is fitted on (named in the message)
         raise UserError(f"calibrator {method!r} cannot be fitted: {err}") from None
+    notes = list(dict.fromkeys(str(w.message) for w in caught))
+    for note in notes:  # shown as they were, and kept with the results (a search that ended on a bound)
+        warnings.warn(f"calibrator {method!r}: {note}", UserWarning, stacklevel=3)
     fitted = cal.state_dict()["fitted"]
     out = {"parameters": {k: v for k, v in fitted.items() if isinstance(v, float | int)}}
+    if getattr(cal, "search_", None):  # the grids a grid-search calibrator searched (decision 81)
+        out["search"] = cal.search_
+    if notes:
+        out["warnings"] = notes
     return cal, {**out, **_scores(logits, cal.transform)}
 
 
@@ -411,6 +427,22 @@ def collect_groups(run_dirs, calibrator: str = "ts", warn=None) -> list[RunGroup
     return groups
 
 
+def fit_warnings(groups, calibrator: str) -> list[tuple[str, Path, str]]:
+    """(row label, run folder, message) of every warning the calibrator's fit gave (saved in results.json),
+    e.g. a temperature search that ended on a bound of its range."""
+    return [(g.label, run, message) for g in groups for run, res in zip(g.runs, g.results, strict=True)
+            for message in res.get(calibrator, {}).get("warnings", [])]  # fmt: skip
+
+
+def fit_warning_lines(groups, calibrator: str) -> list[str]:
+    """The report's paragraph on :func:`fit_warnings` (none when there is none)."""
+    found = fit_warnings(groups, calibrator)
+    if not found:
+        return []
+    head = f"**Warnings of the {calibrator} fits** ({len(found)}; also in each run's results.json):"
+    return ["", head, "", *(f"- {label}: {run}: {message}" for label, run, message in found)]
+
+
 def _group_stats(results: list[dict], calibrator: str) -> dict[str, tuple[float, float, int]]:
     if any(res.get("task") == "multilabel" for res in results):
         return _multilabel_stats(results, calibrator)
@@ -501,6 +533,7 @@ def _multilabel_report(groups, out_dir: Path, calibrator: str, note: str) -> tup
              f"{describe_calibrator(calibrator)}, fitted on the validation split; error = share of wrong 0/1 "
              f"decisions at p ≥ 0.5; mean ± std over the runs of a row (standard errors in report.csv).\n\n")  # fmt: skip
     sources = ["", "Runs of each row:", ""] + [f"- {g.label}: {', '.join(map(str, g.runs))}" for g in groups]
+    sources += fit_warning_lines(groups, calibrator)
     markdown = title + (f"**{note}**\n\n" if note else "") + "\n".join(md + sources) + "\n"
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(out_dir / "report.md", lambda fh: fh.write(markdown.encode()))
@@ -581,6 +614,7 @@ def report(
              "confidence ≥ 0.99 (Mukhoti et al., Table 6); shift = the shifted test set; OOD AUROC by "
              "predictive entropy (test set against each OOD set).\n\n")  # fmt: skip
     sources = ["", "Runs of each row:", ""] + [f"- {g.label}: {', '.join(map(str, g.runs))}" for g in groups]
+    sources += fit_warning_lines(groups, calibrator)
     markdown = title + (f"**{note}**\n\n" if note else "") + "\n".join(md + sources) + "\n"
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(out_dir / "report.md", lambda fh: fh.write(markdown.encode()))

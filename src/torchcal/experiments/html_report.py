@@ -187,6 +187,20 @@ def _comparison_figures(groups, calibrator: str) -> list[tuple[str, str]]:
     return figs
 
 
+def _fit_warnings_html(groups, calibrator: str) -> str:
+    from .evaluate import fit_warnings
+
+    found = fit_warnings(groups, calibrator)
+    if not found:
+        return ""
+    items = "".join(f"<li>{html.escape(label)}: {html.escape(str(run))}: {html.escape(message)}</li>"
+                    for label, run, message in found)  # fmt: skip
+    return (
+        f'\n<div class="note">Warnings of the {html.escape(calibrator)} fits ({len(found)}; also in each run\'s '
+        f"results.json):<ul>{items}</ul></div>"
+    )
+
+
 def html_report(run_dirs, out_dir, calibrator: str = "ts", warn=None, note: str = "", groups=None) -> Path:
     """Writes ``report.html`` (one file) to ``out_dir``; returns its path. It opens with the table (rows as in
     :func:`torchcal.experiments.evaluate.collect_groups`, each naming its seeds and run folders) and the
@@ -246,7 +260,7 @@ figure{{display:inline-block;margin:6px}} figcaption{{text-align:center;font-siz
 <h1>torchcal report</h1><p>Test metrics ×100, mean ± std over the runs of a row (their configs differ only
 in the seed); "pre" uncalibrated, "post" after {html.escape(describe_calibrator(calibrator))}, fitted on the
 validation split.</p>
-{f'<p class="note">{html.escape(note)}</p>' if note else ""}
+{f'<p class="note">{html.escape(note)}</p>' if note else ""}{_fit_warnings_html(groups, calibrator)}
 <p>Run folders: hover a row's runs for their full paths (they are listed in report.md and report.csv).</p>
 <div style="overflow-x:auto"><table><tr>{head}</tr>{"".join(body)}</table></div><h2>Comparison</h2>{comparison}{"".join(sections)}</body></html>"""
     path = out_dir / "report.html"
