@@ -145,7 +145,13 @@ def true_class_loss(
     if runner_up:  # the dual focal form: the soft-target path has no runner-up
         soft_refusal = _RUNNER_UP_NEEDS_LABELS
     plain = weight is None and not label_smoothing
-    if plain and spec is not None and _fast_cpu_call(logits, targets, reduction):
+    # (not while torch.compile traces: the fallback on ignored labels needs the operator's error)
+    if (
+        plain
+        and spec is not None
+        and not torch.compiler.is_compiling()
+        and _fast_cpu_call(logits, targets, reduction)
+    ):
         if ignore_index is None or not 0 <= ignore_index < logits.shape[1]:
             try:  # ignored labels lie outside [0, K): the operator raises on them, and nothing is lost
                 return _extension.fused_true_class(logits, targets, spec, reduction)

@@ -62,27 +62,30 @@ def _gamma(gamma, name="gamma", low=0.0):
     return check_float(gamma, name, low=low)
 
 
-@functools.lru_cache(maxsize=256)
-def _spec(gammas: tuple, thresholds: tuple = (), **options) -> LossSpec:
-    """Description of a loss for the fused path, for constant hyper-parameters (built once per setting)."""
-    return LossSpec(gammas, thresholds, upper_on_tie=True, **options)
-
-
 def _cached(fn):
     """``fn`` memoised on its (typed) arguments: a loss called every step with the same hyper-parameters
     validates them and builds its fused description once. Unhashable arguments (lists) are not cached;
-    arguments that fail validation raise every time (exceptions are not cached)."""
+    arguments that fail validation raise every time (exceptions are not cached). While ``torch.compile``
+    traces, ``fn`` itself is traced (once per compiled graph)."""
     cached = functools.lru_cache(maxsize=256, typed=True)(fn)
 
     @functools.wraps(fn)
-    def wrapper(*args):
+    def wrapper(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return fn(*args, **kwargs)
         try:
-            hash(args)
+            hash((args, tuple(kwargs.items())))
         except TypeError:
-            return fn(*args)
-        return cached(*args)
+            return fn(*args, **kwargs)
+        return cached(*args, **kwargs)
 
     return wrapper
+
+
+@_cached
+def _spec(gammas: tuple, thresholds: tuple = (), **options) -> LossSpec:
+    """Description of a loss for the fused path, for constant hyper-parameters (built once per setting)."""
+    return LossSpec(gammas, thresholds, upper_on_tie=True, **options)
 
 
 @_cached
