@@ -33,9 +33,10 @@ def _setup(names, dtype=torch.float64):
     torch.manual_seed(0)
     models, losses = [], []
     for name in names:
+        name, options = name if isinstance(name, tuple) else (name, {})
         multilabel = name in list_losses("multilabel")
         models.append(torch.nn.Linear(FEATURES, LABELS if multilabel else K).to(dtype))
-        losses.append((create(name).to(dtype), multilabel))
+        losses.append((create(name, **options).to(dtype), multilabel))
     return models, losses
 
 
@@ -96,7 +97,16 @@ def _trace_backward():
         yield
 
 
-ALL = list_losses() + list_losses("multilabel")
+# every registered loss, and the class-weighted and label-smoothed paths (decision 96) on a few of them
+WEIGHT = torch.tensor([1.0, 2.0, 0.5, 1.5])
+ALL = [
+    *list_losses(),
+    *list_losses("multilabel"),
+    ("fl-3", {"weight": WEIGHT, "label_smoothing": 0.1}),
+    ("fcl", {"weight": WEIGHT}),
+    ("dfl", {"weight": WEIGHT}),
+    ("brier", {"label_smoothing": 0.2}),
+]
 
 
 @pytest.mark.parametrize("path", ["cpp", "torch"])
