@@ -136,7 +136,7 @@ def _scores_and_targets(
     return probs, targets, tol
 
 
-def metric_rows(scores, targets, ignore_index=None, *, class_dim: int = 1, names=("probs", "targets")):
+def metric_rows(scores, targets, ignore_index=None, *, class_dim: int = 1, names=("scores", "targets")):
     """Scores with extra dimensions as (rows, K) and their targets as (rows,), rows whose target equals
     ``ignore_index`` dropped: the form every metric takes. ``class_dim=1`` for PyTorch's (N, K, d1, ...),
     ``-1`` for Hugging Face's (N, T, K); ``names`` are the arguments' names in errors. The inputs are treated

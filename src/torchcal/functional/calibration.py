@@ -38,6 +38,8 @@ from ._binning import (
 )
 from ._inputs import metric_rows, probs_and_targets, scan_inputs, top_label_bins, top_label_inputs
 
+_NAMES = ("probs", "targets")  # the arguments' names in metric_rows' errors
+
 __all__ = [
     "expected_calibration_error",
     "adaptive_calibration_error",
@@ -197,7 +199,7 @@ def expected_calibration_error(
         >>> expected_calibration_error(probs, targets, n_bins=10)  # float32 0.6 > 0.6: bin (0.6, 0.7]
         tensor(0.1333, dtype=torch.float64)
     """
-    probs, targets = metric_rows(probs, targets, ignore_index)
+    probs, targets = metric_rows(probs, targets, ignore_index, names=_NAMES)
     n_bins = check_positive_int(n_bins, "n_bins")
     return ece_from_sums(*top_label_bins(probs, targets, from_logits, n_bins))
 
@@ -215,7 +217,7 @@ def maximum_calibration_error(
         >>> maximum_calibration_error(probs, torch.tensor([0, 1, 1]), n_bins=10)
         tensor(0.1500, dtype=torch.float64)
     """
-    probs, targets = metric_rows(probs, targets, ignore_index)
+    probs, targets = metric_rows(probs, targets, ignore_index, names=_NAMES)
     n_bins = check_positive_int(n_bins, "n_bins")
     return mce_from_sums(*top_label_bins(probs, targets, from_logits, n_bins))
 
@@ -236,7 +238,7 @@ def adaptive_calibration_error(
         >>> adaptive_calibration_error(probs, torch.tensor([0, 1, 1, 0]), n_bins=2)  # .5*.15 + .5*.35
         tensor(0.2500, dtype=torch.float64)
     """
-    probs, targets = metric_rows(probs, targets, ignore_index)
+    probs, targets = metric_rows(probs, targets, ignore_index, names=_NAMES)
     n_bins = check_positive_int(n_bins, "n_bins")
     return adaece_from_sorted(*sorted_by_confidence(*top_label_inputs(probs, targets, from_logits)), n_bins)
 
@@ -256,7 +258,7 @@ def classwise_calibration_error(
         >>> classwise_calibration_error(probs, torch.tensor([0, 1, 1]), n_bins=10)
         tensor(0.3333, dtype=torch.float64)
     """
-    probs, targets = metric_rows(probs, targets, ignore_index)
+    probs, targets = metric_rows(probs, targets, ignore_index, names=_NAMES)
     n_bins = check_positive_int(n_bins, "n_bins")
     probs, targets = probs_and_targets(probs, targets, from_logits)
     _, conf_sum, correct_sum = classwise_sums(probs, targets, n_bins)
@@ -278,7 +280,7 @@ def negative_log_likelihood(probs, targets, *, from_logits: bool = False, ignore
         >>> negative_log_likelihood(probs, torch.tensor([0, 1]))
         tensor(0.4904, dtype=torch.float64)
     """
-    probs, targets = metric_rows(probs, targets, ignore_index)
+    probs, targets = metric_rows(probs, targets, ignore_index, names=_NAMES)
     if from_logits:
         logits = check_logits(as_data(probs, "probs"), "probs", warn_if_probs=_FROM_LOGITS_ADVICE)
         targets = check_targets(targets, logits.shape[0], logits.shape[1])
@@ -299,7 +301,7 @@ def brier_score(probs, targets, *, from_logits: bool = False, ignore_index=None)
         >>> brier_score(torch.tensor([[0.75, 0.25], [0.5, 0.5]]), torch.tensor([0, 1]))
         tensor(0.3125, dtype=torch.float64)
     """
-    probs, targets = metric_rows(probs, targets, ignore_index)
+    probs, targets = metric_rows(probs, targets, ignore_index, names=_NAMES)
     probs, targets, scan = scan_inputs(probs, targets, from_logits)
     if scan.sum_sq is None:
         return brier_per_sample(probs, targets).mean()
@@ -314,7 +316,7 @@ def error_rate(probs, targets, *, from_logits: bool = False, ignore_index=None):
         >>> error_rate(torch.tensor([[0.75, 0.25], [0.5, 0.5]]), torch.tensor([0, 1]))
         tensor(0.5000, dtype=torch.float64)
     """
-    probs, targets = metric_rows(probs, targets, ignore_index)
+    probs, targets = metric_rows(probs, targets, ignore_index, names=_NAMES)
     _, correct = top_label_inputs(probs, targets, from_logits)
     return 1 - correct.double().mean()
 
@@ -448,7 +450,7 @@ def smooth_calibration_error(
         >>> smooth_calibration_error(probs, torch.tensor([0, 1, 1, 0]))
         tensor(0.2498, dtype=torch.float64)
     """
-    probs, targets = metric_rows(probs, targets, ignore_index)
+    probs, targets = metric_rows(probs, targets, ignore_index, names=_NAMES)
     if sigma is not None:
         sigma = check_float(sigma, "sigma", low=0, high=1, low_open=True)
     value, used = smooth_ece_from_conf(*top_label_inputs(probs, targets, from_logits), sigma=sigma)
@@ -472,7 +474,7 @@ def debiased_calibration_error(
         >>> debiased_calibration_error(probs, torch.tensor([1, 1, 1, 1]), n_bins=2)
         tensor(0.7566, dtype=torch.float64)
     """
-    probs, targets = metric_rows(probs, targets, ignore_index)
+    probs, targets = metric_rows(probs, targets, ignore_index, names=_NAMES)
     n_bins = check_positive_int(n_bins, "n_bins")
     return debiased_from_sorted(*sorted_by_confidence(*top_label_inputs(probs, targets, from_logits)), n_bins)
 
@@ -496,7 +498,7 @@ def ece_sweep(
         >>> ece_sweep(probs, torch.tensor([0, 1, 1, 0]), return_n_bins=True)
         (tensor(0.2500, dtype=torch.float64), 2)
     """
-    probs, targets = metric_rows(probs, targets, ignore_index)
+    probs, targets = metric_rows(probs, targets, ignore_index, names=_NAMES)
     check_positive_int(p, "p")
     value, b = sweep_from_sorted(*sorted_by_confidence(*top_label_inputs(probs, targets, from_logits)), p=p)
     return (value, b) if return_n_bins else value
@@ -566,7 +568,7 @@ def kde_calibration_error(
         >>> kde_calibration_error(probs, torch.tensor([0, 0, 1, 1]), bandwidth=0.5)
         tensor(0.1561, dtype=torch.float64)
     """
-    probs, targets = metric_rows(probs, targets, ignore_index)
+    probs, targets = metric_rows(probs, targets, ignore_index, names=_NAMES)
     probs, targets = probs_and_targets(probs, targets, from_logits)
     n, k = probs.shape
     if n < 2:
@@ -624,7 +626,7 @@ def confidence_at_least(
         >>> confidence_at_least(probs, torch.tensor([0, 1, 0, 1]))
         ConfidenceShare(fraction=tensor(0.5000, dtype=torch.float64), accuracy=tensor(0.5000, dtype=torch.float64))
     """
-    probs, targets = metric_rows(probs, targets, ignore_index)
+    probs, targets = metric_rows(probs, targets, ignore_index, names=_NAMES)
     threshold = check_float(threshold, "threshold", low=0, high=1)
     conf, correct = top_label_inputs(probs, targets, from_logits)
     confident = conf >= threshold
