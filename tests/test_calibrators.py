@@ -326,6 +326,26 @@ def test_vector_scaling_recovers_scale():
     np.testing.assert_allclose(vs.weight_.numpy(), [2.0, 1.0, 0.5], atol=0.1)
 
 
+@pytest.mark.parametrize("cls", [VectorScaling, MatrixScaling])
+def test_affine_scaling_warns_when_a_class_is_absent_from_the_validation_labels(cls):
+    """Class 2 never appears: its fitted probability collapses on every input (the issue's ~4e-9), which the
+    warning names; with every class present there is no warning."""
+    g = torch.Generator().manual_seed(3)
+    z = torch.randn(400, 4, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 4, (400,), generator=g)
+    y[y == 2] = 0
+    with pytest.warns(
+        RuntimeWarning, match=r"class 2 \(1 of 4\) never appear in the validation labels"
+    ) as rec:
+        cal = cls().fit(z, y)
+    assert rec[0].filename == __file__  # points at the caller of fit()
+    assert cal.transform(z)[:, 2].max() < 1e-3
+    y[:4] = torch.arange(4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cls().fit(z, y)
+
+
 def test_warnings_are_not_raised_on_normal_fits(data):
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -420,3 +420,38 @@ def test_no_sums_without_a_threshold():
     probs = torch.tensor([[0.25, 0.75]])
     *_, sums = _extension.top_label_scan(probs, torch.tensor([1]), 15, 15)
     assert sums is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("reduction", [0, 1, 2])
+def test_the_compile_operators_pass_opcheck(dtype, reduction):
+    """The forward/backward pair that torch.compile traces: schema, fake implementation (shapes, dtypes,
+    strides) and autograd registration checked by torch.library.opcheck."""
+    spec = L._gamma_spec(2.0, "fcl", 0.5)[2]
+    z = torch.randn(6, 4, dtype=dtype, requires_grad=True)
+    t = torch.tensor([0, 1, 2, 3, 0, 1])
+    params = spec.cpp_params32 if dtype == torch.float32 else spec.cpp_params64
+    torch.library.opcheck(
+        torch.ops.torchcal.fused_true_class_fwd.default, (z, t, params, None, reduction, spec.brier)
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_compile_operators_equal_the_eager_operator(dtype):
+    """Loss and gradient of fused_true_class_fwd / _bwd (with their registered autograd formula) are the
+    eager operator's, bit for bit: the same C++ forward and backward."""
+    spec = L._gamma_spec(3.0, "fcl", 1.5)[2]
+    params = spec.cpp_params32 if dtype == torch.float32 else spec.cpp_params64
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(9, 5, generator=g, dtype=dtype)
+    t = torch.randint(0, 5, (9,), generator=g)
+    for reduction in (0, 1, 2):
+        a, b = z.clone().requires_grad_(True), z.clone().requires_grad_(True)
+        eager = torch.ops.torchcal.fused_true_class(a, t, params, None, reduction)
+        pair = torch.ops.torchcal.fused_true_class_fwd(b, t, params, None, reduction, spec.brier)[0]
+        assert torch.equal(eager, pair.detach())
+        (ga,) = torch.autograd.grad(eager.sum(), a)
+        (gb,) = torch.autograd.grad(pair.sum(), b)
+        assert torch.equal(ga, gb)
+    with pytest.raises(ValueError, match="`brier` must repeat the λ of `params`"):
+        torch.ops.torchcal.fused_true_class_fwd(z, t, params, None, 0, 0.25)

@@ -86,3 +86,77 @@ def test_argument_checking_is_a_leaf():
     # which implementation runs is decided in the seam only
     users = {m for m, deps in graph.items() if "torchcal.functional._extension" in deps}
     assert users <= {"torchcal.functional._backend", "torchcal.functional"}, users
+
+
+CORE_NAMESPACES = [
+    "torchcal",
+    "torchcal.adafocal",
+    "torchcal.calibrators",
+    "torchcal.calibrators.base",
+    "torchcal.calibrators.binary",
+    "torchcal.calibrators.nonparametric",
+    "torchcal.calibrators.scaling",
+    "torchcal.calibrators.temperature",
+    "torchcal.functional",
+    "torchcal.functional.binary",
+    "torchcal.functional.bootstrap",
+    "torchcal.functional.calibration",
+    "torchcal.functional.focal_map",
+    "torchcal.functional.losses",
+    "torchcal.losses",
+    "torchcal.metrics",
+    "torchcal.plotting",
+]
+
+
+def test_every_core_module_is_walked():
+    """The walk below covers every public module of the core (the runner and the adapters are apart)."""
+    import pkgutil
+
+    import torchcal
+
+    found = {"torchcal"} | {
+        m.name
+        for m in pkgutil.walk_packages(torchcal.__path__, "torchcal.")
+        if not any(part.startswith("_") for part in m.name.split("."))
+        and not m.name.startswith(("torchcal.experiments", "torchcal.integrations"))
+    }
+    assert found == set(CORE_NAMESPACES)
+
+
+def test_public_namespaces_list_public_names_only():
+    """dir() of each public namespace holds its __all__ and its public submodules only: no json, os,
+    annotations, torch or checking helpers; and every name in __all__ exists."""
+    import importlib
+    import types
+
+    for name in CORE_NAMESPACES:
+        module = importlib.import_module(name)
+        assert module.__all__, name
+        missing = [n for n in module.__all__ if not hasattr(module, n)]
+        assert missing == [], (name, missing)
+        shown = {n for n in dir(module) if not n.startswith("_")}
+        submodules = {n for n in shown if isinstance(getattr(module, n), types.ModuleType)}
+        assert all(getattr(module, n).__name__ == f"{name}.{n}" for n in submodules), name
+        assert shown - submodules <= set(module.__all__), (
+            name,
+            sorted(shown - submodules - set(module.__all__)),
+        )
+        for leaked in ("json", "os", "annotations", "torch", "np"):
+            assert leaked not in shown, (name, leaked)
+
+
+def test_registries_take_names_in_any_case():
+    from torchcal import calibrators, losses
+
+    assert type(calibrators.create("TS")) is type(calibrators.create("ts"))
+    assert type(calibrators.create("Temperature_Scaling")) is calibrators.TemperatureScaling
+    assert type(calibrators.create("PLATT", task="multilabel")) is calibrators.PlattScaling
+    assert calibrators.from_spec("TS:objective=ece").objective == "ece"
+    assert type(losses.create("FL-3")) is losses.FocalLoss
+    import pytest
+
+    with pytest.raises(ValueError, match="unknown calibrator 'tss'"):
+        calibrators.create("tss")
+    with pytest.raises(TypeError, match="a calibrator name must be a string"):
+        calibrators.create(3)

@@ -6,6 +6,7 @@ inside its functions).
 """
 
 from . import adafocal, calibrators, functional, losses, metrics
+from ._namespace import only_public as _only_public
 from .functional import METRIC_FUNCTIONS as _metric_functions
 from .metrics import CalibrationMetrics
 
@@ -24,3 +25,25 @@ __all__ = [
     "__version__",
     *_metric_functions,
 ]
+
+# dir() of every public namespace lists its public names only (the modules import torch, json, ... for
+# their own use); torchcal.plotting does the same for itself
+for _module in (
+    __name__,
+    "torchcal.adafocal",
+    "torchcal.calibrators",
+    "torchcal.calibrators.base",
+    "torchcal.calibrators.binary",
+    "torchcal.calibrators.nonparametric",
+    "torchcal.calibrators.scaling",
+    "torchcal.calibrators.temperature",
+    "torchcal.functional",
+    "torchcal.functional.binary",
+    "torchcal.functional.bootstrap",
+    "torchcal.functional.calibration",
+    "torchcal.functional.focal_map",
+    "torchcal.functional.losses",
+    "torchcal.losses",
+    "torchcal.metrics",
+):
+    _only_public(_module)

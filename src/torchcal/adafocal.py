@@ -11,7 +11,7 @@ from .functional import _backend
 from .functional import losses as L
 from .functional._binning import equal_mass_sums
 from .functional._inputs import top_label_inputs
-from .functional._loss_inputs import check_ignore_index
+from .functional._loss_inputs import check_ignore_index, check_label_smoothing, class_weight_buffer
 from .functional._spec import LossSpec
 
 __all__ = ["AdaFocalLoss", "CalFocalLoss"]
@@ -39,7 +39,7 @@ class _ValidationBins(nn.Module):
     def _fused_spec(self, gammas: torch.Tensor, edges: torch.Tensor, dual: bool = False):
         """The fused CPU path's description of the per-bin γ (None for accelerator buffers), rebuilt only
         when ``gammas`` or the bin ``edges`` changed."""
-        if not gammas.is_cpu:
+        if not gammas.is_cpu or torch.compiler.is_compiling():  # (the spec reads the values)
             return None
         return self._cached_spec(
             "_spec_cache",
@@ -134,11 +134,15 @@ class AdaFocalLoss(_ValidationBins):
         switch_threshold: float = 0.2,
         *,
         dual: bool = False,
+        weight=None,
+        label_smoothing: float = 0.0,
         ignore_index=L.IGNORE_INDEX,
         reduction: str = "mean",
     ):
         super().__init__(n_bins)
         self.ignore_index = check_ignore_index(ignore_index)
+        check_label_smoothing(label_smoothing, L._RUNNER_UP_NEEDS_LABELS if dual else L._BINS_NEED_LABELS)
+        self.register_buffer("weight", class_weight_buffer(weight))
         self.lambda_ = check_float(lambda_, "lambda_", low=0)
         self.gamma_max = check_float(gamma_max, "gamma_max")
         self.gamma_min = check_float(gamma_min, "gamma_min", high=self.gamma_max)
@@ -156,9 +160,9 @@ class AdaFocalLoss(_ValidationBins):
         return self.gamma_per_bin
 
     def forward(self, logits, targets):
-        if self.dual:
-            return _ada_dual(logits, targets, self, self.reduction, self.ignore_index)
         buffers = self._buffers  # (module attribute lookup of a buffer costs ~1 µs per access)
+        if self.dual:
+            return _ada_dual(logits, targets, self, self.reduction, self.ignore_index, buffers["weight"])
         gammas, edges = buffers["gamma_per_bin"], buffers["bin_edges"]
 
         def weight(log_pt):
@@ -175,6 +179,7 @@ class AdaFocalLoss(_ValidationBins):
             spec=spec,
             ignore_index=self.ignore_index,
             soft_refusal=L._BINS_NEED_LABELS,
+            weight=buffers["weight"],
         )
 
     @torch.no_grad()
@@ -205,7 +210,7 @@ class AdaFocalLoss(_ValidationBins):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
-def _ada_dual(logits, targets, bins, reduction, ignore_index):
+def _ada_dual(logits, targets, bins, reduction, ignore_index, class_weight=None):
     """AdaDualFocal: the dual focal base (1 − p_t + p_j) with AdaFocal's per-bin γ (inverse form for γ < 0)."""
 
     def weight(log_pt, p_j):
@@ -229,6 +234,7 @@ def _ada_dual(logits, targets, bins, reduction, ignore_index):
         runner_up=True,
         spec=spec,
         ignore_index=ignore_index,
+        weight=class_weight,
     )
 
 
@@ -242,11 +248,15 @@ class CalFocalLoss(_ValidationBins):
         lambda_: float = 10.0,
         case: int = 2,
         *,
+        weight=None,
+        label_smoothing: float = 0.0,
         ignore_index=L.IGNORE_INDEX,
         reduction: str = "mean",
     ):
         super().__init__(n_bins)
         self.ignore_index = check_ignore_index(ignore_index)
+        check_label_smoothing(label_smoothing, L._BINS_NEED_LABELS)
+        self.register_buffer("weight", class_weight_buffer(weight))
         self.lambda_ = check_float(lambda_, "lambda_")
         self.case = check_choice(case, "case", {1, 2})
         self.reduction = check_choice(reduction, "reduction", L.REDUCTIONS)
@@ -259,7 +269,11 @@ class CalFocalLoss(_ValidationBins):
         buffers = self._buffers  # (module attribute lookup of a buffer costs ~1 µs per access)
         edges, acc, confidence = buffers["bin_edges"], buffers["bin_accuracy"], buffers["bin_confidence"]
         conf = confidence if self.case == 2 else None
-        if type(logits) is not torch.Tensor or not (logits.is_cpu and edges.is_cpu):  # the checked path
+        if (
+            type(logits) is not torch.Tensor
+            or not (logits.is_cpu and edges.is_cpu)
+            or torch.compiler.is_compiling()
+        ):
             return L.calfocal_loss(
                 logits,
                 targets,
@@ -267,6 +281,7 @@ class CalFocalLoss(_ValidationBins):
                 acc,
                 self.lambda_,
                 bin_confidence=conf,
+                weight=buffers["weight"],
                 ignore_index=self.ignore_index,
                 reduction=self.reduction,
             )
@@ -277,8 +292,9 @@ class CalFocalLoss(_ValidationBins):
             lambda: L._calfocal_spec(edges, acc, conf, self.lambda_),
         )
         return L._calfocal(
-            logits, targets, edges, acc, conf, self.lambda_, self.reduction, spec, self.ignore_index
-        )
+            logits, targets, edges, acc, conf, self.lambda_, self.reduction, spec, self.ignore_index,
+            buffers["weight"],
+        )  # fmt: skip
 
     @torch.no_grad()
     def update(self, val_probs=None, val_targets=None, *, metrics=None, from_logits: bool = False) -> None:

@@ -23,7 +23,7 @@ from ._validation import check_choice, check_float, check_positive_int
 from .adafocal import AdaFocalLoss, CalFocalLoss
 from .functional import binary as B
 from .functional import losses as L
-from .functional._loss_inputs import check_ignore_index
+from .functional._loss_inputs import check_ignore_index, check_label_smoothing, class_weight_buffer
 
 __all__ = [
     "AdaFocalLoss",
@@ -51,47 +51,82 @@ __all__ = [
 
 class _Loss(nn.Module):
     """Every loss takes ``ignore_index`` (−100 by default, as ``nn.CrossEntropyLoss``; None ignores no label)
-    and (N, K, d1, ...) inputs; see :mod:`torchcal.functional.losses`."""
+    and (N, K, d1, ...) inputs, class ``weight`` (K,) (a buffer, as ``nn.CrossEntropyLoss``'s) and
+    ``label_smoothing`` where the loss is a function of the target distribution; a loss that cannot take one
+    refuses it at construction (see :mod:`torchcal.functional.losses`, decision 96)."""
 
     _args: tuple[str, ...] = ()
+    _smoothing_refusal: str | None = None  # why the loss refuses label smoothing (None: it takes it)
 
-    def __init__(self, reduction: str = "mean", ignore_index=L.IGNORE_INDEX):
+    def __init__(
+        self, reduction: str = "mean", ignore_index=L.IGNORE_INDEX, weight=None, label_smoothing: float = 0.0
+    ):
         super().__init__()
         self.reduction = check_choice(reduction, "reduction", L.REDUCTIONS)
         self.ignore_index = check_ignore_index(ignore_index)
+        self.label_smoothing = check_label_smoothing(label_smoothing, self._smoothing_refusal)
+        self.register_buffer("weight", class_weight_buffer(weight))
+
+    def _options(self) -> dict:
+        return {
+            "weight": self.weight,
+            "label_smoothing": self.label_smoothing,
+            "ignore_index": self.ignore_index,
+            "reduction": self.reduction,
+        }
 
     def extra_repr(self) -> str:
-        args = (*self._args, "reduction") + (() if self.ignore_index == L.IGNORE_INDEX else ("ignore_index",))
-        return ", ".join(f"{a}={getattr(self, a)!r}" for a in args)
+        args = (*self._args, "reduction")
+        if self.label_smoothing and "label_smoothing" not in args:
+            args += ("label_smoothing",)
+        if self.weight is not None:
+            args += ("weight",)
+        if self.ignore_index != L.IGNORE_INDEX:
+            args += ("ignore_index",)
+        return ", ".join(f"{a}={_short(getattr(self, a))}" for a in args)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.extra_repr()})"
 
 
+def _short(value) -> str:
+    return repr(value.tolist()) if isinstance(value, torch.Tensor) else repr(value)
+
+
 class CrossEntropyLoss(_Loss):
-    """Cross entropy, with optional label smoothing ε (LS-ε)."""
+    """Cross entropy, with optional label smoothing ε (LS-ε) and class weights (``nn.CrossEntropyLoss``)."""
 
     _args = ("label_smoothing",)
 
-    def __init__(self, label_smoothing: float = 0.0, reduction: str = "mean", *, ignore_index=L.IGNORE_INDEX):
-        super().__init__(reduction, ignore_index)
-        self.label_smoothing = check_float(label_smoothing, "label_smoothing", low=0, high=1)
+    def __init__(
+        self,
+        label_smoothing: float = 0.0,
+        reduction: str = "mean",
+        *,
+        weight=None,
+        ignore_index=L.IGNORE_INDEX,
+    ):
+        super().__init__(reduction, ignore_index, weight, label_smoothing)
 
     def forward(self, logits, targets):
-        return L.cross_entropy(
-            logits,
-            targets,
-            label_smoothing=self.label_smoothing,
-            ignore_index=self.ignore_index,
-            reduction=self.reduction,
-        )
+        return L.cross_entropy(logits, targets, **self._options())
 
 
 class BrierLoss(_Loss):
     """Σ_k (p_k − onehot_k)²."""
 
+    def __init__(
+        self,
+        reduction: str = "mean",
+        *,
+        weight=None,
+        label_smoothing: float = 0.0,
+        ignore_index=L.IGNORE_INDEX,
+    ):
+        super().__init__(reduction, ignore_index, weight, label_smoothing)
+
     def forward(self, logits, targets):
-        return L.brier_loss(logits, targets, ignore_index=self.ignore_index, reduction=self.reduction)
+        return L.brier_loss(logits, targets, **self._options())
 
 
 class FocalLoss(_Loss):
@@ -99,23 +134,27 @@ class FocalLoss(_Loss):
 
     _args = ("gamma",)
 
-    def __init__(self, gamma: float = 3.0, reduction: str = "mean", *, ignore_index=L.IGNORE_INDEX):
-        super().__init__(reduction, ignore_index)
+    def __init__(
+        self,
+        gamma: float = 3.0,
+        reduction: str = "mean",
+        *,
+        weight=None,
+        label_smoothing: float = 0.0,
+        ignore_index=L.IGNORE_INDEX,
+    ):
+        super().__init__(reduction, ignore_index, weight, label_smoothing)
         self.gamma = check_float(gamma, "gamma", low=0)
 
     def forward(self, logits, targets):
-        return L.focal_loss(
-            logits, targets, self.gamma, ignore_index=self.ignore_index, reduction=self.reduction
-        )
+        return L.focal_loss(logits, targets, self.gamma, **self._options())
 
 
 class InverseFocalLoss(FocalLoss):
     """Inverse focal loss −(1 + p_t)^γ log p_t."""
 
     def forward(self, logits, targets):
-        return L.inverse_focal_loss(
-            logits, targets, self.gamma, ignore_index=self.ignore_index, reduction=self.reduction
-        )
+        return L.inverse_focal_loss(logits, targets, self.gamma, **self._options())
 
 
 class SampleDependentFocalLoss(_Loss):
@@ -124,47 +163,54 @@ class SampleDependentFocalLoss(_Loss):
     _args = ("gammas", "thresholds")
 
     def __init__(
-        self, gammas=(5.0, 3.0), thresholds=(0.2,), reduction: str = "mean", *, ignore_index=L.IGNORE_INDEX
+        self,
+        gammas=(5.0, 3.0),
+        thresholds=(0.2,),
+        reduction: str = "mean",
+        *,
+        weight=None,
+        label_smoothing: float = 0.0,
+        ignore_index=L.IGNORE_INDEX,
     ):
-        super().__init__(reduction, ignore_index)
+        super().__init__(reduction, ignore_index, weight, label_smoothing)
         gammas, thresholds = L._check_schedule(gammas, thresholds)
         self.gammas, self.thresholds = tuple(gammas), tuple(thresholds)
 
     def forward(self, logits, targets):
-        return L.sample_dependent_focal_loss(
-            logits,
-            targets,
-            self.gammas,
-            self.thresholds,
-            ignore_index=self.ignore_index,
-            reduction=self.reduction,
-        )
+        return L.sample_dependent_focal_loss(logits, targets, self.gammas, self.thresholds, **self._options())
 
 
 class DualSampleDependentFocalLoss(SampleDependentFocalLoss):
     """DualFLSD: dual focal form with FLSD thresholds on the margin p_t − p_j."""
 
+    _smoothing_refusal = L._RUNNER_UP_NEEDS_LABELS
+
     def forward(self, logits, targets):
         return L.dual_sample_dependent_focal_loss(
-            logits,
-            targets,
-            self.gammas,
-            self.thresholds,
-            ignore_index=self.ignore_index,
-            reduction=self.reduction,
+            logits, targets, self.gammas, self.thresholds, **self._options()
         )
 
 
 class DualFocalLoss(FocalLoss):
     """Dual focal loss −(1 − p_t + p_j)^γ log p_t."""
 
-    def __init__(self, gamma: float = 5.0, reduction: str = "mean", *, ignore_index=L.IGNORE_INDEX):
-        super().__init__(gamma, reduction, ignore_index=ignore_index)
+    _smoothing_refusal = L._RUNNER_UP_NEEDS_LABELS
+
+    def __init__(
+        self,
+        gamma: float = 5.0,
+        reduction: str = "mean",
+        *,
+        weight=None,
+        label_smoothing: float = 0.0,
+        ignore_index=L.IGNORE_INDEX,
+    ):
+        super().__init__(
+            gamma, reduction, weight=weight, label_smoothing=label_smoothing, ignore_index=ignore_index
+        )
 
     def forward(self, logits, targets):
-        return L.dual_focal_loss(
-            logits, targets, self.gamma, ignore_index=self.ignore_index, reduction=self.reduction
-        )
+        return L.dual_focal_loss(logits, targets, self.gamma, **self._options())
 
 
 class FocalCalibrationLoss(_Loss):
@@ -178,25 +224,21 @@ class FocalCalibrationLoss(_Loss):
         lambda_: float = 1.5,
         reduction: str = "mean",
         *,
+        weight=None,
+        label_smoothing: float = 0.0,
         ignore_index=L.IGNORE_INDEX,
     ):
-        super().__init__(reduction, ignore_index)
+        super().__init__(reduction, ignore_index, weight, label_smoothing)
         self.gamma = check_float(gamma, "gamma", low=0)
         self.lambda_ = check_float(lambda_, "lambda_", low=0)
 
     def forward(self, logits, targets):
-        return L.focal_calibration_loss(
-            logits,
-            targets,
-            self.gamma,
-            self.lambda_,
-            ignore_index=self.ignore_index,
-            reduction=self.reduction,
-        )
+        return L.focal_calibration_loss(logits, targets, self.gamma, self.lambda_, **self._options())
 
 
 class MMCELoss(_Loss):
-    """Cross entropy + λ·weighted MMCE of the batch (``normalization="code"`` for the released code's)."""
+    """Cross entropy + λ·weighted MMCE of the batch (``normalization="code"`` for the released code's).
+    Refuses class ``weight`` and ``label_smoothing`` (the penalty is a statistic of the whole batch)."""
 
     _args = ("lambda_", "normalization")
 
@@ -206,8 +248,11 @@ class MMCELoss(_Loss):
         normalization: str = "paper",
         reduction: str = "mean",
         *,
+        weight=None,
+        label_smoothing: float = 0.0,
         ignore_index=L.IGNORE_INDEX,
     ):
+        L.check_mmce_options(weight, label_smoothing)
         super().__init__(reduction, ignore_index)
         self.lambda_ = check_float(lambda_, "lambda_", low=0)
         self.normalization = check_choice(normalization, "normalization", {"paper", "code"})
@@ -235,9 +280,11 @@ class ScheduledFocalLoss(_Loss):
         milestones=(100, 250),
         reduction: str = "mean",
         *,
+        weight=None,
+        label_smoothing: float = 0.0,
         ignore_index=L.IGNORE_INDEX,
     ):
-        super().__init__(reduction, ignore_index)
+        super().__init__(reduction, ignore_index, weight, label_smoothing)
         gammas = tuple(check_float(g, "gammas", low=0) for g in gammas)
         milestones = tuple(check_positive_int(m, "milestones") for m in milestones)
         if len(gammas) != len(milestones) + 1 or list(milestones) != sorted(set(milestones)):
@@ -253,9 +300,7 @@ class ScheduledFocalLoss(_Loss):
         return self.gammas[sum(self.epoch >= m for m in self.milestones)]
 
     def forward(self, logits, targets):
-        return L.focal_loss(
-            logits, targets, self.gamma, ignore_index=self.ignore_index, reduction=self.reduction
-        )
+        return L.focal_loss(logits, targets, self.gamma, **self._options())
 
     def get_extra_state(self):
         return {"epoch": self.epoch}

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from ._validation import as_data, check_bool, check_float, check_positive_int
+from ._validation import check_bool, check_float, check_positive_int
 from .functional import calibration as C
 from .functional._binning import classwise_sums, prefix_sums
-from .functional._inputs import scan_inputs
+from .functional._inputs import metric_rows, scan_inputs
+from .functional._loss_inputs import check_ignore_index
 
 __all__ = ["CalibrationMetrics", "MultilabelCalibrationMetrics", "all_gather_rows", "metric_rows"]
 
@@ -35,6 +36,9 @@ class CalibrationMetrics:
         from_logits: ``update`` receives logits and applies softmax.
         equal_mass: keep the per-sample buffers for the equal-mass estimators.
         s99_threshold: confidence threshold of the S99 share.
+        ignore_index: a label whose positions ``update`` leaves out (None: every label counts), as the
+            losses' ``ignore_index``; ``update`` also takes (B, K, d1, ...) scores with (B, d1, ...)
+            targets, each position a sample (decision 97).
 
     Example:
         >>> import torch
@@ -60,7 +64,9 @@ class CalibrationMetrics:
         from_logits: bool = False,
         equal_mass: bool = True,
         s99_threshold: float = 0.99,
+        ignore_index=None,
     ):
+        self.ignore_index = check_ignore_index(ignore_index)
         self.num_classes = check_positive_int(num_classes, "num_classes", minimum=2)
         self.n_bins = check_positive_int(n_bins, "n_bins")
         self.from_logits = check_bool(from_logits, "from_logits")
@@ -85,7 +91,13 @@ class CalibrationMetrics:
         return state_views(self._sums, self.num_classes, self.n_bins)
 
     def update(self, probs_or_logits, targets) -> None:
-        """Adds a batch: probabilities (or logits if ``from_logits``) of shape (B, K) and targets (B,)."""
+        """Adds a batch: probabilities (or logits if ``from_logits``) of shape (B, K) and targets (B,), or
+        (B, K, d1, ...) and (B, d1, ...); positions labelled ``ignore_index`` are left out."""
+        probs_or_logits, targets = metric_rows(
+            probs_or_logits, targets, self.ignore_index, names=("probs_or_logits", "targets")
+        )
+        if self.ignore_index is not None and targets.shape[0] == 0:
+            return  # every position of the batch is ignored
         sums, conf, correct = batch_state(
             probs_or_logits, targets, self.num_classes, self.n_bins, self.from_logits, self.s99_threshold
         )
@@ -103,8 +115,8 @@ class CalibrationMetrics:
         """Adds the state of ``other`` (same num_classes, n_bins, options) into this one; returns self."""
         if not isinstance(other, CalibrationMetrics):
             raise TypeError(f"`other` must be a CalibrationMetrics, got {type(other).__name__}")
-        mine = (self.num_classes, self.n_bins, self.equal_mass, self.s99_threshold)
-        theirs = (other.num_classes, other.n_bins, other.equal_mass, other.s99_threshold)
+        mine = (self.num_classes, self.n_bins, self.equal_mass, self.s99_threshold, self.ignore_index)
+        theirs = (other.num_classes, other.n_bins, other.equal_mass, other.s99_threshold, other.ignore_index)
         if mine != theirs:
             raise ValueError(f"cannot merge metrics with settings {theirs} into {mine}")
         if self._device is None:
@@ -169,34 +181,6 @@ class CalibrationMetrics:
         if not self.equal_mass:
             return results(self._sums, None, None, self.num_classes, self.n_bins, names)
         return results(self._sums, self._conf, self._correct, self.num_classes, self.n_bins, names)
-
-
-def metric_rows(scores, targets, ignore_index=None, *, class_dim: int = 1, names=("scores", "targets")):
-    """Scores with extra dimensions as (rows, K) and their targets as (rows,), rows whose target equals
-    ``ignore_index`` dropped: the form every metric takes. ``class_dim=1`` for PyTorch's (N, K, d1, ...),
-    ``-1`` for Hugging Face's (N, T, K); ``names`` are the arguments' names in errors. The inputs are treated
-    as data (detached).
-
-    Example:
-        >>> import torch
-        >>> z, y = torch.zeros(2, 3, 4), torch.tensor([[0, 1, 2, -100], [2, 2, -100, -100]])
-        >>> rows, labels = metric_rows(z, y, ignore_index=-100)
-        >>> rows.shape, labels.tolist()
-        (torch.Size([5, 3]), [0, 1, 2, 2, 2])
-    """
-    scores, targets = as_data(scores, names[0]), as_data(targets, names[1])
-    if scores.ndim > 2:
-        k = scores.shape[class_dim]
-        expected = tuple(d for i, d in enumerate(scores.shape) if i != class_dim % scores.ndim)
-        if tuple(targets.shape) != expected:
-            raise ValueError(
-                f"`{names[1]}` must have shape {expected} to match `{names[0]}`, got {tuple(targets.shape)}"
-            )
-        scores, targets = scores.movedim(class_dim, -1).reshape(-1, k), targets.reshape(-1)
-    if ignore_index is not None and targets.ndim == 1 and targets.shape[0] == scores.shape[0]:
-        keep = targets != ignore_index
-        scores, targets = scores[keep], targets[keep]
-    return scores, targets
 
 
 def all_gather_rows(rows: torch.Tensor, group=None) -> list[torch.Tensor]:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ._namespace import only_public as _only_public
 from ._validation import check_choice, check_positive_int
 from .functional import calibration as C
 from .functional._binning import equal_mass_sums, equal_width_edges
@@ -301,3 +302,6 @@ def save_figure(fig, path, **savefig_kwargs) -> None:
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+_only_public(__name__)

@@ -1,3 +1,5 @@
+import json
+
 from typer.testing import CliRunner
 
 from torchcal.experiments.cli import app
@@ -21,13 +23,38 @@ def test_train_evaluate_report(tmp_path):
     run = tmp_path / "run"
     args = ["train", "--run-dir", str(run), "data.name=digits", "data.ood=", "data.val_size=260",
             "model.width=16", "train.epochs=1", "loss.name=dfl"]  # fmt: skip
-    result = runner.invoke(app, args)
+    result = runner.invoke(app, [*args[:-2], "train.epochs=2", "loss.name=dfl"])
     assert result.exit_code == 0, result.output
     assert (run / "logits.pt").exists()
-    assert runner.invoke(app, ["calibrate", str(run), "--method", "ets"]).exit_code == 0
-    assert runner.invoke(app, ["evaluate", str(run), "--calibrators", "ts"]).exit_code == 0
+    # one line per epoch: loss, validation ECE and error (×100) of the row written to metrics.jsonl
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:
+        line = (
+            f"epoch {row['epoch'] + 1}/2  loss {row['train_loss']:.4f}  val ECE {100 * row['val_ece']:.2f}  "
+            f"val error {100 * row['val_error']:.2f}"
+        )
+        assert line in result.output
+    result = runner.invoke(app, ["calibrate", str(run), "--method", "ets"])
+    assert result.exit_code == 0, result.output
+    saved = json.loads((run / "results.json").read_text())
+    assert "{" not in result.output  # a table, the JSON stays in the run folder
+    _assert_table(result.output, saved, ["ets"])
+    result = runner.invoke(app, ["evaluate", str(run), "--calibrators", "ts"])
+    assert result.exit_code == 0, result.output
+    saved = json.loads((run / "results.json").read_text())
+    _assert_table(result.output, saved, ["ts"])
+    assert "ts: T = " in result.output and "results.json" in result.output
     result = runner.invoke(app, ["report", str(run), "--out", str(tmp_path / "rep")])
     assert result.exit_code == 0 and (tmp_path / "rep" / "report.csv").exists()
+
+
+def _assert_table(output, saved, calibrators):
+    """The before/after table shows the saved test ECE and error (×100) of each column."""
+    lines = output.splitlines()
+    for key, label in (("ece", "ECE"), ("error", "error")):
+        row = next(line for line in lines if line.strip("│ ").startswith(label + " "))
+        for column in ("uncalibrated", *calibrators):
+            assert f"{100 * saved[column]['test'][key]:.2f}" in row, (label, column, row)
 
 
 def test_unknown_override_key_fails_with_the_valid_keys(tmp_path):

@@ -142,3 +142,51 @@ def soft_brier(logits, q):
 
 def soft_fcl(logits, q, gamma, lam):
     return [a + lam * b for a, b in zip(soft_focal(logits, q, gamma), soft_brier(logits, q))]
+
+
+# -- class weights and label smoothing (F.cross_entropy's conventions; decision 96) --------------------------
+
+
+def smoothed(targets, k, eps):
+    """Target distributions as lists: the one-hot rows of labels (or the given rows), smoothed by ε."""
+    rows = targets.tolist()
+    if targets.ndim == 1:
+        rows = [[float(j == t) for j in range(k)] for t in rows]
+    return [[(1 - eps) * v + eps / k for v in row] for row in rows]
+
+
+def soft_general(logits, q_rows, f, weight=None, lam=0.0):
+    """Per row Σ_k w_k q_k f(p_k, k) + λ·(Σ_k w_k q_k)·Σ_k (p_k − q_k)² (w = 1 without weights)."""
+    out = []
+    for row, qs in zip(logits.tolist(), q_rows):
+        p = softmax([float(v) for v in row])
+        w = [1.0] * len(p) if weight is None else [float(v) for v in weight]
+        value = sum(w[j] * qs[j] * f(p[j], j) for j in range(len(p)))
+        if lam:
+            value += lam * sum(w[j] * qs[j] for j in range(len(p))) * sum((a - b) ** 2 for a, b in zip(p, qs))
+        out.append(value)
+    return out
+
+
+def focal_term(gamma):
+    return lambda pj, j: -((1 - pj) ** gamma) * math.log(pj)
+
+
+def reduce_weighted(per_sample, targets, weight, reduction, *, scale=True, ignore_index=-100):
+    """F.cross_entropy's reduction of per-sample losses. Labels (``targets`` integer): each row is multiplied
+    by w_y (unless ``scale`` is False: rows already weighted per class, as with label smoothing), ignored
+    labels add 0 and "mean" divides by Σ w_y over the kept labels. Soft rows (``targets`` None): "mean"
+    divides by the row count."""
+    values, norm = [], 0.0
+    labels = [None] * len(per_sample) if targets is None else [int(t) for t in targets.reshape(-1).tolist()]
+    for v, t in zip(per_sample, labels):
+        if t is not None and t == ignore_index:
+            values.append(0.0)
+            continue
+        w_t = 1.0 if t is None or weight is None else float(weight[t])
+        values.append(v * w_t if scale else v)
+        norm += w_t
+    if reduction == "none":
+        return values
+    total = math.fsum(values)
+    return total / norm if reduction == "mean" else total

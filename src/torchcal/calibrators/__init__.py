@@ -9,10 +9,6 @@ Use a class directly or the registry::
     TemperatureScaling(objective='ece', n_bins=15, grid=..., bounds=(0.01, 100.0), extend=True)
 """
 
-from __future__ import annotations
-
-import json
-
 from .base import Calibrator, NotFittedError
 from .binary import (
     BinaryCalibrator,
@@ -68,9 +64,16 @@ def list_calibrators(task: str = "multiclass") -> list[str]:
 
 
 def get_calibrator_class(name: str, task: str = "multiclass") -> type[Calibrator]:
+    """The class registered as ``name`` (short or full name, any case: "TS", "ts", "Temperature_Scaling")."""
+    if task not in _TASKS:
+        raise ValueError(f"`task` must be one of {list(_TASKS)}, got {task!r}")
+    if not isinstance(name, str):
+        raise TypeError(f"a calibrator name must be a string, got {type(name).__name__}")
     registry, aliases = (_REGISTRY, _ALIASES) if task == "multiclass" else (_BINARY_REGISTRY, _BINARY_ALIASES)
-    key = aliases.get(name, name)
-    if key not in registry:
+    lowered = name.strip().lower()
+    names = {**{k.lower(): k for k in registry}, **{a.lower(): k for a, k in aliases.items()}}
+    key = names.get(lowered)
+    if key is None:
         raise ValueError(f"unknown calibrator {name!r}; choose one of {list_calibrators(task)}")
     return registry[key]
 
@@ -137,6 +140,8 @@ def from_spec(spec: str, task: str = "multiclass") -> Calibrator:
 
 def from_json(text: str) -> Calibrator:
     """Rebuilds any calibrator from its ``to_json()`` text."""
+    import json
+
     name = json.loads(text).get("name")
     task = "multilabel" if name in _BINARY_ALIASES else "multiclass"
     return get_calibrator_class(name, task).from_json(text)

@@ -2,12 +2,29 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from .._validation import check_float, check_positive_int
 from .base import Calibrator
 
 __all__ = ["VectorScaling", "MatrixScaling"]
+
+
+def _warn_absent_classes(targets: torch.Tensor, k: int, name: str) -> None:
+    """Warns when a class has no validation label: the NLL fit then drives its bias towards −∞, and its test
+    probability collapses (to ~1e-9 or less) whatever the logits say."""
+    absent = (torch.bincount(targets, minlength=k) == 0).nonzero().flatten().tolist()
+    if absent:
+        shown = ", ".join(map(str, absent[:10])) + (", ..." if len(absent) > 10 else "")
+        warnings.warn(
+            f"{name}: class{'es' if len(absent) > 1 else ''} {shown} ({len(absent)} of {k}) never appear in "
+            "the validation labels, so the fit drives their probabilities towards 0 on every input; use more "
+            "validation data, weight_decay > 0, or temperature scaling",
+            RuntimeWarning,
+            stacklevel=4,  # the caller of fit()
+        )
 
 
 class _AffineScaling(Calibrator):
@@ -23,6 +40,7 @@ class _AffineScaling(Calibrator):
         max_iter = check_positive_int(self.max_iter, "max_iter")
         z = logits.double()
         k = z.shape[1]
+        _warn_absent_classes(targets, k, type(self).__name__)
         eye = torch.eye(k, dtype=torch.float64, device=z.device)
         w = eye.clone() if self._matrix else torch.ones(k, dtype=torch.float64, device=z.device)
         w.requires_grad_(True)

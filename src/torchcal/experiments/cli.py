@@ -14,6 +14,7 @@ import typer
 from rich.console import Console
 from rich.markdown import Markdown
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
 from .config import apply_overrides, load_config
 from .errors import UserError
@@ -68,6 +69,15 @@ def _progress():
                     console=console, transient=False)  # fmt: skip
 
 
+def _epoch_text(row: dict, total: int) -> str:
+    """``epoch 3/10  loss 0.4123  val ECE 2.31  val error 12.40`` (ECE and error ×100, as the papers)."""
+    parts = [f"epoch {row['epoch'] + 1}/{total}", f"loss {row['train_loss']:.4f}"]
+    for key, label in (("val_ece", "val ECE"), ("val_error", "val error")):
+        if key in row:
+            parts.append(f"{label} {100 * row[key]:.2f}")
+    return "  ".join(parts)
+
+
 def _train_with_bar(cfg, run_dir, resume=False, label=None, total=None):
     from .train import train
 
@@ -82,8 +92,11 @@ def _train_with_bar(cfg, run_dir, resume=False, label=None, total=None):
             task = bar.add_task(label or f"train {run_dir}", total=total)
         bar.update(task, completed=epoch + batch / n_batches)
 
+    def epoch_line(row):  # one line per epoch, printed above the live bar
+        bar.console.print(_epoch_text(row, total))
+
     try:
-        rows = train(cfg, run_dir, resume=resume, progress=step)
+        rows = train(cfg, run_dir, resume=resume, progress=step, on_epoch=epoch_line)
         if task is not None:
             bar.update(task, completed=total)
     finally:
@@ -144,11 +157,12 @@ def build_extension(verbose: bool = typer.Option(False, help="show the compiler'
 def evaluate(run_dir: Path, calibrators: str = typer.Option("ts,fts", help="comma-separated calibrators")):
     """Every metric before and after each calibrator (fitted on validation), added to results.json (other
     calibrators' results are kept); the fitted calibrators are saved in <run>/calibrators/."""
-    from .evaluate import check_calibrators, evaluate_run
+    from .evaluate import RESULTS, check_calibrators, evaluate_run
 
     names = check_calibrators((c.strip() for c in calibrators.split(",") if c.strip()), None)
     result = evaluate_run(run_dir, names)
-    console.print_json(json.dumps({k: result[k] for k in ("uncalibrated", *names)}))
+    console.print(_before_after_table(result, names))
+    console.print(f"every metric (test, shift, OOD) in {Path(run_dir) / RESULTS}")
 
 
 def _parameters_text(parameters: dict) -> str:
@@ -164,11 +178,14 @@ def _parameters_text(parameters: dict) -> str:
 def calibrate(run_dir: Path, method: str = typer.Option("ts", "--method", "-m", help="ts, fts, ets, ...")):
     """Fit one post-hoc calibrator on the run's validation logits, evaluate it on test, save it in
     <run>/calibrators/<method>.pt and .json and add its results to results.json."""
-    from .evaluate import calibrate_run
+    from .evaluate import calibrate_run, read_results
 
     out = calibrate_run(run_dir, method)
     out.pop("calibrator")
-    console.print_json(json.dumps(out))
+    result = read_results(run_dir)
+    console.print(
+        _before_after_table({"uncalibrated": result.get("uncalibrated", {}), method: out}, [method])
+    )
     from .evaluate import calibrator_file_stem
 
     saved = Path(run_dir) / "calibrators" / calibrator_file_stem(method)
@@ -371,9 +388,47 @@ def demo(
     )
 
 
-def _summary_table(groups, calibrators):
-    from rich.table import Table
+# the rows of the before/after table: (results key, label, scale); fractions ×100 as the papers print them
+_TABLE_ROWS = (
+    ("error", "error", 100),
+    ("ece", "ECE", 100),
+    ("adaece", "AdaECE", 100),
+    ("classwise_ece", "classwise ECE", 100),
+    ("mce", "MCE", 100),
+    ("smece", "smECE", 100),
+    ("ece_micro", "ECE (micro)", 100),
+    ("auroc", "AUROC", 100),
+    ("nll", "NLL", 1),
+    ("brier", "Brier", 1),
+)
 
+
+def _before_after_table(result: dict, calibrators) -> Table:
+    """The test metrics before and after each calibrator (the columns), compact; results.json keeps all."""
+    columns = [("uncalibrated", "uncal.")] + [(c, c.upper()) for c in calibrators]
+    tests = {key: (result.get(key) or {}).get("test", {}) for key, _ in columns}
+    table = Table(title="test set (error and ECEs ×100), calibrators fitted on validation")
+    table.add_column("metric")
+    for _, label in columns:
+        table.add_column(label, justify="right")
+    for key, label, scale in _TABLE_ROWS:
+        if any(key in t for t in tests.values()):
+            digits = 2 if scale == 100 else 4
+            cells = [f"{scale * t[key]:.{digits}f}" if key in t else "-" for t in tests.values()]
+            table.add_row(label, *cells)
+    if any("ood_auroc" in (result.get(k) or {}) for k, _ in columns):
+        table.add_row("OOD AUROC", *(_ood_cell(result.get(k) or {}) for k, _ in columns))
+    params = [_parameters_text((result.get(c) or {}).get("parameters", {})) for c in calibrators]
+    if any(params):
+        table.caption = "; ".join(f"{c}: {p}" for c, p in zip(calibrators, params))
+    return table
+
+
+def _ood_cell(entry: dict) -> str:
+    return f"{100 * entry['ood_auroc']:.1f}" if "ood_auroc" in entry else "-"
+
+
+def _summary_table(groups, calibrators):
     from .demo import summary_rows
 
     def fmt(stat, scale=1.0, digits=2):

@@ -272,17 +272,17 @@ def calibrate_run(run_dir, method: str, *, save: bool = True) -> dict:
     cal, out = _fit_and_score(logits, method)
     if save:
         _save_calibrator(run_dir, method, cal)
-        _merge_results(run_dir, {method: out})
+        entries = {method: out}
+        if "uncalibrated" not in read_results(run_dir):  # the "before" of the before/after table
+            entries.update(_uncalibrated(run_dir, logits))
+        _merge_results(run_dir, entries)
     return {"calibrator": cal.state_dict(), **out}
 
 
-def evaluate_run(run_dir, calibrators=("ts", "fts")) -> dict:
-    """Metrics of the uncalibrated model and after each calibrator (each saved as by
-    :func:`calibrate_run`), added to ``results.json``; returns the file's whole content."""
-    run_dir = Path(run_dir)
-    logits = load_logits(run_dir)
+def _uncalibrated(run_dir: Path, logits: dict) -> dict:
+    """The results.json entries of the uncalibrated model: "uncalibrated" (test, shift, OOD and validation
+    metrics) and, for multi-label runs, "task" and "label_names"."""
     task = run_task(logits)
-    calibrators = check_calibrators(calibrators, task)
 
     def softmax(z):
         return torch.sigmoid(z) if task == "multilabel" else torch.softmax(z, 1)
@@ -293,6 +293,17 @@ def evaluate_run(run_dir, calibrators=("ts", "fts")) -> dict:
     if task == "multilabel":
         result["task"] = "multilabel"
         result["label_names"] = _label_names(run_dir, logits["val"]["targets"].shape[1])
+    return result
+
+
+def evaluate_run(run_dir, calibrators=("ts", "fts")) -> dict:
+    """Metrics of the uncalibrated model and after each calibrator (each saved as by
+    :func:`calibrate_run`), added to ``results.json``; returns the file's whole content."""
+    run_dir = Path(run_dir)
+    logits = load_logits(run_dir)
+    task = run_task(logits)
+    calibrators = check_calibrators(calibrators, task)
+    result = _uncalibrated(run_dir, logits)
     for method in calibrators:
         cal, result[method] = _fit_and_score(logits, method)
         _save_calibrator(run_dir, method, cal)

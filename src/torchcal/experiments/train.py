@@ -302,6 +302,7 @@ def train(
     resume: bool = False,
     progress=None,
     stop_after: int | None = None,
+    on_epoch=None,
 ):
     """Trains (or resumes) the run in ``run_dir``; returns the list of per-epoch metric rows.
 
@@ -315,7 +316,8 @@ def train(
     difference is refused. Training a finished run further replaces its logits and removes the results and
     calibrators of the earlier model.
 
-    ``progress`` is an optional callable ``(epoch, batch, n_batches)``. ``stop_after`` ends the call after that
+    ``progress`` is an optional callable ``(epoch, batch, n_batches)``, ``on_epoch`` one called with each
+    epoch's metric row once it is written (on rank 0). ``stop_after`` ends the call after that
     many epochs of this call (the run stays resumable), for tests and time-boxed jobs.
     """
     import yaml
@@ -491,6 +493,8 @@ def train(
                 atomic_write_bytes(run_dir / BEST, lambda fh, w=weights: torch.save(w, fh))
             atomic_write_bytes(ckpt_path, lambda fh, c=checkpoint: torch.save(c, fh))
             _write_jsonl(run_dir / METRICS, rows)
+            if on_epoch is not None:
+                on_epoch(row)
         _barrier(world)
         done_here += 1
         if stop_after is not None and done_here >= stop_after and epoch + 1 < cfg.train.epochs:

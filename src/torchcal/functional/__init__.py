@@ -101,6 +101,7 @@ __all__ = [
     "use_cpu_kernels",
 ]
 METRIC_FUNCTIONS = list(__all__)  # (with the kernel switches) re-exported at torchcal's top level
+__all__ += ["LOSS_FUNCTIONS", "METRIC_FUNCTIONS"]
 
 # the functional losses (their nn.Module twins are in torchcal.losses)
 __all__ += LOSS_FUNCTIONS

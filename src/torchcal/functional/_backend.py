@@ -22,7 +22,14 @@ import torch
 from .._validation import check_choice
 from . import _extension
 from ._binning import Scan, _FinishedClasswise, bin_sums, equal_width_index, torch_scan
-from ._loss_inputs import IGNORE_INDEX, loss_rows, reduce_rows
+from ._loss_inputs import (
+    IGNORE_INDEX,
+    check_class_weight,
+    check_label_smoothing,
+    loss_rows,
+    reduce_rows,
+    smoothed_targets,
+)
 from ._spec import REDUCTIONS, reduce_loss
 from ._true_class import SoftTargetLoss, TrueClassLoss
 
@@ -124,14 +131,27 @@ def true_class_loss(
     spec=None,
     ignore_index=IGNORE_INDEX,
     soft_refusal=None,
+    weight=None,
+    label_smoothing=0.0,
 ):
     """A p_t-only loss: the C++ operator on CPU when built and the loss describes itself with a
     :class:`~torchcal.functional._spec.LossSpec` (``spec``, which then carries the runner-up and Brier options
     too); :class:`~torchcal.functional._true_class.TrueClassLoss` with ``weight_fn`` otherwise, and
-    :class:`~torchcal.functional._true_class.SoftTargetLoss` for soft targets (unless ``soft_refusal`` says
-    why the loss refuses them; losses with a runner-up always refuse them). (N, K, d1, ...) inputs and labels equal to ``ignore_index`` go through
-    :func:`~torchcal.functional._loss_inputs.loss_rows` (decision 73)."""
-    if spec is not None and _fast_cpu_call(logits, targets, reduction):
+    :class:`~torchcal.functional._true_class.SoftTargetLoss` for soft targets and label smoothing (unless
+    ``soft_refusal`` says why the loss refuses them; losses with a runner-up always refuse them).
+    (N, K, d1, ...) inputs, labels equal to ``ignore_index`` and class ``weight`` go through
+    :func:`~torchcal.functional._loss_inputs.loss_rows` and
+    :func:`~torchcal.functional._loss_inputs.reduce_rows` (decisions 73 and 96)."""
+    if runner_up:  # the dual focal form: the soft-target path has no runner-up
+        soft_refusal = _RUNNER_UP_NEEDS_LABELS
+    plain = weight is None and not label_smoothing
+    # (not while torch.compile traces: the fallback on ignored labels needs the operator's error)
+    if (
+        plain
+        and spec is not None
+        and not torch.compiler.is_compiling()
+        and _fast_cpu_call(logits, targets, reduction)
+    ):
         if ignore_index is None or not 0 <= ignore_index < logits.shape[1]:
             try:  # ignored labels lie outside [0, K): the operator raises on them, and nothing is lost
                 return _extension.fused_true_class(logits, targets, spec, reduction)
@@ -139,14 +159,25 @@ def true_class_loss(
                 if ignore_index is None:
                     raise
     check_choice(reduction, "reduction", REDUCTIONS)
-    if runner_up:  # the dual focal form: the soft-target path has no runner-up
-        soft_refusal = _RUNNER_UP_NEEDS_LABELS
+    eps = check_label_smoothing(label_smoothing, soft_refusal)
     rows = loss_rows(logits, targets, ignore_index, soft_refusal=soft_refusal)
-    if rows.soft:
+    w = check_class_weight(weight, rows.logits)
+    if rows.soft or eps:
         with torch.autocast(rows.logits.device.type, enabled=False):
-            loss = SoftTargetLoss.apply(rows.logits, rows.targets, weight_fn, brier_lambda)
-        return reduce_rows(loss, rows, reduction)
-    direct = rows.keep is None and len(rows.shape) == 1  # plain (N, K) rows, nothing to mask or reshape
+            q = smoothed_targets(rows, eps)
+            loss = SoftTargetLoss.apply(rows.logits, q, weight_fn, brier_lambda, w)
+        if rows.soft or w is None:
+            return reduce_rows(loss, rows, reduction)
+        # labels smoothed: the weights entered each class's term; "mean" divides by the labels' weights
+        keep = rows.keep
+        if reduction != "mean":
+            return reduce_rows(loss, rows, reduction)
+        label_w = w[rows.targets]
+        if keep is not None:
+            loss = torch.where(keep, loss, loss.new_zeros(()))
+            label_w = torch.where(keep, label_w, label_w.new_zeros(()))
+        return loss.sum() / label_w.sum()
+    direct = plain and rows.keep is None and len(rows.shape) == 1  # plain (N, K) rows: nothing to mask
     inner = reduction if direct else "none"
     if spec is not None and _fast_cpu_call(rows.logits, rows.targets, inner):
         loss = _extension.fused_true_class(rows.logits, rows.targets, spec, inner)
@@ -155,7 +186,7 @@ def true_class_loss(
             loss = TrueClassLoss.apply(rows.logits, rows.targets, weight_fn, brier_lambda, runner_up)
         if direct:
             return reduce_loss(loss, reduction)
-    return loss if direct else reduce_rows(loss, rows, reduction)
+    return loss if direct else reduce_rows(loss, rows, reduction, w)
 
 
 # -- retired switches ----------------------------------------------------------------------------------------

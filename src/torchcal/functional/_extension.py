@@ -87,7 +87,9 @@ def _native_flags() -> list[str]:
 _PREFERRED_FLAGS = _native_flags()
 FLAG_SETS = [_PREFERRED_FLAGS] + ([PORTABLE_FLAGS] if _PREFERRED_FLAGS != PORTABLE_FLAGS else [])
 
-_state = {"enabled": env_enabled("TORCHCAL_CPP"), "loaded": None}
+# "ready": None until the library was looked for, then whether it is loaded (a bool that torch.compile can
+# guard on; "loaded" holds its path, or False)
+_state = {"enabled": env_enabled("TORCHCAL_CPP"), "loaded": None, "ready": None}
 _lock = threading.Lock()
 
 
@@ -154,7 +156,10 @@ def _load_built() -> Path | None:
                 stacklevel=3,
             )
             return None
-        return path if hasattr(torch.ops.torchcal, "fused_true_class") else None
+        if not hasattr(torch.ops.torchcal, "fused_true_class"):
+            return None
+        _register_compile_support()
+        return path
     return None
 
 
@@ -213,7 +218,9 @@ def build_cpu_extension(verbose: bool = False) -> Path:
                 raise RuntimeError(
                     f"built {_library_path(flags)} but it registered no torchcal.fused_true_class"
                 )
+            _register_compile_support()
             _state["loaded"] = _library_path(flags)
+            _state["ready"] = True
             return _state["loaded"]
         raise RuntimeError("could not build torchcal's C++ extension:\n" + "\n".join(failures))
 
@@ -230,11 +237,19 @@ def cpu_extension_available() -> bool:
     """
     if not _state["enabled"]:
         return False
-    if _state["loaded"] is None:
-        with _lock:
-            if _state["loaded"] is None:
-                _state["loaded"] = _load_built() or False
-    return bool(_state["loaded"])
+    ready = _state["ready"]
+    return _load_once() if ready is None else ready
+
+
+@torch.compiler.assume_constant_result
+def _load_once() -> bool:
+    """Looks for the built library once per process; run as it is when ``torch.compile`` traces a first call
+    (the lock and the file system are not traceable), its answer then a constant of the graph."""
+    with _lock:
+        if _state["loaded"] is None:
+            _state["loaded"] = _load_built() or False
+        _state["ready"] = bool(_state["loaded"])
+    return _state["ready"]
 
 
 def use_cpu_extension(enabled: bool):
@@ -255,12 +270,52 @@ def use_cpu_extension(enabled: bool):
 
 
 def fused_true_class(logits, targets, spec: LossSpec, reduction: str) -> torch.Tensor:
-    """The loss described by ``spec`` through the C++ operator (checks the label range)."""
+    """The loss described by ``spec`` through the C++ operator (checks the label range). While
+    ``torch.compile`` traces, the pair of plain operators whose fake implementations and autograd formula
+    are registered below (the eager operator's C++ autograd node cannot take fake tensors)."""
     params = spec.cpp_params32 if logits.dtype == torch.float32 else spec.cpp_params64
     sample = spec.sample_gammas
     if sample is not None and not sample.is_cpu:
         sample = sample.cpu()
+    if torch.compiler.is_compiling():
+        fwd = torch.ops.torchcal.fused_true_class_fwd.default
+        return fwd(logits, targets, params, sample, REDUCTION_CODES[reduction], spec.brier)[0]
     return _op("fused_true_class")(logits, targets, params, sample, REDUCTION_CODES[reduction])
+
+
+_N_OUT = 6  # columns of the operator's per-sample output (``enum Out`` in csrc/true_class.h)
+
+
+def _register_compile_support() -> None:
+    """Fake implementations (output shapes for tracing) of ``fused_true_class_fwd`` / ``_bwd`` and the
+    forward's autograd formula, registered once after the library is loaded."""
+    if _state.get("compile_support") or not hasattr(torch.ops.torchcal, "fused_true_class_fwd"):
+        return
+    _state["compile_support"] = True
+
+    @torch.library.register_fake("torchcal::fused_true_class_fwd")
+    def _fwd_fake(logits, targets, params, sample_gammas, reduction, brier):
+        n = logits.shape[0]
+        loss = logits.new_empty((n,) if reduction == 0 else ())
+        out = logits.new_empty((n, _N_OUT), dtype=torch.float64)
+        return loss, torch.empty_like(logits, memory_format=torch.contiguous_format), out
+
+    @torch.library.register_fake("torchcal::fused_true_class_bwd")
+    def _bwd_fake(grad_loss, probs, targets, out, brier, reduction):
+        return torch.empty_like(probs)
+
+    def setup_context(ctx, inputs, output):
+        _, targets, _, _, reduction, brier = inputs
+        _, probs, out = output
+        ctx.save_for_backward(probs, targets, out)
+        ctx.reduction, ctx.brier = reduction, brier
+
+    def backward(ctx, grad_loss, _grad_probs, _grad_out):
+        probs, targets, out = ctx.saved_tensors
+        bwd = torch.ops.torchcal.fused_true_class_bwd.default
+        return bwd(grad_loss, probs, targets, out, ctx.brier, ctx.reduction), None, None, None, None, None
+
+    torch.library.register_autograd("torchcal::fused_true_class_fwd", backward, setup_context=setup_context)
 
 
 def _op(name: str):

@@ -18,8 +18,16 @@ from .._validation import (
 )
 from . import _backend
 from ._binning import ScanSums
+from ._loss_inputs import check_ignore_index
 
-__all__ = ["scan_inputs", "top_label_inputs", "top_label_bins", "probs_and_targets", "nll_from_true_probs"]
+__all__ = [
+    "metric_rows",
+    "scan_inputs",
+    "top_label_inputs",
+    "top_label_bins",
+    "probs_and_targets",
+    "nll_from_true_probs",
+]
 
 
 def nll_from_true_probs(p_true: torch.Tensor) -> torch.Tensor:
@@ -126,3 +134,34 @@ def _scores_and_targets(
     if targets.device != probs.device:
         raise ValueError(f"`targets` is on {targets.device} but `{name}` is on {probs.device}")
     return probs, targets, tol
+
+
+def metric_rows(scores, targets, ignore_index=None, *, class_dim: int = 1, names=("scores", "targets")):
+    """Scores with extra dimensions as (rows, K) and their targets as (rows,), rows whose target equals
+    ``ignore_index`` dropped: the form every metric takes. ``class_dim=1`` for PyTorch's (N, K, d1, ...),
+    ``-1`` for Hugging Face's (N, T, K); ``names`` are the arguments' names in errors. The inputs are treated
+    as data (detached). Every metric calls it first (decision 97): dropping ignored rows is a boolean
+    selection, one device synchronisation on an accelerator, made only when ``ignore_index`` is given.
+
+    Example:
+        >>> import torch
+        >>> z, y = torch.zeros(2, 3, 4), torch.tensor([[0, 1, 2, -100], [2, 2, -100, -100]])
+        >>> from torchcal.metrics import metric_rows
+        >>> rows, labels = metric_rows(z, y, ignore_index=-100)
+        >>> rows.shape, labels.tolist()
+        (torch.Size([5, 3]), [0, 1, 2, 2, 2])
+    """
+    ignore_index = check_ignore_index(ignore_index)
+    scores, targets = as_data(scores, names[0]), as_data(targets, names[1])
+    if scores.ndim > 2:
+        k = scores.shape[class_dim]
+        expected = tuple(d for i, d in enumerate(scores.shape) if i != class_dim % scores.ndim)
+        if tuple(targets.shape) != expected:
+            raise ValueError(
+                f"`{names[1]}` must have shape {expected} to match `{names[0]}`, got {tuple(targets.shape)}"
+            )
+        scores, targets = scores.movedim(class_dim, -1).reshape(-1, k), targets.reshape(-1)
+    if ignore_index is not None and targets.ndim == 1 and targets.shape[0] == scores.shape[0]:
+        keep = targets != ignore_index
+        scores, targets = scores[keep], targets[keep]
+    return scores, targets

@@ -12,8 +12,17 @@ the conventions of ``F.cross_entropy``:
 * **soft targets**: floating targets of the logits' shape are class probabilities per sample (mixup, cutmix,
   label smoothing done by the data pipeline); losses whose definition needs a true class refuse them.
 
-The checks cost no accelerator synchronisation: label ranges and the soft targets' rows are checked for CPU
-tensors only, as everywhere in the core.
+Two more arguments follow ``F.cross_entropy`` (decision 96):
+
+* **class weights** ``weight`` (K,): a sample's loss is multiplied by the weight of its class, and
+  ``"mean"`` divides by the sum of the weights of the kept labels; against class probabilities q the
+  per-class terms are weighted, Σ_k w_k q_k f(p_k), and ``"mean"`` divides by the number of rows;
+* **label smoothing** ε: the target distribution (1 − ε)·onehot + ε/K (or (1 − ε)·q + ε/K), for the losses
+  that are functions of it; weighted as above, ``"mean"`` still divides by the weights of the labels.
+
+The checks cost no accelerator synchronisation: label ranges, the soft targets' rows and the weights' values
+are checked for CPU tensors only, as everywhere in the core, and not at all while ``torch.compile`` traces
+(they need the values; the operators still refuse labels outside [0, K)).
 """
 
 from __future__ import annotations
@@ -23,10 +32,21 @@ from typing import NamedTuple
 
 import torch
 
-from .._validation import _SUM_TOL, as_tensor, check_label_range, row_stats
+from .._validation import _SUM_TOL, as_tensor, check_float, check_label_range, row_stats
 from ._spec import reduce_loss
 
-__all__ = ["IGNORE_INDEX", "LossRows", "check_ignore_index", "check_loss_inputs", "loss_rows", "reduce_rows"]
+__all__ = [
+    "IGNORE_INDEX",
+    "LossRows",
+    "check_class_weight",
+    "check_ignore_index",
+    "check_label_smoothing",
+    "check_loss_inputs",
+    "class_weight_buffer",
+    "loss_rows",
+    "reduce_rows",
+    "smoothed_targets",
+]
 
 IGNORE_INDEX = -100  # F.cross_entropy's default
 
@@ -87,7 +107,7 @@ def check_loss_inputs(
                 f"{tuple(logits.shape)}, got {tuple(targets.shape)}; integer labels have shape "
                 f"{(logits.shape[0], *logits.shape[2:])}"
             )
-        if targets.device.type == "cpu":
+        if targets.device.type == "cpu" and not torch.compiler.is_compiling():
             _check_soft_targets(targets)
         return logits, targets.to(logits.dtype), True
     if targets.dtype == torch.bool or targets.is_complex():
@@ -99,7 +119,7 @@ def check_loss_inputs(
         raise ValueError(
             f"`targets` must have shape {expected} to match `logits`, got {tuple(targets.shape)}"
         )
-    if check_range:
+    if check_range and not torch.compiler.is_compiling():
         check_label_range(targets, k, ignore_index)
     return logits, targets.long(), False
 
@@ -134,13 +154,84 @@ def loss_rows(logits, targets, ignore_index=IGNORE_INDEX, *, soft_refusal: str |
     return LossRows(logits, targets, keep, shape)
 
 
-def reduce_rows(loss: torch.Tensor, rows: LossRows, reduction: str) -> torch.Tensor:
+def check_label_smoothing(label_smoothing, refusal: str | None = None) -> float:
+    """ε in [0, 1]; a loss that is not a function of the target distribution passes the reason as ``refusal``
+    and any ε > 0 raises it."""
+    eps = check_float(label_smoothing, "label_smoothing", low=0, high=1)
+    if eps and refusal is not None:
+        raise ValueError(f"`label_smoothing` is not accepted: {refusal}")
+    return eps
+
+
+def check_class_weight(weight, logits: torch.Tensor) -> torch.Tensor | None:
+    """None, or ``weight`` as a (K,) tensor of the checked ``logits``' dtype and device: one finite,
+    non-negative weight per class (values checked for CPU tensors)."""
+    if weight is None:
+        return None
+    k = logits.shape[1]
+    if not isinstance(weight, torch.Tensor):
+        weight = as_tensor(weight, "weight").to(logits.device)
+    if not weight.is_floating_point():
+        raise TypeError(
+            f"`weight` must be a floating-point tensor (one weight per class), got dtype {weight.dtype}"
+        )
+    if tuple(weight.shape) != (k,):
+        raise ValueError(f"`weight` must have shape ({k},), one weight per class, got {tuple(weight.shape)}")
+    if weight.device != logits.device:
+        raise ValueError(f"`weight` is on {weight.device} but `logits` is on {logits.device}")
+    if weight.device.type == "cpu" and not torch.compiler.is_compiling():
+        lowest = float(torch.where(torch.isfinite(weight), weight, -torch.inf).amin())
+        if lowest < 0:
+            raise ValueError("`weight` must hold finite, non-negative class weights")
+    return weight.to(logits.dtype)
+
+
+def class_weight_buffer(weight) -> torch.Tensor | None:
+    """A loss module's ``weight`` argument as the tensor it keeps as a buffer: None, or a 1-D floating tensor
+    of finite, non-negative values (the class count is checked against the logits at each call)."""
+    if weight is None:
+        return None
+    weight = as_tensor(weight, "weight")
+    if not weight.is_floating_point() or weight.ndim != 1:
+        raise ValueError(
+            f"`weight` must be a 1-D floating-point tensor (one weight per class), got dtype {weight.dtype} "
+            f"and shape {tuple(weight.shape)}"
+        )
+    if weight.device.type == "cpu" and not bool(torch.isfinite(weight).all() and (weight >= 0).all()):
+        raise ValueError("`weight` must hold finite, non-negative class weights")
+    return weight
+
+
+def smoothed_targets(rows: LossRows, eps: float) -> torch.Tensor:
+    """The rows' target distributions (M, K), smoothed as (1 − ε)·q + ε/K (the labels' one-hot rows when
+    the targets are labels)."""
+    k = rows.logits.shape[1]
+    if rows.soft:
+        q = rows.targets
+    else:
+        q = torch.nn.functional.one_hot(rows.targets, k).to(rows.logits.dtype)
+    return q * (1 - eps) + eps / k if eps else q
+
+
+def reduce_rows(
+    loss: torch.Tensor, rows: LossRows, reduction: str, weight: torch.Tensor | None = None
+) -> torch.Tensor:
     """The (M,) per-row ``loss`` reduced as the caller asked: ignored rows add 0 and "mean" averages over the
-    kept rows (NaN when none is kept, as ``F.cross_entropy``); "none" has the per-sample shape."""
+    kept rows (NaN when none is kept, as ``F.cross_entropy``); "none" has the per-sample shape. With class
+    ``weight`` (K,) and labels, each row is multiplied by its label's weight and "mean" divides by their sum
+    over the kept rows (``F.cross_entropy``'s normalisation); soft rows are weighted by the loss itself."""
+    sample_weight = None
+    if weight is not None and not rows.soft:
+        sample_weight = weight[rows.targets]
+        loss = loss * sample_weight
     if rows.keep is not None:
         loss = torch.where(rows.keep, loss, loss.new_zeros(()))
         if reduction == "mean":
-            return loss.sum() / rows.keep.sum()
+            if sample_weight is None:
+                return loss.sum() / rows.keep.sum()
+            return loss.sum() / torch.where(rows.keep, sample_weight, sample_weight.new_zeros(())).sum()
     if reduction == "none":
         return loss.reshape(rows.shape)
+    if reduction == "mean" and sample_weight is not None:
+        return loss.sum() / sample_weight.sum()
     return reduce_loss(loss, reduction)

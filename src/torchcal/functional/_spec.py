@@ -42,7 +42,7 @@ class LossSpec:
     no likelihood term; ``brier``: λ of an added Σ_k (p_k − onehot_k)² term.
     """
 
-    __slots__ = ("sample_gammas", "cpp_params32", "cpp_params64")
+    __slots__ = ("sample_gammas", "brier", "cpp_params32", "cpp_params64")
 
     def __init__(
         self,
@@ -62,6 +62,7 @@ class LossSpec:
         thresholds64 = np.asarray(thresholds, dtype=np.float64).reshape(-1)
         thresholds32 = thresholds64.astype(np.float32).astype(np.float64)
         self.sample_gammas = sample_gammas
+        self.brier = float(brier)
         # P_UPPER, P_DUAL, P_MARGIN, P_NLL, P_CAL, P_CAL_LAMBDA, P_BRIER (P_ROUND32, P_TINY are per call), packed
         # with the number of thresholds, the thresholds and the γs into one float64 vector per input dtype for
         # the C++ operator (``_extension``)

@@ -80,31 +80,39 @@ class TrueClassLoss(torch.autograd.Function):
 
 class SoftTargetLoss(torch.autograd.Function):
     """Per-sample Σ_k q_k f(p_k) + λ·Σ_k (p_k − q_k)² against target distributions q (N, K), with an analytic
-    backward (decision 73).
+    backward (decision 73); with class weights w (K,) Σ_k w_k q_k f(p_k) + λ·(Σ_k w_k q_k)·Σ_k (p_k − q_k)²
+    (decision 96: ``F.cross_entropy``'s soft-target weighting, and the squared-error term scaled by the row's
+    expected weight, which is w_y for a one-hot row).
 
     ``weight_fn(log_p) -> (loss, c)`` is the same elementwise function as :class:`TrueClassLoss`'s, applied to
     every class: f(p_k) and c_k = p_k f'(p_k). With one-hot q this is the hard-label loss. The gradient is
-    q⊙c − p·Σ_k q_k c_k, plus 2λ·(p⊙(p − q) − p·Σ_k p_k (p_k − q_k)) for the squared-error term. No gradient
-    flows to the targets.
+    q⊙c − p·Σ_k q_k c_k (q weighted), plus 2λ_i·(p⊙(p − q) − p·Σ_k p_k (p_k − q_k)) for the squared-error
+    term. No gradient flows to the targets or the weights.
     """
 
     @staticmethod
-    def forward(ctx, logits, q, weight_fn, brier_lambda):
+    def forward(ctx, logits, q, weight_fn, brier_lambda, class_weight=None):
         log_p = torch.log_softmax(logits, dim=1)
         f, c = weight_fn(log_p)
-        loss = (q * f).sum(dim=1)
+        qw = q if class_weight is None else q * class_weight
+        loss = (qw * f).sum(dim=1)
+        lam = None
         if brier_lambda:
-            loss = loss + brier_lambda * (log_p.exp() - q).square().sum(dim=1)
-        ctx.brier_lambda = brier_lambda
-        ctx.save_for_backward(log_p, q, q * c)
+            lam = (
+                torch.full_like(loss, brier_lambda)
+                if class_weight is None
+                else brier_lambda * (q @ class_weight)
+            )
+            loss = loss + lam * (log_p.exp() - q).square().sum(dim=1)
+        ctx.save_for_backward(log_p, q, qw * c, lam)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        log_p, q, qc = ctx.saved_tensors
+        log_p, q, qc, lam = ctx.saved_tensors
         p = torch.exp(log_p)
         grad = qc - p * qc.sum(dim=1, keepdim=True)
-        if ctx.brier_lambda:
+        if lam is not None:
             pd = p * (p - q)
-            grad = grad + (2 * ctx.brier_lambda) * (pd - p * pd.sum(dim=1, keepdim=True))
-        return grad * grad_loss[:, None], None, None, None
+            grad = grad + (2 * lam)[:, None] * (pd - p * pd.sum(dim=1, keepdim=True))
+        return grad * grad_loss[:, None], None, None, None, None

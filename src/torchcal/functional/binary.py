@@ -54,7 +54,8 @@ def _check_binary_targets(targets, shape, device, name="targets", soft=True) -> 
     """(targets, whether they are known to be exactly 0/1): integer and bool targets are; floating CPU
     targets are checked in one pass when they are 0/1, and for finiteness and [0, 1] otherwise; on an
     accelerator nothing is checked (no synchronisation) and they count as soft, unless ``soft=False`` (a
-    loss or metric defined for 0/1 targets only), where one synchronisation checks that they are 0/1."""
+    loss or metric defined for 0/1 targets only), where one synchronisation checks that they are 0/1; while
+    torch.compile traces nothing is checked (the values are not known)."""
     targets = as_tensor(targets, name)
     if targets.is_complex():
         raise TypeError(f"`{name}` must be real, got dtype {targets.dtype}")
@@ -66,19 +67,21 @@ def _check_binary_targets(targets, shape, device, name="targets", soft=True) -> 
         raise ValueError(f"`{name}` is on {targets.device} but the scores are on {device}")
     if targets.dtype == torch.bool or not targets.is_floating_point():
         hard = True
-        if targets.device.type == "cpu" and targets.numel() and targets.dtype != torch.bool:
+        checked = targets.device.type == "cpu" and not torch.compiler.is_compiling()
+        if checked and targets.numel() and targets.dtype != torch.bool:
             lo, hi = torch.stack(torch.aminmax(targets)).tolist()
             if lo < 0 or hi > 1:
                 raise ValueError(
                     f"`{name}` must be 0 or 1 (1 = the label is present), found {lo if lo < 0 else hi}"
                 )
         return targets, hard
-    if targets.device.type != "cpu":
-        if not soft:  # a loss defined by 0/1 targets only: one synchronisation checks them
+    if targets.device.type != "cpu" or torch.compiler.is_compiling():
+        if not soft and not torch.compiler.is_compiling():  # 0/1 targets only: one synchronisation checks
             if not bool(((targets == 0) | (targets == 1)).all()):
                 raise ValueError(f"`{name}` must be 0 or 1 here (soft targets are not accepted)")
-            return targets, True
-        return targets, False  # no synchronisation: the soft-target path serves 0/1 targets too
+        # no synchronisation otherwise: the soft-target path serves 0/1 targets too, and a loss that needs
+        # 0/1 targets takes them as labels
+        return targets, not soft
     hard = bool(((targets == 0) | (targets == 1)).all())  # one pass decides the usual case (0/1 targets)
     if not hard and targets.numel():
         if not bool(torch.isfinite(targets).all()):
@@ -115,7 +118,11 @@ def _weights(pos_weight, alpha, logits):
             raise ValueError(
                 f"`pos_weight` must have shape ({labels},), one weight per label, got {tuple(pw.shape)}"
             )
-        if pw.device.type == "cpu" and not bool((pw >= 0).all() and torch.isfinite(pw).all()):
+        if (
+            pw.device.type == "cpu"
+            and not torch.compiler.is_compiling()
+            and not bool((pw >= 0).all() and torch.isfinite(pw).all())
+        ):
             raise ValueError("`pos_weight` must be finite and >= 0")
         w_pos = pw if w_pos is None else w_pos * pw
     return w_pos, w_neg

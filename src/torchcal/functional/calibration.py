@@ -1,7 +1,10 @@
 """Calibration metrics with one explicit convention (SPEC §3).
 
 Every public function takes ``probs`` of shape (N, K) (or logits with ``from_logits=True``) and integer
-``targets`` of shape (N,), validates them, and returns a 0-d float64 tensor on the input's device. Sums are
+``targets`` of shape (N,), validates them, and returns a 0-d float64 tensor on the input's device. As the
+losses, they also take (N, K, d1, ...) scores with (N, d1, ...) targets (each position a sample) and
+``ignore_index`` (default None: every label counts; −100 leaves out the positions so labelled, as
+``F.cross_entropy``), decision 97. Sums are
 accumulated in float64. The ``*_from_*`` helpers compute the same numbers from sufficient statistics; the
 streaming :class:`torchcal.metrics.CalibrationMetrics` calls them too, so streamed and one-shot values agree.
 """
@@ -33,7 +36,9 @@ from ._binning import (
     equal_mass_sums,
     prefix_sums,
 )
-from ._inputs import probs_and_targets, scan_inputs, top_label_bins, top_label_inputs
+from ._inputs import metric_rows, probs_and_targets, scan_inputs, top_label_bins, top_label_inputs
+
+_NAMES = ("probs", "targets")  # the arguments' names in metric_rows' errors
 
 __all__ = [
     "expected_calibration_error",
@@ -161,7 +166,9 @@ def brier_from_sums(sum_sq: float, p_true: torch.Tensor, n: int) -> torch.Tensor
 # ----------------------------------------------------------------------------- public metrics
 
 
-def expected_calibration_error(probs, targets, *, n_bins: int = 15, from_logits: bool = False):
+def expected_calibration_error(
+    probs, targets, *, n_bins: int = 15, from_logits: bool = False, ignore_index=None
+):
     r"""Expected calibration error with equal-width bins (top-label).
 
     .. math:: \mathrm{ECE} = \sum_{m} \frac{|B_m|}{N} \left| \mathrm{acc}(B_m) - \mathrm{conf}(B_m) \right|
@@ -192,11 +199,14 @@ def expected_calibration_error(probs, targets, *, n_bins: int = 15, from_logits:
         >>> expected_calibration_error(probs, targets, n_bins=10)  # float32 0.6 > 0.6: bin (0.6, 0.7]
         tensor(0.1333, dtype=torch.float64)
     """
+    probs, targets = metric_rows(probs, targets, ignore_index, names=_NAMES)
     n_bins = check_positive_int(n_bins, "n_bins")
     return ece_from_sums(*top_label_bins(probs, targets, from_logits, n_bins))
 
 
-def maximum_calibration_error(probs, targets, *, n_bins: int = 15, from_logits: bool = False):
+def maximum_calibration_error(
+    probs, targets, *, n_bins: int = 15, from_logits: bool = False, ignore_index=None
+):
     """Maximum calibration error: the largest |acc_m − conf_m| over non-empty equal-width bins.
 
     Bins as in :func:`expected_calibration_error` (``(m/M, (m+1)/M]``, 0 in bin 0); empty bins are skipped.
@@ -207,11 +217,14 @@ def maximum_calibration_error(probs, targets, *, n_bins: int = 15, from_logits: 
         >>> maximum_calibration_error(probs, torch.tensor([0, 1, 1]), n_bins=10)
         tensor(0.1500, dtype=torch.float64)
     """
+    probs, targets = metric_rows(probs, targets, ignore_index, names=_NAMES)
     n_bins = check_positive_int(n_bins, "n_bins")
     return mce_from_sums(*top_label_bins(probs, targets, from_logits, n_bins))
 
 
-def adaptive_calibration_error(probs, targets, *, n_bins: int = 15, from_logits: bool = False):
+def adaptive_calibration_error(
+    probs, targets, *, n_bins: int = 15, from_logits: bool = False, ignore_index=None
+):
     """Adaptive (equal-mass) ECE, "AdaECE" / "ECE_EM".
 
     Confidences are sorted (stable: ties keep input order) and the sorted order is cut into ``n_bins``
@@ -225,11 +238,14 @@ def adaptive_calibration_error(probs, targets, *, n_bins: int = 15, from_logits:
         >>> adaptive_calibration_error(probs, torch.tensor([0, 1, 1, 0]), n_bins=2)  # .5*.15 + .5*.35
         tensor(0.2500, dtype=torch.float64)
     """
+    probs, targets = metric_rows(probs, targets, ignore_index, names=_NAMES)
     n_bins = check_positive_int(n_bins, "n_bins")
     return adaece_from_sorted(*sorted_by_confidence(*top_label_inputs(probs, targets, from_logits)), n_bins)
 
 
-def classwise_calibration_error(probs, targets, *, n_bins: int = 15, from_logits: bool = False):
+def classwise_calibration_error(
+    probs, targets, *, n_bins: int = 15, from_logits: bool = False, ignore_index=None
+):
     """Classwise ECE: the mean over the K columns of a per-class equal-width ECE.
 
     For class k, bins are equal-width on p_ik over all N samples (``(m/M, (m+1)/M]``, 0 in bin 0), the bin
@@ -242,13 +258,14 @@ def classwise_calibration_error(probs, targets, *, n_bins: int = 15, from_logits
         >>> classwise_calibration_error(probs, torch.tensor([0, 1, 1]), n_bins=10)
         tensor(0.3333, dtype=torch.float64)
     """
+    probs, targets = metric_rows(probs, targets, ignore_index, names=_NAMES)
     n_bins = check_positive_int(n_bins, "n_bins")
     probs, targets = probs_and_targets(probs, targets, from_logits)
     _, conf_sum, correct_sum = classwise_sums(probs, targets, n_bins)
     return classwise_from_sums(conf_sum, correct_sum, probs.shape[0])
 
 
-def negative_log_likelihood(probs, targets, *, from_logits: bool = False):
+def negative_log_likelihood(probs, targets, *, from_logits: bool = False, ignore_index=None):
     """Mean negative log-likelihood −(1/N) Σ log p_t.
 
     p_t is clamped below at the smallest positive normal number of the working dtype (float32 for half
@@ -263,6 +280,7 @@ def negative_log_likelihood(probs, targets, *, from_logits: bool = False):
         >>> negative_log_likelihood(probs, torch.tensor([0, 1]))
         tensor(0.4904, dtype=torch.float64)
     """
+    probs, targets = metric_rows(probs, targets, ignore_index, names=_NAMES)
     if from_logits:
         logits = check_logits(as_data(probs, "probs"), "probs", warn_if_probs=_FROM_LOGITS_ADVICE)
         targets = check_targets(targets, logits.shape[0], logits.shape[1])
@@ -273,7 +291,7 @@ def negative_log_likelihood(probs, targets, *, from_logits: bool = False):
     return torch.as_tensor(scan.sums.nll / probs.shape[0], dtype=torch.float64, device=probs.device)
 
 
-def brier_score(probs, targets, *, from_logits: bool = False):
+def brier_score(probs, targets, *, from_logits: bool = False, ignore_index=None):
     """Multiclass Brier score: the mean over samples of Σ_k (p_k − onehot_k)², in [0, 2].
 
     This is the convention of Mukhoti et al. (not divided by K).
@@ -283,13 +301,14 @@ def brier_score(probs, targets, *, from_logits: bool = False):
         >>> brier_score(torch.tensor([[0.75, 0.25], [0.5, 0.5]]), torch.tensor([0, 1]))
         tensor(0.3125, dtype=torch.float64)
     """
+    probs, targets = metric_rows(probs, targets, ignore_index, names=_NAMES)
     probs, targets, scan = scan_inputs(probs, targets, from_logits)
     if scan.sum_sq is None:
         return brier_per_sample(probs, targets).mean()
     return brier_from_sums(scan.sum_sq, probs.gather(1, targets[:, None]), probs.shape[0])
 
 
-def error_rate(probs, targets, *, from_logits: bool = False):
+def error_rate(probs, targets, *, from_logits: bool = False, ignore_index=None):
     """Top-1 error 1 − accuracy; a tie in the maximum predicts the lowest class index.
 
     Example:
@@ -297,6 +316,7 @@ def error_rate(probs, targets, *, from_logits: bool = False):
         >>> error_rate(torch.tensor([[0.75, 0.25], [0.5, 0.5]]), torch.tensor([0, 1]))
         tensor(0.5000, dtype=torch.float64)
     """
+    probs, targets = metric_rows(probs, targets, ignore_index, names=_NAMES)
     _, correct = top_label_inputs(probs, targets, from_logits)
     return 1 - correct.double().mean()
 
@@ -405,7 +425,13 @@ def smooth_ece_from_conf(conf, correct, sigma=None, eps: float = 1e-3, refine: i
 
 
 def smooth_calibration_error(
-    probs, targets, *, sigma: float | None = None, from_logits: bool = False, return_sigma: bool = False
+    probs,
+    targets,
+    *,
+    sigma: float | None = None,
+    from_logits: bool = False,
+    ignore_index=None,
+    return_sigma: bool = False,
 ):
     """Smooth ECE (smECE) of Błasiok & Nakkiran 2023 on the top-label confidence.
 
@@ -424,13 +450,16 @@ def smooth_calibration_error(
         >>> smooth_calibration_error(probs, torch.tensor([0, 1, 1, 0]))
         tensor(0.2498, dtype=torch.float64)
     """
+    probs, targets = metric_rows(probs, targets, ignore_index, names=_NAMES)
     if sigma is not None:
         sigma = check_float(sigma, "sigma", low=0, high=1, low_open=True)
     value, used = smooth_ece_from_conf(*top_label_inputs(probs, targets, from_logits), sigma=sigma)
     return (value, used) if return_sigma else value
 
 
-def debiased_calibration_error(probs, targets, *, n_bins: int = 15, from_logits: bool = False):
+def debiased_calibration_error(
+    probs, targets, *, n_bins: int = 15, from_logits: bool = False, ignore_index=None
+):
     r"""Debiased L2 calibration error of Kumar et al. 2019 on equal-mass top-label bins.
 
     .. math:: \sqrt{\max\Big(0, \sum_m \frac{|B_m|}{N}\big[(\mathrm{conf}_m - \mathrm{acc}_m)^2
@@ -445,11 +474,14 @@ def debiased_calibration_error(probs, targets, *, n_bins: int = 15, from_logits:
         >>> debiased_calibration_error(probs, torch.tensor([1, 1, 1, 1]), n_bins=2)
         tensor(0.7566, dtype=torch.float64)
     """
+    probs, targets = metric_rows(probs, targets, ignore_index, names=_NAMES)
     n_bins = check_positive_int(n_bins, "n_bins")
     return debiased_from_sorted(*sorted_by_confidence(*top_label_inputs(probs, targets, from_logits)), n_bins)
 
 
-def ece_sweep(probs, targets, *, p: int = 1, from_logits: bool = False, return_n_bins: bool = False):
+def ece_sweep(
+    probs, targets, *, p: int = 1, from_logits: bool = False, ignore_index=None, return_n_bins: bool = False
+):
     """ECE_sweep of Roelofs et al. 2022 with equal-mass bins.
 
     Tries b = 2, 3, ... equal-mass bins (cut as in :func:`adaptive_calibration_error`) and keeps the largest
@@ -466,6 +498,7 @@ def ece_sweep(probs, targets, *, p: int = 1, from_logits: bool = False, return_n
         >>> ece_sweep(probs, torch.tensor([0, 1, 1, 0]), return_n_bins=True)
         (tensor(0.2500, dtype=torch.float64), 2)
     """
+    probs, targets = metric_rows(probs, targets, ignore_index, names=_NAMES)
     check_positive_int(p, "p")
     value, b = sweep_from_sorted(*sorted_by_confidence(*top_label_inputs(probs, targets, from_logits)), p=p)
     return (value, b) if return_n_bins else value
@@ -508,7 +541,13 @@ def _kde_select_bandwidth(f, log_f, chunk):
 
 
 def kde_calibration_error(
-    probs, targets, *, bandwidth: float | str = "auto", from_logits: bool = False, chunk_size: int = 1024
+    probs,
+    targets,
+    *,
+    bandwidth: float | str = "auto",
+    from_logits: bool = False,
+    ignore_index=None,
+    chunk_size: int = 1024,
 ):
     """Canonical L1 calibration error with a Dirichlet kernel (Popordanoska et al. 2022).
 
@@ -529,6 +568,7 @@ def kde_calibration_error(
         >>> kde_calibration_error(probs, torch.tensor([0, 0, 1, 1]), bandwidth=0.5)
         tensor(0.1561, dtype=torch.float64)
     """
+    probs, targets = metric_rows(probs, targets, ignore_index, names=_NAMES)
     probs, targets = probs_and_targets(probs, targets, from_logits)
     n, k = probs.shape
     if n < 2:
@@ -572,7 +612,9 @@ class ConfidenceShare(NamedTuple):
     accuracy: torch.Tensor
 
 
-def confidence_at_least(probs, targets, threshold: float = 0.99, *, from_logits: bool = False):
+def confidence_at_least(
+    probs, targets, threshold: float = 0.99, *, from_logits: bool = False, ignore_index=None
+):
     """Share of samples whose top-label confidence is >= ``threshold`` and their accuracy ("S99").
 
     Mukhoti et al. 2020, Table 6. The accuracy is NaN when no sample reaches the threshold (there is no
@@ -584,6 +626,7 @@ def confidence_at_least(probs, targets, threshold: float = 0.99, *, from_logits:
         >>> confidence_at_least(probs, torch.tensor([0, 1, 0, 1]))
         ConfidenceShare(fraction=tensor(0.5000, dtype=torch.float64), accuracy=tensor(0.5000, dtype=torch.float64))
     """
+    probs, targets = metric_rows(probs, targets, ignore_index, names=_NAMES)
     threshold = check_float(threshold, "threshold", low=0, high=1)
     conf, correct = top_label_inputs(probs, targets, from_logits)
     confident = conf >= threshold

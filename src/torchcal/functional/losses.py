@@ -25,7 +25,15 @@ import torch.nn.functional as nnf
 
 from .._validation import check_choice, check_float, check_label_range
 from . import _backend
-from ._loss_inputs import IGNORE_INDEX, check_ignore_index, check_loss_inputs, loss_rows, reduce_rows
+from ._loss_inputs import (
+    IGNORE_INDEX,
+    check_class_weight,
+    check_ignore_index,
+    check_label_smoothing,
+    check_loss_inputs,
+    loss_rows,
+    reduce_rows,
+)
 from ._spec import REDUCTIONS, LossSpec
 
 __all__ = [
@@ -54,27 +62,30 @@ def _gamma(gamma, name="gamma", low=0.0):
     return check_float(gamma, name, low=low)
 
 
-@functools.lru_cache(maxsize=256)
-def _spec(gammas: tuple, thresholds: tuple = (), **options) -> LossSpec:
-    """Description of a loss for the fused path, for constant hyper-parameters (built once per setting)."""
-    return LossSpec(gammas, thresholds, upper_on_tie=True, **options)
-
-
 def _cached(fn):
     """``fn`` memoised on its (typed) arguments: a loss called every step with the same hyper-parameters
     validates them and builds its fused description once. Unhashable arguments (lists) are not cached;
-    arguments that fail validation raise every time (exceptions are not cached)."""
+    arguments that fail validation raise every time (exceptions are not cached). While ``torch.compile``
+    traces, ``fn`` itself is traced (once per compiled graph)."""
     cached = functools.lru_cache(maxsize=256, typed=True)(fn)
 
     @functools.wraps(fn)
-    def wrapper(*args):
+    def wrapper(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return fn(*args, **kwargs)
         try:
-            hash(args)
+            hash((args, tuple(kwargs.items())))
         except TypeError:
-            return fn(*args)
-        return cached(*args)
+            return fn(*args, **kwargs)
+        return cached(*args, **kwargs)
 
     return wrapper
+
+
+@_cached
+def _spec(gammas: tuple, thresholds: tuple = (), **options) -> LossSpec:
+    """Description of a loss for the fused path, for constant hyper-parameters (built once per setting)."""
+    return LossSpec(gammas, thresholds, upper_on_tie=True, **options)
 
 
 @_cached
@@ -156,11 +167,18 @@ def _signed_gamma_weight(gamma):
 
 
 def cross_entropy(
-    logits, targets, *, label_smoothing: float = 0.0, ignore_index=IGNORE_INDEX, reduction: str = "mean"
+    logits,
+    targets,
+    *,
+    weight=None,
+    label_smoothing: float = 0.0,
+    ignore_index=IGNORE_INDEX,
+    reduction: str = "mean",
 ):
     """Cross entropy −log p_t, optionally against (1 − ε)·onehot + ε/K (PyTorch's ``label_smoothing``);
-    −Σ_k q_k log p_k against soft targets q (smoothed as (1 − ε)·q + ε/K). ``F.cross_entropy``'s semantics,
-    except that ``ignore_index=None`` ignores no label.
+    −Σ_k q_k log p_k against soft targets q (smoothed as (1 − ε)·q + ε/K); class ``weight`` (K,) as
+    ``F.cross_entropy``. ``F.cross_entropy``'s semantics, except that ``ignore_index=None`` ignores no label
+    and that the weights must be non-negative.
 
     Example:
         >>> import torch
@@ -176,12 +194,13 @@ def cross_entropy(
     check_choice(reduction, "reduction", REDUCTIONS)
     ignore_index = check_ignore_index(ignore_index)
     logits, targets, soft = check_loss_inputs(logits, targets, ignore_index, check_range=False)
+    weight = check_class_weight(weight, logits)
     ignored = _NO_IGNORED_LABEL if ignore_index is None else ignore_index
     try:
         # on CPU every label outside [0, K) but the ignored one raises IndexError inside the op, so the range
         # needs no separate pass (decision 40)
         return nnf.cross_entropy(
-            logits, targets, label_smoothing=eps, reduction=reduction, ignore_index=ignored
+            logits, targets, weight, label_smoothing=eps, reduction=reduction, ignore_index=ignored
         )
     except IndexError as err:
         if soft:
@@ -195,7 +214,7 @@ _NO_IGNORED_LABEL = -(2**63)  # int64's minimum, a label no dataset holds
 
 
 def label_smoothing_loss(
-    logits, targets, epsilon: float = 0.05, *, ignore_index=IGNORE_INDEX, reduction: str = "mean"
+    logits, targets, epsilon: float = 0.05, *, weight=None, ignore_index=IGNORE_INDEX, reduction: str = "mean"
 ):
     """Label smoothing LS-ε: cross entropy against (1 − ε)·onehot + ε/K (Müller et al. 2019; ε = 0.05 in
     Mukhoti et al.). Same as ``cross_entropy(..., label_smoothing=epsilon)``.
@@ -205,12 +224,21 @@ def label_smoothing_loss(
         tensor(0.2951)
     """
     return cross_entropy(
-        logits, targets, label_smoothing=epsilon, ignore_index=ignore_index, reduction=reduction
+        logits,
+        targets,
+        weight=weight,
+        label_smoothing=epsilon,
+        ignore_index=ignore_index,
+        reduction=reduction,
     )
 
 
-def brier_loss(logits, targets, *, ignore_index=IGNORE_INDEX, reduction: str = "mean"):
-    """Brier loss Σ_k (p_k − onehot_k)² of softmax probabilities; Σ_k (p_k − q_k)² against soft targets q.
+def brier_loss(
+    logits, targets, *, weight=None, label_smoothing: float = 0.0, ignore_index=IGNORE_INDEX, reduction="mean"
+):
+    """Brier loss Σ_k (p_k − onehot_k)² of softmax probabilities; Σ_k (p_k − q_k)² against soft targets q
+    (and against the smoothed (1 − ε)·onehot + ε/K with ``label_smoothing``). With class ``weight`` a row
+    counts with its label's weight (Σ_k w_k q_k for soft targets; decision 96).
 
     Example:
         >>> import torch
@@ -224,21 +252,41 @@ def brier_loss(logits, targets, *, ignore_index=IGNORE_INDEX, reduction: str = "
 
     spec = _spec((0.0,), nll=False, brier=1.0)
     return _backend.true_class_loss(
-        logits, targets, reduction, no_nll, brier_lambda=1.0, spec=spec, ignore_index=ignore_index
+        logits,
+        targets,
+        reduction,
+        no_nll,
+        brier_lambda=1.0,
+        spec=spec,
+        ignore_index=ignore_index,
+        weight=weight,
+        label_smoothing=label_smoothing,
     )
 
 
 # ----------------------------------------------------------------------------- focal family
 
 
-def focal_loss(logits, targets, gamma: float = 3.0, *, ignore_index=IGNORE_INDEX, reduction: str = "mean"):
+def focal_loss(
+    logits,
+    targets,
+    gamma: float = 3.0,
+    *,
+    weight=None,
+    label_smoothing: float = 0.0,
+    ignore_index=IGNORE_INDEX,
+    reduction: str = "mean",
+):
     r"""Focal loss :math:`-(1 - p_t)^\gamma \log p_t` (Lin et al. 2017; Mukhoti et al. 2020).
 
     γ = 0 is cross entropy. Finite loss and gradients for any finite logits, also for 0 < γ < 1 as p_t → 1.
-    Against soft targets q: −Σ_k q_k (1 − p_k)^γ log p_k (decision 73).
+    Against soft targets q: −Σ_k q_k (1 − p_k)^γ log p_k (decision 73); ``label_smoothing`` ε takes
+    q = (1 − ε)·onehot + ε/K; class ``weight`` as ``F.cross_entropy`` (decision 96).
 
     Args:
         gamma: γ >= 0 (use :func:`inverse_focal_loss` for the AdaFocal's negative γ).
+        weight: optional (K,) class weights: w_y·loss, and "mean" divides by Σ w_y over the kept labels.
+        label_smoothing: ε in [0, 1].
 
     Example:
         >>> import torch
@@ -248,12 +296,26 @@ def focal_loss(logits, targets, gamma: float = 3.0, *, ignore_index=IGNORE_INDEX
     """
     gamma, _, spec = _gamma_spec(gamma)
     return _backend.true_class_loss(
-        logits, targets, reduction, _focal_weight(gamma), spec=spec, ignore_index=ignore_index
+        logits,
+        targets,
+        reduction,
+        _focal_weight(gamma),
+        spec=spec,
+        ignore_index=ignore_index,
+        weight=weight,
+        label_smoothing=label_smoothing,
     )
 
 
 def inverse_focal_loss(
-    logits, targets, gamma: float = 1.0, *, ignore_index=IGNORE_INDEX, reduction: str = "mean"
+    logits,
+    targets,
+    gamma: float = 1.0,
+    *,
+    weight=None,
+    label_smoothing: float = 0.0,
+    ignore_index=IGNORE_INDEX,
+    reduction: str = "mean",
 ):
     r"""Inverse focal loss :math:`-(1 + p_t)^\gamma \log p_t` (Wang et al. 2021), used by AdaFocal for γ < 0;
     −Σ_k q_k (1 + p_k)^γ log p_k against soft targets q.
@@ -265,7 +327,14 @@ def inverse_focal_loss(
     """
     gamma, _, spec = _gamma_spec(gamma, "inverse")
     return _backend.true_class_loss(
-        logits, targets, reduction, _inverse_focal_weight(gamma), spec=spec, ignore_index=ignore_index
+        logits,
+        targets,
+        reduction,
+        _inverse_focal_weight(gamma),
+        spec=spec,
+        ignore_index=ignore_index,
+        weight=weight,
+        label_smoothing=label_smoothing,
     )
 
 
@@ -294,6 +363,8 @@ def sample_dependent_focal_loss(
     gammas=(5.0, 3.0),
     thresholds=(0.2,),
     *,
+    weight=None,
+    label_smoothing: float = 0.0,
     ignore_index=IGNORE_INDEX,
     reduction: str = "mean",
 ):
@@ -312,14 +383,30 @@ def sample_dependent_focal_loss(
     """
     gammas, thresholds, spec = _schedule_spec(gammas, thresholds)
 
-    def weight(log_pt):
+    def focal_weight(log_pt):
         return _focal_weight(_pick_gamma(log_pt.exp(), thresholds, gammas))(log_pt)
 
-    return _backend.true_class_loss(logits, targets, reduction, weight, spec=spec, ignore_index=ignore_index)
+    return _backend.true_class_loss(
+        logits,
+        targets,
+        reduction,
+        focal_weight,
+        spec=spec,
+        ignore_index=ignore_index,
+        weight=weight,
+        label_smoothing=label_smoothing,
+    )
 
 
 def varying_focal_loss(
-    logits, targets, gamma: torch.Tensor, *, ignore_index=IGNORE_INDEX, reduction: str = "mean"
+    logits,
+    targets,
+    gamma: torch.Tensor,
+    *,
+    weight=None,
+    label_smoothing: float = 0.0,
+    ignore_index=IGNORE_INDEX,
+    reduction: str = "mean",
 ):
     """Focal loss with a per-sample γ tensor of the labels' shape ((N,) or (N, d1, ...)): focal form where
     γ_i >= 0, inverse focal with |γ_i| where γ_i < 0 (the AdaFocal convention). γ is treated as a constant
@@ -339,7 +426,7 @@ def varying_focal_loss(
     if shape is None or tuple(gamma.shape) != shape:
         raise ValueError(f"`gamma` must have shape {shape}, one γ per sample, got {tuple(gamma.shape)}")
     gamma = gamma.to(logits.device).reshape(-1)
-    spec = LossSpec((), sample_gammas=gamma)
+    spec = None if torch.compiler.is_compiling() else LossSpec((), sample_gammas=gamma)
     return _backend.true_class_loss(
         logits,
         targets,
@@ -348,17 +435,27 @@ def varying_focal_loss(
         spec=spec,
         ignore_index=ignore_index,
         soft_refusal="γ is given per sample, for its true class",
+        weight=weight,
+        label_smoothing=label_smoothing,
     )
 
 
 def dual_focal_loss(
-    logits, targets, gamma: float = 5.0, *, ignore_index=IGNORE_INDEX, reduction: str = "mean"
+    logits,
+    targets,
+    gamma: float = 5.0,
+    *,
+    weight=None,
+    label_smoothing: float = 0.0,
+    ignore_index=IGNORE_INDEX,
+    reduction: str = "mean",
 ):
     r"""Dual focal loss :math:`-(1 - p_t + p_j)^\gamma \log p_t` (Tao et al. 2023).
 
     p_j is the largest probability strictly smaller than p_t: the runner-up when the true class is the
     argmax, the largest class below the true one otherwise; 0 when no class is below p_t (all-equal rows);
-    classes tied with p_t are excluded. The gradient flows through p_j, as in the released code.
+    classes tied with p_t are excluded. The gradient flows through p_j, as in the released code. Class
+    ``weight`` as ``F.cross_entropy``; ``label_smoothing`` is refused (the loss needs the true class).
 
     Example:
         >>> import torch
@@ -375,6 +472,8 @@ def dual_focal_loss(
         runner_up=True,
         spec=spec,
         ignore_index=ignore_index,
+        weight=weight,
+        label_smoothing=label_smoothing,
     )
 
 
@@ -384,6 +483,8 @@ def dual_sample_dependent_focal_loss(
     gammas=(5.0, 3.0),
     thresholds=(0.2,),
     *,
+    weight=None,
+    label_smoothing: float = 0.0,
     ignore_index=IGNORE_INDEX,
     reduction: str = "mean",
 ):
@@ -396,26 +497,37 @@ def dual_sample_dependent_focal_loss(
     """
     gammas, thresholds, spec = _schedule_spec(gammas, thresholds, True)
 
-    def weight(log_pt, p_j):
+    def dual_weight(log_pt, p_j):
         return _dual_weight(_pick_gamma(log_pt.exp() - p_j, thresholds, gammas))(log_pt, p_j)
 
     return _backend.true_class_loss(
         logits,
         targets,
         reduction,
-        weight,
+        dual_weight,
         runner_up=True,
         spec=spec,
         ignore_index=ignore_index,
+        weight=weight,
+        label_smoothing=label_smoothing,
     )
 
 
 def focal_calibration_loss(
-    logits, targets, gamma: float = 4.0, lambda_: float = 1.5, *, ignore_index=IGNORE_INDEX, reduction="mean"
+    logits,
+    targets,
+    gamma: float = 4.0,
+    lambda_: float = 1.5,
+    *,
+    weight=None,
+    label_smoothing: float = 0.0,
+    ignore_index=IGNORE_INDEX,
+    reduction="mean",
 ):
     r"""Focal calibration loss: focal(γ) + λ·Σ_k (p_k − onehot_k)² ("Towards Trustworthy DNN through
-    Euclidean Distance"; e.g. (γ, λ) = (4.0, 1.5) for CIFAR-10 ResNet-50); against soft targets q, the soft
-    focal term plus λ·Σ_k (p_k − q_k)².
+    Euclidean Distance"; e.g. (γ, λ) = (4.0, 1.5) for CIFAR-10 ResNet-50); against soft targets q (or the
+    smoothed labels of ``label_smoothing``), the soft focal term plus λ·Σ_k (p_k − q_k)². With class
+    ``weight``: Σ_k w_k q_k f(p_k) + λ·(Σ_k w_k q_k)·Σ_k (p_k − q_k)², w_y·loss for labels (decision 96).
 
     Example:
         >>> import torch
@@ -431,6 +543,8 @@ def focal_calibration_loss(
         brier_lambda=lam,
         spec=spec,
         ignore_index=ignore_index,
+        weight=weight,
+        label_smoothing=label_smoothing,
     )
 
 
@@ -459,7 +573,19 @@ def mmce_penalty(
     )
 
 
+_RUNNER_UP_NEEDS_LABELS = _backend._RUNNER_UP_NEEDS_LABELS
 _MMCE_NEEDS_LABELS = "MMCE measures whether the top-label prediction is correct"
+_MMCE_IS_A_BATCH_TERM = (
+    "MMCE's penalty is a kernel statistic of the whole batch's confidences and correctness, which class "
+    "weights and smoothed targets do not define"
+)
+
+
+def check_mmce_options(weight, label_smoothing) -> None:
+    """MMCE refuses class weights and label smoothing, in one sentence each."""
+    if weight is not None:
+        raise ValueError(f"`weight` is not accepted: {_MMCE_IS_A_BATCH_TERM}")
+    check_label_smoothing(label_smoothing, _MMCE_IS_A_BATCH_TERM)
 
 
 def _mmce_rows(rows, normalization, bandwidth):
@@ -493,6 +619,8 @@ def mmce_loss(
     lambda_: float = 2.0,
     *,
     normalization: str = "paper",
+    weight=None,
+    label_smoothing: float = 0.0,
     ignore_index=IGNORE_INDEX,
     reduction: str = "mean",
 ):
@@ -500,7 +628,8 @@ def mmce_loss(
 
     The MMCE term belongs to the batch: ``"mean"`` is CE.mean() + λ·MMCE, ``"none"`` gives every sample
     CE_i + λ·MMCE (so its mean is the "mean" loss) and ``"sum"`` is the sum of ``"none"``. Positions labelled
-    ``ignore_index`` are left out of both terms (their "none" loss is 0).
+    ``ignore_index`` are left out of both terms (their "none" loss is 0). Class ``weight`` and
+    ``label_smoothing`` are refused (decision 96): the penalty is a statistic of the whole batch.
 
     Example:
         >>> import torch
@@ -511,6 +640,7 @@ def mmce_loss(
     lam = check_float(lambda_, "lambda_", low=0)
     check_choice(reduction, "reduction", REDUCTIONS)
     check_choice(normalization, "normalization", {"paper", "code"})
+    check_mmce_options(weight, label_smoothing)
     rows = loss_rows(logits, targets, ignore_index, soft_refusal=_MMCE_NEEDS_LABELS)
     ce = nnf.cross_entropy(rows.logits, rows.targets, reduction="none")
     loss = ce + lam * _mmce_rows(rows, normalization, 0.4)
@@ -528,6 +658,8 @@ def calfocal_loss(
     lambda_: float = 10.0,
     *,
     bin_confidence=None,
+    weight=None,
+    label_smoothing: float = 0.0,
     ignore_index=IGNORE_INDEX,
     reduction: str = "mean",
 ):
@@ -536,7 +668,8 @@ def calfocal_loss(
     Each sample's validation bin b is the one containing its detached p_t (``bin_edges`` are the M + 1
     boundaries; bins are right-closed, the first open below and the last open above).
     Case 1 (eq. 2, ``bin_confidence=None``): γ_n = exp(λ(p_n − A_val,b)) per sample (p_n detached).
-    Case 2 (eq. 3): γ_b = exp(λ(C_val,b − A_val,b)) per bin.
+    Case 2 (eq. 3): γ_b = exp(λ(C_val,b − A_val,b)) per bin. Class ``weight`` as ``F.cross_entropy``;
+    ``label_smoothing`` is refused (the bin is looked up by the true class).
 
     Example:
         >>> import torch
@@ -560,12 +693,14 @@ def calfocal_loss(
             raise ValueError(f"`bin_confidence` must have shape {tuple(acc.shape)}, got {tuple(conf.shape)}")
 
     spec = _calfocal_spec(edges, acc, conf, lam)
-    return _calfocal(logits, targets, edges, acc, conf, lam, reduction, spec, ignore_index)
+    return _calfocal(
+        logits, targets, edges, acc, conf, lam, reduction, spec, ignore_index, weight, label_smoothing
+    )
 
 
 def _calfocal_spec(edges, acc, conf, lam):
     """The fused CPU paths' description of CalFocal (None for accelerator tensors)."""
-    if not edges.is_cpu:
+    if not edges.is_cpu or torch.compiler.is_compiling():  # (the spec reads the values)
         return None
     interior = edges[1:-1].double().numpy()
     if conf is None:  # eq. 2: γ_n = exp(λ(p_n − A_b))
@@ -577,7 +712,19 @@ def _calfocal_spec(edges, acc, conf, lam):
 _BINS_NEED_LABELS = "the validation bin is looked up by the true-class probability"
 
 
-def _calfocal(logits, targets, edges, acc, conf, lam, reduction, spec, ignore_index=IGNORE_INDEX):
+def _calfocal(
+    logits,
+    targets,
+    edges,
+    acc,
+    conf,
+    lam,
+    reduction,
+    spec,
+    ignore_index=IGNORE_INDEX,
+    class_weight=None,
+    eps=0.0,
+):
     """CalFocal on checked bin statistics (``torchcal.adafocal.CalFocalLoss`` passes its cached ``spec``)."""
 
     def weight(log_pt):
@@ -598,6 +745,8 @@ def _calfocal(logits, targets, edges, acc, conf, lam, reduction, spec, ignore_in
         spec=spec,
         ignore_index=ignore_index,
         soft_refusal=_BINS_NEED_LABELS,
+        weight=class_weight,
+        label_smoothing=eps,
     )
 
 

@@ -218,6 +218,28 @@ at::Tensor fused_true_class_autograd(const at::Tensor& logits, const at::Tensor&
   return FusedTrueClass::apply(logits, targets, params, sample_gammas, reduction, keep);
 }
 
+// The same loss as two plain operators for torch.compile, whose fake (shape) implementations and autograd
+// formula are registered from Python (torchcal/functional/_extension.py): the forward returns what the
+// backward reads, so neither needs a C++ autograd node that tracing with fake tensors could not enter.
+// (brier, the λ of the squared-error term, repeats params' flag for the autograd formula, which sees the
+// arguments but may not read a tensor's values)
+//   fused_true_class_fwd(logits, targets, params, sample_gammas, reduction, brier) -> (loss, probs, out)
+//   fused_true_class_bwd(grad_loss, probs, targets, out, brier, reduction) -> grad_logits
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_true_class_fwd_cpu(
+    const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& params,
+    const c10::optional<at::Tensor>& sample_gammas, int64_t reduction, double brier) {
+  TORCH_CHECK_VALUE(params.numel() > N_FLAGS && params.scalar_type() == at::kDouble &&
+                        params.data_ptr<double>()[F_BRIER] == brier,
+                    "`brier` must repeat the λ of `params`");
+  Forward f = fused_forward(logits, targets, params, sample_gammas, reduction, true);
+  return {f.loss, f.probs, f.out};
+}
+
+at::Tensor fused_true_class_bwd_cpu(const at::Tensor& grad_loss, const at::Tensor& probs, const at::Tensor& targets,
+                                    const at::Tensor& out, double brier, int64_t reduction) {
+  return fused_backward(grad_loss, probs, targets, out, brier, reduction);
+}
+
 // Calls run(std::integral_constant<int, k>) for 2 <= k <= Max, else run(std::integral_constant<int, 0>)
 template <int Max, typename Run>
 void with_fixed_length(int64_t k, const Run& run) {
@@ -465,6 +487,12 @@ TORCH_LIBRARY(torchcal, m) {
       "(Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("sort_with_flags(Tensor values, Tensor flags) -> (Tensor, Tensor)");
   m.def("logits_top_label(Tensor logits, Tensor targets, int n_bins) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "fused_true_class_fwd(Tensor logits, Tensor targets, Tensor params, Tensor? sample_gammas, int reduction, "
+      "float brier) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "fused_true_class_bwd(Tensor grad_loss, Tensor probs, Tensor targets, Tensor out, float brier, "
+      "int reduction) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(torchcal, CPU, m) {
@@ -472,6 +500,8 @@ TORCH_LIBRARY_IMPL(torchcal, CPU, m) {
   m.impl("top_label_scan", top_label_scan_cpu);
   m.impl("sort_with_flags", sort_with_flags_cpu);
   m.impl("logits_top_label", logits_top_label_cpu);
+  m.impl("fused_true_class_fwd", fused_true_class_fwd_cpu);
+  m.impl("fused_true_class_bwd", fused_true_class_bwd_cpu);
 }
 
 TORCH_LIBRARY_IMPL(torchcal, AutogradCPU, m) { m.impl("fused_true_class", fused_true_class_autograd); }
