@@ -196,14 +196,15 @@ class FocalCalibrationLoss(_Loss):
 
 
 class MMCELoss(_Loss):
-    """Cross entropy + λ·weighted MMCE of the batch (``normalization="code"`` for the released code's)."""
+    """Cross entropy + λ·weighted MMCE of the batch, by default with the released code's normalisation (the
+    one every published MMCE number used); ``normalization="paper"`` for the paper's single normalisation."""
 
     _args = ("lambda_", "normalization")
 
     def __init__(
         self,
         lambda_: float = 2.0,
-        normalization: str = "paper",
+        normalization: str = "code",
         reduction: str = "mean",
         *,
         ignore_index=L.IGNORE_INDEX,
