@@ -1,4 +1,5 @@
-# torchcal: `make test` sets up .venv and runs lint + tests; `make demo` sets up and runs the demo.
+# torchcal: `make test` sets up .venv with the dev extra and runs lint + tests; `make demo` installs only
+# torch, the package and its `demo` extra, and runs the demo.
 # GPU users: install the torch build for your CUDA into .venv first (python -m venv .venv && .venv/bin/pip
 # install torch); setup keeps any torch already there and otherwise installs the CPU wheel TORCH_SPEC.
 PYTHON ?= python3
@@ -6,28 +7,40 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup test lint demo bench clean extension
+.PHONY: setup demo-setup test lint demo bench clean extension
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
-$(VENV)/.installed: pyproject.toml | $(BIN)/python
+$(VENV)/.torch: | $(BIN)/python
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
+	touch $@
+
+# the demo's set: torch, the package and its `demo` extra (matplotlib, scikit-learn, rich, typer, PyYAML,
+# ninja); nothing of the integrations (Lightning, transformers, Ray)
+$(VENV)/.demo-installed: pyproject.toml $(VENV)/.torch
+	$(BIN)/python -m pip install --quiet -e ".[demo]"
+	touch $@
+
+# the whole development set, for the tests
+$(VENV)/.installed: pyproject.toml $(VENV)/.torch
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
 	@# timm without its dependencies: its torchvision would replace torch; the tests use two of its
 	@# self-contained files (mixup, soft-target cross entropy)
 	$(BIN)/python -m pip install --quiet --no-deps "timm>=1.0"
-	touch $@
+	touch $@ $(VENV)/.demo-installed
 
 setup: $(VENV)/.installed
+
+demo-setup: $(VENV)/.demo-installed
 
 lint: setup
 	$(BIN)/ruff check src tests benchmarks configs
 
 # the optional C++ loss operator (~20-30 s once; cached under ~/.cache/torch_extensions/torchcal): the tests
 # run every loss on it too; without a C++ compiler the build fails, setup goes on and those tests are skipped
-extension: setup
+extension: $(VENV)/.demo-installed
 	-$(BIN)/torchcal build-extension
 
 test: lint extension
@@ -35,7 +48,7 @@ test: lint extension
 
 FMNIST_DIR := /usr/share/datasets/fashion-mnist
 
-demo: setup extension
+demo: demo-setup extension
 	@# Fashion-MNIST from Debian's dataset-fashion-mnist when apt is there; otherwise the demo uses digits
 	@if [ ! -e $(FMNIST_DIR)/train-images-idx3-ubyte.gz ] && command -v apt-get >/dev/null 2>&1; then \
 		(apt-get install -y -qq dataset-fashion-mnist >/dev/null 2>&1 || \

@@ -2,7 +2,7 @@
 over-fitting regime (the demo's ``overfit`` protocol), with pre/post TS and FTS ECE, AdaECE, classwise ECE,
 NLL, error and the temperature; a table in the papers' layout, a per-run CSV, and one summary figure.
 
-``--variants`` adds the settings examined for MMCE, AdaFocal and FCL (decision 64): MMCE's λ and its two
+``--variants`` adds the settings examined for MMCE, AdaFocal and FCL (decisions 64, 86): MMCE's λ and its two
 normalisations, AdaFocal's update cadence and λ, FCL's (γ, λ) pairs of its appendix A.10.
 
     python benchmarks/bench_fidelity.py [--seeds 3] [--workers 2] [--variants] [--protocol overfit]
@@ -32,15 +32,19 @@ from torchcal.experiments.train import atomic_write_bytes  # noqa: E402
 
 # label -> overrides on top of the protocol (the loss's defaults are the first entry of each family)
 VARIANTS = {
-    "mmce λ=2 (paper normalisation, default)": ["loss.name=mmce"],
-    "mmce λ=1 (paper normalisation)": ["loss.name=mmce", "loss.kwargs.lambda_=1"],
-    "mmce λ=0.5 (paper normalisation)": ["loss.name=mmce", "loss.kwargs.lambda_=0.5"],
-    "mmce λ=2 (released code's normalisation)": ["loss.name=mmce", "loss.kwargs.normalization=code"],
-    "mmce λ=8 (released code's normalisation)": [
+    "mmce λ=2 (released code's normalisation, default)": ["loss.name=mmce"],
+    "mmce λ=8 (released code's normalisation)": ["loss.name=mmce", "loss.kwargs.lambda_=8"],
+    "mmce λ=2 (paper normalisation)": ["loss.name=mmce", "loss.kwargs.normalization=paper"],
+    "mmce λ=1 (paper normalisation)": [
         "loss.name=mmce",
-        "loss.kwargs.normalization=code",
-        "loss.kwargs.lambda_=8",
-    ],  # fmt: skip
+        "loss.kwargs.normalization=paper",
+        "loss.kwargs.lambda_=1",
+    ],
+    "mmce λ=0.5 (paper normalisation)": [
+        "loss.name=mmce",
+        "loss.kwargs.normalization=paper",
+        "loss.kwargs.lambda_=0.5",
+    ],
     "adafocal λ=1, every epoch (default)": ["loss.name=adafocal"],
     "adafocal λ=1, every 6 batches": ["loss.name=adafocal", "loss.update_every=6"],
     "adafocal λ=3, every epoch": ["loss.name=adafocal", "loss.kwargs.lambda_=3"],

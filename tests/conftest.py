@@ -58,3 +58,26 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def assert_weights_match_up_to_sum_order(a: dict, b: dict, steps: int, ulps_per_step: int = 8) -> None:
+    """Weights of two runs that took the same SGD steps from the same start, with every gradient a float32
+    sum of the same terms in another order (one process against DDP ranks that each sum a half and then
+    all-reduce; kernels that block a sum by the CPU's vector width (AVX2, AVX-512) and thread count).
+
+    Two orders of one float32 sum differ by a few units in the last place of the sum's scale; plain SGD
+    passes that on linearly (w -= lr·g), one step at a time, so after ``steps`` steps the weights differ by at
+    most ``steps · ulps_per_step`` units of 2^-23 relative to the tensor's largest weight (8 per step: the
+    gradient's reordering, the weight's own rounding, with margin). A real fault (an unaveraged gradient, a
+    sample on the wrong rank) moves weights by a whole step, ~lr·|g| ≈ 1e-3, two orders of magnitude
+    above this bound.
+    Adam is not compared this way: it divides each gradient by its running RMS, so a weight whose gradient is
+    pure rounding noise takes ±lr steps (2e-3 seen with AVX2 kernels) and nothing short of lr·steps bounds it.
+    """
+    eps = torch.finfo(torch.float32).eps
+    for name in a:
+        scale = float(a[name].abs().max()) or 1.0
+        tol = steps * ulps_per_step * eps
+        torch.testing.assert_close(
+            a[name], b[name], rtol=tol, atol=tol * scale, msg=lambda m, n=name: f"{n}: {m}"
+        )

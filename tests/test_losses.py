@@ -9,7 +9,7 @@ import torch.nn.functional as nnf
 import torchcal.functional.losses as L
 from tests.reference import losses as R
 from torchcal.functional import focal_calibration_map
-from torchcal.losses import create, list_losses
+from torchcal.losses import MMCELoss, create, list_losses
 
 # every test here runs on the C++ CPU losses and on the torch path
 pytestmark = pytest.mark.usefixtures("loss_backend")
@@ -47,11 +47,12 @@ CASES = [
         lambda z, t: L.focal_calibration_loss(z, t, 4.0, 1.5, reduction="none"),
         lambda z, t: R.fcl(z, t, 4.0, 1.5),
     ),
-    ("mmce", lambda z, t: L.mmce_loss(z, t, 2.0, reduction="none"), lambda z, t: R.mmce(z, t, 2.0)),
+    # the default is the released code's normalisation (SPEC §1); the paper's is the option
+    ("mmce", lambda z, t: L.mmce_loss(z, t, 2.0, reduction="none"), lambda z, t: R.mmce(z, t, 2.0, "code")),
     (
-        "mmce-code",
-        lambda z, t: L.mmce_loss(z, t, 2.0, normalization="code", reduction="none"),
-        lambda z, t: R.mmce(z, t, 2.0, "code"),
+        "mmce-paper",
+        lambda z, t: L.mmce_loss(z, t, 2.0, normalization="paper", reduction="none"),
+        lambda z, t: R.mmce(z, t, 2.0, "paper"),
     ),
 ]
 
@@ -183,6 +184,23 @@ def test_batch_of_one_and_two_classes():
     z, t = torch.tensor([[0.3, -0.2]]), torch.tensor([1])
     for name in list_losses():
         assert torch.isfinite(create(name)(z, t))
+
+
+def test_mmce_defaults_to_the_released_codes_normalisation():
+    """SPEC §1: every published MMCE number used the released code's double normalisation, so the functional
+    form, the module and create("mmce") default to it; the paper's single normalisation is an option."""
+    g = torch.Generator().manual_seed(3)
+    z, t = 2 * torch.randn(32, 4, generator=g, dtype=torch.float64), torch.randint(0, 4, (32,), generator=g)
+    code = torch.tensor(R.mmce(z, t, 2.0, "code"), dtype=torch.float64).mean()
+    paper = torch.tensor(R.mmce(z, t, 2.0, "paper"), dtype=torch.float64).mean()
+    assert abs(float(code - paper)) > 1e-3  # the two normalisations differ on this batch
+    for loss in (L.mmce_loss(z, t), MMCELoss()(z, t), create("mmce")(z, t)):
+        torch.testing.assert_close(loss, code, rtol=1e-12, atol=0)
+    torch.testing.assert_close(MMCELoss(normalization="paper")(z, t), paper, rtol=1e-12, atol=0)
+    code_penalty = torch.tensor(
+        R.mmce(z, t, 1.0, "code")[0] - R.mmce(z, t, 0.0, "code")[0], dtype=torch.float64
+    )
+    torch.testing.assert_close(L.mmce_penalty(z, t), code_penalty, rtol=1e-12, atol=1e-15)
 
 
 def test_mmce_is_zero_for_all_correct_or_all_wrong_batches():

@@ -237,7 +237,8 @@ class FocalCalibrationLoss(_Loss):
 
 
 class MMCELoss(_Loss):
-    """Cross entropy + λ·weighted MMCE of the batch (``normalization="code"`` for the released code's).
+    """Cross entropy + λ·weighted MMCE of the batch, by default with the released code's normalisation (the
+    one every published MMCE number used); ``normalization="paper"`` for the paper's single normalisation.
     Refuses class ``weight`` and ``label_smoothing`` (the penalty is a statistic of the whole batch)."""
 
     _args = ("lambda_", "normalization")
@@ -245,7 +246,7 @@ class MMCELoss(_Loss):
     def __init__(
         self,
         lambda_: float = 2.0,
-        normalization: str = "paper",
+        normalization: str = "code",
         reduction: str = "mean",
         *,
         weight=None,

@@ -381,8 +381,8 @@ def demo(
     console.print(_summary_table(groups, calibrators))
     if note:
         console.print(f"[bold]{note}[/bold]")
-    console.print("Where these losses depart from the papers (MMCE's normalisation, AdaFocal's adaptation in a short "
-                  "run, FCL's Brier term) and why: docs/fidelity.md")  # fmt: skip
+    console.print("MMCE uses the released code's normalisation, as the papers' numbers do; where losses depart from "
+                  "the papers (AdaFocal's adaptation in a short run, FCL's Brier term) and why: docs/fidelity.md")  # fmt: skip
     console.print(
         f"reports (report-*/report.md, .csv, .html with the figures) in {out}/ ({time.time() - start:.0f} s)"
     )

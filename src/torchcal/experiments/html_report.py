@@ -214,18 +214,18 @@ def html_report(run_dirs, out_dir, calibrator: str = "ts", warn=None, note: str 
     per_set = [m for m in metrics if m.startswith("ood auroc ")]  # one column per OOD set when several
     metrics = [m for m in metrics if m not in (per_set if len(per_set) < 2 else ["ood auroc"])]
 
-    def stat(value):
+    def stat(value, arrow=""):  # one value never splits across lines; a cell may wrap between two values
         m, s, n = value
-        return f"{m:.2f}" + (f"<small> ± {s:.2f}</small>" if n > 1 else "")
+        return f'<span class="v">{arrow}{m:.2f}' + (f"<small> ± {s:.2f}</small>" if n > 1 else "") + "</span>"
 
     names = ["run group", "seeds"]
     names += [f"{COLUMN_HEADERS.get(m, m)} (pre → post)" if m != "error" else "error" for m in metrics]
     names += [f"T ({calibrator})", "runs"]
-    head = "".join(f"<th>{html.escape(c)}</th>" for c in names)
+    head = "".join(f"<th>{html.escape(c).replace('_', '_<wbr>')}</th>" for c in names)  # classwise_<wbr>ece
     body = []
     for group in groups:
         stats = group.stats
-        cells = [html.escape(group.label), html.escape(group.seeds_text)]
+        cells = [html.escape(group.label), f'<span class="v">{html.escape(group.seeds_text)}</span>']
         for m in metrics:
             pre, post = stats.get(f"{m} pre"), stats.get(f"{m} post")
             if pre is None:
@@ -233,7 +233,7 @@ def html_report(run_dirs, out_dir, calibrator: str = "ts", warn=None, note: str 
             elif m == "error" or post is None:
                 cells.append(stat(pre))
             else:
-                cells.append(f"{stat(pre)} → {stat(post)}")
+                cells.append(f"{stat(pre)} {stat(post, '→ ')}")
         cells.append(stat(stats["T"]))
         paths = "\n".join(str(r) for r in group.runs)
         names_only = ", ".join(r.name for r in group.runs)
@@ -250,19 +250,25 @@ def html_report(run_dirs, out_dir, calibrator: str = "ts", warn=None, note: str 
                          for t, src in _comparison_figures(groups, calibrator))  # fmt: skip
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    page = f"""<!doctype html><html><head><meta charset="utf-8"><title>torchcal report</title><style>
-body{{font-family:sans-serif;margin:2em}} table{{border-collapse:collapse;font-size:13px}}
-td,th{{border:1px solid #ccc;padding:3px 6px;text-align:right;white-space:nowrap}}
-td:first-child{{text-align:left}} th{{white-space:normal;max-width:110px}} small{{color:#555}}
+    # fits a laptop's window: headers and cells wrap (a value never splits), figures shrink to the page, and
+    # a table still wider than the page scrolls inside its own box (tests/experiments/test_report_layout.py)
+    page = f"""<!doctype html><html><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1"><title>torchcal report</title><style>
+body{{font-family:sans-serif;margin:2em}} table{{border-collapse:collapse;font-size:12px}}
+.table-scroll{{overflow-x:auto;max-width:100%}}
+td,th{{border:1px solid #ccc;padding:3px 5px;text-align:right;vertical-align:top}}
+th{{max-width:8em}} td:first-child,th:first-child{{text-align:left}}
+.v{{white-space:nowrap}} small{{color:#555}}
 .runs{{font-size:11px;color:#555}} .note{{font-weight:bold;background:#fff6d6;padding:6px 10px;display:inline-block}}
-figcaption{{max-width:520px;margin:auto}}
-figure{{display:inline-block;margin:6px}} figcaption{{text-align:center;font-size:12px}}</style></head><body>
+img{{max-width:100%;height:auto}} figure{{display:inline-block;margin:6px;max-width:100%}}
+figcaption{{max-width:520px;margin:auto;text-align:center;font-size:12px}}</style></head><body>
 <h1>torchcal report</h1><p>Test metrics ×100, mean ± std over the runs of a row (their configs differ only
 in the seed); "pre" uncalibrated, "post" after {html.escape(describe_calibrator(calibrator))}, fitted on the
 validation split.</p>
 {f'<p class="note">{html.escape(note)}</p>' if note else ""}{_fit_warnings_html(groups, calibrator)}
 <p>Run folders: hover a row's runs for their full paths (they are listed in report.md and report.csv).</p>
-<div style="overflow-x:auto"><table><tr>{head}</tr>{"".join(body)}</table></div><h2>Comparison</h2>{comparison}{"".join(sections)}</body></html>"""
+<div class="table-scroll"><table><tr>{head}</tr>{"".join(body)}</table></div>
+<h2>Comparison</h2>{comparison}{"".join(sections)}</body></html>"""
     path = out_dir / "report.html"
     atomic_write_bytes(path, lambda fh: fh.write(page.encode()))
     return path
