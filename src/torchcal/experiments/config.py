@@ -108,6 +108,8 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"
     num_threads: int = 0  # 0: torch's default
+    # post-hoc calibrators fitted on the final validation logits at the end of training and saved as
+    # `torchcal evaluate` saves them (results.json, calibrators/); [] for none
     calibrators: list = field(default_factory=lambda: ["ts", "fts"])
     amp: str = "auto"  # autocast dtype: auto (bfloat16 on CUDA, off on CPU), bfloat16, float16, off
     channels_last: str | bool = "auto"  # auto (on for CUDA convolutional models), true, false
