@@ -119,10 +119,8 @@ class CalibrationMetric(Metric):
 
     def update(self, preds, target) -> None:
         """Adds a batch of probabilities (or logits) (N, K[, d1, ...]) and targets (N[, d1, ...])."""
-        if torch.is_tensor(preds) and preds.ndim > 2:
-            dim = resolve_class_dim(preds.shape, self.num_classes, self.class_dim, "preds")
-        else:
-            dim = 1
+        shape = tuple(getattr(preds, "shape", ()))
+        dim = resolve_class_dim(shape, self.num_classes, self.class_dim, "preds") if len(shape) > 2 else 1
         preds, target = metric_rows(
             preds, target, self.ignore_index, class_dim=dim, names=("preds", "target")
         )
