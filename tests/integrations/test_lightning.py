@@ -1,5 +1,6 @@
 """CalibrationCallback with a real Lightning Trainer: 2 gloo processes (DDP) on CPU log the metrics of the
-whole validation set, hold identical AdaFocal γ and save the calibrator fitted to each checkpoint's weights."""
+whole validation set (multiclass and multi-label), hold identical AdaFocal γ and save the calibrator fitted to
+each checkpoint's weights; validate() measures without adapting the loss; stale calibrators are not saved."""
 
 import json
 import subprocess
@@ -12,12 +13,12 @@ import torch
 pl = pytest.importorskip("lightning.pytorch")  # the `dev` extra installs it; CI runs these tests
 
 import torchcal.functional as F  # noqa: E402
-from torchcal.calibrators import TemperatureScaling  # noqa: E402
+from torchcal.calibrators import BinaryTemperatureScaling, TemperatureScaling  # noqa: E402
 from torchcal.integrations.lightning import CalibrationCallback  # noqa: E402
 from torchcal.losses import AdaFocalLoss  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("lightning_script.py")
-from tests.integrations.lightning_script import Module, blobs  # noqa: E402
+from tests.integrations.lightning_script import Module, blobs, multilabel_outputs  # noqa: E402
 
 
 def _val_logits(checkpoint, n=128):
@@ -56,6 +57,25 @@ def test_two_ddp_processes(tmp_path):
     refit = TemperatureScaling().fit(logits, y)
     assert abs(float(saved.temperature_) - float(refit.temperature_)) < 1e-4
     assert abs(float(saved.temperature_) - state["temperature"]) < 1e-12
+    # the multi-label callback of the same run: sums all-reduced, rows all-gathered, unknown labels masked
+    x, _ = blobs(128, 1)
+    _, targets = multilabel_outputs({"logits": logits, "targets": y}, (x, y))
+    p = torch.sigmoid(logits.double())
+    for name, fn in (
+        ("ece", F.multilabel_ece),
+        ("adaece", F.multilabel_adaece),
+        ("auroc", F.multilabel_auroc),
+    ):
+        per_label = [fn(p[targets[:, j] >= 0, j], targets[targets[:, j] >= 0, j]) for j in range(4)]
+        assert abs(state["logged"][f"val_ml/{name}"] - float(torch.stack(per_label).mean())) < 1e-5, name
+    full = (targets >= 0).all(1)
+    refit = BinaryTemperatureScaling().fit(logits[full], targets[full])
+    torch.testing.assert_close(
+        torch.tensor(state["multilabel_temperatures"], dtype=torch.float64),
+        refit.temperature_,
+        rtol=1e-4,
+        atol=0,
+    )
 
 
 class _TupleModule(Module):
@@ -249,8 +269,6 @@ class _MultilabelModule(pl.LightningModule):
 
 @pytest.mark.filterwarnings("ignore:temperature scaling hit the bound")  # the first epochs' underfit labels
 def test_multilabel_callback_with_unknown_targets(tmp_path):
-    from torchcal.calibrators import BinaryTemperatureScaling
-
     callback = CalibrationCallback(num_classes=3, task="multilabel", ignore_index=-1,
                                    metrics=("ece", "ece_micro", "adaece", "nll", "auroc"))  # fmt: skip
     module = _MultilabelModule()
