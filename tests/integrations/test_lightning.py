@@ -218,6 +218,18 @@ def test_state_keys_class_count_and_safe_loading(tmp_path):
     # a calibrator fitted on 4 classes is refused by a 3-class callback at load time
     with pytest.raises(ValueError, match="with 4 classes, but this callback has task='multiclass' with 3"):
         CalibrationCallback(num_classes=3).load_state_dict(states[first.state_key])
+    # a calibrator of unrecorded provenance (a state written before the fit step was recorded) is not saved
+    # with a checkpoint of another step either
+    legacy = dict(states[first.state_key], fitted_at=None)
+    restored = CalibrationCallback(num_classes=4)
+    restored.load_state_dict(legacy)
+    checkpoint = {"callbacks": {restored.state_key: restored.state_dict()}, "global_step": 99}
+    restored.on_save_checkpoint(None, None, checkpoint)
+    with pytest.warns(UserWarning, match="at an unrecorded step"):
+        assert (
+            CalibrationCallback(num_classes=4).load_state_dict(checkpoint["callbacks"][restored.state_key])
+            is None
+        )
     # a checkpoint holding arbitrary objects is not unpickled unless the caller says it trusts the file
     module = _HparamsModule(Opaque(3))
     trainer = _fit(module, CalibrationCallback(num_classes=4), tmp_path / "h")

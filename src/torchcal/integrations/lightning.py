@@ -237,9 +237,10 @@ class CalibrationCallback(Callback):
         if state is None or state.get("fitted") is None:
             return
         fitted_step = (state.get("fitted_at") or {}).get("global_step")
-        if fitted_step != checkpoint.get("global_step", trainer.global_step):
+        saved_step = checkpoint["global_step"] if "global_step" in checkpoint else trainer.global_step
+        if fitted_step != saved_step:
             state["fitted"] = None
-            state["stale"] = {"fitted_at": state["fitted_at"], "global_step": checkpoint.get("global_step")}
+            state["stale"] = {"fitted_at": state["fitted_at"], "global_step": saved_step}
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restores the fitted calibrator; refuses one fitted for another task or number of classes."""
@@ -290,10 +291,15 @@ def _calibrator_of(state: dict, key: str, expected=None):
     being fitted to earlier weights); ``expected`` (task, number of classes) is checked."""
     if state.get("stale") is not None:
         stale = state["stale"]
+        fitted_at = stale.get("fitted_at") or {}
+        when = (
+            f"global step {fitted_at['global_step']}, epoch {fitted_at['epoch']}"
+            if {"global_step", "epoch"} <= set(fitted_at)
+            else "at an unrecorded step"
+        )
         warnings.warn(
             f"{key}: the checkpoint's weights (global step {stale['global_step']}) changed after the "
-            f"calibrator was fitted (global step {stale['fitted_at']['global_step']}, epoch "
-            f"{stale['fitted_at']['epoch']}), so it was not saved; fit one on these weights (Trainer.validate "
+            f"calibrator was fitted ({when}), so it was not saved; fit one on these weights (Trainer.validate "
             "with this callback)",
             UserWarning,
             stacklevel=3,
