@@ -463,8 +463,10 @@ def train(
             if improved:  # written before the checkpoint that records it: a resume never points past it
                 weights = {"format": "torchcal-best-1", **best, "model": model.state_dict()}
                 atomic_write_bytes(run_dir / BEST, lambda fh, w=weights: torch.save(w, fh))
-            atomic_write_bytes(ckpt_path, lambda fh, c=checkpoint: torch.save(c, fh))
+            # the epoch's row before the checkpoint that counts it: a kill between the two leaves a row that
+            # resume drops, never a checkpoint without its row
             _write_jsonl(run_dir / METRICS, rows)
+            atomic_write_bytes(ckpt_path, lambda fh, c=checkpoint: torch.save(c, fh))
         _barrier(world)
         done_here += 1
         if stop_after is not None and done_here >= stop_after and epoch + 1 < cfg.train.epochs:
