@@ -208,6 +208,22 @@ def test_multilabel_model_loss_and_metrics_with_unknown_labels(tmp_path):
         for i in range(0, 64, 16)
     ]
     assert abs(prediction.metrics["test_loss"] - float(torch.stack(focal).mean())) < 1e-6
+    # the loss of one batch, alone and as the Trainer calls it under gradient accumulation (its item count is
+    # the labels other than -100, over the whole accumulated step)
+    data = LabelSets(16, 3, 0.3)
+    ids, labels = torch.stack([data[i]["input_ids"] for i in range(16)]), data.labels
+    outputs = model.eval()(input_ids=ids.to(model.device))
+    z16, known16 = outputs.logits.detach().cpu().double(), labels != -100
+    expected = F.binary_cross_entropy(z16[known16], labels[known16].double())
+    compute_loss = loss_func(create("bce"))
+    torch.testing.assert_close(
+        compute_loss(outputs, labels.to(model.device)).double().cpu(), expected, rtol=1e-5, atol=0
+    )
+    step_items = torch.tensor(int(known16.sum()) * 2)  # this batch is half of the step's labels
+    torch.testing.assert_close(
+        compute_loss(outputs, labels.to(model.device), num_items_in_batch=step_items).double().cpu(), expected / 2,
+        rtol=1e-5, atol=0,
+    )  # fmt: skip
     with pytest.raises(ValueError, match="unknown metrics"):
         compute_metrics(3, ("ece", "auroc_micro"), task="multilabel")
     with pytest.raises(ValueError, match="`task` must be one of"):

@@ -73,7 +73,9 @@ def loss_func(loss, *, ignore_index: int | None = -100):
     A sigmoid loss (``torchcal.losses.create("bce")``, ``"binary-fl-2"``, ...) takes the (N, L) logits of a
     ``problem_type="multi_label_classification"`` model and its (N, L) 0/1 labels; labels equal to
     ``ignore_index`` (an unknown label of a sample) are left out element by element: the loss is the mean
-    over the known (sample, label) pairs. Multiclass losses ignore −100 labels themselves."""
+    over the known (sample, label) pairs. Under gradient accumulation the Trainer divides by its count of
+    labels other than −100, which is that mean over the whole step for ``ignore_index=-100``. Multiclass
+    losses ignore −100 labels themselves."""
     if not isinstance(loss, torch.nn.Module) or not hasattr(loss, "reduction"):
         raise TypeError(
             f"`loss` must be a torchcal loss module (torchcal.losses.create(...)), got {type(loss).__name__}"
