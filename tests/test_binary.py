@@ -295,11 +295,14 @@ def test_sigmoid_probabilities_passed_as_logits_warn():
         F.multilabel_ece(p, y, from_logits=True)
     with pytest.warns(UserWarning, match="look like sigmoid probabilities"):
         MultilabelCalibrationMetrics(3, from_logits=True).update(p, y)
+    with pytest.warns(UserWarning, match="look like sigmoid probabilities"):
+        F.multilabel_nll(p, y, from_logits=True)
     with pytest.warns(UserWarning, match="sigmoid calibrators take logits"):
         BinaryTemperatureScaling().fit(p, y)
     with warnings.catch_warnings():  # real logits (and probabilities given as such) do not warn
         warnings.simplefilter("error")
         F.multilabel_ece(z, y, from_logits=True)
+        F.multilabel_nll(z, y, from_logits=True)
         F.multilabel_ece(p, y)
         BinaryTemperatureScaling().fit(z, y)
     with pytest.raises(ValueError, match="contains NaN"):

@@ -429,7 +429,9 @@ def multilabel_nll(probs, targets, *, average: str = "macro", from_logits: bool 
     and 1 for probability inputs; exact log-sigmoid for logits)."""
     check_choice(average, "average", {"macro", "none"})
     if from_logits:
-        z = _check_scores(as_data(probs, "logits"), "logits").double()
+        z = _check_scores(as_data(probs, "logits"), "logits")
+        _finite_logits(z, "logits", _SIGMOID_FROM_LOGITS_ADVICE)
+        z = z.double()
         y = _check_binary_targets(as_data(targets, "targets"), z.shape, z.device, soft=False)[0].double()
         z, y = (z[:, None], y[:, None]) if z.ndim == 1 else (z, y)
         values = nnf.binary_cross_entropy_with_logits(z, y, reduction="none").mean(0)
