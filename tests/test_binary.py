@@ -347,3 +347,33 @@ def test_metrics_and_calibrators_treat_inputs_as_data():
     assert not B.multilabel_auroc(z, y).requires_grad
     out = PlattScaling().fit(z, y).transform(z)
     assert not out.requires_grad and out.shape == z.shape
+
+
+def test_sigmoid_probabilities_passed_as_logits_warn():
+    """multilabel_ece(sigmoid(z), y, from_logits=True) would apply a second sigmoid (0.237 where 0.066 is
+    right in the issue's example); like the softmax path it warns, and so does a sigmoid calibrator's fit."""
+    import warnings
+
+    from torchcal.calibrators import BinaryTemperatureScaling
+    from torchcal.metrics import MultilabelCalibrationMetrics
+
+    g = torch.Generator().manual_seed(0)
+    z = 2 * torch.randn(300, 3, generator=g, dtype=torch.float64)
+    y = (torch.rand(300, 3, generator=g, dtype=torch.float64) < torch.sigmoid(z)).long()
+    p = torch.sigmoid(z)
+    with pytest.warns(UserWarning, match="look like sigmoid probabilities"):
+        F.multilabel_ece(p, y, from_logits=True)
+    with pytest.warns(UserWarning, match="look like sigmoid probabilities"):
+        MultilabelCalibrationMetrics(3, from_logits=True).update(p, y)
+    with pytest.warns(UserWarning, match="look like sigmoid probabilities"):
+        F.multilabel_nll(p, y, from_logits=True)
+    with pytest.warns(UserWarning, match="sigmoid calibrators take logits"):
+        BinaryTemperatureScaling().fit(p, y)
+    with warnings.catch_warnings():  # real logits (and probabilities given as such) do not warn
+        warnings.simplefilter("error")
+        F.multilabel_ece(z, y, from_logits=True)
+        F.multilabel_nll(z, y, from_logits=True)
+        F.multilabel_ece(p, y)
+        BinaryTemperatureScaling().fit(z, y)
+    with pytest.raises(ValueError, match="contains NaN"):
+        F.multilabel_ece(torch.tensor([[float("nan")]]), torch.tensor([[1]]), from_logits=True)

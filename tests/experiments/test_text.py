@@ -91,8 +91,51 @@ def test_text_cnn_run(tmp_path):
     logits = torch.load(tmp_path / "run" / "logits.pt", weights_only=True)
     assert logits["test"]["logits"].shape == (9, 3)
     with pytest.raises(ValueError, match="text dataset"):
-        train(load_config(None, [f"data.root={tmp_path / 'data'}", "data.name=20newsgroups", "model.name=text_cnn"]),
-              tmp_path / "bad")  # fmt: skip
+        train(load_config(None, [f"data.root={tmp_path / 'data'}", "data.name=20newsgroups", "data.ood=digits",
+                                 "model.name=text_cnn"]), tmp_path / "bad")  # fmt: skip
+
+
+def test_text_datasets_default_to_no_shift_or_ood_set(tmp_path):
+    """The default shift and OOD sets are image sets: a text dataset has none unless asked for (and then it is
+    refused); the text_cnn's shortest document length is checked by name at config time."""
+    from torchcal.experiments.config import ConfigError
+
+    cfg = load_config(None, ["data.name=ag_news", "model.name=text_cnn"])
+    assert (cfg.data.shift, cfg.data.ood) == ("", "")
+    (tmp_path / "run.yaml").write_text("data: {name: sst_fine, shift: gaussian_noise}\n")
+    with pytest.raises(ConfigError, match="is a text dataset"):
+        load_config(tmp_path / "run.yaml")
+    image = load_config(None, ["data.name=fashion_mnist"])
+    assert (image.data.shift, image.data.ood) == ("gaussian_noise", "digits")  # image sets keep theirs
+    with pytest.raises(ConfigError, match=r"model.name=text_cnn needs data.max_len >= 149 tokens .*got 100"):
+        load_config(None, ["data.name=ag_news", "model.name=text_cnn", "data.max_len=100"])
+    with pytest.raises(ConfigError, match=r"needs data.eval_max_len >= 149 tokens .*got 148"):
+        load_config(None, ["data.name=ag_news", "model.name=text_cnn", "data.eval_max_len=148"])
+
+
+@pytest.mark.parametrize("split,bad", [("train", "0"), ("test", "5")])
+def test_ag_news_class_outside_1_to_4_is_refused_before_anything_is_written(tmp_path, split, bad):
+    """A class 0 once crashed inside the loss (exit 1, a run folder left); a class 5 silently trained a
+    5-class model. Both are refused at load time in one line naming the file and line, exit 2."""
+    from typer.testing import CliRunner
+
+    from torchcal.experiments.cli import app
+
+    rows = {
+        "train": ['"3","A","a"', '"1","B","b"', '"2","C","c"', '"4","D","d"'],
+        "test": ['"4","E","e"', '"1","F","f"'],
+    }
+    rows[split][1] = f'"{bad}","X","x"'
+    for name, lines in rows.items():
+        (tmp_path / f"{name}.csv").write_text("\n".join(lines) + "\n")
+    with pytest.raises(DatasetError, match=rf"{split}.csv, line 2: the class index must be 1, 2, 3 or 4"):
+        load_ag_news(tmp_path)
+    result = CliRunner().invoke(app, ["train", "-o", str(tmp_path / "run"), "data.name=ag_news",
+                                      f"data.root={tmp_path}", "model.name=text_cnn", "data.max_len=150",
+                                      "data.val_size=1", "train.epochs=1"])  # fmt: skip
+    assert result.exit_code == 2, result.output
+    assert f"{split}.csv, line 2: the class index must be 1, 2, 3 or 4" in result.output
+    assert not (tmp_path / "run").exists()
 
 
 def write_19997(root, per_group=400, folder="20_newsgroups"):

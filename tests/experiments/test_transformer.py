@@ -118,3 +118,25 @@ def test_checkpoint_errors_are_one_line(corpus, tmp_path):
     result = runner.invoke(app, ["train", "-o", str(tmp_path / "r2"), "model.name=transformer", "data.name=digits", "data.ood=",
                                  f"model.checkpoint={corpus / 'bert'}"])  # fmt: skip
     assert result.exit_code == 2 and "needs a text dataset" in result.output
+
+
+def test_a_head_of_another_size_is_named(tmp_path):
+    """A fine-tuned checkpoint whose head has 2 labels, trained on 4 classes: the head is replaced, and a
+    warning names both sizes; a body without a head (the usual pre-trained checkpoint) gets one silently."""
+    import warnings
+
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from torchcal.experiments.models import TransformerClassifier
+
+    config = BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=32, max_position_embeddings=16, num_labels=2)  # fmt: skip
+    BertForSequenceClassification(config).save_pretrained(tmp_path / "sst2")
+    with pytest.warns(UserWarning, match="has a classification head for 2 labels; the dataset has 4"):
+        model = TransformerClassifier(str(tmp_path / "sst2"), 4)
+    assert model.hf.classifier.out_features == 4
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        TransformerClassifier(str(tmp_path / "sst2"), 2)  # the same size: its trained head is kept
+        make_tiny_bert(tmp_path / "body", ["some words", "other words"])
+        TransformerClassifier(str(tmp_path / "body"), 4)

@@ -21,7 +21,7 @@ from torchcal.experiments.train import read_metrics, train
 
 runner = CliRunner()
 TINY = ["data.name=digits", "data.ood=", "data.val_size=260", "data.batch_size=64", "model.width=16",
-        "train.num_threads=1"]  # fmt: skip
+        "train.num_threads=1", "train.calibrators=[]"]  # fmt: skip  # calibrators: as each test asks
 
 
 def tiny(*extra):
@@ -373,3 +373,33 @@ def test_report_gives_standard_errors_and_s99(runs, tmp_path):
     assert float(row["ece_pre_sem"]) == pytest.approx(std / math.sqrt(2), rel=1e-9)
     s99 = [100 * evaluate_run(f, ("ts",))["uncalibrated"]["test"]["s99_fraction"] for f in folders]
     assert float(row["s99_fraction_pre_mean"]) == pytest.approx(sum(s99) / 2, abs=1e-9)
+
+
+def test_train_fits_and_saves_train_calibrators(tmp_path):
+    """train.calibrators was validated and then ignored by `torchcal train`; it is fitted on the final
+    validation logits and saved as `torchcal evaluate` saves it."""
+    from torchcal.calibrators import TemperatureScaling
+
+    run = tmp_path / "run"
+    result = runner.invoke(
+        app, ["train", "-o", str(run), *TINY, "train.epochs=1", "train.calibrators=[ts, histogram]"]
+    )
+    assert result.exit_code == 0, result.output
+    res = json.loads((run / "results.json").read_text())
+    assert {"uncalibrated", "ts", "histogram"} <= set(res)
+    assert {p.name for p in (run / "calibrators").iterdir()} == {
+        "ts.pt",
+        "ts.json",
+        "histogram.pt",
+        "histogram.json",
+    }
+    val = torch.load(run / "logits.pt", weights_only=True)["val"]
+    refit = TemperatureScaling().fit(val["logits"], val["targets"])
+    assert res["ts"]["parameters"]["temperature_"] == pytest.approx(float(refit.temperature_), rel=1e-6)
+    # trained further: the earlier model's results are replaced by fits on the new model
+    result = runner.invoke(app, ["train", "-o", str(run), "--resume", "train.epochs=2"])
+    assert result.exit_code == 0 and "train.calibrators (ts, histogram) are fitted again" in result.output
+    val = torch.load(run / "logits.pt", weights_only=True)["val"]
+    refit = TemperatureScaling().fit(val["logits"], val["targets"])
+    res = json.loads((run / "results.json").read_text())
+    assert res["ts"]["parameters"]["temperature_"] == pytest.approx(float(refit.temperature_), rel=1e-6)

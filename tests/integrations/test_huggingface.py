@@ -100,8 +100,15 @@ def test_trainer_trains_reports_metrics_and_updates_adafocal(tmp_path):
         calibration_loss=loss, compute_metrics=compute_metrics(num_classes=3, names=("ece", "adaece", "nll")),
     )  # fmt: skip
     trainer.train()
-    assert loss.gamma_history.shape == (2, 5)  # one update per evaluation (epoch)
-    result = trainer.evaluate()
+    assert loss.gamma_history.shape == (2, 5)  # one update per scheduled evaluation (epoch)
+    gamma = loss.gamma_per_bin.clone()
+    # evaluate() outside train(): the extra evaluation after training and the test set's metrics measure
+    # without adapting the loss (it must not learn from test labels)
+    trainer.evaluate()
+    trainer.evaluate(eval_dataset=Texts(48, 2), metric_key_prefix="test")
+    assert loss.gamma_history.shape == (2, 5)
+    torch.testing.assert_close(loss.gamma_per_bin, gamma)
+    result = trainer.evaluate(update_calibration_loss=True)  # the user opts in
     assert loss.gamma_history.shape == (3, 5)
     prediction = trainer.predict(Texts(48, 1))  # predict() does not update AdaFocal
     assert loss.gamma_history.shape == (3, 5)
@@ -143,3 +150,81 @@ def test_token_metrics_and_bad_arguments(tmp_path):
                            compute_loss_func=lambda *a, **k: 0)  # fmt: skip
     with pytest.raises(ValueError, match="unknown metrics"):
         compute_metrics(3, names=("ece", "ace"))
+
+
+class LabelSets(torch.utils.data.Dataset):
+    """Multi-label texts: label j is bit j of the first token (learnable); ``unknown`` of the labels -100."""
+
+    def __init__(self, n, seed, unknown=0.0):
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(8, 40, (n, 10), generator=g)
+        self.ids[:, 0] = torch.randint(0, 8, (n,), generator=g)
+        self.labels = torch.stack([(self.ids[:, 0] >> j) & 1 for j in range(3)], dim=1).float()
+        self.labels[torch.rand(n, 3, generator=g) < unknown] = -100
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.labels[i]}
+
+
+def test_multilabel_model_loss_and_metrics_with_unknown_labels(tmp_path):
+    """A problem_type="multi_label_classification" BERT trained with a sigmoid focal loss; the evaluation
+    set marks 20 % of its labels unknown (-100): the loss and the metrics leave them out label by label."""
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(
+        BertConfig(num_labels=3, problem_type="multi_label_classification", **CONFIG)
+    )
+    names = ("ece", "ece_micro", "adaece", "nll", "brier", "auroc")
+    trainer = CalibrationTrainer(
+        model=model, args=args(tmp_path), train_dataset=LabelSets(96, 0), eval_dataset=LabelSets(64, 1, 0.2),
+        calibration_loss=create("binary-fl-2"), compute_metrics=compute_metrics(3, names, task="multilabel"),
+    )  # fmt: skip
+    trainer.train()
+    result = trainer.evaluate()
+    prediction = trainer.predict(LabelSets(64, 1, 0.2))
+    z, y = torch.as_tensor(prediction.predictions).double(), torch.as_tensor(prediction.label_ids)
+    known = y != -100
+    p = torch.sigmoid(z)
+
+    def per_label(fn):
+        return torch.stack([fn(p[known[:, j], j], y[known[:, j], j]) for j in range(3)])
+
+    expected = {
+        "ece": per_label(F.multilabel_ece).mean(),
+        "ece_micro": F.multilabel_ece(p[known], y[known]),
+        "adaece": per_label(F.multilabel_adaece).mean(),
+        "nll": per_label(F.multilabel_nll).mean(),
+        "brier": per_label(F.multilabel_brier_score).mean(),
+        "auroc": per_label(F.multilabel_auroc).mean(),
+    }
+    for name, value in expected.items():  # float32 logits from the Trainer, float64 arithmetic on both sides
+        assert abs(result[f"eval_{name}"] - float(value)) < 1e-6, name
+    # eval_loss is the training loss (binary focal, γ = 2) over each batch's known labels, not cross entropy;
+    # the Trainer averages the 4 equal batches' losses (float32 logits: agreement to ~1e-7)
+    focal = [
+        F.binary_focal_loss(z[i : i + 16][known[i : i + 16]], y[i : i + 16][known[i : i + 16]], gamma=2.0)
+        for i in range(0, 64, 16)
+    ]
+    assert abs(prediction.metrics["test_loss"] - float(torch.stack(focal).mean())) < 1e-6
+    # the loss of one batch, alone and as the Trainer calls it under gradient accumulation (its item count is
+    # the labels other than -100, over the whole accumulated step)
+    data = LabelSets(16, 3, 0.3)
+    ids, labels = torch.stack([data[i]["input_ids"] for i in range(16)]), data.labels
+    outputs = model.eval()(input_ids=ids.to(model.device))
+    z16, known16 = outputs.logits.detach().cpu().double(), labels != -100
+    expected = F.binary_cross_entropy(z16[known16], labels[known16].double())
+    compute_loss = loss_func(create("bce"))
+    torch.testing.assert_close(
+        compute_loss(outputs, labels.to(model.device)).double().cpu(), expected, rtol=1e-5, atol=0
+    )
+    step_items = torch.tensor(int(known16.sum()) * 2)  # this batch is half of the step's labels
+    torch.testing.assert_close(
+        compute_loss(outputs, labels.to(model.device), num_items_in_batch=step_items).double().cpu(), expected / 2,
+        rtol=1e-5, atol=0,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="unknown metrics"):
+        compute_metrics(3, ("ece", "auroc_micro"), task="multilabel")
+    with pytest.raises(ValueError, match="`task` must be one of"):
+        compute_metrics(3, task="multi-label")

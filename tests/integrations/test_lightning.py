@@ -1,5 +1,6 @@
 """CalibrationCallback with a real Lightning Trainer: 2 gloo processes (DDP) on CPU log the metrics of the
-whole validation set, hold identical AdaFocal γ and save the calibrator fitted to each checkpoint's weights."""
+whole validation set (multiclass and multi-label), hold identical AdaFocal γ and save the calibrator fitted to
+each checkpoint's weights; validate() measures without adapting the loss; stale calibrators are not saved."""
 
 import json
 import subprocess
@@ -12,18 +13,18 @@ import torch
 pl = pytest.importorskip("lightning.pytorch")  # the `dev` extra installs it; CI runs these tests
 
 import torchcal.functional as F  # noqa: E402
-from torchcal.calibrators import TemperatureScaling  # noqa: E402
+from torchcal.calibrators import BinaryTemperatureScaling, TemperatureScaling  # noqa: E402
 from torchcal.integrations.lightning import CalibrationCallback  # noqa: E402
 from torchcal.losses import AdaFocalLoss  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("lightning_script.py")
-from tests.integrations.lightning_script import Module, blobs  # noqa: E402
+from tests.integrations.lightning_script import Module, blobs, multilabel_outputs  # noqa: E402
 
 
-def _val_logits(checkpoint):
+def _val_logits(checkpoint, n=128):
     module = Module()
     module.load_state_dict(torch.load(checkpoint, weights_only=False)["state_dict"])
-    x, y = blobs(128, 1)
+    x, y = blobs(n, 1)
     with torch.no_grad():
         return module.net(x), y
 
@@ -56,6 +57,25 @@ def test_two_ddp_processes(tmp_path):
     refit = TemperatureScaling().fit(logits, y)
     assert abs(float(saved.temperature_) - float(refit.temperature_)) < 1e-4
     assert abs(float(saved.temperature_) - state["temperature"]) < 1e-12
+    # the multi-label callback of the same run: sums all-reduced, rows all-gathered, unknown labels masked
+    x, _ = blobs(128, 1)
+    _, targets = multilabel_outputs({"logits": logits, "targets": y}, (x, y))
+    p = torch.sigmoid(logits.double())
+    for name, fn in (
+        ("ece", F.multilabel_ece),
+        ("adaece", F.multilabel_adaece),
+        ("auroc", F.multilabel_auroc),
+    ):
+        per_label = [fn(p[targets[:, j] >= 0, j], targets[targets[:, j] >= 0, j]) for j in range(4)]
+        assert abs(state["logged"][f"val_ml/{name}"] - float(torch.stack(per_label).mean())) < 1e-5, name
+    full = (targets >= 0).all(1)
+    refit = BinaryTemperatureScaling().fit(logits[full], targets[full])
+    torch.testing.assert_close(
+        torch.tensor(state["multilabel_temperatures"], dtype=torch.float64),
+        refit.temperature_,
+        rtol=1e-4,
+        atol=0,
+    )
 
 
 class _TupleModule(Module):
@@ -69,19 +89,26 @@ class _BadModule(Module):
         return self.net(batch[0]).sum()
 
 
-def _fit(module, callback, tmp_path, epochs=1, ckpt_path=None):
+def _trainer(callbacks, tmp_path, epochs=1, **kwargs):
+    callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+    return pl.Trainer(
+        max_epochs=epochs, accelerator="cpu", devices=1, callbacks=callbacks, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path), **kwargs,
+    )  # fmt: skip
+
+
+def _loaders(data=blobs, n_val=48):
     from torch.utils.data import DataLoader, TensorDataset
 
-    trainer = pl.Trainer(
-        max_epochs=epochs, accelerator="cpu", devices=1, callbacks=[callback], logger=False,
-        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
-    )  # fmt: skip
-    trainer.fit(
-        module,
-        DataLoader(TensorDataset(*blobs(64, 0)), batch_size=16),
-        DataLoader(TensorDataset(*blobs(48, 1)), batch_size=16),
-        ckpt_path=ckpt_path,
+    return (
+        DataLoader(TensorDataset(*data(64, 0)), batch_size=16),
+        DataLoader(TensorDataset(*data(n_val, 1)), batch_size=16),
     )
+
+
+def _fit(module, callback, tmp_path, epochs=1, ckpt_path=None, **kwargs):
+    trainer = _trainer(callback, tmp_path, epochs, **kwargs)
+    trainer.fit(module, *_loaders(), ckpt_path=ckpt_path)
     return trainer
 
 
@@ -93,8 +120,8 @@ def test_one_process_tuple_outputs_and_restore(tmp_path):
     assert callback.calibrator_.objective == "ece"
     # resuming restores the calibrator from the checkpoint before training goes on
     again = CalibrationCallback(num_classes=4, calibrator="ts:objective=ece", metrics="ece")
-    again.load_state_dict(torch.load(trainer.checkpoint_callback.best_model_path, weights_only=False)[
-        "callbacks"]["CalibrationCallback[ts:objective=ece]"])  # fmt: skip
+    again.load_state_dict(torch.load(trainer.checkpoint_callback.best_model_path, weights_only=True)[
+        "callbacks"][again.state_key])  # fmt: skip
     assert float(again.calibrator_.temperature_) == first
 
 
@@ -122,3 +149,162 @@ def test_bad_arguments():
         CalibrationCallback(num_classes=3, metrics=("ece", "ace"))
     with pytest.raises(ValueError, match="unknown calibrator|calibrator"):
         CalibrationCallback(num_classes=3, calibrator="tss")
+
+
+@pytest.mark.filterwarnings("ignore:temperature scaling hit the bound")  # the untrained model
+def test_validate_measures_without_adapting_adafocal(tmp_path):
+    """A stand-alone Trainer.validate (before fit, or after it) leaves γ as it is; fit's epochs update it."""
+    callback = CalibrationCallback(num_classes=4, metrics="ece")
+    module = Module()
+    trainer = _trainer(callback, tmp_path, epochs=2)
+    train, val = _loaders()
+    before = module.loss.gamma_per_bin.clone()
+    logged = trainer.validate(module, val, verbose=False)[0]
+    assert module.loss.gamma_history.shape[0] == 0
+    torch.testing.assert_close(module.loss.gamma_per_bin, before)
+    assert "val/ece" in logged and callback.calibrator_ is not None  # metrics and calibrator as usual
+    trainer.fit(module, train, val)
+    assert module.loss.gamma_history.shape[0] == 2  # one update per validation epoch of fit
+    gamma = module.loss.gamma_per_bin.clone()
+    trainer.validate(module, val, verbose=False)
+    assert module.loss.gamma_history.shape[0] == 2
+    torch.testing.assert_close(module.loss.gamma_per_bin, gamma)
+
+
+def test_checkpoint_of_later_weights_carries_no_calibrator(tmp_path):
+    """check_val_every_n_epoch=2 with a checkpoint every epoch: epoch=2.ckpt once carried the temperature
+    fitted to epoch 1's weights. Now it carries none (and says so); epoch=1.ckpt carries its own."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    callback = CalibrationCallback(num_classes=4, metrics="ece", update_adafocal=False)
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="{epoch}", every_n_epochs=1, save_top_k=-1,
+                            save_on_train_epoch_end=True)  # fmt: skip
+    torch.manual_seed(0)
+    _fit(Module(), [callback, saver], tmp_path, epochs=3, check_val_every_n_epoch=2)
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+        "epoch=0.ckpt",
+        "epoch=1.ckpt",
+        "epoch=2.ckpt",
+    ]
+    own = CalibrationCallback.calibrator_from_checkpoint(tmp_path / "ckpt" / "epoch=1.ckpt")
+    logits, y = _val_logits(tmp_path / "ckpt" / "epoch=1.ckpt", n=48)
+    refit = TemperatureScaling().fit(logits, y)
+    # the same NLL fit on the same logits up to the optimiser's tolerance
+    assert abs(float(own.temperature_) - float(refit.temperature_)) < 1e-4
+    with pytest.warns(
+        UserWarning, match=r"changed after the calibrator was fitted \(global step 8, epoch 1\)"
+    ):
+        assert CalibrationCallback.calibrator_from_checkpoint(tmp_path / "ckpt" / "epoch=2.ckpt") is None
+    assert CalibrationCallback.calibrator_from_checkpoint(tmp_path / "ckpt" / "epoch=0.ckpt") is None
+    assert callback.calibrator_fitted_at_ == {"global_step": 8, "epoch": 1}
+    # resuming from it restores no calibrator either (with the same warning)
+    again = CalibrationCallback(num_classes=4, metrics="ece", update_adafocal=False)
+    state = torch.load(tmp_path / "ckpt" / "epoch=2.ckpt", weights_only=True)["callbacks"][again.state_key]
+    with pytest.warns(UserWarning, match="changed after"):
+        again.load_state_dict(state)
+    assert again.calibrator_ is None
+
+
+def test_state_keys_class_count_and_safe_loading(tmp_path):
+    first = CalibrationCallback(num_classes=4, metrics="ece", prefix="val/")
+    second = CalibrationCallback(num_classes=4, metrics="nll", prefix="val_b/", update_adafocal=False)
+    assert first.state_key != second.state_key
+    trainer = _fit(_TupleModule(), [first, second], tmp_path)
+    path = trainer.checkpoint_callback.best_model_path
+    states = torch.load(path, weights_only=True)["callbacks"]
+    assert {first.state_key, second.state_key} <= set(states)
+    loaded = CalibrationCallback.calibrator_from_checkpoint(path, "ts", prefix="val_b/")
+    assert float(loaded.temperature_) == float(second.calibrator_.temperature_)
+    # a calibrator fitted on 4 classes is refused by a 3-class callback at load time
+    with pytest.raises(ValueError, match="with 4 classes, but this callback has task='multiclass' with 3"):
+        CalibrationCallback(num_classes=3).load_state_dict(states[first.state_key])
+    # a calibrator of unrecorded provenance (a state written before the fit step was recorded) is not saved
+    # with a checkpoint of another step either
+    legacy = dict(states[first.state_key], fitted_at=None)
+    restored = CalibrationCallback(num_classes=4)
+    restored.load_state_dict(legacy)
+    checkpoint = {"callbacks": {restored.state_key: restored.state_dict()}, "global_step": 99}
+    restored.on_save_checkpoint(None, None, checkpoint)
+    with pytest.warns(UserWarning, match="at an unrecorded step"):
+        assert (
+            CalibrationCallback(num_classes=4).load_state_dict(checkpoint["callbacks"][restored.state_key])
+            is None
+        )
+    # a checkpoint holding arbitrary objects is not unpickled unless the caller says it trusts the file
+    module = _HparamsModule(Opaque(3))
+    trainer = _fit(module, CalibrationCallback(num_classes=4), tmp_path / "h")
+    path = trainer.checkpoint_callback.best_model_path
+    with pytest.raises(ValueError, match="weights_only=False if you trust the file"):
+        CalibrationCallback.calibrator_from_checkpoint(path)
+    assert CalibrationCallback.calibrator_from_checkpoint(path, weights_only=False) is not None
+
+
+class Opaque:
+    def __init__(self, n):
+        self.n = n
+
+
+class _HparamsModule(Module):
+    def __init__(self, opaque):
+        super().__init__()
+        self.save_hyperparameters()
+
+
+def multilabel_blobs(n, seed, labels=3):
+    """Features from which 3 overlapping labels are learnable; 15 % of the targets unknown (-1)."""
+    g = torch.Generator().manual_seed(seed)
+    y = (torch.rand(n, labels, generator=g) < 0.4).long()
+    x = torch.randn(n, 8, generator=g)
+    x[:, :labels] += y  # overlapping classes: the fitted temperatures stay inside their bounds
+    y[torch.rand(n, labels, generator=g) < 0.15] = -1
+    return x, y
+
+
+class _MultilabelModule(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(8, 3)
+
+    def training_step(self, batch, _):
+        x, y = batch
+        known = y >= 0
+        z = self.net(x)
+        return torch.nn.functional.binary_cross_entropy_with_logits(z[known], y[known].float())
+
+    def validation_step(self, batch, _):
+        x, y = batch
+        return {"logits": self.net(x), "targets": y}
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+@pytest.mark.filterwarnings("ignore:temperature scaling hit the bound")  # the first epochs' underfit labels
+def test_multilabel_callback_with_unknown_targets(tmp_path):
+    callback = CalibrationCallback(num_classes=3, task="multilabel", ignore_index=-1,
+                                   metrics=("ece", "ece_micro", "adaece", "nll", "auroc"))  # fmt: skip
+    module = _MultilabelModule()
+    trainer = _trainer(callback, tmp_path, epochs=8)  # enough to learn every label's base rate
+    trainer.fit(module, *_loaders(multilabel_blobs, n_val=200))
+    x, y = multilabel_blobs(200, 1)
+    with torch.no_grad():
+        z = module.net(x).double()
+    p = torch.sigmoid(z)
+    per_label = {
+        "ece": [F.multilabel_ece(p[y[:, j] >= 0, j], y[y[:, j] >= 0, j]) for j in range(3)],
+        "adaece": [F.multilabel_adaece(p[y[:, j] >= 0, j], y[y[:, j] >= 0, j]) for j in range(3)],
+        "nll": [F.multilabel_nll(p[y[:, j] >= 0, j], y[y[:, j] >= 0, j]) for j in range(3)],
+        "auroc": [F.multilabel_auroc(p[y[:, j] >= 0, j], y[y[:, j] >= 0, j]) for j in range(3)],
+    }
+    logged = trainer.callback_metrics
+    for name, values in per_label.items():  # logged as float32
+        assert abs(float(logged[f"val/{name}"]) - float(torch.stack(values).mean())) < 1e-5, name
+    known = y >= 0
+    assert abs(float(logged["val/ece_micro"]) - float(F.multilabel_ece(p[known], y[known]))) < 1e-5
+    # per-label temperature scaling on the samples whose labels are all known
+    full = known.all(1)
+    refit = BinaryTemperatureScaling().fit(z[full].float(), y[full])
+    assert bool(((refit.temperature_ > 0.02) & (refit.temperature_ < 50)).all())  # an optimum, not a bound
+    torch.testing.assert_close(callback.calibrator_.temperature_, refit.temperature_, rtol=1e-4, atol=0)
+    with pytest.raises(ValueError, match="unknown names"):
+        CalibrationCallback(num_classes=3, task="multilabel", metrics=("auroc_micro",))

@@ -91,9 +91,12 @@ def test_metric_collection_shares_one_update():
 
 def test_state_is_constant_size_for_equal_width_metrics():
     ece = TM.ExpectedCalibrationError(num_classes=10, n_bins=15)
-    assert set(ece._defaults) == {"sums"} and ece.sums.shape == (3 * 15 + 2 * 10 * 15 + 6,)
+    assert set(ece._defaults) == {"sums", "settings"} and ece.sums.shape == (3 * 15 + 2 * 10 * 15 + 6,)
+    assert ece.settings.shape == (
+        8,
+    )  # (is set, value) of from_logits, ignore_index, s99_threshold, class_dim
     ada = TM.AdaptiveCalibrationError(num_classes=10)
-    assert set(ada._defaults) == {"sums", "samples"}
+    assert set(ada._defaults) == {"sums", "settings", "samples"}
 
 
 def test_ignore_index_and_extra_dimensions():
@@ -138,6 +141,11 @@ def _worker(rank, world, port, path):
     for metric in metrics.values():
         metric.update(logits[shard], targets[shard])
     out = {name: float(m.compute()) for name, m in metrics.items()}  # compute() syncs across ranks
+    z, y = multilabel_data(n=300, seed=3)
+    for name in ML_NAMES:
+        metric = TM.MultilabelCalibrationMetric(4, name, from_logits=True, ignore_index=-1)
+        metric.update(z[shard], y[shard])
+        out[f"multilabel_{name}"] = float(metric.compute())
     with open(f"{path}.{rank}", "w") as fh:
         json.dump(out, fh)
     dist.destroy_process_group()
@@ -153,3 +161,188 @@ def test_sync_over_two_gloo_processes(tmp_path):
         got = json.loads((tmp_path / f"out.{rank}").read_text())
         for _, name in CLASSES:
             assert abs(got[name] - float(ref[name])) < 1e-9, (rank, name)
+        z, y = multilabel_data(n=300, seed=3)
+        for name in ML_NAMES:
+            expected = masked_reference(z, y, name)[0]
+            assert abs(got[f"multilabel_{name}"] - float(expected)) < 1e-9, (rank, name)
+
+
+# -- MetricCollection compute groups: settings that change update keep metrics apart ---------------------
+
+
+def _confident_after_uniform(k=4):
+    """A first batch of uniform rows (confidence 1/K: below every S99 threshold and equal for every
+    setting), then batches of spread confidences."""
+    g = torch.Generator().manual_seed(5)
+    first = torch.zeros(32, k, dtype=torch.float64), torch.randint(0, k, (32,), generator=g)
+    rest = 4 * torch.randn(256, k, generator=g, dtype=torch.float64), torch.randint(0, k, (256,), generator=g)
+    return [first, (rest[0][:128], rest[1][:128]), (rest[0][128:], rest[1][128:])]
+
+
+def test_collection_keeps_metrics_with_other_settings_apart():
+    """Compute groups compare states after the first update; a first batch that gives equal sums once
+    merged s99_threshold=0.8 / 0.95 / 0.99 into one value."""
+    batches = _confident_after_uniform()
+    thresholds = (0.8, 0.95, 0.99)
+    collection = MetricCollection({
+        f"s99_{int(100 * t)}": TM.CalibrationMetric(4, "s99_fraction", from_logits=True, s99_threshold=t) for t in thresholds
+    })  # fmt: skip
+    for logits, targets in batches:
+        collection.update(logits, targets)
+    out = collection.compute()
+    logits = torch.cat([b[0] for b in batches])
+    targets = torch.cat([b[1] for b in batches])
+    values = []
+    for t in thresholds:
+        ref = CalibrationMetrics(4, from_logits=True, s99_threshold=t)
+        ref.update(logits, targets)
+        torch.testing.assert_close(out[f"s99_{int(100 * t)}"], ref.compute("s99_fraction")["s99_fraction"])
+        values.append(float(out[f"s99_{int(100 * t)}"]))
+    assert len(set(values)) == 3  # the data give three different values
+    assert sorted(sorted(g) for g in collection.compute_groups.values()) == [
+        [f"s99_{int(100 * t)}"] for t in thresholds
+    ]
+
+
+def test_collection_keeps_ignore_index_apart_and_still_shares_equal_settings():
+    batches = _confident_after_uniform()
+    batches[1][1][:40] = -100  # padding appears after the first batch
+    collection = MetricCollection({
+        "ece_ignore": TM.ExpectedCalibrationError(4, from_logits=True, ignore_index=-100),
+        "mce_ignore": TM.MaxCalibrationError(4, from_logits=True, ignore_index=-100),
+        "ece_logits": TM.ExpectedCalibrationError(4, from_logits=True),
+    })  # fmt: skip
+    collection.update(*batches[0])
+    assert sorted(sorted(g) for g in collection.compute_groups.values()) == [["ece_ignore", "mce_ignore"],
+                                                                           ["ece_logits"]]  # fmt: skip
+    # the metric without ignore_index refuses the padding targets instead of merging silently
+    with pytest.raises(ValueError, match="must lie in"):
+        collection.update(*batches[1])
+
+
+def test_token_layout_through_class_dim():
+    """Hugging Face's (N, T, K) token logits with class_dim=-1; T == K without class_dim is refused."""
+    g = torch.Generator().manual_seed(6)
+    logits = torch.randn(5, 7, 3, generator=g, dtype=torch.float64)  # (N, T, K)
+    targets = torch.randint(0, 3, (5, 7), generator=g)
+    targets[:, 5:] = -100
+    keep = targets.reshape(-1) != -100
+    rows, flat = logits.reshape(-1, 3)[keep], targets.reshape(-1)[keep]
+    metric = TM.ExpectedCalibrationError(3, from_logits=True, ignore_index=-100, class_dim=-1)
+    metric.update(logits, targets)
+    torch.testing.assert_close(metric.compute(), F.expected_calibration_error(rows, flat, from_logits=True))
+    with pytest.raises(ValueError, match="pass class_dim=-1"):
+        TM.ExpectedCalibrationError(3, from_logits=True, ignore_index=-100).update(logits, targets)
+    square = torch.randn(4, 3, 3, generator=g, dtype=torch.float64)  # (N, T, K) with T == K
+    square_targets = torch.randint(0, 3, (4, 3), generator=g)
+    with pytest.raises(ValueError, match="ambiguous"):
+        TM.ExpectedCalibrationError(3, from_logits=True).update(square, square_targets)
+    for dim, rows in ((-1, square.reshape(-1, 3)), (1, square.movedim(1, -1).reshape(-1, 3))):
+        metric = TM.ExpectedCalibrationError(3, from_logits=True, class_dim=dim)
+        metric.update(square, square_targets)
+        expected = F.expected_calibration_error(rows, square_targets.reshape(-1), from_logits=True)
+        torch.testing.assert_close(metric.compute(), expected)
+    with pytest.raises(ValueError, match="class_dim"):
+        TM.ExpectedCalibrationError(3, class_dim=0).update(square, square_targets)
+
+
+# -- multi-label -------------------------------------------------------------------------------------------
+
+ML_NAMES = ("ece", "mce", "adaece", "brier", "nll", "error", "auroc")
+
+
+def multilabel_data(n=300, labels=4, seed=0, unknown=0.2):
+    """Sigmoid logits and 0/1 targets drawn from a miscalibrated model; a share of targets unknown (-1)."""
+    g = torch.Generator().manual_seed(seed)
+    z = 2 * torch.randn(n, labels, generator=g, dtype=torch.float64)
+    y = (torch.rand(n, labels, generator=g, dtype=torch.float64) < torch.sigmoid(z / 2)).long()
+    y[torch.rand(n, labels, generator=g) < unknown] = -1
+    return z, y
+
+
+def masked_reference(z, y, name):
+    """The one-shot functional value of each label on its known targets, and their macro mean."""
+    one_label = {
+        "ece": lambda p, t: F.multilabel_ece(p, t),
+        "mce": lambda p, t: F.multilabel_mce(p, t),
+        "adaece": lambda p, t: F.multilabel_adaece(p, t),
+        "brier": lambda p, t: F.multilabel_brier_score(p, t),
+        "nll": lambda p, t: F.multilabel_nll(p, t),
+        "error": lambda p, t: ((p >= 0.5).double() != t).double().mean(),
+        "auroc": lambda p, t: F.multilabel_auroc(p, t),
+    }[name]
+    p = torch.sigmoid(z)
+    per_label = torch.stack([one_label(p[y[:, j] >= 0, j], y[y[:, j] >= 0, j]) for j in range(z.shape[1])])
+    return per_label.mean(), per_label
+
+
+@pytest.mark.parametrize("name", ML_NAMES)
+def test_multilabel_metric_masks_unknown_targets(name):
+    z, y = multilabel_data()
+    metric = TM.MultilabelCalibrationMetric(4, name, from_logits=True, ignore_index=-1)
+    per_label = TM.MultilabelCalibrationMetric(4, name, average="none", from_logits=True, ignore_index=-1)
+    for i in range(0, 300, 64):
+        metric.update(z[i : i + 64], y[i : i + 64])
+        per_label.update(z[i : i + 64], y[i : i + 64])
+    macro, expected = masked_reference(z, y, name)
+    # float64 sums in another order than the one-shot functions: a few ulps of values of order 1
+    torch.testing.assert_close(per_label.compute(), expected, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(metric.compute(), macro, rtol=1e-9, atol=1e-12)
+
+
+def test_multilabel_metric_equals_the_streaming_accumulator_and_micro():
+    """Without unknown targets every value equals MultilabelCalibrationMetrics'; micro pools the pairs."""
+    from torchcal.metrics import MultilabelCalibrationMetrics
+
+    z, y = multilabel_data(unknown=0.0)
+    ref = MultilabelCalibrationMetrics(4, from_logits=True)
+    ref.update(z, y)
+    expected = ref.compute()
+    collection = MetricCollection(
+        {f"{name}_{avg}": TM.MultilabelCalibrationMetric(4, name, avg, from_logits=True)
+         for name in ("ece", "mce", "adaece", "brier", "nll", "error") for avg in ("macro", "micro", "none")}
+    )  # fmt: skip
+    for i in range(0, 300, 100):
+        collection.update(z[i : i + 100], y[i : i + 100])
+    out = collection.compute()
+    for key in ("ece", "mce", "adaece", "brier", "nll", "error"):
+        torch.testing.assert_close(out[f"{key}_macro"], expected[key], rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(out[f"{key}_none"], expected[f"{key}_per_label"], rtol=1e-9, atol=1e-12)
+    p = torch.sigmoid(z)
+    torch.testing.assert_close(
+        out["ece_micro"], F.multilabel_ece(p, y, average="micro"), rtol=1e-9, atol=1e-12
+    )
+    torch.testing.assert_close(
+        out["adaece_micro"], F.multilabel_adaece(p, y, average="micro"), rtol=1e-9, atol=1e-12
+    )
+    torch.testing.assert_close(out["brier_micro"], ((p - y) ** 2).mean(), rtol=1e-9, atol=1e-12)
+    # one state for every binned metric and average (their settings are equal)
+    groups = [sorted(g) for g in collection.compute_groups.values()]
+    assert sorted(f"{n}_{a}" for n in ("ece", "mce", "brier", "nll", "error")
+                  for a in ("macro", "micro", "none")) in groups  # fmt: skip
+
+
+def test_multilabel_token_layout_and_refusals():
+    g = torch.Generator().manual_seed(7)
+    z = torch.randn(3, 6, 2, generator=g, dtype=torch.float64)  # (N, T, L)
+    y = torch.randint(0, 2, (3, 6, 2), generator=g)
+    y[:, 4:] = -100
+    metric = TM.MultilabelCalibrationMetric(
+        2, "ece", "none", from_logits=True, ignore_index=-100, class_dim=-1
+    )
+    metric.update(z, y)
+    rows, labels = z[:, :4].reshape(-1, 2), y[:, :4].reshape(-1, 2)  # the known tokens
+    torch.testing.assert_close(
+        metric.compute(), F.multilabel_ece(rows, labels, average="none", from_logits=True)
+    )
+    square = torch.randn(3, 2, 2, generator=g)
+    with pytest.raises(ValueError, match="ambiguous"):
+        TM.MultilabelCalibrationMetric(2).update(torch.sigmoid(square), torch.ones(3, 2, 2))
+    unknown = y[:, 0].clone()
+    unknown[0, 0] = -1
+    with pytest.raises(ValueError, match="must be 0 or 1"):  # -1 without ignore_index is not a target
+        TM.MultilabelCalibrationMetric(2, from_logits=True).update(z[:, 0], unknown)
+    with pytest.raises(ValueError, match="`average` must be one of"):
+        TM.MultilabelCalibrationMetric(2, "auroc", "micro")
+    with pytest.raises(ValueError, match="expected num_labels=3"):
+        TM.MultilabelCalibrationMetric(3).update(torch.rand(4, 2), torch.ones(4, 2))

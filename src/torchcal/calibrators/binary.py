@@ -14,7 +14,7 @@ import torch
 
 from .._validation import as_data, check_bool, check_positive_int
 from ..functional._binning import equal_width_index
-from ..functional.binary import _check_binary_targets, _check_scores
+from ..functional.binary import _check_binary_targets, _check_scores, _finite_logits
 from .base import Calibrator
 from .nonparametric import _interp_rows, _pav
 from .temperature import FocalTemperatureScaling, fit_temperature_nll
@@ -29,6 +29,9 @@ __all__ = [
 ]
 
 
+_SIGMOID_LOGITS_ADVICE = "sigmoid calibrators take logits (for probabilities pass torch.logit(probs))"
+
+
 class BinaryCalibrator(Calibrator):
     """Base of the sigmoid calibrators: inputs (N,) or (N, L); subclasses see (N, L) float64 logits and
     float64 0/1 targets in ``_fit`` and (N, L) float64 logits in ``_transform``."""
@@ -38,15 +41,14 @@ class BinaryCalibrator(Calibrator):
         self._check_fitted()
         return self.num_classes_
 
-    def _as_2d(self, logits):
+    def _as_2d(self, logits, warn_if_probs: bool = False):
         z = _check_scores(as_data(logits, "logits"), "logits")
-        if not bool(torch.isfinite(z).all()):
-            raise ValueError("`logits` contains NaN or infinite values")
+        _finite_logits(z, "logits", _SIGMOID_LOGITS_ADVICE if warn_if_probs else None)
         return z, (z[:, None] if z.ndim == 1 else z)
 
     def fit(self, logits, targets) -> BinaryCalibrator:
         """Learns one calibration map per label from validation logits (N,) or (N, L) and 0/1 targets."""
-        z, z2 = self._as_2d(logits)
+        z, z2 = self._as_2d(logits, warn_if_probs=True)
         y, _ = _check_binary_targets(as_data(targets, "targets"), z.shape, z.device, soft=False)
         y2 = (y[:, None] if y.ndim == 1 else y).double()
         for attr in self.fitted_attributes:

@@ -111,6 +111,8 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"
     num_threads: int = 0  # 0: torch's default
+    # post-hoc calibrators fitted on the final validation logits at the end of training and saved as
+    # `torchcal evaluate` saves them (results.json, calibrators/); [] for none
     calibrators: list = field(default_factory=lambda: ["ts", "fts"])
     amp: str = "auto"  # autocast dtype: auto (bfloat16 on CUDA, off on CPU), bfloat16, float16, off
     channels_last: str | bool = "auto"  # auto (on for CUDA convolutional models), true, false
@@ -263,10 +265,13 @@ def _yaml_problem(err) -> str:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
-    """Defaults, then the YAML file (if given), then the overrides."""
+    """Defaults, then the YAML file (if given), then the overrides. A text dataset has no shift or OOD set
+    unless the file or an override names one (the defaults, ``gaussian_noise`` and ``digits``, are image
+    sets)."""
     import yaml
 
     cfg = RunConfig()
+    given: set[str] = set()  # data.shift / data.ood named by the file or an override
     if path is not None:
         p = Path(path)
         if not p.is_file():
@@ -279,7 +284,22 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         except (OSError, UnicodeDecodeError) as err:
             raise ConfigError(f"config file {str(p)!r} cannot be read: {err}") from None
         cfg = config_from_dict(raw, cfg, validate=False)
-    return apply_overrides(cfg, overrides or [])
+        data = raw.get("data") if isinstance(raw, dict) else None
+        given |= {key for key in ("shift", "ood") if isinstance(data, dict) and key in data}
+    overrides = list(overrides or [])
+    given |= {
+        key
+        for key in ("shift", "ood")
+        for item in overrides
+        if item.split("=", 1)[0].strip() == f"data.{key}"
+    }
+    cfg = apply_overrides(cfg, overrides, validate=False)
+    from .data import TEXT_DATASETS
+
+    if cfg.data.name in TEXT_DATASETS:
+        for key in {"shift", "ood"} - given:
+            setattr(cfg.data, key, "")
+    return validate_config(cfg)
 
 
 def config_to_dict(cfg: RunConfig) -> dict:
@@ -295,6 +315,7 @@ def flatten_config(cfg: RunConfig | dict) -> dict[str, Any]:
 
 # -- validation ---------------------------------------------------------------------------------------------
 
+TEXT_CNN_MIN_LEN = 149
 _AMP = ("auto", "bfloat16", "float16", "off")
 _OPTIMIZERS = ("adam", "adamw", "adagrad", "sgd")
 _SHIFTS = ("", "gaussian_noise", "cifar10_c")
@@ -334,6 +355,11 @@ def validate_config(cfg: RunConfig) -> RunConfig:
     _check(d.limit_train >= 0, f"data.limit_train must be >= 0 (0: all), got {d.limit_train}")
     _check(d.max_len >= 1, f"data.max_len must be >= 1, got {d.max_len}")
     _check(d.eval_max_len >= 0, f"data.eval_max_len must be >= 0 (0: data.max_len), got {d.eval_max_len}")
+    if m.name == "text_cnn":  # three convolutions of 5 and two max-pools of 5 need 149 tokens
+        for key, value in (("max_len", d.max_len), ("eval_max_len", d.eval_max_len or d.max_len)):
+            _check(value >= TEXT_CNN_MIN_LEN,
+                   f"model.name=text_cnn needs data.{key} >= {TEXT_CNN_MIN_LEN} tokens (its three convolutions "
+                   f"of 5 and two max-pools of 5), got {value}")  # fmt: skip
     _check(d.image_size >= 8, f"data.image_size must be >= 8, got {d.image_size}")
     _check(d.num_workers >= 0, f"data.num_workers must be >= 0, got {d.num_workers}")
     _check(

@@ -106,9 +106,10 @@ class TransformerClassifier(nn.Module):
         hf_logging.set_verbosity_error()  # the expected "newly initialised classifier" notice
         hf_logging.disable_progress_bar()
         try:
-            self.hf = AutoModelForSequenceClassification.from_pretrained(
-                str(path), num_labels=num_classes, local_files_only=True, ignore_mismatched_sizes=True
-            )
+            self.hf, info = AutoModelForSequenceClassification.from_pretrained(
+                str(path), num_labels=num_classes, local_files_only=True, ignore_mismatched_sizes=True,
+                output_loading_info=True,
+            )  # fmt: skip
         except OSError as err:
             first = str(err).strip().splitlines()[0]
             raise ValueError(f"model.checkpoint={checkpoint!r} cannot be loaded: {first}") from None
@@ -116,6 +117,21 @@ class TransformerClassifier(nn.Module):
             hf_logging.set_verbosity(verbosity)
             if bars:
                 hf_logging.enable_progress_bar()
+        # a checkpoint without a classification head (a pre-trained body) gets a new one, as expected; a head
+        # of another size is replaced too, and that is said
+        old = sorted(
+            (tuple(entry[1]), tuple(entry[2])) for entry in info.get("mismatched_keys", ()) if len(entry) == 3
+        )
+        if old:
+            old_labels = old[0][0][0]  # the bias (K_old,) sorts before the weight (K_old, hidden)
+            import warnings
+
+            warnings.warn(
+                f"model.checkpoint={checkpoint!r} has a classification head for {old_labels} labels; the dataset "
+                f"has {num_classes}: that head is replaced by a new, randomly initialised one",
+                UserWarning,
+                stacklevel=2,
+            )
 
     def forward(self, x):
         if x.ndim != 3 or x.shape[1] != 2:

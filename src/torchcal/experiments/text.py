@@ -205,12 +205,25 @@ def _read_ag_csv(path: Path):
         raise DatasetError(f"missing file {path}: put AG News's train.csv and test.csv under data.root")
     texts, labels = [], []
     with open(path, newline="", encoding="utf-8") as fh:
-        for row in csv.reader(fh):
+        reader = csv.reader(fh)
+        for row in reader:
             if len(row) < 3:
-                raise DatasetError(f"{path}: rows must be class index (1-4), title, description; got {row}")
-            labels.append(int(row[0]) - 1)
+                raise DatasetError(
+                    f"{path}, line {reader.line_num}: rows must be class index (1-4), title, description; "
+                    f"got {row}"
+                )
+            label = row[0].strip()
+            if label not in AG_NEWS_CLASSES:
+                raise DatasetError(
+                    f"{path}, line {reader.line_num}: the class index must be 1, 2, 3 or 4 (AG News's World, "
+                    f"Sports, Business, Sci/Tech), got {row[0]!r}"
+                )
+            labels.append(int(label) - 1)
             texts.append(row[1] + " " + " ".join(row[2:]))
     return texts, labels
+
+
+AG_NEWS_CLASSES = ("1", "2", "3", "4")
 
 
 def load_ag_news(root: str | Path):
@@ -266,6 +279,8 @@ def load_sst(root: str | Path, binary: bool):
                 label, text = parse_ptb_tree(line)
             except ValueError as err:
                 raise DatasetError(f"{path}, line {number}: {err}") from None
+            if label > 4:
+                raise DatasetError(f"{path}, line {number}: the root sentiment must be 0-4, got {label}")
             if binary:
                 if label == 2:
                     continue

@@ -491,8 +491,10 @@ def train(
             if improved:  # written before the checkpoint that records it: a resume never points past it
                 weights = {"format": "torchcal-best-1", **best, "model": model.state_dict()}
                 atomic_write_bytes(run_dir / BEST, lambda fh, w=weights: torch.save(w, fh))
-            atomic_write_bytes(ckpt_path, lambda fh, c=checkpoint: torch.save(c, fh))
+            # the epoch's row before the checkpoint that counts it: a kill between the two leaves a row that
+            # resume drops, never a checkpoint without its row
             _write_jsonl(run_dir / METRICS, rows)
+            atomic_write_bytes(ckpt_path, lambda fh, c=checkpoint: torch.save(c, fh))
             if on_epoch is not None:
                 on_epoch(row)
         _barrier(world)
@@ -528,10 +530,31 @@ def train(
         atomic_write_bytes(run_dir / LOGITS, lambda fh: torch.save(logits, fh))
         text = json.dumps(selection, indent=2)
         atomic_write_bytes(run_dir / SELECTION, lambda fh: fh.write(text.encode()))
+        refit = tuple(cfg.train.calibrators)
         if had_logits:  # trained further: results and calibrators of the earlier model no longer apply
-            _drop_stale_results(run_dir)
+            _drop_stale_results(run_dir, refit)
+        if refit:
+            _fit_calibrators(run_dir, refit)
     _barrier(world)
     return rows
+
+
+def _fit_calibrators(run_dir: Path, specs: tuple[str, ...]) -> None:
+    """``train.calibrators`` fitted on the final validation logits and saved, as ``torchcal evaluate`` does
+    (``results.json``, ``calibrators/<name>.pt`` / ``.json``). A calibrator the data cannot fit is named in
+    a warning; the trained run stays."""
+    from .errors import UserError
+    from .evaluate import evaluate_run
+
+    try:
+        evaluate_run(run_dir, specs)
+    except UserError as err:
+        warnings.warn(
+            f"{run_dir}: train.calibrators were not fitted: {err}; the run is complete, fit others with "
+            f"torchcal evaluate {run_dir} --calibrators ...",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def _load_best(path: Path) -> dict:
@@ -544,16 +567,21 @@ def _load_best(path: Path) -> dict:
     return saved
 
 
-def _drop_stale_results(run_dir: Path) -> None:
+def _drop_stale_results(run_dir: Path, refit: tuple[str, ...] = ()) -> None:
     import shutil
 
     stale = [p for p in (run_dir / RESULTS, run_dir / CALIBRATORS) if p.exists()]
     for path in stale:
         shutil.rmtree(path) if path.is_dir() else path.unlink()
     if stale:
+        then = (
+            f"train.calibrators ({', '.join(refit)}) are fitted again; others need torchcal evaluate"
+            if refit
+            else "run torchcal evaluate again"
+        )
         warnings.warn(
             f"{run_dir}: trained further, so {', '.join(p.name for p in stale)} of the earlier model were "
-            "removed; run torchcal evaluate again",
+            f"removed; {then}",
             UserWarning,
             stacklevel=3,
         )

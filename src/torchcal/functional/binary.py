@@ -96,6 +96,33 @@ def _check_binary_targets(targets, shape, device, name="targets", soft=True) -> 
     return targets, hard
 
 
+# The head rows looked at for sigmoid "logits" that are really probabilities (as check_logits does for softmax).
+_SIGMOID_LOOK_ROWS = 64
+
+
+def _finite_logits(z: torch.Tensor, name: str, advice: str | None) -> None:
+    """Refuses NaN / infinite ``z``; with ``advice``, warns when the first rows all lie in [0, 1], i.e. look
+    like sigmoid probabilities passed where logits are expected. One host sync for both checks."""
+    stats = [torch.isfinite(z).all().double()]
+    if advice is not None:
+        head = z[:_SIGMOID_LOOK_ROWS]
+        stats += list(torch.aminmax(head.double()))
+    values = torch.stack(stats).tolist()
+    if not values[0]:
+        raise ValueError(f"`{name}` contains NaN or infinite values")
+    if advice is not None and values[1] >= 0 and values[2] <= 1:
+        warnings.warn(
+            f"`{name}` entries all lie in [0, 1]: they look like sigmoid probabilities, not logits; {advice}",
+            UserWarning,
+            stacklevel=4,
+        )
+
+
+_SIGMOID_FROM_LOGITS_ADVICE = (
+    "from_logits=True applies a sigmoid to them (pass from_logits=False for probabilities)"
+)
+
+
 def _check_scores(x, name) -> torch.Tensor:
     x = as_tensor(x, name)
     if not x.is_floating_point():
@@ -270,8 +297,7 @@ def _metric_inputs(probs, targets, from_logits):
     check_bool(from_logits, "from_logits")
     probs = _check_scores(as_data(probs, "probs"), "probs")
     targets, _ = _check_binary_targets(as_data(targets, "targets"), probs.shape, probs.device, soft=False)
-    if not bool(torch.isfinite(probs).all()):
-        raise ValueError("`probs` contains NaN or infinite values")
+    _finite_logits(probs, "probs", _SIGMOID_FROM_LOGITS_ADVICE if from_logits else None)
     p = torch.sigmoid(probs.double()) if from_logits else probs.double()
     if not from_logits:
         lo, hi = float(p.min()), float(p.max())
@@ -418,7 +444,9 @@ def multilabel_nll(probs, targets, *, average: str = "macro", from_logits: bool 
     and 1 for probability inputs; exact log-sigmoid for logits)."""
     check_choice(average, "average", {"macro", "none"})
     if from_logits:
-        z = _check_scores(as_data(probs, "logits"), "logits").double()
+        z = _check_scores(as_data(probs, "logits"), "logits")
+        _finite_logits(z, "logits", _SIGMOID_FROM_LOGITS_ADVICE)
+        z = z.double()
         y = _check_binary_targets(as_data(targets, "targets"), z.shape, z.device, soft=False)[0].double()
         z, y = (z[:, None], y[:, None]) if z.ndim == 1 else (z, y)
         values = nnf.binary_cross_entropy_with_logits(z, y, reduction="none").mean(0)

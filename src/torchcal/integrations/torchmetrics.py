@@ -42,6 +42,8 @@ except ImportError as err:  # pragma: no cover - exercised only without torchmet
 from .._validation import check_bool, check_choice, check_float, check_positive_int
 from ..functional._loss_inputs import check_ignore_index
 from ..metrics import EQUAL_MASS_METRICS, EQUAL_WIDTH_METRICS, batch_state, metric_rows, results, state_size
+from . import _multilabel as ML
+from ._multilabel import resolve_class_dim
 
 __all__ = [
     "CalibrationMetric",
@@ -53,6 +55,7 @@ __all__ = [
     "SmoothCalibrationError",
     "BrierScore",
     "NegativeLogLikelihood",
+    "MultilabelCalibrationMetric",
 ]
 
 METRICS = EQUAL_WIDTH_METRICS + EQUAL_MASS_METRICS
@@ -69,7 +72,15 @@ class CalibrationMetric(Metric):
         from_logits: ``update`` receives logits and applies softmax.
         ignore_index: targets with this value are left out (None: every target must be a class).
         s99_threshold: the confidence threshold of the S99 metrics.
+        class_dim: the class dimension of inputs with extra dimensions: 1 for PyTorch's (N, K, d1, ...), −1
+            for Hugging Face's token layout (N, T, K). None: dimension 1, and a shape whose dimension 1 and
+            last dimension both have K entries is refused as ambiguous.
         **kwargs: ``torchmetrics.Metric`` options (``sync_on_compute``, ``dist_sync_on_step``, ...).
+
+    Inside a ``MetricCollection`` metrics share one update only when every setting that changes ``update``
+    (``from_logits``, ``ignore_index``, ``s99_threshold``, ``class_dim``, K, M) is equal: the settings are
+    part of the state torchmetrics compares, so a first batch that happens to give equal sums does not merge
+    metrics whose settings differ.
     """
 
     is_differentiable = False
@@ -85,6 +96,7 @@ class CalibrationMetric(Metric):
         from_logits: bool = False,
         ignore_index: int | None = None,
         s99_threshold: float = 0.99,
+        class_dim: int | None = None,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -94,18 +106,24 @@ class CalibrationMetric(Metric):
         self.from_logits = check_bool(from_logits, "from_logits")
         self.ignore_index = check_ignore_index(ignore_index)
         self.s99_threshold = check_float(s99_threshold, "s99_threshold", low=0, high=1)
+        self.class_dim = _check_class_dim(class_dim)
         self.add_state(
             "sums",
             default=torch.zeros(state_size(self.num_classes, self.n_bins), dtype=torch.float64),
             dist_reduce_fx="sum",
         )
+        _add_settings_state(self, self.from_logits, self.ignore_index, self.s99_threshold, self.class_dim)
         self.equal_mass = self.metric in EQUAL_MASS_METRICS
         if self.equal_mass:  # every sample's (confidence, correct), in one tensor: all-gathered as one
             self.add_state("samples", default=[], dist_reduce_fx="cat")
 
     def update(self, preds, target) -> None:
         """Adds a batch of probabilities (or logits) (N, K[, d1, ...]) and targets (N[, d1, ...])."""
-        preds, target = metric_rows(preds, target, self.ignore_index, names=("preds", "target"))
+        shape = tuple(getattr(preds, "shape", ()))
+        dim = resolve_class_dim(shape, self.num_classes, self.class_dim, "preds") if len(shape) > 2 else 1
+        preds, target = metric_rows(
+            preds, target, self.ignore_index, class_dim=dim, names=("preds", "target")
+        )
         if preds.device != self.sums.device:
             raise ValueError(
                 f"`preds` is on {preds.device} but the metric's state is on {self.sums.device}: "
@@ -131,6 +149,22 @@ class CalibrationMetric(Metric):
         conf = None if samples is None else samples[:, 0]
         correct = None if samples is None else samples[:, 1] > 0.5
         return results(self.sums, conf, correct, self.num_classes, self.n_bins, (self.metric,))[self.metric]
+
+
+def _check_class_dim(class_dim):
+    if class_dim is not None and (isinstance(class_dim, bool) or not isinstance(class_dim, int)):
+        raise TypeError(f"`class_dim` must be an integer or None, got {class_dim!r}")
+    return class_dim
+
+
+def _add_settings_state(metric: Metric, *settings) -> None:
+    """The settings that change ``update``, as a constant state tensor: torchmetrics' compute groups compare
+    states, so metrics with other settings never share an update. A setting that is None is encoded as
+    (0, 0) and any other value as (1, value); sync keeps the (equal) values with ``max``."""
+    values = []
+    for setting in settings:
+        values += [0.0, 0.0] if setting is None else [1.0, float(setting)]
+    metric.add_state("settings", default=torch.tensor(values, dtype=torch.float64), dist_reduce_fx="max")
 
 
 class ExpectedCalibrationError(CalibrationMetric):
@@ -187,3 +221,108 @@ class NegativeLogLikelihood(CalibrationMetric):
 
     def __init__(self, num_classes: int, n_bins: int = 15, **kwargs):
         super().__init__(num_classes, "nll", n_bins, **kwargs)
+
+
+class MultilabelCalibrationMetric(Metric):
+    """A calibration metric of sigmoid (multi-label) outputs as a ``torchmetrics.Metric``: the per-label
+    reliability of p of :mod:`torchcal.functional.binary` (SPEC §6), streamed with constant-size state.
+
+    Args:
+        num_labels: L.
+        metric: "ece", "mce", "adaece", "brier", "nll", "error" (wrong 0/1 decisions at p >= 0.5) or
+            "auroc".
+        average: "macro" (mean over labels), "micro" (every (sample, label) pair pooled; not for AUROC) or
+            "none" (the (L,) values).
+        n_bins: bins of the binned estimators.
+        from_logits: ``update`` receives logits and applies the sigmoid.
+        ignore_index: targets with this value (e.g. −1 or −100 for an unknown label) are left out, element
+            by element: that label of that sample only. A label with no known target is NaN in
+            ``average="none"`` and left out of the macro mean; so is a label whose known targets hold one
+            class, for AUROC.
+        class_dim: the label dimension of inputs with extra dimensions, e.g. −1 for (N, T, L) with targets
+            (N, T, L); None: dimension 1, and a shape whose dimension 1 and last dimension both have L
+            entries is refused as ambiguous.
+        **kwargs: ``torchmetrics.Metric`` options.
+
+    State: 3·L·M + 4·L float64 sums, summed across processes; AdaECE and AUROC also keep every sample's
+    (p, y) (16·L bytes a sample), concatenated across processes. Without ``ignore_index`` the values equal
+    :class:`torchcal.metrics.MultilabelCalibrationMetrics`'.
+
+    Example:
+        >>> import torch
+        >>> from torchcal.functional import multilabel_ece
+        >>> g = torch.Generator().manual_seed(0)
+        >>> logits, targets = torch.randn(200, 3, generator=g), torch.randint(0, 2, (200, 3), generator=g)
+        >>> metric = MultilabelCalibrationMetric(num_labels=3, metric="ece", from_logits=True)
+        >>> for i in range(0, 200, 64):
+        ...     metric.update(logits[i:i + 64], targets[i:i + 64])
+        >>> bool(torch.isclose(metric.compute(), multilabel_ece(logits, targets, from_logits=True)))
+        True
+    """
+
+    is_differentiable = False
+    higher_is_better = False
+    full_state_update = False
+
+    def __init__(
+        self,
+        num_labels: int,
+        metric: str = "ece",
+        average: str = "macro",
+        n_bins: int = 15,
+        *,
+        from_logits: bool = False,
+        ignore_index: int | None = None,
+        class_dim: int | None = None,
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        self.num_labels = check_positive_int(num_labels, "num_labels")
+        self.metric = check_choice(metric, "metric", tuple(ML.MULTILABEL_METRICS))
+        needs_rows, averages = ML.MULTILABEL_METRICS[self.metric]
+        self.average = check_choice(average, "average", averages)
+        self.n_bins = check_positive_int(n_bins, "n_bins")
+        self.from_logits = check_bool(from_logits, "from_logits")
+        self.ignore_index = check_ignore_index(ignore_index)
+        self.class_dim = _check_class_dim(class_dim)
+        self.add_state(
+            "sums",
+            default=torch.zeros(ML.state_size(self.num_labels, self.n_bins), dtype=torch.float64),
+            dist_reduce_fx="sum",
+        )
+        _add_settings_state(self, self.from_logits, self.ignore_index, self.class_dim)
+        self.keeps_rows = needs_rows
+        if needs_rows:  # every sample's (p, y), y = -1 where unknown: all-gathered as one tensor
+            self.add_state("samples", default=[], dist_reduce_fx="cat")
+
+    def update(self, preds, target) -> None:
+        """Adds a batch: probabilities (or logits) (N, L) or (N, ..., L) and targets of the same shape."""
+        preds, target = ML.label_rows(preds, target, self.num_labels, self.ignore_index, self.class_dim)
+        if preds.device != self.sums.device:
+            raise ValueError(
+                f"`preds` is on {preds.device} but the metric's state is on {self.sums.device}: "
+                f"move the metric with .to({str(preds.device)!r})"
+            )
+        if preds.shape[0] == 0:
+            return
+        sums, rows = ML.batch_state(
+            preds, target, self.num_labels, self.n_bins, self.from_logits, self.ignore_index, self.keeps_rows
+        )
+        if sums is None:  # every target unknown
+            return
+        self.sums += sums
+        if self.keeps_rows:
+            self.samples.append(rows)
+
+    def compute(self) -> torch.Tensor:
+        """The metric over every batch since the last ``reset``: a 0-d float64 tensor, or (L,) for
+        ``average="none"``."""
+        rows = None
+        if self.keeps_rows:
+            rows = (
+                dim_zero_cat(self.samples)
+                if len(self.samples)
+                else torch.zeros(0, 2, self.num_labels, dtype=torch.float64, device=self.sums.device)
+            )
+        out = ML.compute(self.sums, rows, self.num_labels, self.n_bins, (self.metric,))
+        return ML.value(out, self.metric, self.average)
