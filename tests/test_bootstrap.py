@@ -25,6 +25,8 @@ def loop_bootstrap(metric, probs, targets, n_resamples, seed, **kw):
         (F.negative_log_likelihood, {}),
         (F.brier_score, {}),
         (F.error_rate, {}),
+        (F.classwise_calibration_error, {}),
+        (F.classwise_calibration_error, {"n_bins": 4}),
     ],
 )
 def test_vectorised_replicates_equal_per_resample_evaluation(metric, kw):
@@ -33,6 +35,19 @@ def test_vectorised_replicates_equal_per_resample_evaluation(metric, kw):
     res = F.bootstrap_ci(metric, probs, targets, n_resamples=40, seed=5, **kw)
     expected = loop_bootstrap(metric, probs, targets, 40, 5, **kw)
     torch.testing.assert_close(res.samples, expected, rtol=0, atol=1e-12)
+
+
+def test_classwise_replicates_with_entries_on_bin_edges():
+    # probabilities on the grid of tenths put many entries exactly on the edges of 10 or 5 bins (an entry on
+    # an edge belongs to the bin below; 0 to bin 0), in float32 as calibrators return them
+    g = torch.Generator().manual_seed(3)
+    parts = torch.multinomial(torch.ones(4), 10 * 90, replacement=True, generator=g).view(90, 10)
+    probs = torch.nn.functional.one_hot(parts, 4).sum(1).float() / 10
+    targets = torch.randint(0, 4, (90,), generator=g)
+    for n_bins in (10, 5, 15):
+        res = F.bootstrap_ci(F.classwise_ece, probs, targets, n_resamples=25, seed=2, n_bins=n_bins)
+        expected = loop_bootstrap(F.classwise_ece, probs, targets, 25, 2, n_bins=n_bins)
+        torch.testing.assert_close(res.samples, expected, rtol=0, atol=1e-12)
 
 
 def test_generic_path_for_other_estimators_and_tuple_results():

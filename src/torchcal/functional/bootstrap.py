@@ -9,7 +9,7 @@ import torch
 
 from .._validation import check_float, check_positive_int
 from . import calibration as C
-from ._binning import equal_width_index
+from ._binning import _edges, equal_width_index
 from ._inputs import nll_from_true_probs, scan_inputs
 
 __all__ = ["BootstrapResult", "bootstrap_ci"]
@@ -61,6 +61,8 @@ class _Weighted:
             sizes[:r] += 1
             self.ends = sizes.cumsum(0).to(conf.device)
             self.sizes = sizes.double().to(conf.device)
+        elif name == "classwise":
+            self._init_classwise(probs, targets)
         elif name == "nll":
             p_true = probs.gather(1, targets[:, None]).squeeze(1)
             self.per_sample = nll_from_true_probs(p_true).double()
@@ -69,8 +71,35 @@ class _Weighted:
         else:  # error
             self.per_sample = 1 - correct.double()
 
+    def _init_classwise(self, probs, targets):
+        """Entries above the first edge 1/M as a sparse (K·M, N) matrix of p_ik at row k·M + bin; bin 0 of
+        each class is the weighted column total minus the rest (as :func:`~torchcal.functional._binning.
+        classwise_sums` does), so the cost grows with the entries above 1/M, not with N·K."""
+        n, k = probs.shape
+        m = self.n_bins
+        r, c = (probs > _edges(m, probs.dtype, probs.device)[1]).nonzero(as_tuple=True)
+        values = probs[r, c]
+        rows = c * m + equal_width_index(values, m)
+        self.above = torch.sparse_coo_tensor(
+            torch.stack([rows, r]), values.double(), (k * m, n), device=probs.device, check_invariants=True
+        ).coalesce()
+        self.probs64 = probs.double()
+        p_true = probs.gather(1, targets[:, None]).squeeze(1)
+        self.true_flat = targets * m + equal_width_index(p_true, m)
+        self.k = k
+
+    def _classwise(self, counts):
+        b, m, k = counts.shape[0], self.n_bins, self.k
+        conf = torch.sparse.mm(self.above, counts.T).T.reshape(b, k, m)
+        conf[:, :, 0] = (counts @ self.probs64 - conf[:, :, 1:].sum(2)).clamp(min=0)
+        correct = torch.zeros(b, k * m, dtype=torch.float64, device=counts.device)
+        correct.index_add_(1, self.true_flat, counts)
+        return (correct.view(b, k, m) - conf).abs().sum(2).mean(1) / self.n
+
     def __call__(self, counts):
         b = counts.shape[0]
+        if self.name == "classwise":
+            return self._classwise(counts)
         if self.name in ("ece", "mce"):
             sums = []
             for w in (counts, counts * self.conf, counts * self.correct):
@@ -97,6 +126,7 @@ _WEIGHTED = {
     C.debiased_calibration_error: "debiased",
     C.negative_log_likelihood: "nll",
     C.brier_score: "brier",
+    C.classwise_calibration_error: "classwise",
     C.error_rate: "error",
 }
 
@@ -115,7 +145,7 @@ def bootstrap_ci(
     """Percentile bootstrap interval of any metric of :mod:`torchcal.functional`.
 
     Each replicate draws N indices with replacement from a ``torch.Generator`` seeded with ``seed`` (same
-    seed, same replicates, on any device). ECE, MCE, AdaECE, debiased ECE, NLL, Brier and error are
+    seed, same replicates, on any device). ECE, MCE, AdaECE, debiased ECE, NLL, Brier, error and classwise ECE are
     evaluated for all replicates at once from per-sample statistics weighted by resample counts, with no
     per-replicate copy of ``probs``; other metrics are evaluated on each resample in turn. In the weighted
     equal-mass path, tied confidences are ordered by original index (the per-resample path orders them by
