@@ -752,8 +752,9 @@ def arena_html_section(result: dict, tasks: list[ArenaTask] | None = None, devic
                    f"{s['n_tasks']} task(s), and the pairwise NLL win rate.</figcaption></figure>")  # fmt: skip
         if tasks:
             best = [c for c in s["order"] if s["failures"][c] < s["n_tasks"]][:3]
-            task = next((t for t in tasks if all(
-                result["tasks"][tasks.index(t)]["rows"][c]["status"] != "failed" for c in best)), None)  # fmt: skip
+            usable = [t for t, entry in zip(tasks, result["tasks"], strict=True)
+                      if all(entry["rows"][c]["status"] != "failed" for c in best)]  # fmt: skip
+            task = usable[0] if usable else None
             if task is not None and best:
                 figures += (f'<figure><img src="{_png(_reliability_figure(task, best, device))}"><figcaption>'
                             f"Reliability diagrams of the three best calibrators by mean NLL rank on the test split "
