@@ -69,3 +69,16 @@ def test_seeded_and_interval_contains_estimate_and_has_coverage():
     assert a.high.item() == pytest.approx(np.quantile(a.samples.numpy(), 0.975), abs=1e-14)
     wider = F.bootstrap_ci(F.ece, probs, targets, n_resamples=300, seed=3, confidence_level=0.99)
     assert wider.high - wider.low >= a.high - a.low
+
+
+def test_replicates_of_several_metrics_share_one_draw_and_equal_bootstrap_ci():
+    probs, targets = make_probs(130, 5, seed=6, sharpness=4)
+    metrics = {"ece": F.ece, "nll": F.nll, "brier": F.brier_score, "error": F.error_rate, "cw": F.classwise_ece,
+               "ada": F.adaece}  # fmt: skip
+    reps = F.bootstrap_replicates(metrics, probs, targets, n_resamples=30, seed=4, n_bins=9)
+    for name, metric in metrics.items():
+        kw = {"n_bins": 9} if name in ("ece", "cw", "ada") else {}
+        expected = F.bootstrap_ci(metric, probs, targets, n_resamples=30, seed=4, **kw).samples
+        torch.testing.assert_close(reps[name], expected, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="no vectorised bootstrap; use bootstrap_ci"):
+        F.bootstrap_replicates({"sweep": F.ece_sweep}, probs, targets)
