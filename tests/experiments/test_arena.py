@@ -296,6 +296,7 @@ def test_user_logits_refusals_are_one_line_and_write_nothing(tmp_path):
         "nan.pt": {"logits": torch.full((50, 3), float("nan")), "targets": y},
         "int_logits.npz": {"logits": np.ones((50, 3), dtype=np.int64), "targets": y.numpy()},
         "four.npz": {"logits": torch.randn(50, 4).numpy(), "targets": y.numpy()},
+        "probs.pt": {"logits": torch.softmax(z, 1), "targets": y},
     }
     for name, content in cases.items():
         path = tmp_path / name
@@ -318,6 +319,7 @@ def test_user_logits_refusals_are_one_line_and_write_nothing(tmp_path):
         "onehot.npz": "the arena takes class indices (N,)",
         "nan.pt": "logits hold NaN or infinite values",
         "int_logits.npz": "logits have dtype int64, not float",
+        "probs.pt": "the logits are probabilities (in [0, 1], rows summing to 1); save their logarithm",
     }
     for name, message in expect.items():
         _refusal(tmp_path, ["--val", str(tmp_path / name), "--test", str(good)], message)

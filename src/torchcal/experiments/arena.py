@@ -139,6 +139,10 @@ def _check_split(logits: torch.Tensor, targets: torch.Tensor, what: str) -> tupl
         )
     if not torch.isfinite(logits).all():
         raise UserError(f"{what}: logits hold NaN or infinite values")
+    rows = logits.double().sum(1)
+    if logits.min() >= 0 and logits.max() <= 1 and torch.allclose(rows, torch.ones_like(rows), atol=1e-4):
+        raise UserError(f"{what}: the logits are probabilities (in [0, 1], rows summing to 1); save their "
+                        f"logarithm (torch.log(probs) or numpy.log(probs)) as the logits")  # fmt: skip
     if targets.ndim == 2 and targets.shape == logits.shape:
         raise UserError(f"{what}: targets have shape {tuple(targets.shape)} like the logits (one-hot or "
                         f"multi-label); the arena takes class indices (N,); for one-hot labels save argmax")  # fmt: skip
