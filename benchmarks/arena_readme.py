@@ -12,7 +12,8 @@ are kept):
   empty folder): 260 validation and 497 test images.
 
 Then ``torchcal arena`` over each set of runs, with its report in ``benchmarks/results/arena-<dataset>/``
-(``arena.md``, ``arena.csv``, ``arena.json``; ``arena.html`` is left out of the repository for its size),
+(``arena.md``, ``arena.csv``, ``arena.json``; ``arena.html``, with its embedded figures, is moved next to
+the runs, out of the repository),
 and the README's section between the ``arena-results`` markers rewritten from the two ``arena.json``.
 """
 
@@ -107,11 +108,15 @@ def main() -> None:
         runs = sorted(str(p) for p in (work / "runs").iterdir() if p.is_dir())
         _torchcal("arena", *runs, "--calibrators", args.calibrators, "--resamples", str(args.resamples),
                   "--out", str(out))  # fmt: skip
-        (out / "arena.html").unlink(missing_ok=True)  # base64 figures: regenerate, do not commit
+        (out / "arena.html").replace(
+            work / "arena.html"
+        )  # base64 figures: kept beside the runs, not committed
         sections.append(leaderboard(json.loads((out / "arena.json").read_text()), title))
-    command = "python benchmarks/arena_readme.py" + (
-        f" --calibrators {args.calibrators}" if args.calibrators != "all" else ""
-    )
+    command = "python benchmarks/arena_readme.py"
+    if args.calibrators != "all":
+        command += f" --calibrators {args.calibrators}"
+    if args.resamples != 1000:
+        command += f" --resamples {args.resamples}"
     rewrite_readme(sections, command)
     print("README.md updated; reports in benchmarks/results/arena-*/")
 

@@ -555,11 +555,12 @@ def recommendation(result: dict) -> str:
     lead = f"Start with **{best}**" if rank < base else (
         f"No calibrator ranks ahead of the uncalibrated model on NLL (mean rank {base:.2f}); the closest is "
         f"**{best}**")  # fmt: skip
-    text = (f"{lead}: mean NLL rank {rank:.2f} of {len(result['calibrators']) + 1}, NLL win rate "
-            f"{100 * s['win_rate']['nll'][best]:.0f}%, ")  # fmt: skip
+    parts = [f"mean NLL rank {rank:.2f} of {len(result['calibrators']) + 1}",
+             f"NLL win rate {100 * s['win_rate']['nll'][best]:.0f}%"]  # fmt: skip
     if nll["mean"] is not None:
-        text += f"NLL {nll['mean']:+.4f} on average over uncalibrated "
-        text += f"(better in {nll['better']} of {s['n_tasks']} tasks by its 95% interval)"
+        parts.append(f"NLL {nll['mean']:+.4f} on average over uncalibrated (better in {nll['better']} of "
+                     f"{s['n_tasks']} tasks by its 95% interval, worse in {nll['worse']})")  # fmt: skip
+    text = f"{lead}: " + ", ".join(parts)
     if len(s["order"]) > 2:
         text += f"; then {s['order'][1]} and {s['order'][2]}"
     return text + "."
