@@ -80,5 +80,25 @@ def test_replicates_of_several_metrics_share_one_draw_and_equal_bootstrap_ci():
         kw = {"n_bins": 9} if name in ("ece", "cw", "ada") else {}
         expected = F.bootstrap_ci(metric, probs, targets, n_resamples=30, seed=4, **kw).samples
         torch.testing.assert_close(reps[name], expected, rtol=0, atol=0)
+    counts = F.resample_counts(130, n_resamples=30, seed=4)  # drawn once, shared by two models
+    assert [c.dtype for c in counts] == [torch.float32] and counts[0].sum().item() == 30 * 130
+    again = F.bootstrap_replicates(metrics, probs, targets, n_resamples=30, seed=4, n_bins=9, counts=counts)
+    for name in metrics:
+        torch.testing.assert_close(again[name], reps[name], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="must be resample_counts"):
+        F.bootstrap_replicates(metrics, probs[:100], targets[:100], n_resamples=30, counts=counts)
     with pytest.raises(ValueError, match="no vectorised bootstrap; use bootstrap_ci"):
         F.bootstrap_replicates({"sweep": F.ece_sweep}, probs, targets)
+
+
+@pytest.mark.parametrize("limit", [0, 1 << 22])
+@pytest.mark.parametrize("metric", [F.ece, F.mce, F.classwise_ece])
+def test_binned_sums_by_matrix_product_and_by_scatter_agree_with_the_loop(monkeypatch, metric, limit):
+    # limit 0 takes index_add (ECE, MCE) and the sparse product (classwise ECE), the paths of large N·K
+    from torchcal.functional import bootstrap
+
+    monkeypatch.setattr(bootstrap, "_DESIGN_LIMIT", limit)
+    probs, targets = make_probs(140, 6, seed=8, sharpness=4)
+    res = F.bootstrap_ci(metric, probs, targets, n_resamples=30, seed=3, n_bins=12)
+    expected = loop_bootstrap(metric, probs, targets, 30, 3, n_bins=12)
+    torch.testing.assert_close(res.samples, expected, rtol=0, atol=1e-12)

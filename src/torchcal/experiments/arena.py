@@ -284,11 +284,13 @@ def _point_scores(probs: torch.Tensor, targets: torch.Tensor) -> dict[str, float
     }
 
 
-def _replicates(probs, targets, n_resamples: int, seed: int) -> dict[str, torch.Tensor]:
-    """Bootstrap replicates of every score on one draw of resamples (:func:`torchcal.functional.
-    bootstrap_replicates`); the same seed and test size give every model the same resamples, so the
-    replicates of two models are paired."""
-    reps = F.bootstrap_replicates(_BOOTSTRAP, probs, targets, n_resamples=n_resamples, seed=seed)
+def _replicates(probs, targets, counts, n_resamples: int, seed: int) -> dict[str, torch.Tensor]:
+    """Bootstrap replicates of every score on the task's resamples (``counts``, drawn once per task by
+    :func:`torchcal.functional.resample_counts`): every model gets the same resamples, so the replicates of
+    two models are paired."""
+    reps = F.bootstrap_replicates(
+        _BOOTSTRAP, probs, targets, n_resamples=n_resamples, seed=seed, counts=counts
+    )
     reps["accuracy"] = 1.0 - reps["accuracy"]
     return reps
 
@@ -391,13 +393,14 @@ def run_arena(
         targets = task.test_targets.to(device)
         base_probs = torch.softmax(task.test_logits.to(device), 1)
         base = _point_scores(base_probs, targets)
-        base_rep = _replicates(base_probs, targets, n_resamples, seed)
+        counts = F.resample_counts(int(targets.shape[0]), n_resamples, seed, device)
+        base_rep = _replicates(base_probs, targets, counts, n_resamples, seed)
         rows = {}
         for spec in calibrators:
             row, probs = _fit_one(spec, task, device)
             if probs is not None:
                 scores = _point_scores(probs, targets)
-                reps = _replicates(probs, targets, n_resamples, seed)
+                reps = _replicates(probs, targets, counts, n_resamples, seed)
                 row["test"] = scores
                 row["improvement"] = _improvement(base, scores, base_rep, reps, level)
             rows[spec] = row

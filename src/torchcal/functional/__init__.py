@@ -18,7 +18,7 @@ from .binary import (  # noqa: F401  (the sigmoid losses are listed in LOSS_FUNC
     multilabel_mce,
     multilabel_nll,
 )
-from .bootstrap import BootstrapResult, bootstrap_ci, bootstrap_replicates
+from .bootstrap import BootstrapResult, bootstrap_ci, bootstrap_replicates, resample_counts
 from .calibration import (
     ConfidenceShare,
     adaptive_calibration_error,
@@ -67,6 +67,7 @@ __all__ = [
     "adaptive_calibration_error",
     "bootstrap_ci",
     "bootstrap_replicates",
+    "resample_counts",
     "brier",
     "brier_score",
     "build_cpu_extension",
