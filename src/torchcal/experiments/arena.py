@@ -682,8 +682,8 @@ def _rank_figure(result: dict):
     ax.set_xlabel(f"mean rank over {s['n_tasks']} task(s) (1 = best of {len(entries)})")
     ax.set_xlim(0.5, len(entries) + 0.5)
     ax.grid(axis="x", linestyle=":", alpha=0.6)
-    ax.legend(fontsize=8, loc="lower right", ncols=2)
-    ax.set_title("mean rank per score")
+    ax.legend(fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncols=5, frameon=False,
+              title="mean rank per score", title_fontsize=10)  # fmt: skip
     mat = np.array(
         [[np.nan if a == b else 100 * s["pairwise"]["nll"][a][b] for b in entries] for a in entries]
     )
