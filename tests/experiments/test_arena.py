@@ -297,6 +297,7 @@ def test_user_logits_refusals_are_one_line_and_write_nothing(tmp_path):
         "int_logits.npz": {"logits": np.ones((50, 3), dtype=np.int64), "targets": y.numpy()},
         "four.npz": {"logits": torch.randn(50, 4).numpy(), "targets": y.numpy()},
         "probs.pt": {"logits": torch.softmax(z, 1), "targets": y},
+        "logits.pt": {"val": {"logits": z, "targets": y}, "test": {"logits": z, "targets": y}},
     }
     for name, content in cases.items():
         path = tmp_path / name
@@ -320,6 +321,7 @@ def test_user_logits_refusals_are_one_line_and_write_nothing(tmp_path):
         "nan.pt": "logits hold NaN or infinite values",
         "int_logits.npz": "logits have dtype int64, not float",
         "probs.pt": "the logits are probabilities (in [0, 1], rows summing to 1); save their logarithm",
+        "logits.pt": f"is a torchcal run's logits file; pass its run folder instead: torchcal arena {tmp_path}",
     }
     for name, message in expect.items():
         _refusal(tmp_path, ["--val", str(tmp_path / name), "--test", str(good)], message)

@@ -180,6 +180,9 @@ def load_user_split(path, targets_path=None, what: str = "--val") -> tuple[torch
         if targets_path is not None:
             raise UserError(f"{what}-targets is only for .npy logits; {path} holds both logits and targets")
         missing = [key for key in ("logits", "targets") if key not in obj]
+        if missing and {"val", "test"} <= set(obj):
+            raise UserError(f"{what} {path} is a torchcal run's logits file; pass its run folder instead: "
+                            f"torchcal arena {path.parent}")  # fmt: skip
         if missing:
             held = ", ".join(repr(k) for k in obj) or "nothing"
             raise UserError(f"{what} {path} has no {' or '.join(repr(m) for m in missing)} (it holds {held}); "
