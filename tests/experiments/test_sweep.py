@@ -36,12 +36,18 @@ def test_expand_names_and_validation(tmp_path):
         load_sweep(write_sweep(tmp_path, {}, "bad2.yaml", backend="ray"))
     with pytest.raises(ConfigError, match=r"`evaluate`: unknown calibrator 'tss'"):
         load_sweep(write_sweep(tmp_path, {"train.seed": [0]}, "bad3.yaml", evaluate=["tss"]))
+    with pytest.raises(ConfigError, match=r"`arena`: unknown calibrator 'nope'"):
+        load_sweep(write_sweep(tmp_path, {"train.seed": [0]}, "bad5.yaml", arena=["ts", "nope"]))
+    from torchcal.calibrators import list_calibrators
+
+    assert load_sweep(write_sweep(tmp_path, {}, "arena.yaml", arena="all")).arena == tuple(list_calibrators())
     with pytest.raises(ConfigError, match="train.epochs must be >= 1"):
         load_sweep(write_sweep(tmp_path, {"train.epochs": [2, 0]}, "bad4.yaml"))
 
 
 def test_local_sweep_is_resumable_and_reports_failures(tmp_path):
-    path = write_sweep(tmp_path, {"loss.name": ["ce", "dfl"], "data.name": ["digits", "cifar10"]})
+    path = write_sweep(tmp_path, {"loss.name": ["ce", "dfl"], "data.name": ["digits", "cifar10"]},
+                       arena=["ts", "histogram"])  # fmt: skip
     sweep = load_sweep(path)
     logs = []
     state = run_sweep(sweep, workers=2, log=logs.append)
@@ -52,6 +58,8 @@ def test_local_sweep_is_resumable_and_reports_failures(tmp_path):
     }  # fmt: skip
     assert "CIFAR-10" in state["loss.name-ce_data.name-cifar10"]["log"]  # the missing-data message is kept
     assert (out / "report" / "report.md").exists() and (out / "report" / "report.html").exists()
+    arena = json.loads((out / "report" / "arena.json").read_text())  # the arena over the two finished runs
+    assert arena["summary"]["n_tasks"] == 2 and arena["calibrators"] == ["ts", "histogram"]
     saved = json.loads((out / "sweep_state.json").read_text())
     assert saved["loss.name-ce_data.name-digits"]["status"] == "done"
     mtime = (out / "loss.name-ce_data.name-digits" / "logits.pt").stat().st_mtime_ns

@@ -1,4 +1,4 @@
-"""The ``torchcal`` command line (typer): demo, train, evaluate, calibrate, report, list, build-extension."""
+"""The ``torchcal`` command line (typer): demo, train, evaluate, calibrate, arena, report, list, build-extension."""
 
 from __future__ import annotations
 
@@ -154,15 +154,115 @@ def build_extension(verbose: bool = typer.Option(False, help="show the compiler'
 
 @app.command()
 @_user_errors
-def evaluate(run_dir: Path, calibrators: str = typer.Option("ts,fts", help="comma-separated calibrators")):
+def evaluate(
+    run_dirs: list[Path] = typer.Argument(..., help="run folders (e.g. a sweep's runs/*)"),
+    calibrators: str = typer.Option("ts,fts", help="comma-separated calibrators"),
+    arena: bool = typer.Option(False, "--arena", help="then run the calibrator arena over the runs"),
+    arena_calibrators: str = typer.Option("all", help="the arena's calibrators ('all' or specs)"),
+    arena_out: Path = typer.Option(Path("arena"), "--arena-out", help="the arena's output folder"),
+    resamples: int = typer.Option(1000, help="the arena's bootstrap resamples"),
+):
     """Every metric before and after each calibrator (fitted on validation), added to results.json (other
-    calibrators' results are kept); the fitted calibrators are saved in <run>/calibrators/."""
+    calibrators' results are kept); the fitted calibrators are saved in <run>/calibrators/. With --arena,
+    the runs then go through the calibrator arena (torchcal arena)."""
     from .evaluate import RESULTS, check_calibrators, evaluate_run
 
     names = check_calibrators((c.strip() for c in calibrators.split(",") if c.strip()), None)
-    result = evaluate_run(run_dir, names)
-    console.print(_before_after_table(result, names))
-    console.print(f"every metric (test, shift, OOD) in {Path(run_dir) / RESULTS}")
+    if arena:
+        from .arena import resolve_calibrators, tasks_from_runs
+
+        arena_names = resolve_calibrators(arena_calibrators)
+        _check_arena_options(resamples, 0, "cpu")
+        tasks = tasks_from_runs(run_dirs)  # a missing folder or a multi-label run: refused before any write
+    for run_dir in run_dirs:
+        result = evaluate_run(run_dir, names)
+        if len(run_dirs) > 1:
+            console.print(f"[bold]{run_dir}[/bold]")
+        console.print(_before_after_table(result, names))
+        console.print(f"every metric (test, shift, OOD) in {Path(run_dir) / RESULTS}")
+    if arena:
+        _arena(tasks, arena_names, arena_out, resamples, 0, "cpu", save_runs=True)
+
+
+def _arena(tasks, calibrators, out, resamples, seed, device, save_runs=False):
+    """Runs the arena over ``tasks`` with a progress bar, writes its files and prints the leaderboard."""
+    from .arena import recommendation, run_arena, save_to_runs, write_arena
+
+    names = calibrators
+    bar = _progress()
+    with bar:
+        job = bar.add_task(
+            f"arena: {len(names)} calibrators × {len(tasks)} task(s)", total=len(names) * len(tasks)
+        )
+        result = run_arena(tasks, names, n_resamples=resamples, seed=seed, device=device,
+                           progress=lambda task, spec: bar.advance(job))  # fmt: skip
+    paths = write_arena(result, out, tasks, device)
+    if save_runs:
+        save_to_runs(result, tasks)
+    summary = result["summary"]
+    for name in summary["order"]:
+        failed = f", failed on {summary['failures'][name]}" if summary["failures"][name] else ""
+        console.print(f"{name:>14}: mean NLL rank {summary['mean_rank']['nll'][name]:.2f}, "
+                      f"NLL win rate {100 * summary['win_rate']['nll'][name]:.0f}%{failed}")  # fmt: skip
+    console.print(recommendation(result).replace("**", ""))
+    console.print(f"{', '.join(paths)} in {out}/")
+    return result
+
+
+def _check_arena_options(resamples: int, seed: int, device: str) -> None:
+    import torch
+
+    if resamples < 1:
+        raise UserError(f"--resamples must be >= 1, got {resamples}")
+    if seed < 0:
+        raise UserError(f"--seed must be >= 0, got {seed}")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise UserError(f"--device {device!r} is not a torch device (cpu, cuda, cuda:1, mps)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {device}: CUDA is not available here")
+
+
+@app.command()
+@_user_errors
+def arena(
+    run_dirs: list[Path] = typer.Argument(None, help="finished run folders (each one task)"),
+    val: Path = typer.Option(None, "--val", help="your validation logits+labels (.pt, .npz, or .npy logits)"),
+    test: Path = typer.Option(None, "--test", help="your test logits+labels, same layout as --val"),
+    val_targets: Path = typer.Option(
+        None, "--val-targets", help="labels .npy when --val is an .npy of logits"
+    ),
+    test_targets: Path = typer.Option(
+        None, "--test-targets", help="labels .npy when --test is an .npy of logits"
+    ),
+    calibrators: str = typer.Option(
+        "all", help="'all' (every registered calibrator) or comma-separated specs"
+    ),
+    out: Path = typer.Option(Path("arena"), "--out", help="output folder (arena.md, .csv, .html, .json)"),
+    resamples: int = typer.Option(1000, help="bootstrap resamples of the test set for the 95% intervals"),
+    seed: int = typer.Option(0, help="bootstrap seed"),
+    device: str = typer.Option("cpu", help="device the calibrators are fitted on (cpu, cuda, ...)"),
+):
+    """Which calibrator should I use? Fits every calibrator on validation, scores it on test (NLL, Brier, ECE,
+    classwise ECE, accuracy; improvement over uncalibrated with a bootstrap 95% interval; fit and predict
+    time) and ranks them across tasks (mean rank, pairwise win rate). Tasks: finished runs, or your own
+    saved logits with --val and --test. A calibrator that fails on a task is reported in its row."""
+    from .arena import resolve_calibrators, tasks_from_runs, user_task
+
+    names = resolve_calibrators(calibrators)
+    _check_arena_options(resamples, seed, device)
+    if run_dirs and (val or test):
+        raise UserError("give run folders or --val/--test, not both")
+    if run_dirs:
+        if val_targets or test_targets:
+            raise UserError("--val-targets and --test-targets go with --val and --test")
+        tasks = tasks_from_runs(run_dirs)
+    elif val is None or test is None:
+        raise UserError("give run folders, or both --val VAL and --test TEST (torchcal arena --help)")
+    else:
+        tasks = [user_task(val, test, val_targets, test_targets)]
+    _arena(tasks, names, out, resamples, seed, device, save_runs=bool(run_dirs))
 
 
 def _parameters_text(parameters: dict) -> str:

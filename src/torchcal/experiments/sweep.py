@@ -10,6 +10,8 @@ A sweep file::
       train.seed: [0, 1, 2]
     overrides: [train.epochs=350]                # applied to every run
     resources: {cpus: 1, gpus: 1}                # per run (Ray backend)
+    arena: all                                   # optional: the calibrator arena over the finished runs
+                                                 # (all, or a list of calibrators), in report/arena.*
 
 Every run is a separate ``torchcal train`` process, so a crash or kill affects that run only; its folder
 resumes from its last checkpoint on the next ``torchcal sweep``. Finished runs (``logits.pt`` present) are
@@ -44,6 +46,7 @@ class Sweep:
     overrides: list = field(default_factory=list)
     resources: dict = field(default_factory=lambda: {"cpus": 1, "gpus": 0})
     evaluate: list = field(default_factory=lambda: ["ts", "fts"])
+    arena: tuple | None = None
 
 
 def load_sweep(path: str | Path) -> Sweep:
@@ -51,7 +54,7 @@ def load_sweep(path: str | Path) -> Sweep:
     if not path.is_file():
         raise ConfigError(f"sweep file {str(path)!r} does not exist")
     raw = load_yaml(path.read_text()) or {}
-    known = {"out", "base", "grid", "overrides", "resources", "evaluate"}
+    known = {"out", "base", "grid", "overrides", "resources", "evaluate", "arena"}
     if not isinstance(raw, dict) or set(raw) - known:
         raise ConfigError(f"unknown sweep keys {sorted(set(raw) - known)}; valid keys: {sorted(known)}")
     if "out" not in raw:
@@ -71,6 +74,16 @@ def load_sweep(path: str | Path) -> Sweep:
             from_spec(spec)
         except ValueError as err:
             raise ConfigError(f"`evaluate`: {err}") from None
+    if raw.get("arena") is not None:
+        from .arena import resolve_calibrators
+        from .errors import UserError
+
+        try:
+            sweep.arena = resolve_calibrators(raw["arena"] if isinstance(raw["arena"], str | list) else "")
+        except UserError as err:
+            raise ConfigError(f"`arena`: {err}") from None
+        if not sweep.arena:
+            raise ConfigError("`arena` must be 'all' or a list of calibrator specs")
     for run in expand(sweep):  # validate every combination now, not hours later
         load_config(run["base"], run["overrides"])
     return sweep
@@ -199,6 +212,14 @@ def run_sweep(
         groups = collect_groups(done, report_calibrator)
         report(done, sweep.out / "report", report_calibrator, groups=groups)
         html_report(done, sweep.out / "report", report_calibrator, groups=groups)
+        if sweep.arena:
+            from .arena import run_arena, save_to_runs, tasks_from_runs, write_arena
+
+            tasks = tasks_from_runs(done)
+            result = run_arena(tasks, sweep.arena)
+            write_arena(result, sweep.out / "report", tasks)
+            save_to_runs(result, tasks)
+            log(f"arena over {len(tasks)} runs in {sweep.out / 'report'}/arena.md")
     failed = [name for name, s in state.items() if s.get("status") == "failed"]
     if failed:
         log(f"{len(failed)} failed runs: {failed}; their output is in {state_path}")

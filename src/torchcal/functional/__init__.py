@@ -18,7 +18,7 @@ from .binary import (  # noqa: F401  (the sigmoid losses are listed in LOSS_FUNC
     multilabel_mce,
     multilabel_nll,
 )
-from .bootstrap import BootstrapResult, bootstrap_ci
+from .bootstrap import BootstrapResult, bootstrap_ci, bootstrap_replicates, resample_counts
 from .calibration import (
     ConfidenceShare,
     adaptive_calibration_error,
@@ -66,6 +66,8 @@ __all__ = [
     "adaece",
     "adaptive_calibration_error",
     "bootstrap_ci",
+    "bootstrap_replicates",
+    "resample_counts",
     "brier",
     "brier_score",
     "build_cpu_extension",

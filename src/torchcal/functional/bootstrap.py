@@ -9,13 +9,16 @@ import torch
 
 from .._validation import check_float, check_positive_int
 from . import calibration as C
-from ._binning import equal_width_index
+from ._binning import _edges, equal_width_index
 from ._inputs import nll_from_true_probs, scan_inputs
 
-__all__ = ["BootstrapResult", "bootstrap_ci"]
+__all__ = ["BootstrapResult", "bootstrap_ci", "bootstrap_replicates", "resample_counts"]
 
 # Resample matrices are processed in chunks of at most this many (replicate, sample) entries.
 _CHUNK = 1 << 22
+# Per-sample design matrices (sample × bin statistics) up to this many entries turn the binned sums of all
+# resamples into one matrix product; larger ones take index_add / a sparse product.
+_DESIGN_LIMIT = 1 << 22
 
 
 class BootstrapResult(NamedTuple):
@@ -53,6 +56,13 @@ class _Weighted:
         if name in ("ece", "mce"):
             self.bins = equal_width_index(conf, n_bins)
             self.conf, self.correct = conf.double(), correct.double()
+            self.design = None
+            if self.n * 3 * n_bins <= _DESIGN_LIMIT:  # bin sums of all resamples as one matrix product
+                self.design = torch.zeros(self.n, 3, n_bins, dtype=torch.float64, device=conf.device)
+                rows = torch.arange(self.n, device=conf.device)
+                for j, v in enumerate((torch.ones_like(self.conf), self.conf, self.correct)):
+                    self.design[rows, j, self.bins] = v
+                self.design = self.design.view(self.n, 3 * n_bins)
         elif name in ("adaece", "debiased"):
             conf_s, self.order = torch.sort(conf, stable=True)  # the order of C.sorted_by_confidence
             self.conf, self.correct = conf_s.double(), correct[self.order].double()
@@ -61,6 +71,8 @@ class _Weighted:
             sizes[:r] += 1
             self.ends = sizes.cumsum(0).to(conf.device)
             self.sizes = sizes.double().to(conf.device)
+        elif name == "classwise":
+            self._init_classwise(probs, targets)
         elif name == "nll":
             p_true = probs.gather(1, targets[:, None]).squeeze(1)
             self.per_sample = nll_from_true_probs(p_true).double()
@@ -69,13 +81,50 @@ class _Weighted:
         else:  # error
             self.per_sample = 1 - correct.double()
 
+    def _init_classwise(self, probs, targets):
+        """Entries above the first edge 1/M as a sparse (K·M, N) matrix of p_ik at row k·M + bin; bin 0 of
+        each class is the weighted column total minus the rest (as :func:`~torchcal.functional._binning.
+        classwise_sums` does), so the cost grows with the entries above 1/M, not with N·K."""
+        n, k = probs.shape
+        m = self.n_bins
+        r, c = (probs > _edges(m, probs.dtype, probs.device)[1]).nonzero(as_tuple=True)
+        values = probs[r, c]
+        rows = c * m + equal_width_index(values, m)
+        self.dense = None
+        if n * k * m <= _DESIGN_LIMIT:  # few classes: a dense (N, K·M) matrix multiplies faster
+            self.dense = torch.zeros(n, k * m, dtype=torch.float64, device=probs.device)
+            self.dense[r, rows] = values.double()
+        self.above = torch.sparse_coo_tensor(
+            torch.stack([rows, r]), values.double(), (k * m, n), device=probs.device, check_invariants=True
+        ).coalesce()
+        self.probs64 = probs.double()
+        p_true = probs.gather(1, targets[:, None]).squeeze(1)
+        self.true_flat = targets * m + equal_width_index(p_true, m)
+        self.k = k
+
+    def _classwise(self, counts):
+        b, m, k = counts.shape[0], self.n_bins, self.k
+        if self.dense is not None:
+            conf = (counts @ self.dense).view(b, k, m)
+        else:
+            conf = torch.sparse.mm(self.above, counts.T.contiguous()).T.reshape(b, k, m)
+        conf[:, :, 0] = (counts @ self.probs64 - conf[:, :, 1:].sum(2)).clamp(min=0)
+        correct = torch.zeros(b, k * m, dtype=torch.float64, device=counts.device)
+        correct.index_add_(1, self.true_flat, counts)
+        return (correct.view(b, k, m) - conf).abs().sum(2).mean(1) / self.n
+
     def __call__(self, counts):
         b = counts.shape[0]
+        if self.name == "classwise":
+            return self._classwise(counts)
         if self.name in ("ece", "mce"):
-            sums = []
-            for w in (counts, counts * self.conf, counts * self.correct):
-                out = torch.zeros(b, self.n_bins, dtype=torch.float64, device=counts.device)
-                sums.append(out.index_add_(1, self.bins, w))
+            if self.design is not None:
+                sums = (counts @ self.design).view(b, 3, self.n_bins).unbind(1)
+            else:
+                sums = []
+                for w in (counts, counts * self.conf, counts * self.correct):
+                    out = torch.zeros(b, self.n_bins, dtype=torch.float64, device=counts.device)
+                    sums.append(out.index_add_(1, self.bins, w))
             return (C.ece_from_sums if self.name == "ece" else C.mce_from_sums)(*sums)
         if self.name in ("adaece", "debiased"):
             counts = counts[:, self.order]
@@ -97,6 +146,7 @@ _WEIGHTED = {
     C.debiased_calibration_error: "debiased",
     C.negative_log_likelihood: "nll",
     C.brier_score: "brier",
+    C.classwise_calibration_error: "classwise",
     C.error_rate: "error",
 }
 
@@ -115,7 +165,7 @@ def bootstrap_ci(
     """Percentile bootstrap interval of any metric of :mod:`torchcal.functional`.
 
     Each replicate draws N indices with replacement from a ``torch.Generator`` seeded with ``seed`` (same
-    seed, same replicates, on any device). ECE, MCE, AdaECE, debiased ECE, NLL, Brier and error are
+    seed, same replicates, on any device). ECE, MCE, AdaECE, debiased ECE, NLL, Brier, error and classwise ECE are
     evaluated for all replicates at once from per-sample statistics weighted by resample counts, with no
     per-replicate copy of ``probs``; other metrics are evaluated on each resample in turn. In the weighted
     equal-mass path, tied confidences are ordered by original index (the per-resample path orders them by
@@ -157,16 +207,13 @@ def bootstrap_ci(
     if name is not None:
         n_bins = check_positive_int(metric_kwargs.get("n_bins", 15), "n_bins")
         fast = _Weighted(name, probs, targets, conf, correct, n_bins)
-    samples = []
-    step = max(1, _CHUNK // n)
-    for start in range(0, n_resamples, step):
-        b = min(step, n_resamples - start)
-        idx = torch.randint(n, (b, n), generator=gen).to(probs.device)
-        if fast is not None:
-            counts = torch.zeros(b, n, dtype=torch.float64, device=probs.device)
-            counts.scatter_add_(1, idx, torch.ones_like(counts))
-            samples.append(fast(counts))
-        else:
+    if fast is not None:
+        samples = [fast(counts) for counts in _draw_counts(n, n_resamples, gen, probs.device)]
+    else:
+        samples = []
+        step = max(1, _CHUNK // n)
+        for start in range(0, n_resamples, step):
+            idx = torch.randint(n, (min(step, n_resamples - start), n), generator=gen).to(probs.device)
             for row in idx:
                 value = metric(probs[row], targets[row], **metric_kwargs)
                 value = value[0] if isinstance(value, tuple) else value
@@ -175,3 +222,93 @@ def bootstrap_ci(
     alpha = (1 - level) / 2
     qs = torch.quantile(samples, torch.tensor([alpha, 1 - alpha], dtype=torch.float64, device=samples.device))
     return BootstrapResult(estimate, qs[0], qs[1], samples)
+
+
+def _draw_counts(n: int, n_resamples: int, gen: torch.Generator, device):
+    """Resample counts in chunks of (b, n) float64, in replicate order (the draws of :func:`bootstrap_ci`)."""
+    step = max(1, _CHUNK // n)
+    for start in range(0, n_resamples, step):
+        b = min(step, n_resamples - start)
+        idx = torch.randint(n, (b, n), generator=gen).to(device)
+        counts = torch.zeros(b, n, dtype=torch.float64, device=device)
+        yield counts.scatter_add_(1, idx, torch.ones_like(counts))
+
+
+def resample_counts(n: int, n_resamples: int = 1000, seed: int = 0, device=None) -> list[torch.Tensor]:
+    """The resamples that :func:`bootstrap_ci` and :func:`bootstrap_replicates` draw for a test set of ``n``
+    samples with this seed: how often each sample is drawn, as chunks of (b, n) float32 tensors in replicate
+    order (counts are integers, exact in float32). Pass them to :func:`bootstrap_replicates` (``counts=``) to
+    score several models of the same test set without drawing again; memory: 4·n·n_resamples bytes.
+
+    Example:
+        >>> from torchcal.functional import resample_counts
+        >>> chunks = resample_counts(100, n_resamples=5, seed=1)
+        >>> [tuple(c.shape) for c in chunks], chunks[0].sum(1).tolist()
+        ([(5, 100)], [100.0, 100.0, 100.0, 100.0, 100.0])
+    """
+    n = check_positive_int(n, "n")
+    n_resamples = check_positive_int(n_resamples, "n_resamples")
+    check_positive_int(seed, "seed", minimum=0)
+    gen = torch.Generator().manual_seed(seed)
+    return [c.float() for c in _draw_counts(n, n_resamples, gen, device)]
+
+
+def bootstrap_replicates(
+    metrics: dict[str, Callable],
+    probs,
+    targets,
+    *,
+    n_resamples: int = 1000,
+    seed: int = 0,
+    n_bins: int = 15,
+    from_logits: bool = False,
+    counts: list[torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Bootstrap replicates of several metrics on one draw of the resamples: ``{name: (n_resamples,)}``, each
+    equal to ``bootstrap_ci(metric, probs, targets, n_resamples=..., seed=...).samples``.
+
+    The resample counts are drawn once and shared by every metric, which saves the draw per metric. Two
+    predictions of the same test set given the same seed get the same resamples, so their replicates are
+    paired (the difference of two models' replicates is the bootstrap of their difference). Only the metrics
+    of the vectorised path are accepted (ECE, MCE, AdaECE, debiased ECE, NLL, Brier, error, classwise ECE);
+    the others go through :func:`bootstrap_ci`. ``counts`` (from :func:`resample_counts` with the same
+    ``n_resamples`` and ``seed``) skips the draw.
+
+    Example:
+        >>> import torch
+        >>> from torchcal.functional import bootstrap_ci, bootstrap_replicates, brier_score, nll
+        >>> g = torch.Generator().manual_seed(0)
+        >>> probs = torch.softmax(3 * torch.randn(300, 4, generator=g), dim=1)
+        >>> targets = torch.randint(0, 4, (300,), generator=g)
+        >>> reps = bootstrap_replicates({"nll": nll, "brier": brier_score}, probs, targets, n_resamples=50, seed=2)
+        >>> torch.equal(reps["brier"], bootstrap_ci(brier_score, probs, targets, n_resamples=50, seed=2).samples)
+        True
+    """
+    n_resamples = check_positive_int(n_resamples, "n_resamples")
+    check_positive_int(seed, "seed", minimum=0)
+    n_bins = check_positive_int(n_bins, "n_bins")
+    if not isinstance(metrics, dict) or not metrics:
+        raise TypeError("`metrics` must be a non-empty dict of name -> metric function")
+    slow = [name for name, metric in metrics.items() if metric not in _WEIGHTED]
+    if slow:
+        raise ValueError(f"`metrics` {slow} have no vectorised bootstrap; use bootstrap_ci for them")
+    probs, targets, scan = scan_inputs(probs, targets, from_logits)
+    fast = {
+        name: _Weighted(_WEIGHTED[m], probs, targets, scan.conf, scan.correct, n_bins)
+        for name, m in metrics.items()
+    }
+    n = probs.shape[0]
+    if counts is None:
+        chunks = _draw_counts(n, n_resamples, torch.Generator().manual_seed(seed), probs.device)
+    else:
+        if sum(c.shape[0] for c in counts) != n_resamples or any(
+            c.ndim != 2 or c.shape[1] != n for c in counts
+        ):
+            raise ValueError(f"`counts` must be resample_counts({n}, n_resamples={n_resamples}, ...) of this "
+                             f"test set")  # fmt: skip
+        chunks = (c.to(probs.device, torch.float64) for c in counts)
+    samples = {name: [] for name in metrics}
+    for chunk in chunks:
+        for name, weighted in fast.items():
+            samples[name].append(weighted(chunk))
+    return {name: torch.cat(values) for name, values in samples.items()}
