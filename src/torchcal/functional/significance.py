@@ -11,7 +11,7 @@ import torch
 from .._validation import as_data, check_choice, check_float, check_positive_int
 from . import calibration as C
 from ._binning import equal_width_index
-from ._field_inputs import field_inputs, top_label
+from ._field_inputs import field_inputs
 from ._inputs import scan_inputs
 from .bootstrap import _CHUNK, _WEIGHTED, _Weighted
 
