@@ -116,7 +116,16 @@ def test_torchcp_anchors(golden):
     _, zc, yc, zt, yt = golden
     cases = [  # (score, options, q̂, coverage, mean size, empty share, CovGap %, SSCV) from SPEC §9.7.4
         ("aps", {"randomized": False}, 0.947458, 0.9040, 4.1903, 0.0150, 1.010, 0.2373),
-        ("raps", {"randomized": False, "lambda_": 0.1, "k_reg": 1}, 1.295671, 0.9063, 4.1453, 0.0, None, None),
+        (
+            "raps",
+            {"randomized": False, "lambda_": 0.1, "k_reg": 1},
+            1.295671,
+            0.9063,
+            4.1453,
+            0.0,
+            None,
+            None,
+        ),
     ]
     for score, opts, qhat, cov, size, empty, gap, sscv in cases:
         cp = SplitConformalClassifier(score, **opts).fit(zc, yc, 0.1)
@@ -235,7 +244,9 @@ def test_seed_reproducible_and_logits_equal_probs():
 
 
 def test_set_metrics_hand_values():
-    sets = torch.tensor([[True, False, False], [True, True, False], [True, True, True], [False, False, False]])
+    sets = torch.tensor(
+        [[True, False, False], [True, True, False], [True, True, True], [False, False, False]]
+    )
     y = torch.tensor([0, 2, 1, 1])
     assert float(FC.set_coverage(sets, y)) == 0.5
     # class 0: 1/1, class 1: 1/2, class 2: 0/1 → macro 0.5; CovGap 100·(0.1 + 0.4 + 0.9)/3

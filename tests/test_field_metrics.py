@@ -67,7 +67,9 @@ def test_direction_singleton_bin_trap():
     assert float(d.ece) == pytest.approx(0.525, abs=1e-6)
 
 
-@pytest.mark.parametrize("binning,convention", [("width", "torchcal"), ("width", "torchmetrics"), ("mass", "torchcal")])
+@pytest.mark.parametrize(
+    "binning,convention", [("width", "torchcal"), ("width", "torchmetrics"), ("mass", "torchcal")]
+)
 @pytest.mark.parametrize("n,k,n_bins,ties", [(400, 5, 15, False), (300, 3, 7, True), (5, 4, 10, False)])
 def test_direction_matches_reference(binning, convention, n, k, n_bins, ties):
     probs, targets = _data(n, k, seed=n + k, ties=ties)
@@ -136,7 +138,10 @@ def test_log_score_decomposition_reference_and_identity(n, k, ties):
     assert float(d.within) == 0
     assert abs(float(d.calibration + d.refinement - d.score)) <= 1e-10
     binned = D.log_score_decomposition(probs, targets, groups="width", n_bins=10)
-    assert abs(float(binned.reliability - binned.resolution + binned.uncertainty + binned.within - binned.score)) <= 1e-10
+    assert (
+        abs(float(binned.reliability - binned.resolution + binned.uncertainty + binned.within - binned.score))
+        <= 1e-10
+    )
 
 
 def test_log_score_zero_probability_on_label_is_inf():
@@ -185,7 +190,9 @@ def test_classwise_chunks_agree(monkeypatch):
     probs, targets = _data(200, 7, seed=8)
     whole = CU.kuiper_calibration_error(probs, targets, kind="classwise", reduction="none")
     monkeypatch.setattr(CU, "_CHUNK_ELEMENTS", 400)  # two classes per chunk
-    torch.testing.assert_close(CU.kuiper_calibration_error(probs, targets, kind="classwise", reduction="none"), whole)
+    torch.testing.assert_close(
+        CU.kuiper_calibration_error(probs, targets, kind="classwise", reduction="none"), whole
+    )
 
 
 def test_ks_properties_and_edges():
@@ -258,8 +265,13 @@ def test_selective_matches_reference(score, ties):
 def test_confidence_scores_and_explicit_confidence():
     probs, targets = _data(40, 4, seed=12)
     logits = probs.log() + 3.0  # logsumexp = 3: energy and max-logit differ from the probabilities
-    torch.testing.assert_close(S.confidence_score(logits, score="energy", from_logits=True), torch.full((40,), 3.0, dtype=torch.float64))
-    torch.testing.assert_close(S.confidence_score(logits, score="max_logit", from_logits=True), probs.amax(1).log() + 3)
+    torch.testing.assert_close(
+        S.confidence_score(logits, score="energy", from_logits=True),
+        torch.full((40,), 3.0, dtype=torch.float64),
+    )
+    torch.testing.assert_close(
+        S.confidence_score(logits, score="max_logit", from_logits=True), probs.amax(1).log() + 3
+    )
     ent = -(probs * probs.log()).sum(1)
     torch.testing.assert_close(S.confidence_score(probs, score="entropy"), -ent)
     a = S.aurc(probs, targets, confidence=-ent)
@@ -333,7 +345,9 @@ def test_ood_detection_metrics_scores():
         assert float(m.auroc) == pytest.approx(float(pairs.mean()), abs=1e-12)
         assert float(m.fpr95) == pytest.approx(R.fpr_at_recall(ood, t), abs=1e-12)
         assert float(m.aupr_out) == pytest.approx(R.average_precision(ood.tolist(), t.tolist()), abs=1e-12)
-        assert float(m.aupr_in) == pytest.approx(R.average_precision((-ood).tolist(), (1 - t).tolist()), abs=1e-12)
+        assert float(m.aupr_in) == pytest.approx(
+            R.average_precision((-ood).tolist(), (1 - t).tolist()), abs=1e-12
+        )
         assert 0.5 < float(m.auroc) <= 1
     assert math.isnan(float(S.fpr_at_tpr(torch.tensor([0.1, 0.2]), torch.tensor([0, 0]))))
 

@@ -53,7 +53,9 @@ def test_null_statistics_match_reference_loop():
     res = SG.calibration_test(probs, targets, n_bins=5, n_resamples=40, seed=3)
     want = _reference_null(probs, 40, 3, 5)
     # the cumulative sums of a row are taken in the same order; ECE sums differ by float64 ordering only
-    torch.testing.assert_close(res.null_statistics, torch.tensor(want, dtype=torch.float64), atol=1e-12, rtol=0)
+    torch.testing.assert_close(
+        res.null_statistics, torch.tensor(want, dtype=torch.float64), atol=1e-12, rtol=0
+    )
     assert float(res.statistic) == pytest.approx(RM.ece(probs, targets, 5), abs=1e-12)
     assert float(res.pvalue) == sum(t >= float(res.statistic) for t in want) / 40
     plus = SG.calibration_test(probs, targets, n_bins=5, n_resamples=40, seed=3, pvalue="plus_one")
@@ -111,7 +113,9 @@ def test_calibration_test_errors():
         SG.calibration_test(torch.zeros(0, 3), torch.zeros(0, dtype=torch.long))
 
 
-@pytest.mark.parametrize("metric", [expected_calibration_error, negative_log_likelihood, ks_calibration_error])
+@pytest.mark.parametrize(
+    "metric", [expected_calibration_error, negative_log_likelihood, ks_calibration_error]
+)
 def test_paired_bootstrap_matches_per_replicate_loop(metric):
     probs, targets = _calibrated(120, 4, seed=9)
     other = torch.softmax(2 * probs.log(), 1)
@@ -121,7 +125,9 @@ def test_paired_bootstrap_matches_per_replicate_loop(metric):
     want = torch.stack([metric(other[r], targets[r]) - metric(probs[r], targets[r]) for r in idx]).double()
     # weighted (fast) path vs per-replicate evaluation: float64 summation order only
     torch.testing.assert_close(res.samples, want, atol=1e-12, rtol=0)
-    assert float(res.difference) == pytest.approx(float(metric(other, targets) - metric(probs, targets)), abs=1e-15)
+    assert float(res.difference) == pytest.approx(
+        float(metric(other, targets) - metric(probs, targets)), abs=1e-15
+    )
     extreme = ((want - res.difference).abs() >= abs(float(res.difference))).sum()
     assert float(res.pvalue) == pytest.approx((1 + int(extreme)) / 51)
     assert float(res.low) <= float(res.high)

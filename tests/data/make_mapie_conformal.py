@@ -56,7 +56,9 @@ def main() -> None:
         _, sets = scc.predict_set(p_test, **params)
         key = score if score == "lac" else f"aps_last_{str(include).lower()}"
         out[f"{key}_sets"] = sets[:, :, 0].astype(np.uint8)
-        out[f"{key}_qhat"] = np.float64(np.ravel(scc._mapie_classifier.conformity_score_function_.quantiles_)[0])
+        out[f"{key}_qhat"] = np.float64(
+            np.ravel(scc._mapie_classifier.conformity_score_function_.quantiles_)[0]
+        )
     out["mapie_version"] = np.array(mapie.__version__)
     target = Path(__file__).with_name("mapie_conformal.npz")
     fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".npz")

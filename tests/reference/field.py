@@ -55,7 +55,11 @@ def direction(probs, targets, n_bins, binning="width", convention="torchcal", dt
     else:
         groups = [[] for _ in range(n_bins + 1)]
         for conf, c in pairs:
-            b = _bin_torchcal(conf, n_bins) if convention == "torchcal" else _bin_torchmetrics(conf, n_bins, dtype)
+            b = (
+                _bin_torchcal(conf, n_bins)
+                if convention == "torchcal"
+                else _bin_torchmetrics(conf, n_bins, dtype)
+            )
             groups[b].append((conf, c))
     over = under = 0.0
     for g in groups:
@@ -78,7 +82,13 @@ def brier_murphy(probs, targets):
     for row, t in zip(rows, targets):
         groups.setdefault(tuple(row), []).append(int(t))
     ybar = [sum(1.0 for t in targets if int(t) == j) / n for j in range(k)]
-    bs = sum(sum((row[j] - (1.0 if j == int(t) else 0.0)) ** 2 for j in range(k)) for row, t in zip(rows, targets)) / n
+    bs = (
+        sum(
+            sum((row[j] - (1.0 if j == int(t) else 0.0)) ** 2 for j in range(k))
+            for row, t in zip(rows, targets)
+        )
+        / n
+    )
     rel = res = 0.0
     for f, ts in groups.items():
         yg = [sum(1.0 for t in ts if t == j) / len(ts) for j in range(k)]

@@ -18,7 +18,9 @@ def field_inputs(probs, targets, from_logits: bool = False, name: str = "probs",
     probs = as_data(probs, name)
     if probs.ndim == 1:
         if from_logits:
-            raise ValueError(f"`{name}` must have shape (N, K) with from_logits=True, got {tuple(probs.shape)}")
+            raise ValueError(
+                f"`{name}` must have shape (N, K) with from_logits=True, got {tuple(probs.shape)}"
+            )
         if not probs.is_floating_point():
             raise TypeError(f"`{name}` must be a floating-point tensor, got dtype {probs.dtype}")
         probs = torch.stack([1 - probs, probs], dim=-1)

@@ -83,7 +83,9 @@ def _confidence_and_errors(probs, targets, confidence, score, from_logits):
     else:
         confidence = as_data(confidence, "confidence")
         if confidence.ndim != 1 or confidence.shape[0] != probs.shape[0]:
-            raise ValueError(f"`confidence` must have shape ({probs.shape[0]},), got {tuple(confidence.shape)}")
+            raise ValueError(
+                f"`confidence` must have shape ({probs.shape[0]},), got {tuple(confidence.shape)}"
+            )
         if not confidence.is_floating_point() or not bool(torch.isfinite(confidence).all()):
             raise ValueError("`confidence` must hold finite floating-point scores")
         confidence = confidence.double().to(probs.device)
@@ -151,7 +153,13 @@ def _area(probs, targets, confidence, score, from_logits, ties, generalized):
 
 
 def aurc(
-    probs, targets, *, confidence=None, score: str = "max_prob", ties: str = "sample", from_logits: bool = False
+    probs,
+    targets,
+    *,
+    confidence=None,
+    score: str = "max_prob",
+    ties: str = "sample",
+    from_logits: bool = False,
 ) -> torch.Tensor:
     r"""Area under the risk-coverage curve.
 
@@ -179,7 +187,13 @@ def aurc(
 
 
 def augrc(
-    probs, targets, *, confidence=None, score: str = "max_prob", ties: str = "sample", from_logits: bool = False
+    probs,
+    targets,
+    *,
+    confidence=None,
+    score: str = "max_prob",
+    ties: str = "sample",
+    from_logits: bool = False,
 ) -> torch.Tensor:
     r"""Area under the generalized risk-coverage curve (generalized risk ``(1/N) Σ_{j≤k} e_(j)``), with the
     rules of :func:`aurc` (``ties="group"``: the points at distinct thresholds plus (0, 0)). NaN for N < 2.
@@ -338,5 +352,8 @@ def ood_detection_metrics(
     ood = -torch.cat([conf_in, conf_out])
     t = torch.cat([torch.zeros_like(conf_in), torch.ones_like(conf_out)])
     return OODMetrics(
-        binary_auroc(ood, t), fpr_at_tpr(ood, t, tpr=tpr), average_precision(-ood, 1 - t), average_precision(ood, t)
+        binary_auroc(ood, t),
+        fpr_at_tpr(ood, t, tpr=tpr),
+        average_precision(-ood, 1 - t),
+        average_precision(ood, t),
     )

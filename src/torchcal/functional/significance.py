@@ -65,7 +65,9 @@ def _top_label_null(probs, idx, u, n_bins):
     flat = (take(bins) + offset).reshape(-1)
     size = s * r * n_bins
     count = torch.bincount(flat, minlength=size).double().view(s, r, n_bins)
-    conf_sum = torch.bincount(flat, weights=take(conf.double()).reshape(-1), minlength=size).view(s, r, n_bins)
+    conf_sum = torch.bincount(flat, weights=take(conf.double()).reshape(-1), minlength=size).view(
+        s, r, n_bins
+    )
     corr_sum = torch.bincount(flat, weights=correct.reshape(-1), minlength=size).view(s, r, n_bins)
     out = C.ece_from_sums(count, conf_sum, corr_sum)
     return out[0] if single else out
@@ -129,7 +131,9 @@ def calibration_test(
     n_resamples = check_positive_int(n_resamples, "n_resamples")
     seed = check_positive_int(seed, "seed", minimum=0)
     if statistic is not None and not callable(statistic):
-        raise TypeError(f"`statistic` must be a function (probs, targets) -> scalar, got {type(statistic).__name__}")
+        raise TypeError(
+            f"`statistic` must be a function (probs, targets) -> scalar, got {type(statistic).__name__}"
+        )
     probs, targets = field_inputs(probs, targets, from_logits, allow_empty=False)
     n = probs.shape[0]
     idx, u = _draws(n, n_resamples, seed, probs.device)
@@ -248,5 +252,11 @@ def paired_bootstrap(
     qs = torch.quantile(samples, torch.tensor([alpha, 1 - alpha], dtype=torch.float64, device=samples.device))
     extreme = ((samples - diff).abs() >= diff.abs()).double().sum()
     return PairedComparison(
-        diff, qs[0], qs[1], (1 + extreme) / (n_resamples + 1), est_a.to(diff.device), est_b.to(diff.device), samples
+        diff,
+        qs[0],
+        qs[1],
+        (1 + extreme) / (n_resamples + 1),
+        est_a.to(diff.device),
+        est_b.to(diff.device),
+        samples,
     )
