@@ -36,7 +36,7 @@ class FieldMetrics:
     (``groups="width"`` of :func:`torchcal.functional.brier_decomposition`).
 
     With ``keep_rows`` (default) every sample's top-label confidence, correctness and ranking score are kept
-    (17 bytes per sample; ``sync`` gathers them): ``adaece_over``, ``adaece_under`` (equal mass), ``ks``,
+    (three float64 numbers, 24 bytes per sample; ``sync`` gathers them): ``adaece_over``, ``adaece_under`` (equal mass), ``ks``,
     ``kuiper`` (top-label), ``aurc`` and ``augrc`` (ranked by ``score``).
 
     Args:

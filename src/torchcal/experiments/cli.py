@@ -141,13 +141,26 @@ def build_extension(verbose: bool = typer.Option(False, help="show the compiler'
 
 @app.command()
 @_user_errors
-def evaluate(run_dir: Path, calibrators: str = typer.Option("ts,fts", help="comma-separated calibrators")):
+def evaluate(
+    run_dir: Path,
+    calibrators: str = typer.Option("ts,fts", help="comma-separated calibrators"),
+    conformal: list[str] = typer.Option(
+        [],
+        "--conformal",
+        help="conformal sets after each calibrator, e.g. aps:alpha=0.1 or raps:alpha=0.05,lambda=0.1,k_reg=1 "
+        "(lac|aps|raps; keys alpha, randomized, mondrian, lambda, k_reg); repeatable",
+    ),
+):
     """Every metric before and after each calibrator (fitted on validation), added to results.json (other
-    calibrators' results are kept); the fitted calibrators are saved in <run>/calibrators/."""
+    calibrators' results are kept); the fitted calibrators are saved in <run>/calibrators/. With
+    --conformal, the coverage and set sizes of conformal sets on the test split after each calibrator."""
     from .evaluate import check_calibrators, evaluate_run
+    from .field_report import parse_conformal
 
+    for spec in conformal:
+        parse_conformal(spec)  # refused before anything is computed or written
     names = check_calibrators((c.strip() for c in calibrators.split(",") if c.strip()), None)
-    result = evaluate_run(run_dir, names)
+    result = evaluate_run(run_dir, names, conformal)
     console.print_json(json.dumps({k: result[k] for k in ("uncalibrated", *names)}))
 
 
@@ -231,6 +244,13 @@ def report(
     run_dirs: list[Path],
     out: Path = typer.Option(Path("report"), "--out", help="output folder"),
     calibrator: str = typer.Option("ts", help="calibrator of the post columns"),
+    metrics: str = typer.Option(
+        "",
+        "--metrics",
+        help="extra columns, comma-separated: signed_ece, ece_over, ece_under, ks, kuiper, classwise_ks, aurc, "
+        "augrc, brier_reliability, brier_resolution, brier_uncertainty, log_reliability, log_resolution, "
+        "coverage, set_size (the last two from `evaluate --conformal`)",
+    ),
 ):
     """The papers' table over runs (Markdown, CSV and HTML): runs whose configs differ only in the seed are
     averaged in one row; unfinished run folders are skipped with a warning. With cross-entropy runs among
@@ -238,12 +258,14 @@ def report(
     from .demo import regime_note
     from .evaluate import check_calibrators, collect_groups
     from .evaluate import report as make_report
+    from .field_report import check_report_metrics
     from .html_report import html_report
 
     check_calibrators([calibrator], None)
+    extra = check_report_metrics(metrics.split(","))
     groups = collect_groups(run_dirs, calibrator)  # warns once per skipped folder
     note = regime_note(groups)
-    markdown, _ = make_report(run_dirs, out, calibrator, note=note, groups=groups)
+    markdown, _ = make_report(run_dirs, out, calibrator, note=note, groups=groups, metrics=extra)
     page = html_report(run_dirs, out, calibrator, note=note, groups=groups)
     console.print(Markdown(markdown))
     console.print(f"report.md, report.csv and {page.name} (with figures) in {out}/")

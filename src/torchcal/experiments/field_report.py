@@ -1,0 +1,176 @@
+"""The runner's side of SPEC §9: the metrics beyond ECE stored with every evaluation, conformal sets after
+each calibrator (``torchcal evaluate --conformal aps:alpha=0.1``), and the report's ``--metrics`` columns."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import functional as F
+from ..conformal import SplitConformalClassifier
+from ..functional.conformal import CONFORMAL_SCORES, conformal_set_metrics
+from .errors import UserError
+
+__all__ = [
+    "FIELD_COLUMNS",
+    "CONFORMAL_COLUMNS",
+    "REPORT_METRICS",
+    "field_metrics",
+    "parse_conformal",
+    "conformal_metrics",
+    "check_report_metrics",
+    "field_stats",
+    "direction_word",
+]
+
+# Metrics of SPEC §9 stored with every multiclass evaluation (top-label, 15 equal-width bins of SPEC §3;
+# decompositions grouped by those bins; AURC/AUGRC ranked by the maximum probability).
+FIELD_COLUMNS = (
+    "signed_ece",
+    "ece_over",
+    "ece_under",
+    "ks",
+    "kuiper",
+    "classwise_ks",
+    "aurc",
+    "augrc",
+    "brier_reliability",
+    "brier_resolution",
+    "brier_uncertainty",
+    "log_reliability",
+    "log_resolution",
+)
+# From the first conformal spec of the evaluation: empirical coverage and mean set size on the held-out half.
+CONFORMAL_COLUMNS = ("coverage", "set_size")
+REPORT_METRICS = FIELD_COLUMNS + CONFORMAL_COLUMNS
+
+
+def field_metrics(probs: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
+    """The §9 metrics of one split (Python floats)."""
+    d = F.calibration_error_direction(probs, targets)
+    b = F.brier_decomposition(probs, targets, groups="width")
+    ls = F.log_score_decomposition(probs, targets, groups="width")
+    values = {
+        "signed_ece": d.signed,
+        "ece_over": d.over,
+        "ece_under": d.under,
+        "ks": F.ks_calibration_error(probs, targets),
+        "kuiper": F.kuiper_calibration_error(probs, targets),
+        "classwise_ks": F.ks_calibration_error(probs, targets, kind="classwise"),
+        "aurc": F.aurc(probs, targets),
+        "augrc": F.augrc(probs, targets),
+        "brier_reliability": b.reliability,
+        "brier_resolution": b.resolution,
+        "brier_uncertainty": b.uncertainty,
+        "log_reliability": ls.reliability,
+        "log_resolution": ls.resolution,
+    }
+    return {k: float(v) for k, v in values.items()}
+
+
+_BOOL = {"true": True, "false": False, "1": True, "0": False}
+
+
+def parse_conformal(spec: str) -> tuple[str, dict]:
+    """``score[:key=value,...]`` → (spec as given, options): score in lac|aps|raps; keys ``alpha`` (required
+    range (0, 1), default 0.1), ``randomized``, ``mondrian`` (true/false), ``lambda``, ``k_reg`` (RAPS)."""
+    score, _, rest = spec.strip().partition(":")
+    if score not in CONFORMAL_SCORES:
+        raise UserError(
+            f"--conformal {spec!r}: the score must be one of {list(CONFORMAL_SCORES)}, got {score!r}"
+        )
+    opts: dict = {"alpha": 0.1}
+    for item in filter(None, (p.strip() for p in rest.split(","))):
+        key, eq, value = item.partition("=")
+        try:
+            if not eq:
+                raise ValueError("expected key=value")
+            if key == "alpha":
+                opts["alpha"] = float(value)
+                if not 0 < opts["alpha"] < 1:
+                    raise ValueError("alpha must lie in (0, 1)")
+            elif key in ("randomized", "mondrian"):
+                opts[key] = _BOOL[value.lower()]
+            elif key == "lambda":
+                opts["lambda_"] = float(value)
+                if opts["lambda_"] < 0:
+                    raise ValueError("lambda must be >= 0")
+            elif key == "k_reg":
+                opts["k_reg"] = int(value)
+                if opts["k_reg"] < 0:
+                    raise ValueError("k_reg must be >= 0")
+            else:
+                raise ValueError("keys are alpha, randomized, mondrian, lambda, k_reg")
+        except (ValueError, KeyError) as err:
+            reason = "randomized/mondrian take true or false" if isinstance(err, KeyError) else str(err)
+            raise UserError(f"--conformal {spec!r}: {item!r}: {reason}") from None
+    return spec.strip(), {"score": score, **opts}
+
+
+def conformal_metrics(probs: torch.Tensor, targets: torch.Tensor, specs, seed: int = 0) -> dict:
+    """Set metrics of each conformal spec on the test split: a seeded random half calibrates the threshold,
+    the other half is scored (the post-hoc calibrator never saw either: the halves are exchangeable).
+    ``{spec: {coverage, macro_coverage, set_size, empty, sscv, coverage_gap, violated_classes,
+    size_distribution}}`` with Python values."""
+    n = probs.shape[0]
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).to(probs.device)
+    cal, held = order[: n // 2], order[n // 2 :]
+    out = {}
+    for spec, opts in specs:
+        opts = dict(opts)
+        alpha = opts.pop("alpha")
+        cp = SplitConformalClassifier(opts.pop("score"), from_logits=False, seed=seed, **opts)
+        sets = cp.fit(probs[cal], targets[cal], alpha).predict_sets(probs[held])
+        m = conformal_set_metrics(sets, targets[held], alpha)
+        m.pop("stratified_coverage")
+        out[spec] = {
+            k: (
+                v.tolist()
+                if isinstance(v, torch.Tensor) and v.ndim
+                else float(v)
+                if k != "violated_classes"
+                else v
+            )
+            for k, v in m.items()
+        }
+    return out
+
+
+def check_report_metrics(names) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in names if n.strip())
+    unknown = [n for n in names if n not in REPORT_METRICS]
+    if unknown:
+        raise UserError(f"--metrics: unknown {unknown}; choose from {list(REPORT_METRICS)}")
+    return names
+
+
+COLUMN_HEADERS = {
+    "signed_ece": "signed ECE",
+    "ece_over": "ECE over",
+    "ece_under": "ECE under",
+    "classwise_ks": "classwise KS",
+    "coverage": "conformal coverage",
+    "set_size": "mean set size (not ×100)",
+}
+
+
+def field_stats(res: dict, calibrator: str) -> dict[str, tuple[float, float]]:
+    """(pre, post) of each report metric present in one run's results (×100, but the set size)."""
+    out = {}
+    pre, post = res["uncalibrated"], res[calibrator]
+    for m in FIELD_COLUMNS:
+        if m in pre.get("test", {}) and m in post.get("test", {}):
+            out[m] = (100 * pre["test"][m], 100 * post["test"][m])
+    if pre.get("conformal") and post.get("conformal"):
+        spec = next(iter(pre["conformal"]))
+        if spec in post["conformal"]:
+            out["coverage"] = (
+                100 * pre["conformal"][spec]["coverage"],
+                100 * post["conformal"][spec]["coverage"],
+            )
+            out["set_size"] = (pre["conformal"][spec]["set_size"], post["conformal"][spec]["set_size"])
+    return out
+
+
+def direction_word(signed: float) -> str:
+    """What the sign of the signed ECE says: over-confident (> 0), under-confident (< 0)."""
+    return "over-confident" if signed > 0 else "under-confident" if signed < 0 else "neither"
