@@ -311,6 +311,10 @@ def test_fpr95_plateau_rule():
     # recall 19/20 = 0.95 holds from threshold 10 (FP 0) down to 2 (FP 4): FPR = 4/4
     assert float(S.fpr_at_tpr(scores, is_ood)) == pytest.approx(1.0)
     assert float(S.fpr_at_tpr(scores, is_ood)) == pytest.approx(R.fpr_at_recall(scores, is_ood))
+    # the first threshold whose recall reaches 0.95 (torch-uncertainty 0.13, scikit-learn): threshold 10
+    assert float(S.fpr_at_tpr(scores, is_ood, rule="at_least")) == pytest.approx(0.0)
+    with pytest.raises(ValueError, match="rule"):
+        S.fpr_at_tpr(scores, is_ood, rule="first")
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -358,3 +362,30 @@ def test_numpy_inputs_accepted():
     b = D.calibration_error_direction(probs, targets)
     assert float(a.ece) == float(b.ece)
     assert np.isfinite(float(S.aurc(probs.numpy(), targets.numpy())))
+
+
+# ----------------------------------------------------------------------------- peers' values
+
+
+def test_selective_ood_and_cumulative_equal_the_peers():
+    """torch-uncertainty 0.13's AURC, AUGRC, FPR95 and probmetrics 1.3's Kuiper/KS (binary) on data without
+    ties (tests/data/make_peer_selective.py). TU and probmetrics compute in float32 and report float32:
+    1e-6 covers their rounding (SPEC §9.0)."""
+    from pathlib import Path
+
+    d = np.load(Path(__file__).parent / "data" / "peer_selective.npz")
+    for i in range(3):
+        probs, targets = torch.from_numpy(d[f"probs_{i}"]), torch.from_numpy(d[f"targets_{i}"])
+        assert float(S.aurc(probs, targets)) == pytest.approx(float(d[f"tu_aurc_{i}"]), abs=1e-6)
+        assert float(S.augrc(probs, targets)) == pytest.approx(float(d[f"tu_augrc_{i}"]), abs=1e-6)
+        is_ood = torch.from_numpy((d[f"targets_{i}"] == 0).astype(np.int64))
+        # torch-uncertainty 0.13 takes the first threshold with recall >= 0.95 (not the SPEC's nearest rule)
+        fpr = S.fpr_at_tpr(torch.from_numpy(d[f"ood_scores_{i}"]), is_ood, rule="at_least")
+        assert float(fpr) == pytest.approx(float(d[f"tu_fpr95_{i}"]), abs=1e-6)
+        if f"pm_kuiper_{i}" in d:
+            assert float(CU.kuiper_calibration_error(probs, targets, kind="binary")) == pytest.approx(
+                float(d[f"pm_kuiper_{i}"]), abs=1e-6
+            )
+            assert float(CU.ks_calibration_error(probs, targets, kind="binary")) == pytest.approx(
+                float(d[f"pm_ks_{i}"]), abs=1e-6
+            )

@@ -278,11 +278,14 @@ def _threshold_counts(scores, t):
     return tps, (idx + 1).double() - tps
 
 
-def fpr_at_tpr(scores, is_ood, *, tpr: float = 0.95) -> torch.Tensor:
-    """False-positive rate at the recall (TPR) nearest ``tpr``, OOD positive, scores higher = more OOD
-    (torch-uncertainty / Hendrycks ``fpr_and_fdr_at_recall``): thresholds at distinct scores, no
-    interpolation, ties in |recall − tpr| go to the higher recall, on a recall plateau the lowest threshold.
-    NaN without OOD samples.
+def fpr_at_tpr(scores, is_ood, *, tpr: float = 0.95, rule: str = "nearest") -> torch.Tensor:
+    """False-positive rate at a recall (TPR) level, OOD positive, scores higher = more OOD; thresholds only at
+    distinct scores (a tie is never split), no interpolation. NaN without OOD samples.
+
+    ``rule="nearest"`` (default; SPEC §9.6, Hendrycks' ``fpr_and_fdr_at_recall`` as torch-uncertainty's
+    development branch ports it): the recall nearest ``tpr``, which may lie below it; ties in |recall − tpr|
+    go to the higher recall and, on a recall plateau, to the lowest threshold. ``rule="at_least"``
+    (torch-uncertainty 0.13, scikit-learn's ``roc_curve``): the highest threshold whose recall is ≥ ``tpr``.
 
     Example:
         >>> import torch
@@ -290,11 +293,17 @@ def fpr_at_tpr(scores, is_ood, *, tpr: float = 0.95) -> torch.Tensor:
         tensor(0.7500, dtype=torch.float64)
     """
     level = check_float(tpr, "tpr", low=0, high=1)
+    check_choice(rule, "rule", {"nearest", "at_least"})
     scores, t = _ood_inputs(scores, is_ood)
     total = float(t.sum())
     if total == 0:
         return torch.tensor(float("nan"), dtype=torch.float64, device=scores.device)
     tps, fps = _threshold_counts(scores, t)
+    if rule == "at_least":
+        j = int(
+            torch.searchsorted(tps / total, torch.tensor([level], dtype=torch.float64, device=tps.device))
+        )
+        return fps[min(j, fps.shape[0] - 1)] / (t.shape[0] - total)
     stop = int(torch.searchsorted(tps, tps[-1]))  # first block reaching every positive
     recall = torch.cat([(tps[: stop + 1] / total).flip(0), tps.new_ones(1)])
     fp = torch.cat([fps[: stop + 1].flip(0), fps.new_zeros(1)])
