@@ -83,3 +83,15 @@ def test_parse_conformal():
         {"score": "raps", "alpha": 0.05, "lambda_": 0.2, "k_reg": 2, "randomized": False},
     )
     assert parse_conformal("lac") == ("lac", {"score": "lac", "alpha": 0.1})
+
+
+def test_html_report_shows_columns_and_figures_only_when_asked(run, tmp_path):
+    from torchcal.experiments.html_report import html_report
+
+    evaluate_run(run, ("ts",), ("aps:alpha=0.1",))
+    asked = html_report([run], tmp_path / "asked", "ts", extra_metrics=("signed_ece", "set_size")).read_text()
+    assert "signed ECE" in asked and "mean set size" in asked and "ECE under" not in asked
+    assert "risk-coverage (max probability)" in asked and "conformal set sizes (aps:alpha=0.1)" in asked
+    plain = html_report([run], tmp_path / "plain", "ts").read_text()
+    assert "signed ECE" not in plain and "risk-coverage" not in plain
+    assert asked.count("data:image/png;base64,") == plain.count("data:image/png;base64,") + 2

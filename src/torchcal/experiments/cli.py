@@ -266,7 +266,7 @@ def report(
     groups = collect_groups(run_dirs, calibrator)  # warns once per skipped folder
     note = regime_note(groups)
     markdown, _ = make_report(run_dirs, out, calibrator, note=note, groups=groups, metrics=extra)
-    page = html_report(run_dirs, out, calibrator, note=note, groups=groups)
+    page = html_report(run_dirs, out, calibrator, note=note, groups=groups, extra_metrics=extra)
     console.print(Markdown(markdown))
     console.print(f"report.md, report.csv and {page.name} (with figures) in {out}/")
 

@@ -20,6 +20,7 @@ __all__ = [
     "check_report_metrics",
     "field_stats",
     "direction_word",
+    "field_figures",
 ]
 
 # Metrics of SPEC §9 stored with every multiclass evaluation (top-label, 15 equal-width bins of SPEC §3;
@@ -106,21 +107,27 @@ def parse_conformal(spec: str) -> tuple[str, dict]:
     return spec.strip(), {"score": score, **opts}
 
 
-def conformal_metrics(probs: torch.Tensor, targets: torch.Tensor, specs, seed: int = 0) -> dict:
-    """Set metrics of each conformal spec on the test split: a seeded random half calibrates the threshold,
-    the other half is scored (the post-hoc calibrator never saw either: the halves are exchangeable).
-    ``{spec: {coverage, macro_coverage, set_size, empty, sscv, coverage_gap, violated_classes,
-    size_distribution}}`` with Python values."""
+def conformal_sets(probs: torch.Tensor, targets: torch.Tensor, opts: dict, seed: int = 0):
+    """(sets of the held-out half, its targets, alpha): a seeded random half of the test split calibrates the
+    threshold of the spec's options (:func:`parse_conformal`), the other half gets sets (the post-hoc
+    calibrator never saw either, so the halves are exchangeable)."""
     n = probs.shape[0]
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).to(probs.device)
     cal, held = order[: n // 2], order[n // 2 :]
+    opts = dict(opts)
+    alpha = opts.pop("alpha")
+    cp = SplitConformalClassifier(opts.pop("score"), from_logits=False, seed=seed, **opts)
+    return cp.fit(probs[cal], targets[cal], alpha).predict_sets(probs[held]), targets[held], alpha
+
+
+def conformal_metrics(probs: torch.Tensor, targets: torch.Tensor, specs, seed: int = 0) -> dict:
+    """Set metrics of each conformal spec on the test split (:func:`conformal_sets`): ``{spec: {coverage,
+    macro_coverage, set_size, empty, sscv, coverage_gap, violated_classes, size_distribution}}`` with Python
+    values."""
     out = {}
     for spec, opts in specs:
-        opts = dict(opts)
-        alpha = opts.pop("alpha")
-        cp = SplitConformalClassifier(opts.pop("score"), from_logits=False, seed=seed, **opts)
-        sets = cp.fit(probs[cal], targets[cal], alpha).predict_sets(probs[held])
-        m = conformal_set_metrics(sets, targets[held], alpha)
+        sets, held, alpha = conformal_sets(probs, targets, opts, seed)
+        m = conformal_set_metrics(sets, held, alpha)
         m.pop("stratified_coverage")
         out[spec] = {
             k: (
@@ -174,3 +181,34 @@ def field_stats(res: dict, calibrator: str) -> dict[str, tuple[float, float]]:
 def direction_word(signed: float) -> str:
     """What the sign of the signed ECE says: over-confident (> 0), under-confident (< 0)."""
     return "over-confident" if signed > 0 else "under-confident" if signed < 0 else "neither"
+
+
+def field_figures(run_dir, test: dict, pre: torch.Tensor, post: torch.Tensor, calibrator: str) -> list:
+    """(title, matplotlib Figure) pairs for one run: the risk-coverage curves before and after the
+    calibrator and, when ``evaluate --conformal`` was run, the set sizes of its first spec on the held-out
+    half of the test split (the sets the report's columns measure)."""
+    import json
+
+    from ..plotting import plot_risk_coverage, plot_set_sizes
+    from .train import RESULTS
+
+    targets = test["targets"]
+    curves = {
+        "uncalibrated": F.risk_coverage_curve(pre, targets),
+        calibrator: F.risk_coverage_curve(post, targets),
+    }
+    figs = [("risk-coverage (max probability)", plot_risk_coverage(curves))]
+    try:
+        results = json.loads((run_dir / RESULTS).read_text())
+        specs = results["uncalibrated"].get("conformal") or {}
+    except (OSError, ValueError, KeyError):
+        specs = {}
+    if specs:
+        spec = next(iter(specs))
+        opts = parse_conformal(spec)[1]
+        sets = {
+            name: conformal_sets(p, targets, opts)[0]
+            for name, p in (("uncalibrated", pre), (calibrator, post))
+        }
+        figs.append((f"conformal set sizes ({spec})", plot_set_sizes(sets)))
+    return figs
