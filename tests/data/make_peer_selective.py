@@ -2,9 +2,12 @@
 on random data without ties, for tests/test_field_metrics.py.
 
 Run in a separate environment with the peers installed (they are not torchcal dependencies):
-    python -m venv /tmp/peers && /tmp/peers/bin/pip install torch==2.13.0 "torchvision==0.28.*" \
+    python -m venv /tmp/peers && /tmp/peers/bin/pip install torch==2.13.0 torchvision \
         torch-uncertainty probmetrics numba lightning rich
     /tmp/peers/bin/python tests/data/make_peer_selective.py
+
+torch-uncertainty's package import needs torchvision and Lightning; the committed values were written with
+torch-uncertainty 0.13.0 and probmetrics 1.3.0 (the torch that torchvision pulled in: 2.15).
 """
 
 from __future__ import annotations
