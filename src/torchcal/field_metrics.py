@@ -14,7 +14,7 @@ from .functional._binning import equal_width_index
 from .functional._field_inputs import field_inputs, top_label
 from .metrics import all_gather_rows
 
-__all__ = ["FieldMetrics"]
+__all__ = ["FieldMetrics", "field_batch_state", "field_results", "BINNED_FIELD_METRICS", "ROW_FIELD_METRICS"]
 
 
 def _state_size(k: int, m: int) -> int:
@@ -88,47 +88,27 @@ class FieldMetrics:
         self._rows: list[torch.Tensor] = []  # (B, 3) float64: confidence, correct, ranking score
 
     def _views(self):
-        m, k, s = self.n_bins, self.num_classes, self._sums
-        top = s[: 3 * m].view(3, m)
-        vec = s[3 * m : 3 * m + 2 * m * k].view(2, m, k)
-        sq = s[3 * m + 2 * m * k : 5 * m + 2 * m * k].view(2, m)
-        return top, vec, sq, s[-2:]
+        return field_state_views(self._sums, self.num_classes, self.n_bins)
 
     def update(self, probs_or_logits, targets) -> None:
         """Adds a batch: (B, K) probabilities (logits with ``from_logits``) and (B,) integer targets."""
-        probs, targets = field_inputs(probs_or_logits, targets, self.from_logits, "probs_or_logits")
-        if probs.shape[1] != self.num_classes:
-            raise ValueError(f"`probs_or_logits` has {probs.shape[1]} classes, expected {self.num_classes}")
+        sums, rows = field_batch_state(
+            probs_or_logits,
+            targets,
+            self.num_classes,
+            self.n_bins,
+            self.score,
+            self.from_logits,
+            self.keep_rows,
+        )
         if self._device is None:
-            self._device = probs.device
-            self._sums = self._sums.to(probs.device)
-        elif probs.device != self._device:
-            raise ValueError(
-                f"`probs_or_logits` is on {probs.device}, earlier batches were on {self._device}"
-            )
-        m = self.n_bins
-        conf, correct, _ = top_label(probs, targets)
-        bins = equal_width_index(conf, m)
-        p = probs.double()
-        p_true = p.gather(1, targets[:, None]).squeeze(1)
-        top, vec, sq, scalars = self._views()
-        top[0] += torch.bincount(bins, minlength=m).double()
-        top[1] += torch.bincount(bins, weights=conf.double(), minlength=m)
-        top[2] += torch.bincount(bins, weights=correct, minlength=m)
-        vec[0].index_add_(0, bins, p)
-        vec[1].index_put_((bins, targets), torch.ones_like(p_true), accumulate=True)
-        sq[0] += torch.bincount(bins, weights=(p * p).sum(1), minlength=m)
-        sq[1] += torch.bincount(bins, weights=p_true, minlength=m)
-        scalars[0] += -torch.log(p_true).sum()
-        scalars[1] += p.shape[0]
-        if self.keep_rows:
-            if self.score == "max_prob":
-                rank = conf.double()
-            elif self.score in ("max_logit", "energy"):
-                rank = S.confidence_score(probs_or_logits, score=self.score, from_logits=True).to(p.device)
-            else:
-                rank = S.confidence_score(p, score=self.score)
-            self._rows.append(torch.stack([conf.double(), correct, rank], dim=1))
+            self._device = sums.device
+            self._sums = self._sums.to(sums.device)
+        elif sums.device != self._device:
+            raise ValueError(f"`probs_or_logits` is on {sums.device}, earlier batches were on {self._device}")
+        self._sums += sums
+        if rows is not None:
+            self._rows.append(rows)
 
     def merge(self, other: FieldMetrics) -> FieldMetrics:
         """Adds the state of ``other`` (same settings) into this one; returns self."""
@@ -164,53 +144,110 @@ class FieldMetrics:
 
     def compute(self) -> dict[str, torch.Tensor]:
         """Every metric of the state as 0-d float64 tensors (see the class)."""
-        top, vec, sq, scalars = self._views()
-        n = scalars[1]
-        if float(n) == 0:
-            raise RuntimeError("FieldMetrics.compute() called before any update()")
-        out = dict(
-            zip(("ece", "signed_ece", "ece_over", "ece_under"), D.direction_from_sums(*top), strict=True)
+        rows = (
+            (torch.cat(self._rows) if self._rows else torch.zeros(0, 3, dtype=torch.float64))
+            if self.keep_rows
+            else None
         )
-        count, p_sum, y_sum = top[0], vec[0], vec[1]
-        safe = count.clamp(min=1)[:, None]
-        f_bar, y_bar_g, w = p_sum / safe, y_sum / safe, count / n
-        y_bar = y_sum.sum(0) / n
-        brier = (sq[0].sum() - 2 * sq[1].sum() + n) / n
-        wbv = (sq[0].sum() - (count[:, None] * f_bar * f_bar).sum()) / n
-        wbc = (sq[1].sum() - (count[:, None] * f_bar * y_bar_g).sum()) / n
+        return field_results(self._sums, rows, self.num_classes, self.n_bins)
+
+
+# -- the state and its results, shared with torchcal.integrations.torchmetrics_field -------------------------
+
+BINNED_FIELD_METRICS = (
+    "ece", "signed_ece", "ece_over", "ece_under", "brier", "brier_reliability", "brier_resolution",
+    "brier_uncertainty", "brier_within_variance", "brier_within_covariance", "nll", "log_reliability",
+    "log_resolution", "log_uncertainty", "log_within",
+)  # fmt: skip
+ROW_FIELD_METRICS = ("adaece_over", "adaece_under", "ks", "kuiper", "aurc", "augrc")
+
+
+def field_state_views(sums: torch.Tensor, k: int, m: int):
+    """(top (3, M), per-bin vectors (2, M, K), per-bin Σ‖P‖² and Σ p_y (2, M), (Σ −log p_y, N)) views."""
+    top = sums[: 3 * m].view(3, m)
+    vec = sums[3 * m : 3 * m + 2 * m * k].view(2, m, k)
+    sq = sums[3 * m + 2 * m * k : 5 * m + 2 * m * k].view(2, m)
+    return top, vec, sq, sums[-2:]
+
+
+def field_batch_state(probs_or_logits, targets, k, m, score="max_prob", from_logits=False, keep_rows=True):
+    """A batch's contribution: (flat float64 sums of length 3M + 2MK + 2M + 2, rows (B, 3) float64 of
+    confidence, correctness and ranking score, or None without ``keep_rows``)."""
+    probs, targets = field_inputs(probs_or_logits, targets, from_logits, "probs_or_logits")
+    if probs.shape[1] != k:
+        raise ValueError(f"`probs_or_logits` has {probs.shape[1]} classes, expected {k}")
+    conf, correct, _ = top_label(probs, targets)
+    bins = equal_width_index(conf, m)
+    p = probs.double()
+    p_true = p.gather(1, targets[:, None]).squeeze(1)
+    sums = torch.zeros(_state_size(k, m), dtype=torch.float64, device=p.device)
+    top, vec, sq, scalars = field_state_views(sums, k, m)
+    top[0] += torch.bincount(bins, minlength=m).double()
+    top[1] += torch.bincount(bins, weights=conf.double(), minlength=m)
+    top[2] += torch.bincount(bins, weights=correct, minlength=m)
+    vec[0].index_add_(0, bins, p)
+    vec[1].index_put_((bins, targets), torch.ones_like(p_true), accumulate=True)
+    sq[0] += torch.bincount(bins, weights=(p * p).sum(1), minlength=m)
+    sq[1] += torch.bincount(bins, weights=p_true, minlength=m)
+    scalars[0] += -torch.log(p_true).sum()
+    scalars[1] += p.shape[0]
+    if not keep_rows:
+        return sums, None
+    if score == "max_prob":
+        rank = conf.double()
+    elif score in ("max_logit", "energy"):
+        rank = S.confidence_score(probs_or_logits, score=score, from_logits=True).to(p.device)
+    else:
+        rank = S.confidence_score(p, score=score)
+    return sums, torch.stack([conf.double(), correct, rank], dim=1)
+
+
+def field_results(sums: torch.Tensor, rows, k: int, m: int) -> dict[str, torch.Tensor]:
+    """The metrics of a state: flat ``sums`` and the concatenated (N, 3) ``rows`` (None: not kept)."""
+    top, vec, sq, scalars = field_state_views(sums, k, m)
+    n = scalars[1]
+    if float(n) == 0:
+        raise RuntimeError("FieldMetrics.compute() called before any update()")
+    out = dict(zip(("ece", "signed_ece", "ece_over", "ece_under"), D.direction_from_sums(*top), strict=True))
+    count, p_sum, y_sum = top[0], vec[0], vec[1]
+    safe = count.clamp(min=1)[:, None]
+    f_bar, y_bar_g, w = p_sum / safe, y_sum / safe, count / n
+    y_bar = y_sum.sum(0) / n
+    brier = (sq[0].sum() - 2 * sq[1].sum() + n) / n
+    wbv = (sq[0].sum() - (count[:, None] * f_bar * f_bar).sum()) / n
+    wbc = (sq[1].sum() - (count[:, None] * f_bar * y_bar_g).sum()) / n
+    out.update({
+        "brier": brier,
+        "brier_reliability": (w * ((f_bar - y_bar_g) ** 2).sum(1)).sum(),
+        "brier_resolution": (w * ((y_bar_g - y_bar) ** 2).sum(1)).sum(),
+        "brier_uncertainty": 1 - (y_bar**2).sum(),
+        "brier_within_variance": wbv,
+        "brier_within_covariance": wbc,
+    })  # fmt: skip
+    neg_ent_g = torch.special.xlogy(y_bar_g, y_bar_g).sum(1)
+    cross_g = torch.special.xlogy(y_bar_g, f_bar).sum(1)  # Σ_k ȳ_gk log f̄_gk
+    nll = scalars[0] / n
+    out.update({
+        "nll": nll,
+        "log_reliability": (w * (neg_ent_g - cross_g)).sum(),
+        "log_resolution": (w * (neg_ent_g - torch.special.xlogy(y_bar_g, y_bar).sum(1))).sum(),
+        "log_uncertainty": -torch.special.xlogy(y_bar, y_bar).sum(),
+        "log_within": nll + (w * cross_g).sum(),
+    })  # fmt: skip
+    if rows is not None:
+        conf, correct, rank = rows[:, 0], rows[:, 1], rows[:, 2]
+        split = D.direction_from_sums(*D._equal_mass_sums(conf, correct, m))
+        hi, lo = CU.cumulative_extremes(conf, correct)
+        curve = S._curve(rank, 1 - correct)
+        nn = rows.shape[0]
+        nan = n.new_tensor(float("nan"))
+
+        def area(y):
+            return (y[1:] + y[:-1]).sum() / (2 * (nn - 1)) if nn >= 2 else nan
+
         out.update({
-            "brier": brier,
-            "brier_reliability": (w * ((f_bar - y_bar_g) ** 2).sum(1)).sum(),
-            "brier_resolution": (w * ((y_bar_g - y_bar) ** 2).sum(1)).sum(),
-            "brier_uncertainty": 1 - (y_bar**2).sum(),
-            "brier_within_variance": wbv,
-            "brier_within_covariance": wbc,
+            "adaece_over": split.over, "adaece_under": split.under,
+            "ks": torch.maximum(hi, -lo), "kuiper": hi - lo,
+            "aurc": area(curve.risk), "augrc": area(curve.generalized_risk),
         })  # fmt: skip
-        neg_ent_g = torch.special.xlogy(y_bar_g, y_bar_g).sum(1)
-        cross_g = torch.special.xlogy(y_bar_g, f_bar).sum(1)  # Σ_k ȳ_gk log f̄_gk
-        nll = scalars[0] / n
-        out.update({
-            "nll": nll,
-            "log_reliability": (w * (neg_ent_g - cross_g)).sum(),
-            "log_resolution": (w * (neg_ent_g - torch.special.xlogy(y_bar_g, y_bar).sum(1))).sum(),
-            "log_uncertainty": -torch.special.xlogy(y_bar, y_bar).sum(),
-            "log_within": nll + (w * cross_g).sum(),
-        })  # fmt: skip
-        if self.keep_rows:
-            rows = torch.cat(self._rows)
-            conf, correct, rank = rows[:, 0], rows[:, 1], rows[:, 2]
-            split = D.direction_from_sums(*D._equal_mass_sums(conf, correct, self.n_bins))
-            hi, lo = CU.cumulative_extremes(conf, correct)
-            curve = S._curve(rank, 1 - correct)
-            nn = rows.shape[0]
-            area = (
-                (lambda y: (y[1:] + y[:-1]).sum() / (2 * (nn - 1)))
-                if nn >= 2
-                else (lambda y: n.new_tensor(float("nan")))
-            )
-            out.update({
-                "adaece_over": split.over, "adaece_under": split.under,
-                "ks": torch.maximum(hi, -lo), "kuiper": hi - lo,
-                "aurc": area(curve.risk), "augrc": area(curve.generalized_risk),
-            })  # fmt: skip
-        return out
+    return out
