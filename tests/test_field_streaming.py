@@ -123,3 +123,18 @@ def test_sync_over_two_gloo_processes_equals_one_shot(tmp_path):
     want = one_shot(probs, targets)
     for rank in range(world):
         _check(torch.load(f"{path}.{rank}", weights_only=True), want)
+
+
+def test_large_batch_path_equals_small_batch_path(monkeypatch):
+    # batches above _SMALL_BATCH entries sum each bin's rows in float64 without an (N, K) float64 copy
+    import torchcal.field_metrics as FM
+
+    probs, targets = make_probs(400, 6, seed=12, dtype=torch.float32)
+    small = FieldMetrics(6)
+    small.update(probs, targets)
+    monkeypatch.setattr(FM, "_SMALL_BATCH", 10)
+    large = FieldMetrics(6)
+    large.update(probs, targets)
+    # the same float64 sums in another order: a few ulps
+    torch.testing.assert_close(large._sums, small._sums, rtol=1e-15, atol=1e-12)
+    _check(large.compute(), one_shot(probs, targets))

@@ -17,6 +17,11 @@ from .metrics import all_gather_rows
 __all__ = ["FieldMetrics", "field_batch_state", "field_results", "BINNED_FIELD_METRICS", "ROW_FIELD_METRICS"]
 
 
+# Up to this many entries a batch's per-bin vector sums use one float64 index_add (fewest ops); above it, one
+# float32 gather in bin order and a float64-accumulating sum per bin (no (N, K) float64 copy).
+_SMALL_BATCH = 1 << 16
+
+
 def _state_size(k: int, m: int) -> int:
     # top-label bins (count, conf sum, correct sum): 3M; per-bin Σ P and Σ Y: 2·M·K; per-bin Σ ‖P‖² and Σ p_y:
     # 2M; Σ −log p_y and N: 2
@@ -178,27 +183,37 @@ def field_batch_state(probs_or_logits, targets, k, m, score="max_prob", from_log
         raise ValueError(f"`probs_or_logits` has {probs.shape[1]} classes, expected {k}")
     conf, correct, _ = top_label(probs, targets)
     bins = equal_width_index(conf, m)
-    p = probs.double()
-    p_true = p.gather(1, targets[:, None]).squeeze(1)
-    sums = torch.zeros(_state_size(k, m), dtype=torch.float64, device=p.device)
+    p_true = probs.gather(1, targets[:, None]).squeeze(1).double()
+    sums = torch.zeros(_state_size(k, m), dtype=torch.float64, device=probs.device)
     top, vec, sq, scalars = field_state_views(sums, k, m)
-    top[0] += torch.bincount(bins, minlength=m).double()
+    counts = torch.bincount(bins, minlength=m)
+    top[0] += counts.double()
     top[1] += torch.bincount(bins, weights=conf.double(), minlength=m)
     top[2] += torch.bincount(bins, weights=correct, minlength=m)
-    vec[0].index_add_(0, bins, p)
+    if probs.numel() <= _SMALL_BATCH:
+        vec[0].index_add_(0, bins, probs.double())
+    else:  # per bin, the rows' float64 column sums without an (N, K) float64 copy
+        order = torch.sort(bins, stable=True).indices
+        rows = probs[order]
+        start = 0
+        for b, c in enumerate(counts.tolist()):
+            if c:
+                vec[0][b] += rows[start : start + c].sum(0, dtype=torch.float64)
+                start += c
     vec[1].index_put_((bins, targets), torch.ones_like(p_true), accumulate=True)
-    sq[0] += torch.bincount(bins, weights=(p * p).sum(1), minlength=m)
+    sq_norm = torch.linalg.vector_norm(probs, dim=1, dtype=torch.float64) ** 2
+    sq[0] += torch.bincount(bins, weights=sq_norm, minlength=m)
     sq[1] += torch.bincount(bins, weights=p_true, minlength=m)
     scalars[0] += -torch.log(p_true).sum()
-    scalars[1] += p.shape[0]
+    scalars[1] += probs.shape[0]
     if not keep_rows:
         return sums, None
     if score == "max_prob":
         rank = conf.double()
     elif score in ("max_logit", "energy"):
-        rank = S.confidence_score(probs_or_logits, score=score, from_logits=True).to(p.device)
+        rank = S.confidence_score(probs_or_logits, score=score, from_logits=True).to(probs.device)
     else:
-        rank = S.confidence_score(p, score=score)
+        rank = S.confidence_score(probs, score=score)
     return sums, torch.stack([conf.double(), correct, rank], dim=1)
 
 
