@@ -95,3 +95,22 @@ def test_html_report_shows_columns_and_figures_only_when_asked(run, tmp_path):
     plain = html_report([run], tmp_path / "plain", "ts").read_text()
     assert "signed ECE" not in plain and "risk-coverage" not in plain
     assert asked.count("data:image/png;base64,") == plain.count("data:image/png;base64,") + 2
+
+
+def test_report_ranks_rows_with_a_paired_bootstrap(run, tmp_path):
+    other = tmp_path / "fl"
+    train(load_config(None, [*TINY, "loss.name=fl-3"]), other)
+    evaluate_run(other, ("ts",))
+    evaluate_run(run, ("ts",))
+    markdown, _ = report([run, other], tmp_path / "rep", "ts", metrics=("signed_ece",))
+    ranking = markdown.split("Rows ranked by ECE after ts")[1]
+    assert "(best)" in ranking and "p = " in ranking
+    # the difference printed is ECE(row) − ECE(best) on the same samples, recomputed here
+    from torchcal.experiments.field_report import post_calibration_probs
+
+    (pa, ya), (pb, yb) = post_calibration_probs(run, "ts"), post_calibration_probs(other, "ts")
+    assert torch.equal(ya, yb)
+    gap = abs(float(F.ece(pa, ya) - F.ece(pb, yb)))
+    assert f"+{100 * gap:.2f} [" in ranking
+    plain, _ = report([run, other], tmp_path / "plain", "ts")
+    assert "Rows ranked" not in plain

@@ -24,6 +24,7 @@ from .field_report import (
     direction_word,
     field_metrics,
     field_stats,
+    paired_ranking,
     parse_conformal,
 )
 from .train import CALIBRATORS, LOGITS, RESULTS, atomic_write_bytes
@@ -625,6 +626,8 @@ def report(
                   "scored on the other half (docs/conventions.md).\n\n")  # fmt: skip
     sources = ["", "Runs of each row:", ""] + [f"- {g.label}: {', '.join(map(str, g.runs))}" for g in groups]
     markdown = title + (f"**{note}**\n\n" if note else "") + "\n".join(md + sources) + "\n"
+    ranking = paired_ranking(groups, calibrator) if metrics and len(groups) > 1 else ""
+    markdown += f"\n{ranking}" if ranking else ""
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(out_dir / "report.md", lambda fh: fh.write(markdown.encode()))
     csv_text = buf.getvalue()

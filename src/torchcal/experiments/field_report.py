@@ -212,3 +212,48 @@ def field_figures(run_dir, test: dict, pre: torch.Tensor, post: torch.Tensor, ca
         }
         figs.append((f"conformal set sizes ({spec})", plot_set_sizes(sets)))
     return figs
+
+
+def post_calibration_probs(run_dir, calibrator: str):
+    """(test probabilities after the run's saved ``calibrator``, test targets); the calibrator is refitted on
+    the validation split if its saved file is missing."""
+    from ..calibrators import from_json, from_spec
+    from .evaluate import calibrator_file_stem
+    from .train import CALIBRATORS, LOGITS
+
+    logits = torch.load(run_dir / LOGITS, weights_only=True)
+    test, val = logits["test"], logits["val"]
+    try:
+        cal = from_json((run_dir / CALIBRATORS / f"{calibrator_file_stem(calibrator)}.json").read_text())
+    except (OSError, ValueError, KeyError):
+        cal = from_spec(calibrator, "multiclass").fit(val["logits"], val["targets"])
+    return cal.transform(test["logits"]), test["targets"]
+
+
+def paired_ranking(groups, calibrator: str, n_resamples: int = 1000, seed: int = 0) -> str:
+    """Markdown lines ranking the rows by ECE after ``calibrator`` with its uncertainty: each row's first run
+    against the best row's first run on the same test samples, ``paired_bootstrap`` of the ECE difference
+    (×100, 95 % interval, two-sided p). Empty when fewer than two rows share one test set."""
+    scored = []
+    for g in groups:
+        probs, targets = post_calibration_probs(g.runs[0], calibrator)
+        scored.append((g.label, probs, targets))
+    ref_targets = scored[0][2] if scored else None
+    same = [s for s in scored if s[2].shape == ref_targets.shape and torch.equal(s[2], ref_targets)]
+    if len(same) < 2:
+        return ""
+    eces = [float(F.ece(p, t)) for _, p, t in same]
+    best = min(range(len(same)), key=eces.__getitem__)
+    label_b, probs_b, targets = same[best]
+    lines = [f"Rows ranked by ECE after {calibrator} against the best row ({label_b}), on the first run of each "
+             f"row: paired bootstrap of ECE(row) − ECE(best) ×100 over the same test samples ({n_resamples} "
+             f"resamples, seed {seed}), 95 % interval, two-sided p.", ""]  # fmt: skip
+    for i in sorted(range(len(same)), key=eces.__getitem__):
+        label, probs, _ = same[i]
+        if i == best:
+            lines.append(f"- {label}: ECE {100 * eces[i]:.2f} (best)")
+            continue
+        res = F.paired_bootstrap(F.ece, probs_b, probs, targets, n_resamples=n_resamples, seed=seed)
+        lines.append(f"- {label}: ECE {100 * eces[i]:.2f}, +{100 * float(res.difference):.2f} "
+                     f"[{100 * float(res.low):.2f}, {100 * float(res.high):.2f}], p = {float(res.pvalue):.3f}")  # fmt: skip
+    return "\n".join(lines) + "\n"
