@@ -106,7 +106,7 @@ def test_report_ranks_rows_with_a_paired_bootstrap(run, tmp_path):
     ranking = markdown.split("Rows ranked by ECE after ts")[1]
     assert "(best)" in ranking and "p = " in ranking
     # the difference printed is ECE(row) − ECE(best) on the same samples, recomputed here
-    from torchcal.experiments.field_report import post_calibration_probs
+    from torchcal.experiments.evaluate import post_calibration_probs
 
     (pa, ya), (pb, yb) = post_calibration_probs(run, "ts"), post_calibration_probs(other, "ts")
     assert torch.equal(ya, yb)

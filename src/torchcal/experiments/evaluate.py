@@ -41,6 +41,7 @@ __all__ = [
     "GROUP_IGNORED_KEYS",
     "METRIC_COLUMNS",
     "RESULTS",
+    "post_calibration_probs",
 ]
 METRIC_COLUMNS = ("error", "nll", "brier", "ece", "adaece", "classwise_ece", "mce", "smece", "s99_fraction")
 
@@ -531,6 +532,20 @@ def _multilabel_report(groups, out_dir: Path, calibrator: str, note: str) -> tup
     return markdown, csv_text
 
 
+def post_calibration_probs(run_dir, calibrator: str):
+    """(test probabilities after the run's saved ``calibrator``, test targets); the calibrator is refitted on
+    the validation split if its saved file is missing."""
+    from ..calibrators import from_json
+
+    logits = torch.load(run_dir / LOGITS, weights_only=True)
+    test, val = logits["test"], logits["val"]
+    try:
+        cal = from_json((run_dir / CALIBRATORS / f"{calibrator_file_stem(calibrator)}.json").read_text())
+    except (OSError, ValueError, KeyError):
+        cal = from_spec(calibrator, "multiclass").fit(val["logits"], val["targets"])
+    return cal.transform(test["logits"]), test["targets"]
+
+
 def report(
     run_dirs, out_dir, calibrator: str = "ts", warn=None, note: str = "", groups=None, metrics=()
 ) -> tuple[str, str]:
@@ -626,7 +641,10 @@ def report(
                   "scored on the other half (docs/conventions.md).\n\n")  # fmt: skip
     sources = ["", "Runs of each row:", ""] + [f"- {g.label}: {', '.join(map(str, g.runs))}" for g in groups]
     markdown = title + (f"**{note}**\n\n" if note else "") + "\n".join(md + sources) + "\n"
-    ranking = paired_ranking(groups, calibrator) if metrics and len(groups) > 1 else ""
+    if metrics and len(groups) > 1:
+        ranking = paired_ranking(groups, calibrator, lambda run: post_calibration_probs(run, calibrator))
+    else:
+        ranking = ""
     markdown += f"\n{ranking}" if ranking else ""
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(out_dir / "report.md", lambda fh: fh.write(markdown.encode()))

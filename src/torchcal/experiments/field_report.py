@@ -214,29 +214,14 @@ def field_figures(run_dir, test: dict, pre: torch.Tensor, post: torch.Tensor, ca
     return figs
 
 
-def post_calibration_probs(run_dir, calibrator: str):
-    """(test probabilities after the run's saved ``calibrator``, test targets); the calibrator is refitted on
-    the validation split if its saved file is missing."""
-    from ..calibrators import from_json, from_spec
-    from .evaluate import calibrator_file_stem
-    from .train import CALIBRATORS, LOGITS
-
-    logits = torch.load(run_dir / LOGITS, weights_only=True)
-    test, val = logits["test"], logits["val"]
-    try:
-        cal = from_json((run_dir / CALIBRATORS / f"{calibrator_file_stem(calibrator)}.json").read_text())
-    except (OSError, ValueError, KeyError):
-        cal = from_spec(calibrator, "multiclass").fit(val["logits"], val["targets"])
-    return cal.transform(test["logits"]), test["targets"]
-
-
-def paired_ranking(groups, calibrator: str, n_resamples: int = 1000, seed: int = 0) -> str:
+def paired_ranking(groups, calibrator: str, probs_of, n_resamples: int = 1000, seed: int = 0) -> str:
     """Markdown lines ranking the rows by ECE after ``calibrator`` with its uncertainty: each row's first run
     against the best row's first run on the same test samples, ``paired_bootstrap`` of the ECE difference
-    (×100, 95 % interval, two-sided p). Empty when fewer than two rows share one test set."""
+    (×100, 95 % interval, two-sided p). ``probs_of(run_dir)`` gives a run's (test probabilities after the
+    calibrator, test targets). Empty when fewer than two rows share one test set."""
     scored = []
     for g in groups:
-        probs, targets = post_calibration_probs(g.runs[0], calibrator)
+        probs, targets = probs_of(g.runs[0])
         scored.append((g.label, probs, targets))
     ref_targets = scored[0][2] if scored else None
     same = [s for s in scored if s[2].shape == ref_targets.shape and torch.equal(s[2], ref_targets)]
