@@ -110,3 +110,32 @@ def test_multilabel_small_multiples(tmp_path):
     assert (tmp_path / "ml.png").stat().st_size > 10_000
     with pytest.raises(ValueError, match="`label_names` has 2 names for 3 labels"):
         plot_multilabel_reliability(z, y, from_logits=True, label_names=["a", "b"])
+
+
+def test_risk_coverage_and_set_size_figures(tmp_path):
+    pytest.importorskip("matplotlib")
+    from torchcal.conformal import SplitConformalClassifier
+    from torchcal.functional import risk_coverage_curve
+    from torchcal.plotting import plot_risk_coverage, plot_set_sizes, save_figure
+
+    g = torch.Generator().manual_seed(0)
+    logits = 2 * torch.randn(400, 6, generator=g)
+    targets = torch.multinomial(torch.softmax(logits, 1), 1, generator=g).squeeze(1)
+    curves = {
+        s: risk_coverage_curve(logits, targets, score=s, from_logits=True) for s in ("max_prob", "energy")
+    }
+    fig = plot_risk_coverage(curves, generalized=True, title="rc")
+    assert len(fig.axes[0].lines) == 2 and "AUGRC" in fig.axes[0].get_legend().get_texts()[0].get_text()
+    save_figure(fig, tmp_path / "rc.png")
+    sets = {
+        s: SplitConformalClassifier(s).fit(logits[:200], targets[:200], 0.1).predict_sets(logits[200:])
+        for s in ("lac", "aps")
+    }
+    fig = plot_set_sizes(sets)
+    assert len(fig.axes[0].patches) == 2 * 7  # sizes 0..6 for each method
+    save_figure(fig, tmp_path / "sizes.png")
+    assert (tmp_path / "rc.png").stat().st_size > 0 and (tmp_path / "sizes.png").stat().st_size > 0
+    with pytest.raises(TypeError, match="curves"):
+        plot_risk_coverage([1, 2])
+    with pytest.raises(TypeError, match="sets_by_label"):
+        plot_set_sizes({})

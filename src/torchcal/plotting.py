@@ -1,4 +1,5 @@
-"""Reliability diagrams: the data (pure torch) and the drawing (matplotlib, imported inside the function)."""
+"""Reliability diagrams, risk-coverage curves and conformal set sizes: the data (pure torch) and the drawing
+(matplotlib, imported inside the function)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ __all__ = [
     "multilabel_reliability_data",
     "plot_multilabel_reliability",
     "save_figure",
+    "plot_risk_coverage",
+    "plot_set_sizes",
 ]
 
 
@@ -302,6 +305,92 @@ def save_figure(fig, path, **savefig_kwargs) -> None:
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def _pyplot(axes):
+    try:
+        import matplotlib
+
+        if axes is None and not os.environ.get("DISPLAY"):
+            matplotlib.use("Agg", force=False)
+        import matplotlib.pyplot as plt
+    except ImportError as err:  # pragma: no cover - exercised only without matplotlib
+        raise ImportError("plotting needs matplotlib: pip install 'torchcal[plot]'") from err
+    return plt
+
+
+def plot_risk_coverage(curves, *, generalized: bool = False, title: str | None = None, axes=None):
+    """Draws risk-coverage curves: ``curves`` maps a label to a
+    :class:`torchcal.functional.selective.RiskCoverageCurve` (from
+    :func:`torchcal.functional.risk_coverage_curve`), or is one curve. The selective risk (or, with
+    ``generalized``, the generalized risk) against coverage; the legend carries AURC (AUGRC) ×100 by the
+    per-sample rule of :func:`torchcal.functional.aurc`. Requires matplotlib. Returns the Figure.
+
+    Example:
+        >>> import torch
+        >>> from torchcal.functional import risk_coverage_curve
+        >>> curve = risk_coverage_curve(torch.tensor([.1, .2, .3, .4, .2]), torch.tensor([0, 0, 1, 1, 0]))
+        >>> fig = plot_risk_coverage({"model": curve})
+        >>> fig.axes[0].get_xlabel()
+        'coverage'
+    """
+    from .functional.selective import RiskCoverageCurve
+
+    plt = _pyplot(axes)
+    if isinstance(curves, RiskCoverageCurve):
+        curves = {"": curves}
+    if not isinstance(curves, dict) or not all(isinstance(c, RiskCoverageCurve) for c in curves.values()):
+        raise TypeError("`curves` must be a RiskCoverageCurve or a dict of label -> RiskCoverageCurve")
+    fig, ax = (
+        plt.subplots(figsize=(4.6, 3.6), constrained_layout=True) if axes is None else (axes.figure, axes)
+    )
+    for label, c in curves.items():
+        y = (c.generalized_risk if generalized else c.risk).cpu()
+        n = y.shape[0]
+        area = float((y[1:] + y[:-1]).sum() / (2 * (n - 1))) if n >= 2 else float("nan")
+        name = "AUGRC" if generalized else "AURC"
+        ax.plot(c.coverage.cpu(), y, label=f"{label} ({name} {100 * area:.2f})".strip())
+    ax.set_xlabel("coverage")
+    ax.set_ylabel("generalized risk" if generalized else "selective risk")
+    ax.set_xlim(0, 1)
+    ax.legend(fontsize="small")
+    if title:
+        ax.set_title(title)
+    return fig
+
+
+def plot_set_sizes(sets_by_label, *, title: str | None = None, axes=None):
+    """Draws the distribution of prediction-set sizes: ``sets_by_label`` maps a label to a boolean (N, K)
+    mask of conformal sets (e.g. from :meth:`torchcal.conformal.SplitConformalClassifier.predict_sets`).
+    Bars show the share of sets of each size; the legend carries the mean size. Requires matplotlib.
+    Returns the Figure.
+
+    Example:
+        >>> import torch
+        >>> fig = plot_set_sizes({"aps": torch.tensor([[True, False], [True, True]])})
+        >>> fig.axes[0].get_xlabel()
+        'set size'
+    """
+    from .functional.conformal import set_size_distribution
+
+    plt = _pyplot(axes)
+    if not isinstance(sets_by_label, dict) or not sets_by_label:
+        raise TypeError("`sets_by_label` must be a non-empty dict of label -> boolean (N, K) sets")
+    fig, ax = (
+        plt.subplots(figsize=(4.6, 3.4), constrained_layout=True) if axes is None else (axes.figure, axes)
+    )
+    width = 0.8 / len(sets_by_label)
+    for i, (label, sets) in enumerate(sets_by_label.items()):
+        dist = set_size_distribution(sets).cpu()
+        mean = float((dist * torch.arange(dist.shape[0], dtype=torch.float64)).sum())
+        x = torch.arange(dist.shape[0], dtype=torch.float64) + (i - (len(sets_by_label) - 1) / 2) * width
+        ax.bar(x, dist, width=width, label=f"{label} (mean {mean:.2f})")
+    ax.set_xlabel("set size")
+    ax.set_ylabel("share of samples")
+    ax.legend(fontsize="small")
+    if title:
+        ax.set_title(title)
+    return fig
 
 
 _only_public(__name__)

@@ -157,16 +157,26 @@ def build_extension(verbose: bool = typer.Option(False, help="show the compiler'
 def evaluate(
     run_dirs: list[Path] = typer.Argument(..., help="run folders (e.g. a sweep's runs/*)"),
     calibrators: str = typer.Option("ts,fts", help="comma-separated calibrators"),
+    conformal: list[str] = typer.Option(
+        [],
+        "--conformal",
+        help="conformal sets after each calibrator, e.g. aps:alpha=0.1 or raps:alpha=0.05,lambda=0.1,k_reg=1 "
+        "(lac|aps|raps; keys alpha, randomized, mondrian, lambda, k_reg); repeatable",
+    ),
     arena: bool = typer.Option(False, "--arena", help="then run the calibrator arena over the runs"),
     arena_calibrators: str = typer.Option("all", help="the arena's calibrators ('all' or specs)"),
     arena_out: Path = typer.Option(Path("arena"), "--arena-out", help="the arena's output folder"),
     resamples: int = typer.Option(1000, help="the arena's bootstrap resamples"),
 ):
     """Every metric before and after each calibrator (fitted on validation), added to results.json (other
-    calibrators' results are kept); the fitted calibrators are saved in <run>/calibrators/. With --arena,
-    the runs then go through the calibrator arena (torchcal arena)."""
+    calibrators' results are kept); the fitted calibrators are saved in <run>/calibrators/. With
+    --conformal, the coverage and set sizes of conformal sets on the test split after each calibrator; with
+    --arena, the runs then go through the calibrator arena (torchcal arena)."""
     from .evaluate import RESULTS, check_calibrators, evaluate_run
+    from .field_report import parse_conformal
 
+    for spec in conformal:
+        parse_conformal(spec)  # refused before anything is computed or written
     names = check_calibrators((c.strip() for c in calibrators.split(",") if c.strip()), None)
     if arena:
         from .arena import resolve_calibrators, tasks_from_runs
@@ -175,7 +185,7 @@ def evaluate(
         _check_arena_options(resamples, 0, "cpu")
         tasks = tasks_from_runs(run_dirs)  # a missing folder or a multi-label run: refused before any write
     for run_dir in run_dirs:
-        result = evaluate_run(run_dir, names)
+        result = evaluate_run(run_dir, names, conformal)
         if len(run_dirs) > 1:
             console.print(f"[bold]{run_dir}[/bold]")
         console.print(_before_after_table(result, names))
@@ -348,6 +358,13 @@ def report(
     run_dirs: list[Path],
     out: Path = typer.Option(Path("report"), "--out", help="output folder"),
     calibrator: str = typer.Option("ts", help="calibrator of the post columns"),
+    metrics: str = typer.Option(
+        "",
+        "--metrics",
+        help="extra columns, comma-separated: signed_ece, ece_over, ece_under, ks, kuiper, classwise_ks, aurc, "
+        "augrc, brier_reliability, brier_resolution, brier_uncertainty, log_reliability, log_resolution, "
+        "coverage, set_size (the last two from `evaluate --conformal`)",
+    ),
 ):
     """The papers' table over runs (Markdown, CSV and HTML): runs whose configs differ only in the seed are
     averaged in one row; unfinished run folders are skipped with a warning. With cross-entropy runs among
@@ -355,13 +372,15 @@ def report(
     from .demo import regime_note
     from .evaluate import check_calibrators, collect_groups
     from .evaluate import report as make_report
+    from .field_report import check_report_metrics
     from .html_report import html_report
 
     check_calibrators([calibrator], None)
+    extra = check_report_metrics(metrics.split(","))
     groups = collect_groups(run_dirs, calibrator)  # warns once per skipped folder
     note = regime_note(groups)
-    markdown, _ = make_report(run_dirs, out, calibrator, note=note, groups=groups)
-    page = html_report(run_dirs, out, calibrator, note=note, groups=groups)
+    markdown, _ = make_report(run_dirs, out, calibrator, note=note, groups=groups, metrics=extra)
+    page = html_report(run_dirs, out, calibrator, note=note, groups=groups, extra_metrics=extra)
     console.print(Markdown(markdown))
     console.print(f"report.md, report.csv and {page.name} (with figures) in {out}/")
 

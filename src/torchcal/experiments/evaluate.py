@@ -17,6 +17,16 @@ from .. import functional as F
 from ..calibrators import from_spec
 from .config import EXECUTION_KEYS, flatten_config
 from .errors import RunError, UserError
+from .field_report import COLUMN_HEADERS as FIELD_HEADERS
+from .field_report import (
+    check_report_metrics,
+    conformal_metrics,
+    direction_word,
+    field_metrics,
+    field_stats,
+    paired_ranking,
+    parse_conformal,
+)
 from .train import CALIBRATORS, LOGITS, RESULTS, atomic_write_bytes
 
 __all__ = [
@@ -31,6 +41,7 @@ __all__ = [
     "GROUP_IGNORED_KEYS",
     "METRIC_COLUMNS",
     "RESULTS",
+    "post_calibration_probs",
 ]
 METRIC_COLUMNS = ("error", "nll", "brier", "ece", "adaece", "classwise_ece", "mce", "smece", "s99_fraction")
 
@@ -48,6 +59,7 @@ def _metrics(probs: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
         "debiased_ece": F.debiased_ece(probs, targets).item(),
         "ece_sweep": F.ece_sweep(probs, targets).item(),
         "s99_fraction": F.confidence_at_least(probs, targets).fraction.item(),
+        **field_metrics(probs, targets),
     }
 
 
@@ -296,17 +308,35 @@ def _uncalibrated(run_dir: Path, logits: dict) -> dict:
     return result
 
 
-def evaluate_run(run_dir, calibrators=("ts", "fts")) -> dict:
+def evaluate_run(run_dir, calibrators=("ts", "fts"), conformal=()) -> dict:
     """Metrics of the uncalibrated model and after each calibrator (each saved as by
-    :func:`calibrate_run`), added to ``results.json``; returns the file's whole content."""
+    :func:`calibrate_run`), added to ``results.json``; returns the file's whole content.
+
+    ``conformal``: specs such as ``"aps:alpha=0.1"`` (:func:`torchcal.experiments.field_report.
+    parse_conformal`); each adds ``"conformal": {spec: set metrics}`` to the uncalibrated and each
+    calibrator's results: a seeded half of the test split calibrates the sets, the other half scores them."""
     run_dir = Path(run_dir)
+    specs = [parse_conformal(s) for s in conformal]
     logits = load_logits(run_dir)
     task = run_task(logits)
+    if specs and task == "multilabel":
+        raise UserError(
+            "--conformal: conformal sets are defined for multiclass runs, this run is multi-label"
+        )
     calibrators = check_calibrators(calibrators, task)
     result = _uncalibrated(run_dir, logits)
+    test = logits["test"]
+    if specs:
+        result["uncalibrated"]["conformal"] = conformal_metrics(
+            torch.softmax(test["logits"], 1), test["targets"], specs
+        )
     for method in calibrators:
         cal, result[method] = _fit_and_score(logits, method)
         _save_calibrator(run_dir, method, cal)
+        if specs:
+            result[method]["conformal"] = conformal_metrics(
+                cal.transform(test["logits"]), test["targets"], specs
+            )
     return _merge_results(run_dir, result)
 
 
@@ -463,6 +493,9 @@ def _group_stats(results: list[dict], calibrator: str) -> dict[str, tuple[float,
             values[f"{m} pre"].append(100 * res["uncalibrated"]["test"][m])
             values[f"{m} post"].append(100 * res[calibrator]["test"][m])
         values["T"].append(res[calibrator]["parameters"].get("temperature_", float("nan")))
+        for m, (pre, post) in field_stats(res, calibrator).items():
+            values[f"{m} pre"].append(pre)
+            values[f"{m} post"].append(post)
         if "shift" in res["uncalibrated"]:
             values["shift ece pre"].append(100 * res["uncalibrated"]["shift"]["ece"])
             values["shift ece post"].append(100 * res[calibrator]["shift"]["ece"])
@@ -494,6 +527,9 @@ def _multilabel_stats(results: list[dict], calibrator: str) -> dict[str, tuple[f
         for name, value in zip(res["label_names"], res[calibrator]["test"]["auroc_per_label"], strict=True):
             values[f"auroc {name} post"].append(100 * value)
         values["T"].append(res[calibrator]["parameters"].get("temperature_", float("nan")))
+        for m, (pre, post) in field_stats(res, calibrator).items():
+            values[f"{m} pre"].append(pre)
+            values[f"{m} post"].append(post)
     out = {}
     for col, vals in values.items():
         t = torch.tensor(vals, dtype=torch.float64)
@@ -553,15 +589,32 @@ def _multilabel_report(groups, out_dir: Path, calibrator: str, note: str) -> tup
     return markdown, csv_text
 
 
+def post_calibration_probs(run_dir, calibrator: str):
+    """(test probabilities after the run's saved ``calibrator``, test targets); the calibrator is refitted on
+    the validation split if its saved file is missing."""
+    from ..calibrators import from_json
+
+    logits = torch.load(run_dir / LOGITS, weights_only=True)
+    test, val = logits["test"], logits["val"]
+    try:
+        cal = from_json((run_dir / CALIBRATORS / f"{calibrator_file_stem(calibrator)}.json").read_text())
+    except (OSError, ValueError, KeyError):
+        cal = from_spec(calibrator, "multiclass").fit(val["logits"], val["targets"])
+    return cal.transform(test["logits"]), test["targets"]
+
+
 def report(
-    run_dirs, out_dir, calibrator: str = "ts", warn=None, note: str = "", groups=None
+    run_dirs, out_dir, calibrator: str = "ts", warn=None, note: str = "", groups=None, metrics=()
 ) -> tuple[str, str]:
     """The papers' table: one row per group of runs (:func:`collect_groups`: equal configs but the seed,
     averaged, mean ± std, with the seeds and run folders named), each metric "pre / post" the calibrator
     with its temperature in brackets, plus the shifted-set ECE and the OOD AUROC; values ×100. Writes
     ``report.md`` and ``report.csv`` to ``out_dir`` (created only when there is something to report) and
     returns (markdown, csv). ``note`` (e.g. the regime the runs are in) is printed under the title; ``groups``
-    (from :func:`collect_groups` with this calibrator) saves collecting them again."""
+    (from :func:`collect_groups` with this calibrator) saves collecting them again. ``metrics`` adds columns
+    of :data:`torchcal.experiments.field_report.REPORT_METRICS` (runs evaluated before they existed leave the
+    cell empty) and says next to each ECE whether the model is over- or under-confident (signed ECE)."""
+    metrics = check_report_metrics(metrics)
     groups = collect_groups(run_dirs, calibrator, warn) if groups is None else groups
     out_dir = Path(out_dir)
     multilabel = [g.results[0].get("task") == "multilabel" for g in groups]
@@ -582,11 +635,13 @@ def report(
         "shift ece",
         "ood auroc",
     ]
-    headers = COLUMN_HEADERS
+    columns += list(metrics)
+    headers = {**COLUMN_HEADERS, **FIELD_HEADERS}
     ood_sets = sorted({c[len("ood auroc ") : -len(" pre")] for g in groups for c in g.stats
                        if c.startswith("ood auroc ") and c.endswith(" pre") and c != "ood auroc pre"})  # fmt: skip
     if len(ood_sets) > 1:  # one AUROC column per OOD set
-        columns = [*columns[:-1], *(f"ood auroc {name}" for name in ood_sets)]
+        at = columns.index("ood auroc")
+        columns = [*columns[:at], *(f"ood auroc {name}" for name in ood_sets), *columns[at + 1 :]]
 
     def fmt(stat):
         mean, std, n = stat
@@ -607,6 +662,9 @@ def report(
                 cells.append(fmt(stats["error pre"]))
             elif f"{col} pre" in stats:
                 cell = f"{fmt(stats[f'{col} pre'])} / {fmt(stats[f'{col} post'])}"
+                if col == "ece" and metrics and "signed_ece pre" in stats:
+                    pre, post = (direction_word(stats[f"signed_ece {w}"][0]) for w in ("pre", "post"))
+                    cell = f"{fmt(stats['ece pre'])} {pre} / {fmt(stats['ece post'])} {post}"
                 if col == "ece":
                     cell += f" ({stats['T'][0]:.2f})"
                 cells.append(cell)
@@ -624,9 +682,21 @@ def report(
              "which differ only in their seed (standard errors in report.csv); S99 = share of test samples with "
              "confidence ≥ 0.99 (Mukhoti et al., Table 6); shift = the shifted test set; OOD AUROC by "
              "predictive entropy (test set against each OOD set).\n\n")  # fmt: skip
+    if metrics:
+        title += ("Signed ECE = mean confidence − accuracy (> 0: over-confident, the word after each ECE); ECE "
+                  "over/under = its over- and under-confident parts (15 equal-width bins); KS, Kuiper: "
+                  "top-label, binning-free; AURC/AUGRC ranked by the maximum probability; Brier/log "
+                  "reliability and resolution grouped by those bins; conformal coverage and mean set size: "
+                  "the first `evaluate --conformal` spec, calibrated on a seeded half of the test set and "
+                  "scored on the other half (docs/conventions.md).\n\n")  # fmt: skip
     sources = ["", "Runs of each row:", ""] + [f"- {g.label}: {', '.join(map(str, g.runs))}" for g in groups]
     sources += fit_warning_lines(groups, calibrator)
     markdown = title + (f"**{note}**\n\n" if note else "") + "\n".join(md + sources) + "\n"
+    if metrics and len(groups) > 1:
+        ranking = paired_ranking(groups, calibrator, lambda run: post_calibration_probs(run, calibrator))
+    else:
+        ranking = ""
+    markdown += f"\n{ranking}" if ranking else ""
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(out_dir / "report.md", lambda fh: fh.write(markdown.encode()))
     csv_text = buf.getvalue()

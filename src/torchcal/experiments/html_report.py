@@ -13,6 +13,8 @@ import torch
 
 from .errors import RunError
 from .evaluate import COLUMN_HEADERS, calibrator_file_stem, collect_groups, describe_calibrator
+from .field_report import COLUMN_HEADERS as FIELD_HEADERS
+from .field_report import REPORT_METRICS, field_figures
 from .train import CALIBRATORS, atomic_write_bytes, read_metrics
 
 __all__ = ["group_runs", "html_report", "summarise"]
@@ -38,7 +40,7 @@ def _png(fig) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-def _figures(run_dir: Path, calibrator: str) -> list[tuple[str, str]]:
+def _figures(run_dir: Path, calibrator: str, extra_metrics=()) -> list[tuple[str, str]]:
     import matplotlib
 
     matplotlib.use("Agg", force=False)
@@ -73,6 +75,8 @@ def _figures(run_dir: Path, calibrator: str) -> list[tuple[str, str]]:
     ax.set_ylabel("test samples")
     ax.legend()
     figs.append(("confidence histogram", _png(fig)))
+    if extra_metrics:  # report --metrics: the risk-coverage curves and the conformal set sizes
+        figs += [(title, _png(f)) for title, f in field_figures(run_dir, test, pre, post, calibrator)]
     rows = _logged_rows(run_dir)
     if rows:
         figs.append(("ECE over epochs", _png(_ece_over_epochs(rows, "ECE"))))
@@ -201,25 +205,30 @@ def _fit_warnings_html(groups, calibrator: str) -> str:
     )
 
 
-def html_report(run_dirs, out_dir, calibrator: str = "ts", warn=None, note: str = "", groups=None) -> Path:
+def html_report(
+    run_dirs, out_dir, calibrator: str = "ts", warn=None, note: str = "", groups=None, extra_metrics=()
+) -> Path:
     """Writes ``report.html`` (one file) to ``out_dir``; returns its path. It opens with the table (rows as in
     :func:`torchcal.experiments.evaluate.collect_groups`, each naming its seeds and run folders) and the
     comparison across rows (ECE before/after the calibrator with error bars; every row's reliability curve
     on one axis), then one section of figures per row. ``note`` (e.g. the regime) is shown under the title;
-    ``groups`` (from ``collect_groups`` with this calibrator) saves collecting them again."""
+    ``groups`` (from ``collect_groups`` with this calibrator) saves collecting them again. ``extra_metrics``
+    (``report --metrics``) adds those columns and each row's risk-coverage and set-size figures."""
     groups = collect_groups(run_dirs, calibrator, warn) if groups is None else groups
     # one column per metric, "uncalibrated → calibrated" in one cell (the error does not change for the
     # argmax-preserving calibrators, so it is shown once)
     metrics = list(dict.fromkeys(c.rsplit(" ", 1)[0] for g in groups for c in g.stats if c != "T"))
     per_set = [m for m in metrics if m.startswith("ood auroc ")]  # one column per OOD set when several
     metrics = [m for m in metrics if m not in (per_set if len(per_set) < 2 else ["ood auroc"])]
+    metrics = [m for m in metrics if m not in REPORT_METRICS or m in extra_metrics]  # asked for only
 
     def stat(value, arrow=""):  # one value never splits across lines; a cell may wrap between two values
         m, s, n = value
         return f'<span class="v">{arrow}{m:.2f}' + (f"<small> ± {s:.2f}</small>" if n > 1 else "") + "</span>"
 
     names = ["run group", "seeds"]
-    names += [f"{COLUMN_HEADERS.get(m, m)} (pre → post)" if m != "error" else "error" for m in metrics]
+    headers = {**COLUMN_HEADERS, **FIELD_HEADERS}
+    names += [f"{headers.get(m, m)} (pre → post)" if m != "error" else "error" for m in metrics]
     names += [f"T ({calibrator})", "runs"]
     head = "".join(f"<th>{html.escape(c).replace('_', '_<wbr>')}</th>" for c in names)  # classwise_<wbr>ece
     body = []
@@ -243,7 +252,7 @@ def html_report(run_dirs, out_dir, calibrator: str = "ts", warn=None, note: str 
     for group in groups:
         run = group.runs[0]
         figs = "".join(f'<figure><img src="{src}"><figcaption>{html.escape(t)}</figcaption></figure>'
-                       for t, src in _figures(run, calibrator))  # fmt: skip
+                       for t, src in _figures(run, calibrator, extra_metrics))  # fmt: skip
         shown = f"figures of {run.name}, seed {group.seeds[0]}"
         sections.append(f"<h2>{html.escape(group.label)} <small>({html.escape(shown)})</small></h2>{figs}")
     comparison = "".join(f'<figure><img src="{src}"><figcaption>{html.escape(t)}</figcaption></figure>'

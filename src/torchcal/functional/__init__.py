@@ -35,9 +35,36 @@ from .calibration import (
     ood_auroc,
     smooth_calibration_error,
 )
+from .conformal import (
+    average_set_size,
+    class_coverage_gap,
+    conformal_set_metrics,
+    set_coverage,
+    set_size_distribution,
+    size_stratified_coverage,
+)
+from .cumulative import ks_calibration_error, kuiper_calibration_error
+from .decomposition import (
+    brier_decomposition,
+    calibration_error_direction,
+    log_score_decomposition,
+    signed_calibration_error,
+)
 from .focal_map import focal_calibration_map
 from .losses import *  # noqa: F403  (the functional losses: functional.losses.__all__)
 from .losses import __all__ as _MULTICLASS_LOSSES
+from .selective import (
+    augrc,
+    aurc,
+    average_precision,
+    confidence_score,
+    coverage_at_risk,
+    fpr_at_tpr,
+    ood_detection_metrics,
+    risk_at_coverage,
+    risk_coverage_curve,
+)
+from .significance import calibration_test, paired_bootstrap
 
 # the functional losses: softmax (functional.losses) and sigmoid (functional.binary)
 LOSS_FUNCTIONS = [
@@ -102,6 +129,35 @@ __all__ = [
     "use_cpu_extension",
     "use_cpu_kernels",
 ]
+# the metrics of SPEC §9: direction, decompositions, KS/Kuiper, significance, selective prediction, OOD,
+# conformal set metrics (the scores and the set predictor: functional.conformal, torchcal.conformal)
+_N_CORE = len(__all__)
+__all__ += [
+    "augrc",
+    "aurc",
+    "average_precision",
+    "average_set_size",
+    "brier_decomposition",
+    "calibration_error_direction",
+    "calibration_test",
+    "class_coverage_gap",
+    "confidence_score",
+    "conformal_set_metrics",
+    "coverage_at_risk",
+    "fpr_at_tpr",
+    "ks_calibration_error",
+    "kuiper_calibration_error",
+    "log_score_decomposition",
+    "ood_detection_metrics",
+    "paired_bootstrap",
+    "risk_at_coverage",
+    "risk_coverage_curve",
+    "set_coverage",
+    "set_size_distribution",
+    "signed_calibration_error",
+    "size_stratified_coverage",
+]
+FIELD_METRIC_FUNCTIONS = __all__[_N_CORE:]
 METRIC_FUNCTIONS = list(__all__)  # (with the kernel switches) re-exported at torchcal's top level
 __all__ += ["LOSS_FUNCTIONS", "METRIC_FUNCTIONS"]
 

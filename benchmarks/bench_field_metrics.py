@@ -1,0 +1,212 @@
+"""Speed of the metrics beyond ECE (SPEC §9) against the peers' implementations, paired in one run.
+
+On the same inputs at (50k, 1000) and (1M, 10) (``--quick``: (10k, 100) and (100k, 10)), in rounds that
+alternate torchcal and the peer:
+
+* AURC and FPR@95TPR against torch-uncertainty (``torch_uncertainty.metrics``: ``AURC``, ``FPR95``);
+* Kuiper and KS against probmetrics (binary-only there: it reads column 1 of any K, so the values differ for
+  K > 2; the timing compares the same work, a sort and two cumulative sums of N values);
+* split-conformal APS, fit on the first half and sets for the second half, against MAPIE 1.6's
+  ``SplitConformalClassifier`` (``conformalize`` + ``predict_set``);
+* the streaming update with every metric on (``CalibrationMetrics`` + ``FieldMetrics``) against
+  ``CalibrationMetrics`` alone.
+
+A peer that is not installed is skipped (its column left empty). Run it where the peers are installed, with
+torchcal on the path, under the benchmark lock:
+
+    flock /tmp/torchcal-bench.lock env PYTHONPATH=src <venv>/bin/python benchmarks/bench_field_metrics.py
+
+Writes a CSV named by hardware and torch version to benchmarks/results/ and prints the ratios (ours / peer:
+below 1 is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_metrics import hardware, paired, write_results  # noqa: E402
+
+import torchcal.functional as F  # noqa: E402
+from torchcal.conformal import SplitConformalClassifier  # noqa: E402
+from torchcal.field_metrics import FieldMetrics  # noqa: E402
+from torchcal.metrics import CalibrationMetrics  # noqa: E402
+
+SIZES = [(50_000, 1000), (1_000_000, 10)]
+QUICK = [(10_000, 100), (100_000, 10)]
+
+
+def data(n, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logits = 3 * torch.randn(n, k, generator=g)
+    probs = torch.softmax(logits, 1)
+    targets = torch.multinomial(torch.softmax(logits / 2, 1), 1, generator=g).squeeze(1)
+    return logits, probs, targets
+
+
+def _tu():
+    """torch-uncertainty's AURC and FPR95. Its package __init__ imports torchvision (and Lightning); where
+    that import fails, the two self-contained metric modules are loaded from the installed files."""
+    try:
+        from torch_uncertainty.metrics import AURC, FPR95
+
+        return AURC, FPR95
+    except ImportError:
+        pass
+    except RuntimeError:  # a torchvision built for another torch
+        pass
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch_uncertainty")
+    if spec is None:
+        return None
+    folder = os.path.join(spec.submodule_search_locations[0], "metrics", "classification")
+    mods = []
+    for name in ("risk_coverage", "fpr"):
+        s = importlib.util.spec_from_file_location(f"_tu_{name}", os.path.join(folder, f"{name}.py"))
+        mod = importlib.util.module_from_spec(s)
+        s.loader.exec_module(mod)
+        mods.append(mod)
+    return mods[0].AURC, mods[1].FPR95
+
+
+def _probmetrics():
+    try:
+        from probmetrics.metrics import KolmogorovSmirnovCalibrationMetric, KuiperCalibrationMetric
+    except ImportError:
+        return None
+    return None, KuiperCalibrationMetric, KolmogorovSmirnovCalibrationMetric
+
+
+def _mapie():
+    try:
+        from mapie.classification import SplitConformalClassifier as MapieSCC
+        from sklearn.base import BaseEstimator, ClassifierMixin
+    except ImportError:
+        return None
+
+    class PassThrough(ClassifierMixin, BaseEstimator):
+        def fit(self, X, y):
+            self.classes_ = np.arange(X.shape[1])
+            return self
+
+        def predict_proba(self, X):
+            return np.asarray(X)
+
+        def predict(self, X):
+            return np.asarray(X).argmax(1)
+
+    return MapieSCC, PassThrough
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="smaller sizes (smoke run)")
+    args = parser.parse_args()
+    rows = []
+
+    def record(case, n, k, ours_fn, peer_fn, peer):
+        if peer_fn is None:
+            rows.append({"case": case, "n": n, "k": k, "peer": peer, "ours_s": float("nan")})
+            print(f"{case} {n}x{k}: {peer} not installed, skipped", flush=True)
+            return
+        ours, base, ratios = paired(ours_fn, peer_fn, args.rounds, steps=1)
+        ratio = float(np.median(ratios))
+        rows.append({"case": case, "n": n, "k": k, "peer": peer, "ours_s": ours, "peer_s": base,
+                     "ratio_median": ratio, "ratio_min": min(ratios), "ratio_max": max(ratios)})  # fmt: skip
+        print(f"{case} {n}x{k}: ours {ours * 1e3:.1f} ms, {peer} {base * 1e3:.1f} ms, ratio {ratio:.2f} "
+              f"[{min(ratios):.2f}, {max(ratios):.2f}]", flush=True)  # fmt: skip
+
+    tu, pm, mp = _tu(), _probmetrics(), _mapie()
+    for n, k in QUICK if args.quick else SIZES:
+        logits, probs, targets = data(n, k)
+        conf = probs.amax(1)
+
+        # AURC (torch-uncertainty: update with probabilities and targets, then compute)
+        def tu_aurc():
+            m = tu[0]()
+            m.update(probs, targets)
+            return m.compute()
+
+        record("aurc", n, k, lambda: F.aurc(probs, targets), tu_aurc if tu else None, "torch-uncertainty")
+
+        # FPR@95TPR: the first half in-distribution, the second "OOD", scored by the maximum probability
+        half = n // 2
+        is_ood = torch.cat([torch.zeros(half, dtype=torch.long), torch.ones(n - half, dtype=torch.long)])
+        ood_score = -conf
+
+        def tu_fpr():
+            m = tu[1](pos_label=1)
+            m.update(ood_score, is_ood)
+            return m.compute()
+
+        record(
+            "fpr95",
+            n,
+            k,
+            lambda: F.fpr_at_tpr(ood_score, is_ood),
+            tu_fpr if tu else None,
+            "torch-uncertainty",
+        )
+
+        # Kuiper / KS (probmetrics on its binary path)
+        def pm_metric(cls):
+            return lambda: cls().compute_from_labels_probs(targets, probs)
+
+        for name, ours_fn, idx in (
+            ("kuiper", F.kuiper_calibration_error, 1),
+            ("ks", F.ks_calibration_error, 2),
+        ):
+            record(
+                name,
+                n,
+                k,
+                lambda f=ours_fn: f(probs, targets),
+                pm_metric(pm[idx]) if pm else None,
+                "probmetrics",
+            )
+
+        # split-conformal APS: fit on the first half, sets for the second
+        cal, test = slice(0, half), slice(half, n)
+        p_np, y_np = probs.double().numpy(), targets.numpy()
+
+        def ours_aps():
+            cp = SplitConformalClassifier("aps", from_logits=False).fit(probs[cal], targets[cal], 0.1)
+            return cp.predict_sets(probs[test])
+
+        def mapie_aps():
+            est = mp[1]().fit(p_np[cal], y_np[cal])
+            scc = mp[0](
+                estimator=est, confidence_level=0.9, conformity_score="aps", prefit=True, random_state=0
+            )
+            scc.conformalize(p_np[cal], y_np[cal])
+            return scc.predict_set(p_np[test])
+
+        record("aps", n, k, ours_aps, mapie_aps if mp else None, "mapie")
+
+        # the streaming update with every metric on, against today's accumulator
+        def both():
+            CalibrationMetrics(k).update(probs, targets)
+            FieldMetrics(k).update(probs, targets)
+
+        record(
+            "update_all_metrics",
+            n,
+            k,
+            both,
+            lambda: CalibrationMetrics(k).update(probs, targets),
+            "CalibrationMetrics",
+        )
+
+    tag = "quick-" if args.quick else ""
+    write_results(rows, f"bench_field_metrics-{tag}{hardware()}", first=("case", "n", "k", "peer"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,368 @@
+"""Selective prediction and OOD detection (SPEC §9.5, §9.6).
+
+Selective prediction ranks samples by a confidence score (higher = more confident), sorts it descending
+(stable: ties keep input order) and, with ``e_(k)`` the top-label error of the k-th most confident sample,
+defines the selective risk ``r_k = (1/k) Σ_{j≤k} e_(j)`` at coverage ``k/N`` and the generalized risk
+``r_k · k/N``. The metrics need every score, so a stream keeps rows and merges by gathering
+(:class:`torchcal.field_metrics.FieldMetrics`).
+
+OOD scores are oriented the other way: higher = more OOD; OOD samples are the positive class.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from .._validation import _FROM_LOGITS_ADVICE, as_data, check_choice, check_float, check_logits
+from ._field_inputs import field_inputs, top_label
+from .calibration import binary_auroc
+
+__all__ = [
+    "CONFIDENCE_SCORES",
+    "RiskCoverageCurve",
+    "OODMetrics",
+    "confidence_score",
+    "risk_coverage_curve",
+    "aurc",
+    "augrc",
+    "risk_at_coverage",
+    "coverage_at_risk",
+    "fpr_at_tpr",
+    "average_precision",
+    "ood_detection_metrics",
+]
+
+CONFIDENCE_SCORES = ("max_prob", "entropy", "margin", "max_logit", "energy")
+
+
+def confidence_score(scores, *, score: str = "max_prob", from_logits: bool = False) -> torch.Tensor:
+    """Per-sample confidence (higher = more confident), float64 (N,).
+
+    ``"max_prob"``: max_k p_k; ``"entropy"``: the negated predictive entropy Σ_k p_k log p_k (nats);
+    ``"margin"``: p_(1) − p_(2), the top two probabilities; ``"max_logit"``: max_k z_k and ``"energy"``:
+    logsumexp_k z_k (both need logits, ``from_logits=True``: temperature 1).
+
+    Example:
+        >>> import torch
+        >>> confidence_score(torch.tensor([[0.7, 0.2, 0.1]]), score="margin")
+        tensor([0.5000], dtype=torch.float64)
+    """
+    check_choice(score, "score", set(CONFIDENCE_SCORES))
+    if score in ("max_logit", "energy"):
+        if not from_logits:
+            raise ValueError(f"score={score!r} needs logits: pass them with from_logits=True")
+        z = check_logits(as_data(scores, "scores"), "scores", warn_if_probs=_FROM_LOGITS_ADVICE).double()
+        return z.amax(1) if score == "max_logit" else torch.logsumexp(z, dim=1)
+    probs, _ = field_inputs(scores, torch.zeros(_rows(scores), dtype=torch.long), from_logits, "scores")
+    p = probs.double()
+    if score == "max_prob":
+        return p.amax(1)
+    if score == "entropy":
+        return torch.special.xlogy(p, p).sum(1)
+    top2 = p.topk(2, dim=1).values
+    return top2[:, 0] - top2[:, 1]
+
+
+def _rows(x) -> int:
+    return int(as_data(x, "scores").shape[0])
+
+
+def _confidence_and_errors(probs, targets, confidence, score, from_logits):
+    """(confidence float64 (N,), top-label errors float64 (N,)), validated."""
+    probs_in = probs
+    probs, targets = field_inputs(probs, targets, from_logits)
+    errors = 1 - top_label(probs, targets)[1]
+    if confidence is None:
+        if score in ("max_logit", "energy"):
+            confidence = confidence_score(probs_in, score=score, from_logits=from_logits)
+        else:
+            confidence = confidence_score(probs, score=score)
+    else:
+        confidence = as_data(confidence, "confidence")
+        if confidence.ndim != 1 or confidence.shape[0] != probs.shape[0]:
+            raise ValueError(
+                f"`confidence` must have shape ({probs.shape[0]},), got {tuple(confidence.shape)}"
+            )
+        if not confidence.is_floating_point() or not bool(torch.isfinite(confidence).all()):
+            raise ValueError("`confidence` must hold finite floating-point scores")
+        confidence = confidence.double().to(probs.device)
+    return confidence, errors
+
+
+class RiskCoverageCurve(NamedTuple):
+    """Per-sample risk-coverage points, most confident first: ``coverage[k-1] = k/N``, the selective
+    ``risk`` r_k, the ``generalized_risk`` r_k·k/N and the ``threshold`` (the k-th largest confidence)."""
+
+    coverage: torch.Tensor
+    risk: torch.Tensor
+    generalized_risk: torch.Tensor
+    threshold: torch.Tensor
+
+
+def _curve(confidence, errors) -> RiskCoverageCurve:
+    n = confidence.shape[0]
+    conf_sorted, order = torch.sort(confidence, descending=True, stable=True)
+    cum = torch.cumsum(errors[order], 0)
+    k = torch.arange(1, n + 1, dtype=torch.float64, device=confidence.device)
+    return RiskCoverageCurve(k / n, cum / k, cum / n, conf_sorted)
+
+
+def risk_coverage_curve(
+    probs, targets, *, confidence=None, score: str = "max_prob", from_logits: bool = False
+) -> RiskCoverageCurve:
+    """The risk-coverage curve (:class:`RiskCoverageCurve`, float64 (N,) tensors) of the top-label errors
+    ranked by ``confidence`` (an explicit (N,) score, higher = more confident) or by ``score`` (see
+    :func:`confidence_score`). :func:`torchcal.plotting.plot_risk_coverage` draws it.
+
+    Example:
+        >>> import torch
+        >>> c = risk_coverage_curve(torch.tensor([.1, .2, .3, .4, .2]), torch.tensor([0, 0, 1, 1, 0]))
+        >>> c.risk.tolist()
+        [0.0, 0.0, 0.0, 0.25, 0.4]
+    """
+    return _curve(*_confidence_and_errors(probs, targets, confidence, score, from_logits))
+
+
+def _grouped_points(confidence, errors, generalized):
+    """fd-shifts' points: one per distinct threshold (after each tie block), ascending coverage, plus cov 0."""
+    n = confidence.shape[0]
+    curve = _curve(confidence, errors)
+    last = torch.ones(n, dtype=torch.bool, device=confidence.device)
+    last[:-1] = curve.threshold[1:] != curve.threshold[:-1]
+    cov = curve.coverage[last]
+    risk = (curve.generalized_risk if generalized else curve.risk)[last]
+    zero = torch.zeros(1, dtype=torch.float64, device=cov.device)
+    return torch.cat([zero, cov]), torch.cat([zero if generalized else risk[:1], risk])
+
+
+def _area(probs, targets, confidence, score, from_logits, ties, generalized):
+    check_choice(ties, "ties", {"sample", "group"})
+    confidence, errors = _confidence_and_errors(probs, targets, confidence, score, from_logits)
+    n = confidence.shape[0]
+    if n < 2:
+        return torch.tensor(float("nan"), dtype=torch.float64, device=confidence.device)
+    if ties == "group":
+        cov, risk = _grouped_points(confidence, errors, generalized)
+        return torch.trapezoid(risk, cov)
+    curve = _curve(confidence, errors)
+    y = curve.generalized_risk if generalized else curve.risk
+    return (y[1:] + y[:-1]).sum() / (2 * (n - 1))
+
+
+def aurc(
+    probs,
+    targets,
+    *,
+    confidence=None,
+    score: str = "max_prob",
+    ties: str = "sample",
+    from_logits: bool = False,
+) -> torch.Tensor:
+    r"""Area under the risk-coverage curve.
+
+    ``ties="sample"`` (default, torch-uncertainty): the trapezoid over the N per-sample points divided by
+    (1 − 1/N), i.e. :math:`\frac{1}{N-1}\sum_{k=2}^N (r_{k-1} + r_k)/2`; tied confidences are not grouped
+    (the stable order decides). ``ties="group"`` (fd-shifts, unscaled): points only at distinct thresholds
+    plus a coverage-0 point repeating the first risk, plain trapezoid. NaN for N < 2.
+
+    Args:
+        probs: probabilities (N, K) (or (N,) for P(class 1)), or logits with ``from_logits=True``.
+        targets: integer labels (N,).
+        confidence: optional (N,) ranking score (higher = more confident) in place of ``score``.
+        score: a :func:`confidence_score` name.
+
+    References:
+        Geifman & El-Yaniv 2017; Geifman, Uziel & El-Yaniv 2019.
+
+    Example:
+        >>> import torch
+        >>> probs, targets = torch.tensor([.1, .2, .3, .4, .2]), torch.tensor([0, 0, 1, 1, 0])
+        >>> aurc(probs, targets), aurc(probs, targets, ties="group")
+        (tensor(0.1125, dtype=torch.float64), tensor(0.0900, dtype=torch.float64))
+    """
+    return _area(probs, targets, confidence, score, from_logits, ties, generalized=False)
+
+
+def augrc(
+    probs,
+    targets,
+    *,
+    confidence=None,
+    score: str = "max_prob",
+    ties: str = "sample",
+    from_logits: bool = False,
+) -> torch.Tensor:
+    r"""Area under the generalized risk-coverage curve (generalized risk ``(1/N) Σ_{j≤k} e_(j)``), with the
+    rules of :func:`aurc` (``ties="group"``: the points at distinct thresholds plus (0, 0)). NaN for N < 2.
+
+    References:
+        Traub, Bungert, Lüth, Baumgartner, Maier-Hein, Jäger & Jaeger 2024 (arXiv 2407.01032).
+
+    Example:
+        >>> import torch
+        >>> probs, targets = torch.tensor([.1, .2, .3, .4, .2]), torch.tensor([0, 0, 1, 1, 0])
+        >>> augrc(probs, targets), augrc(probs, targets, ties="group")
+        (tensor(0.1000, dtype=torch.float64), tensor(0.0800, dtype=torch.float64))
+    """
+    return _area(probs, targets, confidence, score, from_logits, ties, generalized=True)
+
+
+def risk_at_coverage(
+    probs, targets, coverage: float, *, confidence=None, score: str = "max_prob", from_logits: bool = False
+) -> torch.Tensor:
+    """Selective risk ``r_⌈N·c⌉`` of the ⌈N·c⌉ most confident samples, ``coverage`` c in (0, 1]
+    (c = 0 raises: there is no risk of an empty selection). NaN for N = 0.
+
+    Example:
+        >>> import torch
+        >>> risk_at_coverage(torch.tensor([.1, .2, .3, .4, .2]), torch.tensor([0, 0, 1, 1, 1]), 0.5)
+        tensor(0.3333, dtype=torch.float64)
+    """
+    c = check_float(coverage, "coverage", low=0, high=1, low_open=True)
+    confidence, errors = _confidence_and_errors(probs, targets, confidence, score, from_logits)
+    n = confidence.shape[0]
+    if n == 0:
+        return torch.tensor(float("nan"), dtype=torch.float64, device=confidence.device)
+    return _curve(confidence, errors).risk[min(n, math.ceil(n * c)) - 1]
+
+
+def coverage_at_risk(
+    probs, targets, risk: float, *, confidence=None, score: str = "max_prob", from_logits: bool = False
+) -> torch.Tensor:
+    """The largest coverage whose selective risk is at most ``risk``: ``max{k/N : r_k ≤ ρ}`` over all k (the
+    curve need not be monotone); NaN when no k qualifies or N = 0.
+
+    Example:
+        >>> import torch
+        >>> probs = torch.tensor([[.9, .1], [.8, .2], [.7, .3], [.6, .4], [.55, .45]])
+        >>> coverage_at_risk(probs, torch.tensor([0, 1, 1, 1, 1]), 0.3)
+        tensor(0.2000, dtype=torch.float64)
+    """
+    rho = check_float(risk, "risk", low=0, high=1)
+    confidence, errors = _confidence_and_errors(probs, targets, confidence, score, from_logits)
+    nan = torch.tensor(float("nan"), dtype=torch.float64, device=confidence.device)
+    if confidence.shape[0] == 0:
+        return nan
+    curve = _curve(confidence, errors)
+    ok = curve.risk <= rho
+    return torch.where(ok, curve.coverage, torch.zeros_like(curve.coverage)).amax() if bool(ok.any()) else nan
+
+
+# ----------------------------------------------------------------------------- OOD detection
+
+
+def _ood_inputs(scores, is_ood):
+    scores = as_data(scores, "scores")
+    is_ood = as_data(is_ood, "is_ood")
+    if scores.ndim != 1 or not scores.is_floating_point():
+        raise ValueError(f"`scores` must be a 1-D floating-point tensor, got shape {tuple(scores.shape)}")
+    if is_ood.shape != scores.shape:
+        raise ValueError(f"`is_ood` must have shape {tuple(scores.shape)}, got {tuple(is_ood.shape)}")
+    t = is_ood.to(scores.device).double()
+    if not bool(((t == 0) | (t == 1)).all()):
+        raise ValueError("`is_ood` must hold 0/1 (or bool) values")
+    return scores.double(), t
+
+
+def _threshold_counts(scores, t):
+    """Descending stable sort; at the end of each tie block the cumulative (TP, FP, index)."""
+    s, order = torch.sort(scores, descending=True, stable=True)
+    tps_all = torch.cumsum(t[order], 0)
+    last = torch.ones_like(s, dtype=torch.bool)
+    last[:-1] = s[1:] != s[:-1]
+    idx = torch.nonzero(last).squeeze(1)
+    tps = tps_all[idx]
+    return tps, (idx + 1).double() - tps
+
+
+def fpr_at_tpr(scores, is_ood, *, tpr: float = 0.95, rule: str = "nearest") -> torch.Tensor:
+    """False-positive rate at a recall (TPR) level, OOD positive, scores higher = more OOD; thresholds only at
+    distinct scores (a tie is never split), no interpolation. NaN without OOD samples.
+
+    ``rule="nearest"`` (default; SPEC §9.6, Hendrycks' ``fpr_and_fdr_at_recall`` as torch-uncertainty's
+    development branch ports it): the recall nearest ``tpr``, which may lie below it; ties in |recall − tpr|
+    go to the higher recall and, on a recall plateau, to the lowest threshold. ``rule="at_least"``
+    (torch-uncertainty 0.13, scikit-learn's ``roc_curve``): the highest threshold whose recall is ≥ ``tpr``.
+
+    Example:
+        >>> import torch
+        >>> fpr_at_tpr(torch.tensor([.9, .8, .7, .6, .4, .2, .1]), torch.tensor([1, 0, 1, 0, 0, 1, 0]))
+        tensor(0.7500, dtype=torch.float64)
+    """
+    level = check_float(tpr, "tpr", low=0, high=1)
+    check_choice(rule, "rule", {"nearest", "at_least"})
+    scores, t = _ood_inputs(scores, is_ood)
+    total = float(t.sum())
+    if total == 0:
+        return torch.tensor(float("nan"), dtype=torch.float64, device=scores.device)
+    tps, fps = _threshold_counts(scores, t)
+    if rule == "at_least":
+        j = int(
+            torch.searchsorted(tps / total, torch.tensor([level], dtype=torch.float64, device=tps.device))
+        )
+        return fps[min(j, fps.shape[0] - 1)] / (t.shape[0] - total)
+    stop = int(torch.searchsorted(tps, tps[-1]))  # first block reaching every positive
+    recall = torch.cat([(tps[: stop + 1] / total).flip(0), tps.new_ones(1)])
+    fp = torch.cat([fps[: stop + 1].flip(0), fps.new_zeros(1)])
+    j = int(torch.argmin((recall - level).abs()))
+    return fp[j] / (t.shape[0] - total)
+
+
+def average_precision(scores, labels) -> torch.Tensor:
+    """Average precision ``Σ_n (R_n − R_{n−1}) P_n`` over distinct thresholds (step rule; equals scikit-learn's
+    ``average_precision_score``), positives ``labels == 1``, higher score = more positive. NaN without
+    positives.
+
+    Example:
+        >>> import torch
+        >>> average_precision(torch.tensor([.9, .8, .7, .1]), torch.tensor([1, 0, 1, 0]))
+        tensor(0.8333, dtype=torch.float64)
+    """
+    scores, t = _ood_inputs(scores, labels)
+    total = float(t.sum())
+    if total == 0:
+        return torch.tensor(float("nan"), dtype=torch.float64, device=scores.device)
+    tps, fps = _threshold_counts(scores, t)
+    precision = tps / (tps + fps)
+    recall = tps / total
+    return ((recall - torch.cat([recall.new_zeros(1), recall[:-1]])) * precision).sum()
+
+
+class OODMetrics(NamedTuple):
+    """OOD detection metrics (OOD positive): AUROC, FPR at 95 % TPR, AUPR-In (ID positive, confidence as
+    score) and AUPR-Out (OOD positive)."""
+
+    auroc: torch.Tensor
+    fpr95: torch.Tensor
+    aupr_in: torch.Tensor
+    aupr_out: torch.Tensor
+
+
+def ood_detection_metrics(
+    in_dist, out_dist, *, score: str = "max_prob", from_logits: bool = False, tpr: float = 0.95
+) -> OODMetrics:
+    """AUROC, FPR@TPR, AUPR-In and AUPR-Out of telling ``out_dist`` samples from ``in_dist`` ones by a
+    :func:`confidence_score` (the OOD score is its negation: higher = more OOD). ``"max_logit"`` and
+    ``"energy"`` need logits (``from_logits=True``). AUROC counts ties ½ (Mann-Whitney); the AUPRs are
+    average precisions (:func:`average_precision`).
+
+    Example:
+        >>> import torch
+        >>> p_in = torch.tensor([[0.95, 0.05], [0.9, 0.1], [0.8, 0.2]])
+        >>> p_out = torch.tensor([[0.5, 0.5], [0.85, 0.15]])
+        >>> [round(float(v), 4) for v in ood_detection_metrics(p_in, p_out)]
+        [0.8333, 0.3333, 1.0, 0.8333]
+    """
+    conf_in = confidence_score(in_dist, score=score, from_logits=from_logits)
+    conf_out = confidence_score(out_dist, score=score, from_logits=from_logits).to(conf_in.device)
+    ood = -torch.cat([conf_in, conf_out])
+    t = torch.cat([torch.zeros_like(conf_in), torch.ones_like(conf_out)])
+    return OODMetrics(
+        binary_auroc(ood, t),
+        fpr_at_tpr(ood, t, tpr=tpr),
+        average_precision(-ood, 1 - t),
+        average_precision(ood, t),
+    )
