@@ -36,6 +36,7 @@ from .calibration import (
     smooth_calibration_error,
 )
 from .focal_map import focal_calibration_map
+from .fused_head import FUSED_LOSSES, fused_linear_loss
 from .losses import *  # noqa: F403  (the functional losses: functional.losses.__all__)
 from .losses import __all__ as _MULTICLASS_LOSSES
 
@@ -104,3 +105,4 @@ METRIC_FUNCTIONS = list(__all__)  # (with the kernel switches) re-exported at to
 
 # the functional losses (their nn.Module twins are in torchcal.losses)
 __all__ += LOSS_FUNCTIONS
+__all__ += ["FUSED_LOSSES", "fused_linear_loss"]  # the fused linear head + loss (language-model vocabularies)
