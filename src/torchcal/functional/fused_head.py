@@ -499,6 +499,8 @@ class _FusedLinearLoss(torch.autograd.Function):
                 want,
             )
             grads = [None if g is None else g.to(d) for g, d in zip(grads, ctx.dtypes)]
+        elif grad_out.device.type == "cpu" and bool(grad_out == 1):  # no copy of the weight's gradient
+            grads = list(ctx.saved_tensors)
         else:
             grads = [None if g is None else g * grad_out.to(g.dtype) for g in ctx.saved_tensors]
         return (*grads, None, None, None, None, None, None, None)
@@ -635,9 +637,8 @@ def fused_linear_loss(
     else:
         grad_on = torch.is_grad_enabled()
         want = tuple(grad_on and x is not None and x.requires_grad for x in (rows, weight, bias))
-        inner = "none" if reduction == "none" else "sum"
         per_token = _FusedLinearLoss.apply(
-            rows, weight, bias, flat, extra, recipe, chunk, vchunk, inner, want
+            rows, weight, bias, flat, extra, recipe, chunk, vchunk, reduction, want
         )
     if reduction == "none":
         if keep is None:
@@ -646,10 +647,9 @@ def fused_linear_loss(
         return (
             out.index_put((index,), per_token).reshape(lead) if n else (out + per_token.sum()).reshape(lead)
         )
-    total = per_token.sum() if n == 0 else per_token
-    if reduction == "mean":
-        return total / n if n else total / 0.0
-    return total
+    if n:
+        return per_token  # the reduced loss
+    return per_token.sum() / 0.0 if reduction == "mean" else per_token.sum()
 
 
 def _check_head(hidden, weight, bias):
