@@ -298,6 +298,26 @@ def test_bfloat16_inputs_accumulate_in_float32():
         )
 
 
+def test_autocast_regions_and_mixed_precision():
+    # autocast does not lower the fused computation: float32 inputs give the float32 result bit for bit, and
+    # bfloat16 hidden states (what an autocast region hands to the head) with a float32 head are computed in
+    # float32 from their values, gradients returned in each input's dtype
+    hidden, weight, bias, targets = _inputs(torch.float32, n=(4, 8), h=8, v=20)
+    plain = fused_linear_loss(hidden, weight, targets, "focal", bias=bias)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        inside = fused_linear_loss(hidden, weight, targets, "focal", bias=bias)
+        grads = torch.autograd.grad(inside, (hidden, weight, bias))
+    assert torch.equal(inside, plain)
+    for a, b in zip(grads, torch.autograd.grad(plain, (hidden, weight, bias))):
+        assert torch.equal(a, b)
+    low = hidden.detach().bfloat16().requires_grad_()
+    mixed = fused_linear_loss(low, weight, targets, "focal", bias=bias)
+    reference = fused_linear_loss(low.detach().float(), weight, targets, "focal", bias=bias)
+    torch.testing.assert_close(mixed, reference, rtol=0, atol=0)
+    grad_low, grad_weight = torch.autograd.grad(mixed, (low, weight))
+    assert grad_low.dtype == torch.bfloat16 and grad_weight.dtype == torch.float32
+
+
 def test_no_grad_and_partial_requires_grad():
     hidden, weight, bias, targets = _inputs(torch.float64, n=(10,), v=6)
     with torch.no_grad():
@@ -324,6 +344,8 @@ def test_bad_arguments_raise_named_errors():
         fused_linear_loss(hidden, weight[:, :3], targets)
     with pytest.raises(TypeError, match="`weight` must have hidden's dtype"):
         fused_linear_loss(hidden, weight.float(), targets)
+    with pytest.raises(TypeError, match="`bias` must have hidden's dtype"):
+        fused_linear_loss(hidden.float(), weight.float(), targets, bias=bias)
     with pytest.raises(ValueError, match="`bias` must have shape"):
         fused_linear_loss(hidden, weight, targets, bias=bias[:3])
     with pytest.raises(ValueError, match="`targets` must have shape"):

@@ -482,6 +482,11 @@ class _FusedLinearLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        with torch.autocast(grad_out.device.type, enabled=False):
+            return _FusedLinearLoss._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx, grad_out):
         if ctx.reduction == "none":
             hidden, weight, bias, targets, extra = ctx.saved_tensors
             recipe, chunk, vchunk, want = ctx.args
@@ -637,9 +642,10 @@ def fused_linear_loss(
     else:
         grad_on = torch.is_grad_enabled()
         want = tuple(grad_on and x is not None and x.requires_grad for x in (rows, weight, bias))
-        per_token = _FusedLinearLoss.apply(
-            rows, weight, bias, flat, extra, recipe, chunk, vchunk, reduction, want
-        )
+        with torch.autocast(rows.device.type, enabled=False):  # the dtypes above, not autocast's
+            per_token = _FusedLinearLoss.apply(
+                rows, weight, bias, flat, extra, recipe, chunk, vchunk, reduction, want
+            )
     if reduction == "none":
         if keep is None:
             return per_token.reshape(lead)
@@ -666,17 +672,27 @@ def _check_head(hidden, weight, bias):
         )
     if weight.shape[0] < 2:
         raise ValueError(f"`weight` must have at least 2 classes (rows), got {weight.shape[0]}")
-    if weight.dtype != hidden.dtype:
-        raise TypeError(f"`weight` must have hidden's dtype {hidden.dtype}, got {weight.dtype}")
+    _check_dtype(weight, hidden, "weight")
     if weight.device != hidden.device:
         raise ValueError(f"`weight` is on {weight.device} but `hidden` is on {hidden.device}")
     if bias is not None:
         bias = as_tensor(bias, "bias")
         if bias.shape != (weight.shape[0],):
             raise ValueError(f"`bias` must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
-        if bias.dtype != hidden.dtype or bias.device != hidden.device:
-            raise TypeError(
-                f"`bias` must have hidden's dtype {hidden.dtype} and device {hidden.device}, got "
-                f"{bias.dtype} on {bias.device}"
-            )
+        _check_dtype(bias, hidden, "bias")
+        if bias.device != hidden.device:
+            raise ValueError(f"`bias` is on {bias.device} but `hidden` is on {hidden.device}")
     return hidden, weight, bias
+
+
+_FLOAT32_COMPUTED = frozenset((torch.float32, torch.bfloat16, torch.float16))
+
+
+def _check_dtype(x, hidden, name):
+    """``x`` of hidden's dtype, or both among float32 / bfloat16 / float16 (an autocast region hands
+    half-precision hidden states to a float32 head): those are all computed in float32."""
+    if x.dtype != hidden.dtype and not (x.dtype in _FLOAT32_COMPUTED and hidden.dtype in _FLOAT32_COMPUTED):
+        raise TypeError(
+            f"`{name}` must have hidden's dtype {hidden.dtype} (or, for half-precision or float32 hidden states, "
+            f"float32 / bfloat16 / float16), got {x.dtype}"
+        )
