@@ -86,6 +86,9 @@ def child(loss_name, tokens, width, vocab, path, device, seed=0):
         before = torch.cuda.memory_allocated(device)
     else:
         before = _rss_bytes()
+        setup_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        if setup_peak > before + 2**24:  # the high-water mark must be the step's, not the setup's
+            raise RuntimeError(f"setup peaked {(setup_peak - before) / 2**20:.0f} MiB above the step's start")
     start = time.perf_counter()
     step()
     _sync(device)
