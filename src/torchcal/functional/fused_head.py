@@ -364,8 +364,11 @@ def _grad_in_place(p, coef, t_local, j_local):
     ``j_local`` are the true class and the runner-up relative to the block (outside it: not added)."""
     if coef.b is None:
         p.mul_(coef.a[:, None])
-    else:
-        p.mul_(torch.addcmul(coef.a[:, None], p, coef.b[:, None]))
+    else:  # p ⊙ (a + b·p), through a small row buffer rather than a (c, Vb) temporary
+        rows = max(1, (1 << 18) // p.shape[1])
+        for s in range(0, p.shape[0], rows):
+            block = p[s : s + rows]
+            block.mul_(torch.addcmul(coef.a[s : s + rows, None], block, coef.b[s : s + rows, None]))
     if coef.c is not None:
         p.add_(coef.c[:, None])
     k = p.shape[1]
