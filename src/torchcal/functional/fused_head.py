@@ -34,8 +34,12 @@ from ._spec import REDUCTIONS
 
 __all__ = ["FUSED_LOSSES", "fused_linear_loss"]
 
-# elements of one chunk's logits when ``chunk_size`` is not given (64 MiB in float32)
-_CHUNK_ELEMENTS = 1 << 24
+# tokens per chunk when ``chunk_size`` is not given: as many as make 2^23 logits (32 MiB in float32), and at
+# least 256 (fewer rows would make the accumulation into the V × H weight gradient dominate)
+_CHUNK_ELEMENTS = 1 << 23
+_MIN_CHUNK_ROWS = 256
+# elements of the small row buffers (runner-up search, squared-error gradient)
+_BUFFER_ELEMENTS = 1 << 21
 
 
 class _Recipe(NamedTuple):
@@ -222,14 +226,17 @@ def _masked_max(z, excluded_from, t_local=None):
     """Max and argmax per row of ``z`` over the entries strictly below ``excluded_from`` (and, with
     ``t_local``, not at that column), through a small row buffer so that no (c, V) temporary is allocated."""
     n, k = z.shape
-    rows = min(n, max(1, (1 << 18) // k))
+    rows = min(n, max(1, _BUFFER_ELEMENTS // k))
     buf = torch.empty(rows, k, dtype=z.dtype, device=z.device)
+    below = torch.empty(rows, k, dtype=torch.bool, device=z.device)
+    minus_inf = torch.tensor(-math.inf, dtype=z.dtype, device=z.device)
     values = torch.empty(n, dtype=z.dtype, device=z.device)
     index = torch.empty(n, dtype=torch.long, device=z.device)
     for s in range(0, n, rows):
         m = min(rows, n - s)
-        chunk = buf[:m].copy_(z[s : s + m])
-        chunk.masked_fill_(chunk >= excluded_from[s : s + m, None], -math.inf)
+        block = z[s : s + m]
+        torch.lt(block, excluded_from[s : s + m, None], out=below[:m])
+        chunk = torch.where(below[:m], block, minus_inf, out=buf[:m])
         if t_local is not None:  # the true class's own column (when it lies in this block)
             local = t_local[s : s + m]
             inside = (local >= 0) & (local < k)
@@ -365,7 +372,7 @@ def _grad_in_place(p, coef, t_local, j_local):
     if coef.b is None:
         p.mul_(coef.a[:, None])
     else:  # p ⊙ (a + b·p), through a small row buffer rather than a (c, Vb) temporary
-        rows = max(1, (1 << 18) // p.shape[1])
+        rows = max(1, _BUFFER_ELEMENTS // p.shape[1])
         for s in range(0, p.shape[0], rows):
             block = p[s : s + rows]
             block.mul_(torch.addcmul(coef.a[s : s + rows, None], block, coef.b[s : s + rows, None]))
@@ -404,24 +411,30 @@ def _soft_rows(z, q, recipe, scale):
     return loss, grad.mul_(scale[:, None])
 
 
-def _run(hidden, weight, bias, targets, recipe, extra, chunk, vchunk, row_scale, want):
-    """Loss per row of the (M, H) ``hidden`` rows and, for ``want`` = (hidden, weight, bias) flags, the
-    gradients of Σ_i row_scale_i·loss_i, chunk by chunk. Inputs are already in the compute dtype."""
-    n, v = hidden.shape[0], weight.shape[0]
+def _run(hidden, index, weight, bias, targets, recipe, extra, chunk, vchunk, row_scale, want):
+    """Loss per kept token and, for ``want`` = (hidden, weight, bias) flags, the gradients of
+    Σ_i row_scale_i·loss_i, chunk by chunk. ``hidden`` (N, H) holds every token; ``index`` (M,) the kept ones
+    (None: all), which ``targets``, ``extra`` and ``row_scale`` follow. Each chunk's rows are gathered and
+    brought to the compute dtype of ``weight`` (and ``bias``) on their own, so neither the kept rows nor a
+    zero-filled gradient for the dropped ones is ever copied whole."""
+    m, v = targets.shape[0], weight.shape[0]
+    compute = weight.dtype
     grads = any(want)
-    loss = torch.empty(n, dtype=hidden.dtype, device=hidden.device)
-    g_h = torch.zeros_like(hidden) if want[0] else None
+    loss = torch.empty(m, dtype=compute, device=weight.device)
+    g_h = torch.zeros(hidden.shape, dtype=compute, device=hidden.device) if want[0] else None
     g_w = torch.zeros_like(weight) if want[1] else None
-    g_b = torch.zeros(v, dtype=hidden.dtype, device=hidden.device) if want[2] else None
+    g_b = torch.zeros(v, dtype=compute, device=weight.device) if want[2] else None
     soft = targets.is_floating_point()
-    for start in range(0, n, chunk):
-        stop = min(n, start + chunk)
-        h, t = hidden[start:stop], targets[start:stop]
+    for start in range(0, m, chunk):
+        stop = min(m, start + chunk)
+        rows = None if index is None else index[start:stop]
+        h = (hidden[start:stop] if rows is None else hidden.index_select(0, rows)).to(compute)
+        t = targets[start:stop]
         scale = row_scale[start:stop]
         ext = None if extra is None else extra[start:stop]
         if soft:
             z = _logits(h, weight, bias)
-            loss[start:stop], g = _soft_rows(z, t, recipe, scale)
+            loss[start:stop], g = _soft_rows(z, t.to(compute), recipe, scale)
             blocks = [(0, v, g)]
         elif vchunk >= v:
             z = _logits(h, weight, bias)
@@ -439,13 +452,18 @@ def _run(hidden, weight, bias, targets, recipe, extra, chunk, vchunk, row_scale,
                 if grads
                 else []
             )
+        g_rows = None
+        if g_h is not None:
+            g_rows = g_h[start:stop] if rows is None else torch.zeros_like(h)
         for b0, b1, g in blocks:
-            if g_h is not None:
-                g_h[start:stop].addmm_(g, weight[b0:b1])
+            if g_rows is not None:
+                g_rows.addmm_(g, weight[b0:b1])
             if g_w is not None:
                 g_w[b0:b1].addmm_(g.T, h)
             if g_b is not None:
                 g_b[b0:b1] += g.sum(dim=0)
+        if g_rows is not None and rows is not None:
+            g_h.index_copy_(0, rows, g_rows)
     return loss, (g_h, g_w, g_b)
 
 
@@ -457,29 +475,27 @@ def _block_grad(h, weight, bias, start, vchunk, stats, coef, t):
 
 
 class _FusedLinearLoss(torch.autograd.Function):
-    """Σ or mean over rows of loss(hidden @ weight.T + bias): the gradients are computed in the forward pass
-    and scaled in the backward (reduction "none" keeps the inputs and recomputes them with the per-row
-    incoming gradients)."""
+    """Σ or mean over the kept tokens of loss(hidden @ weight.T + bias): the gradients are computed in the
+    forward pass and scaled in the backward (reduction "none" keeps the inputs and recomputes them with the
+    per-token incoming gradients)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, extra, recipe, chunk, vchunk, reduction, want):
-        compute = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-        h, w = hidden.to(compute), weight.to(compute)
-        b = None if bias is None else bias.to(compute)
-        t = targets.to(compute) if targets.is_floating_point() else targets
-        n = h.shape[0]
+    def forward(ctx, hidden, weight, bias, targets, index, extra, recipe, chunk, vchunk, reduction, want):
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.reduction = reduction
+        w, b = _compute(weight, bias)
+        m = targets.shape[0]
+        run = (hidden, index, w, b, targets, recipe, extra, chunk, vchunk)
         if reduction == "none":
-            ones = torch.ones(n, dtype=compute, device=h.device)
-            loss, _ = _run(h, w, b, t, recipe, extra, chunk, vchunk, ones, (False, False, False))
-            ctx.save_for_backward(hidden, weight, bias, targets, extra)
+            loss, _ = _run(*run, torch.ones(m, dtype=w.dtype, device=w.device), (False, False, False))
+            ctx.save_for_backward(hidden, weight, bias, targets, index, extra)
             ctx.args = (recipe, chunk, vchunk, want)
             return loss
-        scale = torch.full((n,), 1.0 / n if reduction == "mean" else 1.0, dtype=compute, device=h.device)
-        loss, grads = _run(h, w, b, t, recipe, extra, chunk, vchunk, scale, want)
+        scale = torch.full((m,), 1.0 / m if reduction == "mean" else 1.0, dtype=w.dtype, device=w.device)
+        loss, grads = _run(*run, scale, want)
+        del w, b
         total = loss.sum()
-        value = total / n if reduction == "mean" else total
+        value = total / m if reduction == "mean" else total
         ctx.save_for_backward(*(None if g is None else g.to(d) for g, d in zip(grads, ctx.dtypes)))
         return value
 
@@ -491,27 +507,24 @@ class _FusedLinearLoss(torch.autograd.Function):
     @staticmethod
     def _backward(ctx, grad_out):
         if ctx.reduction == "none":
-            hidden, weight, bias, targets, extra = ctx.saved_tensors
+            hidden, weight, bias, targets, index, extra = ctx.saved_tensors
             recipe, chunk, vchunk, want = ctx.args
-            compute = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+            w, b = _compute(weight, bias)
             _, grads = _run(
-                hidden.to(compute),
-                weight.to(compute),
-                None if bias is None else bias.to(compute),
-                targets.to(compute) if targets.is_floating_point() else targets,
-                recipe,
-                extra,
-                chunk,
-                vchunk,
-                grad_out.to(compute),
-                want,
+                hidden, index, w, b, targets, recipe, extra, chunk, vchunk, grad_out.to(w.dtype), want
             )
             grads = [None if g is None else g.to(d) for g, d in zip(grads, ctx.dtypes)]
         elif grad_out.device.type == "cpu" and bool(grad_out == 1):  # no copy of the weight's gradient
             grads = list(ctx.saved_tensors)
         else:
             grads = [None if g is None else g * grad_out.to(g.dtype) for g in ctx.saved_tensors]
-        return (*grads, None, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None, None)
+
+
+def _compute(weight, bias):
+    """The head in the compute dtype: float64 stays, everything else is computed in float32."""
+    compute = torch.float64 if weight.dtype == torch.float64 else torch.float32
+    return weight.to(compute), None if bias is None else bias.to(compute)
 
 
 # ----------------------------------------------------------------------------- the public function
@@ -553,7 +566,7 @@ def fused_linear_loss(
         targets: (...) integer labels in [0, V), or soft targets (..., V) (class probabilities) for the losses
             that accept them (all but the dual focal ones, ``varying_focal`` and ``adafocal``).
         bias: optional (V,) bias of the head.
-        chunk_size: tokens per chunk (default: as many as keep one chunk's logits at 2^24 elements).
+        chunk_size: tokens per chunk (default: as many as make 2^23 logits, at least 256).
         vocab_chunk_size: classes per vocabulary block (default: the whole vocabulary). Integer labels only:
             soft targets already hold N × V values.
         ignore_index: label of tokens to leave out (None: none); they are dropped before the matmul.
@@ -624,21 +637,22 @@ def fused_linear_loss(
         if tuple(extra.shape) != lead:
             raise ValueError(f"`gamma` must have shape {lead}, one γ per token, got {tuple(extra.shape)}")
         extra = extra.to(hidden.device).reshape(-1)
-    if keep is not None:  # padding tokens cost nothing: dropped before the matmul
+    index = None
+    if keep is not None:  # padding tokens cost nothing: only the kept rows enter the matmuls
         index = keep.nonzero().squeeze(1)
-        rows, flat = rows.index_select(0, index), flat.index_select(0, index)
+        flat = flat.index_select(0, index)
         extra = None if extra is None else extra.index_select(0, index)
-    n = rows.shape[0]
+    n = flat.shape[0]
     vchunk = v if vocab_chunk_size is None else check_positive_int(vocab_chunk_size, "vocab_chunk_size")
     if chunk_size is None:
-        chunk = max(1, _CHUNK_ELEMENTS // min(vchunk, v))
+        chunk = max(_MIN_CHUNK_ROWS, _CHUNK_ELEMENTS // min(vchunk, v))
     else:
         chunk = check_positive_int(chunk_size, "chunk_size")
     chunk = max(1, min(chunk, n))
     if extra is not None:
         extra = extra.to(torch.float64 if hidden.dtype == torch.float64 else torch.float32)
     if n == 0:  # every token ignored: 0 (sum, none) or NaN (mean), with zero gradients
-        value = (rows @ weight.T).sum(dim=1) * 0
+        value = (rows[:0] @ weight.T).sum(dim=1) * 0 + rows.sum() * 0
         if bias is not None:
             value = value + bias.sum() * 0
         per_token = value
@@ -647,7 +661,7 @@ def fused_linear_loss(
         want = tuple(grad_on and x is not None and x.requires_grad for x in (rows, weight, bias))
         with torch.autocast(rows.device.type, enabled=False):  # the dtypes above, not autocast's
             per_token = _FusedLinearLoss.apply(
-                rows, weight, bias, flat, extra, recipe, chunk, vchunk, reduction, want
+                rows, weight, bias, flat, index, extra, recipe, chunk, vchunk, reduction, want
             )
     if reduction == "none":
         if keep is None:
