@@ -164,7 +164,10 @@ def main():
             }
             rows.append(row)
             print(json.dumps(row), flush=True)
-    stem = "bench_fused_head" + ("-quick" if args.quick else "") + f"-{hardware()}"
+    stem = "bench_fused_head" + ("-quick" if args.quick else "")
+    if not args.quick and args.vocab != [32000, 128000]:  # a partial run: its own file
+        stem += "-v" + "-".join(map(str, args.vocab))
+    stem += f"-{hardware()}"
     if args.device != "cpu":
         stem += f"-{args.device}"
     write_results(rows, stem, first=("loss", "vocab", "time_ratio", "memory_ratio"))
