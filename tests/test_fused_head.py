@@ -394,3 +394,36 @@ def test_fused_linear_loss_module_follows_the_wrapped_loss():
     assert "loss.gamma_per_bin" in ada.state_dict()
     with pytest.raises(TypeError, match="MMCE"):
         losses.FusedLinearLoss("mmce")
+
+
+class _LargestTensor(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the largest number of elements of any tensor an operator produces."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for x in out if isinstance(out, tuple | list) else (out,):
+            if isinstance(x, torch.Tensor):
+                self.largest = max(self.largest, x.numel())
+        return out
+
+
+@pytest.mark.parametrize("vocab_chunk_size", [None, 500])
+def test_no_tensor_of_all_the_logits_is_ever_made(vocab_chunk_size):
+    # 256 tokens, V = 3,000, H = 16, chunks of 32 tokens: no operator output of forward + backward may
+    # exceed the larger of the weight gradient (V × H) and one chunk's logits (32 × V, or 32 × 500 with
+    # vocabulary blocks) — far below the N × V logits, which the unfused path does make
+    hidden, weight, bias, targets = _inputs(torch.float32, n=(256,), h=16, v=3000)
+    bound = max(3000 * 16, 32 * (vocab_chunk_size or 3000))
+    for name in ("cross_entropy", "dual_focal", "focal_calibration"):
+        with _LargestTensor() as mode:
+            fused_linear_loss(
+                hidden, weight, targets, name, bias=bias, chunk_size=32, vocab_chunk_size=vocab_chunk_size
+            ).backward()
+        assert mode.largest <= bound < 256 * 3000, (name, mode.largest)
+    with _LargestTensor() as mode:
+        _unfused("dual_focal", _logits(hidden, weight, bias), targets, "mean").backward()
+    assert mode.largest >= 256 * 3000  # the check sees the logits when they are made
