@@ -574,7 +574,10 @@ def fused_linear_loss(
             "none" (per-token losses of the targets' shape, 0 at ignored tokens).
 
     Returns:
-        The loss; differentiable with respect to ``hidden``, ``weight`` and ``bias``.
+        The loss; differentiable with respect to ``hidden``, ``weight`` and ``bias``. The gradients are made in
+        the forward pass; ``loss.backward()`` hands them over without a copy, so a second backward pass
+        through the same graph (``retain_graph=True``) raises if the first one's gradients were changed in
+        place in the meantime (autograd's check of saved tensors).
 
     Example:
         >>> import torch
