@@ -127,6 +127,12 @@ def main():
         return
     if args.quick:
         args.tokens, args.hidden, args.vocab = 512, 128, [4000]
+    stem = "bench_fused_head" + ("-quick" if args.quick else "")
+    if not args.quick and args.vocab != [32000, 128000]:  # a partial run: its own file
+        stem += "-v" + "-".join(map(str, args.vocab))
+    stem += f"-{hardware()}"
+    if args.device != "cpu":
+        stem += f"-{args.device}"
     rows = []
     largest = max(args.vocab)
     for vocab in args.vocab:
@@ -164,13 +170,8 @@ def main():
             }
             rows.append(row)
             print(json.dumps(row), flush=True)
-    stem = "bench_fused_head" + ("-quick" if args.quick else "")
-    if not args.quick and args.vocab != [32000, 128000]:  # a partial run: its own file
-        stem += "-v" + "-".join(map(str, args.vocab))
-    stem += f"-{hardware()}"
-    if args.device != "cpu":
-        stem += f"-{args.device}"
-    write_results(rows, stem, first=("loss", "vocab", "time_ratio", "memory_ratio"))
+            # rewritten (atomically) after every case, so that an interrupted run keeps what it measured
+            write_results(rows, stem, first=("loss", "vocab", "time_ratio", "memory_ratio"))
 
 
 if __name__ == "__main__":
