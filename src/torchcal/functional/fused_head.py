@@ -5,7 +5,7 @@
 matmul, turned into the chunk's loss and its gradient with respect to the logits in place, and pushed through
 the head at once (``grad_hidden = G @ W``, ``grad_weight += G.T @ h``, ``grad_bias += G.sum(0)``), so the
 forward pass returns the value with every gradient already computed and the backward pass only scales them by
-the incoming gradient. Peak memory is one or two chunk buffers next to the weight gradient, instead of the
+the incoming gradient. Peak memory is one chunk buffer next to the weight gradient, instead of the
 logits, their log-softmax and their gradient over all tokens. With ``vocab_chunk_size`` the vocabulary is
 split too: a first pass keeps an online log-sum-exp (running max and rescaled sums) and the other per-token
 statistics, a second pass recomputes each block's logits for its gradient (decision 126).
