@@ -22,6 +22,7 @@ from torch import nn
 from ._validation import check_choice, check_float, check_positive_int
 from .adafocal import AdaFocalLoss, CalFocalLoss
 from .functional import binary as B
+from .functional import fused_head as FH
 from .functional import losses as L
 from .functional._loss_inputs import check_ignore_index, check_label_smoothing, class_weight_buffer
 
@@ -39,6 +40,7 @@ __all__ = [
     "DualSampleDependentFocalLoss",
     "FocalCalibrationLoss",
     "FocalLoss",
+    "FusedLinearLoss",
     "InverseFocalLoss",
     "MMCELoss",
     "SampleDependentFocalLoss",
@@ -517,3 +519,114 @@ def create(name: str, **kwargs) -> nn.Module:
         f"unknown loss {name!r}; choose one of {list_losses()} or, for sigmoid outputs, "
         f"{list_losses('multilabel')} (fl-<γ>, ls-<ε>, binary-fl-<γ>, binary-ls-<ε> take any value)"
     )
+
+
+# -- the fused linear head + loss (language-model vocabularies) ----------------------------------------------
+
+
+def _fused_form(loss: nn.Module) -> tuple[str, dict]:
+    """The :func:`~torchcal.functional.fused_linear_loss` name and keyword arguments of a loss module, read at
+    each call (so AdaFocal's updates, a scheduled γ and changed hyper-parameters take effect)."""
+    kind = type(loss)
+    if kind is CrossEntropyLoss:
+        return "cross_entropy", {"label_smoothing": loss.label_smoothing}
+    if kind is BrierLoss:
+        return "brier", {}
+    if kind is FocalLoss or kind is ScheduledFocalLoss:
+        return "focal", {"gamma": loss.gamma}
+    if kind is InverseFocalLoss:
+        return "inverse_focal", {"gamma": loss.gamma}
+    if kind is DualFocalLoss:
+        return "dual_focal", {"gamma": loss.gamma}
+    if kind is SampleDependentFocalLoss or kind is DualSampleDependentFocalLoss:
+        name = "sample_dependent_focal" if kind is SampleDependentFocalLoss else "dual_sample_dependent_focal"
+        return name, {"gammas": loss.gammas, "thresholds": loss.thresholds}
+    if kind is FocalCalibrationLoss:
+        return "focal_calibration", {"gamma": loss.gamma, "lambda_": loss.lambda_}
+    if kind is AdaFocalLoss:
+        return "adafocal", {"bin_edges": loss.bin_edges, "bin_gammas": loss.gamma_per_bin, "dual": loss.dual}
+    raise TypeError(
+        f"{kind.__name__} has no fused form: FusedLinearLoss takes cross entropy (and label smoothing), Brier, "
+        "focal, inverse focal, FLSD, FLS, dual focal, DualFLSD, FCL and AdaFocal (MMCE's term belongs to the "
+        "whole batch, CalFocal and the sigmoid losses are not fused)"
+    )
+
+
+class FusedLinearLoss(nn.Module):
+    """A loss of a linear head's logits computed without them: ``forward(hidden, weight, targets, bias=None)``
+    equals ``loss(hidden @ weight.T + bias, targets)`` (classes last in ``hidden``'s layout: (..., H) features,
+    (...) labels), through :func:`torchcal.functional.fused_linear_loss`, which never holds the N × V logits.
+
+    ``loss`` is a torchcal loss module or a registry name (keyword arguments then go to :func:`create`); its
+    ``reduction``, ``ignore_index`` and hyper-parameters are read at every call, and it stays a submodule, so
+    an AdaFocal loss is updated (and saved in ``state_dict``) as usual.
+
+    Example:
+        >>> import torch
+        >>> head = torch.nn.Linear(16, 1000)  # a vocabulary of 1,000 tokens
+        >>> hidden = torch.randn(4, 32, 16, requires_grad=True)  # (batch, tokens, features)
+        >>> labels = torch.randint(0, 1000, (4, 32))
+        >>> labels[:, -5:] = -100  # padding
+        >>> loss_fn = FusedLinearLoss("flsd-53", chunk_size=64)
+        >>> loss_fn
+        FusedLinearLoss(SampleDependentFocalLoss(gammas=(5.0, 3.0), thresholds=(0.2,), reduction='mean'), chunk_size=64)
+        >>> loss = loss_fn(hidden, head.weight, labels, head.bias)
+        >>> loss.backward()
+        >>> unfused = create("flsd-53")(head(hidden).movedim(-1, 1), labels)
+        >>> torch.allclose(loss, unfused)
+        True
+    """
+
+    def __init__(
+        self, loss="ce", *, chunk_size: int | None = None, vocab_chunk_size: int | None = None, **kwargs
+    ):
+        super().__init__()
+        if isinstance(loss, str):
+            loss = create(loss, **kwargs)
+        elif kwargs:
+            raise TypeError(
+                f"keyword arguments {sorted(kwargs)} configure a loss given by name, not a module"
+            )
+        if not isinstance(loss, nn.Module):
+            raise TypeError(f"`loss` must be a torchcal loss module or name, got {type(loss).__name__}")
+        _fused_form(loss)
+        self.loss = loss
+        self.chunk_size = None if chunk_size is None else check_positive_int(chunk_size, "chunk_size")
+        self.vocab_chunk_size = (
+            None if vocab_chunk_size is None else check_positive_int(vocab_chunk_size, "vocab_chunk_size")
+        )
+
+    @property
+    def reduction(self) -> str:
+        return self.loss.reduction
+
+    @reduction.setter
+    def reduction(self, value: str) -> None:
+        self.loss.reduction = check_choice(value, "reduction", L.REDUCTIONS)
+
+    @property
+    def ignore_index(self):
+        return self.loss.ignore_index
+
+    def forward(self, hidden, weight, targets, bias=None):
+        name, kwargs = _fused_form(self.loss)
+        return FH.fused_linear_loss(
+            hidden,
+            weight,
+            targets,
+            name,
+            bias=bias,
+            chunk_size=self.chunk_size,
+            vocab_chunk_size=self.vocab_chunk_size,
+            ignore_index=self.loss.ignore_index,
+            reduction=self.loss.reduction,
+            **kwargs,
+        )
+
+    def __repr__(self) -> str:
+        sizes = "".join(
+            f", {a}={getattr(self, a)}"
+            for a in ("chunk_size", "vocab_chunk_size")
+            if getattr(self, a) is not None
+        )
+        return f"{type(self).__name__}({self.loss!r}{sizes})"

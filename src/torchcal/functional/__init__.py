@@ -51,6 +51,7 @@ from .decomposition import (
     signed_calibration_error,
 )
 from .focal_map import focal_calibration_map
+from .fused_head import FUSED_LOSSES, fused_linear_loss
 from .losses import *  # noqa: F403  (the functional losses: functional.losses.__all__)
 from .losses import __all__ as _MULTICLASS_LOSSES
 from .selective import (
@@ -163,3 +164,4 @@ __all__ += ["LOSS_FUNCTIONS", "METRIC_FUNCTIONS"]
 
 # the functional losses (their nn.Module twins are in torchcal.losses)
 __all__ += LOSS_FUNCTIONS
+__all__ += ["FUSED_LOSSES", "fused_linear_loss"]  # the fused linear head + loss (language-model vocabularies)

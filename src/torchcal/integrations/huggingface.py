@@ -46,7 +46,7 @@ from ..losses import _BinaryLoss
 from ..metrics import EQUAL_MASS_METRICS, EQUAL_WIDTH_METRICS, CalibrationMetrics, metric_rows
 from . import _multilabel as ML
 
-__all__ = ["loss_func", "compute_metrics", "CalibrationTrainer"]
+__all__ = ["loss_func", "compute_metrics", "CalibrationTrainer", "fused_loss", "FusedCalibrationTrainer"]
 
 
 def _logits_of(outputs) -> torch.Tensor:
@@ -229,6 +229,201 @@ class CalibrationTrainer(Trainer):
         adaptive = [m for m in self.calibration_loss.modules() if isinstance(m, AdaFocalLoss | CalFocalLoss)]
         if update and adaptive and output.predictions is not None and output.label_ids is not None:
             logits, labels = _rows(output.predictions, output.label_ids, self.calibration_ignore_index)
+            for module in adaptive:
+                module.update(logits, labels, from_logits=True)
+        return output
+
+
+# -- the fused head: training without the logits (decision 128) ----------------------------------------------
+
+# configuration fields of models that transform the head's logits after the matmul (soft-capping, scaling):
+# the fused loss computes the loss of the plain head, so these models are refused
+_LOGIT_TRANSFORMS = {
+    "final_logit_softcapping": (None,),
+    "logit_scale": (None, 1, 1.0),
+    "logits_scaling": (None, 1, 1.0),
+}
+
+
+def _unwrapped(model):
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):  # DDP, DataParallel
+        model = model.module
+    return model
+
+
+def _fused_head(model, head=None) -> torch.nn.Module:
+    """The model's output head: ``head`` if given, else its output embeddings (language-model heads), else
+    its ``classifier`` or ``score`` (token-classification heads); a linear layer."""
+    model = _unwrapped(model)
+    if head is None:
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        for name in ("classifier", "score"):
+            if head is None and isinstance(getattr(model, name, None), torch.nn.Module):
+                head = getattr(model, name)
+    if not isinstance(head, torch.nn.Linear):
+        raise TypeError(
+            f"the fused loss needs the model's output head as a torch.nn.Linear (pass head=...), got "
+            f"{type(head).__name__}"
+        )
+    config = getattr(model, "config", None)
+    for field, plain in _LOGIT_TRANSFORMS.items():
+        value = getattr(config, field, None)
+        if value not in plain:
+            raise ValueError(
+                f"{type(model).__name__} transforms its logits after the head ({field}={value!r}); the fused "
+                "loss computes the loss of the plain head: train it with CalibrationTrainer instead"
+            )
+    return head
+
+
+def _is_causal_lm(model) -> bool:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return type(_unwrapped(model)).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+
+
+def _shifted(labels, ignore_index):
+    """Labels of a causal LM aligned with its positions: position i predicts token i + 1 (Hugging Face's
+    ``ForCausalLMLoss``); the last position gets ``ignore_index``."""
+    if ignore_index is None:
+        raise ValueError("a causal LM's shifted labels are padded with ignore_index: the loss needs one")
+    return torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+
+
+@contextlib.contextmanager
+def _head_input(head: torch.nn.Linear):
+    """Inside the block, calling ``head`` records its input and returns an empty (..., 0) tensor in place of
+    the logits, so the model's forward pass never computes them (anything that tries to use them fails loudly
+    on the empty class dimension)."""
+    captured = []
+
+    def capture(hidden):
+        captured.append(hidden)
+        return hidden.new_empty(*hidden.shape[:-1], 0)
+
+    head.forward = capture
+    try:
+        yield captured
+    finally:
+        del head.forward
+
+
+def _as_fused(loss, chunk_size=None, vocab_chunk_size=None):
+    from ..losses import FusedLinearLoss
+
+    if isinstance(loss, FusedLinearLoss):
+        if chunk_size is not None or vocab_chunk_size is not None:
+            raise ValueError("chunk sizes are set on the FusedLinearLoss itself")
+        return loss
+    return FusedLinearLoss(loss, chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size)
+
+
+def _fused_from_hidden(fused, head, hidden, labels, num_items_in_batch, causal):
+    if causal:
+        labels = _shifted(labels, fused.ignore_index)
+    if num_items_in_batch is None:
+        return fused(hidden, head.weight, labels, head.bias)
+    with _reduction(fused, "sum"):
+        total = fused(hidden, head.weight, labels, head.bias)
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(total.device)
+    return total / num_items_in_batch
+
+
+def fused_loss(model, inputs, loss, *, num_items_in_batch=None, head=None, shift_labels=None):
+    """The loss of a Hugging Face model's batch computed by the fused head, without its logits: the model
+    runs on ``inputs`` without ``labels``, its output head (a ``nn.Linear``: the language-model head, or the
+    token classifier) hands its input to :class:`torchcal.losses.FusedLinearLoss`. Causal LMs (the
+    ``AutoModelForCausalLM`` classes, or ``shift_labels=True``) predict the next token: labels are shifted as
+    Hugging Face's ``ForCausalLMLoss`` does. ``loss`` is a torchcal loss module or name, or a
+    ``FusedLinearLoss``. With ``num_items_in_batch`` the loss is the batch's sum divided by it (the
+    Trainer's gradient-accumulation convention), else the loss's own reduction.
+
+    Models that transform the logits after the head (Gemma-2 soft-capping, Cohere's and Granite's logit
+    scaling) are refused: their loss is not the plain head's.
+    """
+    if not isinstance(inputs, Mapping) or inputs.get("labels") is None:
+        raise ValueError("`inputs` must be a mapping with the batch's `labels`")
+    fused = _as_fused(loss)
+    head = _fused_head(model, head)
+    causal = _is_causal_lm(model) if shift_labels is None else bool(shift_labels)
+    inputs = dict(inputs)
+    labels = inputs.pop("labels")
+    with _head_input(head) as captured:
+        model(**inputs)
+    if len(captured) != 1:
+        raise RuntimeError(
+            f"the output head was called {len(captured)} times in one forward pass, expected once"
+        )
+    return _fused_from_hidden(fused, head, captured[0], labels, num_items_in_batch, causal)
+
+
+class FusedCalibrationTrainer(CalibrationTrainer):
+    """A :class:`CalibrationTrainer` whose training steps compute the loss with the fused head
+    (:class:`torchcal.losses.FusedLinearLoss`, chunk sizes ``chunk_size`` / ``vocab_chunk_size``), never
+    materialising the logits; evaluation and prediction steps, which return the logits, compute them and the
+    same loss unfused. Labels of causal LMs are shifted (position i predicts token i + 1) in both, and the
+    AdaFocal update after an evaluation uses the shifted labels too (it needs the evaluation logits, which the
+    Trainer keeps when ``compute_metrics`` is set). ``calibration_loss`` is a torchcal loss module or name
+    (``"flsd-53"``) or a :class:`~torchcal.losses.FusedLinearLoss`."""
+
+    def __init__(
+        self,
+        *args,
+        calibration_loss,
+        chunk_size: int | None = None,
+        vocab_chunk_size: int | None = None,
+        shift_labels: bool | None = None,
+        ignore_index: int | None = -100,
+        **kwargs,
+    ):
+        fused = _as_fused(calibration_loss, chunk_size, vocab_chunk_size)
+        super().__init__(*args, calibration_loss=fused.loss, ignore_index=ignore_index, **kwargs)
+        self.fused_loss = fused
+        self._causal = _is_causal_lm(self.model) if shift_labels is None else bool(shift_labels)
+        if self._causal:  # the unfused evaluation loss on shifted labels as well
+            unfused = self.compute_loss_func
+
+            def shifted_loss(outputs, labels, num_items_in_batch=None):
+                labels = None if labels is None else _shifted(labels, fused.ignore_index)
+                return unfused(outputs, labels, num_items_in_batch=num_items_in_batch)
+
+            self.compute_loss_func = shifted_loss
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if return_outputs or not model.training or inputs.get("labels") is None:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        head = _fused_head(model)
+        unfused, causal = self.compute_loss_func, self._causal
+        with _head_input(head) as captured:
+
+            def fused(outputs, labels, num_items_in_batch=None):
+                if len(captured) != 1:
+                    raise RuntimeError(f"the output head was called {len(captured)} times, expected once")
+                return _fused_from_hidden(
+                    self.fused_loss, head, captured[0], labels, num_items_in_batch, causal
+                )
+
+            self.compute_loss_func = fused  # the Trainer's own bookkeeping (labels, token counts) around it
+            try:
+                return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            finally:
+                self.compute_loss_func = unfused
+
+    def evaluation_loop(self, *args, **kwargs):
+        if not self._causal:
+            return super().evaluation_loop(*args, **kwargs)
+        output = Trainer.evaluation_loop(self, *args, **kwargs)
+        prefix = kwargs.get("metric_key_prefix", args[4] if len(args) > 4 else "eval")
+        adaptive = [m for m in self.calibration_loss.modules() if isinstance(m, AdaFocalLoss | CalFocalLoss)]
+        if prefix == "eval" and adaptive and output.predictions is not None and output.label_ids is not None:
+            predictions = (
+                output.predictions[0] if isinstance(output.predictions, tuple) else output.predictions
+            )
+            labels = np.asarray(output.label_ids)
+            logits, labels = _rows(
+                np.asarray(predictions)[:, :-1], labels[:, 1:], self.calibration_ignore_index
+            )
             for module in adaptive:
                 module.update(logits, labels, from_logits=True)
         return output
