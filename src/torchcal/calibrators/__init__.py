@@ -4,7 +4,7 @@ Use a class directly or the registry::
 
     >>> from torchcal.calibrators import create, list_calibrators
     >>> list_calibrators()
-    ['ets', 'fts', 'histogram', 'isotonic', 'matrix', 'spline', 'ts', 'vector']
+    ['bcts', 'ets', 'fts', 'histogram', 'isotonic', 'matrix', 'nbvs', 'sms', 'spline', 'svs', 'ts', 'vector']
     >>> create("ts", objective="ece")
     TemperatureScaling(objective='ece', n_bins=15, grid=..., bounds=(0.01, 100.0))
 """
@@ -23,7 +23,8 @@ from .binary import (
     PlattScaling,
 )
 from .nonparametric import HistogramBinning, IsotonicCalibration, SplineCalibration
-from .scaling import MatrixScaling, VectorScaling
+from .scaling import BiasCorrectedTemperatureScaling, MatrixScaling, NoBiasVectorScaling, VectorScaling
+from .structured import StructuredMatrixScaling, StructuredVectorScaling
 from .temperature import (
     FTS_GAMMA_GRID,
     FTS_TEMPERATURE_GRID,
@@ -43,6 +44,10 @@ _REGISTRY: dict[str, type[Calibrator]] = {
     "isotonic": IsotonicCalibration,
     "vector": VectorScaling,
     "matrix": MatrixScaling,
+    "svs": StructuredVectorScaling,
+    "sms": StructuredMatrixScaling,
+    "bcts": BiasCorrectedTemperatureScaling,
+    "nbvs": NoBiasVectorScaling,
 }
 _ALIASES = {cls.name: key for key, cls in _REGISTRY.items()}
 _ALIASES.update({"temperature": "ts", "histogram_binning": "histogram"})
@@ -141,6 +146,7 @@ def from_json(text: str) -> Calibrator:
 
 
 __all__ = [
+    "BiasCorrectedTemperatureScaling",
     "BinaryCalibrator",
     "BinaryFocalTemperatureScaling",
     "BinaryHistogramBinning",
@@ -154,10 +160,13 @@ __all__ = [
     "HistogramBinning",
     "IsotonicCalibration",
     "MatrixScaling",
+    "NoBiasVectorScaling",
     "NotFittedError",
     "PAPER_TEMPERATURE_GRID",
     "PlattScaling",
     "SplineCalibration",
+    "StructuredMatrixScaling",
+    "StructuredVectorScaling",
     "TemperatureScaling",
     "VectorScaling",
     "create",
