@@ -3,8 +3,11 @@
 Use a class directly or the registry::
 
     >>> from torchcal.calibrators import create, list_calibrators
-    >>> list_calibrators()
-    ['bcts', 'ets', 'fts', 'histogram', 'isotonic', 'matrix', 'nbvs', 'sms', 'spline', 'svs', 'ts', 'vector']
+    >>> names = list_calibrators()
+    >>> names[:7]
+    ['bcts', 'dirichlet', 'dirichlet_diag', 'ets', 'fts', 'histogram', 'isotonic']
+    >>> names[7:]
+    ['matrix', 'nbvs', 'sms', 'spline', 'svs', 'ts', 'vector']
     >>> create("ts", objective="ece")
     TemperatureScaling(objective='ece', n_bins=15, grid=..., bounds=(0.01, 100.0))
 """
@@ -22,6 +25,7 @@ from .binary import (
     BinaryTemperatureScaling,
     PlattScaling,
 )
+from .dirichlet import DiagonalDirichletCalibration, DirichletCalibration
 from .nonparametric import HistogramBinning, IsotonicCalibration, SplineCalibration
 from .scaling import BiasCorrectedTemperatureScaling, MatrixScaling, NoBiasVectorScaling, VectorScaling
 from .structured import StructuredMatrixScaling, StructuredVectorScaling
@@ -48,6 +52,8 @@ _REGISTRY: dict[str, type[Calibrator]] = {
     "sms": StructuredMatrixScaling,
     "bcts": BiasCorrectedTemperatureScaling,
     "nbvs": NoBiasVectorScaling,
+    "dirichlet": DirichletCalibration,
+    "dirichlet_diag": DiagonalDirichletCalibration,
 }
 _ALIASES = {cls.name: key for key, cls in _REGISTRY.items()}
 _ALIASES.update({"temperature": "ts", "histogram_binning": "histogram"})
@@ -153,6 +159,8 @@ __all__ = [
     "BinaryIsotonicCalibration",
     "BinaryTemperatureScaling",
     "Calibrator",
+    "DiagonalDirichletCalibration",
+    "DirichletCalibration",
     "EnsembleTemperatureScaling",
     "FTS_GAMMA_GRID",
     "FTS_TEMPERATURE_GRID",

@@ -35,16 +35,18 @@ def _residual(p, y):
 
 
 class DiagModel:
-    """Logits ``o = offset + f ⊙ (E_w θ) + E_b θ`` for features f (N, K): per-class or shared scale and an
-    optional bias, through fixed linear maps from the parameter vector θ (P,) to the scale w (K,) and the
-    bias b (K,). ``penalty(θ)`` returns (value, gradient, Hessian or None)."""
+    """Logits ``o = offset + f ⊙ w + b`` for features f (N, K), the scale w per class (``scale="class"``),
+    shared (``"shared"``: one θ entry for all classes) or absent (``"none"``), plus ``scale0``; the bias b
+    on all classes (``bias=True``), on all but the last (``"all_but_last"``: b_K = 0) or absent.
+    θ = [scale entries, bias entries]. ``penalty(θ, order)`` returns (value, gradient, Hessian or None)."""
 
-    def __init__(self, f, y, scale: str, bias: bool, offset=None, penalty=None, scale0=None):
+    def __init__(self, f, y, scale: str, bias, offset=None, penalty=None, scale0=None):
         self.f, self.y, self.offset = f, y, offset
         self.k = f.shape[1]
-        self.scale, self.bias = scale, bias  # scale in {"class", "shared", "none"}
+        self.scale = scale
         self.n_scale = {"class": self.k, "shared": 1, "none": 0}[scale]
-        self.n_params = self.n_scale + (self.k if bias else 0)
+        self.n_bias = {True: self.k, "all_but_last": self.k - 1, False: 0}[bias]
+        self.n_params = self.n_scale + self.n_bias
         self.scale0 = scale0  # added to the scale (e.g. 1 for v = 1 + δ)
         self.penalty = penalty
 
@@ -55,107 +57,25 @@ class DiagModel:
         return self
 
     def split(self, theta):
+        """(w (K,), b (K,) or None) for θ."""
         k = self.k
         w = theta[: self.n_scale]
         if self.scale == "shared":
             w = w.expand(k)
         if self.scale0 is not None:
             w = w + self.scale0
-        b = theta[self.n_scale :] if self.bias else None
+        b = theta[self.n_scale :] if self.n_bias else None
+        if b is not None and self.n_bias < k:
+            b = torch.cat([b, b.new_zeros(k - self.n_bias)])
         return w, b
 
-    def logits(self, theta, f=None, offset=None):
-        f = self.f if f is None else f
-        offset = self.offset if f is self.f else offset
-        w, b = self.split(theta.to(f.dtype))
-        o = f * w if self.scale != "none" else torch.zeros_like(f)
+    def logits(self, theta):
+        w, b = self.split(theta.to(self.f.dtype))
+        o = self.f * w if self.scale != "none" else torch.zeros_like(self.f)
         if b is not None:
             o += b
-        if offset is not None:
-            o += offset
-        return o
-
-    def __call__(self, theta, order: int):
-        f, y, n = self.f, self.y, self.f.shape[0]
-        loss, p = _ce_terms(self.logits(theta), y)
-        value = loss.to(theta.dtype)
-        grad = hess = None
-        if order >= 1:
-            r = _residual(p, y)
-            parts = []
-            if self.scale != "none":
-                gw = (r * f).sum(0) / n
-                parts.append(gw.sum(0, keepdim=True) if self.scale == "shared" else gw)
-            if self.bias:
-                parts.append(r.sum(0) / n)
-            grad = torch.cat(parts).to(theta.dtype)
-        if order >= 2:
-            cols, diag_blocks = [], []
-            if self.scale != "none":
-                a = f * p
-                cols.append(a)
-            if self.bias:
-                cols.append(p)
-            m = torch.cat(cols, 1)
-            gram = (m.T @ m) / n
-            k = self.k
-            # the diagonal part: mean of f²p, fp, p per class, arranged as the 2x2 (or 1x1) block pattern
-            d_ww = (a * f).sum(0) / n if self.scale != "none" else None
-            d_wb = a.sum(0) / n if self.scale != "none" and self.bias else None
-            d_bb = p.sum(0) / n if self.bias else None
-            big = -gram
-            if self.scale != "none":
-                big[:k, :k] += torch.diag(d_ww)
-            if self.bias:
-                o = k if self.scale != "none" else 0
-                big[o:, o:] += torch.diag(d_bb)
-                if d_wb is not None:
-                    big[:k, k:] += torch.diag(d_wb)
-                    big[k:, :k] += torch.diag(d_wb)
-            if self.scale == "shared":  # θ's first entry drives all K scales: sum their rows and columns
-                head = big[:k].sum(0, keepdim=True)
-                big = torch.cat([head, big[k:]], 0)
-                head = big[:, :k].sum(1, keepdim=True)
-                big = torch.cat([head, big[:, k:]], 1)
-            hess = big.to(theta.dtype)
-            del diag_blocks
-        if self.penalty is not None:
-            pv, pg, ph = self.penalty(theta, order)
-            value = value + pv
-            if grad is not None:
-                grad = grad + pg
-            if hess is not None:
-                hess = hess + ph
-        return value, grad, hess
-
-
-class FullModel:
-    """Logits ``o = offset + f Wᵀ + b`` with θ = [vec(W) row-major (K·K), b (K)] (W measured from
-    ``weight0``, e.g. the identity for W = I + Δ)."""
-
-    def __init__(self, f, y, offset=None, penalty=None, weight0=None):
-        self.f, self.y, self.offset = f, y, offset
-        self.k = f.shape[1]
-        self.n_params = self.k * self.k + self.k
-        self.weight0 = weight0
-        self.penalty = penalty
-
-    to = DiagModel.to
-
-    def split(self, theta):
-        k = self.k
-        w = theta[: k * k].view(k, k)
-        if self.weight0 is not None:
-            w = w + self.weight0.to(w.dtype)
-        return w, theta[k * k :]
-
-    def logits(self, theta, f=None, offset=None):
-        f = self.f if f is None else f
-        offset = self.offset if f is self.f else offset
-        w, b = self.split(theta.to(f.dtype))
-        o = torch.addmm(b, f, w.T)
-        if offset is not None:
-            o += offset
+        if self.offset is not None:
+            o += self.offset
         return o
 
     def __call__(self, theta, order: int):
@@ -165,40 +85,149 @@ class FullModel:
         grad = hess = None
         if order >= 1:
             r = _residual(p, y)
+            parts = []
+            if self.scale != "none":
+                gw = (r * f).sum(0) / n
+                parts.append(gw.sum(0, keepdim=True) if self.scale == "shared" else gw)
+            if self.n_bias:
+                parts.append(r.sum(0)[: self.n_bias] / n)
+            grad = torch.cat(parts).to(theta.dtype)
+        if order >= 2:
+            # H over [w (K), b (K)] = diag blocks of mean f²p, fp, p minus the Gram matrix of [f ⊙ p, p]
+            # (formed in float32: Newton needs only an approximate Hessian, the gradient stays exact)
+            cols = []
+            if self.scale != "none":
+                a = f * p
+                cols.append(a)
+            if self.n_bias:
+                cols.append(p)
+            m = torch.cat(cols, 1).float()
+            big = -(m.T @ m).to(f.dtype) / n
+            if self.scale != "none":
+                big[:k, :k] += torch.diag((a * f).sum(0) / n)
+            if self.n_bias:
+                o = k if self.scale != "none" else 0
+                big[o:, o:] += torch.diag(p.sum(0) / n)
+                if self.scale != "none":
+                    d_wb = torch.diag(a.sum(0) / n)
+                    big[:k, k:] += d_wb
+                    big[k:, :k] += d_wb
+                if self.n_bias < k:  # drop the fixed last bias
+                    keep = torch.arange(o + self.n_bias, device=f.device)
+                    big = big[keep][:, keep]
+            if self.scale == "shared":  # θ's first entry drives all K scales: sum their rows and columns
+                head = big[:k].sum(0, keepdim=True)
+                big = torch.cat([head, big[k:]], 0)
+                head = big[:, :k].sum(1, keepdim=True)
+                big = torch.cat([head, big[:, k:]], 1)
+            hess = big.to(theta.dtype)
+        return _add_penalty(self.penalty, theta, order, value, grad, hess)
+
+    def diag_hessian(self, theta):
+        """Diagonal of the Hessian of the cross-entropy part at θ (for preconditioning)."""
+        f, n = self.f, self.f.shape[0]
+        _, p = _ce_terms(self.logits(theta), self.y)
+        v = p * (1 - p)
+        parts = []
+        if self.scale == "class":
+            parts.append((v * f * f).sum(0) / n)
+        elif self.scale == "shared":
+            fp = (f * p).sum(1)
+            parts.append(((f * f * p).sum(1) - fp * fp).sum(0, keepdim=True) / n)
+        if self.n_bias:
+            parts.append(v.sum(0)[: self.n_bias] / n)
+        return torch.cat(parts).to(theta.dtype)
+
+
+def _add_penalty(penalty, theta, order, value, grad, hess):
+    if penalty is not None:
+        pv, pg, ph = penalty(theta, order)
+        value = value + pv
+        if grad is not None:
+            grad = grad + pg
+        if hess is not None:
+            hess = hess + ph
+    return value, grad, hess
+
+
+class FullModel:
+    """Logits ``o = offset + f Wᵀ + b`` with θ = [W (R, K) row-major, b (R)]: the first ``rows`` = R rows
+    of [W | b] are free and the others are 0 (R = K − 1 fixes the last class's logit at 0, the
+    reference-row parametrisation of Dirichlet calibration). W is measured from ``weight0`` (K, K), e.g.
+    the identity for W = I + Δ."""
+
+    def __init__(self, f, y, offset=None, penalty=None, weight0=None, rows=None):
+        self.f, self.y, self.offset = f, y, offset
+        self.k = f.shape[1]
+        self.rows = self.k if rows is None else rows
+        self.n_params = self.rows * (self.k + 1)
+        self.weight0 = weight0
+        self.penalty = penalty
+
+    to = DiagModel.to
+
+    def split(self, theta):
+        """(W (K, K), b (K,)) for θ."""
+        k, r = self.k, self.rows
+        w, b = theta[: r * k].view(r, k), theta[r * k :]
+        if r < k:
+            w = torch.cat([w, w.new_zeros(k - r, k)])
+            b = torch.cat([b, b.new_zeros(k - r)])
+        if self.weight0 is not None:
+            w = w + self.weight0.to(w.dtype)
+        return w, b
+
+    def logits(self, theta):
+        w, b = self.split(theta.to(self.f.dtype))
+        o = torch.addmm(b, self.f, w.T)
+        if self.offset is not None:
+            o += self.offset
+        return o
+
+    def __call__(self, theta, order: int):
+        f, y, n, k, rows = self.f, self.y, self.f.shape[0], self.k, self.rows
+        loss, p = _ce_terms(self.logits(theta), y)
+        value = loss.to(theta.dtype)
+        grad = hess = None
+        if order >= 1:
+            r = _residual(p, y)[:, :rows]
             grad = torch.cat([(r.T @ f).reshape(-1), r.sum(0)]).div_(n).to(theta.dtype)
         if order >= 2:
             x = torch.cat([f, torch.ones_like(f[:, :1])], 1)  # (N, K+1)
-            # H[(k,a),(j,c)] = mean_i (p_ik δ_kj − p_ik p_ij) x_ia x_ic, in the layout (W row-major, then b)
-            px = (p[:, :, None] * x[:, None, :]).reshape(n, -1)
+            # H[(k,a),(j,c)] = mean_i (p_ik δ_kj − p_ik p_ij) x_ia x_ic over the free rows k, j, in the
+            # layout (W row-major, then b). Formed in float32 (half the cost; Newton needs only an
+            # approximate Hessian, the gradient stays exact); Σ_i p_ik x_i x_iᵀ by one matrix product.
+            p32, x32 = p[:, :rows].float(), x.float()
+            px = (p32[:, :, None] * x32[:, None, :]).reshape(n, -1)
             h = -(px.T @ px)
-            blocks = torch.einsum("nk,na,nc->kac", p, x, x)
-            h4 = h.view(k, k + 1, k, k + 1)
-            idx = torch.arange(k, device=f.device)
+            blocks = (px.T @ x32).view(rows, k + 1, k + 1)
+            h4 = h.view(rows, k + 1, rows, k + 1)
+            idx = torch.arange(rows, device=f.device)
             h4[idx, :, idx, :] += blocks
             h = h4.div_(n)
             # reorder from (k, a) with a = K being the bias, into [W (k, j<K)..., b (k)]
-            perm = torch.cat(
-                [
-                    (torch.arange(k, device=f.device)[:, None] * (k + 1) + torch.arange(k, device=f.device)).reshape(-1),
-                    torch.arange(k, device=f.device) * (k + 1) + k,
-                ]
-            )
-            h = h.reshape(k * (k + 1), k * (k + 1))[perm][:, perm]
-            hess = h.to(theta.dtype)
-        if self.penalty is not None:
-            pv, pg, ph = self.penalty(theta, order)
-            value = value + pv
-            if grad is not None:
-                grad = grad + pg
-            if hess is not None:
-                hess = hess + ph
-        return value, grad, hess
+            ar, ak = torch.arange(rows, device=f.device), torch.arange(k, device=f.device)
+            perm = torch.cat([(ar[:, None] * (k + 1) + ak).reshape(-1), ar * (k + 1) + k])
+            size = rows * (k + 1)
+            hess = h.reshape(size, size)[perm][:, perm].to(theta.dtype)
+        return _add_penalty(self.penalty, theta, order, value, grad, hess)
+
+    def diag_hessian(self, theta):
+        """Diagonal of the Hessian of the cross-entropy part at θ (for preconditioning)."""
+        f, n, k = self.f, self.f.shape[0], self.k
+        _, p = _ce_terms(self.logits(theta), self.y)
+        v = (p * (1 - p))[:, : self.rows]
+        x2 = torch.cat([f * f, torch.ones_like(f[:, :1])], 1)
+        d = (v.T @ x2) / n  # (R, K+1)
+        return torch.cat([d[:, :k].reshape(-1), d[:, k]]).to(theta.dtype)
 
 
 def ridge(weights: torch.Tensor, center: torch.Tensor | None = None):
     """Penalty Σ_j weights_j (θ_j − center_j)² as (value, gradient, Hessian) of θ."""
 
     def penalty(theta, order=2):
+        if order == "diag":
+            return 2 * weights.to(theta.dtype)
         d = theta if center is None else theta - center.to(theta.dtype)
         w = weights.to(theta.dtype)
         return (w * d * d).sum(), 2 * w * d, (torch.diag(2 * w) if order >= 2 else None)
@@ -247,18 +276,22 @@ def newton(fun: Callable, x0: torch.Tensor, max_iter: int = 100, tol: float = 1e
 
 
 def lbfgs(
-    fun: Callable, x0: torch.Tensor, max_iter: int = 1000, gtol: float = 1e-6, ftol: float | None = None,
+    fun: Callable,
+    x0: torch.Tensor,
+    max_iter: int = 1000,
+    gtol: float = 1e-6,
+    ftol: float | None = None,
     history: int = 20,
 ):
     """L-BFGS (two-loop recursion, ``history`` pairs) with a strong-Wolfe line search (torch's cubic
     interpolating search, c1 = 1e-4, c2 = 0.9) on ``fun(θ, 1) -> (f, g, _)``, with the analytic gradient
     (no autograd graph, no optimizer object). The first step is scaled to unit length. Stops when max |g| ≤
-    ``gtol`` or the objective changes by less than ``ftol`` relative to max(1, |f|) (default 1e-13 in
+    ``gtol`` or the objective changes by less than ``ftol`` relative to max(1, |f|) (default 1e-11 in
     float64, 1e-7 in float32). Returns (θ, f, iterations, converged)."""
     from torch.optim.lbfgs import _strong_wolfe  # a plain function: no optimizer (and no dynamo) import
 
     if ftol is None:
-        ftol = 1e-13 if x0.dtype == torch.float64 else 1e-7
+        ftol = 1e-11 if x0.dtype == torch.float64 else 1e-7
     x = x0.clone()
     f, g, _ = fun(x, 1)
     s_hist, y_hist, rho_hist = [], [], []
@@ -311,7 +344,16 @@ def minimize(model, x0: torch.Tensor, solver: str = "auto", max_iter: int = 1000
         solver = "newton" if p <= NEWTON_MAX_PARAMS and n * p * p <= NEWTON_MAX_WORK else "lbfgs"
     if solver == "newton":  # in float64: the Hessian is small, and Newton's end game needs the precision
         out = newton(model.to(torch.float64), x0.double(), max_iter=min(max_iter, 200))
-    else:
-        out = lbfgs(model, x0, max_iter=max_iter)
-    return (*out, solver)
+    else:  # L-BFGS on θ = D^(-1/2) u, D the Hessian's diagonal at x0: the variables become comparable
+        d = model.diag_hessian(x0)
+        if model.penalty is not None:
+            d = d + model.penalty(x0, "diag")
+        scale = d.clamp_min(1e-12 * float(d.max().clamp_min(1e-30))).rsqrt()
 
+        def scaled(u, order):
+            value, grad, _ = model(u * scale, order)
+            return value, (None if grad is None else grad * scale), None
+
+        u, *rest = lbfgs(scaled, x0 / scale, max_iter=max_iter)
+        out = (u * scale, *rest)
+    return (*out, solver)

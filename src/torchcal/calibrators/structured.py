@@ -59,7 +59,8 @@ class _Structured(Calibrator):
         weight, bias = model.split(theta)
         if not converged:
             warnings.warn(
-                f"{type(self).__name__} did not converge in {self.max_iter} iterations ({solver})", stacklevel=4
+                f"{type(self).__name__} did not converge in {self.max_iter} iterations ({solver})",
+                stacklevel=4,
             )
         self.beta_ = float(beta)
         self.epsilon_ = float(epsilon)
