@@ -68,6 +68,14 @@ def abstention(kind):
     return run
 
 
+def probmetrics_ovr_beta(zc, yc, zt):
+    from probmetrics.calibrators import BetacalCalibrator, MulticlassOneVsRestCalibrator
+
+    cal = MulticlassOneVsRestCalibrator(BetacalCalibrator())
+    cal.fit(_probs32(zc), yc.numpy())
+    return cal.predict_proba(_probs32(zt))
+
+
 def torchcal(spec):
     def run(zc, yc, zt):
         return create(spec).fit(zc, yc).transform(zt)
@@ -87,6 +95,11 @@ METHODS = {
     "vector": ([("torchcal vector", torchcal("vector")), ("abstention vector", abstention("vector"))], 10**9),
     "sms": ([("torchcal sms", torchcal("sms")), ("probmetrics sms", probmetrics("sms"))], 100),
     "matrix": ([("torchcal matrix", torchcal("matrix"))], 100),
+    "dirichlet": (
+        [("torchcal dirichlet", torchcal("dirichlet")), ("probmetrics dircal", probmetrics("dircal"))],
+        10,
+    ),
+    "beta": ([("torchcal beta", torchcal("beta")), ("probmetrics beta-ovr", probmetrics_ovr_beta)], 100),
 }
 
 
@@ -94,6 +107,8 @@ def available(label):
     peer = label.split()[0]
     if peer == "torchcal":
         return True
+    if label == "probmetrics dircal":
+        peer = "dirichletcal"
     try:
         __import__(peer)
         return True
@@ -119,7 +134,8 @@ def main(argv=None):
     parser.add_argument(
         "--sizes", default="25000x1000,50000x10", help="NxK of the calibration set, comma-separated"
     )
-    parser.add_argument("--methods", default=",".join(METHODS))
+    # dirichlet is opt-in: dirichletcal's un-jitted jax Newton takes minutes at 50k x 10
+    parser.add_argument("--methods", default=",".join(m for m in METHODS if m != "dirichlet"))
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--threads", type=int, default=int(os.environ.get("BENCH_THREADS", "1")))
     parser.add_argument("--out", default=None)

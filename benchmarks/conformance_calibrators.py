@@ -96,6 +96,17 @@ def dirichletcal_diag(zc, yc, zt):
     return cal.predict_proba(_probs(zt)), {}
 
 
+def betacal_binary(zc, yc, zt):
+    """betacal on s = p_0 with labels 1[y = 0] (zc, zt here are the binary logits logit(p_0))."""
+    from betacal import BetaCalibration
+
+    cal = BetaCalibration(parameters="abm")
+    cal.fit(torch.sigmoid(zc.double()).numpy().astype(np.float32), yc.numpy())
+    p = cal.predict(torch.sigmoid(zt.double()).numpy().astype(np.float32))
+    a, b, m = (float(v) for v in cal.calibrator_.map_)
+    return np.stack([1 - p, p], 1), {"a": a, "b": b, "m": m}
+
+
 def probmetrics_ovr_beta(zc, yc, zt):
     from probmetrics.calibrators import BetacalCalibrator, MulticlassOneVsRestCalibrator
 
@@ -128,7 +139,24 @@ METHODS = {
     "bcts": ("bcts", "abstention TempScaling(bias_positions='all')", abstention_method("bcts"), DATASETS),
     "nbvs": ("nbvs", "abstention NoBiasVectorScaling", abstention_method("nbvs"), DATASETS),
     "vector": ("vector", "abstention VectorScaling", abstention_method("vector"), DATASETS),
-    "dirichlet": ("dirichlet", "probmetrics dircal (dirichletcal b03f65f, jax)", probmetrics_method("dircal"), DATASETS),
+    "dirichlet": (
+        "dirichlet",
+        "probmetrics dircal (dirichletcal b03f65f, jax)",
+        probmetrics_method("dircal"),
+        DATASETS,
+    ),
+    "beta": (
+        "beta",
+        "probmetrics MulticlassOneVsRestCalibrator(BetacalCalibrator())",
+        probmetrics_ovr_beta,
+        DATASETS,
+    ),
+    "beta_binary": (
+        "binary:beta",
+        "betacal 1.1.0 BetaCalibration('abm'), class 0 against the rest",
+        betacal_binary,
+        DATASETS,
+    ),
     "dirichlet_diag": (
         "dirichlet_diag",
         "dirichletcal b03f65f DiagonalDirichletCalibrator(reg_lambda=1e-3, reg_mu=1e-3)",
@@ -136,6 +164,15 @@ METHODS = {
         DATASETS,
     ),
 }
+
+
+def binary_view(spec, data):
+    """For binary methods: the logit of p_0 and the labels 1[y = 0] (class 0 against the rest)."""
+    if not spec.startswith("binary:"):
+        return data
+    z, y = data
+    ell = torch.log_softmax(z, 1)[:, 0]
+    return ell - torch.log(-torch.expm1(ell)), (y == 0).long()
 
 
 def versions():
@@ -164,14 +201,18 @@ def main(argv=None):
         entry = golden["methods"].setdefault(name, {"peer": label, "torchcal": spec, "results": {}})
         entry["peer"], entry["torchcal"] = label, spec
         for ds, (n, k, seed) in datasets.items():
-            (zc, yc), (zt, yt) = split(*synthetic_logits(n, k, seed, dtype=torch.float64))
+            (zc, yc), (zt, yt) = split(*binary_view(spec, synthetic_logits(n, k, seed, dtype=torch.float64)))
             t0 = time.perf_counter()
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 out, params = peer(zc, yc, torch.cat([zc, zt]))
             t_peer = time.perf_counter() - t0
             t0 = time.perf_counter()
-            ours = create(spec).fit(zc, yc).transform(torch.cat([zc, zt])).numpy()
+            if spec.startswith("binary:"):
+                p = create(spec.split(":")[1], task="multilabel").fit(zc, yc).transform(torch.cat([zc, zt]))
+                ours = torch.stack([1 - p, p], 1).numpy()
+            else:
+                ours = create(spec).fit(zc, yc).transform(torch.cat([zc, zt])).numpy()
             t_ours = time.perf_counter() - t0
             h = len(yc)
             train_peer, train_ours = scores(out[:h], yc.numpy())["nll"], scores(ours[:h], yc.numpy())["nll"]

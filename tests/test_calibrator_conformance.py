@@ -21,15 +21,33 @@ from torchcal.calibrators import (
 from torchcal.calibrators.structured import TAU32
 
 GOLDENS = json.loads((Path(__file__).parent / "data" / "calibrator_goldens.json").read_text())
-CASES = [(m, ds) for m, e in sorted(GOLDENS["methods"].items()) for ds in sorted(e["results"])]
+# full Dirichlet at 25k x 100 (9,999 weakly regularised parameters) takes minutes to fit on this CPU: it is
+# checked by benchmarks/conformance_calibrators.py (the golden file records the result), not by every run
+SLOW = {("dirichlet", "25k_x_100")}
+CASES = [
+    (m, ds)
+    for m, e in sorted(GOLDENS["methods"].items())
+    for ds in sorted(e["results"])
+    if (m, ds) not in SLOW
+]
 # the agreement criterion: test NLL within 0.002 of the peer's, or better
 AGREEMENT = 0.002
 # deterministic convex fits (SPEC §7): the same optimum as the peer's; the peers optimise in float32
 # (torchmin BFGS, gtol 1e-5) or with L-BFGS-B at tol 1e-7 and stop up to ~1.2e-4 short of it in test NLL
 # (see docs/decisions.md, decision 101), so we allow 1e-4 above the peer's and 2e-4 either side
-CONVEX_SAME_OPTIMUM = {"ts", "svs", "sms", "bcts", "nbvs"}
+CONVEX_SAME_OPTIMUM = {
+    "ts",
+    "svs",
+    "sms",
+    "bcts",
+    "nbvs",
+    "dirichlet",
+    "dirichlet_diag",
+    "beta",
+    "beta_binary",
+}
 # unregularised objectives: calibration NLL is exactly what both minimise, and ours must be as low
-UNREGULARISED = {"ts", "bcts", "nbvs", "vector"}
+UNREGULARISED = {"ts", "bcts", "nbvs", "vector", "beta_binary"}
 
 
 def _nll(probs, y):
@@ -43,9 +61,20 @@ def fitted():
     def get(method, ds):
         if (method, ds) not in cache:
             d = GOLDENS["datasets"][ds]
-            (zc, yc), (zt, yt) = split(*synthetic_logits(d["n"], d["k"], d["seed"], dtype=torch.float64))
-            cal = create(GOLDENS["methods"][method]["torchcal"]).fit(zc, yc)
-            cache[method, ds] = cal, _nll(cal.transform(zc), yc), _nll(cal.transform(zt), yt)
+            spec = GOLDENS["methods"][method]["torchcal"]
+            data = synthetic_logits(d["n"], d["k"], d["seed"], dtype=torch.float64)
+            if spec.startswith("binary:"):  # class 0 against the rest: the logit of p_0, labels 1[y = 0]
+                ell = torch.log_softmax(data[0], 1)[:, 0]
+                data = (ell - torch.log(-torch.expm1(ell)), (data[1] == 0).long())
+                cal = create(spec.split(":")[1], task="multilabel")
+                two = lambda z: torch.stack([1 - cal.transform(z), cal.transform(z)], 1)  # noqa: E731
+            else:
+                cal = create(spec)
+                two = None
+            (zc, yc), (zt, yt) = split(*data)
+            cal.fit(zc, yc)
+            probs = two or cal.transform
+            cache[method, ds] = cal, _nll(probs(zc), yc), _nll(probs(zt), yt)
         return cache[method, ds]
 
     return get
@@ -76,6 +105,17 @@ def test_svs_parameters_match_probmetrics(ds, fitted):
     # whose curvature is lowest), so 1e-2
     np.testing.assert_allclose(cal.weight_.numpy(), params["weight"], atol=1e-2)
     np.testing.assert_allclose(cal.bias_.numpy(), params["bias"], atol=1e-2)
+
+
+@pytest.mark.parametrize("ds", sorted(GOLDENS["methods"]["beta_binary"]["results"]))
+def test_binary_beta_parameters_match_betacal(ds, fitted):
+    params = GOLDENS["methods"]["beta_binary"]["results"][ds]["peer_params"]
+    a, b, _ = fitted("beta_binary", ds)[0].params_[0].tolist()
+    # sklearn's lbfgs stops at its default tolerance (1e-4 on the gradient) and C = 1e11 adds a ridge of
+    # 5e-12; with 1% positives (25k x 100, class 0) the objective is flat along b and the peer's b is 2.6e-3
+    # off while its calibration NLL is higher than ours (test above): 5e-3
+    assert a == pytest.approx(params["a"], abs=5e-3)
+    assert b == pytest.approx(params["b"], abs=5e-3)
 
 
 def test_ts_temperature_matches_probmetrics(fitted):
@@ -199,7 +239,9 @@ def test_large_k_uses_lbfgs_and_reaches_newtons_optimum():
     logits, targets = synthetic_logits(3000, 40, seed=10)
     a = StructuredVectorScaling(solver="lbfgs").fit(logits, targets)
     b = StructuredVectorScaling(solver="newton").fit(logits, targets)
-    assert _nll(a.transform(logits), targets) == pytest.approx(_nll(b.transform(logits), targets), abs=2e-6)
+    # float32 L-BFGS stops at a relative change of 1e-7 per iteration (NLL ≈ 2.2: 2.2e-7), and its linear
+    # rate leaves up to ~10x that to the optimum: 1e-5
+    assert _nll(a.transform(logits), targets) == pytest.approx(_nll(b.transform(logits), targets), abs=1e-5)
     assert StructuredMatrixScaling().fit(logits, targets).solver_ == "lbfgs"  # 1640 parameters
 
 
@@ -303,3 +345,43 @@ def test_dirichlet_matches_the_reference_objective_minimised_by_scipy(diagonal, 
     if not diagonal:
         np.testing.assert_allclose(cal.weight_.numpy(), w_ref[:, :k], atol=1e-3)
         assert (cal.weight_[-1] == 0).all() and cal.bias_[-1] == 0
+
+
+def test_binary_beta_matches_scipy_and_drops_a_negative_coefficient():
+    optimize = pytest.importorskip("scipy.optimize")
+    from torchcal.calibrators import BinaryBetaCalibration
+
+    g = torch.Generator().manual_seed(16)
+    z = 2 * torch.randn(3000, generator=g, dtype=torch.float64)
+    s = torch.sigmoid(z)
+    # label 0: a beta-shaped truth (a, b > 0); label 1: a truth decreasing in ln s for small s, so the
+    # unconstrained fit has a < 0 and betacal refits on −ln(1 − s) alone
+    truths = [
+        torch.sigmoid(0.7 * torch.log(s) - 1.4 * torch.log1p(-s) + 0.2),
+        torch.sigmoid(-3 * torch.log1p(-s) - 0.3 * torch.log(s) - 2),
+    ]
+    y = torch.stack([(torch.rand(3000, generator=g, dtype=torch.float64) < t).double() for t in truths], 1)
+    cal = BinaryBetaCalibration().fit(torch.stack([z, z], 1), y)
+    eps = float(torch.finfo(torch.float32).eps)
+    sc = s.clamp(eps, 1 - eps).numpy()
+    feats = np.stack([np.log(sc), -np.log1p(-sc)], 1)
+
+    def fit(cols, t):
+        x = np.c_[feats[:, cols], np.ones(len(t))]
+
+        def nll(w):
+            o = x @ w
+            return np.mean(np.logaddexp(0, o) - t * o)
+
+        return optimize.minimize(nll, np.zeros(x.shape[1]), method="BFGS", options={"gtol": 1e-10}).x
+
+    full = fit([0, 1], y[:, 0].numpy())
+    assert full[0] > 0 and full[1] > 0
+    np.testing.assert_allclose(cal.params_[0].numpy(), full, atol=1e-5)
+    assert fit([0, 1], y[:, 1].numpy())[0] < 0  # the case betacal treats by dropping ln s
+    only_b = fit([1], y[:, 1].numpy())
+    np.testing.assert_allclose(cal.params_[1].numpy(), [0.0, *only_b], atol=1e-5)
+    # monotone in s: the order of a label's scores is kept
+    out = cal.transform(torch.stack([z, z], 1))
+    order = torch.argsort(z)
+    assert (out[order].diff(dim=0) >= -1e-12).all()

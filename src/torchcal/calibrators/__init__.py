@@ -5,9 +5,9 @@ Use a class directly or the registry::
     >>> from torchcal.calibrators import create, list_calibrators
     >>> names = list_calibrators()
     >>> names[:7]
-    ['bcts', 'dirichlet', 'dirichlet_diag', 'ets', 'fts', 'histogram', 'isotonic']
+    ['bcts', 'beta', 'dirichlet', 'dirichlet_diag', 'ets', 'fts', 'histogram']
     >>> names[7:]
-    ['matrix', 'nbvs', 'sms', 'spline', 'svs', 'ts', 'vector']
+    ['isotonic', 'matrix', 'nbvs', 'sms', 'spline', 'svs', 'ts', 'vector']
     >>> create("ts", objective="ece")
     TemperatureScaling(objective='ece', n_bins=15, grid=..., bounds=(0.01, 100.0))
 """
@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 
 from .base import Calibrator, NotFittedError
+from .beta import BetaCalibration, BinaryBetaCalibration
 from .binary import (
     BinaryCalibrator,
     BinaryFocalTemperatureScaling,
@@ -26,6 +27,7 @@ from .binary import (
     PlattScaling,
 )
 from .dirichlet import DiagonalDirichletCalibration, DirichletCalibration
+from .model import CalibratedModel
 from .nonparametric import HistogramBinning, IsotonicCalibration, SplineCalibration
 from .scaling import BiasCorrectedTemperatureScaling, MatrixScaling, NoBiasVectorScaling, VectorScaling
 from .structured import StructuredMatrixScaling, StructuredVectorScaling
@@ -53,6 +55,7 @@ _REGISTRY: dict[str, type[Calibrator]] = {
     "bcts": BiasCorrectedTemperatureScaling,
     "nbvs": NoBiasVectorScaling,
     "dirichlet": DirichletCalibration,
+    "beta": BetaCalibration,
     "dirichlet_diag": DiagonalDirichletCalibration,
 }
 _ALIASES = {cls.name: key for key, cls in _REGISTRY.items()}
@@ -62,6 +65,7 @@ _BINARY_REGISTRY: dict[str, type[Calibrator]] = {
     "ts": BinaryTemperatureScaling,
     "fts": BinaryFocalTemperatureScaling,
     "platt": PlattScaling,
+    "beta": BinaryBetaCalibration,
     "histogram": BinaryHistogramBinning,
     "isotonic": BinaryIsotonicCalibration,
 }
@@ -153,7 +157,10 @@ def from_json(text: str) -> Calibrator:
 
 __all__ = [
     "BiasCorrectedTemperatureScaling",
+    "BetaCalibration",
+    "BinaryBetaCalibration",
     "BinaryCalibrator",
+    "CalibratedModel",
     "BinaryFocalTemperatureScaling",
     "BinaryHistogramBinning",
     "BinaryIsotonicCalibration",

@@ -17,6 +17,8 @@ __all__ = ["DiagModel", "FullModel", "minimize", "newton", "lbfgs"]
 # Hessians cost N·P² multiply-adds; above this many (or this many parameters) L-BFGS is cheaper.
 NEWTON_MAX_WORK = 2.5e9
 NEWTON_MAX_PARAMS = 600
+# from this many feature entries on, value and gradient are computed in cache-sized row blocks
+CHUNKED_MIN_ELEMENTS = 1 << 21
 
 
 def _ce_terms(o: torch.Tensor, y: torch.Tensor):
@@ -80,6 +82,8 @@ class DiagModel:
 
     def __call__(self, theta, order: int):
         f, y, n, k = self.f, self.y, self.f.shape[0], self.k
+        if order <= 1 and self.offset is None and f.numel() >= CHUNKED_MIN_ELEMENTS:
+            return self._chunked(theta, order)
         loss, p = _ce_terms(self.logits(theta), y)
         value = loss.to(theta.dtype)
         grad = hess = None
@@ -122,6 +126,50 @@ class DiagModel:
                 big = torch.cat([head, big[:, k:]], 1)
             hess = big.to(theta.dtype)
         return _add_penalty(self.penalty, theta, order, value, grad, hess)
+
+    def _chunked(self, theta, order):
+        """Value and gradient in row blocks that stay in cache (about 64k entries each), with one exp per
+        entry and no N×K temporaries: large inputs are memory-bound, and this halves the traffic."""
+        f, y, n, k = self.f, self.y, self.f.shape[0], self.k
+        w, b = self.split(theta.to(f.dtype))
+        if self.scale == "none":
+            w = torch.zeros_like(f[0])
+        if b is None:
+            b = torch.zeros_like(f[0])
+        rows = max(1, min(n, (1 << 16) // k))
+        buf = torch.empty(rows, k, dtype=f.dtype, device=f.device)
+        tmp = torch.empty(rows, k, dtype=f.dtype, device=f.device)
+        loss = torch.zeros((), dtype=torch.float64, device=f.device)
+        sum_pf = torch.zeros(k, dtype=torch.float64, device=f.device)
+        sum_p = torch.zeros(k, dtype=torch.float64, device=f.device)
+        for s in range(0, n, rows):
+            fc = f[s : s + rows]
+            m = fc.shape[0]
+            o, t = buf[:m], tmp[:m]
+            torch.addcmul(b, fc, w, out=o)
+            mx = o.amax(1, keepdim=True)
+            o.sub_(mx).exp_()
+            se = o.sum(1, keepdim=True)
+            loss += (mx + se.log()).sum(dtype=torch.float64)
+            if order >= 1:
+                o.div_(se)
+                sum_p += o.sum(0, dtype=torch.float64)
+                sum_pf += torch.mul(o, fc, out=t).sum(0, dtype=torch.float64)
+        fy = f.gather(1, y[:, None])[:, 0]
+        loss -= (fy * w[y] + b[y]).sum(dtype=torch.float64)
+        value = (loss / n).to(theta.dtype)
+        grad = None
+        if order >= 1:
+            counts = torch.bincount(y, minlength=k).to(torch.float64)
+            gw = (sum_pf - torch.zeros_like(sum_pf).index_add_(0, y, fy.double())) / n
+            gb = (sum_p - counts) / n
+            parts = []
+            if self.scale != "none":
+                parts.append(gw.sum(0, keepdim=True) if self.scale == "shared" else gw)
+            if self.n_bias:
+                parts.append(gb[: self.n_bias])
+            grad = torch.cat(parts).to(theta.dtype)
+        return _add_penalty(self.penalty, theta, order, value, grad, None)
 
     def diag_hessian(self, theta):
         """Diagonal of the Hessian of the cross-entropy part at θ (for preconditioning)."""

@@ -43,14 +43,16 @@ class _Dirichlet(Calibrator):
     def transform_logits(self, logits) -> torch.Tensor:
         """Calibrated logits W ℓ̄ + b (``weight_`` a matrix) or d ⊙ ℓ̄ + b (a vector)."""
         self._check_fitted()
-        z = self._check_input(logits)
+        return self._logits(self._check_input(logits))
+
+    def _logits(self, z):
         ell = _log_probs(z)
         w = self.weight_.to(device=z.device, dtype=z.dtype)
         b = self.bias_.to(device=z.device, dtype=z.dtype)
         return torch.addmm(b, ell, w.T) if w.dim() == 2 else torch.addcmul(b, ell, w)
 
     def _transform(self, logits):
-        return torch.softmax(self.transform_logits(logits), dim=1)
+        return torch.softmax(self._logits(logits), dim=1)
 
 
 class DirichletCalibration(_Dirichlet):

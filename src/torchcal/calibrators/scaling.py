@@ -56,13 +56,15 @@ class _AffineScaling(Calibrator):
     def transform_logits(self, logits) -> torch.Tensor:
         """Calibrated logits."""
         self._check_fitted()
-        z = self._check_input(logits)
+        return self._logits(self._check_input(logits))
+
+    def _logits(self, z):
         w = self.weight_.to(device=z.device, dtype=z.dtype)
         b = self.bias_.to(device=z.device, dtype=z.dtype)
         return torch.addmm(b, z, w.T) if self._matrix else torch.addcmul(b, z, w)
 
     def _transform(self, logits):
-        return torch.softmax(self.transform_logits(logits), dim=1)
+        return torch.softmax(self._logits(logits), dim=1)
 
 
 def _warm_temperature(logits, targets) -> float:
@@ -170,11 +172,13 @@ class BiasCorrectedTemperatureScaling(Calibrator):
     def transform_logits(self, logits) -> torch.Tensor:
         """Calibrated logits z / T + b."""
         self._check_fitted()
-        z = self._check_input(logits)
+        return self._logits(self._check_input(logits))
+
+    def _logits(self, z):
         return z / self.temperature_ + self.bias_.to(device=z.device, dtype=z.dtype)
 
     def _transform(self, logits):
-        return torch.softmax(self.transform_logits(logits), dim=1)
+        return torch.softmax(self._logits(logits), dim=1)
 
 
 class NoBiasVectorScaling(Calibrator):
@@ -229,8 +233,10 @@ class NoBiasVectorScaling(Calibrator):
     def transform_logits(self, logits) -> torch.Tensor:
         """Calibrated logits w ⊙ z."""
         self._check_fitted()
-        z = self._check_input(logits)
+        return self._logits(self._check_input(logits))
+
+    def _logits(self, z):
         return z * self.weight_.to(device=z.device, dtype=z.dtype)
 
     def _transform(self, logits):
-        return torch.softmax(self.transform_logits(logits), dim=1)
+        return torch.softmax(self._logits(logits), dim=1)

@@ -29,7 +29,7 @@ def _ts_mix_fit(logits, targets):
     lhat = torch.log_softmax(logits, dim=1).clamp_(min=TAU32)
     with warnings.catch_warnings():  # probmetrics' bisection silently stops at the edge of its interval
         warnings.simplefilter("ignore")
-        temperature = fit_temperature_nll(lhat, targets, bounds=(math.exp(-16), math.exp(16)), tol=1e-12)
+        temperature = fit_temperature_nll(lhat, targets, bounds=(math.exp(-16), math.exp(16)))
     return 1.0 / temperature
 
 
@@ -72,14 +72,16 @@ class _Structured(Calibrator):
     def transform_logits(self, logits) -> torch.Tensor:
         """Calibrated logits (softmax gives :meth:`transform`)."""
         self._check_fitted()
-        z = self._check_input(logits)
+        return self._logits(self._check_input(logits))
+
+    def _logits(self, z):
         f = _ts_mix_features(z, self.beta_, self.epsilon_)
         w = self.weight_.to(device=z.device, dtype=z.dtype)
         b = self.bias_.to(device=z.device, dtype=z.dtype)
         return torch.addmm(b, f, w.T) if w.dim() == 2 else torch.addcmul(b, f, w)
 
     def _transform(self, logits):
-        return torch.softmax(self.transform_logits(logits), dim=1)
+        return torch.softmax(self._logits(logits), dim=1)
 
 
 class StructuredVectorScaling(_Structured):
