@@ -8,6 +8,7 @@ The models are affine in their parameters: logits ``o = offset + f ⊙ w + b`` (
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import torch
@@ -171,10 +172,14 @@ class DiagModel:
             grad = torch.cat(parts).to(theta.dtype)
         return _add_penalty(self.penalty, theta, order, value, grad, None)
 
-    def diag_hessian(self, theta):
-        """Diagonal of the Hessian of the cross-entropy part at θ (for preconditioning)."""
-        f, n = self.f, self.f.shape[0]
-        _, p = _ce_terms(self.logits(theta), self.y)
+    def diag_hessian(self, theta, stride: int = 1):
+        """Diagonal of the Hessian of the cross-entropy part at θ, from every ``stride``-th row (for
+        preconditioning)."""
+        sub = copy.copy(self)  # the same model on every stride-th row
+        sub.f, sub.y = self.f[::stride], self.y[::stride]
+        sub.offset = None if self.offset is None else self.offset[::stride]
+        f, n = sub.f, sub.f.shape[0]
+        _, p = _ce_terms(sub.logits(theta), sub.y)
         v = p * (1 - p)
         parts = []
         if self.scale == "class":
@@ -260,10 +265,16 @@ class FullModel:
             hess = h.reshape(size, size)[perm][:, perm].to(theta.dtype)
         return _add_penalty(self.penalty, theta, order, value, grad, hess)
 
-    def diag_hessian(self, theta):
-        """Diagonal of the Hessian of the cross-entropy part at θ (for preconditioning)."""
-        f, n, k = self.f, self.f.shape[0], self.k
-        _, p = _ce_terms(self.logits(theta), self.y)
+    def diag_hessian(self, theta, stride: int = 1):
+        """Diagonal of the Hessian of the cross-entropy part at θ, from every ``stride``-th row (for
+        preconditioning)."""
+        f, y, k = self.f[::stride], self.y[::stride], self.k
+        n = f.shape[0]
+        w, b = self.split(theta.to(f.dtype))
+        o = torch.addmm(b, f, w.T)
+        if self.offset is not None:
+            o += self.offset[::stride]
+        _, p = _ce_terms(o, y)
         v = (p * (1 - p))[:, : self.rows]
         x2 = torch.cat([f * f, torch.ones_like(f[:, :1])], 1)
         d = (v.T @ x2) / n  # (R, K+1)
@@ -365,7 +376,7 @@ def lbfgs(
         if gtd > -1e-30:  # not a descent direction (round-off): restart from the gradient
             s_hist, y_hist, rho_hist, h_diag = [], [], [], 1.0
             d, gtd = -g, float(-(g @ g))
-        t = min(1.0, 1.0 / float(g.abs().sum())) if it == 1 else 1.0
+        t = 1.0  # the variables are scaled by the Hessian's diagonal (see minimize): a unit step is natural
         f_new, g_new, t, _ = _strong_wolfe(obj, x, t, d, float(f), g, gtd, tolerance_change=1e-12, max_ls=25)
         step = t * d
         yv = g_new - g
@@ -393,7 +404,7 @@ def minimize(model, x0: torch.Tensor, solver: str = "auto", max_iter: int = 1000
     if solver == "newton":  # in float64: the Hessian is small, and Newton's end game needs the precision
         out = newton(model.to(torch.float64), x0.double(), max_iter=min(max_iter, 200))
     else:  # L-BFGS on θ = D^(-1/2) u, D the Hessian's diagonal at x0: the variables become comparable
-        d = model.diag_hessian(x0)
+        d = model.diag_hessian(x0, stride=max(1, n // 8192))  # 8k rows estimate a diagonal well enough
         if model.penalty is not None:
             d = d + model.penalty(x0, "diag")
         scale = d.clamp_min(1e-12 * float(d.max().clamp_min(1e-30))).rsqrt()
