@@ -192,6 +192,19 @@ class DiagModel:
         return torch.cat(parts).to(theta.dtype)
 
 
+def _cross_diag(self, theta, stride: int = 1):
+    """mean_i p_ik (1 − p_ik) f_ik per class: the Hessian entry coupling w_k and b_k."""
+    f, y = self.f[::stride], self.y[::stride]
+    sub = copy.copy(self)
+    sub.f, sub.y = f, y
+    sub.offset = None if self.offset is None else self.offset[::stride]
+    _, p = _ce_terms(sub.logits(theta), y)
+    return ((p * (1 - p) * f).sum(0) / f.shape[0]).to(theta.dtype)
+
+
+DiagModel.cross_diag = _cross_diag
+
+
 def _add_penalty(penalty, theta, order, value, grad, hess):
     if penalty is not None:
         pv, pg, ph = penalty(theta, order)
@@ -394,6 +407,38 @@ def lbfgs(
     return x, float(f), max_iter, float(g.abs().max()) <= gtol
 
 
+def _preconditioner(model, x0, stride):
+    """Linear maps θ = T u, u = T⁻¹ θ and g_u = Tᵀ g with TᵀHT ≈ I. For a per-class scale and bias, T
+    inverts the 2×2 Hessian block of (w_k, b_k) (their coupling is strong: both move class k's logit);
+    otherwise the diagonal."""
+    d = model.diag_hessian(x0, stride=stride)
+    if model.penalty is not None:
+        d = d + model.penalty(x0, "diag")
+    floor = 1e-12 * float(d.max().clamp_min(1e-30))
+    if isinstance(model, DiagModel) and model.scale == "class" and model.n_bias == model.k:
+        k = model.k
+        c = model.cross_diag(x0, stride=stride)  # mean p(1 − p) f per class: the (w_k, b_k) coupling
+        a, dd = d[:k].clamp_min(floor), d[k:].clamp_min(floor)
+        l11 = a.sqrt()
+        l21 = c / l11
+        l22 = (dd - l21 * l21).clamp_min(1e-6 * dd).sqrt()
+        m = -l21 / (l11 * l22)  # T = L⁻ᵀ = [[1/l11, m], [0, 1/l22]] per class
+
+        def to_theta(u):
+            return torch.cat([u[:k] / l11 + m * u[k:], u[k:] / l22])
+
+        def to_u(theta):
+            ub = theta[k:] * l22
+            return torch.cat([(theta[:k] - m * ub) * l11, ub])
+
+        def grad_u(g):
+            return torch.cat([g[:k] / l11, m * g[:k] + g[k:] / l22])
+
+        return to_theta, to_u, grad_u
+    scale = d.clamp_min(floor).rsqrt()
+    return (lambda u: u * scale), (lambda theta: theta / scale), (lambda g: g * scale)
+
+
 def minimize(model, x0: torch.Tensor, solver: str = "auto", max_iter: int = 1000):
     """Minimises ``model`` (a :class:`DiagModel` or :class:`FullModel`) from ``x0``: Newton when the
     Hessian is cheap (P ≤ 600 parameters and N·P² ≤ 2.5e9), else L-BFGS. Returns (θ, f, iters, converged,
@@ -403,16 +448,13 @@ def minimize(model, x0: torch.Tensor, solver: str = "auto", max_iter: int = 1000
         solver = "newton" if p <= NEWTON_MAX_PARAMS and n * p * p <= NEWTON_MAX_WORK else "lbfgs"
     if solver == "newton":  # in float64: the Hessian is small, and Newton's end game needs the precision
         out = newton(model.to(torch.float64), x0.double(), max_iter=min(max_iter, 200))
-    else:  # L-BFGS on θ = D^(-1/2) u, D the Hessian's diagonal at x0: the variables become comparable
-        d = model.diag_hessian(x0, stride=max(1, n // 8192))  # 8k rows estimate a diagonal well enough
-        if model.penalty is not None:
-            d = d + model.penalty(x0, "diag")
-        scale = d.clamp_min(1e-12 * float(d.max().clamp_min(1e-30))).rsqrt()
+    else:  # L-BFGS on θ = T u, T ≈ H^(-1/2) from the Hessian's (block) diagonal at x0 (8k rows suffice)
+        to_theta, to_u, grad_u = _preconditioner(model, x0, stride=max(1, n // 8192))
 
         def scaled(u, order):
-            value, grad, _ = model(u * scale, order)
-            return value, (None if grad is None else grad * scale), None
+            value, grad, _ = model(to_theta(u), order)
+            return value, (None if grad is None else grad_u(grad)), None
 
-        u, *rest = lbfgs(scaled, x0 / scale, max_iter=max_iter)
-        out = (u * scale, *rest)
+        u, *rest = lbfgs(scaled, to_u(x0), max_iter=max_iter)
+        out = (to_theta(u), *rest)
     return (*out, solver)
