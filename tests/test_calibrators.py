@@ -137,6 +137,20 @@ def test_ts_recovers_a_known_temperature(sharpen):
     assert TemperatureScaling().fit(logits, targets).temperature_ == pytest.approx(sharpen, rel=0.04)
 
 
+def test_ts_float32_fit_stops_at_the_slope_noise_floor(monkeypatch):
+    # float32 slopes at K = 300 are noisy at ~1e-6: Newton used to wander around the root for a dozen
+    # extra passes over the logits; now it stops once the slope is noise, at the float64 answer
+    import torchcal.calibrators.temperature as T
+
+    logits, targets = synthetic(n=4000, k=300, sharpen=2.5, seed=21)
+    calls = []
+    original = T._nll_slope
+    monkeypatch.setattr(T, "_nll_slope", lambda *a: calls.append(1) or original(*a))
+    t32 = T.fit_temperature_nll(logits, targets)
+    assert len(calls) <= 8
+    assert t32 == pytest.approx(T.fit_temperature_nll(logits.double(), targets), rel=1e-5)
+
+
 def test_ts_ece_objective_is_the_first_grid_minimiser():
     logits, targets = synthetic(n=800, k=4, sharpen=2.0, seed=2, dtype=torch.float64)
     grid = [0.5 + 0.25 * i for i in range(12)]

@@ -3,13 +3,17 @@
 Use a class directly or the registry::
 
     >>> from torchcal.calibrators import create, list_calibrators
-    >>> list_calibrators()
-    ['ets', 'fts', 'histogram', 'isotonic', 'matrix', 'spline', 'ts', 'vector']
+    >>> names = list_calibrators()
+    >>> names[:7]
+    ['bcts', 'beta', 'dirichlet', 'dirichlet_diag', 'ets', 'fts', 'histogram']
+    >>> names[7:]
+    ['isotonic', 'matrix', 'nbvs', 'sms', 'spline', 'svs', 'ts', 'vector']
     >>> create("ts", objective="ece")
     TemperatureScaling(objective='ece', n_bins=15, grid=..., bounds=(0.01, 100.0), extend=True)
 """
 
 from .base import Calibrator, NotFittedError
+from .beta import BetaCalibration, BinaryBetaCalibration
 from .binary import (
     BinaryCalibrator,
     BinaryFocalTemperatureScaling,
@@ -18,8 +22,11 @@ from .binary import (
     BinaryTemperatureScaling,
     PlattScaling,
 )
+from .dirichlet import DiagonalDirichletCalibration, DirichletCalibration
+from .model import CalibratedModel
 from .nonparametric import HistogramBinning, IsotonicCalibration, SplineCalibration
-from .scaling import MatrixScaling, VectorScaling
+from .scaling import BiasCorrectedTemperatureScaling, MatrixScaling, NoBiasVectorScaling, VectorScaling
+from .structured import StructuredMatrixScaling, StructuredVectorScaling
 from .temperature import (
     FTS_GAMMA_GRID,
     FTS_TEMPERATURE_GRID,
@@ -41,6 +48,13 @@ _REGISTRY: dict[str, type[Calibrator]] = {
     "isotonic": IsotonicCalibration,
     "vector": VectorScaling,
     "matrix": MatrixScaling,
+    "svs": StructuredVectorScaling,
+    "sms": StructuredMatrixScaling,
+    "bcts": BiasCorrectedTemperatureScaling,
+    "nbvs": NoBiasVectorScaling,
+    "dirichlet": DirichletCalibration,
+    "beta": BetaCalibration,
+    "dirichlet_diag": DiagonalDirichletCalibration,
 }
 _ALIASES = {cls.name: key for key, cls in _REGISTRY.items()}
 _ALIASES.update({"temperature": "ts", "histogram_binning": "histogram"})
@@ -49,6 +63,7 @@ _BINARY_REGISTRY: dict[str, type[Calibrator]] = {
     "ts": BinaryTemperatureScaling,
     "fts": BinaryFocalTemperatureScaling,
     "platt": PlattScaling,
+    "beta": BinaryBetaCalibration,
     "histogram": BinaryHistogramBinning,
     "isotonic": BinaryIsotonicCalibration,
 }
@@ -148,12 +163,18 @@ def from_json(text: str) -> Calibrator:
 
 
 __all__ = [
+    "BiasCorrectedTemperatureScaling",
+    "BetaCalibration",
+    "BinaryBetaCalibration",
     "BinaryCalibrator",
+    "CalibratedModel",
     "BinaryFocalTemperatureScaling",
     "BinaryHistogramBinning",
     "BinaryIsotonicCalibration",
     "BinaryTemperatureScaling",
     "Calibrator",
+    "DiagonalDirichletCalibration",
+    "DirichletCalibration",
     "EnsembleTemperatureScaling",
     "FTS_GAMMA_GRID",
     "FTS_TEMPERATURE_GRID",
@@ -163,10 +184,13 @@ __all__ = [
     "HistogramBinning",
     "IsotonicCalibration",
     "MatrixScaling",
+    "NoBiasVectorScaling",
     "NotFittedError",
     "PAPER_TEMPERATURE_GRID",
     "PlattScaling",
     "SplineCalibration",
+    "StructuredMatrixScaling",
+    "StructuredVectorScaling",
     "TemperatureScaling",
     "VectorScaling",
     "create",

@@ -6,10 +6,12 @@ import warnings
 
 import torch
 
-from .._validation import check_float, check_positive_int
+from .._validation import check_choice, check_float, check_positive_int
+from . import _solvers as S
 from .base import Calibrator
+from .temperature import fit_temperature_nll
 
-__all__ = ["VectorScaling", "MatrixScaling"]
+__all__ = ["VectorScaling", "MatrixScaling", "BiasCorrectedTemperatureScaling", "NoBiasVectorScaling"]
 
 
 def _warn_absent_classes(targets: torch.Tensor, k: int, name: str) -> None:
@@ -28,64 +30,73 @@ def _warn_absent_classes(targets: torch.Tensor, k: int, name: str) -> None:
 
 
 class _AffineScaling(Calibrator):
-    fitted_attributes = ("weight_", "bias_")
+    fitted_attributes = ("weight_", "bias_", "n_iter_", "solver_")
     _matrix = False
 
-    def __init__(self, weight_decay: float = 0.0, max_iter: int = 500):
+    def __init__(self, weight_decay: float = 0.0, max_iter: int = 500, solver: str = "auto"):
         self.weight_decay = weight_decay
         self.max_iter = max_iter
+        self.solver = solver
 
     def _fit(self, logits, targets):
         decay = check_float(self.weight_decay, "weight_decay", low=0)
         max_iter = check_positive_int(self.max_iter, "max_iter")
-        z = logits.double()
-        k = z.shape[1]
-        _warn_absent_classes(targets, k, type(self).__name__)
-        eye = torch.eye(k, dtype=torch.float64, device=z.device)
-        w = eye.clone() if self._matrix else torch.ones(k, dtype=torch.float64, device=z.device)
-        w.requires_grad_(True)
-        b = torch.zeros(k, dtype=torch.float64, device=z.device, requires_grad=True)
-        opt = torch.optim.LBFGS(
-            [w, b],
-            lr=1.0,
-            max_iter=max_iter,
-            tolerance_grad=1e-10,
-            tolerance_change=1e-12,
-            history_size=20,
-            line_search_fn="strong_wolfe",
-        )
-
-        def closure():
-            opt.zero_grad()
-            out = z @ w.T + b if self._matrix else z * w + b
-            loss = torch.nn.functional.cross_entropy(out, targets)
-            if decay > 0:  # shrink towards the identity map (off-diagonal terms and bias, as in ODIR)
-                ref = eye if self._matrix else torch.ones_like(w)
-                loss = loss + decay * (((w - ref) ** 2).sum() + (b**2).sum())
-            loss.backward()
-            return loss
-
-        opt.step(closure)
-        self.weight_ = w.detach().cpu()
-        self.bias_ = b.detach().cpu()
+        check_choice(self.solver, "solver", ("auto", "newton", "lbfgs"))
+        with torch.no_grad():
+            z = logits
+            k = z.shape[1]
+            _warn_absent_classes(targets, k, type(self).__name__)
+            beta = 1.0 / _warm_temperature(z, targets)  # warm start: the temperature-scaling solution
+            dev = z.device
+            if self._matrix:
+                center = torch.cat([torch.eye(k, dtype=torch.float64, device=dev).reshape(-1), z.new_zeros(k)])
+                x0 = torch.cat([beta * torch.eye(k, dtype=z.dtype, device=dev).reshape(-1), z.new_zeros(k)])
+                penalty = S.ridge(torch.full_like(center, decay), center.double()) if decay > 0 else None
+                model = S.FullModel(z, targets, penalty=penalty)
+            else:
+                center = torch.cat([torch.ones(k, dtype=torch.float64, device=dev), z.new_zeros(k).double()])
+                x0 = torch.cat([torch.full((k,), beta, dtype=z.dtype, device=dev), z.new_zeros(k)])
+                penalty = S.ridge(torch.full_like(center, decay), center) if decay > 0 else None
+                model = S.DiagModel(z, targets, scale="class", bias=True, penalty=penalty)
+            theta, _, n_iter, converged, solver = S.minimize(model, x0, self.solver, max_iter)
+        if not converged:
+            warnings.warn(
+                f"{type(self).__name__} did not converge in {max_iter} iterations ({solver})", stacklevel=3
+            )
+        weight, bias = model.split(theta)
+        self.weight_ = weight.detach().clone()
+        self.bias_ = bias.detach().clone()
+        self.n_iter_ = int(n_iter)
+        self.solver_ = solver
 
     def transform_logits(self, logits) -> torch.Tensor:
         """Calibrated logits."""
         self._check_fitted()
-        z = self._check_input(logits)
+        return self._logits(self._check_input(logits))
+
+    def _logits(self, z):
         w = self.weight_.to(device=z.device, dtype=z.dtype)
         b = self.bias_.to(device=z.device, dtype=z.dtype)
-        return z @ w.T + b if self._matrix else z * w + b
+        return torch.addmm(b, z, w.T) if self._matrix else torch.addcmul(b, z, w)
 
     def _transform(self, logits):
-        return torch.softmax(self.transform_logits(logits), dim=1)
+        return torch.softmax(self._logits(logits), dim=1)
+
+
+def _warm_temperature(logits, targets) -> float:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a bound hit only moves the starting point
+        return fit_temperature_nll(logits, targets)
 
 
 class VectorScaling(_AffineScaling):
     """Vector scaling: ``softmax(w ⊙ z + b)`` with per-class ``weight_`` (K,) and ``bias_`` (K,).
 
-    Fitted by minimising validation NLL with L-BFGS (strong Wolfe line search, float64, deterministic on
-    CPU) from the identity; ``weight_decay`` adds λ(‖w − 1‖² + ‖b‖²). Can change the argmax.
+    Fitted by minimising validation NLL (a convex problem) from the temperature-scaling solution
+    (w = 1/T, b = 0): by Newton's method in float64 with the exact Hessian when it is cheap (≤ 600
+    parameters and N·P² ≤ 2.5e9), else by L-BFGS with a strong-Wolfe line search in the input's dtype
+    (``solver``: ``"auto"``, ``"newton"``, ``"lbfgs"``). ``weight_decay`` adds λ(‖w − 1‖² + ‖b‖²). Can
+    change the argmax.
 
     Example:
         >>> import torch
@@ -103,7 +114,7 @@ class VectorScaling(_AffineScaling):
 class MatrixScaling(_AffineScaling):
     """Matrix scaling: ``softmax(W z + b)`` with ``weight_`` (K, K) and ``bias_`` (K,).
 
-    Fitted like :class:`VectorScaling` from W = I; ``weight_decay`` adds λ(‖W − I‖² + ‖b‖²), which is
+    Fitted like :class:`VectorScaling` from W = I/T; ``weight_decay`` adds λ(‖W − I‖² + ‖b‖²), which is
     advisable for many classes (K² parameters). Can change the argmax.
 
     Example:
@@ -112,8 +123,136 @@ class MatrixScaling(_AffineScaling):
         >>> z = torch.randn(3000, 3, generator=g)
         >>> y = torch.multinomial(torch.softmax(2 * z, 1), 1, generator=g).squeeze(1)
         >>> [round(v, 1) for v in MatrixScaling().fit(z, y).weight_.diagonal().tolist()]
-        [1.7, 1.6, 1.8]
+        [2.0, 2.0, 2.1]
     """
 
     name = "matrix_scaling"
     _matrix = True
+
+
+class BiasCorrectedTemperatureScaling(Calibrator):
+    """Bias-corrected temperature scaling (BCTS): ``softmax(z / T + b)`` with one ``temperature_`` and a
+    per-class ``bias_`` (K,), fitted by validation NLL without regularisation (Alexandari et al. 2020).
+
+    The objective is convex in (1/T, b); it is minimised by Newton's method (float64, exact Hessian) from
+    the temperature-scaling solution, or by L-BFGS when the Hessian is large (``solver``). The reference
+    (``abstention``) bounds T ≥ 0; a fit whose optimum has 1/T ≤ 0 is refused with an error. On logits the
+    map is used as is (the reference centres log-probabilities only when given probabilities, which
+    changes nothing here: a common shift of a row cancels in the softmax). Can change the argmax (the
+    bias reorders classes); robust to label shift, which is what the bias is for.
+
+    References:
+        A. Alexandari, A. Kundaje, A. Shrikumar, "Maximum Likelihood with Bias-Corrected Calibration is
+        Hard-To-Beat at Label Shift Adaptation", ICML 2020, arXiv:1901.06852.
+
+    Example:
+        >>> import torch
+        >>> from torchcal.calibrators import BiasCorrectedTemperatureScaling
+        >>> g = torch.Generator().manual_seed(0)
+        >>> z = torch.randn(5000, 3, generator=g, dtype=torch.float64)
+        >>> y = torch.multinomial(torch.softmax(z + torch.tensor([1.0, 0, 0]), 1), 1, generator=g)[:, 0]
+        >>> bcts = BiasCorrectedTemperatureScaling().fit(2 * z, y)
+        >>> round(bcts.temperature_, 2), [round(b, 2) for b in (bcts.bias_ - bcts.bias_[1]).tolist()]
+        (2.0, [1.05, 0.0, -0.03])
+    """
+
+    name = "bias_corrected_temperature_scaling"
+    fitted_attributes = ("temperature_", "bias_", "n_iter_", "solver_")
+
+    def __init__(self, max_iter: int = 500, solver: str = "auto"):
+        self.max_iter = max_iter
+        self.solver = solver
+
+    def _fit(self, logits, targets):
+        max_iter = check_positive_int(self.max_iter, "max_iter")
+        check_choice(self.solver, "solver", ("auto", "newton", "lbfgs"))
+        with torch.no_grad():
+            z = logits
+            k = z.shape[1]
+            x0 = torch.cat([z.new_full((1,), 1.0 / _warm_temperature(z, targets)), z.new_zeros(k)])
+            model = S.DiagModel(z, targets, scale="shared", bias=True)
+            theta, _, n_iter, converged, solver = S.minimize(model, x0, self.solver, max_iter)
+        beta = float(theta[0])
+        if not beta > 0:
+            raise ValueError(
+                f"{type(self).__name__}: the NLL optimum has 1/T = {beta:.3g} <= 0 (logits anti-correlated "
+                "with the targets); the method requires T > 0"
+            )
+        if not converged:
+            warnings.warn(f"{type(self).__name__} did not converge in {max_iter} iterations", stacklevel=3)
+        self.temperature_ = 1.0 / beta
+        self.bias_ = theta[1:].detach().clone()
+        self.n_iter_ = int(n_iter)
+        self.solver_ = solver
+
+    def transform_logits(self, logits) -> torch.Tensor:
+        """Calibrated logits z / T + b."""
+        self._check_fitted()
+        return self._logits(self._check_input(logits))
+
+    def _logits(self, z):
+        return z / self.temperature_ + self.bias_.to(device=z.device, dtype=z.dtype)
+
+    def _transform(self, logits):
+        return torch.softmax(self._logits(logits), dim=1)
+
+
+class NoBiasVectorScaling(Calibrator):
+    """No-bias vector scaling (NBVS): ``softmax(w ⊙ z)`` with a per-class ``weight_`` (K,) ≥ 0 and no bias,
+    fitted by validation NLL without regularisation (Alexandari et al. 2020).
+
+    Solved like :class:`BiasCorrectedTemperatureScaling`, from w = 1/T. The reference bounds w ≥ 0; an
+    optimum with a negative weight is refused with an error. Unlike BCTS the map is not invariant to a
+    common shift of a row of logits (w differs by class), so pass the logits the model produced; the
+    reference, given probabilities, uses centred log-probabilities. Can change the argmax.
+
+    References:
+        A. Alexandari, A. Kundaje, A. Shrikumar, ICML 2020, arXiv:1901.06852.
+
+    Example:
+        >>> import torch
+        >>> from torchcal.calibrators import NoBiasVectorScaling
+        >>> g = torch.Generator().manual_seed(0)
+        >>> z = torch.randn(5000, 3, generator=g, dtype=torch.float64)
+        >>> y = torch.multinomial(torch.softmax(z * torch.tensor([1.0, 0.5, 0.5]), 1), 1, generator=g)[:, 0]
+        >>> [round(w, 1) for w in NoBiasVectorScaling().fit(z, y).weight_.tolist()]
+        [1.0, 0.5, 0.5]
+    """
+
+    name = "no_bias_vector_scaling"
+    fitted_attributes = ("weight_", "n_iter_", "solver_")
+
+    def __init__(self, max_iter: int = 500, solver: str = "auto"):
+        self.max_iter = max_iter
+        self.solver = solver
+
+    def _fit(self, logits, targets):
+        max_iter = check_positive_int(self.max_iter, "max_iter")
+        check_choice(self.solver, "solver", ("auto", "newton", "lbfgs"))
+        with torch.no_grad():
+            z = logits
+            k = z.shape[1]
+            x0 = z.new_full((k,), 1.0 / _warm_temperature(z, targets))
+            model = S.DiagModel(z, targets, scale="class", bias=False)
+            theta, _, n_iter, converged, solver = S.minimize(model, x0, self.solver, max_iter)
+        if (theta < 0).any():
+            raise ValueError(
+                f"{type(self).__name__}: the NLL optimum has negative weights {theta[theta < 0].tolist()}; "
+                "the method requires w >= 0"
+            )
+        if not converged:
+            warnings.warn(f"{type(self).__name__} did not converge in {max_iter} iterations", stacklevel=3)
+        self.weight_ = theta.detach().clone()
+        self.n_iter_ = int(n_iter)
+        self.solver_ = solver
+
+    def transform_logits(self, logits) -> torch.Tensor:
+        """Calibrated logits w ⊙ z."""
+        self._check_fitted()
+        return self._logits(self._check_input(logits))
+
+    def _logits(self, z):
+        return z * self.weight_.to(device=z.device, dtype=z.dtype)
+
+    def _transform(self, logits):
+        return torch.softmax(self._logits(logits), dim=1)

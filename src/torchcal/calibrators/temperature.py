@@ -164,12 +164,20 @@ def fit_temperature_nll(logits, targets, bounds=(0.01, 100.0), tol: float = 1e-1
     beta = min(max(1.0, lo), hi)
     rows = min(z.shape[0], max(1, (1 << 16) // z.shape[1]))
     scratch = torch.empty(2, rows, z.shape[1], dtype=z.dtype, device=z.device)
+    # the slope is a mean of terms of size |z|, each rounded in z's dtype: below this it is noise, and
+    # Newton steps would wander around the root (float32 at K = 1000: ±5e-7, a dozen wasted passes)
+    noise = 16 * torch.finfo(z.dtype).eps * (float(z_true.abs().mean()) + 1.0)
+    signs = set()
     for _ in range(max_iter):
         grad, curv = _nll_slope(z, z_true, beta, scratch)
+        if abs(grad) <= noise and len(signs) == 2:  # only once a root is bracketed (not on a bound's way)
+            break
         if grad > 0:
             hi = beta
+            signs.add(1)
         elif grad < 0:
             lo = beta
+            signs.add(-1)
         else:
             break
         step = beta - grad / curv if curv > 0 else math.nan

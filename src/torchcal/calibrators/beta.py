@@ -1,0 +1,180 @@
+"""Beta calibration (Kull, Silva Filho, Flach 2017): binary / per label, and one-vs-rest for softmax outputs."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .._validation import check_positive_int
+from .base import Calibrator
+from .binary import BinaryCalibrator
+
+__all__ = ["BetaCalibration", "BinaryBetaCalibration", "fit_beta"]
+
+#: float32 machine epsilon: betacal clips s to [eps, 1 − eps] of the dtype, and probmetrics passes float32.
+BETA_EPS = float(torch.finfo(torch.float32).eps)
+
+
+def _beta_features(log_s, log_1ms):
+    """[ln s, −ln(1 − s)] of s clipped to [eps, 1 − eps], from ln s and ln(1 − s); (..., 2)."""
+    lo, hi = math.log(BETA_EPS), math.log1p(-BETA_EPS)
+    return torch.stack([log_s.clamp(lo, hi), -log_1ms.clamp(lo, hi)], dim=-1)
+
+
+def _logistic_newton(x, t, active, max_iter: int):
+    """Unregularised logistic regressions, batched over the leading dimension: x (B, N, 2) features plus an
+    intercept, t (B, N) 0/1 targets, ``active`` (B, 2) which features each problem uses (an inactive
+    coefficient stays 0). Newton's method with step halving per problem, float64. Returns (B, 3):
+    (coef_1, coef_2, intercept)."""
+    b, n, _ = x.shape
+    design = torch.cat([x * active[:, None, :], torch.ones_like(x[..., :1])], dim=2)  # (B, N, 3)
+    mask = torch.cat([active, torch.ones_like(active[:, :1])], 1)
+    theta = torch.zeros(b, 3, dtype=x.dtype, device=x.device)
+
+    def loss(th):
+        s = (design @ th[:, :, None])[..., 0]
+        return (torch.nn.functional.softplus(s) - t * s).mean(1)
+
+    current = loss(theta)
+    eye = torch.eye(3, dtype=x.dtype, device=x.device)
+    for _ in range(max_iter):
+        s = (design @ theta[:, :, None])[..., 0]
+        mu = torch.sigmoid(s)
+        grad = (design * (mu - t)[..., None]).mean(1) * mask
+        w = (mu * (1 - mu))[..., None]
+        hess = (design * w).transpose(1, 2) @ design / n
+        hess = hess * (mask[:, :, None] * mask[:, None, :]) + eye * (1 - mask)[:, None, :] + 1e-12 * eye
+        step = torch.linalg.solve(hess, grad[:, :, None])[..., 0]
+        decrement = (grad * step).sum(1)  # Newton decrement² of each problem
+        active_rows = decrement > 1e-14  # converged problems stop moving
+        if not bool(active_rows.any()):
+            break
+        step = step * active_rows[:, None]
+        scale = torch.ones(b, 1, dtype=x.dtype, device=x.device)
+        for _ in range(30):  # halve the step of the problems whose loss did not decrease enough
+            candidate = theta - scale * step
+            value = loss(candidate)
+            bad = active_rows & (value > current - 1e-4 * scale[:, 0] * decrement)
+            if not bool(bad.any()):
+                break
+            scale = torch.where(bad[:, None], scale / 2, scale)
+        else:  # no decrease at all (round-off at the optimum): keep the old point for those
+            keep = bad[:, None]
+            candidate = torch.where(keep, theta, candidate)
+            value = torch.where(bad, current, value)
+        theta, current = candidate, value
+    return theta
+
+
+def fit_beta(log_s, log_1ms, targets, max_iter: int = 100):
+    """Beta calibration "abm" maps for a batch of binary problems, betacal's procedure: a logistic regression
+    on [ln s, −ln(1 − s)] with an intercept; if the coefficient a of ln s is negative, refit on −ln(1 − s)
+    alone (a = 0), else if b is negative, refit on ln s alone (b = 0); the refit is not re-checked.
+
+    Args:
+        log_s, log_1ms: ln s and ln(1 − s), (B, N) (s is clipped to [eps, 1 − eps], eps = float32's).
+        targets: (B, N) in {0, 1}.
+
+    Returns:
+        (B, 3) float64: (a, b, c) with μ(s) = σ(a ln s − b ln(1 − s) + c).
+    """
+    x = _beta_features(log_s, log_1ms).double()
+    t = targets.double()
+    active = torch.ones(x.shape[0], 2, dtype=torch.float64, device=x.device)
+    theta = _logistic_newton(x, t, active, max_iter)
+    refit = active.clone()
+    refit[theta[:, 0] < 0, 0] = 0.0
+    refit[(theta[:, 0] >= 0) & (theta[:, 1] < 0), 1] = 0.0
+    redo = (refit < 1).any(1)
+    if bool(redo.any()):
+        theta[redo] = _logistic_newton(x[redo], t[redo], refit[redo], max_iter)
+    return theta
+
+
+def _beta_map(params, log_s, log_1ms):
+    x = _beta_features(log_s, log_1ms).to(params.dtype)
+    return torch.sigmoid(x[..., 0] * params[:, 0:1] + x[..., 1] * params[:, 1:2] + params[:, 2:3])
+
+
+class BinaryBetaCalibration(BinaryCalibrator):
+    """Beta calibration per label (the "abm" family): μ(s) = σ(a ln s − b ln(1 − s) + c) for s = σ(z),
+    with a, b ≥ 0 (betacal 1.1.0's procedure: an unregularised logistic regression, a negative coefficient
+    dropped and the regression refitted once). ``params_`` (L, 3) holds (a, b, c). Monotone non-decreasing in s, so it never reorders the scores of a
+    label.
+
+    References:
+        M. Kull, T. Silva Filho, P. Flach, "Beta calibration: a well-founded and easily implemented
+        improvement on logistic calibration for binary classifiers", AISTATS 2017.
+
+    Example:
+        >>> import torch
+        >>> from torchcal.calibrators import BinaryBetaCalibration
+        >>> g = torch.Generator().manual_seed(0)
+        >>> z = torch.randn(20000, generator=g)
+        >>> y = (torch.rand(20000, generator=g) < torch.sigmoid(0.5 * z + 0.3)).float()
+        >>> [round(v, 2) for v in BinaryBetaCalibration().fit(z, y).params_[0].tolist()]
+        [0.48, 0.51, 0.29]
+    """
+
+    name = "beta"
+    fitted_attributes = ("params_",)
+
+    def __init__(self, max_iter: int = 100):
+        self.max_iter = max_iter
+
+    def _fit(self, logits, targets):
+        max_iter = check_positive_int(self.max_iter, "max_iter")
+        ls, l1 = torch.nn.functional.logsigmoid(logits), torch.nn.functional.logsigmoid(-logits)
+        self.params_ = fit_beta(ls.T, l1.T, targets.T, max_iter)
+
+    def _transform(self, logits):
+        ls, l1 = torch.nn.functional.logsigmoid(logits), torch.nn.functional.logsigmoid(-logits)
+        return _beta_map(self.params_.to(logits.device), ls.T, l1.T).T
+
+
+class BetaCalibration(Calibrator):
+    """Beta calibration for softmax outputs, one-vs-rest (probmetrics'
+    ``MulticlassOneVsRestCalibrator(BetacalCalibrator())``): class k gets a binary beta map fitted on
+    (p_k, 1[y = k]) (see :class:`BinaryBetaCalibration`); the K outputs are floored at 1e-30 and divided by
+    their row sum. ``params_`` (K, 3) holds each class's (a, b, c). Can change the argmax (the classes'
+    maps differ).
+
+    References:
+        M. Kull, T. Silva Filho, P. Flach, AISTATS 2017.
+
+    Example:
+        >>> import torch
+        >>> from torchcal.calibrators import BetaCalibration
+        >>> g = torch.Generator().manual_seed(0)
+        >>> z = torch.randn(5000, 3, generator=g, dtype=torch.float64)
+        >>> y = torch.multinomial(torch.softmax(z, 1), 1, generator=g)[:, 0]
+        >>> probs = BetaCalibration().fit(3 * z, y).transform(3 * z)
+        >>> probs.shape, round(float(probs.sum(1).max()), 6)
+        (torch.Size([5000, 3]), 1.0)
+    """
+
+    name = "beta_calibration"
+    fitted_attributes = ("params_",)
+
+    def __init__(self, max_iter: int = 100):
+        self.max_iter = max_iter
+
+    @staticmethod
+    def _logs(logits):
+        ell = torch.log_softmax(logits.double(), dim=1)
+        # ln(1 − p_k) = ln Σ_{j≠k} p_j, stable for p_k near 1
+        l1 = torch.where(ell > -math.log(2), torch.log(-torch.expm1(ell)), torch.log1p(-torch.exp(ell)))
+        return ell.T, l1.T
+
+    def _fit(self, logits, targets):
+        max_iter = check_positive_int(self.max_iter, "max_iter")
+        k = logits.shape[1]
+        onehot = (targets[None, :] == torch.arange(k, device=logits.device)[:, None]).double()
+        ls, l1 = self._logs(logits)
+        self.params_ = fit_beta(ls, l1, onehot, max_iter)
+
+    def _transform(self, logits):
+        ls, l1 = self._logs(logits)
+        out = _beta_map(self.params_.to(logits.device), ls, l1).T.clamp_min(1e-30)
+        return (out / out.sum(1, keepdim=True)).to(logits.dtype)
