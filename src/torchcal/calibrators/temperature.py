@@ -73,7 +73,7 @@ def _search_temperature(score_at, grid, extend: bool):
                 edge < limit if direction == 1 else edge > limit
             ):
                 for i in range(1, _PER_DECADE + 1):
-                    t = edge * ratio ** (direction * i)
+                    t = float(f"{edge * ratio ** (direction * i):.12g}")  # 100, not 99.99999999999984
                     if (t - limit) * direction > -1e-9 * limit:  # at or (to rounding) beyond the limit
                         t = limit
                     temps.append(t)
