@@ -3,6 +3,10 @@ import socket
 import pytest
 import torch
 
+# tests/data/*.py write golden values with peer libraries installed in their own environment (each says how
+# to run it); they are scripts, not tests, and import packages the test environment does not have
+collect_ignore_glob = ["data/*.py"]
+
 
 def make_probs(n, k, seed=0, sharpness=3.0, dtype=torch.float64):
     """Random softmax probabilities and targets drawn from a *different* (blunter) model."""
