@@ -142,6 +142,20 @@ def main(argv=None):
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     rows = []
+    out = args.out or os.path.join(
+        os.path.dirname(__file__),
+        "results",
+        f"bench_calibrators-{cpu_name()}-{os.cpu_count()}cpu-{args.threads}t-torch{torch.__version__.split('+')[0]}.csv",
+    )
+
+    def write():  # after every method, atomically: an interrupted run keeps what it measured
+        tmp = out + ".tmp"
+        with open(tmp, "w", newline="") as fh:
+            writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+        os.replace(tmp, out)
+
     for size in args.sizes.split(","):
         n, k = (int(v) for v in size.lower().split("x"))
         z, y = synthetic_logits(n + N_TEST, k, seed=7, dtype=torch.float32)
@@ -168,12 +182,12 @@ def main(argv=None):
                     try:
                         with warnings.catch_warnings():
                             warnings.simplefilter("ignore")
-                            out = fn(zc, yc, zt)
+                            probs = fn(zc, yc, zt)
                     except Exception as err:  # a peer that fails is reported, the run continues
                         print(f"  {label}: failed: {type(err).__name__}: {err}", flush=True)
                         break
                     best = min(best, time.perf_counter() - t0)
-                    nll = _nll(out, yt)
+                    nll = _nll(probs, yt)
                 results.append((label, best, nll))
                 print(f"  {label:28s} {best:9.3f} s   test NLL {nll:.5f}", flush=True)
             peers = [r for r in results[1:] if np.isfinite(r[1])]
@@ -188,17 +202,8 @@ def main(argv=None):
                                                if fastest and label.startswith("torchcal") else ""),
                     "threads": args.threads,
                 })  # fmt: skip
-    out = args.out or os.path.join(
-        os.path.dirname(__file__),
-        "results",
-        f"bench_calibrators-{cpu_name()}-{os.cpu_count()}cpu-{args.threads}t-torch{torch.__version__.split('+')[0]}.csv",
-    )
-    tmp = out + ".tmp"
-    with open(tmp, "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    os.replace(tmp, out)
+            if rows:
+                write()
     print(f"\nwrote {out}\n")
     print("| N × K | method | implementation | fit + transform (s) | test NLL | speed-up vs fastest peer |")
     print("|---|---|---|---:|---:|---:|")

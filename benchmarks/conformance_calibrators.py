@@ -177,7 +177,7 @@ def binary_view(spec, data):
 
 def versions():
     out = {"torch": torch.__version__}
-    for pkg in ("probmetrics", "abstention", "betacal", "venn-abers", "netcal", "scikit-learn", "numpy"):
+    for pkg in ("probmetrics", "abstention", "betacal", "venn-abers", "netcal", "jax", "scikit-learn", "numpy"):
         try:
             out[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:

@@ -248,7 +248,9 @@ def test_large_k_uses_lbfgs_and_reaches_newtons_optimum():
 # ----------------------------------------------------------------------------- argmax, device, errors
 
 
-@pytest.mark.parametrize("name", ["svs", "sms", "bcts", "nbvs", "vector", "matrix"])
+@pytest.mark.parametrize(
+    "name", ["svs", "sms", "bcts", "nbvs", "vector", "matrix", "dirichlet", "dirichlet_diag", "beta"]
+)
 def test_scalers_with_class_dependent_terms_can_change_the_argmax(name):
     # a class bias in the logits (SPEC §7: "the argmax is not preserved"): the fitted biases or per-class
     # scales move some predictions to another class, as they should
@@ -262,7 +264,9 @@ def test_ts_preserves_the_argmax_on_the_same_data():
     assert torch.equal(create("ts").fit(logits, targets).transform(logits).argmax(1), logits.argmax(1))
 
 
-@pytest.mark.parametrize("name", ["svs", "sms", "bcts", "nbvs", "vector", "matrix"])
+@pytest.mark.parametrize(
+    "name", ["svs", "sms", "bcts", "nbvs", "vector", "matrix", "dirichlet", "dirichlet_diag", "beta"]
+)
 def test_fit_makes_no_host_round_trip(name, monkeypatch):
     """Fitting code keeps tensors on the input's device: .cpu(), .numpy() and .tolist() of anything larger
     than a handful of summary scalars are forbidden while fitting (on CPU they would be no-ops, so we trap
@@ -283,15 +287,18 @@ def test_fit_makes_no_host_round_trip(name, monkeypatch):
         monkeypatch.setattr(torch.Tensor, attr, trapped(attr))
     cal.fit(logits, targets)
     monkeypatch.undo()
-    assert (cal.bias_ if hasattr(cal, "bias_") else cal.weight_).device == logits.device
+    fitted = next(getattr(cal, a) for a in ("bias_", "weight_", "params_") if hasattr(cal, a))
+    assert fitted.device == logits.device
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("name", ["svs", "sms", "bcts", "nbvs", "vector"])
+@pytest.mark.parametrize(
+    "name", ["svs", "sms", "bcts", "nbvs", "vector", "dirichlet", "dirichlet_diag", "beta"]
+)
 def test_fit_on_cuda_stays_on_cuda(name):
     logits, targets = synthetic_logits(3000, 7, seed=13)
     cal = create(name).fit(logits.cuda(), targets.cuda())
-    fitted = cal.bias_ if hasattr(cal, "bias_") else cal.weight_
+    fitted = next(getattr(cal, a) for a in ("bias_", "weight_", "params_") if hasattr(cal, a))
     assert fitted.is_cuda
     cpu = create(name).fit(logits, targets)
     torch.testing.assert_close(cal.transform(logits.cuda()).cpu(), cpu.transform(logits), atol=1e-4, rtol=0)

@@ -35,8 +35,11 @@ class CalibratedModel(nn.Module):
         >>> from torchcal.calibrators import CalibratedModel, TemperatureScaling
         >>> g = torch.Generator().manual_seed(0)
         >>> net = torch.nn.Linear(4, 3)
-        >>> x, y = torch.randn(600, 4, generator=g), torch.randint(0, 3, (600,), generator=g)
+        >>> x = torch.randn(600, 4, generator=g)
+        >>> y = torch.multinomial(torch.softmax(net(x).detach() / 2, 1), 1, generator=g)[:, 0]  # T = 2
         >>> cm = CalibratedModel(net, TemperatureScaling()).fit(x, y)
+        >>> 1.0 < cm.calibrator.temperature_ < 4.0
+        True
         >>> probs = cm(x[:5])
         >>> probs.shape, bool(torch.allclose(probs.sum(1), torch.ones(5)))
         (torch.Size([5, 3]), True)
