@@ -50,7 +50,7 @@ def reports(tmp_path_factory):
     for name, extra in columns.items():
         groups = [
             dataclasses.replace(group, label=f"cifar10 · resnet110_he · {loss}", runs=[root / "run"] * 3,
-                                seeds=[0, 1, 2], stats=stats | extra)
+                                results=group.results * 3, seeds=[0, 1, 2], stats=stats | extra)
             for loss in LOSSES
         ]  # fmt: skip
         page = html_report([], root / name, "ts", note="over-confident regime: " + "x " * 80, groups=groups)
