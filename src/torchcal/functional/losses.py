@@ -3,7 +3,9 @@
 Every loss takes (N, K) logits with (N,) integer labels, and also, as ``F.cross_entropy`` does, (N, K, d1, ...)
 logits with (N, d1, ...) labels, labels equal to ``ignore_index`` (−100 by default; ``None`` ignores none)
 left out, and soft targets (class probabilities of the logits' shape) where the loss's definition extends
-to them (see :mod:`torchcal.functional._loss_inputs` and decision 73).
+to them (see :mod:`torchcal.functional._loss_inputs` and decision 73). Every loss but MMCE takes class
+``weight`` with ``F.cross_entropy``'s normalisation, and the losses that are functions of the target
+distribution take ``label_smoothing``; the others refuse it in one sentence (decision 96).
 
 Everything starts from ``log_softmax``; ``1 − p_t`` is ``−expm1(log p_t)`` (no cancellation as p_t → 1).
 Losses that depend on the logits only through p_t (and the runner-up p_j, and a squared-error term) run
