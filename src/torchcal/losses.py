@@ -192,7 +192,8 @@ class DualSampleDependentFocalLoss(SampleDependentFocalLoss):
 
 
 class DualFocalLoss(FocalLoss):
-    """Dual focal loss −(1 − p_t + p_j)^γ log p_t."""
+    """Dual focal loss −(1 − p_t + p_j)^γ log p_t; ``dual_logit`` picks the p_j of the paper's Table 4
+    ablation (see :func:`torchcal.functional.dual_focal_loss`)."""
 
     _smoothing_refusal = L._RUNNER_UP_NEEDS_LABELS
 
@@ -201,20 +202,26 @@ class DualFocalLoss(FocalLoss):
         gamma: float = 5.0,
         reduction: str = "mean",
         *,
+        dual_logit="largest",
         weight=None,
         label_smoothing: float = 0.0,
         ignore_index=L.IGNORE_INDEX,
     ):
+        dual_logit = L._check_dual_logit(dual_logit)
         super().__init__(
             gamma, reduction, weight=weight, label_smoothing=label_smoothing, ignore_index=ignore_index
         )
+        self.dual_logit = dual_logit
+        if dual_logit != "largest":
+            self._args = ("gamma", "dual_logit")
 
     def forward(self, logits, targets):
-        return L.dual_focal_loss(logits, targets, self.gamma, **self._options())
+        return L.dual_focal_loss(logits, targets, self.gamma, dual_logit=self.dual_logit, **self._options())
 
 
 class FocalCalibrationLoss(_Loss):
-    """Focal calibration loss: focal(γ) + λ·‖p − y‖²."""
+    """Focal calibration loss: focal(γ) + λ·‖p − y‖² (``distance="l1"``: λ·‖p − y‖₁, the paper's A.15
+    ablation, labels only)."""
 
     _args = ("gamma", "lambda_")
 
@@ -224,16 +231,25 @@ class FocalCalibrationLoss(_Loss):
         lambda_: float = 1.5,
         reduction: str = "mean",
         *,
+        distance: str = "l2",
         weight=None,
         label_smoothing: float = 0.0,
         ignore_index=L.IGNORE_INDEX,
     ):
+        check_choice(distance, "distance", L._FCL_DISTANCES)
+        if distance == "l1":
+            check_label_smoothing(label_smoothing, L._FCL_L1_NEEDS_LABELS)
         super().__init__(reduction, ignore_index, weight, label_smoothing)
+        self.distance = distance
+        if distance == "l1":
+            self._args = ("gamma", "lambda_", "distance")
         self.gamma = check_float(gamma, "gamma", low=0)
         self.lambda_ = check_float(lambda_, "lambda_", low=0)
 
     def forward(self, logits, targets):
-        return L.focal_calibration_loss(logits, targets, self.gamma, self.lambda_, **self._options())
+        return L.focal_calibration_loss(
+            logits, targets, self.gamma, self.lambda_, distance=self.distance, **self._options()
+        )
 
 
 class MMCELoss(_Loss):

@@ -445,6 +445,7 @@ def dual_focal_loss(
     targets,
     gamma: float = 5.0,
     *,
+    dual_logit="largest",
     weight=None,
     label_smoothing: float = 0.0,
     ignore_index=IGNORE_INDEX,
@@ -457,12 +458,29 @@ def dual_focal_loss(
     classes tied with p_t are excluded. The gradient flows through p_j, as in the released code. Class
     ``weight`` as ``F.cross_entropy``; ``label_smoothing`` is refused (the loss needs the true class).
 
+    ``dual_logit`` chooses p_j among the variants of the paper's ablation (its Table 4), all over the classes
+    strictly below p_t, ranked in descending order: ``"largest"`` (the loss above), ``"second"`` and
+    ``"third"`` (the 2nd / 3rd of them; 0 when there are fewer), ``"mean2"`` and ``"mean3"`` (the mean of the
+    first 2 / 3 of them, over those that exist), ``"mean"`` (the mean of all of them), or a number c in
+    [0, 1], the "fixed dual logit": −(1 − p_t + c)^γ log p_t, focal loss at c = 0. The gradient flows through
+    the chosen probabilities. Every variant but ``"largest"`` runs on the torch path on every device
+    (decision 142).
+
     Example:
         >>> import torch
         >>> logits = torch.tensor([[2.0, 1.0, 0.0]])
         >>> dual_focal_loss(logits, torch.tensor([0]), gamma=1.0)
         tensor(0.2362)
+        >>> dual_focal_loss(logits, torch.tensor([0]), gamma=1.0, dual_logit="mean")  # p_j = (.245 + .090)/2
+        tensor(0.2047)
+        >>> dual_focal_loss(logits, torch.tensor([0]), gamma=0.0, dual_logit=0.1)  # γ = 0: cross entropy
+        tensor(0.4076)
     """
+    dual_logit = _check_dual_logit(dual_logit)
+    if dual_logit != "largest":
+        return _dual_variant_loss(
+            logits, targets, _gamma(gamma), dual_logit, weight, label_smoothing, ignore_index, reduction
+        )
     gamma, _, spec = _gamma_spec(gamma, "dual")
     return _backend.true_class_loss(
         logits,
@@ -475,6 +493,56 @@ def dual_focal_loss(
         weight=weight,
         label_smoothing=label_smoothing,
     )
+
+
+DUAL_LOGITS = ("largest", "second", "third", "mean2", "mean3", "mean")
+_DUAL_RANK = {"second": 2, "third": 3}
+_DUAL_MEAN = {"mean2": 2, "mean3": 3}
+
+
+def _check_dual_logit(dual_logit):
+    """One of :data:`DUAL_LOGITS` or a fixed dual value c in [0, 1] (a float)."""
+    if isinstance(dual_logit, str):
+        return check_choice(dual_logit, "dual_logit", DUAL_LOGITS)
+    if isinstance(dual_logit, bool) or not isinstance(dual_logit, (int, float)):
+        raise TypeError(
+            f"`dual_logit` must be one of {list(DUAL_LOGITS)} or a number in [0, 1], "
+            f"got {type(dual_logit).__name__}"
+        )
+    return check_float(dual_logit, "dual_logit", low=0, high=1)
+
+
+def _dual_values(log_p, log_pt, dual_logit):
+    """p_j (M,) of a :func:`dual_focal_loss` variant from log-probabilities (M, K), differentiable."""
+    if not isinstance(dual_logit, str):
+        return log_pt.new_full(log_pt.shape, dual_logit)
+    below = log_p < log_pt[:, None]  # ties with p_t are excluded, as for the default
+    p_below = log_p.exp().masked_fill(~below, 0.0)
+    if dual_logit == "mean":
+        return p_below.sum(dim=1) / below.sum(dim=1).clamp(min=1)
+    m = _DUAL_RANK.get(dual_logit) or _DUAL_MEAN[dual_logit]
+    k = log_p.shape[1]
+    # the excluded classes hold −1, below every probability: they rank last
+    top = torch.where(below, p_below, -1.0).topk(min(m, k), dim=1).values
+    valid = top >= 0
+    top = top.clamp(min=0)
+    if dual_logit in _DUAL_RANK:
+        return top[:, m - 1] if m <= k else top.new_zeros(top.shape[0])
+    return (top * valid).sum(dim=1) / valid.sum(dim=1).clamp(min=1)
+
+
+def _dual_variant_loss(logits, targets, gamma, dual_logit, weight, label_smoothing, ignore_index, reduction):
+    """The torch path of the :func:`dual_focal_loss` ablation variants (autograd through p_j)."""
+    check_choice(reduction, "reduction", REDUCTIONS)
+    check_label_smoothing(label_smoothing, _RUNNER_UP_NEEDS_LABELS)
+    rows = loss_rows(logits, targets, ignore_index, soft_refusal=_RUNNER_UP_NEEDS_LABELS)
+    w = check_class_weight(weight, rows.logits)
+    with torch.autocast(rows.logits.device.type, enabled=False):
+        log_p = torch.log_softmax(rows.logits, dim=1)
+        log_pt = log_p.gather(1, rows.targets[:, None]).squeeze(1)
+        base = _one_minus_pt(log_pt) + _dual_values(log_p, log_pt, dual_logit)
+        loss = -base.clamp(min=torch.finfo(base.dtype).tiny) ** gamma * log_pt
+    return reduce_rows(loss, rows, reduction, w)
 
 
 def dual_sample_dependent_focal_loss(
@@ -519,6 +587,7 @@ def focal_calibration_loss(
     gamma: float = 4.0,
     lambda_: float = 1.5,
     *,
+    distance: str = "l2",
     weight=None,
     label_smoothing: float = 0.0,
     ignore_index=IGNORE_INDEX,
@@ -529,11 +598,32 @@ def focal_calibration_loss(
     smoothed labels of ``label_smoothing``), the soft focal term plus λ·Σ_k (p_k − q_k)². With class
     ``weight``: Σ_k w_k q_k f(p_k) + λ·(Σ_k w_k q_k)·Σ_k (p_k − q_k)², w_y·loss for labels (decision 96).
 
+    ``distance="l1"`` is the paper's L1 / mean-absolute-error ablation (its appendix A.15, Table 8): the term
+    λ·Σ_k |p_k − onehot_k|, which for a label equals 2λ·(1 − p_t). It takes labels only (soft targets and
+    ``label_smoothing`` are refused) and runs on the torch path on every device (decision 141).
+
     Example:
         >>> import torch
         >>> focal_calibration_loss(torch.tensor([[0.0, 0.0]]), torch.tensor([0]), gamma=0.0, lambda_=1.0)
         tensor(1.1931)
+        >>> focal_calibration_loss(  # log 2 + 1·(|0.5 − 1| + |0.5 − 0|)
+        ...     torch.tensor([[0.0, 0.0]]), torch.tensor([0]), gamma=0.0, lambda_=1.0, distance="l1"
+        ... )
+        tensor(1.6931)
     """
+    check_choice(distance, "distance", _FCL_DISTANCES)
+    if distance == "l1":
+        gamma, lam, _ = _gamma_spec(gamma, "fcl", lambda_)
+        return _backend.true_class_loss(
+            logits,
+            targets,
+            reduction,
+            _l1_focal_weight(gamma, lam),
+            soft_refusal=_FCL_L1_NEEDS_LABELS,
+            ignore_index=ignore_index,
+            weight=weight,
+            label_smoothing=label_smoothing,
+        )
     gamma, lam, spec = _gamma_spec(gamma, "fcl", lambda_)
     return _backend.true_class_loss(
         logits,
@@ -546,6 +636,24 @@ def focal_calibration_loss(
         weight=weight,
         label_smoothing=label_smoothing,
     )
+
+
+_FCL_DISTANCES = ("l2", "l1")
+_FCL_L1_NEEDS_LABELS = (
+    "focal_calibration_loss with distance='l1' is defined for labels (its term is 2λ·(1 − p_t))"
+)
+
+
+def _l1_focal_weight(gamma, lam):
+    """FCL's L1 ablation for a label: −(1 − p)^γ log p + 2λ(1 − p), since Σ_k |p_k − onehot_k| = 2(1 − p_t);
+    p·d/dp of the L1 term is −2λp."""
+    focal = _focal_weight(gamma)
+
+    def weight(log_pt):
+        loss, coef = focal(log_pt)
+        return loss + (2 * lam) * _one_minus_pt(log_pt), coef - (2 * lam) * log_pt.exp()
+
+    return weight
 
 
 # ----------------------------------------------------------------------------- MMCE

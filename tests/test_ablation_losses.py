@@ -1,0 +1,183 @@
+"""The losses of the papers' ablations: FCL's L1 term (FCL A.15) and the dual focal loss's p_j variants (DFL
+Table 4), against float64 references, with gradcheck, edge cases and the registry / config route."""
+
+import math
+
+import pytest
+import torch
+
+import torchcal.functional.losses as L
+from tests.reference import ablations as A
+from tests.reference import losses as R
+from torchcal.losses import create
+
+# every test here runs on the C++ CPU losses and on the torch path
+pytestmark = pytest.mark.usefixtures("loss_backend")
+
+DUAL_LOGITS = ["second", "third", "mean2", "mean3", "mean", 0.0, 0.1, 0.2]
+
+
+def batch(n=40, k=5, seed=0, scale=3.0):
+    g = torch.Generator().manual_seed(seed)
+    return scale * torch.randn(n, k, generator=g, dtype=torch.float64), torch.randint(0, k, (n,), generator=g)
+
+
+# float64 against float64 math over ~10 operations: agreement to a few ulps of the values (~1e-16 relative)
+TOL = {"rtol": 1e-10, "atol": 1e-12}
+
+
+@pytest.mark.parametrize("k", [2, 3, 10])
+@pytest.mark.parametrize("gamma,lam", [(0.0, 1.0), (4.0, 1.5), (0.5, 3.0)])
+def test_fcl_l1_matches_float64_reference(k, gamma, lam):
+    z, t = batch(40, k, seed=k)
+    got = L.focal_calibration_loss(z, t, gamma, lam, distance="l1", reduction="none")
+    torch.testing.assert_close(got, torch.tensor(A.fcl_l1(z, t, gamma, lam), dtype=torch.float64), **TOL)
+
+
+def test_fcl_l1_gradcheck_and_l2_default_unchanged():
+    z, t = batch(6, 4, seed=1, scale=1.5)
+    z.requires_grad_(True)
+    fn = lambda x: L.focal_calibration_loss(x, t, 2.0, 1.5, distance="l1").sum()  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (z,), eps=1e-6, atol=1e-5)
+    zd = z.detach()
+    torch.testing.assert_close(
+        L.focal_calibration_loss(zd, t, 4.0, 1.5, distance="l2", reduction="none"),
+        torch.tensor(R.fcl(zd, t, 4.0, 1.5), dtype=torch.float64),
+        **TOL,
+    )
+
+
+def test_fcl_l1_by_hand_and_inputs():
+    # p = (0.5, 0.5), label 0: log 2 + λ·(0.5 + 0.5)
+    got = L.focal_calibration_loss(torch.zeros(1, 2), torch.tensor([0]), 0.0, 2.0, distance="l1")
+    assert got.item() == pytest.approx(math.log(2) + 2.0, rel=1e-6)
+    z, t = batch(12, 4, seed=3)
+    t[3] = -100  # ignored label and class weights as for every loss
+    w = torch.tensor([1.0, 2.0, 0.5, 3.0], dtype=torch.float64)
+    per = torch.tensor(A.fcl_l1(z, t.clamp(min=0), 2.0, 1.5), dtype=torch.float64)
+    keep = t != -100
+    wt = w[t.clamp(min=0)] * keep
+    expected = (per * wt).sum() / wt.sum()
+    got = L.focal_calibration_loss(z, t, 2.0, 1.5, distance="l1", weight=w)
+    torch.testing.assert_close(got, expected, **TOL)
+
+
+def test_fcl_l1_refusals():
+    z, t = batch(4, 3)
+    with pytest.raises(ValueError, match="`distance` must be one of"):
+        L.focal_calibration_loss(z, t, distance="l3")
+    with pytest.raises(TypeError, match="distance='l1' is defined for labels"):
+        L.focal_calibration_loss(z, torch.softmax(z, 1), distance="l1")
+    with pytest.raises(ValueError, match="label_smoothing"):
+        L.focal_calibration_loss(z, t, distance="l1", label_smoothing=0.1)
+    with pytest.raises(ValueError, match="label_smoothing"):
+        create("fcl", distance="l1", label_smoothing=0.1)
+
+
+@pytest.mark.parametrize("k", [2, 3, 10])
+@pytest.mark.parametrize("dual_logit", DUAL_LOGITS, ids=str)
+def test_dfl_variants_match_float64_reference(k, dual_logit):
+    z, t = batch(40, k, seed=k)
+    got = L.dual_focal_loss(z, t, 2.0, dual_logit=dual_logit, reduction="none")
+    ref = A.dfl_variant(z, t, 2.0, dual_logit)
+    torch.testing.assert_close(got, torch.tensor(ref, dtype=torch.float64), **TOL)
+
+
+def test_dfl_reference_default_is_the_papers_loss():
+    z, t = batch(40, 6, seed=5)
+    assert A.dfl_variant(z, t, 2.0, "largest") == pytest.approx(R.dfl(z, t, 2.0), rel=1e-15)
+
+
+@pytest.mark.parametrize("dual_logit", DUAL_LOGITS, ids=str)
+def test_dfl_variants_gradcheck(dual_logit):
+    z, t = batch(6, 5, seed=1, scale=1.5)
+    z.requires_grad_(True)
+    fn = lambda x: L.dual_focal_loss(x, t, 2.0, dual_logit=dual_logit).sum()  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (z,), eps=1e-6, atol=1e-5)
+
+
+def test_dfl_variants_edge_cases():
+    # all-equal rows: no class below p_t, every ranked variant is 0 and the loss is the focal loss
+    z = torch.zeros(2, 4, dtype=torch.float64)
+    t = torch.tensor([0, 3])
+    focal = L.focal_loss(z, t, 2.0, reduction="none")
+    for v in ("second", "third", "mean2", "mean3", "mean"):
+        torch.testing.assert_close(L.dual_focal_loss(z, t, 2.0, dual_logit=v, reduction="none"), focal)
+    # fixed c = 0 is focal loss; K = 2 has no 2nd class below p_t
+    z, t = batch(20, 2, seed=7)
+    torch.testing.assert_close(
+        L.dual_focal_loss(z, t, 3.0, dual_logit=0.0), L.focal_loss(z, t, 3.0), rtol=1e-12, atol=0
+    )
+    torch.testing.assert_close(
+        L.dual_focal_loss(z, t, 3.0, dual_logit="second"), L.focal_loss(z, t, 3.0), rtol=1e-12, atol=0
+    )
+    # by hand: p = softmax(3, 2, 1, 0), true class 0, "mean3" = mean(p1, p2, p3) = (1 − p0)/3
+    z = torch.tensor([[3.0, 2.0, 1.0, 0.0]], dtype=torch.float64)
+    p = torch.softmax(z, 1)[0]
+    want = -((1 - p[0] + (1 - p[0]) / 3) ** 2) * torch.log(p[0])
+    torch.testing.assert_close(L.dual_focal_loss(z, torch.tensor([0]), 2.0, dual_logit="mean3"), want)
+
+
+def test_dfl_variants_inputs_and_refusals():
+    z, t = batch(12, 5, seed=2)
+    t[0] = -100
+    keep = t != -100
+    w = torch.tensor([1.0, 2.0, 0.5, 3.0, 1.0], dtype=torch.float64)
+    per = torch.tensor(A.dfl_variant(z, t.clamp(min=0), 2.0, "mean"), dtype=torch.float64)
+    wt = w[t.clamp(min=0)] * keep
+    got = L.dual_focal_loss(z, t, 2.0, dual_logit="mean", weight=w)
+    torch.testing.assert_close(got, (per * wt).sum() / wt.sum(), **TOL)
+    # (N, K, d) inputs: positions are samples
+    z3 = z.reshape(3, 4, 5).movedim(2, 1)
+    t3 = t.clamp(min=0).reshape(3, 4)
+    flat = L.dual_focal_loss(z, t.clamp(min=0), 2.0, dual_logit="third", reduction="none")
+    torch.testing.assert_close(
+        L.dual_focal_loss(z3, t3, 2.0, dual_logit="third", reduction="none"), flat.reshape(3, 4)
+    )
+    with pytest.raises(ValueError, match="`dual_logit` must be one of"):
+        L.dual_focal_loss(z, t, dual_logit="fourth")
+    with pytest.raises(ValueError, match="dual_logit"):
+        L.dual_focal_loss(z, t, dual_logit=1.5)
+    with pytest.raises(TypeError, match="dual_logit"):
+        L.dual_focal_loss(z, t, dual_logit=True)
+    with pytest.raises(TypeError, match="true class"):
+        L.dual_focal_loss(z, torch.softmax(z, 1), dual_logit="mean")
+
+
+def test_registry_and_config_route():
+    z, t = batch(16, 5, seed=4)
+    m = create("dfl", gamma=2.0, dual_logit="mean2", reduction="sum")
+    assert "dual_logit='mean2'" in repr(m)
+    torch.testing.assert_close(m(z, t), L.dual_focal_loss(z, t, 2.0, dual_logit="mean2", reduction="sum"))
+    m = create("fcl", distance="l1")
+    assert "distance='l1'" in repr(m)
+    torch.testing.assert_close(m(z, t), L.focal_calibration_loss(z, t, 4.0, 1.5, distance="l1"))
+
+
+@pytest.mark.parametrize(
+    "preset,override,arg,value",
+    [
+        ("cifar10_resnet50_dfl", "loss.kwargs.dual_logit=0.1", "dual_logit", 0.1),
+        ("cifar10_resnet50_dfl", "loss.kwargs.dual_logit=mean2", "dual_logit", "mean2"),
+        ("cifar10_resnet50_fcl", "loss.kwargs.distance=l1", "distance", "l1"),
+    ],
+)
+def test_reachable_from_a_preset_by_config_key(preset, override, arg, value):
+    from pathlib import Path
+
+    from torchcal.experiments.config import load_config
+
+    path = Path(__file__).resolve().parents[1] / "configs" / f"{preset}.yaml"
+    cfg = load_config(path, [override])
+    loss = create(cfg.loss.name, reduction=cfg.loss.reduction, **cfg.loss.kwargs)
+    assert getattr(loss, arg) == value
+
+
+def test_bad_option_by_config_key_is_one_clear_error():
+    from pathlib import Path
+
+    from torchcal.experiments.config import ConfigError, load_config
+
+    path = Path(__file__).resolve().parents[1] / "configs" / "cifar10_resnet50_dfl.yaml"
+    with pytest.raises(ConfigError, match="dual_logit"):
+        load_config(path, ["loss.kwargs.dual_logit=fourth"])
