@@ -248,20 +248,25 @@ def report(
     run_dirs: list[Path],
     out: Path = typer.Option(Path("report"), "--out", help="output folder"),
     calibrator: str = typer.Option("ts", help="calibrator of the post columns"),
+    columns: str = typer.Option(
+        "", "--columns", help="extra columns, comma-separated: rbs, debiased_ece, ece_sweep"
+    ),
 ):
     """The papers' table over runs (Markdown, CSV and HTML): runs whose configs differ only in the seed are
     averaged in one row; unfinished run folders are skipped with a warning. With cross-entropy runs among
     them, the report names the regime their fitted temperature shows."""
     from .demo import regime_note
-    from .evaluate import check_calibrators, collect_groups
+    from .evaluate import check_calibrators, check_columns, check_optional_columns, collect_groups
     from .evaluate import report as make_report
     from .html_report import html_report
 
     check_calibrators([calibrator], None)
+    extra = check_columns(columns)
     groups = collect_groups(run_dirs, calibrator)  # warns once per skipped folder
+    check_optional_columns(groups, extra)
     note = regime_note(groups)
-    markdown, _ = make_report(run_dirs, out, calibrator, note=note, groups=groups)
-    page = html_report(run_dirs, out, calibrator, note=note, groups=groups)
+    markdown, _ = make_report(run_dirs, out, calibrator, note=note, groups=groups, columns=extra)
+    page = html_report(run_dirs, out, calibrator, note=note, groups=groups, columns=extra)
     console.print(Markdown(markdown))
     console.print(f"report.md, report.csv and {page.name} (with figures) in {out}/")
 

@@ -30,6 +30,7 @@ __all__ = [
     "RunGroup",
     "GROUP_IGNORED_KEYS",
     "METRIC_COLUMNS",
+    "OPTIONAL_COLUMNS",
     "RESULTS",
 ]
 METRIC_COLUMNS = ("error", "nll", "brier", "ece", "adaece", "classwise_ece", "mce", "smece", "s99_fraction")
@@ -40,6 +41,7 @@ def _metrics(probs: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
         "error": F.error_rate(probs, targets).item(),
         "nll": F.nll(probs, targets).item(),
         "brier": F.brier(probs, targets).item(),
+        "rbs": F.rbs(probs, targets).item(),
         "ece": F.ece(probs, targets).item(),
         "adaece": F.adaece(probs, targets).item(),
         "classwise_ece": F.classwise_ece(probs, targets).item(),
@@ -49,6 +51,21 @@ def _metrics(probs: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
         "ece_sweep": F.ece_sweep(probs, targets).item(),
         "s99_fraction": F.confidence_at_least(probs, targets).fraction.item(),
     }
+
+
+# the report's columns on request (``report(columns=...)``, ``torchcal report --columns``): the root Brier
+# score (Dual Focal App. G), debiased ECE and the equal-mass ECE sweep (AdaFocal App. F)
+OPTIONAL_COLUMNS = ("rbs", "debiased_ece", "ece_sweep")
+
+
+def _optional_value(split: dict, name: str):
+    """A :data:`OPTIONAL_COLUMNS` value of a results split, None when the run was evaluated before it existed
+    (RBS is then the root of its Brier score)."""
+    if name in split:
+        return split[name]
+    if name == "rbs" and "brier" in split:
+        return math.sqrt(max(split["brier"], 0.0))
+    return None
 
 
 MULTILABEL_COLUMNS = ("error", "nll", "brier", "ece", "adaece", "mce", "ece_micro", "auroc")
@@ -327,7 +344,12 @@ def _label_names(run_dir: Path, n: int) -> list[str]:
 
 
 # Report column titles where the results key is not self-explanatory
-COLUMN_HEADERS = {"s99_fraction": "S99 (% with conf ≥ 0.99)"}
+COLUMN_HEADERS = {
+    "s99_fraction": "S99 (% with conf ≥ 0.99)",
+    "rbs": "RBS",
+    "debiased_ece": "debiased ECE",
+    "ece_sweep": "ECE sweep (equal mass)",
+}
 
 # Runs that differ only in these (the seed and the execution settings) share a report row.
 GROUP_IGNORED_KEYS = ("train.seed", *EXECUTION_KEYS)
@@ -344,6 +366,8 @@ class RunGroup:
     config: dict
     stats: dict[str, tuple[float, float, int]] = field(default_factory=dict)
     results: list[dict] = field(default_factory=list)
+    # the :data:`OPTIONAL_COLUMNS` the row's runs have, shown when asked for (``report(columns=...)``)
+    optional_stats: dict[str, tuple[float, float, int]] = field(default_factory=dict)
 
     @property
     def seeds_text(self) -> str:
@@ -435,6 +459,7 @@ def collect_groups(run_dirs, calibrator: str = "ts", warn=None) -> list[RunGroup
             )
             group.label += " [" + ", ".join(f"{k}={group.config[k]}" for k in differ) + "]"
         group.stats = _group_stats(group.results, calibrator)
+        group.optional_stats = _optional_stats(group.results, calibrator)
     return groups
 
 
@@ -476,6 +501,21 @@ def _group_stats(results: list[dict], calibrator: str) -> dict[str, tuple[float,
     for col, vals in values.items():
         t = torch.tensor(vals, dtype=torch.float64)
         out[col] = (float(t.mean()), float(t.std()) if len(vals) > 1 else 0.0, len(vals))
+    return out
+
+
+def _optional_stats(results: list[dict], calibrator: str) -> dict[str, tuple[float, float, int]]:
+    """The :data:`OPTIONAL_COLUMNS` of a multiclass row as ``RunGroup.stats`` holds the others (×100), each
+    kept only when every run of the row has it."""
+    out = {}
+    if any(res.get("task") == "multilabel" for res in results):
+        return out
+    for m in OPTIONAL_COLUMNS:
+        for when, key in (("pre", "uncalibrated"), ("post", calibrator)):
+            vals = [_optional_value(res[key]["test"], m) for res in results]
+            if vals and all(v is not None for v in vals):
+                t = 100 * torch.tensor(vals, dtype=torch.float64)
+                out[f"{m} {when}"] = (float(t.mean()), float(t.std()) if len(vals) > 1 else 0.0, len(vals))
     return out
 
 
@@ -553,22 +593,55 @@ def _multilabel_report(groups, out_dir: Path, calibrator: str, note: str) -> tup
     return markdown, csv_text
 
 
+def check_columns(columns) -> tuple[str, ...]:
+    """The report's extra columns: names of :data:`OPTIONAL_COLUMNS` (a comma-separated string or a
+    sequence), in the order given, each once."""
+    if isinstance(columns, str):
+        columns = [c.strip() for c in columns.split(",") if c.strip()]
+    columns = tuple(dict.fromkeys(columns))
+    unknown = [c for c in columns if c not in OPTIONAL_COLUMNS]
+    if unknown:
+        raise UserError(
+            f"--columns: unknown column {unknown[0]!r}; choose from {', '.join(OPTIONAL_COLUMNS)}"
+        )
+    return columns
+
+
+def check_optional_columns(groups, columns) -> None:
+    """A :class:`RunError` naming the runs to evaluate again when a row lacks a requested column."""
+    for col in columns:
+        for group in groups:
+            if f"{col} pre" not in group.optional_stats or f"{col} post" not in group.optional_stats:
+                raise RunError(
+                    f"column {col!r}: a run of row {group.label!r} was evaluated before it existed; run "
+                    f"torchcal evaluate on {', '.join(map(str, group.runs))} again"
+                )
+
+
 def report(
-    run_dirs, out_dir, calibrator: str = "ts", warn=None, note: str = "", groups=None
+    run_dirs, out_dir, calibrator: str = "ts", warn=None, note: str = "", groups=None, columns=()
 ) -> tuple[str, str]:
     """The papers' table: one row per group of runs (:func:`collect_groups`: equal configs but the seed,
     averaged, mean ± std, with the seeds and run folders named), each metric "pre / post" the calibrator
     with its temperature in brackets, plus the shifted-set ECE and the OOD AUROC; values ×100. Writes
     ``report.md`` and ``report.csv`` to ``out_dir`` (created only when there is something to report) and
     returns (markdown, csv). ``note`` (e.g. the regime the runs are in) is printed under the title; ``groups``
-    (from :func:`collect_groups` with this calibrator) saves collecting them again."""
+    (from :func:`collect_groups` with this calibrator) saves collecting them again. ``columns`` adds
+    :data:`OPTIONAL_COLUMNS` after S99 (multiclass runs)."""
+    columns_on_request = check_columns(columns)
     groups = collect_groups(run_dirs, calibrator, warn) if groups is None else groups
     out_dir = Path(out_dir)
     multilabel = [g.results[0].get("task") == "multilabel" for g in groups]
     if any(multilabel):
         if not all(multilabel):
             raise RunError("a report holds either multi-label or multiclass runs; report them separately")
+        if columns_on_request:
+            raise UserError(
+                "--columns takes multiclass runs only (the multi-label report has its own layout)"
+            )
         return _multilabel_report(groups, out_dir, calibrator, note)
+    check_optional_columns(groups, columns_on_request)
+
     columns = [
         "error",
         "nll",
@@ -579,6 +652,7 @@ def report(
         "mce",
         "smece",
         "s99_fraction",
+        *columns_on_request,
         "shift ece",
         "ood auroc",
     ]
@@ -600,7 +674,8 @@ def report(
     writer.writerow(["method", "calibrator", "n_runs", "seeds", "runs", "temperature_mean",
                      *[f"{c.replace(' ', '_')}_{k}" for c in stat_cols for k in ("mean", "std", "sem")]])  # fmt: skip
     for group in groups:
-        stats = group.stats
+        stats = {**group.stats, **{k: v for k, v in group.optional_stats.items()
+                                   if k.rsplit(" ", 1)[0] in columns_on_request}}  # fmt: skip
         cells = [group.label, group.seeds_text]
         for col in columns:
             if col == "error":
@@ -623,7 +698,9 @@ def report(
              "validation split (its mean temperature in brackets after ECE); mean ± std over the runs of a row, "
              "which differ only in their seed (standard errors in report.csv); S99 = share of test samples with "
              "confidence ≥ 0.99 (Mukhoti et al., Table 6); shift = the shifted test set; OOD AUROC by "
-             "predictive entropy (test set against each OOD set).\n\n")  # fmt: skip
+             "predictive entropy (test set against each OOD set)"
+             + ("; RBS = root Brier score (Gruber & Buettner 2022)" if "rbs" in columns_on_request else "")
+             + ".\n\n")  # fmt: skip
     sources = ["", "Runs of each row:", ""] + [f"- {g.label}: {', '.join(map(str, g.runs))}" for g in groups]
     sources += fit_warning_lines(groups, calibrator)
     markdown = title + (f"**{note}**\n\n" if note else "") + "\n".join(md + sources) + "\n"

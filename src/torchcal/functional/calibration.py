@@ -47,6 +47,7 @@ __all__ = [
     "maximum_calibration_error",
     "negative_log_likelihood",
     "brier_score",
+    "root_brier_score",
     "error_rate",
     "smooth_calibration_error",
     "debiased_calibration_error",
@@ -306,6 +307,21 @@ def brier_score(probs, targets, *, from_logits: bool = False, ignore_index=None)
     if scan.sum_sq is None:
         return brier_per_sample(probs, targets).mean()
     return brier_from_sums(scan.sum_sq, probs.gather(1, targets[:, None]), probs.shape[0])
+
+
+def root_brier_score(probs, targets, *, from_logits: bool = False, ignore_index=None):
+    """Root Brier score (RBS) of Gruber & Buettner 2022: the square root of :func:`brier_score`, an upper
+    bound of the L2 canonical calibration error whose estimate needs no binning (the Dual Focal paper's
+    appendix G reports it). Streaming: :class:`~torchcal.metrics.CalibrationMetrics` takes it from its
+    Brier sums.
+
+    Example:
+        >>> import torch
+        >>> root_brier_score(torch.tensor([[0.75, 0.25], [0.5, 0.5]]), torch.tensor([0, 1]))  # sqrt(0.3125)
+        tensor(0.5590, dtype=torch.float64)
+    """
+    # (the Brier score from sums can round a hair below 0 for perfect predictions)
+    return brier_score(probs, targets, from_logits=from_logits, ignore_index=ignore_index).clamp(min=0).sqrt()
 
 
 def error_rate(probs, targets, *, from_logits: bool = False, ignore_index=None):

@@ -541,7 +541,7 @@ def _dual_variant_loss(logits, targets, gamma, dual_logit, weight, label_smoothi
         log_p = torch.log_softmax(rows.logits, dim=1)
         log_pt = log_p.gather(1, rows.targets[:, None]).squeeze(1)
         base = _one_minus_pt(log_pt) + _dual_values(log_p, log_pt, dual_logit)
-        loss = -base.clamp(min=torch.finfo(base.dtype).tiny) ** gamma * log_pt
+        loss = -(base.clamp(min=torch.finfo(base.dtype).tiny) ** gamma) * log_pt
     return reduce_rows(loss, rows, reduction, w)
 
 

@@ -1,0 +1,88 @@
+"""The papers' ablations from the command line on tiny data: the loss options by config key, and the report's
+columns on request (RBS, debiased ECE, the ECE sweeps)."""
+
+import csv
+import io
+import json
+import math
+
+import pytest
+from typer.testing import CliRunner
+
+from torchcal.experiments.cli import app
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """One epoch of the dual focal loss's "mean" variant on digits (a config key), evaluated with TS."""
+    run = tmp_path_factory.mktemp("abl") / "run"
+    args = ["train", "--run-dir", str(run), "data.name=digits", "data.ood=", "data.val_size=260",
+            "model.width=16", "train.epochs=1", "loss.name=dfl", "loss.kwargs.dual_logit=mean"]  # fmt: skip
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(app, ["evaluate", str(run), "--calibrators", "ts"])
+    assert result.exit_code == 0, result.output
+    return run
+
+
+def _csv_row(path):
+    rows = list(csv.DictReader(io.StringIO(path.read_text())))
+    assert len(rows) == 1
+    return rows[0]
+
+
+def test_report_columns_on_request(run, tmp_path):
+    saved = json.loads((run / "results.json").read_text())
+    test = saved["uncalibrated"]["test"]
+    assert test["rbs"] == pytest.approx(math.sqrt(test["brier"]), rel=1e-12)
+    out = tmp_path / "rep"
+    result = runner.invoke(
+        app, ["report", str(run), "--out", str(out), "--columns", "rbs,debiased_ece,ece_sweep"]
+    )
+    assert result.exit_code == 0, result.output
+    md = (out / "report.md").read_text()
+    header = next(line for line in md.splitlines() if line.startswith("| method"))
+    assert "| S99 (% with conf ≥ 0.99) | RBS | debiased ECE | ECE sweep (equal mass) |" in header
+    assert "root Brier score" in md
+    row = _csv_row(out / "report.csv")
+    for name in ("rbs", "debiased_ece", "ece_sweep"):
+        assert float(row[f"{name}_pre_mean"]) == pytest.approx(100 * test[name], rel=1e-12)
+        assert float(row[f"{name}_post_mean"]) == pytest.approx(100 * saved["ts"]["test"][name], rel=1e-12)
+    assert "RBS (pre → post)" in (out / "report.html").read_text()
+    # without --columns the table keeps its layout
+    plain = tmp_path / "plain"
+    assert runner.invoke(app, ["report", str(run), "--out", str(plain)]).exit_code == 0
+    assert (
+        "RBS" not in (plain / "report.md").read_text()
+        and "rbs_pre_mean" not in (plain / "report.csv").read_text()
+    )
+
+
+def test_report_column_refusals_write_nothing(run, tmp_path):
+    out = tmp_path / "bad"
+    result = runner.invoke(app, ["report", str(run), "--out", str(out), "--columns", "rbs,kde"])
+    assert result.exit_code == 2
+    assert "unknown column 'kde'" in result.output and not out.exists()
+    # a run evaluated before a column existed: RBS comes from its Brier score, the others name the fix
+    old = tmp_path / "old"
+    old.mkdir()
+    for f in run.iterdir():
+        if f.is_file():
+            (old / f.name).write_bytes(f.read_bytes())
+    saved = json.loads((old / "results.json").read_text())
+    for key in ("uncalibrated", "ts"):
+        del saved[key]["test"]["rbs"], saved[key]["test"]["debiased_ece"]
+    (old / "results.json").write_text(json.dumps(saved))
+    ok = tmp_path / "ok"
+    assert runner.invoke(app, ["report", str(old), "--out", str(ok), "--columns", "rbs"]).exit_code == 0
+    brier = saved["uncalibrated"]["test"]["brier"]
+    assert float(_csv_row(ok / "report.csv")["rbs_pre_mean"]) == pytest.approx(
+        100 * math.sqrt(brier), rel=1e-12
+    )
+    result = runner.invoke(
+        app, ["report", str(old), "--out", str(tmp_path / "no"), "--columns", "debiased_ece"]
+    )
+    assert result.exit_code == 2
+    assert "evaluated before it existed" in result.output and not (tmp_path / "no").exists()
