@@ -181,3 +181,27 @@ def test_bad_option_by_config_key_is_one_clear_error():
     path = Path(__file__).resolve().parents[1] / "configs" / "cifar10_resnet50_dfl.yaml"
     with pytest.raises(ConfigError, match="dual_logit"):
         load_config(path, ["loss.kwargs.dual_logit=fourth"])
+
+
+def test_adafocal_unconstrained_gamma_max():
+    """AdaFocal App. N: γ_max = ∞ lets γ grow past the default cap of 20."""
+    import math
+
+    from torchcal.adafocal import AdaFocalLoss
+
+    # every validation sample sure and wrong: gap = conf − acc = 0.99 in every bin, γ ← γ·exp(λ·0.99)
+    val = torch.tensor([[0.99, 0.01]] * 30, dtype=torch.float64)
+    wrong = torch.ones(30, dtype=torch.long)
+    capped = AdaFocalLoss(n_bins=3, gamma_init=15.0, lambda_=1.0)
+    free = create("adafocal", n_bins=3, gamma_init=15.0, lambda_=1.0, gamma_max="inf")
+    assert free.gamma_max == math.inf and AdaFocalLoss(gamma_max=math.inf).gamma_max == math.inf
+    capped.update(val, wrong)
+    free.update(val, wrong)
+    torch.testing.assert_close(capped.gammas, torch.full((3,), 20.0, dtype=torch.float64))
+    torch.testing.assert_close(free.gammas, torch.full((3,), 15.0 * math.exp(0.99), dtype=torch.float64))
+    z, t = batch(8, 2, seed=1)
+    assert bool(torch.isfinite(free(z, t)))
+    with pytest.raises(ValueError, match="gamma_max"):
+        AdaFocalLoss(gamma_max=-math.inf)
+    with pytest.raises(TypeError, match="gamma_max"):
+        AdaFocalLoss(gamma_max="big")

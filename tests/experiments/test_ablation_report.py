@@ -86,3 +86,31 @@ def test_report_column_refusals_write_nothing(run, tmp_path):
     )
     assert result.exit_code == 2
     assert "evaluated before it existed" in result.output and not (tmp_path / "no").exists()
+
+
+def _gamma_history(run):
+    import torch
+
+    state = torch.load(run / "checkpoint.pt", weights_only=True)
+    return state["loss"]["gamma_history"]
+
+
+@pytest.mark.parametrize("every", [0, 3, 1])
+def test_adafocal_update_frequency(tmp_path, every):
+    """AdaFocal's update-frequency ablation (AdaFocal App. I, Figs. 16-17) and its unconstrained γ (App. N):
+    γ updated after each epoch's validation pass (0), every n batches (n) and every batch (1), 2 epochs."""
+    from torchcal.experiments.config import load_config
+    from torchcal.experiments.data import load_splits
+
+    run = tmp_path / "run"
+    overrides = ["data.name=digits", "data.ood=", "data.val_size=260", "data.batch_size=128", "model.width=8",
+                 "train.epochs=2", "loss.name=adafocal", f"loss.update_every={every}",
+                 "loss.kwargs.gamma_max=inf"]  # fmt: skip
+    result = runner.invoke(app, ["train", "--run-dir", str(run), *overrides])
+    assert result.exit_code == 0, result.output
+    n_train = len(load_splits(load_config(None, overrides).data)["train"])
+    n_batches = -(-n_train // 128)  # the runner's batches per epoch, the last one partial
+    assert n_batches > 3  # so that every n batches differs from every batch and from every epoch
+    history = _gamma_history(run)
+    assert history.shape == (2 * (n_batches // every) if every else 2, 15)
+    assert bool(history.isfinite().all())
