@@ -205,3 +205,94 @@ def test_adafocal_unconstrained_gamma_max():
         AdaFocalLoss(gamma_max=-math.inf)
     with pytest.raises(TypeError, match="gamma_max"):
         AdaFocalLoss(gamma_max="big")
+
+
+@pytest.mark.parametrize("k", [2, 4])
+@pytest.mark.parametrize("h", [0.05, 0.5])
+def test_kde_xe_matches_float64_reference(k, h):
+    z, t = batch(24, k, seed=k)
+    got = L.kde_xe_loss(z, t, 0.7, bandwidth=h)
+    # float64 against float64 math: lgamma / exp / sums of 24² terms, relative agreement ~1e-13
+    assert got.item() == pytest.approx(A.kde_xe(z, t, 0.7, h), rel=1e-10)
+
+
+def test_kde_xe_is_the_metric_plus_cross_entropy_and_picks_the_metrics_bandwidth():
+    from torchcal.functional import kde_calibration_error
+    from torchcal.functional.calibration import _kde_select_bandwidth
+
+    z, t = batch(40, 3, seed=3)
+    ce = torch.nn.functional.cross_entropy(z, t)
+    for h in ("auto", 0.1):
+        want = ce + 2.0 * kde_calibration_error(z, t, from_logits=True, bandwidth=h)
+        torch.testing.assert_close(L.kde_xe_loss(z, t, 2.0, bandwidth=h), want, rtol=1e-12, atol=0)
+    # the "auto" rule is the metric's leave-one-out maximiser: the loss with that bandwidth fixed agrees
+    f = torch.softmax(z, 1)
+    h = _kde_select_bandwidth(f, f.log(), 1024)
+    torch.testing.assert_close(L.kde_xe_loss(z, t, 2.0), L.kde_xe_loss(z, t, 2.0, bandwidth=h))
+
+
+@pytest.mark.parametrize("h", [0.1, 0.6])
+def test_kde_xe_gradcheck(h):
+    z, t = batch(7, 3, seed=1, scale=1.0)
+    z.requires_grad_(True)
+    fn = lambda x: L.kde_xe_loss(x, t, 1.5, bandwidth=h)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (z,), eps=1e-6, atol=1e-5)
+
+
+def test_kde_xe_reductions_ignored_labels_and_refusals():
+    z, t = batch(12, 4, seed=2)
+    none = L.kde_xe_loss(z, t, 1.0, bandwidth=0.2, reduction="none")
+    torch.testing.assert_close(none.mean(), L.kde_xe_loss(z, t, 1.0, bandwidth=0.2))
+    torch.testing.assert_close(none.sum(), L.kde_xe_loss(z, t, 1.0, bandwidth=0.2, reduction="sum"))
+    # ignored positions are left out of both terms
+    t2 = t.clone()
+    t2[:3] = -100
+    torch.testing.assert_close(
+        L.kde_xe_loss(z, t2, 1.0, bandwidth=0.2), L.kde_xe_loss(z[3:], t[3:], 1.0, bandwidth=0.2)
+    )
+    assert L.kde_xe_loss(z, t2, 1.0, bandwidth=0.2, reduction="none")[:3].eq(0).all()
+    # fewer than 2 kept samples: no KDE term, cross entropy
+    one = L.kde_xe_loss(z[:1], t[:1], 1.0)
+    torch.testing.assert_close(one, torch.nn.functional.cross_entropy(z[:1], t[:1]))
+    with pytest.raises(ValueError, match="bandwidth"):
+        L.kde_xe_loss(z, t, bandwidth=0.0)
+    with pytest.raises(ValueError, match="bandwidth"):
+        L.kde_xe_loss(z, t, bandwidth="silverman")
+    with pytest.raises(ValueError, match="`weight` is not accepted"):
+        L.kde_xe_loss(z, t, weight=torch.ones(4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="label_smoothing"):
+        create("kde-xe", label_smoothing=0.1)
+    with pytest.raises(TypeError, match="one-hot label"):
+        L.kde_xe_loss(z, torch.softmax(z, 1))
+    m = create("kde-xe", lambda_=0.5, bandwidth=0.2, reduction="sum")
+    assert repr(m) == "KDEXELoss(lambda_=0.5, bandwidth=0.2, reduction='sum')"
+    torch.testing.assert_close(m(z, t), L.kde_xe_loss(z, t, 0.5, bandwidth=0.2, reduction="sum"))
+
+
+def test_kde_xe_trains_in_float32_and_reduces_the_term():
+    """A few steps of KDE-XE on a fixed batch lower its KDE calibration term (float32 logits)."""
+    from torchcal.functional import kde_calibration_error
+
+    g = torch.Generator().manual_seed(0)
+    z = (4 * torch.randn(64, 3, generator=g)).requires_grad_(True)
+    t = torch.randint(0, 3, (64,), generator=g)
+    before = kde_calibration_error(z.detach(), t, from_logits=True, bandwidth=0.1)
+    opt = torch.optim.SGD([z], lr=2.0)
+    for _ in range(30):
+        opt.zero_grad()
+        loss = L.kde_xe_loss(z, t, 5.0, bandwidth=0.1)
+        assert loss.dtype == torch.float32
+        loss.backward()
+        opt.step()
+    assert kde_calibration_error(z.detach(), t, from_logits=True, bandwidth=0.1) < before
+
+
+def test_kde_xe_reachable_by_config_key():
+    from pathlib import Path
+
+    from torchcal.experiments.config import load_config
+
+    path = Path(__file__).resolve().parents[1] / "configs" / "cifar10_resnet50_ce.yaml"
+    cfg = load_config(path, ["loss.name=kde-xe", "loss.reduction=mean", "loss.kwargs.bandwidth=0.1"])
+    loss = create(cfg.loss.name, reduction=cfg.loss.reduction, **cfg.loss.kwargs)
+    assert (loss.lambda_, loss.bandwidth, loss.reduction) == (1.0, 0.1, "mean")

@@ -55,3 +55,33 @@ def test_rbs_streams_from_the_brier_sums(batch, equal_mass):
     assert out["rbs"].item() == math.sqrt(out["brier"].item())
     assert out["rbs"].item() == pytest.approx(math.sqrt(R.brier(probs, targets)), rel=1e-6)  # float32 probs
     assert set(m.compute("rbs")) == {"rbs"}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+@pytest.mark.parametrize("p", [1, 2])
+def test_equal_width_sweep_matches_float64_reference(seed, p):
+    from tests.reference import ablations as A
+
+    probs, targets, _ = make(200, 4, seed=seed, sharpness=1.5 + seed)
+    value, b = F.ece_sweep(probs, targets, p=p, binning="equal_width", return_n_bins=True)
+    want, want_b = A.sweep_equal_width(probs, targets, p)
+    assert b == want_b
+    # float64 bin sums against Python sums over 200 values: ~1e-15 relative
+    assert value.item() == pytest.approx(want, rel=1e-12)
+    # the equal-mass sweep is unchanged and stays the default
+    torch.testing.assert_close(
+        F.ece_sweep(probs, targets, p=p), F.ece_sweep(probs, targets, p=p, binning="equal_mass")
+    )
+
+
+def test_equal_width_sweep_by_hand_and_edges():
+    # confidences 0.9 (right), 0.6 (wrong), 0.7 (right), 0.8 (wrong): b = 2, 3, 4 are monotone, the sweep
+    # stops at b = N = 4 with bins (.5, .75] (0.6, 0.7; acc .5, conf .65) and (.75, 1] (0.8, 0.9; .5, .85)
+    probs = torch.tensor([[0.9, 0.1], [0.6, 0.4], [0.3, 0.7], [0.2, 0.8]], dtype=torch.float64)
+    value, b = F.ece_sweep(probs, torch.tensor([0, 1, 1, 0]), binning="equal_width", return_n_bins=True)
+    assert b == 4 and value.item() == pytest.approx(0.5 * 0.15 + 0.5 * 0.35, rel=1e-12)
+    # correctness that never decreases with confidence: monotone for every b, so b = N
+    probs = torch.tensor([[0.6, 0.4], [0.7, 0.3], [0.9, 0.1]], dtype=torch.float64)
+    assert F.ece_sweep(probs, torch.tensor([1, 0, 0]), binning="equal_width", return_n_bins=True)[1] == 3
+    with pytest.raises(ValueError, match="`binning` must be one of"):
+        F.ece_sweep(probs, torch.tensor([1, 0, 0]), binning="quantile")

@@ -40,6 +40,7 @@ __all__ = [
     "FocalCalibrationLoss",
     "FocalLoss",
     "InverseFocalLoss",
+    "KDEXELoss",
     "MMCELoss",
     "SampleDependentFocalLoss",
     "ScheduledFocalLoss",
@@ -285,6 +286,38 @@ class MMCELoss(_Loss):
         )
 
 
+class KDEXELoss(_Loss):
+    """KDE-XE: cross entropy + λ·the batch's canonical L1 calibration error estimated with Dirichlet kernels
+    (Popordanoska et al. 2022; Dual Focal appendix F), bandwidth by leave-one-out likelihood per batch
+    (``"auto"``) or fixed. Refuses class ``weight`` and ``label_smoothing`` (the term belongs to the batch)."""
+
+    _args = ("lambda_", "bandwidth")
+
+    def __init__(
+        self,
+        lambda_: float = 1.0,
+        bandwidth="auto",
+        reduction: str = "mean",
+        *,
+        weight=None,
+        label_smoothing: float = 0.0,
+        ignore_index=L.IGNORE_INDEX,
+    ):
+        self_lambda, self_bandwidth = L.check_kde_xe_options(lambda_, bandwidth, weight, label_smoothing)
+        super().__init__(reduction, ignore_index)
+        self.lambda_, self.bandwidth = self_lambda, self_bandwidth
+
+    def forward(self, logits, targets):
+        return L.kde_xe_loss(
+            logits,
+            targets,
+            self.lambda_,
+            bandwidth=self.bandwidth,
+            ignore_index=self.ignore_index,
+            reduction=self.reduction,
+        )
+
+
 class ScheduledFocalLoss(_Loss):
     """Focal loss with γ by epoch (Mukhoti et al.'s FLS-531 / FLS-532): ``milestones`` are the epochs where
     the next γ starts. FLS-531: gammas (5, 3, 1), milestones (100, 250). Call :meth:`set_epoch` each epoch."""
@@ -443,6 +476,7 @@ _FIXED = {
     "ce": lambda **kw: CrossEntropyLoss(**kw),
     "brier": lambda **kw: BrierLoss(**kw),
     "mmce": lambda **kw: MMCELoss(**kw),
+    "kde-xe": lambda **kw: KDEXELoss(**kw),
     "flsd-53": lambda **kw: SampleDependentFocalLoss((5.0, 3.0), (0.2,), **kw),
     "flsd-532": lambda **kw: SampleDependentFocalLoss((5.0, 3.0, 2.0), (0.2, 0.5), **kw),
     "fls-531": lambda **kw: ScheduledFocalLoss((5.0, 3.0, 1.0), (100, 250), **kw),

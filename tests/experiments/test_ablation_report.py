@@ -39,15 +39,18 @@ def test_report_columns_on_request(run, tmp_path):
     assert test["rbs"] == pytest.approx(math.sqrt(test["brier"]), rel=1e-12)
     out = tmp_path / "rep"
     result = runner.invoke(
-        app, ["report", str(run), "--out", str(out), "--columns", "rbs,debiased_ece,ece_sweep"]
+        app, ["report", str(run), "--out", str(out), "--columns", "rbs,debiased_ece,ece_sweep,ece_sweep_ew"]
     )
     assert result.exit_code == 0, result.output
     md = (out / "report.md").read_text()
     header = next(line for line in md.splitlines() if line.startswith("| method"))
-    assert "| S99 (% with conf ≥ 0.99) | RBS | debiased ECE | ECE sweep (equal mass) |" in header
+    assert (
+        "| S99 (% with conf ≥ 0.99) | RBS | debiased ECE | ECE sweep (equal mass) | ECE sweep (equal width) |"
+        in header
+    )
     assert "root Brier score" in md
     row = _csv_row(out / "report.csv")
-    for name in ("rbs", "debiased_ece", "ece_sweep"):
+    for name in ("rbs", "debiased_ece", "ece_sweep", "ece_sweep_ew"):
         assert float(row[f"{name}_pre_mean"]) == pytest.approx(100 * test[name], rel=1e-12)
         assert float(row[f"{name}_post_mean"]) == pytest.approx(100 * saved["ts"]["test"][name], rel=1e-12)
     assert "RBS (pre → post)" in (out / "report.html").read_text()

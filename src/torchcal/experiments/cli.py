@@ -249,7 +249,7 @@ def report(
     out: Path = typer.Option(Path("report"), "--out", help="output folder"),
     calibrator: str = typer.Option("ts", help="calibrator of the post columns"),
     columns: str = typer.Option(
-        "", "--columns", help="extra columns, comma-separated: rbs, debiased_ece, ece_sweep"
+        "", "--columns", help="extra columns, comma-separated: rbs, debiased_ece, ece_sweep, ece_sweep_ew"
     ),
 ):
     """The papers' table over runs (Markdown, CSV and HTML): runs whose configs differ only in the seed are

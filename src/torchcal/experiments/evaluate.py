@@ -49,13 +49,14 @@ def _metrics(probs: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
         "smece": F.smece(probs, targets).item(),
         "debiased_ece": F.debiased_ece(probs, targets).item(),
         "ece_sweep": F.ece_sweep(probs, targets).item(),
+        "ece_sweep_ew": F.ece_sweep(probs, targets, binning="equal_width").item(),
         "s99_fraction": F.confidence_at_least(probs, targets).fraction.item(),
     }
 
 
 # the report's columns on request (``report(columns=...)``, ``torchcal report --columns``): the root Brier
-# score (Dual Focal App. G), debiased ECE and the equal-mass ECE sweep (AdaFocal App. F)
-OPTIONAL_COLUMNS = ("rbs", "debiased_ece", "ece_sweep")
+# score (Dual Focal App. G), debiased ECE and the ECE sweeps, equal mass (AdaFocal App. F) and equal width
+OPTIONAL_COLUMNS = ("rbs", "debiased_ece", "ece_sweep", "ece_sweep_ew")
 
 
 def _optional_value(split: dict, name: str):
@@ -349,6 +350,7 @@ COLUMN_HEADERS = {
     "rbs": "RBS",
     "debiased_ece": "debiased ECE",
     "ece_sweep": "ECE sweep (equal mass)",
+    "ece_sweep_ew": "ECE sweep (equal width)",
 }
 
 # Runs that differ only in these (the seed and the execution settings) share a report row.
