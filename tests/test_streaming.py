@@ -20,6 +20,7 @@ ONE_SHOT = {
     "classwise_ece": F.classwise_ece,
     "nll": F.nll,
     "brier": F.brier,
+    "rbs": F.rbs,
     "error": F.error_rate,
     "adaece": F.adaece,
     "debiased_ece": F.debiased_ece,

@@ -3,6 +3,9 @@ validation calibration error of that bin, switching to inverse focal loss for γ
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 from torch import nn
 
@@ -108,7 +111,8 @@ class AdaFocalLoss(_ValidationBins):
     validation set after an epoch (or every n batches): equal-mass bins, gap_b = mean confidence − accuracy
     (0 for an empty bin), then per bin γ ← γ·exp(λ·gap) if γ >= 0 else γ·exp(−λ·gap); if |γ| < S_th the sign
     switches (γ ← −S_th if it was positive, +S_th if negative); γ is clipped to [γ_min, γ_max]; the new
-    validation boundaries are adopted. Start: equal-width bins and γ = ``gamma_init``.
+    validation boundaries are adopted. Start: equal-width bins and γ = ``gamma_init``. ``gamma_max`` may be
+    infinite (``math.inf`` or "inf"): the paper's unconstrained γ (its appendix N).
 
     Everything needed to resume (edges, γ, the history of γ and gaps) is in ``state_dict()``.
 
@@ -144,7 +148,7 @@ class AdaFocalLoss(_ValidationBins):
         check_label_smoothing(label_smoothing, L._RUNNER_UP_NEEDS_LABELS if dual else L._BINS_NEED_LABELS)
         self.register_buffer("weight", class_weight_buffer(weight))
         self.lambda_ = check_float(lambda_, "lambda_", low=0)
-        self.gamma_max = check_float(gamma_max, "gamma_max")
+        self.gamma_max = _check_gamma_max(gamma_max)
         self.gamma_min = check_float(gamma_min, "gamma_min", high=self.gamma_max)
         self.switch_threshold = check_float(switch_threshold, "switch_threshold", low=0)
         gamma_init = check_float(gamma_init, "gamma_init", low=self.gamma_min, high=self.gamma_max)
@@ -208,6 +212,18 @@ class AdaFocalLoss(_ValidationBins):
             if key in state_dict:
                 setattr(self, name, torch.empty_like(state_dict[key]))
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+def _check_gamma_max(gamma_max) -> float:
+    """γ_max: a real number, or infinity (``math.inf``, YAML's ``.inf`` or the string "inf"): the AdaFocal
+    paper's unconstrained γ (its appendix N)."""
+    if isinstance(gamma_max, str) and gamma_max.strip().lower() in ("inf", "+inf", "infinity", ".inf"):
+        return math.inf
+    if isinstance(gamma_max, numbers.Real) and not isinstance(gamma_max, bool) and gamma_max == math.inf:
+        return math.inf
+    if isinstance(gamma_max, str):
+        raise TypeError(f"`gamma_max` must be a real number or 'inf', got {gamma_max!r}")
+    return check_float(gamma_max, "gamma_max")
 
 
 def _ada_dual(logits, targets, bins, reduction, ignore_index, class_weight=None):

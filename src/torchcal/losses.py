@@ -42,6 +42,7 @@ __all__ = [
     "FocalLoss",
     "FusedLinearLoss",
     "InverseFocalLoss",
+    "KDEXELoss",
     "MMCELoss",
     "SampleDependentFocalLoss",
     "ScheduledFocalLoss",
@@ -194,7 +195,8 @@ class DualSampleDependentFocalLoss(SampleDependentFocalLoss):
 
 
 class DualFocalLoss(FocalLoss):
-    """Dual focal loss −(1 − p_t + p_j)^γ log p_t."""
+    """Dual focal loss −(1 − p_t + p_j)^γ log p_t; ``dual_logit`` picks the p_j of the paper's Table 4
+    ablation (see :func:`torchcal.functional.dual_focal_loss`)."""
 
     _smoothing_refusal = L._RUNNER_UP_NEEDS_LABELS
 
@@ -203,20 +205,26 @@ class DualFocalLoss(FocalLoss):
         gamma: float = 5.0,
         reduction: str = "mean",
         *,
+        dual_logit="largest",
         weight=None,
         label_smoothing: float = 0.0,
         ignore_index=L.IGNORE_INDEX,
     ):
+        dual_logit = L._check_dual_logit(dual_logit)
         super().__init__(
             gamma, reduction, weight=weight, label_smoothing=label_smoothing, ignore_index=ignore_index
         )
+        self.dual_logit = dual_logit
+        if dual_logit != "largest":
+            self._args = ("gamma", "dual_logit")
 
     def forward(self, logits, targets):
-        return L.dual_focal_loss(logits, targets, self.gamma, **self._options())
+        return L.dual_focal_loss(logits, targets, self.gamma, dual_logit=self.dual_logit, **self._options())
 
 
 class FocalCalibrationLoss(_Loss):
-    """Focal calibration loss: focal(γ) + λ·‖p − y‖²."""
+    """Focal calibration loss: focal(γ) + λ·‖p − y‖² (``distance="l1"``: λ·‖p − y‖₁, the paper's A.15
+    ablation, labels only)."""
 
     _args = ("gamma", "lambda_")
 
@@ -226,16 +234,25 @@ class FocalCalibrationLoss(_Loss):
         lambda_: float = 1.5,
         reduction: str = "mean",
         *,
+        distance: str = "l2",
         weight=None,
         label_smoothing: float = 0.0,
         ignore_index=L.IGNORE_INDEX,
     ):
+        check_choice(distance, "distance", L._FCL_DISTANCES)
+        if distance == "l1":
+            check_label_smoothing(label_smoothing, L._FCL_L1_NEEDS_LABELS)
         super().__init__(reduction, ignore_index, weight, label_smoothing)
+        self.distance = distance
+        if distance == "l1":
+            self._args = ("gamma", "lambda_", "distance")
         self.gamma = check_float(gamma, "gamma", low=0)
         self.lambda_ = check_float(lambda_, "lambda_", low=0)
 
     def forward(self, logits, targets):
-        return L.focal_calibration_loss(logits, targets, self.gamma, self.lambda_, **self._options())
+        return L.focal_calibration_loss(
+            logits, targets, self.gamma, self.lambda_, distance=self.distance, **self._options()
+        )
 
 
 class MMCELoss(_Loss):
@@ -266,6 +283,38 @@ class MMCELoss(_Loss):
             targets,
             self.lambda_,
             normalization=self.normalization,
+            ignore_index=self.ignore_index,
+            reduction=self.reduction,
+        )
+
+
+class KDEXELoss(_Loss):
+    """KDE-XE: cross entropy + λ·the batch's canonical L1 calibration error estimated with Dirichlet kernels
+    (Popordanoska et al. 2022; Dual Focal appendix F), bandwidth by leave-one-out likelihood per batch
+    (``"auto"``) or fixed. Refuses class ``weight`` and ``label_smoothing`` (the term belongs to the batch)."""
+
+    _args = ("lambda_", "bandwidth")
+
+    def __init__(
+        self,
+        lambda_: float = 1.0,
+        bandwidth="auto",
+        reduction: str = "mean",
+        *,
+        weight=None,
+        label_smoothing: float = 0.0,
+        ignore_index=L.IGNORE_INDEX,
+    ):
+        self_lambda, self_bandwidth = L.check_kde_xe_options(lambda_, bandwidth, weight, label_smoothing)
+        super().__init__(reduction, ignore_index)
+        self.lambda_, self.bandwidth = self_lambda, self_bandwidth
+
+    def forward(self, logits, targets):
+        return L.kde_xe_loss(
+            logits,
+            targets,
+            self.lambda_,
+            bandwidth=self.bandwidth,
             ignore_index=self.ignore_index,
             reduction=self.reduction,
         )
@@ -429,6 +478,7 @@ _FIXED = {
     "ce": lambda **kw: CrossEntropyLoss(**kw),
     "brier": lambda **kw: BrierLoss(**kw),
     "mmce": lambda **kw: MMCELoss(**kw),
+    "kde-xe": lambda **kw: KDEXELoss(**kw),
     "flsd-53": lambda **kw: SampleDependentFocalLoss((5.0, 3.0), (0.2,), **kw),
     "flsd-532": lambda **kw: SampleDependentFocalLoss((5.0, 3.0, 2.0), (0.2, 0.5), **kw),
     "fls-531": lambda **kw: ScheduledFocalLoss((5.0, 3.0, 1.0), (100, 250), **kw),

@@ -20,7 +20,7 @@ class CalibrationMetrics:
 
     * top-label equal-width bin sums (count, confidence sum, correct sum), 3·M numbers;
     * classwise bin sums (p_k sum and [y = k] sum per class and bin), 2·K·M numbers;
-    * sums of NLL, Brier, correct, the S99 count and hits, and N;
+    * sums of NLL, Brier (also giving the root Brier score), correct, the S99 count and hits, and N;
     * for the equal-mass estimators (AdaECE, debiased ECE, ECE sweep, smECE), the top-label confidence (in
       the input's dtype, float32 for half inputs) and correctness (bool) of every sample: **5 bytes per
       sample** for float32 inputs (5 MB per million; 9 for float64), the only state that grows with N. Pass ``equal_mass=False`` to drop it and those four metrics.
@@ -163,7 +163,7 @@ class CalibrationMetrics:
         return C.sorted_by_confidence(torch.cat(self._conf), torch.cat(self._correct))
 
     def compute(self, names=None) -> dict[str, torch.Tensor]:
-        """Every supported metric as 0-d float64 tensors: ece, mce, classwise_ece, nll, brier, error,
+        """Every supported metric as 0-d float64 tensors: ece, mce, classwise_ece, nll, brier, rbs, error,
         s99_fraction, s99_accuracy and, with ``equal_mass``, adaece, debiased_ece, ece_sweep, smece.
         ``names`` (one name or an iterable of names) restricts the result to those metrics (and skips the
         work of the others)."""
@@ -247,7 +247,9 @@ def batch_state(probs_or_logits, targets, num_classes, n_bins, from_logits, s99_
     return sums, conf, correct
 
 
-EQUAL_WIDTH_METRICS = ("ece", "mce", "classwise_ece", "nll", "brier", "error", "s99_fraction", "s99_accuracy")
+EQUAL_WIDTH_METRICS = (
+    "ece", "mce", "classwise_ece", "nll", "brier", "rbs", "error", "s99_fraction", "s99_accuracy"
+)  # fmt: skip
 EQUAL_MASS_METRICS = ("adaece", "debiased_ece", "ece_sweep", "smece")
 
 
@@ -265,6 +267,7 @@ def results(sums, conf, correct, num_classes, n_bins, names=None) -> dict[str, t
         "classwise_ece": C.classwise_from_sums(cw[0], cw[1], n),
         "nll": scalars[1] / n,
         "brier": scalars[2] / n,
+        "rbs": (scalars[2] / n).clamp(min=0).sqrt(),  # root Brier score, from the same sums
         "error": 1 - scalars[3] / n,
         "s99_fraction": scalars[4] / n,
         "s99_accuracy": scalars[5] / scalars[4] if float(scalars[4]) > 0 else nan,

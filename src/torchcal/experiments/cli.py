@@ -361,26 +361,42 @@ def report(
     metrics: str = typer.Option(
         "",
         "--metrics",
+        "--columns",
         help="extra columns, comma-separated: signed_ece, ece_over, ece_under, ks, kuiper, classwise_ks, aurc, "
         "augrc, brier_reliability, brier_resolution, brier_uncertainty, log_reliability, log_resolution, "
-        "coverage, set_size (the last two from `evaluate --conformal`)",
+        "coverage, set_size (the last two from `evaluate --conformal`), rbs, debiased_ece, ece_sweep, "
+        "ece_sweep_ew",
     ),
 ):
     """The papers' table over runs (Markdown, CSV and HTML): runs whose configs differ only in the seed are
     averaged in one row; unfinished run folders are skipped with a warning. With cross-entropy runs among
     them, the report names the regime their fitted temperature shows."""
     from .demo import regime_note
-    from .evaluate import check_calibrators, collect_groups
+    from .evaluate import (
+        OPTIONAL_COLUMNS,
+        check_calibrators,
+        check_columns,
+        check_optional_columns,
+        collect_groups,
+    )
     from .evaluate import report as make_report
-    from .field_report import check_report_metrics
+    from .field_report import REPORT_METRICS, check_report_metrics
     from .html_report import html_report
 
     check_calibrators([calibrator], None)
-    extra = check_report_metrics(metrics.split(","))
+    names = [n.strip() for n in metrics.split(",") if n.strip()]
+    unknown = [n for n in names if n not in OPTIONAL_COLUMNS and n not in REPORT_METRICS]
+    if unknown:
+        raise UserError(
+            f"--metrics: unknown column {unknown[0]!r}; choose from {', '.join([*REPORT_METRICS, *OPTIONAL_COLUMNS])}"
+        )
+    columns = check_columns([n for n in names if n in OPTIONAL_COLUMNS])
+    extra = check_report_metrics([n for n in names if n not in OPTIONAL_COLUMNS])
     groups = collect_groups(run_dirs, calibrator)  # warns once per skipped folder
+    check_optional_columns(groups, columns)
     note = regime_note(groups)
-    markdown, _ = make_report(run_dirs, out, calibrator, note=note, groups=groups, metrics=extra)
-    page = html_report(run_dirs, out, calibrator, note=note, groups=groups, extra_metrics=extra)
+    markdown, _ = make_report(run_dirs, out, calibrator, note=note, groups=groups, metrics=extra, columns=columns)
+    page = html_report(run_dirs, out, calibrator, note=note, groups=groups, extra_metrics=extra, columns=columns)
     console.print(Markdown(markdown))
     console.print(f"report.md, report.csv and {page.name} (with figures) in {out}/")
 

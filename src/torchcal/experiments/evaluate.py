@@ -40,6 +40,7 @@ __all__ = [
     "RunGroup",
     "GROUP_IGNORED_KEYS",
     "METRIC_COLUMNS",
+    "OPTIONAL_COLUMNS",
     "RESULTS",
     "post_calibration_probs",
 ]
@@ -51,6 +52,7 @@ def _metrics(probs: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
         "error": F.error_rate(probs, targets).item(),
         "nll": F.nll(probs, targets).item(),
         "brier": F.brier(probs, targets).item(),
+        "rbs": F.rbs(probs, targets).item(),
         "ece": F.ece(probs, targets).item(),
         "adaece": F.adaece(probs, targets).item(),
         "classwise_ece": F.classwise_ece(probs, targets).item(),
@@ -58,9 +60,25 @@ def _metrics(probs: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
         "smece": F.smece(probs, targets).item(),
         "debiased_ece": F.debiased_ece(probs, targets).item(),
         "ece_sweep": F.ece_sweep(probs, targets).item(),
+        "ece_sweep_ew": F.ece_sweep(probs, targets, binning="equal_width").item(),
         "s99_fraction": F.confidence_at_least(probs, targets).fraction.item(),
         **field_metrics(probs, targets),
     }
+
+
+# the report's columns on request (``report(columns=...)``, ``torchcal report --columns``): the root Brier
+# score (Dual Focal App. G), debiased ECE and the ECE sweeps, equal mass (AdaFocal App. F) and equal width
+OPTIONAL_COLUMNS = ("rbs", "debiased_ece", "ece_sweep", "ece_sweep_ew")
+
+
+def _optional_value(split: dict, name: str):
+    """A :data:`OPTIONAL_COLUMNS` value of a results split, None when the run was evaluated before it existed
+    (RBS is then the root of its Brier score)."""
+    if name in split:
+        return split[name]
+    if name == "rbs" and "brier" in split:
+        return math.sqrt(max(split["brier"], 0.0))
+    return None
 
 
 MULTILABEL_COLUMNS = ("error", "nll", "brier", "ece", "adaece", "mce", "ece_micro", "auroc")
@@ -357,7 +375,13 @@ def _label_names(run_dir: Path, n: int) -> list[str]:
 
 
 # Report column titles where the results key is not self-explanatory
-COLUMN_HEADERS = {"s99_fraction": "S99 (% with conf ≥ 0.99)"}
+COLUMN_HEADERS = {
+    "s99_fraction": "S99 (% with conf ≥ 0.99)",
+    "rbs": "RBS",
+    "debiased_ece": "debiased ECE",
+    "ece_sweep": "ECE sweep (equal mass)",
+    "ece_sweep_ew": "ECE sweep (equal width)",
+}
 
 # Runs that differ only in these (the seed and the execution settings) share a report row.
 GROUP_IGNORED_KEYS = ("train.seed", *EXECUTION_KEYS)
@@ -374,6 +398,8 @@ class RunGroup:
     config: dict
     stats: dict[str, tuple[float, float, int]] = field(default_factory=dict)
     results: list[dict] = field(default_factory=list)
+    # the :data:`OPTIONAL_COLUMNS` the row's runs have, shown when asked for (``report(columns=...)``)
+    optional_stats: dict[str, tuple[float, float, int]] = field(default_factory=dict)
 
     @property
     def seeds_text(self) -> str:
@@ -465,6 +491,7 @@ def collect_groups(run_dirs, calibrator: str = "ts", warn=None) -> list[RunGroup
             )
             group.label += " [" + ", ".join(f"{k}={group.config[k]}" for k in differ) + "]"
         group.stats = _group_stats(group.results, calibrator)
+        group.optional_stats = _optional_stats(group.results, calibrator)
     return groups
 
 
@@ -509,6 +536,21 @@ def _group_stats(results: list[dict], calibrator: str) -> dict[str, tuple[float,
     for col, vals in values.items():
         t = torch.tensor(vals, dtype=torch.float64)
         out[col] = (float(t.mean()), float(t.std()) if len(vals) > 1 else 0.0, len(vals))
+    return out
+
+
+def _optional_stats(results: list[dict], calibrator: str) -> dict[str, tuple[float, float, int]]:
+    """The :data:`OPTIONAL_COLUMNS` of a multiclass row as ``RunGroup.stats`` holds the others (×100), each
+    kept only when every run of the row has it."""
+    out = {}
+    if any(res.get("task") == "multilabel" for res in results):
+        return out
+    for m in OPTIONAL_COLUMNS:
+        for when, key in (("pre", "uncalibrated"), ("post", calibrator)):
+            vals = [_optional_value(res[key]["test"], m) for res in results]
+            if vals and all(v is not None for v in vals):
+                t = 100 * torch.tensor(vals, dtype=torch.float64)
+                out[f"{m} {when}"] = (float(t.mean()), float(t.std()) if len(vals) > 1 else 0.0, len(vals))
     return out
 
 
@@ -603,8 +645,33 @@ def post_calibration_probs(run_dir, calibrator: str):
     return cal.transform(test["logits"]), test["targets"]
 
 
+def check_columns(columns) -> tuple[str, ...]:
+    """The report's extra columns: names of :data:`OPTIONAL_COLUMNS` (a comma-separated string or a
+    sequence), in the order given, each once."""
+    if isinstance(columns, str):
+        columns = [c.strip() for c in columns.split(",") if c.strip()]
+    columns = tuple(dict.fromkeys(columns))
+    unknown = [c for c in columns if c not in OPTIONAL_COLUMNS]
+    if unknown:
+        raise UserError(
+            f"--columns: unknown column {unknown[0]!r}; choose from {', '.join(OPTIONAL_COLUMNS)}"
+        )
+    return columns
+
+
+def check_optional_columns(groups, columns) -> None:
+    """A :class:`RunError` naming the runs to evaluate again when a row lacks a requested column."""
+    for col in columns:
+        for group in groups:
+            if f"{col} pre" not in group.optional_stats or f"{col} post" not in group.optional_stats:
+                raise RunError(
+                    f"column {col!r}: a run of row {group.label!r} was evaluated before it existed; run "
+                    f"torchcal evaluate on {', '.join(map(str, group.runs))} again"
+                )
+
+
 def report(
-    run_dirs, out_dir, calibrator: str = "ts", warn=None, note: str = "", groups=None, metrics=()
+    run_dirs, out_dir, calibrator: str = "ts", warn=None, note: str = "", groups=None, metrics=(), columns=()
 ) -> tuple[str, str]:
     """The papers' table: one row per group of runs (:func:`collect_groups`: equal configs but the seed,
     averaged, mean ± std, with the seeds and run folders named), each metric "pre / post" the calibrator
@@ -613,15 +680,23 @@ def report(
     returns (markdown, csv). ``note`` (e.g. the regime the runs are in) is printed under the title; ``groups``
     (from :func:`collect_groups` with this calibrator) saves collecting them again. ``metrics`` adds columns
     of :data:`torchcal.experiments.field_report.REPORT_METRICS` (runs evaluated before they existed leave the
-    cell empty) and says next to each ECE whether the model is over- or under-confident (signed ECE)."""
+    cell empty) and says next to each ECE whether the model is over- or under-confident (signed ECE);
+    ``columns`` adds :data:`OPTIONAL_COLUMNS` after S99 (multiclass runs)."""
     metrics = check_report_metrics(metrics)
+    columns_on_request = check_columns(columns)
     groups = collect_groups(run_dirs, calibrator, warn) if groups is None else groups
     out_dir = Path(out_dir)
     multilabel = [g.results[0].get("task") == "multilabel" for g in groups]
     if any(multilabel):
         if not all(multilabel):
             raise RunError("a report holds either multi-label or multiclass runs; report them separately")
+        if columns_on_request:
+            raise UserError(
+                "--columns takes multiclass runs only (the multi-label report has its own layout)"
+            )
         return _multilabel_report(groups, out_dir, calibrator, note)
+    check_optional_columns(groups, columns_on_request)
+
     columns = [
         "error",
         "nll",
@@ -632,6 +707,7 @@ def report(
         "mce",
         "smece",
         "s99_fraction",
+        *columns_on_request,
         "shift ece",
         "ood auroc",
     ]
@@ -655,7 +731,8 @@ def report(
     writer.writerow(["method", "calibrator", "n_runs", "seeds", "runs", "temperature_mean",
                      *[f"{c.replace(' ', '_')}_{k}" for c in stat_cols for k in ("mean", "std", "sem")]])  # fmt: skip
     for group in groups:
-        stats = group.stats
+        stats = {**group.stats, **{k: v for k, v in group.optional_stats.items()
+                                   if k.rsplit(" ", 1)[0] in columns_on_request}}  # fmt: skip
         cells = [group.label, group.seeds_text]
         for col in columns:
             if col == "error":
@@ -681,7 +758,9 @@ def report(
              "validation split (its mean temperature in brackets after ECE); mean ± std over the runs of a row, "
              "which differ only in their seed (standard errors in report.csv); S99 = share of test samples with "
              "confidence ≥ 0.99 (Mukhoti et al., Table 6); shift = the shifted test set; OOD AUROC by "
-             "predictive entropy (test set against each OOD set).\n\n")  # fmt: skip
+             "predictive entropy (test set against each OOD set)"
+             + ("; RBS = root Brier score (Gruber & Buettner 2022)" if "rbs" in columns_on_request else "")
+             + ".\n\n")  # fmt: skip
     if metrics:
         title += ("Signed ECE = mean confidence − accuracy (> 0: over-confident, the word after each ECE); ECE "
                   "over/under = its over- and under-confident parts (15 equal-width bins); KS, Kuiper: "

@@ -12,7 +12,14 @@ from pathlib import Path
 import torch
 
 from .errors import RunError
-from .evaluate import COLUMN_HEADERS, calibrator_file_stem, collect_groups, describe_calibrator
+from .evaluate import (
+    COLUMN_HEADERS,
+    calibrator_file_stem,
+    check_columns,
+    check_optional_columns,
+    collect_groups,
+    describe_calibrator,
+)
 from .field_report import COLUMN_HEADERS as FIELD_HEADERS
 from .field_report import REPORT_METRICS, field_figures
 from .train import CALIBRATORS, atomic_write_bytes, read_metrics
@@ -206,18 +213,30 @@ def _fit_warnings_html(groups, calibrator: str) -> str:
 
 
 def html_report(
-    run_dirs, out_dir, calibrator: str = "ts", warn=None, note: str = "", groups=None, extra_metrics=()
+    run_dirs,
+    out_dir,
+    calibrator: str = "ts",
+    warn=None,
+    note: str = "",
+    groups=None,
+    extra_metrics=(),
+    columns=(),
 ) -> Path:
     """Writes ``report.html`` (one file) to ``out_dir``; returns its path. It opens with the table (rows as in
     :func:`torchcal.experiments.evaluate.collect_groups`, each naming its seeds and run folders) and the
     comparison across rows (ECE before/after the calibrator with error bars; every row's reliability curve
     on one axis), then one section of figures per row. ``note`` (e.g. the regime) is shown under the title;
     ``groups`` (from ``collect_groups`` with this calibrator) saves collecting them again. ``extra_metrics``
-    (``report --metrics``) adds those columns and each row's risk-coverage and set-size figures."""
+    (``report --metrics``) adds those columns and each row's risk-coverage and set-size figures; ``columns``
+    adds the report's columns on request (:data:`~torchcal.experiments.evaluate.OPTIONAL_COLUMNS`)."""
+    columns = check_columns(columns)
     groups = collect_groups(run_dirs, calibrator, warn) if groups is None else groups
+    check_optional_columns(groups, columns)
+    row_stats = {id(g): {**g.stats, **{k: v for k, v in g.optional_stats.items() if k.rsplit(" ", 1)[0] in columns}}
+                 for g in groups}  # fmt: skip
     # one column per metric, "uncalibrated → calibrated" in one cell (the error does not change for the
     # argmax-preserving calibrators, so it is shown once)
-    metrics = list(dict.fromkeys(c.rsplit(" ", 1)[0] for g in groups for c in g.stats if c != "T"))
+    metrics = list(dict.fromkeys(c.rsplit(" ", 1)[0] for g in groups for c in row_stats[id(g)] if c != "T"))
     per_set = [m for m in metrics if m.startswith("ood auroc ")]  # one column per OOD set when several
     metrics = [m for m in metrics if m not in (per_set if len(per_set) < 2 else ["ood auroc"])]
     metrics = [m for m in metrics if m not in REPORT_METRICS or m in extra_metrics]  # asked for only
@@ -233,7 +252,7 @@ def html_report(
     head = "".join(f"<th>{html.escape(c).replace('_', '_<wbr>')}</th>" for c in names)  # classwise_<wbr>ece
     body = []
     for group in groups:
-        stats = group.stats
+        stats = row_stats[id(group)]
         cells = [html.escape(group.label), f'<span class="v">{html.escape(group.seeds_text)}</span>']
         for m in metrics:
             pre, post = stats.get(f"{m} pre"), stats.get(f"{m} post")

@@ -33,6 +33,7 @@ from .calibration import (
     maximum_calibration_error,
     negative_log_likelihood,
     ood_auroc,
+    root_brier_score,
     smooth_calibration_error,
 )
 from .conformal import (
@@ -84,6 +85,7 @@ classwise_ece = classwise_calibration_error
 mce = maximum_calibration_error
 nll = negative_log_likelihood
 brier = brier_score
+rbs = root_brier_score
 smece = smooth_calibration_error
 debiased_ece = debiased_calibration_error
 kde_ece = kde_calibration_error
@@ -98,6 +100,8 @@ __all__ = [
     "resample_counts",
     "brier",
     "brier_score",
+    "rbs",
+    "root_brier_score",
     "build_cpu_extension",
     "classwise_calibration_error",
     "classwise_ece",

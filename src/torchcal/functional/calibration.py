@@ -31,9 +31,11 @@ from .._validation import (
 )
 from . import _backend
 from ._binning import (
+    bin_sums,
     classwise_sums,
     equal_mass_cuts,
     equal_mass_sums,
+    equal_width_index,
     prefix_sums,
 )
 from ._inputs import metric_rows, probs_and_targets, scan_inputs, top_label_bins, top_label_inputs
@@ -47,6 +49,7 @@ __all__ = [
     "maximum_calibration_error",
     "negative_log_likelihood",
     "brier_score",
+    "root_brier_score",
     "error_rate",
     "smooth_calibration_error",
     "debiased_calibration_error",
@@ -308,6 +311,21 @@ def brier_score(probs, targets, *, from_logits: bool = False, ignore_index=None)
     return brier_from_sums(scan.sum_sq, probs.gather(1, targets[:, None]), probs.shape[0])
 
 
+def root_brier_score(probs, targets, *, from_logits: bool = False, ignore_index=None):
+    """Root Brier score (RBS) of Gruber & Buettner 2022: the square root of :func:`brier_score`, an upper
+    bound of the L2 canonical calibration error whose estimate needs no binning (the Dual Focal paper's
+    appendix G reports it). Streaming: :class:`~torchcal.metrics.CalibrationMetrics` takes it from its
+    Brier sums.
+
+    Example:
+        >>> import torch
+        >>> root_brier_score(torch.tensor([[0.75, 0.25], [0.5, 0.5]]), torch.tensor([0, 1]))  # sqrt(0.3125)
+        tensor(0.5590, dtype=torch.float64)
+    """
+    # (the Brier score from sums can round a hair below 0 for perfect predictions)
+    return brier_score(probs, targets, from_logits=from_logits, ignore_index=ignore_index).clamp(min=0).sqrt()
+
+
 def error_rate(probs, targets, *, from_logits: bool = False, ignore_index=None):
     """Top-1 error 1 − accuracy; a tie in the maximum predicts the lowest class index.
 
@@ -480,16 +498,26 @@ def debiased_calibration_error(
 
 
 def ece_sweep(
-    probs, targets, *, p: int = 1, from_logits: bool = False, ignore_index=None, return_n_bins: bool = False
+    probs,
+    targets,
+    *,
+    p: int = 1,
+    binning: str = "equal_mass",
+    from_logits: bool = False,
+    ignore_index=None,
+    return_n_bins: bool = False,
 ):
-    """ECE_sweep of Roelofs et al. 2022 with equal-mass bins.
+    """ECE_sweep of Roelofs et al. 2022, with equal-mass bins (default) or equal-width bins.
 
-    Tries b = 2, 3, ... equal-mass bins (cut as in :func:`adaptive_calibration_error`) and keeps the largest
-    b before the first whose bin accuracies are not monotonically non-decreasing in bin confidence (b = 1 if
-    b = 2 already fails); returns (Σ_m |B_m|/N · |acc_m − conf_m|^p)^(1/p) at that b.
+    Tries b = 2, 3, ... bins and keeps the largest b before the first whose bin accuracies are not
+    monotonically non-decreasing in bin confidence (b = 1 if b = 2 already fails; empty bins are skipped);
+    returns (Σ_m |B_m|/N · |acc_m − conf_m|^p)^(1/p) at that b. Equal-mass bins are cut as in
+    :func:`adaptive_calibration_error`; ``binning="equal_width"`` uses the ECE's bins (m/b, (m+1)/b] (0 in
+    bin 0), the EW sweep beside the EM one (AdaFocal's appendix F reports the EM sweep); both stop at b = N.
 
     Args:
         p: 1 for the L1 (ECE) form, 2 for the L2 form.
+        binning: "equal_mass" or "equal_width".
         return_n_bins: also return the chosen number of bins, as ``(value, n_bins)``.
 
     Example:
@@ -497,11 +525,45 @@ def ece_sweep(
         >>> probs = torch.tensor([[0.9, 0.1], [0.6, 0.4], [0.3, 0.7], [0.2, 0.8]])
         >>> ece_sweep(probs, torch.tensor([0, 1, 1, 0]), return_n_bins=True)
         (tensor(0.2500, dtype=torch.float64), 2)
+        >>> ece_sweep(probs, torch.tensor([0, 1, 1, 0]), binning="equal_width", return_n_bins=True)
+        (tensor(0.2500, dtype=torch.float64), 4)
     """
     probs, targets = metric_rows(probs, targets, ignore_index, names=_NAMES)
     check_positive_int(p, "p")
-    value, b = sweep_from_sorted(*sorted_by_confidence(*top_label_inputs(probs, targets, from_logits)), p=p)
+    check_choice(binning, "binning", ("equal_mass", "equal_width"))
+    conf, correct = top_label_inputs(probs, targets, from_logits)
+    if binning == "equal_width":
+        value, b = sweep_equal_width(conf, correct, p)
+    else:
+        value, b = sweep_from_sorted(*sorted_by_confidence(conf, correct), p=p)
     return (value, b) if return_n_bins else value
+
+
+def sweep_equal_width(conf, correct, p: int = 1):
+    """(value, n_bins) of the equal-width ECE_sweep from top-label confidences and correctness: one bin
+    assignment per b (bins contiguous in confidence, so a confidence-sorted correctness that never decreases
+    makes every b monotone: then b = N without trying each)."""
+    n = conf.shape[0]
+    conf64, correct = conf.double(), correct.bool()
+    order = torch.sort(conf64, stable=True).indices
+    corr_sorted = correct[order].to(torch.int8)
+
+    def sums(b):
+        return bin_sums(equal_width_index(conf64, b), b, conf64, correct)
+
+    best = 1
+    if bool((corr_sorted[1:] >= corr_sorted[:-1]).all()):
+        best = max(n, 1)
+    else:
+        for b in range(2, n + 1):
+            count, _, corr_sum = sums(b)
+            acc = corr_sum[count > 0] / count[count > 0]
+            if bool((acc[1:] < acc[:-1]).any()):
+                break
+            best = b
+    count, conf_sum, corr_sum = sums(best)
+    gaps = ((corr_sum - conf_sum) / count.clamp(min=1)).abs() ** p
+    return ((count / n) * gaps).sum() ** (1.0 / p), best
 
 
 # ----------------------------------------------------------------------------- KDE ECE
@@ -590,16 +652,24 @@ def kde_calibration_error(
         h = _kde_select_bandwidth(f, log_f, chunk)
     else:
         h = check_float(bandwidth, "bandwidth", low=0, low_open=True)
-    log_norm = _kde_log_norm(f, h)
     onehot = torch.nn.functional.one_hot(targets, k).double()
-    total = torch.zeros((), dtype=torch.float64, device=probs.device)
+    return kde_l1_sum(f, log_f, onehot, h, chunk) / n
+
+
+def kde_l1_sum(f, log_f, onehot, bandwidth: float, chunk: int) -> torch.Tensor:
+    """Σ_i ‖Ê[y | f_i] − f_i‖₁ with the leave-one-out Dirichlet-kernel estimate of E[y | f]: the arithmetic of
+    :func:`kde_calibration_error` and of the KDE-XE training loss
+    (:func:`torchcal.functional.kde_xe_loss`), differentiable in ``f`` (N >= 2 rows, in f's dtype)."""
+    n = f.shape[0]
+    log_norm = _kde_log_norm(f, bandwidth)
+    total = f.new_zeros(())
     for s in range(0, n, chunk):
-        lk = _dirichlet_log_kernel(log_f[s : s + chunk], f, h, log_norm)
+        lk = _dirichlet_log_kernel(log_f[s : s + chunk], f, bandwidth, log_norm)
         rows = torch.arange(lk.shape[0], device=f.device)
         lk[rows, rows + s] = -math.inf
         weights = torch.softmax(lk, dim=1)
-        total += ((weights @ onehot) - f[s : s + chunk]).abs().sum()
-    return total / n
+        total = total + ((weights @ onehot) - f[s : s + chunk]).abs().sum()
+    return total
 
 
 # ----------------------------------------------------------------------------- S99 and OOD

@@ -25,7 +25,7 @@ import math
 import torch
 import torch.nn.functional as nnf
 
-from .._validation import check_choice, check_float, check_label_range
+from .._validation import check_choice, check_float, check_label_range, check_positive_int
 from . import _backend
 from ._loss_inputs import (
     IGNORE_INDEX,
@@ -48,6 +48,7 @@ __all__ = [
     "focal_gamma_star",
     "focal_loss",
     "inverse_focal_loss",
+    "kde_xe_loss",
     "label_smoothing_loss",
     "mmce_loss",
     "mmce_penalty",
@@ -447,6 +448,7 @@ def dual_focal_loss(
     targets,
     gamma: float = 5.0,
     *,
+    dual_logit="largest",
     weight=None,
     label_smoothing: float = 0.0,
     ignore_index=IGNORE_INDEX,
@@ -459,12 +461,29 @@ def dual_focal_loss(
     classes tied with p_t are excluded. The gradient flows through p_j, as in the released code. Class
     ``weight`` as ``F.cross_entropy``; ``label_smoothing`` is refused (the loss needs the true class).
 
+    ``dual_logit`` chooses p_j among the variants of the paper's ablation (its Table 4), all over the classes
+    strictly below p_t, ranked in descending order: ``"largest"`` (the loss above), ``"second"`` and
+    ``"third"`` (the 2nd / 3rd of them; 0 when there are fewer), ``"mean2"`` and ``"mean3"`` (the mean of the
+    first 2 / 3 of them, over those that exist), ``"mean"`` (the mean of all of them), or a number c in
+    [0, 1], the "fixed dual logit": −(1 − p_t + c)^γ log p_t, focal loss at c = 0. The gradient flows through
+    the chosen probabilities. Every variant but ``"largest"`` runs on the torch path on every device
+    (decision 142).
+
     Example:
         >>> import torch
         >>> logits = torch.tensor([[2.0, 1.0, 0.0]])
         >>> dual_focal_loss(logits, torch.tensor([0]), gamma=1.0)
         tensor(0.2362)
+        >>> dual_focal_loss(logits, torch.tensor([0]), gamma=1.0, dual_logit="mean")  # p_j = (.245 + .090)/2
+        tensor(0.2047)
+        >>> dual_focal_loss(logits, torch.tensor([0]), gamma=0.0, dual_logit=0.1)  # γ = 0: cross entropy
+        tensor(0.4076)
     """
+    dual_logit = _check_dual_logit(dual_logit)
+    if dual_logit != "largest":
+        return _dual_variant_loss(
+            logits, targets, _gamma(gamma), dual_logit, weight, label_smoothing, ignore_index, reduction
+        )
     gamma, _, spec = _gamma_spec(gamma, "dual")
     return _backend.true_class_loss(
         logits,
@@ -477,6 +496,56 @@ def dual_focal_loss(
         weight=weight,
         label_smoothing=label_smoothing,
     )
+
+
+DUAL_LOGITS = ("largest", "second", "third", "mean2", "mean3", "mean")
+_DUAL_RANK = {"second": 2, "third": 3}
+_DUAL_MEAN = {"mean2": 2, "mean3": 3}
+
+
+def _check_dual_logit(dual_logit):
+    """One of :data:`DUAL_LOGITS` or a fixed dual value c in [0, 1] (a float)."""
+    if isinstance(dual_logit, str):
+        return check_choice(dual_logit, "dual_logit", DUAL_LOGITS)
+    if isinstance(dual_logit, bool) or not isinstance(dual_logit, (int, float)):
+        raise TypeError(
+            f"`dual_logit` must be one of {list(DUAL_LOGITS)} or a number in [0, 1], "
+            f"got {type(dual_logit).__name__}"
+        )
+    return check_float(dual_logit, "dual_logit", low=0, high=1)
+
+
+def _dual_values(log_p, log_pt, dual_logit):
+    """p_j (M,) of a :func:`dual_focal_loss` variant from log-probabilities (M, K), differentiable."""
+    if not isinstance(dual_logit, str):
+        return log_pt.new_full(log_pt.shape, dual_logit)
+    below = log_p < log_pt[:, None]  # ties with p_t are excluded, as for the default
+    p_below = log_p.exp().masked_fill(~below, 0.0)
+    if dual_logit == "mean":
+        return p_below.sum(dim=1) / below.sum(dim=1).clamp(min=1)
+    m = _DUAL_RANK.get(dual_logit) or _DUAL_MEAN[dual_logit]
+    k = log_p.shape[1]
+    # the excluded classes hold −1, below every probability: they rank last
+    top = torch.where(below, p_below, -1.0).topk(min(m, k), dim=1).values
+    valid = top >= 0
+    top = top.clamp(min=0)
+    if dual_logit in _DUAL_RANK:
+        return top[:, m - 1] if m <= k else top.new_zeros(top.shape[0])
+    return (top * valid).sum(dim=1) / valid.sum(dim=1).clamp(min=1)
+
+
+def _dual_variant_loss(logits, targets, gamma, dual_logit, weight, label_smoothing, ignore_index, reduction):
+    """The torch path of the :func:`dual_focal_loss` ablation variants (autograd through p_j)."""
+    check_choice(reduction, "reduction", REDUCTIONS)
+    check_label_smoothing(label_smoothing, _RUNNER_UP_NEEDS_LABELS)
+    rows = loss_rows(logits, targets, ignore_index, soft_refusal=_RUNNER_UP_NEEDS_LABELS)
+    w = check_class_weight(weight, rows.logits)
+    with torch.autocast(rows.logits.device.type, enabled=False):
+        log_p = torch.log_softmax(rows.logits, dim=1)
+        log_pt = log_p.gather(1, rows.targets[:, None]).squeeze(1)
+        base = _one_minus_pt(log_pt) + _dual_values(log_p, log_pt, dual_logit)
+        loss = -(base.clamp(min=torch.finfo(base.dtype).tiny) ** gamma) * log_pt
+    return reduce_rows(loss, rows, reduction, w)
 
 
 def dual_sample_dependent_focal_loss(
@@ -521,6 +590,7 @@ def focal_calibration_loss(
     gamma: float = 4.0,
     lambda_: float = 1.5,
     *,
+    distance: str = "l2",
     weight=None,
     label_smoothing: float = 0.0,
     ignore_index=IGNORE_INDEX,
@@ -531,11 +601,32 @@ def focal_calibration_loss(
     smoothed labels of ``label_smoothing``), the soft focal term plus λ·Σ_k (p_k − q_k)². With class
     ``weight``: Σ_k w_k q_k f(p_k) + λ·(Σ_k w_k q_k)·Σ_k (p_k − q_k)², w_y·loss for labels (decision 96).
 
+    ``distance="l1"`` is the paper's L1 / mean-absolute-error ablation (its appendix A.15, Table 8): the term
+    λ·Σ_k |p_k − onehot_k|, which for a label equals 2λ·(1 − p_t). It takes labels only (soft targets and
+    ``label_smoothing`` are refused) and runs on the torch path on every device (decision 141).
+
     Example:
         >>> import torch
         >>> focal_calibration_loss(torch.tensor([[0.0, 0.0]]), torch.tensor([0]), gamma=0.0, lambda_=1.0)
         tensor(1.1931)
+        >>> focal_calibration_loss(  # log 2 + 1·(|0.5 − 1| + |0.5 − 0|)
+        ...     torch.tensor([[0.0, 0.0]]), torch.tensor([0]), gamma=0.0, lambda_=1.0, distance="l1"
+        ... )
+        tensor(1.6931)
     """
+    check_choice(distance, "distance", _FCL_DISTANCES)
+    if distance == "l1":
+        gamma, lam, _ = _gamma_spec(gamma, "fcl", lambda_)
+        return _backend.true_class_loss(
+            logits,
+            targets,
+            reduction,
+            _l1_focal_weight(gamma, lam),
+            soft_refusal=_FCL_L1_NEEDS_LABELS,
+            ignore_index=ignore_index,
+            weight=weight,
+            label_smoothing=label_smoothing,
+        )
     gamma, lam, spec = _gamma_spec(gamma, "fcl", lambda_)
     return _backend.true_class_loss(
         logits,
@@ -548,6 +639,24 @@ def focal_calibration_loss(
         weight=weight,
         label_smoothing=label_smoothing,
     )
+
+
+_FCL_DISTANCES = ("l2", "l1")
+_FCL_L1_NEEDS_LABELS = (
+    "focal_calibration_loss with distance='l1' is defined for labels (its term is 2λ·(1 − p_t))"
+)
+
+
+def _l1_focal_weight(gamma, lam):
+    """FCL's L1 ablation for a label: −(1 − p)^γ log p + 2λ(1 − p), since Σ_k |p_k − onehot_k| = 2(1 − p_t);
+    p·d/dp of the L1 term is −2λp."""
+    focal = _focal_weight(gamma)
+
+    def weight(log_pt):
+        loss, coef = focal(log_pt)
+        return loss + (2 * lam) * _one_minus_pt(log_pt), coef - (2 * lam) * log_pt.exp()
+
+    return weight
 
 
 # ----------------------------------------------------------------------------- MMCE
@@ -657,6 +766,87 @@ def mmce_loss(
     ce = nnf.cross_entropy(rows.logits, rows.targets, reduction="none")
     loss = ce + lam * _mmce_rows(rows, normalization, 0.4)
     return reduce_rows(loss, rows, reduction)
+
+
+# ----------------------------------------------------------------------------- KDE-XE
+
+_KDE_NEEDS_LABELS = "the KDE calibration term compares each sample's one-hot label with its neighbours'"
+_KDE_IS_A_BATCH_TERM = "the KDE calibration error is a statistic of the whole batch"
+
+
+def check_kde_xe_options(lambda_, bandwidth, weight, label_smoothing):
+    """(λ, bandwidth) of KDE-XE, checked; class weights and label smoothing refused."""
+    lam = check_float(lambda_, "lambda_", low=0)
+    if not (isinstance(bandwidth, str) and bandwidth == "auto"):
+        if isinstance(bandwidth, str):
+            raise ValueError(f"`bandwidth` must be 'auto' or a number > 0, got {bandwidth!r}")
+        bandwidth = check_float(bandwidth, "bandwidth", low=0, low_open=True)
+    if weight is not None:
+        raise ValueError(f"`weight` is not accepted: {_KDE_IS_A_BATCH_TERM}")
+    check_label_smoothing(label_smoothing, _KDE_IS_A_BATCH_TERM)
+    return lam, bandwidth
+
+
+def kde_xe_loss(
+    logits,
+    targets,
+    lambda_: float = 1.0,
+    *,
+    bandwidth="auto",
+    chunk_size: int = 1024,
+    weight=None,
+    label_smoothing: float = 0.0,
+    ignore_index=IGNORE_INDEX,
+    reduction: str = "mean",
+):
+    """KDE-XE (Popordanoska et al. 2022; the Dual Focal paper's appendix F): cross entropy + λ·ECE_KDE(batch),
+    the canonical L1 calibration error of the batch's softmax vectors estimated leave-one-out with Dirichlet
+    kernels, differentiable in the logits through every kernel (the arithmetic of
+    :func:`~torchcal.functional.kde_calibration_error`, in the logits' dtype).
+
+    ``bandwidth="auto"`` picks, for every batch, the bandwidth that maximises the leave-one-out likelihood of
+    the detached softmax vectors over the metric's grid (Popordanoska et al.'s rule); a number fixes it.
+    Picking it reads values on the host (one synchronisation per batch on an accelerator). The term belongs
+    to the batch, as MMCE's: ``"mean"`` is CE.mean() + λ·ECE_KDE, ``"none"`` gives each sample
+    CE_i + λ·ECE_KDE and ``"sum"`` their sum; ignored positions are left out of both terms, and a batch
+    with fewer than 2 kept samples has no KDE term (0). Class ``weight`` and ``label_smoothing`` are
+    refused. λ has no published default (the paper chooses it by cross-validation): 1.0 here (decision 144).
+    Cost O(B²K) per batch.
+
+    Example:
+        >>> import torch
+        >>> logits = torch.tensor([[2.0, 0.0], [1.0, 0.0], [0.0, 1.0], [0.0, 2.0]])
+        >>> targets = torch.tensor([0, 0, 1, 0])
+        >>> kde_xe_loss(logits, targets, lambda_=0.0)  # cross entropy
+        tensor(0.7201)
+        >>> kde_xe_loss(logits, targets, lambda_=1.0, bandwidth=0.5)
+        tensor(1.1387)
+    """
+    from .calibration import _kde_select_bandwidth, kde_l1_sum
+
+    lam, bandwidth = check_kde_xe_options(lambda_, bandwidth, weight, label_smoothing)
+    check_choice(reduction, "reduction", REDUCTIONS)
+    chunk = check_positive_int(chunk_size, "chunk_size")
+    rows = loss_rows(logits, targets, ignore_index, soft_refusal=_KDE_NEEDS_LABELS)
+    with torch.autocast(rows.logits.device.type, enabled=False):
+        log_p = torch.log_softmax(rows.logits, dim=1)
+        ce = -log_p.gather(1, rows.targets[:, None]).squeeze(1)
+        kept_log_p, kept_targets = log_p, rows.targets
+        if rows.keep is not None:
+            kept_log_p, kept_targets = log_p[rows.keep], rows.targets[rows.keep]
+        n, k = kept_log_p.shape
+        term = ce.new_zeros(())
+        if lam and n >= 2:
+            # the metric's clamp at 1e-12 (renormalised), then logs: finite kernels for saturated rows
+            f = kept_log_p.exp().clamp(min=1e-12)
+            f = f / f.sum(1, keepdim=True)
+            log_f = f.log()
+            h = bandwidth
+            if h == "auto":
+                h = _kde_select_bandwidth(f.detach(), log_f.detach(), chunk)
+            onehot = nnf.one_hot(kept_targets, k).to(f.dtype)
+            term = kde_l1_sum(f, log_f, onehot, h, chunk) / n
+    return reduce_rows(ce + lam * term, rows, reduction)
 
 
 # ----------------------------------------------------------------------------- CalFocal and γ*

@@ -66,7 +66,7 @@ class CalibrationMetric(Metric):
 
     Args:
         num_classes: K.
-        metric: "ece", "mce", "classwise_ece", "nll", "brier", "error", "s99_fraction", "s99_accuracy",
+        metric: "ece", "mce", "classwise_ece", "nll", "brier", "rbs", "error", "s99_fraction", "s99_accuracy",
             "adaece", "debiased_ece", "ece_sweep" or "smece".
         n_bins: bins of the binned estimators (15, the papers').
         from_logits: ``update`` receives logits and applies softmax.
