@@ -310,7 +310,7 @@ def _block_stats(h, weight, bias, t, recipe, vchunk):
         s = s * scale + z.sum(dim=1)
         if s2 is not None:
             s2 = s2 * scale.square() + torch.linalg.vector_norm(z, dim=1).square()
-        m = new_m
+        m, z = new_m, None  # the block's buffer is freed before the next one is made
     log_s = s.log()
     lse = m + log_s
     return _Stats(
@@ -464,6 +464,7 @@ def _run(hidden, index, weight, bias, targets, recipe, extra, chunk, vchunk, row
                 g_b[b0:b1] += g.sum(dim=0)
         if g_rows is not None and rows is not None:
             g_h.index_copy_(0, rows, g_rows)
+        z = g = blocks = g_rows = None  # this chunk's buffer is freed before the next one is made
     return loss, (g_h, g_w, g_b)
 
 
