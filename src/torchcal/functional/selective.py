@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 
 from .._validation import _FROM_LOGITS_ADVICE, as_data, check_choice, check_float, check_logits
-from ._field_inputs import field_inputs, top_label
+from ._field_inputs import field_inputs, top_label, top_label_pairs
 from .calibration import binary_auroc
 
 __all__ = [
@@ -72,6 +72,9 @@ def _rows(x) -> int:
 
 def _confidence_and_errors(probs, targets, confidence, score, from_logits):
     """(confidence float64 (N,), top-label errors float64 (N,)), validated."""
+    if confidence is None and score == "max_prob":  # one fused pass: validation, confidence, correctness
+        conf, correct = top_label_pairs(probs, targets, from_logits)
+        return conf.double(), 1 - correct
     probs_in = probs
     probs, targets = field_inputs(probs, targets, from_logits)
     errors = 1 - top_label(probs, targets)[1]
