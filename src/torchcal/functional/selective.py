@@ -57,12 +57,12 @@ def confidence_score(scores, *, score: str = "max_prob", from_logits: bool = Fal
         z = check_logits(as_data(scores, "scores"), "scores", warn_if_probs=_FROM_LOGITS_ADVICE).double()
         return z.amax(1) if score == "max_logit" else torch.logsumexp(z, dim=1)
     probs, _ = field_inputs(scores, torch.zeros(_rows(scores), dtype=torch.long), from_logits, "scores")
-    p = probs.double()
+    # in the input dtype (SPEC §9.0), sums over the classes accumulated in float64; no (N, K) float64 copy
     if score == "max_prob":
-        return p.amax(1)
+        return probs.amax(1).double()
     if score == "entropy":
-        return torch.special.xlogy(p, p).sum(1)
-    top2 = p.topk(2, dim=1).values
+        return torch.special.xlogy(probs, probs).sum(1, dtype=torch.float64)
+    top2 = probs.topk(2, dim=1).values.double()
     return top2[:, 0] - top2[:, 1]
 
 
