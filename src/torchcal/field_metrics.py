@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import torch
 
-from ._validation import check_bool, check_choice, check_positive_int
+from ._validation import as_data, check_bool, check_choice, check_positive_int
 from .functional import cumulative as CU
 from .functional import decomposition as D
 from .functional import selective as S
 from .functional._binning import equal_width_index
 from .functional._field_inputs import field_inputs, top_label
+from .functional._inputs import scan_inputs
 from .metrics import all_gather_rows
 
 __all__ = ["FieldMetrics", "field_batch_state", "field_results", "BINNED_FIELD_METRICS", "ROW_FIELD_METRICS"]
@@ -178,10 +179,15 @@ def field_state_views(sums: torch.Tensor, k: int, m: int):
 def field_batch_state(probs_or_logits, targets, k, m, score="max_prob", from_logits=False, keep_rows=True):
     """A batch's contribution: (flat float64 sums of length 3M + 2MK + 2M + 2, rows (B, 3) float64 of
     confidence, correctness and ranking score, or None without ``keep_rows``)."""
-    probs, targets = field_inputs(probs_or_logits, targets, from_logits, "probs_or_logits")
+    raw = as_data(probs_or_logits, "probs_or_logits")
+    if raw.ndim == 2 and raw.shape[0] > 0:  # one fused pass: validation, confidence, correctness
+        probs, targets, scan = scan_inputs(raw, targets, from_logits, "probs_or_logits")
+        conf, correct = scan.conf, scan.correct.double()
+    else:
+        probs, targets = field_inputs(raw, targets, from_logits, "probs_or_logits")
+        conf, correct, _ = top_label(probs, targets)
     if probs.shape[1] != k:
         raise ValueError(f"`probs_or_logits` has {probs.shape[1]} classes, expected {k}")
-    conf, correct, _ = top_label(probs, targets)
     bins = equal_width_index(conf, m)
     p_true = probs.gather(1, targets[:, None]).squeeze(1).double()
     sums = torch.zeros(_state_size(k, m), dtype=torch.float64, device=probs.device)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from .._validation import as_data, check_targets
-from ._inputs import probs_and_targets
+from ._inputs import probs_and_targets, top_label_inputs
 
 
 def field_inputs(probs, targets, from_logits: bool = False, name: str = "probs", allow_empty: bool = True):
@@ -39,3 +39,16 @@ def top_label(probs: torch.Tensor, targets: torch.Tensor):
     pred = probs.argmax(dim=1)
     conf = probs.gather(1, pred[:, None]).squeeze(1)
     return conf, (pred == targets).double(), pred
+
+
+def top_label_pairs(probs, targets, from_logits: bool = False, name: str = "probs"):
+    """Validated top-label (conf, correct float64) of (N, K) probabilities or logits from the one fused pass of
+    :func:`torchcal.functional._inputs.top_label_inputs` (validation, max and argmax together; no (N, K)
+    copy); 1-D and empty inputs go through :func:`field_inputs`."""
+    raw = as_data(probs, name)
+    if raw.ndim == 2 and raw.shape[0] > 0:
+        conf, correct = top_label_inputs(raw, targets, from_logits, name)
+        return conf, correct.double()
+    probs, targets = field_inputs(raw, targets, from_logits, name)
+    conf, correct, _ = top_label(probs, targets)
+    return conf, correct

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from .._validation import check_choice
-from ._field_inputs import field_inputs, top_label
+from ._field_inputs import field_inputs, top_label_pairs
 
 __all__ = [
     "ks_calibration_error",
@@ -36,10 +36,10 @@ def cumulative_extremes(scores: torch.Tensor, targets: torch.Tensor) -> tuple[to
     return d.amax(0).clamp(min=0), d.amin(0).clamp(max=0)
 
 
-def _extremes(probs, targets, kind):
+def _extremes(probs, targets, kind, from_logits):
     if kind == "top_label":
-        conf, correct, _ = top_label(probs, targets)
-        return cumulative_extremes(conf, correct)
+        return cumulative_extremes(*top_label_pairs(probs, targets, from_logits))
+    probs, targets = field_inputs(probs, targets, from_logits)
     if kind == "binary":
         if probs.shape[1] != 2:
             raise ValueError(f"kind='binary' needs 2 classes, `probs` has {probs.shape[1]}")
@@ -92,8 +92,7 @@ def ks_calibration_error(
     """
     check_choice(kind, "kind", {"top_label", "binary", "classwise"})
     check_choice(reduction, "reduction", {"mean", "sum", "none"})
-    probs, targets = field_inputs(probs, targets, from_logits)
-    hi, lo = _extremes(probs, targets, kind)
+    hi, lo = _extremes(probs, targets, kind, from_logits)
     return _reduce(torch.maximum(hi, -lo), kind, reduction)
 
 
@@ -116,6 +115,5 @@ def kuiper_calibration_error(
     """
     check_choice(kind, "kind", {"top_label", "binary", "classwise"})
     check_choice(reduction, "reduction", {"mean", "sum", "none"})
-    probs, targets = field_inputs(probs, targets, from_logits)
-    hi, lo = _extremes(probs, targets, kind)
+    hi, lo = _extremes(probs, targets, kind, from_logits)
     return _reduce(hi - lo, kind, reduction)

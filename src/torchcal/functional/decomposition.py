@@ -16,7 +16,7 @@ import torch
 
 from .._validation import check_choice, check_positive_int
 from ._binning import equal_width_index
-from ._field_inputs import field_inputs, top_label
+from ._field_inputs import field_inputs, top_label_pairs
 
 __all__ = [
     "CalibrationDirection",
@@ -131,8 +131,7 @@ def calibration_error_direction(
     n_bins = check_positive_int(n_bins, "n_bins")
     check_choice(binning, "binning", {"width", "mass"})
     check_choice(convention, "convention", {"torchcal", "torchmetrics"})
-    probs, targets = field_inputs(probs, targets, from_logits)
-    conf, correct, _ = top_label(probs, targets)
+    conf, correct = top_label_pairs(probs, targets, from_logits)
     if binning == "mass":
         sums = _equal_mass_sums(conf, correct, n_bins)
     else:
@@ -149,10 +148,9 @@ def signed_calibration_error(probs, targets, *, from_logits: bool = False) -> to
         >>> signed_calibration_error(torch.tensor([[0.9, 0.1], [0.2, 0.8]]), torch.tensor([0, 0]))
         tensor(0.3500, dtype=torch.float64)
     """
-    probs, targets = field_inputs(probs, targets, from_logits)
-    if probs.shape[0] == 0:
-        return torch.zeros((), dtype=torch.float64, device=probs.device)
-    conf, correct, _ = top_label(probs, targets)
+    conf, correct = top_label_pairs(probs, targets, from_logits)
+    if conf.shape[0] == 0:
+        return torch.zeros((), dtype=torch.float64, device=conf.device)
     return conf.double().mean() - correct.mean()
 
 

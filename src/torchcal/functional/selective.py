@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 
 from .._validation import _FROM_LOGITS_ADVICE, as_data, check_choice, check_float, check_logits
-from ._field_inputs import field_inputs, top_label
+from ._field_inputs import field_inputs, top_label, top_label_pairs
 from .calibration import binary_auroc
 
 __all__ = [
@@ -57,12 +57,12 @@ def confidence_score(scores, *, score: str = "max_prob", from_logits: bool = Fal
         z = check_logits(as_data(scores, "scores"), "scores", warn_if_probs=_FROM_LOGITS_ADVICE).double()
         return z.amax(1) if score == "max_logit" else torch.logsumexp(z, dim=1)
     probs, _ = field_inputs(scores, torch.zeros(_rows(scores), dtype=torch.long), from_logits, "scores")
-    p = probs.double()
+    # in the input dtype (SPEC §9.0), sums over the classes accumulated in float64; no (N, K) float64 copy
     if score == "max_prob":
-        return p.amax(1)
+        return probs.amax(1).double()
     if score == "entropy":
-        return torch.special.xlogy(p, p).sum(1)
-    top2 = p.topk(2, dim=1).values
+        return torch.special.xlogy(probs, probs).sum(1, dtype=torch.float64)
+    top2 = probs.topk(2, dim=1).values.double()
     return top2[:, 0] - top2[:, 1]
 
 
@@ -72,6 +72,9 @@ def _rows(x) -> int:
 
 def _confidence_and_errors(probs, targets, confidence, score, from_logits):
     """(confidence float64 (N,), top-label errors float64 (N,)), validated."""
+    if confidence is None and score == "max_prob":  # one fused pass: validation, confidence, correctness
+        conf, correct = top_label_pairs(probs, targets, from_logits)
+        return conf.double(), 1 - correct
     probs_in = probs
     probs, targets = field_inputs(probs, targets, from_logits)
     errors = 1 - top_label(probs, targets)[1]
