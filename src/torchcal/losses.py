@@ -23,6 +23,7 @@ from ._validation import check_choice, check_float, check_positive_int
 from .adafocal import AdaFocalLoss, CalFocalLoss
 from .functional import binary as B
 from .functional import losses as L
+from .functional import margin as M
 from .functional._loss_inputs import check_ignore_index, check_label_smoothing, class_weight_buffer
 
 __all__ = [
@@ -34,13 +35,17 @@ __all__ = [
     "BinaryFocalLoss",
     "BrierLoss",
     "CalFocalLoss",
+    "ConfidencePenaltyLoss",
     "CrossEntropyLoss",
     "DualFocalLoss",
     "DualSampleDependentFocalLoss",
     "FocalCalibrationLoss",
     "FocalLoss",
     "InverseFocalLoss",
+    "LogitMarginL1Loss",
     "MMCELoss",
+    "MaxSupLoss",
+    "Poly1CrossEntropyLoss",
     "SampleDependentFocalLoss",
     "ScheduledFocalLoss",
     "create",
@@ -310,6 +315,181 @@ class ScheduledFocalLoss(_Loss):
         self.epoch = int(state["epoch"])
 
 
+# -- margin and penalty losses (SPEC §8; torchcal.functional.margin) -------------------------------------------
+
+
+class LogitMarginL1Loss(_Loss):
+    """MbLS, margin-based label smoothing: CE + α·mean_{i,k} relu(max_j z_ij − z_ik − m) (the released code's
+    N·K mean, decision 131). The released code's α schedule, applied at the end of each epoch: ``schedule``
+    "add" (α + μ), "multiply" (α·μ), "step" (α·μ every ``step_size`` epochs), each capped at ``max_alpha``;
+    "" (the default, every number of the paper) keeps α. The α in force is a function of the epoch
+    (:func:`torchcal.functional.mbls_alpha`), so :meth:`set_epoch`, which the runner calls each epoch, also
+    restores it on resume. Refuses class ``weight`` and ``label_smoothing``."""
+
+    _args = ("margin", "alpha", "schedule")
+
+    def __init__(
+        self,
+        margin: float = 10.0,
+        alpha: float = 0.1,
+        reduction: str = "mean",
+        *,
+        schedule: str = "",
+        mu: float = 0.0,
+        max_alpha: float = 100.0,
+        step_size: int = 100,
+        ignored_rows: str = "reference",
+        weight=None,
+        label_smoothing: float = 0.0,
+        ignore_index=L.IGNORE_INDEX,
+    ):
+        M._refuse_weight_and_smoothing("MbLS margin", weight, label_smoothing)
+        super().__init__(reduction, ignore_index)
+        self.margin = check_float(margin, "margin", low=0)
+        self.alpha = check_float(alpha, "alpha", low=0)
+        self.ignored_rows = check_choice(ignored_rows, "ignored_rows", {"reference", "drop"})
+        self.schedule, self.mu, self.max_alpha, self.step_size = schedule, mu, max_alpha, step_size
+        self.set_epoch(0)  # checks the schedule's arguments
+
+    def set_epoch(self, epoch: int) -> None:
+        """The α of ``epoch`` (0-based): the schedule's updates at the end of epochs 0 … epoch − 1."""
+        self.epoch = check_positive_int(epoch, "epoch", minimum=0)
+        self.current_alpha = M.mbls_alpha(
+            self.alpha, self.epoch, self.schedule, self.mu, self.max_alpha, self.step_size
+        )
+
+    def forward(self, logits, targets):
+        return M.logit_margin_l1_loss(
+            logits,
+            targets,
+            self.margin,
+            self.current_alpha,
+            ignored_rows=self.ignored_rows,
+            ignore_index=self.ignore_index,
+            reduction=self.reduction,
+        )
+
+    def get_extra_state(self):
+        return {"epoch": self.epoch}
+
+    def set_extra_state(self, state):
+        self.set_epoch(int(state["epoch"]))
+
+
+class Poly1CrossEntropyLoss(_Loss):
+    """Poly-1: CE + ε(1 − p_t); against a (smoothed or soft) target distribution q, Σ_k q_k(−log p_k +
+    ε(1 − p_k)). Takes class ``weight`` and ``label_smoothing``."""
+
+    _args = ("epsilon",)
+
+    def __init__(
+        self,
+        epsilon: float = 1.0,
+        reduction: str = "mean",
+        *,
+        weight=None,
+        label_smoothing: float = 0.0,
+        ignore_index=L.IGNORE_INDEX,
+    ):
+        super().__init__(reduction, ignore_index, weight, label_smoothing)
+        self.epsilon = check_float(epsilon, "epsilon", low=-1)
+
+    def forward(self, logits, targets):
+        return M.poly1_cross_entropy(logits, targets, self.epsilon, **self._options())
+
+
+class ConfidencePenaltyLoss(_Loss):
+    """Confidence penalty: CE + β(log K − H(p)) per sample (torch-uncertainty's form, decision 134);
+    ``form="mbls"`` for the MbLS baseline's N·K-averaged entropy. Refuses class ``weight`` and
+    ``label_smoothing``."""
+
+    _args = ("beta", "form")
+
+    def __init__(
+        self,
+        beta: float = 1.0,
+        reduction: str = "mean",
+        *,
+        eps: float = 1e-6,
+        form: str = "sample",
+        weight=None,
+        label_smoothing: float = 0.0,
+        ignore_index=L.IGNORE_INDEX,
+    ):
+        M._refuse_weight_and_smoothing("confidence penalty", weight, label_smoothing)
+        super().__init__(reduction, ignore_index)
+        self.beta = check_float(beta, "beta", low=0)
+        self.eps = check_float(eps, "eps", low=0)
+        self.form = check_choice(form, "form", {"sample", "mbls"})
+
+    def forward(self, logits, targets):
+        return M.confidence_penalty_loss(
+            logits,
+            targets,
+            self.beta,
+            eps=self.eps,
+            form=self.form,
+            ignore_index=self.ignore_index,
+            reduction=self.reduction,
+        )
+
+
+class MaxSupLoss(_Loss):
+    """MaxSup: CE + α_t(max_k z_k − mean_k z_k), with α_t rising linearly from ``alpha`` (0.1) at the first
+    epoch to ``alpha_end`` (0.2) at the last, α_t = alpha + (alpha_end − alpha)·t/(epochs − 1) (the official
+    ResNet ``train.py``, decision 135). The ramp needs the number of ``epochs``: the runner sets it from
+    ``train.epochs`` (:meth:`set_total_epochs`) and calls :meth:`set_epoch`; until it is known, and with
+    ``alpha_end=None`` (torch-uncertainty's constant α), α_t = alpha. Refuses ``label_smoothing`` (the
+    official code trains without it) and class ``weight``."""
+
+    _args = ("alpha", "alpha_end", "epochs")
+
+    def __init__(
+        self,
+        alpha: float = 0.1,
+        alpha_end: float | None = 0.2,
+        reduction: str = "mean",
+        *,
+        epochs: int | None = None,
+        weight=None,
+        label_smoothing: float = 0.0,
+        ignore_index=L.IGNORE_INDEX,
+    ):
+        M._refuse_weight_and_smoothing("MaxSup", weight, label_smoothing)
+        super().__init__(reduction, ignore_index)
+        self.alpha = check_float(alpha, "alpha", low=0)
+        self.alpha_end = None if alpha_end is None else check_float(alpha_end, "alpha_end", low=0)
+        self.epochs = None
+        if epochs is not None:
+            self.set_total_epochs(epochs)
+        self.epoch = 0
+
+    def set_total_epochs(self, epochs: int) -> None:
+        self.epochs = check_positive_int(epochs, "epochs")
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = check_positive_int(epoch, "epoch", minimum=0)
+
+    @property
+    def current_alpha(self) -> float:
+        if self.alpha_end is None or self.epochs is None or self.epochs < 2:
+            return self.alpha
+        t = min(self.epoch, self.epochs - 1)
+        return self.alpha + (self.alpha_end - self.alpha) * t / (self.epochs - 1)
+
+    def forward(self, logits, targets):
+        return M.maxsup_loss(
+            logits, targets, self.current_alpha, ignore_index=self.ignore_index, reduction=self.reduction
+        )
+
+    def get_extra_state(self):
+        return {"epoch": self.epoch, "epochs": self.epochs}
+
+    def set_extra_state(self, state):
+        self.epoch = int(state["epoch"])
+        self.epochs = None if state["epochs"] is None else int(state["epochs"])
+
+
 # -- sigmoid outputs (binary / multi-label; SPEC §6) ---------------------------------------------------------
 
 
@@ -437,6 +617,10 @@ _FIXED = {
     "adafocal": lambda **kw: AdaFocalLoss(**kw),
     "adadualfocal": lambda **kw: AdaFocalLoss(dual=True, **kw),
     "calfocal": lambda **kw: CalFocalLoss(**kw),
+    "mbls": lambda **kw: LogitMarginL1Loss(**kw),
+    "poly1": lambda **kw: Poly1CrossEntropyLoss(**kw),
+    "confidence-penalty": lambda **kw: ConfidencePenaltyLoss(**kw),
+    "maxsup": lambda **kw: MaxSupLoss(**kw),
 }
 # the constructor arguments a fixed name sets, with their values and the class that takes any
 _FIXED_ARGS = {
@@ -476,7 +660,8 @@ def loss_task(name: str) -> str:
 
 def create(name: str, **kwargs) -> nn.Module:
     """A loss module by the papers' label: "ce", "ls-0.05", "brier", "mmce", "fl-3", "flsd-53", "flsd-532",
-    "fls-531", "dfl", "dualflsd-53", "fcl", "adafocal", "adadualfocal", "calfocal", "ifl-1"; keyword
+    "fls-531", "dfl", "dualflsd-53", "fcl", "adafocal", "adadualfocal", "calfocal", "ifl-1", and the margin
+    and penalty losses "mbls", "poly1", "confidence-penalty", "maxsup" (SPEC §8); keyword
     arguments go to the constructor (e.g. ``reduction="sum"``). An argument the name fixes (γ of ``fl-3``,
     ε of ``ls-0.05``, the schedule of ``flsd-53``) is a ``ValueError`` naming the loss to use instead.
 

@@ -38,6 +38,13 @@ from .calibration import (
 from .focal_map import focal_calibration_map
 from .losses import *  # noqa: F403  (the functional losses: functional.losses.__all__)
 from .losses import __all__ as _MULTICLASS_LOSSES
+from .margin import (  # noqa: F401  (the losses are listed in LOSS_FUNCTIONS below)
+    confidence_penalty_loss,
+    logit_margin_l1_loss,
+    maxsup_loss,
+    mbls_alpha,
+    poly1_cross_entropy,
+)
 
 # the functional losses: softmax (functional.losses) and sigmoid (functional.binary)
 LOSS_FUNCTIONS = [
@@ -47,6 +54,10 @@ LOSS_FUNCTIONS = [
     "binary_dual_focal_loss",
     "binary_focal_calibration_loss",
     "binary_focal_loss",
+    "confidence_penalty_loss",
+    "logit_margin_l1_loss",
+    "maxsup_loss",
+    "poly1_cross_entropy",
 ]
 
 # Short aliases.
@@ -105,3 +116,4 @@ __all__ += ["LOSS_FUNCTIONS", "METRIC_FUNCTIONS"]
 
 # the functional losses (their nn.Module twins are in torchcal.losses)
 __all__ += LOSS_FUNCTIONS
+__all__ += ["mbls_alpha"]  # MbLS's α schedule (torchcal.losses.LogitMarginL1Loss)

@@ -1,0 +1,337 @@
+"""Margin and penalty losses of the field (SPEC §8): cross entropy plus a term on the logits or probabilities.
+
+* :func:`logit_margin_l1_loss`, MbLS (Liu et al. 2022): CE + α·mean_{i,k} relu(max_j z_ij − z_ik − m);
+* :func:`poly1_cross_entropy`, Poly-1 (Leng et al. 2022): CE + ε(1 − p_t);
+* :func:`confidence_penalty_loss` (Pereyra et al. 2017): CE + β(log K − H(p));
+* :func:`maxsup_loss`, MaxSup (Zhou et al. 2025): CE + λ(max_k z_k − mean_k z_k).
+
+They share the contract of :mod:`torchcal.functional.losses` (decision 73): (N, K) logits with (N,) labels or
+(N, K, d1, ...) logits with (N, d1, ...) labels (each position a sample), labels equal to ``ignore_index``
+left out, soft targets (class probabilities of the logits' shape) for the cross-entropy term, reductions
+``"none" | "mean" | "sum"``, half-precision logits and autocast regions computed in float32. Where the
+released code differs from the paper, the code is the default (SPEC §8; decisions 131-137). The losses do not
+call ``.item()`` or branch on tensor values, so they trace into one ``torch.compile`` graph.
+
+Only Poly-1 is a function of the target distribution, so only it takes class ``weight`` and
+``label_smoothing``; the other three add a term that does not depend on the target, which the released code
+never weights, and refuse both in one sentence (decision 133).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .._validation import check_choice, check_float, check_positive_int
+from ._loss_inputs import (
+    IGNORE_INDEX,
+    check_class_weight,
+    check_ignore_index,
+    check_label_smoothing,
+    loss_rows,
+    reduce_rows,
+    smoothed_targets,
+)
+from ._spec import REDUCTIONS
+
+__all__ = [
+    "confidence_penalty_loss",
+    "logit_margin_l1_loss",
+    "maxsup_loss",
+    "mbls_alpha",
+    "poly1_cross_entropy",
+]
+
+_PENALTY_IS_NOT_PER_CLASS = (
+    "the {} term does not depend on the target, and the reference code weights and smooths nothing; use "
+    "poly1_cross_entropy or cross_entropy for weighted or smoothed targets"
+)
+MBLS_SCHEDULES = ("", "add", "multiply", "step")
+
+
+def _refuse_weight_and_smoothing(name: str, weight, label_smoothing) -> None:
+    reason = _PENALTY_IS_NOT_PER_CLASS.format(name)
+    if weight is not None:
+        raise ValueError(f"`weight` is not accepted: {reason}")
+    check_label_smoothing(label_smoothing, reason)
+
+
+def _ce_rows(logits, targets, ignore_index):
+    """Checked rows, their log-probabilities (float32 or float64) and the per-row cross entropy (ignored rows
+    hold the loss of the label 0; the reduction masks them)."""
+    rows = loss_rows(logits, targets, ignore_index)
+    log_p = torch.log_softmax(rows.logits, 1)
+    if rows.soft:
+        ce = -(rows.targets * log_p).sum(1)
+    else:
+        ce = -log_p.gather(1, rows.targets[:, None])[:, 0]
+    return rows, log_p, ce
+
+
+def _reduce_penalised(ce, penalty, coef, rows, reduction, penalty_keep="rows"):
+    """CE_i + coef·penalty_i reduced over the rows. The CE term leaves out ignored rows; the penalty leaves
+    out the rows of ``penalty_keep`` ("rows": the same as CE; None: it covers every row, MbLS's released code
+    with a negative ``ignore_index``). ``"mean"`` averages each term over the rows it covers (so it is
+    ``"none"``'s mean whenever both cover the same rows); ``"none"`` gives an ignored row its penalty only
+    when the penalty covers it."""
+    keep = rows.keep
+    pen_keep = keep if penalty_keep == "rows" else penalty_keep
+    zero = ce.new_zeros(())
+    if keep is not None:
+        ce = torch.where(keep, ce, zero)
+    if pen_keep is not None:
+        penalty = torch.where(pen_keep, penalty, zero)
+    if reduction == "none":
+        return (ce + coef * penalty).reshape(rows.shape)
+    if reduction == "sum":
+        return ce.sum() + coef * penalty.sum()
+    n_ce = ce.shape[0] if keep is None else keep.sum()
+    n_pen = penalty.shape[0] if pen_keep is None else pen_keep.sum()
+    return ce.sum() / n_ce + coef * (penalty.sum() / n_pen)
+
+
+# -- MbLS ----------------------------------------------------------------------------------------------------
+
+
+def logit_margin_l1_loss(
+    logits,
+    targets,
+    margin: float = 10.0,
+    alpha: float = 0.1,
+    *,
+    ignored_rows: str = "reference",
+    weight=None,
+    label_smoothing: float = 0.0,
+    ignore_index=IGNORE_INDEX,
+    reduction: str = "mean",
+):
+    r"""Margin-based label smoothing, MbLS (Liu et al., CVPR 2022): cross entropy plus a hinge on the logit
+    distances :math:`d_{ik} = \max_j z_{ij} - z_{ik}` above the margin m,
+
+    .. math:: \mathrm{CE} + \alpha \cdot \frac{1}{NK} \sum_{i,k} \mathrm{relu}(d_{ik} - m).
+
+    As the released code (by-liu/MbLS ``logit_margin_l1.py``, decision 131): the penalty is a mean over all
+    N·K entries, the arg-max entry included (it adds 0 but counts, so the paper's per-sample sum has the
+    effective weight α/K), and the max is not detached (the gradient reaches the max logit and the others).
+    Per sample the loss is CE_i + (α/K) Σ_k relu(d_ik − m).
+
+    ``ignored_rows="reference"`` (the default) follows the released code: positions labelled ``ignore_index``
+    leave both terms only when ``ignore_index`` >= 0 (255 for VOC); with a negative one (−100, the default)
+    cross entropy leaves them out but the margin term still covers them, its mean running over every row.
+    ``ignored_rows="drop"`` leaves them out of both terms (the contract of the other losses). Soft targets
+    (class probabilities) enter the cross-entropy term. Class ``weight`` and ``label_smoothing`` are refused.
+
+    Args:
+        margin: m >= 0 (10 in the paper and the configs).
+        alpha: α >= 0 (0.1); :class:`~torchcal.losses.LogitMarginL1Loss` offers the released code's α
+            schedule (:func:`mbls_alpha`).
+        ignored_rows: "reference" or "drop" (see above).
+
+    Shape:
+        logits (N, K) or (N, K, d1, ...); targets (N,) / (N, d1, ...) labels or class probabilities of the
+        logits' shape; ``reduction="none"`` returns (N,) or (N, d1, ...).
+
+    Example:
+        >>> import torch
+        >>> logits = torch.tensor([[12.0, 0.0, 1.0], [0.0, 1.0, 0.0]])
+        >>> # the first row's distances 12 and 11 exceed m = 10 by 2 and 1: α·(0 + 2 + 1)/3 = 0.1
+        >>> logit_margin_l1_loss(logits, torch.tensor([0, 1]), reduction="none")
+        tensor([0.1000, 0.5514])
+    """
+    m = check_float(margin, "margin", low=0)
+    a = check_float(alpha, "alpha", low=0)
+    check_choice(ignored_rows, "ignored_rows", {"reference", "drop"})
+    check_choice(reduction, "reduction", REDUCTIONS)
+    _refuse_weight_and_smoothing("MbLS margin", weight, label_smoothing)
+    ignore_index = check_ignore_index(ignore_index)
+    with torch.autocast(_device_type(logits), enabled=False):
+        rows, _, ce = _ce_rows(logits, targets, ignore_index)
+        z = rows.logits
+        distance = z.max(dim=1).values[:, None] - z
+        penalty = torch.relu(distance - m).mean(1)
+        reference_keeps_all = ignored_rows == "reference" and (ignore_index is None or ignore_index < 0)
+        return _reduce_penalised(ce, penalty, a, rows, reduction, None if reference_keeps_all else "rows")
+
+
+def mbls_alpha(
+    alpha: float,
+    epoch: int,
+    schedule: str = "",
+    mu: float = 0.0,
+    max_alpha: float = 100.0,
+    step_size: int = 100,
+) -> float:
+    """MbLS's α in force during ``epoch`` (0-based) under the released code's schedule, called once at the end
+    of each epoch e = 0, 1, ...: "add" α ← min(α + μ, max_alpha); "multiply" α ← min(α·μ, max_alpha); "step"
+    the multiply update when (e + 1) % step_size == 0; "" (every number of the paper) keeps α.
+
+    Example:
+        >>> mbls_alpha(0.1, 3, "add", mu=0.1)
+        0.4
+        >>> mbls_alpha(0.1, 250, "step", mu=10, step_size=100)  # after epochs 99 and 199
+        10.0
+    """
+    value = check_float(alpha, "alpha", low=0)
+    check_choice(schedule, "schedule", set(MBLS_SCHEDULES))
+    mu = check_float(mu, "mu")
+    max_alpha = check_float(max_alpha, "max_alpha", low=0)
+    step_size = check_positive_int(step_size, "step_size")
+    epoch = check_positive_int(epoch, "epoch", minimum=0)
+    for e in range(epoch if schedule else 0):
+        if schedule == "add":
+            value = min(value + mu, max_alpha)
+        elif schedule == "multiply" or (e + 1) % step_size == 0:
+            value = min(value * mu, max_alpha)
+    return round(value, 12)
+
+
+# -- Poly-1 --------------------------------------------------------------------------------------------------
+
+
+def poly1_cross_entropy(
+    logits,
+    targets,
+    epsilon: float = 1.0,
+    *,
+    weight=None,
+    label_smoothing: float = 0.0,
+    ignore_index=IGNORE_INDEX,
+    reduction: str = "mean",
+):
+    r"""Poly-1 cross entropy (Leng et al., ICLR 2022): :math:`-\log p_t + \varepsilon (1 - p_t)`.
+
+    Against a target distribution q (soft targets, or the smoothed labels (1 − α)·onehot + α/K of
+    ``label_smoothing`` α) it is Σ_k q_k (−log p_k + ε(1 − p_k)), the paper's listing with smoothed labels
+    (SPEC §8: the smoothed 1 − p_t is Σ_k q_k(1 − p_k), not 1 − p_y). Class ``weight`` as
+    ``F.cross_entropy`` (decision 96): w_y·loss, each class's term weighted against a distribution, and
+    ``"mean"`` divides by Σ w_y over the kept labels (by the number of rows against soft targets). The full
+    gradient flows through p_t. 1 − p_t is computed as −expm1(log p_t).
+
+    Args:
+        epsilon: ε >= −1 (1.0, the library default; the paper tunes it per task).
+
+    Example:
+        >>> import torch
+        >>> logits = torch.tensor([[2.0, 0.0], [0.0, 1.0]])
+        >>> poly1_cross_entropy(logits, torch.tensor([0, 1]), reduction="none")
+        tensor([0.2461, 0.5822])
+    """
+    eps = check_float(epsilon, "epsilon", low=-1)
+    smoothing = check_label_smoothing(label_smoothing)
+    check_choice(reduction, "reduction", REDUCTIONS)
+    ignore_index = check_ignore_index(ignore_index)
+    with torch.autocast(_device_type(logits), enabled=False):
+        rows = loss_rows(logits, targets, ignore_index)
+        w = check_class_weight(weight, rows.logits)
+        log_p = torch.log_softmax(rows.logits, 1)
+        if not (rows.soft or smoothing):
+            log_pt = log_p.gather(1, rows.targets[:, None])[:, 0]
+            return reduce_rows(-log_pt - eps * torch.expm1(log_pt), rows, reduction, w)
+        q = smoothed_targets(rows, smoothing)
+        if w is not None:
+            q = q * w
+        loss = (q * (-log_p - eps * torch.expm1(log_p))).sum(1)
+        if rows.soft or w is None or reduction != "mean":
+            return reduce_rows(loss, rows, reduction)
+        # smoothed labels with weights: each class's term weighted, "mean" over the labels' weights
+        label_w = w[rows.targets]
+        if rows.keep is not None:
+            loss = torch.where(rows.keep, loss, loss.new_zeros(()))
+            label_w = torch.where(rows.keep, label_w, label_w.new_zeros(()))
+        return loss.sum() / label_w.sum()
+
+
+# -- confidence penalty -------------------------------------------------------------------------------------
+
+
+def confidence_penalty_loss(
+    logits,
+    targets,
+    beta: float = 1.0,
+    *,
+    eps: float = 1e-6,
+    form: str = "sample",
+    weight=None,
+    label_smoothing: float = 0.0,
+    ignore_index=IGNORE_INDEX,
+    reduction: str = "mean",
+):
+    r"""Confidence penalty (Pereyra et al. 2017): cross entropy minus β times the entropy of p.
+
+    ``form="sample"`` (the default; torch-uncertainty's ``ConfidencePenaltyLoss``, decision 134): per sample
+    :math:`\mathrm{CE}_i + \beta (\log K + \sum_k p_{ik} \log(p_{ik} + \epsilon))`, i.e. CE − β·H(p) + β log K
+    with ``eps`` = 1e-6 inside the log as that code (``eps=0`` takes the exact log-softmax); the constant
+    β log K makes the penalty 0 at the uniform distribution and changes no gradient. ``form="mbls"`` is the
+    MbLS repository's baseline ``penalty_ent``: CE − β·mean_{i,k}(−p̃ log p̃) with p̃ = clamp(p, 1e-10,
+    1 − 1e-10), an entropy averaged over N·K (so β acts as β/K per sample; the paper used β = 0.1 there) and
+    no constant. Ignored rows leave both terms; soft targets enter the cross entropy. Class ``weight`` and
+    ``label_smoothing`` are refused.
+
+    Example:
+        >>> import torch
+        >>> logits = torch.tensor([[2.0, 0.0], [0.0, 0.0]])
+        >>> confidence_penalty_loss(logits, torch.tensor([0, 1]), reduction="none")
+        tensor([0.4547, 0.6931])
+    """
+    b = check_float(beta, "beta", low=0)
+    eps = check_float(eps, "eps", low=0)
+    check_choice(form, "form", {"sample", "mbls"})
+    check_choice(reduction, "reduction", REDUCTIONS)
+    _refuse_weight_and_smoothing("confidence penalty", weight, label_smoothing)
+    ignore_index = check_ignore_index(ignore_index)
+    with torch.autocast(_device_type(logits), enabled=False):
+        rows, log_p, ce = _ce_rows(logits, targets, ignore_index)
+        p = log_p.exp()
+        k = p.shape[1]
+        if form == "mbls":
+            pc = p.clamp(1e-10, 1 - 1e-10)
+            penalty = (pc * pc.log()).sum(1) / k  # −(entropy averaged over the K entries)
+        else:
+            neg_entropy = (p * (log_p if eps == 0 else torch.log(p + eps))).sum(1)
+            penalty = math.log(k) + neg_entropy
+        return _reduce_penalised(ce, penalty, b, rows, reduction)
+
+
+# -- MaxSup --------------------------------------------------------------------------------------------------
+
+
+def maxsup_loss(
+    logits,
+    targets,
+    alpha: float = 0.1,
+    *,
+    weight=None,
+    label_smoothing: float = 0.0,
+    ignore_index=IGNORE_INDEX,
+    reduction: str = "mean",
+):
+    r"""Max suppression, MaxSup (Zhou et al. 2025): :math:`\mathrm{CE}_i + \alpha (\max_k z_{ik} -
+    \frac{1}{K}\sum_k z_{ik})`.
+
+    It is label smoothing's logit-level term α(z_y − mean_k z) with the target logit replaced by the top
+    logit, so it penalises the top logit whether the prediction is right or wrong. As the official code, no
+    label smoothing is combined with it (``label_smoothing`` is refused, decision 135); the gradient flows
+    through the max and the mean. The official schedule raises α linearly over the epochs (0.1 → 0.2): see
+    :class:`~torchcal.losses.MaxSupLoss`; this function takes the α in force. Ignored rows leave both terms;
+    soft targets enter the cross entropy. Class ``weight`` is refused.
+
+    Example:
+        >>> import torch
+        >>> logits = torch.tensor([[2.0, 0.0], [0.0, 1.0]])
+        >>> maxsup_loss(logits, torch.tensor([0, 0]), reduction="none")
+        tensor([0.2269, 1.3633])
+    """
+    a = check_float(alpha, "alpha", low=0)
+    check_choice(reduction, "reduction", REDUCTIONS)
+    _refuse_weight_and_smoothing("MaxSup", weight, label_smoothing)
+    ignore_index = check_ignore_index(ignore_index)
+    with torch.autocast(_device_type(logits), enabled=False):
+        rows, _, ce = _ce_rows(logits, targets, ignore_index)
+        z = rows.logits
+        penalty = z.max(dim=1).values - z.mean(1)
+        return _reduce_penalised(ce, penalty, a, rows, reduction)
+
+
+def _device_type(logits) -> str:
+    return logits.device.type if isinstance(logits, torch.Tensor) else "cpu"
