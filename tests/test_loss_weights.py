@@ -35,9 +35,10 @@ HARD_REFERENCE = {
     "calfocal": lambda z, y: R.focal(z, y, 1.0),
     "poly1": lambda z, y: R.poly1(z, y, 1.0),
 }
-# the batch statistic and the target-free penalties (SPEC §8, decision 133) take no class weights
-WEIGHT_REFUSED = ["mmce", "mbls", "confidence-penalty", "maxsup"]
-WEIGHTED = [n for n in list_losses() if n not in WEIGHT_REFUSED]
+# the batch statistics and the target-free penalties (SPEC §8, decision 133) take no class weights; DCA's
+# weights enter its cross entropy only, not a per-sample loss (tests/test_margin_losses.py)
+WEIGHT_REFUSED = ["mmce", "mbls", "confidence-penalty", "maxsup", "mdca", "focal-mdca", "ls-mdca"]
+WEIGHTED = [n for n in list_losses() if n not in [*WEIGHT_REFUSED, "dca"]]
 # the losses that are functions of the target distribution, with their per-class term f(p_k) and λ
 SMOOTHED = {
     "ce": (lambda pj, j: -R.math.log(pj), 0.0),
@@ -48,7 +49,7 @@ SMOOTHED = {
     "poly1": (lambda pj, j: -R.math.log(pj) + (1 - pj), 0.0),
 }
 SMOOTHING_REFUSED = ["mmce", "dfl", "dualflsd-53", "adafocal", "adadualfocal", "calfocal", "mbls",
-                     "confidence-penalty", "maxsup"]  # fmt: skip
+                     "confidence-penalty", "maxsup", "mdca", "focal-mdca", "ls-mdca", "dca"]  # fmt: skip
 
 
 def batch(n=16, seed=0, scale=3.0, ignored=True):
@@ -62,7 +63,7 @@ def batch(n=16, seed=0, scale=3.0, ignored=True):
 
 
 def test_every_loss_is_covered():
-    assert sorted([*HARD_REFERENCE, *WEIGHT_REFUSED]) == sorted(list_losses())
+    assert sorted([*HARD_REFERENCE, *WEIGHT_REFUSED, "dca"]) == sorted(list_losses())
 
 
 @pytest.mark.parametrize("name", WEIGHTED)

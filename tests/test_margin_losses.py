@@ -52,6 +52,14 @@ CASES = [
     ("maxsup", lambda z, y, **kw: F.maxsup_loss(z, y, **kw), R.maxsup, {}),
     ("maxsup-0.2", lambda z, y, **kw: F.maxsup_loss(z, y, 0.2, **kw),
      lambda z, y, **kw: R.maxsup(z, y, 0.2, **kw), {}),
+    ("mdca", lambda z, y, **kw: F.mdca_loss(z, y, **kw), R.mdca, {}),
+    ("focal-mdca", lambda z, y, **kw: F.mdca_loss(z, y, 2.0, base="focal", **kw),
+     lambda z, y, **kw: R.mdca(z, y, 2.0, base="focal", **kw), {}),
+    ("ls-mdca", lambda z, y, **kw: F.mdca_loss(z, y, base="ls", smoothing=0.2, **kw),
+     lambda z, y, **kw: R.mdca(z, y, base="ls", smoothing=0.2, **kw), {}),
+    ("dca", lambda z, y, **kw: F.dca_loss(z, y, **kw), R.dca, {}),
+    ("dca-weighted", lambda z, y, **kw: F.dca_loss(z, y, 3.0, weight=torch.tensor([0.5, 1.0, 2.0, 1.5],
+     dtype=torch.float64), **kw), lambda z, y, **kw: R.dca(z, y, 3.0, weight=[0.5, 1.0, 2.0, 1.5], **kw), {}),
 ]  # fmt: skip
 IDS = [c[0] for c in CASES]
 
@@ -95,9 +103,54 @@ def test_soft_targets_enter_the_cross_entropy_term():
         (F.poly1_cross_entropy(z, q, 2.0, label_smoothing=0.1), R.poly1(z, q, 2.0, label_smoothing=0.1)),
         (F.confidence_penalty_loss(z, q), R.confidence_penalty(z, q)),
         (F.maxsup_loss(z, q, reduction="sum"), R.maxsup(z, q, reduction="sum")),
+        (F.mdca_loss(z, q, reduction="none"), R.mdca(z, q, reduction="none")),
+        (F.mdca_loss(z, q, base="focal", gamma=2.0), R.mdca(z, q, base="focal", gamma=2.0)),
     ]
     for got, want in pairs:
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_losses_that_need_labels_refuse_soft_targets():
+    z, _ = batch()
+    q = torch.full((7, K), 1 / K, dtype=torch.float64)
+    with pytest.raises(TypeError, match="not accepted: DCA compares the confidence with the accuracy"):
+        F.dca_loss(z, q)
+    with pytest.raises(TypeError, match="not accepted: the MDCA repository's label smoothing"):
+        create("ls-mdca")(z, q)
+
+
+def test_dca_weights_its_cross_entropy_as_the_official_function():
+    """The official cross_entropy_with_dca_loss passes its weights to F.cross_entropy: a weighted CE mean
+    plus β·abs(mean r − mean a), the batch term unweighted."""
+    z, y = batch((10,))
+    w = torch.tensor([0.5, 1.0, 2.0, 1.5], dtype=torch.float64)
+    p = torch.softmax(z, 1)
+    keep = y != -100
+    conf, pred = p.max(1)
+    term = (conf[keep].mean() - (pred == y)[keep].double().mean()).abs()
+    want = nnf.cross_entropy(z, y, w) + 10 * term
+    torch.testing.assert_close(F.dca_loss(z, y, weight=w), want, rtol=1e-12, atol=0)
+    torch.testing.assert_close(create("dca", weight=w)(z, y), want, rtol=1e-12, atol=0)
+
+
+def test_mdca_compares_class_means_with_label_frequencies():
+    """Hand-computed: p = (0.8808, 0.1192) and (0.2689, 0.7311) against labels (0, 0): both classes are
+    0.4251 away from the frequencies (1, 0); against (0, 1): 0.0749 each."""
+    z = torch.tensor([[2.0, 0.0], [0.0, 1.0]], dtype=torch.float64)
+    p = torch.softmax(z, 1)
+    assert F.mdca_penalty(z, torch.tensor([0, 0])).item() == pytest.approx(
+        1 - p[:, 0].mean().item(), rel=1e-14
+    )
+    assert F.mdca_penalty(z, torch.tensor([0, 1])).item() == pytest.approx(
+        abs(p[:, 0].mean().item() - 0.5), rel=1e-13
+    )
+    # the repository's LS base: 1 − α on the label, α/(K − 1) on each other class (not PyTorch's α/K)
+    z3 = torch.tensor([[1.0, 0.0, -1.0]], dtype=torch.float64)
+    logp = torch.log_softmax(z3, 1)[0]
+    want = -(0.9 * logp[0] + 0.05 * logp[1] + 0.05 * logp[2])
+    got = F.mdca_loss(z3, torch.tensor([0]), 0.0, base="ls")
+    assert got.item() == pytest.approx(want.item(), rel=1e-14)
+    assert got.item() != pytest.approx(nnf.cross_entropy(z3, torch.tensor([0]), label_smoothing=0.1).item())
 
 
 # ----------------------------------------------------------------------------- MbLS
@@ -257,6 +310,18 @@ def test_maxsup_ramp():
 # ----------------------------------------------------------------------------- contract
 
 
+def test_batch_terms_refuse_what_they_do_not_define():
+    z, y = batch()
+    with pytest.raises(ValueError, match=r"^`weight` is not accepted: MDCA's penalty is a statistic"):
+        create("mdca", weight=torch.ones(K))
+    with pytest.raises(ValueError, match=r"^`label_smoothing` is not accepted: MDCA's penalty"):
+        F.mdca_loss(z, y, label_smoothing=0.1)
+    with pytest.raises(ValueError, match=r"^`label_smoothing` is not accepted: DCA compares"):
+        create("dca", label_smoothing=0.1)
+    with pytest.raises(ValueError, match="`base` must be one of"):
+        F.mdca_loss(z, y, base="brier")
+
+
 @pytest.mark.parametrize("name", ["mbls", "confidence-penalty", "maxsup"])
 def test_penalties_refuse_weights_and_smoothing_in_one_sentence(name):
     z, y = batch()
@@ -288,7 +353,7 @@ def test_bad_arguments_are_named():
         F.maxsup_loss(torch.zeros(9, K), y)
 
 
-@pytest.mark.parametrize("name", ["mbls", "poly1", "confidence-penalty", "maxsup"])
+@pytest.mark.parametrize("name", ["mbls", "poly1", "confidence-penalty", "maxsup", "mdca", "ls-mdca", "dca"])
 @pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16])
 def test_dense_autocast_is_finite_and_float32(name, autocast_dtype):
     """A segmentation-shaped batch under CPU autocast: computed in float32, finite loss and gradients."""
@@ -312,9 +377,17 @@ def test_registry_names_and_modules_equal_functions():
         (Poly1CrossEntropyLoss(weight=torch.ones(K, dtype=torch.float64)), F.poly1_cross_entropy(z, y)),
         (create("confidence-penalty", form="mbls", beta=0.1), F.confidence_penalty_loss(z, y, 0.1, form="mbls")),
         (create("maxsup"), F.maxsup_loss(z, y)),
+        (create("mdca"), F.mdca_loss(z, y)),
+        (create("focal-mdca"), F.mdca_loss(z, y, base="focal")),
+        (create("ls-mdca", smoothing=0.2), F.mdca_loss(z, y, base="ls", smoothing=0.2)),
+        (create("dca", beta=25.0), F.dca_loss(z, y, 25.0)),
     ]  # fmt: skip
     for module, want in pairs:
         torch.testing.assert_close(module(z, y), want, rtol=0, atol=0)
+    with pytest.raises(
+        ValueError, match="loss 'ls-mdca' is MDCALoss with base = ls, so base cannot be passed"
+    ):
+        create("ls-mdca", base="nll")
     assert repr(create("mbls", ignore_index=255)) == (
         "LogitMarginL1Loss(margin=10.0, alpha=0.1, schedule='', reduction='mean', ignore_index=255)"
     )

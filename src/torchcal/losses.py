@@ -19,7 +19,7 @@ import re
 import torch
 from torch import nn
 
-from ._validation import check_choice, check_float, check_positive_int
+from ._validation import check_bool, check_choice, check_float, check_positive_int
 from .adafocal import AdaFocalLoss, CalFocalLoss
 from .functional import binary as B
 from .functional import losses as L
@@ -37,12 +37,14 @@ __all__ = [
     "CalFocalLoss",
     "ConfidencePenaltyLoss",
     "CrossEntropyLoss",
+    "DCALoss",
     "DualFocalLoss",
     "DualSampleDependentFocalLoss",
     "FocalCalibrationLoss",
     "FocalLoss",
     "InverseFocalLoss",
     "LogitMarginL1Loss",
+    "MDCALoss",
     "MMCELoss",
     "MaxSupLoss",
     "Poly1CrossEntropyLoss",
@@ -490,6 +492,94 @@ class MaxSupLoss(_Loss):
         self.epochs = None if state["epochs"] is None else int(state["epochs"])
 
 
+class MDCALoss(_Loss):
+    """A base loss + β·MDCA of the batch: ``base`` "nll" (default), "focal" (γ = ``gamma``) or "ls" (the MDCA
+    repository's smoothing α = ``smoothing``, not PyTorch's). ``sync=True`` takes the MDCA term over the
+    global batch under torch.distributed (the reference's is each rank's batch). Refuses class ``weight``
+    and ``label_smoothing``."""
+
+    _args = ("beta", "base")
+
+    def __init__(
+        self,
+        beta: float = 1.0,
+        base: str = "nll",
+        reduction: str = "mean",
+        *,
+        gamma: float = 1.0,
+        smoothing: float = 0.1,
+        sync: bool = False,
+        weight=None,
+        label_smoothing: float = 0.0,
+        ignore_index=L.IGNORE_INDEX,
+    ):
+        if weight is not None:
+            raise ValueError(f"`weight` is not accepted: {M._MDCA_IS_A_BATCH_TERM}")
+        check_label_smoothing(label_smoothing, M._MDCA_IS_A_BATCH_TERM)
+        super().__init__(reduction, ignore_index)
+        self.beta = check_float(beta, "beta", low=0)
+        self.base = check_choice(base, "base", set(M.MDCA_BASES))
+        self.gamma = check_float(gamma, "gamma", low=0)
+        self.smoothing = check_float(smoothing, "smoothing", low=0, high=1)
+        self.sync = check_bool(sync, "sync")
+
+    def extra_repr(self) -> str:
+        extra = {"focal": f", gamma={self.gamma!r}", "ls": f", smoothing={self.smoothing!r}"}.get(
+            self.base, ""
+        )
+        return super().extra_repr() + extra + (", sync=True" if self.sync else "")
+
+    def forward(self, logits, targets):
+        return M.mdca_loss(
+            logits,
+            targets,
+            self.beta,
+            base=self.base,
+            gamma=self.gamma,
+            smoothing=self.smoothing,
+            sync=self.sync,
+            ignore_index=self.ignore_index,
+            reduction=self.reduction,
+        )
+
+
+class DCALoss(_Loss):
+    """Cross entropy + β·abs(mean confidence − accuracy) of the batch (β = 10, the official function's
+    default). Class ``weight`` enters the cross entropy (as the official function); ``sync=True`` takes the
+    batch term over the global batch under torch.distributed. Refuses ``label_smoothing``."""
+
+    _args = ("beta",)
+
+    def __init__(
+        self,
+        beta: float = 10.0,
+        reduction: str = "mean",
+        *,
+        sync: bool = False,
+        weight=None,
+        label_smoothing: float = 0.0,
+        ignore_index=L.IGNORE_INDEX,
+    ):
+        check_label_smoothing(label_smoothing, M._DCA_NEEDS_LABELS)
+        super().__init__(reduction, ignore_index, weight)
+        self.beta = check_float(beta, "beta", low=0)
+        self.sync = check_bool(sync, "sync")
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (", sync=True" if self.sync else "")
+
+    def forward(self, logits, targets):
+        return M.dca_loss(
+            logits,
+            targets,
+            self.beta,
+            sync=self.sync,
+            weight=self.weight,
+            ignore_index=self.ignore_index,
+            reduction=self.reduction,
+        )
+
+
 # -- sigmoid outputs (binary / multi-label; SPEC §6) ---------------------------------------------------------
 
 
@@ -621,6 +711,10 @@ _FIXED = {
     "poly1": lambda **kw: Poly1CrossEntropyLoss(**kw),
     "confidence-penalty": lambda **kw: ConfidencePenaltyLoss(**kw),
     "maxsup": lambda **kw: MaxSupLoss(**kw),
+    "mdca": lambda **kw: MDCALoss(**kw),
+    "focal-mdca": lambda **kw: MDCALoss(base="focal", **kw),
+    "ls-mdca": lambda **kw: MDCALoss(base="ls", **kw),
+    "dca": lambda **kw: DCALoss(**kw),
 }
 # the constructor arguments a fixed name sets, with their values and the class that takes any
 _FIXED_ARGS = {
@@ -630,6 +724,8 @@ _FIXED_ARGS = {
     "fls-531": {"gammas": (5, 3, 1), "milestones": (100, 250), "class": "ScheduledFocalLoss"},
     "fls-532": {"gammas": (5, 3, 2), "milestones": (100, 250), "class": "ScheduledFocalLoss"},
     "adadualfocal": {"dual": True, "class": "AdaFocalLoss"},
+    "focal-mdca": {"base": "focal", "class": "MDCALoss"},
+    "ls-mdca": {"base": "ls", "class": "MDCALoss"},
 }
 # parametrised names (fl-3, ifl-1, ls-0.05): (the argument the number fixes, the class that takes any value,
 # the factory)
@@ -661,7 +757,8 @@ def loss_task(name: str) -> str:
 def create(name: str, **kwargs) -> nn.Module:
     """A loss module by the papers' label: "ce", "ls-0.05", "brier", "mmce", "fl-3", "flsd-53", "flsd-532",
     "fls-531", "dfl", "dualflsd-53", "fcl", "adafocal", "adadualfocal", "calfocal", "ifl-1", and the margin
-    and penalty losses "mbls", "poly1", "confidence-penalty", "maxsup" (SPEC §8); keyword
+    and penalty losses "mbls", "poly1", "confidence-penalty", "maxsup", "mdca" (NLL+MDCA), "focal-mdca"
+    (γ = 1), "ls-mdca" (α = 0.1), "dca" (SPEC §8); keyword
     arguments go to the constructor (e.g. ``reduction="sum"``). An argument the name fixes (γ of ``fl-3``,
     ε of ``ls-0.05``, the schedule of ``flsd-53``) is a ``ValueError`` naming the loss to use instead.
 

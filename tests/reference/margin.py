@@ -130,3 +130,70 @@ def poly1(logits, targets, epsilon=1.0, *, weight=None, label_smoothing=0.0, ign
             shape
         )
     return total if reduction == "sum" else total / norm
+
+
+def _batch_combined(logits, targets, base_fn, penalty, reduction, ignore_index, weight=None):
+    """base_i (times w_y) of the kept positions plus the batch's penalty: "mean" is the base's mean (over
+    Σ w_y with weights) + penalty, "none" gives each kept position base_i + penalty, "sum" their sum."""
+    total, norm, none = 0.0, 0.0, {}
+    for idx, z, t in positions(logits, targets):
+        if isinstance(t, int) and ignore_index is not None and t == ignore_index:
+            none[idx] = 0.0 * z[0]
+            continue
+        w = 1.0 if weight is None or not isinstance(t, int) else float(weight[t])
+        value = w * base_fn(z, t)
+        total, norm = total + value, norm + w
+        none[idx] = value + penalty
+    if reduction == "mean":
+        return total / norm + penalty
+    shape = (logits.shape[0], *logits.shape[2:])
+    out = torch.stack([none[idx] for idx in itertools.product(*(range(d) for d in shape))]).reshape(shape)
+    return out if reduction == "none" else out.sum()
+
+
+def mdca_term(logits, targets, ignore_index=-100):
+    """(1/K) Σ_k abs(mean_i p_ik − mean_i 1[y_i = k]) over the kept positions (soft targets: mean_i q_ik)."""
+    k = logits.shape[1]
+    mean_p, freq, n = [0.0] * k, [0.0] * k, 0
+    for _, z, t in positions(logits, targets):
+        if isinstance(t, int) and ignore_index is not None and t == ignore_index:
+            continue
+        p = [torch.exp(v) for v in log_softmax(z)]
+        n += 1
+        for c in range(k):
+            mean_p[c] = mean_p[c] + p[c]
+            freq[c] += float(t == c) if isinstance(t, int) else float(t[c])
+    return sum(torch.abs(mean_p[c] / n - freq[c] / n) for c in range(k)) / k
+
+
+def mdca(logits, targets, beta=1.0, *, base="nll", gamma=1.0, smoothing=0.1, ignore_index=-100,
+         reduction="mean"):  # fmt: skip
+    k = logits.shape[1]
+
+    def base_fn(z, t):
+        log_p = log_softmax(z)
+        if not isinstance(t, int):
+            factor = [1.0 if base == "nll" else (1 - torch.exp(lp)) ** gamma for lp in log_p]
+            return -sum(q * f * lp for q, f, lp in zip(t, factor, log_p))
+        if base == "nll":
+            return -log_p[t]
+        if base == "focal":
+            return -((1 - torch.exp(log_p[t])) ** gamma) * log_p[t]
+        return -sum(((1 - smoothing) if c == t else smoothing / (k - 1)) * log_p[c] for c in range(k))
+
+    penalty = beta * mdca_term(logits, targets, ignore_index)
+    return _batch_combined(logits, targets, base_fn, penalty, reduction, ignore_index)
+
+
+def dca(logits, targets, beta=10.0, *, weight=None, ignore_index=-100, reduction="mean"):
+    """CE (weighted) + β·abs(mean_i r_i − mean_i a_i) over the kept positions; a_i is a constant."""
+    conf, acc, n = 0.0, 0.0, 0
+    for _, z, t in positions(logits, targets):
+        if ignore_index is not None and t == ignore_index:
+            continue
+        p = [torch.exp(v) for v in log_softmax(z)]
+        j = max(range(len(p)), key=lambda c: float(p[c].detach()))
+        conf, acc, n = conf + p[j], acc + float(j == t), n + 1
+    penalty = beta * torch.abs(conf / n - acc / n)
+    return _batch_combined(logits, targets, lambda z, t: -log_softmax(z)[t], penalty, reduction, ignore_index,
+                           weight)  # fmt: skip

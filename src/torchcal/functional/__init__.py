@@ -40,9 +40,12 @@ from .losses import *  # noqa: F403  (the functional losses: functional.losses._
 from .losses import __all__ as _MULTICLASS_LOSSES
 from .margin import (  # noqa: F401  (the losses are listed in LOSS_FUNCTIONS below)
     confidence_penalty_loss,
+    dca_loss,
     logit_margin_l1_loss,
     maxsup_loss,
     mbls_alpha,
+    mdca_loss,
+    mdca_penalty,
     poly1_cross_entropy,
 )
 
@@ -55,8 +58,10 @@ LOSS_FUNCTIONS = [
     "binary_focal_calibration_loss",
     "binary_focal_loss",
     "confidence_penalty_loss",
+    "dca_loss",
     "logit_margin_l1_loss",
     "maxsup_loss",
+    "mdca_loss",
     "poly1_cross_entropy",
 ]
 
@@ -116,4 +121,4 @@ __all__ += ["LOSS_FUNCTIONS", "METRIC_FUNCTIONS"]
 
 # the functional losses (their nn.Module twins are in torchcal.losses)
 __all__ += LOSS_FUNCTIONS
-__all__ += ["mbls_alpha"]  # MbLS's α schedule (torchcal.losses.LogitMarginL1Loss)
+__all__ += ["mbls_alpha", "mdca_penalty"]  # MbLS's α schedule; MDCA's batch term alone

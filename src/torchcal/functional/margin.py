@@ -3,7 +3,9 @@
 * :func:`logit_margin_l1_loss`, MbLS (Liu et al. 2022): CE + α·mean_{i,k} relu(max_j z_ij − z_ik − m);
 * :func:`poly1_cross_entropy`, Poly-1 (Leng et al. 2022): CE + ε(1 − p_t);
 * :func:`confidence_penalty_loss` (Pereyra et al. 2017): CE + β(log K − H(p));
-* :func:`maxsup_loss`, MaxSup (Zhou et al. 2025): CE + λ(max_k z_k − mean_k z_k).
+* :func:`maxsup_loss`, MaxSup (Zhou et al. 2025): CE + λ(max_k z_k − mean_k z_k);
+* :func:`mdca_loss`, NLL / focal / LS + β·MDCA (Hebbalaguppe et al. 2022), a term of the batch's class means;
+* :func:`dca_loss`, CE + β·abs(mean confidence − accuracy) (Liang et al. 2020), a term of the batch.
 
 They share the contract of :mod:`torchcal.functional.losses` (decision 73): (N, K) logits with (N,) labels or
 (N, K, d1, ...) logits with (N, d1, ...) labels (each position a sample), labels equal to ``ignore_index``
@@ -13,8 +15,11 @@ released code differs from the paper, the code is the default (SPEC §8; decisio
 call ``.item()`` or branch on tensor values, so they trace into one ``torch.compile`` graph.
 
 Only Poly-1 is a function of the target distribution, so only it takes class ``weight`` and
-``label_smoothing``; the other three add a term that does not depend on the target, which the released code
-never weights, and refuse both in one sentence (decision 133).
+``label_smoothing``; MbLS, the confidence penalty and MaxSup add a term that does not depend on the target,
+which the released code never weights, and refuse both in one sentence (decision 133); MDCA refuses both
+(a batch statistic), DCA takes ``weight`` in its cross entropy as the official function does. The batch terms
+of MDCA and DCA are those of each rank's batch under data parallelism, as in the reference code, with
+``sync=True`` for the global batch.
 """
 
 from __future__ import annotations
@@ -37,9 +42,12 @@ from ._spec import REDUCTIONS
 
 __all__ = [
     "confidence_penalty_loss",
+    "dca_loss",
     "logit_margin_l1_loss",
     "maxsup_loss",
     "mbls_alpha",
+    "mdca_loss",
+    "mdca_penalty",
     "poly1_cross_entropy",
 ]
 
@@ -335,3 +343,189 @@ def maxsup_loss(
 
 def _device_type(logits) -> str:
     return logits.device.type if isinstance(logits, torch.Tensor) else "cpu"
+
+
+# -- batch-level penalties: MDCA and DCA ---------------------------------------------------------------------
+
+_DCA_NEEDS_LABELS = "DCA compares the confidence with the accuracy of the predicted class, which needs labels"
+_MDCA_IS_A_BATCH_TERM = (
+    "MDCA's penalty is a statistic of the whole batch, which class weights and smoothed targets do not define "
+    "(the MDCA repository's own smoothing is base='ls')"
+)
+MDCA_BASES = ("nll", "focal", "ls")
+
+
+def _global_sums(sums: torch.Tensor, sync: bool, group=None) -> torch.Tensor:
+    """``sums`` (local per-batch sums) summed over the ranks of ``group`` when ``sync`` and torch.distributed
+    is initialised (a differentiable all-reduce: each rank's gradient is the world size times its share of
+    the global term's gradient, which data-parallel gradient averaging divides back); the local sums
+    otherwise (one process is its own global batch)."""
+    if not sync:
+        return sums
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return sums
+    from torch.distributed.nn.functional import all_reduce
+
+    return all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+
+
+def _with_batch_term(base, rows, reduction, coef, penalty, weight=None):
+    """Per-row ``base`` plus the batch's ``coef·penalty``: "mean" is the base's mean (weighted as
+    ``F.cross_entropy`` with ``weight``) + coef·penalty, "none" gives every kept row base_i + coef·penalty
+    (ignored rows 0), "sum" is the sum of "none"."""
+    if reduction == "mean":
+        return reduce_rows(base, rows, "mean", weight) + coef * penalty
+    term = coef * penalty
+    if rows.keep is not None:
+        term = torch.where(rows.keep, term, term.new_zeros(()))
+    else:
+        term = term.expand(base.shape)
+    none = reduce_rows(base, rows, "none", weight) + term.reshape(rows.shape)
+    return none if reduction == "none" else none.sum()
+
+
+def mdca_penalty(logits, targets, *, sync: bool = False, group=None, ignore_index=IGNORE_INDEX):
+    r"""The multi-class difference in confidence and accuracy of a batch (Hebbalaguppe et al., CVPR 2022):
+    :math:`\frac{1}{K} \sum_k \bigl| \frac{1}{N}\sum_i p_{ik} - \frac{1}{N}\sum_i 1[y_i = k] \bigr|`, the
+    batch-mean probability of every class against the class frequency of the **labels** (soft targets: their
+    mean). The gradient flows through every p_ik. Positions labelled ``ignore_index`` are not part of the
+    batch; (N, K, d1, ...) inputs are flattened to positions (a spec choice; the reference takes (N, K)).
+
+    Under data parallelism the reference's term is that of each rank's batch (``sync=False``); ``sync=True``
+    sums the class totals over the ranks of ``group`` (a differentiable all-reduce), the term of the global
+    batch, every rank's value the same.
+
+    Example:
+        >>> import torch
+        >>> # class means of p (0.575, 0.425) against the label frequencies (1, 0)
+        >>> mdca_penalty(torch.tensor([[2.0, 0.0], [0.0, 1.0]]), torch.tensor([0, 0]))
+        tensor(0.4251)
+    """
+    with torch.autocast(_device_type(logits), enabled=False):
+        rows = loss_rows(logits, targets, check_ignore_index(ignore_index))
+        return _mdca_rows(rows, torch.softmax(rows.logits, 1), sync, group)
+
+
+def _mdca_rows(rows, p, sync, group):
+    k = p.shape[1]
+    q = rows.targets if rows.soft else torch.nn.functional.one_hot(rows.targets, k).to(p.dtype)
+    kept = p.new_ones(p.shape[0]) if rows.keep is None else rows.keep.to(p.dtype)
+    sums = torch.cat([(p * kept[:, None]).sum(0), (q * kept[:, None]).sum(0), kept.sum()[None]])
+    sums = _global_sums(sums, sync, group)
+    count = sums[-1]
+    return ((sums[:k] - sums[k : 2 * k]) / count).abs().mean()
+
+
+def mdca_loss(
+    logits,
+    targets,
+    beta: float = 1.0,
+    *,
+    base: str = "nll",
+    gamma: float = 1.0,
+    smoothing: float = 0.1,
+    sync: bool = False,
+    group=None,
+    weight=None,
+    label_smoothing: float = 0.0,
+    ignore_index=IGNORE_INDEX,
+    reduction: str = "mean",
+):
+    r"""A classification loss plus β·MDCA of the batch (:func:`mdca_penalty`; Hebbalaguppe et al. 2022).
+
+    ``base`` (the MDCA repository's ``ClassficationAndMDCA``): "nll" (cross entropy, NLL+MDCA, the default),
+    "focal" (−(1 − p_t)^γ log p_t with ``gamma``, 1 in the FL+MDCA preset), "ls" (the repository's label
+    smoothing: 1 − α on the label and α/(K − 1) on each other class, α = ``smoothing`` = 0.1, which is
+    **not** PyTorch's ``label_smoothing``; decision 137). β = 1 in every script. The MDCA term belongs to
+    the batch: "mean" is base.mean() + β·MDCA, "none" gives every kept position base_i + β·MDCA, "sum" the
+    sum of "none"; ignored positions leave both terms. Soft targets (bases "nll" and "focal") enter the base
+    loss and the class frequencies. Class ``weight`` and ``label_smoothing`` are refused. ``sync`` as in
+    :func:`mdca_penalty` (DDP: per-rank batch by default).
+
+    Example:
+        >>> import torch
+        >>> logits = torch.tensor([[2.0, 0.0], [0.0, 1.0]])
+        >>> mdca_loss(logits, torch.tensor([0, 1]))
+        tensor(0.2950)
+        >>> mdca_loss(logits, torch.tensor([0, 0]), base="ls")
+        tensor(1.1952)
+    """
+    b = check_float(beta, "beta", low=0)
+    check_choice(base, "base", set(MDCA_BASES))
+    gamma = check_float(gamma, "gamma", low=0)
+    alpha = check_float(smoothing, "smoothing", low=0, high=1)
+    check_choice(reduction, "reduction", REDUCTIONS)
+    if weight is not None:
+        raise ValueError(f"`weight` is not accepted: {_MDCA_IS_A_BATCH_TERM}")
+    check_label_smoothing(label_smoothing, _MDCA_IS_A_BATCH_TERM)
+    ignore_index = check_ignore_index(ignore_index)
+    refusal = "the MDCA repository's label smoothing is defined on labels" if base == "ls" else None
+    with torch.autocast(_device_type(logits), enabled=False):
+        rows = loss_rows(logits, targets, ignore_index, soft_refusal=refusal)
+        log_p = torch.log_softmax(rows.logits, 1)
+        p = log_p.exp()
+        k = p.shape[1]
+        if rows.soft:
+            q = rows.targets
+            factor = 1.0 if base == "nll" else (-torch.expm1(log_p)).clamp(min=0) ** gamma
+            loss = -(q * factor * log_p).sum(1)
+        else:
+            log_pt = log_p.gather(1, rows.targets[:, None])[:, 0]
+            if base == "nll":
+                loss = -log_pt
+            elif base == "focal":
+                loss = -((-torch.expm1(log_pt)).clamp(min=0) ** gamma) * log_pt
+            else:
+                others = log_p.sum(1) - log_pt
+                loss = -(1 - alpha) * log_pt - alpha / (k - 1) * others
+        return _with_batch_term(loss, rows, reduction, b, _mdca_rows(rows, p, sync, group))
+
+
+def dca_loss(
+    logits,
+    targets,
+    beta: float = 10.0,
+    *,
+    sync: bool = False,
+    group=None,
+    weight=None,
+    label_smoothing: float = 0.0,
+    ignore_index=IGNORE_INDEX,
+    reduction: str = "mean",
+):
+    r"""Cross entropy plus the difference between confidence and accuracy, DCA (Liang et al., BMVC 2020):
+    :math:`\mathrm{CE} + \beta \cdot \bigl| \frac{1}{N}\sum_i r_i - \frac{1}{N}\sum_i a_i \bigr|`, with r_i
+    the top-label probability and a_i = 1[argmax_k p_ik = y_i] a constant; the gradient flows only through
+    r. β = 10, the default of the official ``cross_entropy_with_dca_loss`` (its demo uses 25; the MDCA
+    repository's baseline 1; decision 137). Class ``weight`` enters the cross entropy as in the official
+    function (``F.cross_entropy``'s weighted mean), not the batch term. "mean" is CE + β·DCA, "none" gives
+    every kept position CE_i (weighted) + β·DCA, "sum" the sum of "none"; ignored positions leave both terms.
+    Soft targets and ``label_smoothing`` are refused. Under data parallelism the reference's term is each
+    rank's batch (``sync=False``); ``sync=True`` takes the means over the global batch (see
+    :func:`mdca_penalty`).
+
+    Example:
+        >>> import torch
+        >>> logits = torch.tensor([[2.0, 0.0], [0.0, 1.0]])
+        >>> dca_loss(logits, torch.tensor([0, 0]))  # mean confidence 0.805, accuracy 0.5
+        tensor(3.7794)
+    """
+    b = check_float(beta, "beta", low=0)
+    check_choice(reduction, "reduction", REDUCTIONS)
+    check_label_smoothing(label_smoothing, _DCA_NEEDS_LABELS)
+    ignore_index = check_ignore_index(ignore_index)
+    with torch.autocast(_device_type(logits), enabled=False):
+        rows = loss_rows(logits, targets, ignore_index, soft_refusal=_DCA_NEEDS_LABELS)
+        w = check_class_weight(weight, rows.logits)
+        log_p = torch.log_softmax(rows.logits, 1)
+        conf, pred = log_p.exp().max(1)
+        correct = (pred == rows.targets).to(conf.dtype)
+        kept = conf.new_ones(conf.shape[0]) if rows.keep is None else rows.keep.to(conf.dtype)
+        sums = _global_sums(
+            torch.stack([(conf * kept).sum(), (correct * kept).sum(), kept.sum()]), sync, group
+        )
+        penalty = ((sums[0] - sums[1]) / sums[2]).abs()
+        ce = -log_p.gather(1, rows.targets[:, None])[:, 0]
+        return _with_batch_term(ce, rows, reduction, b, penalty, w)
