@@ -45,9 +45,9 @@ def test_ignored_labels_are_left_out(name, reduction):
     y[[1, 4, 5, 9]] = -100
     keep = y != -100
     z1 = z.clone().requires_grad_(True)
-    # MbLS's released code keeps rows labelled −100 in its margin term (decision 131, tested in
-    # tests/test_margin_losses.py); the contract is its option
-    options = {"ignored_rows": "drop"} if name == "mbls" else {}
+    # MbLS's and ACLS's released code keep rows labelled −100 in their margin terms (decisions 131, 138,
+    # tested in tests/test_margin_losses.py); the contract is their option
+    options = {"ignored_rows": "drop"} if name in ("mbls", "acls") else {}
     full = create(name, reduction=reduction, **options)(z1, y)
     kept = create(name, reduction=reduction, **options)(z[keep], y[keep])
     if reduction == "none":
@@ -66,9 +66,11 @@ def test_ignore_index_inside_the_label_range(name):
     z, y = batch(seed=3)
     keep = y != 0
     assert 0 < keep.sum() < len(y)
-    got = create(name, ignore_index=0)(z, y)
-    torch.testing.assert_close(got, create(name, ignore_index=0)(z[keep], y[keep]))
-    torch.testing.assert_close(got, create(name)(z[keep], y[keep]))
+    # ACLS's released code never filters its regulariser (decision 138); the contract is its option
+    options = {"ignored_rows": "drop"} if name == "acls" else {}
+    got = create(name, ignore_index=0, **options)(z, y)
+    torch.testing.assert_close(got, create(name, ignore_index=0, **options)(z[keep], y[keep]))
+    torch.testing.assert_close(got, create(name, **options)(z[keep], y[keep]))
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -77,7 +79,7 @@ def test_every_label_ignored(name):
     z, _ = batch(n=4)
     y = torch.full((4,), -100)
     assert torch.isnan(nnf.cross_entropy(z, y))  # the peer's convention
-    options = {"ignored_rows": "drop"} if name == "mbls" else {}  # decision 131, as above
+    options = {"ignored_rows": "drop"} if name in ("mbls", "acls") else {}  # as above
     assert torch.isnan(create(name, **options)(z, y))
     assert create(name, reduction="sum", **options)(z, y) == 0
     assert (create(name, reduction="none", **options)(z, y) == 0).all()

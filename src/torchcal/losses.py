@@ -27,6 +27,7 @@ from .functional import margin as M
 from .functional._loss_inputs import check_ignore_index, check_label_smoothing, class_weight_buffer
 
 __all__ = [
+    "ACLSLoss",
     "AdaFocalLoss",
     "BinaryBrierLoss",
     "BinaryCrossEntropyLoss",
@@ -378,6 +379,48 @@ class LogitMarginL1Loss(_Loss):
         self.set_epoch(int(state["epoch"]))
 
 
+class ACLSLoss(_Loss):
+    """ACLS: CE + α·(λ_pos·relu(z_max − m)² on the top logit + λ_neg·mean over the others of
+    relu(sg(z_max) − z_k − m)²), as the released code (decision 138); its regulariser covers ignored rows
+    by default (``ignored_rows="drop"`` for the contract). Refuses class ``weight`` and ``label_smoothing``."""
+
+    _args = ("alpha", "margin", "lambda_pos", "lambda_neg")
+
+    def __init__(
+        self,
+        alpha: float = 0.1,
+        margin: float = 10.0,
+        reduction: str = "mean",
+        *,
+        lambda_pos: float = 1.0,
+        lambda_neg: float = 0.1,
+        ignored_rows: str = "reference",
+        weight=None,
+        label_smoothing: float = 0.0,
+        ignore_index=L.IGNORE_INDEX,
+    ):
+        M._refuse_weight_and_smoothing("ACLS regulariser", weight, label_smoothing)
+        super().__init__(reduction, ignore_index)
+        self.alpha = check_float(alpha, "alpha", low=0)
+        self.margin = check_float(margin, "margin", low=0)
+        self.lambda_pos = check_float(lambda_pos, "lambda_pos", low=0)
+        self.lambda_neg = check_float(lambda_neg, "lambda_neg", low=0)
+        self.ignored_rows = check_choice(ignored_rows, "ignored_rows", {"reference", "drop"})
+
+    def forward(self, logits, targets):
+        return M.acls_loss(
+            logits,
+            targets,
+            self.alpha,
+            self.margin,
+            lambda_pos=self.lambda_pos,
+            lambda_neg=self.lambda_neg,
+            ignored_rows=self.ignored_rows,
+            ignore_index=self.ignore_index,
+            reduction=self.reduction,
+        )
+
+
 class Poly1CrossEntropyLoss(_Loss):
     """Poly-1: CE + ε(1 − p_t); against a (smoothed or soft) target distribution q, Σ_k q_k(−log p_k +
     ε(1 − p_k)). Takes class ``weight`` and ``label_smoothing``."""
@@ -708,6 +751,7 @@ _FIXED = {
     "adadualfocal": lambda **kw: AdaFocalLoss(dual=True, **kw),
     "calfocal": lambda **kw: CalFocalLoss(**kw),
     "mbls": lambda **kw: LogitMarginL1Loss(**kw),
+    "acls": lambda **kw: ACLSLoss(**kw),
     "poly1": lambda **kw: Poly1CrossEntropyLoss(**kw),
     "confidence-penalty": lambda **kw: ConfidencePenaltyLoss(**kw),
     "maxsup": lambda **kw: MaxSupLoss(**kw),
@@ -757,7 +801,7 @@ def loss_task(name: str) -> str:
 def create(name: str, **kwargs) -> nn.Module:
     """A loss module by the papers' label: "ce", "ls-0.05", "brier", "mmce", "fl-3", "flsd-53", "flsd-532",
     "fls-531", "dfl", "dualflsd-53", "fcl", "adafocal", "adadualfocal", "calfocal", "ifl-1", and the margin
-    and penalty losses "mbls", "poly1", "confidence-penalty", "maxsup", "mdca" (NLL+MDCA), "focal-mdca"
+    and penalty losses "mbls", "acls", "poly1", "confidence-penalty", "maxsup", "mdca" (NLL+MDCA), "focal-mdca"
     (γ = 1), "ls-mdca" (α = 0.1), "dca" (SPEC §8); keyword
     arguments go to the constructor (e.g. ``reduction="sum"``). An argument the name fixes (γ of ``fl-3``,
     ε of ``ls-0.05``, the schedule of ``flsd-53``) is a ``ValueError`` naming the loss to use instead.

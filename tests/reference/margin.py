@@ -197,3 +197,20 @@ def dca(logits, targets, beta=10.0, *, weight=None, ignore_index=-100, reduction
     penalty = beta * torch.abs(conf / n - acc / n)
     return _batch_combined(logits, targets, lambda z, t: -log_softmax(z)[t], penalty, reduction, ignore_index,
                            weight)  # fmt: skip
+
+
+def acls(logits, targets, alpha=0.1, margin=10.0, *, lambda_pos=1.0, lambda_neg=0.1, ignore_index=-100,
+         ignored_rows="reference", reduction="mean"):  # fmt: skip
+    """CE + α·(λ_pos Σ_k [z_k ties the max] relu(z_max − m)² + λ_neg/(K − 1) Σ_k [z_k below the max]
+    relu(sg(z_max) − z_k − m)²) per position; the released code's regulariser covers ignored positions."""
+
+    def term(z, t):
+        k = len(z)
+        j = max(range(k), key=lambda c: float(z[c].detach()))  # the first arg-max, as torch.max
+        top = float(z[j].detach())
+        pos = sum(torch.clamp(z[j] - margin, min=0) ** 2 for c in range(k) if float(z[c].detach()) == top)
+        neg = sum(torch.clamp(z[j].detach() - z[c] - margin, min=0) ** 2 for c in range(k)
+                  if float(z[c].detach()) != top)  # fmt: skip
+        return ce(log_softmax(z), t), alpha * (lambda_pos * pos + lambda_neg * neg / (k - 1))
+
+    return _combine(logits, targets, term, reduction, ignore_index, ignored_rows == "reference")

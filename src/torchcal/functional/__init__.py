@@ -39,6 +39,7 @@ from .focal_map import focal_calibration_map
 from .losses import *  # noqa: F403  (the functional losses: functional.losses.__all__)
 from .losses import __all__ as _MULTICLASS_LOSSES
 from .margin import (  # noqa: F401  (the losses are listed in LOSS_FUNCTIONS below)
+    acls_loss,
     confidence_penalty_loss,
     dca_loss,
     logit_margin_l1_loss,
@@ -57,6 +58,7 @@ LOSS_FUNCTIONS = [
     "binary_dual_focal_loss",
     "binary_focal_calibration_loss",
     "binary_focal_loss",
+    "acls_loss",
     "confidence_penalty_loss",
     "dca_loss",
     "logit_margin_l1_loss",

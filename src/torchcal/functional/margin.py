@@ -1,6 +1,7 @@
 """Margin and penalty losses of the field (SPEC §8): cross entropy plus a term on the logits or probabilities.
 
 * :func:`logit_margin_l1_loss`, MbLS (Liu et al. 2022): CE + α·mean_{i,k} relu(max_j z_ij − z_ik − m);
+* :func:`acls_loss`, ACLS (Park et al. 2023): CE + α·(a squared hinge on the top logit and on the distances);
 * :func:`poly1_cross_entropy`, Poly-1 (Leng et al. 2022): CE + ε(1 − p_t);
 * :func:`confidence_penalty_loss` (Pereyra et al. 2017): CE + β(log K − H(p));
 * :func:`maxsup_loss`, MaxSup (Zhou et al. 2025): CE + λ(max_k z_k − mean_k z_k);
@@ -11,11 +12,11 @@ They share the contract of :mod:`torchcal.functional.losses` (decision 73): (N, 
 (N, K, d1, ...) logits with (N, d1, ...) labels (each position a sample), labels equal to ``ignore_index``
 left out, soft targets (class probabilities of the logits' shape) for the cross-entropy term, reductions
 ``"none" | "mean" | "sum"``, half-precision logits and autocast regions computed in float32. Where the
-released code differs from the paper, the code is the default (SPEC §8; decisions 131-137). The losses do not
+released code differs from the paper, the code is the default (SPEC §8; decisions 131-138). The losses do not
 call ``.item()`` or branch on tensor values, so they trace into one ``torch.compile`` graph.
 
 Only Poly-1 is a function of the target distribution, so only it takes class ``weight`` and
-``label_smoothing``; MbLS, the confidence penalty and MaxSup add a term that does not depend on the target,
+``label_smoothing``; MbLS, ACLS, the confidence penalty and MaxSup add a term that does not depend on the target,
 which the released code never weights, and refuse both in one sentence (decision 133); MDCA refuses both
 (a batch statistic), DCA takes ``weight`` in its cross entropy as the official function does. The batch terms
 of MDCA and DCA are those of each rank's batch under data parallelism, as in the reference code, with
@@ -41,6 +42,7 @@ from ._loss_inputs import (
 from ._spec import REDUCTIONS
 
 __all__ = [
+    "acls_loss",
     "confidence_penalty_loss",
     "dca_loss",
     "logit_margin_l1_loss",
@@ -56,6 +58,15 @@ _PENALTY_IS_NOT_PER_CLASS = (
     "poly1_cross_entropy or cross_entropy for weighted or smoothed targets"
 )
 MBLS_SCHEDULES = ("", "add", "multiply", "step")
+
+
+def _number(value, name, low=None, high=None):
+    """A hyper-parameter checked as :func:`check_float` does, except while ``torch.compile`` traces: a
+    value that changes between calls (a schedule's α) becomes a symbolic float there, which the check would
+    turn into a graph break; the modules checked it at construction."""
+    if torch.compiler.is_compiling():
+        return value
+    return check_float(value, name, low=low, high=high)
 
 
 def _refuse_weight_and_smoothing(name: str, weight, label_smoothing) -> None:
@@ -147,8 +158,8 @@ def logit_margin_l1_loss(
         >>> logit_margin_l1_loss(logits, torch.tensor([0, 1]), reduction="none")
         tensor([0.1000, 0.5514])
     """
-    m = check_float(margin, "margin", low=0)
-    a = check_float(alpha, "alpha", low=0)
+    m = _number(margin, "margin", low=0)
+    a = _number(alpha, "alpha", low=0)
     check_choice(ignored_rows, "ignored_rows", {"reference", "drop"})
     check_choice(reduction, "reduction", REDUCTIONS)
     _refuse_weight_and_smoothing("MbLS margin", weight, label_smoothing)
@@ -225,7 +236,7 @@ def poly1_cross_entropy(
         >>> poly1_cross_entropy(logits, torch.tensor([0, 1]), reduction="none")
         tensor([0.2461, 0.5822])
     """
-    eps = check_float(epsilon, "epsilon", low=-1)
+    eps = _number(epsilon, "epsilon", low=-1)
     smoothing = check_label_smoothing(label_smoothing)
     check_choice(reduction, "reduction", REDUCTIONS)
     ignore_index = check_ignore_index(ignore_index)
@@ -282,8 +293,8 @@ def confidence_penalty_loss(
         >>> confidence_penalty_loss(logits, torch.tensor([0, 1]), reduction="none")
         tensor([0.4547, 0.6931])
     """
-    b = check_float(beta, "beta", low=0)
-    eps = check_float(eps, "eps", low=0)
+    b = _number(beta, "beta", low=0)
+    eps = _number(eps, "eps", low=0)
     check_choice(form, "form", {"sample", "mbls"})
     check_choice(reduction, "reduction", REDUCTIONS)
     _refuse_weight_and_smoothing("confidence penalty", weight, label_smoothing)
@@ -330,7 +341,7 @@ def maxsup_loss(
         >>> maxsup_loss(logits, torch.tensor([0, 0]), reduction="none")
         tensor([0.2269, 1.3633])
     """
-    a = check_float(alpha, "alpha", low=0)
+    a = _number(alpha, "alpha", low=0)
     check_choice(reduction, "reduction", REDUCTIONS)
     _refuse_weight_and_smoothing("MaxSup", weight, label_smoothing)
     ignore_index = check_ignore_index(ignore_index)
@@ -343,6 +354,70 @@ def maxsup_loss(
 
 def _device_type(logits) -> str:
     return logits.device.type if isinstance(logits, torch.Tensor) else "cpu"
+
+
+# -- ACLS ----------------------------------------------------------------------------------------------------
+
+
+def acls_loss(
+    logits,
+    targets,
+    alpha: float = 0.1,
+    margin: float = 10.0,
+    *,
+    lambda_pos: float = 1.0,
+    lambda_neg: float = 0.1,
+    ignored_rows: str = "reference",
+    weight=None,
+    label_smoothing: float = 0.0,
+    ignore_index=IGNORE_INDEX,
+    reduction: str = "mean",
+):
+    r"""Adaptive and conditional label smoothing, ACLS (Park et al., ICCV 2023), as the released code
+    (cvlab-yonsei/ACLS ``acls.py``, decision 138): cross entropy plus α times
+
+    .. math:: \lambda_{pos} rac{1}{N} \sum_{i,k} 1[z_{ik} = z_i^{max}]\, \mathrm{relu}(z_i^{max} - m)^2
+              + \lambda_{neg} rac{1}{N(K-1)} \sum_{i,k} (1 - 1[z_{ik} = z_i^{max}])\,
+              \mathrm{relu}(\mathrm{sg}(z_i^{max}) - z_{ik} - m)^2 .
+
+    The positive term penalises the **absolute** top logit above m and keeps its gradient; the negative term
+    detaches the max, so only the other logits get a gradient. The indicator compares detached logits, so
+    tied maxima are each "positive" while the divisor stays N. ``ignored_rows`` as
+    :func:`logit_margin_l1_loss`: the released code never filters its regulariser, so by default
+    ("reference") it covers the rows labelled ``ignore_index`` whatever its sign, while cross entropy leaves
+    them out; "drop" leaves them out of both. Soft targets enter the cross entropy. Class ``weight`` and
+    ``label_smoothing`` are refused.
+
+    Args:
+        alpha: α >= 0 (0.1, config ``acls.yaml``); margin: m >= 0 (10); lambda_pos (1.0), lambda_neg (0.1).
+
+    Example:
+        >>> import torch
+        >>> logits = torch.tensor([[12.0, 0.0, -1.0], [0.0, 1.0, 0.0]])
+        >>> # row 1: 1·(12 − 10)² + 0.1·(2² + 3²)/2 = 4.65, times α
+        >>> acls_loss(logits, torch.tensor([0, 1]), reduction="none")
+        tensor([0.4650, 0.5514])
+    """
+    a = _number(alpha, "alpha", low=0)
+    m = _number(margin, "margin", low=0)
+    lam_pos = _number(lambda_pos, "lambda_pos", low=0)
+    lam_neg = _number(lambda_neg, "lambda_neg", low=0)
+    check_choice(ignored_rows, "ignored_rows", {"reference", "drop"})
+    check_choice(reduction, "reduction", REDUCTIONS)
+    _refuse_weight_and_smoothing("ACLS regulariser", weight, label_smoothing)
+    ignore_index = check_ignore_index(ignore_index)
+    with torch.autocast(_device_type(logits), enabled=False):
+        rows, _, ce = _ce_rows(logits, targets, ignore_index)
+        z = rows.logits
+        k = z.shape[1]
+        top = z.max(dim=1).values[:, None].expand_as(z)
+        positive = (top.detach() == z.detach()).to(z.dtype)
+        pos = (positive * torch.relu(top - m) ** 2).sum(1)
+        neg = ((1 - positive) * torch.relu(top.detach() - z - m) ** 2).sum(1) / (k - 1)
+        penalty = lam_pos * pos + lam_neg * neg
+        return _reduce_penalised(
+            ce, penalty, a, rows, reduction, None if ignored_rows == "reference" else "rows"
+        )
 
 
 # -- batch-level penalties: MDCA and DCA ---------------------------------------------------------------------
@@ -452,10 +527,10 @@ def mdca_loss(
         >>> mdca_loss(logits, torch.tensor([0, 0]), base="ls")
         tensor(1.1952)
     """
-    b = check_float(beta, "beta", low=0)
+    b = _number(beta, "beta", low=0)
     check_choice(base, "base", set(MDCA_BASES))
-    gamma = check_float(gamma, "gamma", low=0)
-    alpha = check_float(smoothing, "smoothing", low=0, high=1)
+    gamma = _number(gamma, "gamma", low=0)
+    alpha = _number(smoothing, "smoothing", low=0, high=1)
     check_choice(reduction, "reduction", REDUCTIONS)
     if weight is not None:
         raise ValueError(f"`weight` is not accepted: {_MDCA_IS_A_BATCH_TERM}")
@@ -512,7 +587,7 @@ def dca_loss(
         >>> dca_loss(logits, torch.tensor([0, 0]))  # mean confidence 0.805, accuracy 0.5
         tensor(3.7794)
     """
-    b = check_float(beta, "beta", low=0)
+    b = _number(beta, "beta", low=0)
     check_choice(reduction, "reduction", REDUCTIONS)
     check_label_smoothing(label_smoothing, _DCA_NEEDS_LABELS)
     ignore_index = check_ignore_index(ignore_index)
