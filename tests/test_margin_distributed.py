@@ -1,4 +1,4 @@
-"""MDCA's and DCA's batch terms under torch.distributed, with 2 gloo processes on CPU: ``sync=False`` (the
+"""MDCA's, DCA's and SB-ECE's batch terms under torch.distributed, with 2 gloo processes on CPU: ``sync=False`` (the
 reference's behaviour) is each rank's batch; ``sync=True`` is the global batch, its value that of one
 process holding the whole batch, and its gradients, once averaged over the ranks as data parallelism does,
 those of the whole batch's loss."""
@@ -17,6 +17,8 @@ LOSSES = {
     "mdca": lambda z, y, sync: F.mdca_loss(z, y, 2.0, sync=sync),
     "focal-mdca": lambda z, y, sync: F.mdca_loss(z, y, base="focal", sync=sync),
     "dca": lambda z, y, sync: F.dca_loss(z, y, sync=sync),
+    "sb-ece": lambda z, y, sync: F.sbece_loss(z, y, sync=sync),
+    "sb-ece-binned": lambda z, y, sync: F.sbece_loss(z, y, form="binned", sync=sync),
 }
 
 
@@ -95,4 +97,6 @@ def _base(name, z, y):
     """The per-rank base term (the loss with β = 0)."""
     if name == "dca":
         return F.dca_loss(z, y, 0.0)
+    if name.startswith("sb-ece"):
+        return F.sbece_loss(z, y, 0.0)
     return F.mdca_loss(z, y, 0.0, base="focal" if name == "focal-mdca" else "nll")

@@ -63,6 +63,9 @@ CASES = [
     ("ls-mdca", lambda z, y, **kw: F.mdca_loss(z, y, base="ls", smoothing=0.2, **kw),
      lambda z, y, **kw: R.mdca(z, y, base="ls", smoothing=0.2, **kw), {}),
     ("dca", lambda z, y, **kw: F.dca_loss(z, y, **kw), R.dca, {}),
+    ("sb-ece", lambda z, y, **kw: F.sbece_loss(z, y, **kw), R.sbece, {}),
+    ("sb-ece-binned", lambda z, y, **kw: F.sbece_loss(z, y, 1.0, n_bins=5, temperature=0.05, form="binned", **kw),
+     lambda z, y, **kw: R.sbece(z, y, 1.0, n_bins=5, temperature=0.05, form="binned", **kw), {}),
     ("dca-weighted", lambda z, y, **kw: F.dca_loss(z, y, 3.0, weight=torch.tensor([0.5, 1.0, 2.0, 1.5],
      dtype=torch.float64), **kw), lambda z, y, **kw: R.dca(z, y, 3.0, weight=[0.5, 1.0, 2.0, 1.5], **kw), {}),
 ]  # fmt: skip
@@ -128,6 +131,21 @@ def test_losses_that_need_labels_refuse_soft_targets():
         F.dca_loss(z, q)
     with pytest.raises(TypeError, match="not accepted: the MDCA repository's label smoothing"):
         create("ls-mdca")(z, q)
+
+
+def test_sbece_vanishes_on_a_calibrated_batch_and_its_sqrt_has_a_finite_gradient():
+    """Every confidence 0.5 with half the positions correct: each bin's accuracy is 0.5 = r, SB-ECE = 0,
+    and the sqrt at 0 gives the gradient of cross entropy alone (no NaN)."""
+    z = torch.tensor([[0.0, 0.0, -50.0]] * 4, dtype=torch.float64, requires_grad=True)
+    y = torch.tensor([0, 0, 1, 1])  # the arg-max is class 0 (first of the tie): two right, two wrong
+    assert F.sbece_penalty(z, y).item() == pytest.approx(0.0, abs=1e-15)
+    F.sbece_loss(z, y).backward()
+    (ce_grad,) = torch.autograd.grad(nnf.cross_entropy(z, y), z)
+    torch.testing.assert_close(z.grad, ce_grad, rtol=1e-12, atol=1e-15)
+    with pytest.raises(TypeError, match="not accepted: SB-ECE compares"):
+        F.sbece_loss(z.detach(), torch.full((4, 3), 1 / 3, dtype=torch.float64))
+    with pytest.raises(ValueError, match="`temperature` must be > 0"):
+        create("sb-ece", temperature=0.0)
 
 
 def test_dca_weights_its_cross_entropy_as_the_official_function():
@@ -383,7 +401,7 @@ def test_bad_arguments_are_named():
 
 
 @pytest.mark.parametrize(
-    "name", ["mbls", "acls", "poly1", "confidence-penalty", "maxsup", "mdca", "ls-mdca", "dca"]
+    "name", ["mbls", "acls", "poly1", "confidence-penalty", "maxsup", "mdca", "ls-mdca", "dca", "sb-ece"]
 )
 @pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16])
 def test_dense_autocast_is_finite_and_float32(name, autocast_dtype):
@@ -413,6 +431,7 @@ def test_registry_names_and_modules_equal_functions():
         (create("focal-mdca"), F.mdca_loss(z, y, base="focal")),
         (create("ls-mdca", smoothing=0.2), F.mdca_loss(z, y, base="ls", smoothing=0.2)),
         (create("dca", beta=25.0), F.dca_loss(z, y, 25.0)),
+        (create("sb-ece", form="binned"), F.sbece_loss(z, y, form="binned")),
     ]  # fmt: skip
     for module, want in pairs:
         torch.testing.assert_close(module(z, y), want, rtol=0, atol=0)

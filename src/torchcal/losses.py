@@ -49,6 +49,7 @@ __all__ = [
     "MMCELoss",
     "MaxSupLoss",
     "Poly1CrossEntropyLoss",
+    "SBECELoss",
     "SampleDependentFocalLoss",
     "ScheduledFocalLoss",
     "create",
@@ -623,6 +624,53 @@ class DCALoss(_Loss):
         )
 
 
+class SBECELoss(_Loss):
+    """Cross entropy + λ·soft-binned ECE of the batch (λ = 2, M = 15 bins, T = 0.01; label-binned form by
+    default, ``form="binned"`` for the bin-weighted one). ``sync=True`` takes the term over the global batch
+    under torch.distributed. Refuses class ``weight``, ``label_smoothing`` and soft targets."""
+
+    _args = ("lambda_", "n_bins", "temperature", "form")
+
+    def __init__(
+        self,
+        lambda_: float = 2.0,
+        reduction: str = "mean",
+        *,
+        n_bins: int = 15,
+        temperature: float = 0.01,
+        form: str = "label",
+        sync: bool = False,
+        weight=None,
+        label_smoothing: float = 0.0,
+        ignore_index=L.IGNORE_INDEX,
+    ):
+        if weight is not None:
+            raise ValueError(f"`weight` is not accepted: {M._SBECE_IS_A_BATCH_TERM}")
+        check_label_smoothing(label_smoothing, M._SBECE_IS_A_BATCH_TERM)
+        super().__init__(reduction, ignore_index)
+        self.lambda_ = check_float(lambda_, "lambda_", low=0)
+        self.n_bins = check_positive_int(n_bins, "n_bins")
+        self.temperature = check_float(temperature, "temperature", low=0, low_open=True)
+        self.form = check_choice(form, "form", {"label", "binned"})
+        self.sync = check_bool(sync, "sync")
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (", sync=True" if self.sync else "")
+
+    def forward(self, logits, targets):
+        return M.sbece_loss(
+            logits,
+            targets,
+            self.lambda_,
+            n_bins=self.n_bins,
+            temperature=self.temperature,
+            form=self.form,
+            sync=self.sync,
+            ignore_index=self.ignore_index,
+            reduction=self.reduction,
+        )
+
+
 # -- sigmoid outputs (binary / multi-label; SPEC §6) ---------------------------------------------------------
 
 
@@ -759,6 +807,7 @@ _FIXED = {
     "focal-mdca": lambda **kw: MDCALoss(base="focal", **kw),
     "ls-mdca": lambda **kw: MDCALoss(base="ls", **kw),
     "dca": lambda **kw: DCALoss(**kw),
+    "sb-ece": lambda **kw: SBECELoss(**kw),
 }
 # the constructor arguments a fixed name sets, with their values and the class that takes any
 _FIXED_ARGS = {
@@ -802,7 +851,7 @@ def create(name: str, **kwargs) -> nn.Module:
     """A loss module by the papers' label: "ce", "ls-0.05", "brier", "mmce", "fl-3", "flsd-53", "flsd-532",
     "fls-531", "dfl", "dualflsd-53", "fcl", "adafocal", "adadualfocal", "calfocal", "ifl-1", and the margin
     and penalty losses "mbls", "acls", "poly1", "confidence-penalty", "maxsup", "mdca" (NLL+MDCA), "focal-mdca"
-    (γ = 1), "ls-mdca" (α = 0.1), "dca" (SPEC §8); keyword
+    (γ = 1), "ls-mdca" (α = 0.1), "dca", "sb-ece" (SPEC §8); keyword
     arguments go to the constructor (e.g. ``reduction="sum"``). An argument the name fixes (γ of ``fl-3``,
     ε of ``ls-0.05``, the schedule of ``flsd-53``) is a ``ValueError`` naming the loss to use instead.
 

@@ -214,3 +214,40 @@ def acls(logits, targets, alpha=0.1, margin=10.0, *, lambda_pos=1.0, lambda_neg=
         return ce(log_softmax(z), t), alpha * (lambda_pos * pos + lambda_neg * neg / (k - 1))
 
     return _combine(logits, targets, term, reduction, ignore_index, ignored_rows == "reference")
+
+
+def sbece_term(logits, targets, n_bins=15, temperature=0.01, form="label", ignore_index=-100):
+    """Soft-binned ECE from the definitions, one position and one bin at a time."""
+    rs, accs = [], []
+    for _, z, t in positions(logits, targets):
+        if ignore_index is not None and t == ignore_index:
+            continue
+        p = [torch.exp(v) for v in log_softmax(z)]
+        j = max(range(len(p)), key=lambda c: float(p[c].detach()))
+        rs.append(p[j])
+        accs.append(float(j == t))
+    centres = [(b + 0.5) / n_bins for b in range(n_bins)]
+    g = []
+    for r in rs:
+        e = [torch.exp(-((r - c) ** 2) / temperature) for c in centres]
+        total = sum(e)
+        g.append([v / total for v in e])
+    mass = [sum(g[i][b] for i in range(len(rs))) for b in range(n_bins)]
+    if form == "label":
+        acc = [sum(g[i][b] * accs[i] for i in range(len(rs))) / (mass[b] if float(mass[b].detach()) > 0 else 1.0)
+               for b in range(n_bins)]  # fmt: skip
+        value = sum(g[i][b] * (acc[b] - rs[i]) ** 2 for i in range(len(rs)) for b in range(n_bins)) / len(rs)
+        return torch.sqrt(value)
+    value = 0.0
+    for b in range(n_bins):
+        den = torch.clamp(mass[b], min=1e-5)
+        conf_b = sum(g[i][b] * rs[i] for i in range(len(rs))) / den
+        acc_b = sum(g[i][b] * accs[i] for i in range(len(rs))) / den
+        value = value + mass[b] / sum(mass) * (conf_b - acc_b) ** 2
+    return torch.sqrt(value)
+
+
+def sbece(logits, targets, lambda_=2.0, *, n_bins=15, temperature=0.01, form="label", ignore_index=-100,
+          reduction="mean"):  # fmt: skip
+    penalty = lambda_ * sbece_term(logits, targets, n_bins, temperature, form, ignore_index)
+    return _batch_combined(logits, targets, lambda z, t: -log_softmax(z)[t], penalty, reduction, ignore_index)

@@ -48,6 +48,8 @@ from .margin import (  # noqa: F401  (the losses are listed in LOSS_FUNCTIONS be
     mdca_loss,
     mdca_penalty,
     poly1_cross_entropy,
+    sbece_loss,
+    sbece_penalty,
 )
 
 # the functional losses: softmax (functional.losses) and sigmoid (functional.binary)
@@ -65,6 +67,7 @@ LOSS_FUNCTIONS = [
     "maxsup_loss",
     "mdca_loss",
     "poly1_cross_entropy",
+    "sbece_loss",
 ]
 
 # Short aliases.
@@ -123,4 +126,4 @@ __all__ += ["LOSS_FUNCTIONS", "METRIC_FUNCTIONS"]
 
 # the functional losses (their nn.Module twins are in torchcal.losses)
 __all__ += LOSS_FUNCTIONS
-__all__ += ["mbls_alpha", "mdca_penalty"]  # MbLS's α schedule; MDCA's batch term alone
+__all__ += ["mbls_alpha", "mdca_penalty", "sbece_penalty"]  # MbLS's α schedule; batch terms alone

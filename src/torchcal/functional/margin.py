@@ -6,21 +6,22 @@
 * :func:`confidence_penalty_loss` (Pereyra et al. 2017): CE + β(log K − H(p));
 * :func:`maxsup_loss`, MaxSup (Zhou et al. 2025): CE + λ(max_k z_k − mean_k z_k);
 * :func:`mdca_loss`, NLL / focal / LS + β·MDCA (Hebbalaguppe et al. 2022), a term of the batch's class means;
-* :func:`dca_loss`, CE + β·abs(mean confidence − accuracy) (Liang et al. 2020), a term of the batch.
+* :func:`dca_loss`, CE + β·abs(mean confidence − accuracy) (Liang et al. 2020), a term of the batch;
+* :func:`sbece_loss`, CE + λ·soft-binned ECE (Karandikar et al. 2021), a term of the batch.
 
 They share the contract of :mod:`torchcal.functional.losses` (decision 73): (N, K) logits with (N,) labels or
 (N, K, d1, ...) logits with (N, d1, ...) labels (each position a sample), labels equal to ``ignore_index``
 left out, soft targets (class probabilities of the logits' shape) for the cross-entropy term, reductions
 ``"none" | "mean" | "sum"``, half-precision logits and autocast regions computed in float32. Where the
-released code differs from the paper, the code is the default (SPEC §8; decisions 131-138). The losses do not
+released code differs from the paper, the code is the default (SPEC §8; decisions 131-139). The losses do not
 call ``.item()`` or branch on tensor values, so they trace into one ``torch.compile`` graph.
 
 Only Poly-1 is a function of the target distribution, so only it takes class ``weight`` and
-``label_smoothing``; MbLS, ACLS, the confidence penalty and MaxSup add a term that does not depend on the target,
-which the released code never weights, and refuse both in one sentence (decision 133); MDCA refuses both
-(a batch statistic), DCA takes ``weight`` in its cross entropy as the official function does. The batch terms
-of MDCA and DCA are those of each rank's batch under data parallelism, as in the reference code, with
-``sync=True`` for the global batch.
+``label_smoothing``; MbLS, ACLS, the confidence penalty and MaxSup add a term that does not depend on the
+target, which the released code never weights, and refuse both in one sentence (decision 133); MDCA and
+SB-ECE refuse both (batch statistics), DCA takes ``weight`` in its cross entropy as the official function
+does. The batch terms of MDCA, DCA and SB-ECE are those of each rank's batch under data parallelism, as in
+the reference code, with ``sync=True`` for the global batch.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ __all__ = [
     "mdca_loss",
     "mdca_penalty",
     "poly1_cross_entropy",
+    "sbece_loss",
+    "sbece_penalty",
 ]
 
 _PENALTY_IS_NOT_PER_CLASS = (
@@ -60,13 +63,13 @@ _PENALTY_IS_NOT_PER_CLASS = (
 MBLS_SCHEDULES = ("", "add", "multiply", "step")
 
 
-def _number(value, name, low=None, high=None):
+def _number(value, name, low=None, high=None, low_open=False):
     """A hyper-parameter checked as :func:`check_float` does, except while ``torch.compile`` traces: a
     value that changes between calls (a schedule's α) becomes a symbolic float there, which the check would
     turn into a graph break; the modules checked it at construction."""
     if torch.compiler.is_compiling():
         return value
-    return check_float(value, name, low=low, high=high)
+    return check_float(value, name, low=low, high=high, low_open=low_open)
 
 
 def _refuse_weight_and_smoothing(name: str, weight, label_smoothing) -> None:
@@ -604,3 +607,120 @@ def dca_loss(
         penalty = ((sums[0] - sums[1]) / sums[2]).abs()
         ce = -log_p.gather(1, rows.targets[:, None])[:, 0]
         return _with_batch_term(ce, rows, reduction, b, penalty, w)
+
+
+# -- SB-ECE --------------------------------------------------------------------------------------------------
+
+_SBECE_NEEDS_LABELS = "SB-ECE compares the confidence with the correctness of the predicted class"
+_SBECE_IS_A_BATCH_TERM = (
+    "SB-ECE is a statistic of the whole batch, which class weights and smoothed targets do not define"
+)
+
+
+def _safe_sqrt(value: torch.Tensor) -> torch.Tensor:
+    """sqrt(max(value, 0)) with a zero (not infinite) gradient at 0."""
+    value = value.clamp(min=0)
+    return torch.where(value > 0, value.clamp(min=torch.finfo(value.dtype).tiny).sqrt(), value)
+
+
+def _sbece_rows(rows, log_p, n_bins, temperature, form, sync, group):
+    conf, pred = log_p.exp().max(1)
+    correct = (pred == rows.targets).to(conf.dtype)
+    kept = conf.new_ones(conf.shape[0]) if rows.keep is None else rows.keep.to(conf.dtype)
+    centres = (torch.arange(n_bins, dtype=conf.dtype, device=conf.device) + 0.5) / n_bins
+    g = torch.softmax(-((conf[:, None] - centres) ** 2) / temperature, 1) * kept[:, None]  # (M rows, bins)
+    if form == "label":
+        sums = _global_sums(
+            torch.cat([g.sum(0), (g * correct[:, None]).sum(0), kept.sum()[None]]), sync, group
+        )
+        mass, hits, count = sums[:n_bins], sums[n_bins : 2 * n_bins], sums[-1]
+        acc = hits / torch.where(mass > 0, mass, torch.ones_like(mass))
+        total = _global_sums((g * (acc - conf[:, None]) ** 2).sum()[None], sync, group)[0]
+        return _safe_sqrt(total / count)
+    sums = _global_sums(
+        torch.cat([g.sum(0), (g * conf[:, None]).sum(0), (g * correct[:, None]).sum(0)]), sync, group
+    )
+    mass, conf_sum, hits = sums[:n_bins], sums[n_bins : 2 * n_bins], sums[2 * n_bins :]
+    safe = mass.clamp(min=1e-5)
+    weights = mass / mass.sum()
+    return _safe_sqrt((weights * (conf_sum / safe - hits / safe) ** 2).sum())
+
+
+def sbece_penalty(
+    logits,
+    targets,
+    *,
+    n_bins: int = 15,
+    temperature: float = 0.01,
+    form: str = "label",
+    sync: bool = False,
+    group=None,
+    ignore_index=IGNORE_INDEX,
+):
+    r"""Soft-binned ECE of a batch (Karandikar et al., NeurIPS 2021), on the top-label confidences r_i (with
+    gradient) and the correctness a_i (a constant). Memberships g_bi = softmax_b(−(r_i − ξ_b)²/T) over the
+    bin centres ξ_b = (b − ½)/M, S_b = Σ_i g_bi.
+
+    ``form="label"`` (default; the label-binned p = 2 form of the ESD authors' re-implementation, SPEC §8,
+    decision 139): A_b = Σ_i g_bi a_i / S_b (an empty bin's S_b taken as 1) and
+    sqrt((1/N) Σ_b Σ_i g_bi (A_b − r_i)²). ``form="binned"`` (uncertainty-baselines'
+    ``get_soft_binning_ece_tensor``): C_b and A_b are the g-weighted means of r and a (S_b floored at 1e-5),
+    w_b = S_b / Σ_b S_b and sqrt(Σ_b w_b (C_b − A_b)²). The sqrt has a zero gradient at 0. Positions labelled
+    ``ignore_index`` are not part of the batch. Under data parallelism the term is each rank's batch;
+    ``sync=True`` takes it over the global batch (differentiable all-reduces of the bin sums).
+
+    Example:
+        >>> import torch
+        >>> logits = torch.tensor([[2.0, 0.0], [0.0, 1.0], [1.0, 0.0]])
+        >>> sbece_penalty(logits, torch.tensor([0, 1, 1]))
+        tensor(0.1748)
+    """
+    n_bins = check_positive_int(n_bins, "n_bins")
+    temperature = _number(temperature, "temperature", low=0, low_open=True)
+    check_choice(form, "form", {"label", "binned"})
+    with torch.autocast(_device_type(logits), enabled=False):
+        rows = loss_rows(logits, targets, check_ignore_index(ignore_index), soft_refusal=_SBECE_NEEDS_LABELS)
+        return _sbece_rows(rows, torch.log_softmax(rows.logits, 1), n_bins, temperature, form, sync, group)
+
+
+def sbece_loss(
+    logits,
+    targets,
+    lambda_: float = 2.0,
+    *,
+    n_bins: int = 15,
+    temperature: float = 0.01,
+    form: str = "label",
+    sync: bool = False,
+    group=None,
+    weight=None,
+    label_smoothing: float = 0.0,
+    ignore_index=IGNORE_INDEX,
+    reduction: str = "mean",
+):
+    r"""Cross entropy + λ·SB-ECE of the batch (:func:`sbece_penalty`). λ = 2, M = 15, T = 0.01 are the ESD
+    authors' re-implementation's settings (the SB-ECE authors released no training configuration; decision
+    139). The term belongs to the batch: "mean" is CE.mean() + λ·SB-ECE, "none" gives every kept position
+    CE_i + λ·SB-ECE, "sum" the sum of "none". Soft targets, class ``weight`` and ``label_smoothing`` are
+    refused. Per-rank batch under data parallelism unless ``sync=True``.
+
+    Example:
+        >>> import torch
+        >>> logits = torch.tensor([[2.0, 0.0], [0.0, 1.0], [1.0, 0.0]])
+        >>> sbece_loss(logits, torch.tensor([0, 1, 1]))
+        tensor(0.9341)
+    """
+    lam = _number(lambda_, "lambda_", low=0)
+    n_bins = check_positive_int(n_bins, "n_bins")
+    temperature = _number(temperature, "temperature", low=0, low_open=True)
+    check_choice(form, "form", {"label", "binned"})
+    check_choice(reduction, "reduction", REDUCTIONS)
+    if weight is not None:
+        raise ValueError(f"`weight` is not accepted: {_SBECE_IS_A_BATCH_TERM}")
+    check_label_smoothing(label_smoothing, _SBECE_IS_A_BATCH_TERM)
+    with torch.autocast(_device_type(logits), enabled=False):
+        rows = loss_rows(logits, targets, check_ignore_index(ignore_index), soft_refusal=_SBECE_NEEDS_LABELS)
+        log_p = torch.log_softmax(rows.logits, 1)
+        penalty = _sbece_rows(rows, log_p, n_bins, temperature, form, sync, group)
+        ce = -log_p.gather(1, rows.targets[:, None])[:, 0]
+        return _with_batch_term(ce, rows, reduction, lam, penalty)
