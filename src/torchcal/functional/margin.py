@@ -205,7 +205,7 @@ def mbls_alpha(
             value = min(value + mu, max_alpha)
         elif schedule == "multiply" or (e + 1) % step_size == 0:
             value = min(value * mu, max_alpha)
-    return round(value, 12)
+    return value
 
 
 # -- Poly-1 --------------------------------------------------------------------------------------------------
