@@ -9,7 +9,7 @@ events on CPU, ``torch.cuda.max_memory_allocated`` on CUDA). Optionally times ``
 functional losses (compile time and steady-state ratio). Writes a CSV to benchmarks/results/.
 
     python benchmarks/bench_losses.py [--repeats 20] [--quick] [--compile] [--device cuda]
-                                      [--path default|cpp|torch]
+                                      [--path default|cpp|torch] [--losses mbls,acls --tag margin]
 
 On CPU the losses take the C++ operator when it is built (``--path cpp`` builds it), else torch;
 ``--path`` forces one (the CSV records it).
@@ -101,6 +101,10 @@ def main():
     parser.add_argument("--compile", action="store_true", help="also time torch.compile'd losses")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--path", default="default", choices=["default", "cpp", "torch"])
+    parser.add_argument("--losses", default="", help="comma-separated registry names (default: every loss)")
+    parser.add_argument(
+        "--tag", default="", help="a word added to the CSV's name (e.g. for a --losses subset)"
+    )
     args = parser.parse_args()
     stack, path = cpu_path(args.path)
     with stack:
@@ -125,7 +129,7 @@ def run(args, path):
             f"{n} x {k}: cross_entropy {1e3 * base_t:.3f} ms, peak {base_m / 2**20:.1f} MiB ({path} path)",
             flush=True,
         )
-        for name in list_losses():
+        for name in args.losses.split(",") if args.losses else list_losses():
             loss_fn = create(name).to(device)
             fn = lambda: fwd_bwd(loss_fn, logits, targets)  # noqa: E731
             t, pair_base_t, ratios = paired(fn, base_fn, rounds, steps, lambda: sync(device))
@@ -169,8 +173,10 @@ def run(args, path):
                 flush=True,
             )
 
-    tag = ("quick-" if args.quick else "") + (
-        "" if path in ("cpp", "cuda") or args.device == "cuda" else f"{path}-"
+    tag = (
+        (f"{args.tag}-" if args.tag else "")
+        + ("quick-" if args.quick else "")
+        + ("" if path in ("cpp", "cuda") or args.device == "cuda" else f"{path}-")
     )
     dev = "cuda-" + torch.cuda.get_device_name().replace(" ", "-") if device.type == "cuda" else hardware()
     write_results(rows, f"bench_losses-{tag}{dev}", first=("shape", "loss"))

@@ -103,6 +103,7 @@ CORE_NAMESPACES = [
     "torchcal.functional.calibration",
     "torchcal.functional.focal_map",
     "torchcal.functional.losses",
+    "torchcal.functional.margin",
     "torchcal.losses",
     "torchcal.metrics",
     "torchcal.plotting",

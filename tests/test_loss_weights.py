@@ -33,8 +33,13 @@ HARD_REFERENCE = {
     "adafocal": lambda z, y: R.focal(z, y, 1.0),
     "adadualfocal": lambda z, y: R.dfl(z, y, 1.0),
     "calfocal": lambda z, y: R.focal(z, y, 1.0),
+    "poly1": lambda z, y: R.poly1(z, y, 1.0),
 }
-WEIGHTED = [n for n in list_losses() if n not in ("mmce", "kde-xe")]  # batch terms: weights refused
+# the batch statistics and the target-free penalties (SPEC §8, decision 133) take no class weights; DCA's
+# weights enter its cross entropy only, not a per-sample loss (tests/test_margin_losses.py)
+WEIGHT_REFUSED = ["mmce", "kde-xe", "mbls", "acls", "confidence-penalty", "maxsup", "mdca", "focal-mdca", "ls-mdca",
+                  "sb-ece"]  # fmt: skip
+WEIGHTED = [n for n in list_losses() if n not in [*WEIGHT_REFUSED, "dca"]]
 # the losses that are functions of the target distribution, with their per-class term f(p_k) and λ
 SMOOTHED = {
     "ce": (lambda pj, j: -R.math.log(pj), 0.0),
@@ -42,8 +47,10 @@ SMOOTHED = {
     "fl-3": (R.focal_term(3.0), 0.0),
     "ifl-1": (lambda pj, j: -((1 + pj) ** 1.0) * R.math.log(pj), 0.0),
     "fcl": (R.focal_term(4.0), 1.5),
+    "poly1": (lambda pj, j: -R.math.log(pj) + (1 - pj), 0.0),
 }
-SMOOTHING_REFUSED = ["mmce", "kde-xe", "dfl", "dualflsd-53", "adafocal", "adadualfocal", "calfocal"]
+SMOOTHING_REFUSED = ["mmce", "kde-xe", "dfl", "dualflsd-53", "adafocal", "adadualfocal", "calfocal", "mbls", "acls",
+                     "confidence-penalty", "maxsup", "mdca", "focal-mdca", "ls-mdca", "dca", "sb-ece"]  # fmt: skip
 
 
 def batch(n=16, seed=0, scale=3.0, ignored=True):
@@ -57,7 +64,7 @@ def batch(n=16, seed=0, scale=3.0, ignored=True):
 
 
 def test_every_loss_is_covered():
-    assert sorted([*HARD_REFERENCE, "mmce", "kde-xe"]) == sorted(list_losses())
+    assert sorted([*HARD_REFERENCE, *WEIGHT_REFUSED, "dca"]) == sorted(list_losses())
 
 
 @pytest.mark.parametrize("name", WEIGHTED)

@@ -43,6 +43,7 @@ for _module in (
     "torchcal.functional.calibration",
     "torchcal.functional.focal_map",
     "torchcal.functional.losses",
+    "torchcal.functional.margin",
     "torchcal.losses",
     "torchcal.metrics",
 ):

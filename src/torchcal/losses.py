@@ -19,14 +19,16 @@ import re
 import torch
 from torch import nn
 
-from ._validation import check_choice, check_float, check_positive_int
+from ._validation import check_bool, check_choice, check_float, check_positive_int
 from .adafocal import AdaFocalLoss, CalFocalLoss
 from .functional import binary as B
 from .functional import fused_head as FH
 from .functional import losses as L
+from .functional import margin as M
 from .functional._loss_inputs import check_ignore_index, check_label_smoothing, class_weight_buffer
 
 __all__ = [
+    "ACLSLoss",
     "AdaFocalLoss",
     "BinaryBrierLoss",
     "BinaryCrossEntropyLoss",
@@ -35,7 +37,9 @@ __all__ = [
     "BinaryFocalLoss",
     "BrierLoss",
     "CalFocalLoss",
+    "ConfidencePenaltyLoss",
     "CrossEntropyLoss",
+    "DCALoss",
     "DualFocalLoss",
     "DualSampleDependentFocalLoss",
     "FocalCalibrationLoss",
@@ -43,7 +47,12 @@ __all__ = [
     "FusedLinearLoss",
     "InverseFocalLoss",
     "KDEXELoss",
+    "LogitMarginL1Loss",
+    "MDCALoss",
     "MMCELoss",
+    "MaxSupLoss",
+    "Poly1CrossEntropyLoss",
+    "SBECELoss",
     "SampleDependentFocalLoss",
     "ScheduledFocalLoss",
     "create",
@@ -361,6 +370,358 @@ class ScheduledFocalLoss(_Loss):
         self.epoch = int(state["epoch"])
 
 
+# -- margin and penalty losses (SPEC §8; torchcal.functional.margin) -------------------------------------------
+
+
+class LogitMarginL1Loss(_Loss):
+    """MbLS, margin-based label smoothing: CE + α·mean_{i,k} relu(max_j z_ij − z_ik − m) (the released code's
+    N·K mean, decision 131). The released code's α schedule, applied at the end of each epoch: ``schedule``
+    "add" (α + μ), "multiply" (α·μ), "step" (α·μ every ``step_size`` epochs), each capped at ``max_alpha``;
+    "" (the default, every number of the paper) keeps α. The α in force is a function of the epoch
+    (:func:`torchcal.functional.mbls_alpha`), so :meth:`set_epoch`, which the runner calls each epoch, also
+    restores it on resume. Refuses class ``weight`` and ``label_smoothing``."""
+
+    _args = ("margin", "alpha", "schedule")
+
+    def __init__(
+        self,
+        margin: float = 10.0,
+        alpha: float = 0.1,
+        reduction: str = "mean",
+        *,
+        schedule: str = "",
+        mu: float = 0.0,
+        max_alpha: float = 100.0,
+        step_size: int = 100,
+        ignored_rows: str = "reference",
+        weight=None,
+        label_smoothing: float = 0.0,
+        ignore_index=L.IGNORE_INDEX,
+    ):
+        M._refuse_weight_and_smoothing("MbLS margin", weight, label_smoothing)
+        super().__init__(reduction, ignore_index)
+        self.margin = check_float(margin, "margin", low=0)
+        self.alpha = check_float(alpha, "alpha", low=0)
+        self.ignored_rows = check_choice(ignored_rows, "ignored_rows", {"reference", "drop"})
+        self.schedule, self.mu, self.max_alpha, self.step_size = schedule, mu, max_alpha, step_size
+        self.set_epoch(0)  # checks the schedule's arguments
+
+    def set_epoch(self, epoch: int) -> None:
+        """The α of ``epoch`` (0-based): the schedule's updates at the end of epochs 0 … epoch − 1."""
+        self.epoch = check_positive_int(epoch, "epoch", minimum=0)
+        self.current_alpha = M.mbls_alpha(
+            self.alpha, self.epoch, self.schedule, self.mu, self.max_alpha, self.step_size
+        )
+
+    def forward(self, logits, targets):
+        return M.logit_margin_l1_loss(
+            logits,
+            targets,
+            self.margin,
+            self.current_alpha,
+            ignored_rows=self.ignored_rows,
+            ignore_index=self.ignore_index,
+            reduction=self.reduction,
+        )
+
+    def get_extra_state(self):
+        return {"epoch": self.epoch}
+
+    def set_extra_state(self, state):
+        self.set_epoch(int(state["epoch"]))
+
+
+class ACLSLoss(_Loss):
+    """ACLS: CE + α·(λ_pos·relu(z_max − m)² on the top logit + λ_neg·mean over the others of
+    relu(sg(z_max) − z_k − m)²), as the released code (decision 138); its regulariser covers ignored rows
+    by default (``ignored_rows="drop"`` for the contract). Refuses class ``weight`` and ``label_smoothing``."""
+
+    _args = ("alpha", "margin", "lambda_pos", "lambda_neg")
+
+    def __init__(
+        self,
+        alpha: float = 0.1,
+        margin: float = 10.0,
+        reduction: str = "mean",
+        *,
+        lambda_pos: float = 1.0,
+        lambda_neg: float = 0.1,
+        ignored_rows: str = "reference",
+        weight=None,
+        label_smoothing: float = 0.0,
+        ignore_index=L.IGNORE_INDEX,
+    ):
+        M._refuse_weight_and_smoothing("ACLS regulariser", weight, label_smoothing)
+        super().__init__(reduction, ignore_index)
+        self.alpha = check_float(alpha, "alpha", low=0)
+        self.margin = check_float(margin, "margin", low=0)
+        self.lambda_pos = check_float(lambda_pos, "lambda_pos", low=0)
+        self.lambda_neg = check_float(lambda_neg, "lambda_neg", low=0)
+        self.ignored_rows = check_choice(ignored_rows, "ignored_rows", {"reference", "drop"})
+
+    def forward(self, logits, targets):
+        return M.acls_loss(
+            logits,
+            targets,
+            self.alpha,
+            self.margin,
+            lambda_pos=self.lambda_pos,
+            lambda_neg=self.lambda_neg,
+            ignored_rows=self.ignored_rows,
+            ignore_index=self.ignore_index,
+            reduction=self.reduction,
+        )
+
+
+class Poly1CrossEntropyLoss(_Loss):
+    """Poly-1: CE + ε(1 − p_t); against a (smoothed or soft) target distribution q, Σ_k q_k(−log p_k +
+    ε(1 − p_k)). Takes class ``weight`` and ``label_smoothing``."""
+
+    _args = ("epsilon",)
+
+    def __init__(
+        self,
+        epsilon: float = 1.0,
+        reduction: str = "mean",
+        *,
+        weight=None,
+        label_smoothing: float = 0.0,
+        ignore_index=L.IGNORE_INDEX,
+    ):
+        super().__init__(reduction, ignore_index, weight, label_smoothing)
+        self.epsilon = check_float(epsilon, "epsilon", low=-1)
+
+    def forward(self, logits, targets):
+        return M.poly1_cross_entropy(logits, targets, self.epsilon, **self._options())
+
+
+class ConfidencePenaltyLoss(_Loss):
+    """Confidence penalty: CE + β(log K − H(p)) per sample (torch-uncertainty's form, decision 134);
+    ``form="mbls"`` for the MbLS baseline's N·K-averaged entropy. Refuses class ``weight`` and
+    ``label_smoothing``."""
+
+    _args = ("beta", "form")
+
+    def __init__(
+        self,
+        beta: float = 1.0,
+        reduction: str = "mean",
+        *,
+        eps: float = 1e-6,
+        form: str = "sample",
+        weight=None,
+        label_smoothing: float = 0.0,
+        ignore_index=L.IGNORE_INDEX,
+    ):
+        M._refuse_weight_and_smoothing("confidence penalty", weight, label_smoothing)
+        super().__init__(reduction, ignore_index)
+        self.beta = check_float(beta, "beta", low=0)
+        self.eps = check_float(eps, "eps", low=0)
+        self.form = check_choice(form, "form", {"sample", "mbls"})
+
+    def forward(self, logits, targets):
+        return M.confidence_penalty_loss(
+            logits,
+            targets,
+            self.beta,
+            eps=self.eps,
+            form=self.form,
+            ignore_index=self.ignore_index,
+            reduction=self.reduction,
+        )
+
+
+class MaxSupLoss(_Loss):
+    """MaxSup: CE + α_t(max_k z_k − mean_k z_k), with α_t rising linearly from ``alpha`` (0.1) at the first
+    epoch to ``alpha_end`` (0.2) at the last, α_t = alpha + (alpha_end − alpha)·t/(epochs − 1) (the official
+    ResNet ``train.py``, decision 135). The ramp needs the number of ``epochs``: the runner sets it from
+    ``train.epochs`` (:meth:`set_total_epochs`) and calls :meth:`set_epoch`; until it is known, and with
+    ``alpha_end=None`` (torch-uncertainty's constant α), α_t = alpha. Refuses ``label_smoothing`` (the
+    official code trains without it) and class ``weight``."""
+
+    _args = ("alpha", "alpha_end", "epochs")
+
+    def __init__(
+        self,
+        alpha: float = 0.1,
+        alpha_end: float | None = 0.2,
+        reduction: str = "mean",
+        *,
+        epochs: int | None = None,
+        weight=None,
+        label_smoothing: float = 0.0,
+        ignore_index=L.IGNORE_INDEX,
+    ):
+        M._refuse_weight_and_smoothing("MaxSup", weight, label_smoothing)
+        super().__init__(reduction, ignore_index)
+        self.alpha = check_float(alpha, "alpha", low=0)
+        self.alpha_end = None if alpha_end is None else check_float(alpha_end, "alpha_end", low=0)
+        self.epochs = None
+        if epochs is not None:
+            self.set_total_epochs(epochs)
+        self.epoch = 0
+
+    def set_total_epochs(self, epochs: int) -> None:
+        self.epochs = check_positive_int(epochs, "epochs")
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = check_positive_int(epoch, "epoch", minimum=0)
+
+    @property
+    def current_alpha(self) -> float:
+        if self.alpha_end is None or self.epochs is None or self.epochs < 2:
+            return self.alpha
+        t = min(self.epoch, self.epochs - 1)
+        return self.alpha + (self.alpha_end - self.alpha) * t / (self.epochs - 1)
+
+    def forward(self, logits, targets):
+        return M.maxsup_loss(
+            logits, targets, self.current_alpha, ignore_index=self.ignore_index, reduction=self.reduction
+        )
+
+    def get_extra_state(self):
+        return {"epoch": self.epoch, "epochs": self.epochs}
+
+    def set_extra_state(self, state):
+        self.epoch = int(state["epoch"])
+        self.epochs = None if state["epochs"] is None else int(state["epochs"])
+
+
+class MDCALoss(_Loss):
+    """A base loss + β·MDCA of the batch: ``base`` "nll" (default), "focal" (γ = ``gamma``) or "ls" (the MDCA
+    repository's smoothing α = ``smoothing``, not PyTorch's). ``sync=True`` takes the MDCA term over the
+    global batch under torch.distributed (the reference's is each rank's batch). Refuses class ``weight``
+    and ``label_smoothing``."""
+
+    _args = ("beta", "base")
+
+    def __init__(
+        self,
+        beta: float = 1.0,
+        base: str = "nll",
+        reduction: str = "mean",
+        *,
+        gamma: float = 1.0,
+        smoothing: float = 0.1,
+        sync: bool = False,
+        weight=None,
+        label_smoothing: float = 0.0,
+        ignore_index=L.IGNORE_INDEX,
+    ):
+        if weight is not None:
+            raise ValueError(f"`weight` is not accepted: {M._MDCA_IS_A_BATCH_TERM}")
+        check_label_smoothing(label_smoothing, M._MDCA_IS_A_BATCH_TERM)
+        super().__init__(reduction, ignore_index)
+        self.beta = check_float(beta, "beta", low=0)
+        self.base = check_choice(base, "base", set(M.MDCA_BASES))
+        self.gamma = check_float(gamma, "gamma", low=0)
+        self.smoothing = check_float(smoothing, "smoothing", low=0, high=1)
+        self.sync = check_bool(sync, "sync")
+
+    def extra_repr(self) -> str:
+        extra = {"focal": f", gamma={self.gamma!r}", "ls": f", smoothing={self.smoothing!r}"}.get(
+            self.base, ""
+        )
+        return super().extra_repr() + extra + (", sync=True" if self.sync else "")
+
+    def forward(self, logits, targets):
+        return M.mdca_loss(
+            logits,
+            targets,
+            self.beta,
+            base=self.base,
+            gamma=self.gamma,
+            smoothing=self.smoothing,
+            sync=self.sync,
+            ignore_index=self.ignore_index,
+            reduction=self.reduction,
+        )
+
+
+class DCALoss(_Loss):
+    """Cross entropy + β·abs(mean confidence − accuracy) of the batch (β = 10, the official function's
+    default). Class ``weight`` enters the cross entropy (as the official function); ``sync=True`` takes the
+    batch term over the global batch under torch.distributed. Refuses ``label_smoothing``."""
+
+    _args = ("beta",)
+
+    def __init__(
+        self,
+        beta: float = 10.0,
+        reduction: str = "mean",
+        *,
+        sync: bool = False,
+        weight=None,
+        label_smoothing: float = 0.0,
+        ignore_index=L.IGNORE_INDEX,
+    ):
+        check_label_smoothing(label_smoothing, M._DCA_NEEDS_LABELS)
+        super().__init__(reduction, ignore_index, weight)
+        self.beta = check_float(beta, "beta", low=0)
+        self.sync = check_bool(sync, "sync")
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (", sync=True" if self.sync else "")
+
+    def forward(self, logits, targets):
+        return M.dca_loss(
+            logits,
+            targets,
+            self.beta,
+            sync=self.sync,
+            weight=self.weight,
+            ignore_index=self.ignore_index,
+            reduction=self.reduction,
+        )
+
+
+class SBECELoss(_Loss):
+    """Cross entropy + λ·soft-binned ECE of the batch (λ = 2, M = 15 bins, T = 0.01; label-binned form by
+    default, ``form="binned"`` for the bin-weighted one). ``sync=True`` takes the term over the global batch
+    under torch.distributed. Refuses class ``weight``, ``label_smoothing`` and soft targets."""
+
+    _args = ("lambda_", "n_bins", "temperature", "form")
+
+    def __init__(
+        self,
+        lambda_: float = 2.0,
+        reduction: str = "mean",
+        *,
+        n_bins: int = 15,
+        temperature: float = 0.01,
+        form: str = "label",
+        sync: bool = False,
+        weight=None,
+        label_smoothing: float = 0.0,
+        ignore_index=L.IGNORE_INDEX,
+    ):
+        if weight is not None:
+            raise ValueError(f"`weight` is not accepted: {M._SBECE_IS_A_BATCH_TERM}")
+        check_label_smoothing(label_smoothing, M._SBECE_IS_A_BATCH_TERM)
+        super().__init__(reduction, ignore_index)
+        self.lambda_ = check_float(lambda_, "lambda_", low=0)
+        self.n_bins = check_positive_int(n_bins, "n_bins")
+        self.temperature = check_float(temperature, "temperature", low=0, low_open=True)
+        self.form = check_choice(form, "form", {"label", "binned"})
+        self.sync = check_bool(sync, "sync")
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (", sync=True" if self.sync else "")
+
+    def forward(self, logits, targets):
+        return M.sbece_loss(
+            logits,
+            targets,
+            self.lambda_,
+            n_bins=self.n_bins,
+            temperature=self.temperature,
+            form=self.form,
+            sync=self.sync,
+            ignore_index=self.ignore_index,
+            reduction=self.reduction,
+        )
+
+
 # -- sigmoid outputs (binary / multi-label; SPEC §6) ---------------------------------------------------------
 
 
@@ -489,6 +850,16 @@ _FIXED = {
     "adafocal": lambda **kw: AdaFocalLoss(**kw),
     "adadualfocal": lambda **kw: AdaFocalLoss(dual=True, **kw),
     "calfocal": lambda **kw: CalFocalLoss(**kw),
+    "mbls": lambda **kw: LogitMarginL1Loss(**kw),
+    "acls": lambda **kw: ACLSLoss(**kw),
+    "poly1": lambda **kw: Poly1CrossEntropyLoss(**kw),
+    "confidence-penalty": lambda **kw: ConfidencePenaltyLoss(**kw),
+    "maxsup": lambda **kw: MaxSupLoss(**kw),
+    "mdca": lambda **kw: MDCALoss(**kw),
+    "focal-mdca": lambda **kw: MDCALoss(base="focal", **kw),
+    "ls-mdca": lambda **kw: MDCALoss(base="ls", **kw),
+    "dca": lambda **kw: DCALoss(**kw),
+    "sb-ece": lambda **kw: SBECELoss(**kw),
 }
 # the constructor arguments a fixed name sets, with their values and the class that takes any
 _FIXED_ARGS = {
@@ -498,6 +869,8 @@ _FIXED_ARGS = {
     "fls-531": {"gammas": (5, 3, 1), "milestones": (100, 250), "class": "ScheduledFocalLoss"},
     "fls-532": {"gammas": (5, 3, 2), "milestones": (100, 250), "class": "ScheduledFocalLoss"},
     "adadualfocal": {"dual": True, "class": "AdaFocalLoss"},
+    "focal-mdca": {"base": "focal", "class": "MDCALoss"},
+    "ls-mdca": {"base": "ls", "class": "MDCALoss"},
 }
 # parametrised names (fl-3, ifl-1, ls-0.05): (the argument the number fixes, the class that takes any value,
 # the factory)
@@ -528,7 +901,9 @@ def loss_task(name: str) -> str:
 
 def create(name: str, **kwargs) -> nn.Module:
     """A loss module by the papers' label: "ce", "ls-0.05", "brier", "mmce", "fl-3", "flsd-53", "flsd-532",
-    "fls-531", "dfl", "dualflsd-53", "fcl", "adafocal", "adadualfocal", "calfocal", "ifl-1"; keyword
+    "fls-531", "dfl", "dualflsd-53", "fcl", "adafocal", "adadualfocal", "calfocal", "ifl-1", and the margin
+    and penalty losses "mbls", "acls", "poly1", "confidence-penalty", "maxsup", "mdca" (NLL+MDCA), "focal-mdca"
+    (γ = 1), "ls-mdca" (α = 0.1), "dca", "sb-ece" (SPEC §8); keyword
     arguments go to the constructor (e.g. ``reduction="sum"``). An argument the name fixes (γ of ``fl-3``,
     ε of ``ls-0.05``, the schedule of ``flsd-53``) is a ``ValueError`` naming the loss to use instead.
 

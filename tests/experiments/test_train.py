@@ -183,6 +183,14 @@ def test_every_registered_loss_trains_in_the_runner(tmp_path, loss):
         assert len(rows[-1]["gammas"]) == 15 and len(rows[-1]["gaps"]) == 15
 
 
+def test_the_runner_gives_maxsup_its_epoch_count(tmp_path):
+    """MaxSup's α ramps over the run's epochs (SPEC §8): the runner sets them from train.epochs, and the
+    checkpoint keeps the epoch and the count."""
+    train(tiny("loss.name=maxsup", "train.epochs=3", "data.limit_train=128"), tmp_path / "run")
+    state = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)["loss"]["_extra_state"]
+    assert state == {"epoch": 2, "epochs": 3}
+
+
 def test_best_validation_model_selection_is_exact_and_resumable(tmp_path):
     from torchcal.experiments.data import load_splits
     from torchcal.experiments.models import create_model

@@ -40,6 +40,10 @@ def flsd(logits, targets, gammas, thresholds):
     return _per_sample(logits, targets, f)
 
 
+def poly1(logits, targets, epsilon):
+    return _per_sample(logits, targets, lambda p, t: -math.log(p[t]) + epsilon * (1 - p[t]))
+
+
 def runner_up(p, t):
     below = [v for j, v in enumerate(p) if v < p[t]]
     return max(below) if below else 0.0

@@ -407,6 +407,8 @@ def train(
     plan = EpochPlan(n, bs, cfg.train.seed, rank, world)
     batches = TrainBatches(train_set.inputs, train_set.targets, plan, n_batches,
                            cfg.data.num_workers if lazy else 0, pin_memory=device.type == "cuda")  # fmt: skip
+    if hasattr(loss_fn, "set_total_epochs"):  # a loss whose schedule spans the run (MaxSup's α ramp)
+        loss_fn.set_total_epochs(cfg.train.epochs)
     for epoch in range(start_epoch, cfg.train.epochs):
         if hasattr(loss_fn, "set_epoch"):
             loss_fn.set_epoch(epoch)

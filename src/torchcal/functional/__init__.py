@@ -55,6 +55,19 @@ from .focal_map import focal_calibration_map
 from .fused_head import FUSED_LOSSES, fused_linear_loss
 from .losses import *  # noqa: F403  (the functional losses: functional.losses.__all__)
 from .losses import __all__ as _MULTICLASS_LOSSES
+from .margin import (  # noqa: F401  (the losses are listed in LOSS_FUNCTIONS below)
+    acls_loss,
+    confidence_penalty_loss,
+    dca_loss,
+    logit_margin_l1_loss,
+    maxsup_loss,
+    mbls_alpha,
+    mdca_loss,
+    mdca_penalty,
+    poly1_cross_entropy,
+    sbece_loss,
+    sbece_penalty,
+)
 from .selective import (
     augrc,
     aurc,
@@ -76,6 +89,14 @@ LOSS_FUNCTIONS = [
     "binary_dual_focal_loss",
     "binary_focal_calibration_loss",
     "binary_focal_loss",
+    "acls_loss",
+    "confidence_penalty_loss",
+    "dca_loss",
+    "logit_margin_l1_loss",
+    "maxsup_loss",
+    "mdca_loss",
+    "poly1_cross_entropy",
+    "sbece_loss",
 ]
 
 # Short aliases.
@@ -169,3 +190,4 @@ __all__ += ["LOSS_FUNCTIONS", "METRIC_FUNCTIONS"]
 # the functional losses (their nn.Module twins are in torchcal.losses)
 __all__ += LOSS_FUNCTIONS
 __all__ += ["FUSED_LOSSES", "fused_linear_loss"]  # the fused linear head + loss (language-model vocabularies)
+__all__ += ["mbls_alpha", "mdca_penalty", "sbece_penalty"]  # MbLS's α schedule; batch terms alone

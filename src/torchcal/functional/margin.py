@@ -1,0 +1,726 @@
+"""Margin and penalty losses of the field (SPEC §8): cross entropy plus a term on the logits or probabilities.
+
+* :func:`logit_margin_l1_loss`, MbLS (Liu et al. 2022): CE + α·mean_{i,k} relu(max_j z_ij − z_ik − m);
+* :func:`acls_loss`, ACLS (Park et al. 2023): CE + α·(a squared hinge on the top logit and on the distances);
+* :func:`poly1_cross_entropy`, Poly-1 (Leng et al. 2022): CE + ε(1 − p_t);
+* :func:`confidence_penalty_loss` (Pereyra et al. 2017): CE + β(log K − H(p));
+* :func:`maxsup_loss`, MaxSup (Zhou et al. 2025): CE + λ(max_k z_k − mean_k z_k);
+* :func:`mdca_loss`, NLL / focal / LS + β·MDCA (Hebbalaguppe et al. 2022), a term of the batch's class means;
+* :func:`dca_loss`, CE + β·abs(mean confidence − accuracy) (Liang et al. 2020), a term of the batch;
+* :func:`sbece_loss`, CE + λ·soft-binned ECE (Karandikar et al. 2021), a term of the batch.
+
+They share the contract of :mod:`torchcal.functional.losses` (decision 73): (N, K) logits with (N,) labels or
+(N, K, d1, ...) logits with (N, d1, ...) labels (each position a sample), labels equal to ``ignore_index``
+left out, soft targets (class probabilities of the logits' shape) for the cross-entropy term, reductions
+``"none" | "mean" | "sum"``, half-precision logits and autocast regions computed in float32. Where the
+released code differs from the paper, the code is the default (SPEC §8; decisions 131-139). The losses do not
+call ``.item()`` or branch on tensor values, so they trace into one ``torch.compile`` graph.
+
+Only Poly-1 is a function of the target distribution, so only it takes class ``weight`` and
+``label_smoothing``; MbLS, ACLS, the confidence penalty and MaxSup add a term that does not depend on the
+target, which the released code never weights, and refuse both in one sentence (decision 133); MDCA and
+SB-ECE refuse both (batch statistics), DCA takes ``weight`` in its cross entropy as the official function
+does. The batch terms of MDCA, DCA and SB-ECE are those of each rank's batch under data parallelism, as in
+the reference code, with ``sync=True`` for the global batch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .._validation import check_choice, check_float, check_positive_int
+from ._loss_inputs import (
+    IGNORE_INDEX,
+    check_class_weight,
+    check_ignore_index,
+    check_label_smoothing,
+    loss_rows,
+    reduce_rows,
+    smoothed_targets,
+)
+from ._spec import REDUCTIONS
+
+__all__ = [
+    "acls_loss",
+    "confidence_penalty_loss",
+    "dca_loss",
+    "logit_margin_l1_loss",
+    "maxsup_loss",
+    "mbls_alpha",
+    "mdca_loss",
+    "mdca_penalty",
+    "poly1_cross_entropy",
+    "sbece_loss",
+    "sbece_penalty",
+]
+
+_PENALTY_IS_NOT_PER_CLASS = (
+    "the {} term does not depend on the target, and the reference code weights and smooths nothing; use "
+    "poly1_cross_entropy or cross_entropy for weighted or smoothed targets"
+)
+MBLS_SCHEDULES = ("", "add", "multiply", "step")
+
+
+def _number(value, name, low=None, high=None, low_open=False):
+    """A hyper-parameter checked as :func:`check_float` does, except while ``torch.compile`` traces: a
+    value that changes between calls (a schedule's α) becomes a symbolic float there, which the check would
+    turn into a graph break; the modules checked it at construction."""
+    if torch.compiler.is_compiling():
+        return value
+    return check_float(value, name, low=low, high=high, low_open=low_open)
+
+
+def _refuse_weight_and_smoothing(name: str, weight, label_smoothing) -> None:
+    reason = _PENALTY_IS_NOT_PER_CLASS.format(name)
+    if weight is not None:
+        raise ValueError(f"`weight` is not accepted: {reason}")
+    check_label_smoothing(label_smoothing, reason)
+
+
+def _ce_rows(logits, targets, ignore_index):
+    """Checked rows, their log-probabilities (float32 or float64) and the per-row cross entropy (ignored rows
+    hold the loss of the label 0; the reduction masks them)."""
+    rows = loss_rows(logits, targets, ignore_index)
+    log_p = torch.log_softmax(rows.logits, 1)
+    if rows.soft:
+        ce = -(rows.targets * log_p).sum(1)
+    else:
+        ce = -log_p.gather(1, rows.targets[:, None])[:, 0]
+    return rows, log_p, ce
+
+
+def _reduce_penalised(ce, penalty, coef, rows, reduction, penalty_keep="rows"):
+    """CE_i + coef·penalty_i reduced over the rows. The CE term leaves out ignored rows; the penalty leaves
+    out the rows of ``penalty_keep`` ("rows": the same as CE; None: it covers every row, MbLS's released code
+    with a negative ``ignore_index``). ``"mean"`` averages each term over the rows it covers (so it is
+    ``"none"``'s mean whenever both cover the same rows); ``"none"`` gives an ignored row its penalty only
+    when the penalty covers it."""
+    keep = rows.keep
+    pen_keep = keep if penalty_keep == "rows" else penalty_keep
+    zero = ce.new_zeros(())
+    if keep is not None:
+        ce = torch.where(keep, ce, zero)
+    if pen_keep is not None:
+        penalty = torch.where(pen_keep, penalty, zero)
+    if reduction == "none":
+        return (ce + coef * penalty).reshape(rows.shape)
+    if reduction == "sum":
+        return ce.sum() + coef * penalty.sum()
+    n_ce = ce.shape[0] if keep is None else keep.sum()
+    n_pen = penalty.shape[0] if pen_keep is None else pen_keep.sum()
+    return ce.sum() / n_ce + coef * (penalty.sum() / n_pen)
+
+
+# -- MbLS ----------------------------------------------------------------------------------------------------
+
+
+def logit_margin_l1_loss(
+    logits,
+    targets,
+    margin: float = 10.0,
+    alpha: float = 0.1,
+    *,
+    ignored_rows: str = "reference",
+    weight=None,
+    label_smoothing: float = 0.0,
+    ignore_index=IGNORE_INDEX,
+    reduction: str = "mean",
+):
+    r"""Margin-based label smoothing, MbLS (Liu et al., CVPR 2022): cross entropy plus a hinge on the logit
+    distances :math:`d_{ik} = \max_j z_{ij} - z_{ik}` above the margin m,
+
+    .. math:: \mathrm{CE} + \alpha \cdot \frac{1}{NK} \sum_{i,k} \mathrm{relu}(d_{ik} - m).
+
+    As the released code (by-liu/MbLS ``logit_margin_l1.py``, decision 131): the penalty is a mean over all
+    N·K entries, the arg-max entry included (it adds 0 but counts, so the paper's per-sample sum has the
+    effective weight α/K), and the max is not detached (the gradient reaches the max logit and the others).
+    Per sample the loss is CE_i + (α/K) Σ_k relu(d_ik − m).
+
+    ``ignored_rows="reference"`` (the default) follows the released code: positions labelled ``ignore_index``
+    leave both terms only when ``ignore_index`` >= 0 (255 for VOC); with a negative one (−100, the default)
+    cross entropy leaves them out but the margin term still covers them, its mean running over every row.
+    ``ignored_rows="drop"`` leaves them out of both terms (the contract of the other losses). Soft targets
+    (class probabilities) enter the cross-entropy term. Class ``weight`` and ``label_smoothing`` are refused.
+
+    Args:
+        margin: m >= 0 (10 in the paper and the configs).
+        alpha: α >= 0 (0.1); :class:`~torchcal.losses.LogitMarginL1Loss` offers the released code's α
+            schedule (:func:`mbls_alpha`).
+        ignored_rows: "reference" or "drop" (see above).
+
+    Shape:
+        logits (N, K) or (N, K, d1, ...); targets (N,) / (N, d1, ...) labels or class probabilities of the
+        logits' shape; ``reduction="none"`` returns (N,) or (N, d1, ...).
+
+    Example:
+        >>> import torch
+        >>> logits = torch.tensor([[12.0, 0.0, 1.0], [0.0, 1.0, 0.0]])
+        >>> # the first row's distances 12 and 11 exceed m = 10 by 2 and 1: α·(0 + 2 + 1)/3 = 0.1
+        >>> logit_margin_l1_loss(logits, torch.tensor([0, 1]), reduction="none")
+        tensor([0.1000, 0.5514])
+    """
+    m = _number(margin, "margin", low=0)
+    a = _number(alpha, "alpha", low=0)
+    check_choice(ignored_rows, "ignored_rows", {"reference", "drop"})
+    check_choice(reduction, "reduction", REDUCTIONS)
+    _refuse_weight_and_smoothing("MbLS margin", weight, label_smoothing)
+    ignore_index = check_ignore_index(ignore_index)
+    with torch.autocast(_device_type(logits), enabled=False):
+        rows, _, ce = _ce_rows(logits, targets, ignore_index)
+        z = rows.logits
+        distance = z.max(dim=1).values[:, None] - z
+        penalty = torch.relu(distance - m).mean(1)
+        reference_keeps_all = ignored_rows == "reference" and (ignore_index is None or ignore_index < 0)
+        return _reduce_penalised(ce, penalty, a, rows, reduction, None if reference_keeps_all else "rows")
+
+
+def mbls_alpha(
+    alpha: float,
+    epoch: int,
+    schedule: str = "",
+    mu: float = 0.0,
+    max_alpha: float = 100.0,
+    step_size: int = 100,
+) -> float:
+    """MbLS's α in force during ``epoch`` (0-based) under the released code's schedule, called once at the end
+    of each epoch e = 0, 1, ...: "add" α ← min(α + μ, max_alpha); "multiply" α ← min(α·μ, max_alpha); "step"
+    the multiply update when (e + 1) % step_size == 0; "" (every number of the paper) keeps α.
+
+    Example:
+        >>> mbls_alpha(0.1, 3, "add", mu=0.1)
+        0.4
+        >>> mbls_alpha(0.1, 250, "step", mu=10, step_size=100)  # after epochs 99 and 199
+        10.0
+    """
+    value = check_float(alpha, "alpha", low=0)
+    check_choice(schedule, "schedule", set(MBLS_SCHEDULES))
+    mu = check_float(mu, "mu")
+    max_alpha = check_float(max_alpha, "max_alpha", low=0)
+    step_size = check_positive_int(step_size, "step_size")
+    epoch = check_positive_int(epoch, "epoch", minimum=0)
+    for e in range(epoch if schedule else 0):
+        if schedule == "add":
+            value = min(value + mu, max_alpha)
+        elif schedule == "multiply" or (e + 1) % step_size == 0:
+            value = min(value * mu, max_alpha)
+    return value
+
+
+# -- Poly-1 --------------------------------------------------------------------------------------------------
+
+
+def poly1_cross_entropy(
+    logits,
+    targets,
+    epsilon: float = 1.0,
+    *,
+    weight=None,
+    label_smoothing: float = 0.0,
+    ignore_index=IGNORE_INDEX,
+    reduction: str = "mean",
+):
+    r"""Poly-1 cross entropy (Leng et al., ICLR 2022): :math:`-\log p_t + \varepsilon (1 - p_t)`.
+
+    Against a target distribution q (soft targets, or the smoothed labels (1 − α)·onehot + α/K of
+    ``label_smoothing`` α) it is Σ_k q_k (−log p_k + ε(1 − p_k)), the paper's listing with smoothed labels
+    (SPEC §8: the smoothed 1 − p_t is Σ_k q_k(1 − p_k), not 1 − p_y). Class ``weight`` as
+    ``F.cross_entropy`` (decision 96): w_y·loss, each class's term weighted against a distribution, and
+    ``"mean"`` divides by Σ w_y over the kept labels (by the number of rows against soft targets). The full
+    gradient flows through p_t. 1 − p_t is computed as −expm1(log p_t).
+
+    Args:
+        epsilon: ε >= −1 (1.0, the library default; the paper tunes it per task).
+
+    Example:
+        >>> import torch
+        >>> logits = torch.tensor([[2.0, 0.0], [0.0, 1.0]])
+        >>> poly1_cross_entropy(logits, torch.tensor([0, 1]), reduction="none")
+        tensor([0.2461, 0.5822])
+    """
+    eps = _number(epsilon, "epsilon", low=-1)
+    smoothing = check_label_smoothing(label_smoothing)
+    check_choice(reduction, "reduction", REDUCTIONS)
+    ignore_index = check_ignore_index(ignore_index)
+    with torch.autocast(_device_type(logits), enabled=False):
+        rows = loss_rows(logits, targets, ignore_index)
+        w = check_class_weight(weight, rows.logits)
+        log_p = torch.log_softmax(rows.logits, 1)
+        if not (rows.soft or smoothing):
+            log_pt = log_p.gather(1, rows.targets[:, None])[:, 0]
+            return reduce_rows(-log_pt - eps * torch.expm1(log_pt), rows, reduction, w)
+        q = smoothed_targets(rows, smoothing)
+        if w is not None:
+            q = q * w
+        loss = (q * (-log_p - eps * torch.expm1(log_p))).sum(1)
+        if rows.soft or w is None or reduction != "mean":
+            return reduce_rows(loss, rows, reduction)
+        # smoothed labels with weights: each class's term weighted, "mean" over the labels' weights
+        label_w = w[rows.targets]
+        if rows.keep is not None:
+            loss = torch.where(rows.keep, loss, loss.new_zeros(()))
+            label_w = torch.where(rows.keep, label_w, label_w.new_zeros(()))
+        return loss.sum() / label_w.sum()
+
+
+# -- confidence penalty -------------------------------------------------------------------------------------
+
+
+def confidence_penalty_loss(
+    logits,
+    targets,
+    beta: float = 1.0,
+    *,
+    eps: float = 1e-6,
+    form: str = "sample",
+    weight=None,
+    label_smoothing: float = 0.0,
+    ignore_index=IGNORE_INDEX,
+    reduction: str = "mean",
+):
+    r"""Confidence penalty (Pereyra et al. 2017): cross entropy minus β times the entropy of p.
+
+    ``form="sample"`` (the default; torch-uncertainty's ``ConfidencePenaltyLoss``, decision 134): per sample
+    :math:`\mathrm{CE}_i + \beta (\log K + \sum_k p_{ik} \log(p_{ik} + \epsilon))`, i.e. CE − β·H(p) + β log K
+    with ``eps`` = 1e-6 inside the log as that code (``eps=0`` takes the exact log-softmax); the constant
+    β log K makes the penalty 0 at the uniform distribution and changes no gradient. ``form="mbls"`` is the
+    MbLS repository's baseline ``penalty_ent``: CE − β·mean_{i,k}(−p̃ log p̃) with p̃ = clamp(p, 1e-10,
+    1 − 1e-10), an entropy averaged over N·K (so β acts as β/K per sample; the paper used β = 0.1 there) and
+    no constant. Ignored rows leave both terms; soft targets enter the cross entropy. Class ``weight`` and
+    ``label_smoothing`` are refused.
+
+    Example:
+        >>> import torch
+        >>> logits = torch.tensor([[2.0, 0.0], [0.0, 0.0]])
+        >>> confidence_penalty_loss(logits, torch.tensor([0, 1]), reduction="none")
+        tensor([0.4547, 0.6931])
+    """
+    b = _number(beta, "beta", low=0)
+    eps = _number(eps, "eps", low=0)
+    check_choice(form, "form", {"sample", "mbls"})
+    check_choice(reduction, "reduction", REDUCTIONS)
+    _refuse_weight_and_smoothing("confidence penalty", weight, label_smoothing)
+    ignore_index = check_ignore_index(ignore_index)
+    with torch.autocast(_device_type(logits), enabled=False):
+        rows, log_p, ce = _ce_rows(logits, targets, ignore_index)
+        p = log_p.exp()
+        k = p.shape[1]
+        if form == "mbls":
+            pc = p.clamp(1e-10, 1 - 1e-10)
+            penalty = (pc * pc.log()).sum(1) / k  # −(entropy averaged over the K entries)
+        else:
+            neg_entropy = (p * (log_p if eps == 0 else torch.log(p + eps))).sum(1)
+            penalty = math.log(k) + neg_entropy
+        return _reduce_penalised(ce, penalty, b, rows, reduction)
+
+
+# -- MaxSup --------------------------------------------------------------------------------------------------
+
+
+def maxsup_loss(
+    logits,
+    targets,
+    alpha: float = 0.1,
+    *,
+    weight=None,
+    label_smoothing: float = 0.0,
+    ignore_index=IGNORE_INDEX,
+    reduction: str = "mean",
+):
+    r"""Max suppression, MaxSup (Zhou et al. 2025): :math:`\mathrm{CE}_i + \alpha (\max_k z_{ik} -
+    \frac{1}{K}\sum_k z_{ik})`.
+
+    It is label smoothing's logit-level term α(z_y − mean_k z) with the target logit replaced by the top
+    logit, so it penalises the top logit whether the prediction is right or wrong. As the official code, no
+    label smoothing is combined with it (``label_smoothing`` is refused, decision 135); the gradient flows
+    through the max and the mean. The official schedule raises α linearly over the epochs (0.1 → 0.2): see
+    :class:`~torchcal.losses.MaxSupLoss`; this function takes the α in force. Ignored rows leave both terms;
+    soft targets enter the cross entropy. Class ``weight`` is refused.
+
+    Example:
+        >>> import torch
+        >>> logits = torch.tensor([[2.0, 0.0], [0.0, 1.0]])
+        >>> maxsup_loss(logits, torch.tensor([0, 0]), reduction="none")
+        tensor([0.2269, 1.3633])
+    """
+    a = _number(alpha, "alpha", low=0)
+    check_choice(reduction, "reduction", REDUCTIONS)
+    _refuse_weight_and_smoothing("MaxSup", weight, label_smoothing)
+    ignore_index = check_ignore_index(ignore_index)
+    with torch.autocast(_device_type(logits), enabled=False):
+        rows, _, ce = _ce_rows(logits, targets, ignore_index)
+        z = rows.logits
+        penalty = z.max(dim=1).values - z.mean(1)
+        return _reduce_penalised(ce, penalty, a, rows, reduction)
+
+
+def _device_type(logits) -> str:
+    return logits.device.type if isinstance(logits, torch.Tensor) else "cpu"
+
+
+# -- ACLS ----------------------------------------------------------------------------------------------------
+
+
+def acls_loss(
+    logits,
+    targets,
+    alpha: float = 0.1,
+    margin: float = 10.0,
+    *,
+    lambda_pos: float = 1.0,
+    lambda_neg: float = 0.1,
+    ignored_rows: str = "reference",
+    weight=None,
+    label_smoothing: float = 0.0,
+    ignore_index=IGNORE_INDEX,
+    reduction: str = "mean",
+):
+    r"""Adaptive and conditional label smoothing, ACLS (Park et al., ICCV 2023), as the released code
+    (cvlab-yonsei/ACLS ``acls.py``, decision 138): cross entropy plus α times
+
+    .. math:: \lambda_{pos} rac{1}{N} \sum_{i,k} 1[z_{ik} = z_i^{max}]\, \mathrm{relu}(z_i^{max} - m)^2
+              + \lambda_{neg} rac{1}{N(K-1)} \sum_{i,k} (1 - 1[z_{ik} = z_i^{max}])\,
+              \mathrm{relu}(\mathrm{sg}(z_i^{max}) - z_{ik} - m)^2 .
+
+    The positive term penalises the **absolute** top logit above m and keeps its gradient; the negative term
+    detaches the max, so only the other logits get a gradient. The indicator compares detached logits, so
+    tied maxima are each "positive" while the divisor stays N. ``ignored_rows`` as
+    :func:`logit_margin_l1_loss`: the released code never filters its regulariser, so by default
+    ("reference") it covers the rows labelled ``ignore_index`` whatever its sign, while cross entropy leaves
+    them out; "drop" leaves them out of both. Soft targets enter the cross entropy. Class ``weight`` and
+    ``label_smoothing`` are refused.
+
+    Args:
+        alpha: α >= 0 (0.1, config ``acls.yaml``); margin: m >= 0 (10); lambda_pos (1.0), lambda_neg (0.1).
+
+    Example:
+        >>> import torch
+        >>> logits = torch.tensor([[12.0, 0.0, -1.0], [0.0, 1.0, 0.0]])
+        >>> # row 1: 1·(12 − 10)² + 0.1·(2² + 3²)/2 = 4.65, times α
+        >>> acls_loss(logits, torch.tensor([0, 1]), reduction="none")
+        tensor([0.4650, 0.5514])
+    """
+    a = _number(alpha, "alpha", low=0)
+    m = _number(margin, "margin", low=0)
+    lam_pos = _number(lambda_pos, "lambda_pos", low=0)
+    lam_neg = _number(lambda_neg, "lambda_neg", low=0)
+    check_choice(ignored_rows, "ignored_rows", {"reference", "drop"})
+    check_choice(reduction, "reduction", REDUCTIONS)
+    _refuse_weight_and_smoothing("ACLS regulariser", weight, label_smoothing)
+    ignore_index = check_ignore_index(ignore_index)
+    with torch.autocast(_device_type(logits), enabled=False):
+        rows, _, ce = _ce_rows(logits, targets, ignore_index)
+        z = rows.logits
+        k = z.shape[1]
+        top = z.max(dim=1).values[:, None].expand_as(z)
+        positive = (top.detach() == z.detach()).to(z.dtype)
+        pos = (positive * torch.relu(top - m) ** 2).sum(1)
+        neg = ((1 - positive) * torch.relu(top.detach() - z - m) ** 2).sum(1) / (k - 1)
+        penalty = lam_pos * pos + lam_neg * neg
+        return _reduce_penalised(
+            ce, penalty, a, rows, reduction, None if ignored_rows == "reference" else "rows"
+        )
+
+
+# -- batch-level penalties: MDCA and DCA ---------------------------------------------------------------------
+
+_DCA_NEEDS_LABELS = "DCA compares the confidence with the accuracy of the predicted class, which needs labels"
+_MDCA_IS_A_BATCH_TERM = (
+    "MDCA's penalty is a statistic of the whole batch, which class weights and smoothed targets do not define "
+    "(the MDCA repository's own smoothing is base='ls')"
+)
+MDCA_BASES = ("nll", "focal", "ls")
+
+
+def _global_sums(sums: torch.Tensor, sync: bool, group=None) -> torch.Tensor:
+    """``sums`` (local per-batch sums) summed over the ranks of ``group`` when ``sync`` and torch.distributed
+    is initialised (a differentiable all-reduce: each rank's gradient is the world size times its share of
+    the global term's gradient, which data-parallel gradient averaging divides back); the local sums
+    otherwise (one process is its own global batch)."""
+    if not sync:
+        return sums
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return sums
+    from torch.distributed.nn.functional import all_reduce
+
+    return all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+
+
+def _with_batch_term(base, rows, reduction, coef, penalty, weight=None):
+    """Per-row ``base`` plus the batch's ``coef·penalty``: "mean" is the base's mean (weighted as
+    ``F.cross_entropy`` with ``weight``) + coef·penalty, "none" gives every kept row base_i + coef·penalty
+    (ignored rows 0), "sum" is the sum of "none"."""
+    if reduction == "mean":
+        return reduce_rows(base, rows, "mean", weight) + coef * penalty
+    term = coef * penalty
+    if rows.keep is not None:
+        term = torch.where(rows.keep, term, term.new_zeros(()))
+    else:
+        term = term.expand(base.shape)
+    none = reduce_rows(base, rows, "none", weight) + term.reshape(rows.shape)
+    return none if reduction == "none" else none.sum()
+
+
+def mdca_penalty(logits, targets, *, sync: bool = False, group=None, ignore_index=IGNORE_INDEX):
+    r"""The multi-class difference in confidence and accuracy of a batch (Hebbalaguppe et al., CVPR 2022):
+    :math:`\frac{1}{K} \sum_k \bigl| \frac{1}{N}\sum_i p_{ik} - \frac{1}{N}\sum_i 1[y_i = k] \bigr|`, the
+    batch-mean probability of every class against the class frequency of the **labels** (soft targets: their
+    mean). The gradient flows through every p_ik. Positions labelled ``ignore_index`` are not part of the
+    batch; (N, K, d1, ...) inputs are flattened to positions (a spec choice; the reference takes (N, K)).
+
+    Under data parallelism the reference's term is that of each rank's batch (``sync=False``); ``sync=True``
+    sums the class totals over the ranks of ``group`` (a differentiable all-reduce), the term of the global
+    batch, every rank's value the same.
+
+    Example:
+        >>> import torch
+        >>> # class means of p (0.575, 0.425) against the label frequencies (1, 0)
+        >>> mdca_penalty(torch.tensor([[2.0, 0.0], [0.0, 1.0]]), torch.tensor([0, 0]))
+        tensor(0.4251)
+    """
+    with torch.autocast(_device_type(logits), enabled=False):
+        rows = loss_rows(logits, targets, check_ignore_index(ignore_index))
+        return _mdca_rows(rows, torch.softmax(rows.logits, 1), sync, group)
+
+
+def _mdca_rows(rows, p, sync, group):
+    k = p.shape[1]
+    q = rows.targets if rows.soft else torch.nn.functional.one_hot(rows.targets, k).to(p.dtype)
+    kept = p.new_ones(p.shape[0]) if rows.keep is None else rows.keep.to(p.dtype)
+    sums = torch.cat([(p * kept[:, None]).sum(0), (q * kept[:, None]).sum(0), kept.sum()[None]])
+    sums = _global_sums(sums, sync, group)
+    count = sums[-1]
+    return ((sums[:k] - sums[k : 2 * k]) / count).abs().mean()
+
+
+def mdca_loss(
+    logits,
+    targets,
+    beta: float = 1.0,
+    *,
+    base: str = "nll",
+    gamma: float = 1.0,
+    smoothing: float = 0.1,
+    sync: bool = False,
+    group=None,
+    weight=None,
+    label_smoothing: float = 0.0,
+    ignore_index=IGNORE_INDEX,
+    reduction: str = "mean",
+):
+    r"""A classification loss plus β·MDCA of the batch (:func:`mdca_penalty`; Hebbalaguppe et al. 2022).
+
+    ``base`` (the MDCA repository's ``ClassficationAndMDCA``): "nll" (cross entropy, NLL+MDCA, the default),
+    "focal" (−(1 − p_t)^γ log p_t with ``gamma``, 1 in the FL+MDCA preset), "ls" (the repository's label
+    smoothing: 1 − α on the label and α/(K − 1) on each other class, α = ``smoothing`` = 0.1, which is
+    **not** PyTorch's ``label_smoothing``; decision 137). β = 1 in every script. The MDCA term belongs to
+    the batch: "mean" is base.mean() + β·MDCA, "none" gives every kept position base_i + β·MDCA, "sum" the
+    sum of "none"; ignored positions leave both terms. Soft targets (bases "nll" and "focal") enter the base
+    loss and the class frequencies. Class ``weight`` and ``label_smoothing`` are refused. ``sync`` as in
+    :func:`mdca_penalty` (DDP: per-rank batch by default).
+
+    Example:
+        >>> import torch
+        >>> logits = torch.tensor([[2.0, 0.0], [0.0, 1.0]])
+        >>> mdca_loss(logits, torch.tensor([0, 1]))
+        tensor(0.2950)
+        >>> mdca_loss(logits, torch.tensor([0, 0]), base="ls")
+        tensor(1.1952)
+    """
+    b = _number(beta, "beta", low=0)
+    check_choice(base, "base", set(MDCA_BASES))
+    gamma = _number(gamma, "gamma", low=0)
+    alpha = _number(smoothing, "smoothing", low=0, high=1)
+    check_choice(reduction, "reduction", REDUCTIONS)
+    if weight is not None:
+        raise ValueError(f"`weight` is not accepted: {_MDCA_IS_A_BATCH_TERM}")
+    check_label_smoothing(label_smoothing, _MDCA_IS_A_BATCH_TERM)
+    ignore_index = check_ignore_index(ignore_index)
+    refusal = "the MDCA repository's label smoothing is defined on labels" if base == "ls" else None
+    with torch.autocast(_device_type(logits), enabled=False):
+        rows = loss_rows(logits, targets, ignore_index, soft_refusal=refusal)
+        log_p = torch.log_softmax(rows.logits, 1)
+        p = log_p.exp()
+        k = p.shape[1]
+        if rows.soft:
+            q = rows.targets
+            factor = 1.0 if base == "nll" else (-torch.expm1(log_p)).clamp(min=0) ** gamma
+            loss = -(q * factor * log_p).sum(1)
+        else:
+            log_pt = log_p.gather(1, rows.targets[:, None])[:, 0]
+            if base == "nll":
+                loss = -log_pt
+            elif base == "focal":
+                loss = -((-torch.expm1(log_pt)).clamp(min=0) ** gamma) * log_pt
+            else:
+                others = log_p.sum(1) - log_pt
+                loss = -(1 - alpha) * log_pt - alpha / (k - 1) * others
+        return _with_batch_term(loss, rows, reduction, b, _mdca_rows(rows, p, sync, group))
+
+
+def dca_loss(
+    logits,
+    targets,
+    beta: float = 10.0,
+    *,
+    sync: bool = False,
+    group=None,
+    weight=None,
+    label_smoothing: float = 0.0,
+    ignore_index=IGNORE_INDEX,
+    reduction: str = "mean",
+):
+    r"""Cross entropy plus the difference between confidence and accuracy, DCA (Liang et al., BMVC 2020):
+    :math:`\mathrm{CE} + \beta \cdot \bigl| \frac{1}{N}\sum_i r_i - \frac{1}{N}\sum_i a_i \bigr|`, with r_i
+    the top-label probability and a_i = 1[argmax_k p_ik = y_i] a constant; the gradient flows only through
+    r. β = 10, the default of the official ``cross_entropy_with_dca_loss`` (its demo uses 25; the MDCA
+    repository's baseline 1; decision 137). Class ``weight`` enters the cross entropy as in the official
+    function (``F.cross_entropy``'s weighted mean), not the batch term. "mean" is CE + β·DCA, "none" gives
+    every kept position CE_i (weighted) + β·DCA, "sum" the sum of "none"; ignored positions leave both terms.
+    Soft targets and ``label_smoothing`` are refused. Under data parallelism the reference's term is each
+    rank's batch (``sync=False``); ``sync=True`` takes the means over the global batch (see
+    :func:`mdca_penalty`).
+
+    Example:
+        >>> import torch
+        >>> logits = torch.tensor([[2.0, 0.0], [0.0, 1.0]])
+        >>> dca_loss(logits, torch.tensor([0, 0]))  # mean confidence 0.805, accuracy 0.5
+        tensor(3.7794)
+    """
+    b = _number(beta, "beta", low=0)
+    check_choice(reduction, "reduction", REDUCTIONS)
+    check_label_smoothing(label_smoothing, _DCA_NEEDS_LABELS)
+    ignore_index = check_ignore_index(ignore_index)
+    with torch.autocast(_device_type(logits), enabled=False):
+        rows = loss_rows(logits, targets, ignore_index, soft_refusal=_DCA_NEEDS_LABELS)
+        w = check_class_weight(weight, rows.logits)
+        log_p = torch.log_softmax(rows.logits, 1)
+        conf, pred = log_p.exp().max(1)
+        correct = (pred == rows.targets).to(conf.dtype)
+        kept = conf.new_ones(conf.shape[0]) if rows.keep is None else rows.keep.to(conf.dtype)
+        sums = _global_sums(
+            torch.stack([(conf * kept).sum(), (correct * kept).sum(), kept.sum()]), sync, group
+        )
+        penalty = ((sums[0] - sums[1]) / sums[2]).abs()
+        ce = -log_p.gather(1, rows.targets[:, None])[:, 0]
+        return _with_batch_term(ce, rows, reduction, b, penalty, w)
+
+
+# -- SB-ECE --------------------------------------------------------------------------------------------------
+
+_SBECE_NEEDS_LABELS = "SB-ECE compares the confidence with the correctness of the predicted class"
+_SBECE_IS_A_BATCH_TERM = (
+    "SB-ECE is a statistic of the whole batch, which class weights and smoothed targets do not define"
+)
+
+
+def _safe_sqrt(value: torch.Tensor) -> torch.Tensor:
+    """sqrt(max(value, 0)) with a zero (not infinite) gradient at 0."""
+    value = value.clamp(min=0)
+    return torch.where(value > 0, value.clamp(min=torch.finfo(value.dtype).tiny).sqrt(), value)
+
+
+def _sbece_rows(rows, log_p, n_bins, temperature, form, sync, group):
+    conf, pred = log_p.exp().max(1)
+    correct = (pred == rows.targets).to(conf.dtype)
+    kept = conf.new_ones(conf.shape[0]) if rows.keep is None else rows.keep.to(conf.dtype)
+    centres = (torch.arange(n_bins, dtype=conf.dtype, device=conf.device) + 0.5) / n_bins
+    g = torch.softmax(-((conf[:, None] - centres) ** 2) / temperature, 1) * kept[:, None]  # (M rows, bins)
+    if form == "label":
+        sums = _global_sums(
+            torch.cat([g.sum(0), (g * correct[:, None]).sum(0), kept.sum()[None]]), sync, group
+        )
+        mass, hits, count = sums[:n_bins], sums[n_bins : 2 * n_bins], sums[-1]
+        acc = hits / torch.where(mass > 0, mass, torch.ones_like(mass))
+        total = _global_sums((g * (acc - conf[:, None]) ** 2).sum()[None], sync, group)[0]
+        return _safe_sqrt(total / count)
+    sums = _global_sums(
+        torch.cat([g.sum(0), (g * conf[:, None]).sum(0), (g * correct[:, None]).sum(0)]), sync, group
+    )
+    mass, conf_sum, hits = sums[:n_bins], sums[n_bins : 2 * n_bins], sums[2 * n_bins :]
+    safe = mass.clamp(min=1e-5)
+    weights = mass / mass.sum()
+    return _safe_sqrt((weights * (conf_sum / safe - hits / safe) ** 2).sum())
+
+
+def sbece_penalty(
+    logits,
+    targets,
+    *,
+    n_bins: int = 15,
+    temperature: float = 0.01,
+    form: str = "label",
+    sync: bool = False,
+    group=None,
+    ignore_index=IGNORE_INDEX,
+):
+    r"""Soft-binned ECE of a batch (Karandikar et al., NeurIPS 2021), on the top-label confidences r_i (with
+    gradient) and the correctness a_i (a constant). Memberships g_bi = softmax_b(−(r_i − ξ_b)²/T) over the
+    bin centres ξ_b = (b − ½)/M, S_b = Σ_i g_bi.
+
+    ``form="label"`` (default; the label-binned p = 2 form of the ESD authors' re-implementation, SPEC §8,
+    decision 139): A_b = Σ_i g_bi a_i / S_b (an empty bin's S_b taken as 1) and
+    sqrt((1/N) Σ_b Σ_i g_bi (A_b − r_i)²). ``form="binned"`` (uncertainty-baselines'
+    ``get_soft_binning_ece_tensor``): C_b and A_b are the g-weighted means of r and a (S_b floored at 1e-5),
+    w_b = S_b / Σ_b S_b and sqrt(Σ_b w_b (C_b − A_b)²). The sqrt has a zero gradient at 0. Positions labelled
+    ``ignore_index`` are not part of the batch. Under data parallelism the term is each rank's batch;
+    ``sync=True`` takes it over the global batch (differentiable all-reduces of the bin sums).
+
+    Example:
+        >>> import torch
+        >>> logits = torch.tensor([[2.0, 0.0], [0.0, 1.0], [1.0, 0.0]])
+        >>> sbece_penalty(logits, torch.tensor([0, 1, 1]))
+        tensor(0.1748)
+    """
+    n_bins = check_positive_int(n_bins, "n_bins")
+    temperature = _number(temperature, "temperature", low=0, low_open=True)
+    check_choice(form, "form", {"label", "binned"})
+    with torch.autocast(_device_type(logits), enabled=False):
+        rows = loss_rows(logits, targets, check_ignore_index(ignore_index), soft_refusal=_SBECE_NEEDS_LABELS)
+        return _sbece_rows(rows, torch.log_softmax(rows.logits, 1), n_bins, temperature, form, sync, group)
+
+
+def sbece_loss(
+    logits,
+    targets,
+    lambda_: float = 2.0,
+    *,
+    n_bins: int = 15,
+    temperature: float = 0.01,
+    form: str = "label",
+    sync: bool = False,
+    group=None,
+    weight=None,
+    label_smoothing: float = 0.0,
+    ignore_index=IGNORE_INDEX,
+    reduction: str = "mean",
+):
+    r"""Cross entropy + λ·SB-ECE of the batch (:func:`sbece_penalty`). λ = 2, M = 15, T = 0.01 are the ESD
+    authors' re-implementation's settings (the SB-ECE authors released no training configuration; decision
+    139). The term belongs to the batch: "mean" is CE.mean() + λ·SB-ECE, "none" gives every kept position
+    CE_i + λ·SB-ECE, "sum" the sum of "none". Soft targets, class ``weight`` and ``label_smoothing`` are
+    refused. Per-rank batch under data parallelism unless ``sync=True``.
+
+    Example:
+        >>> import torch
+        >>> logits = torch.tensor([[2.0, 0.0], [0.0, 1.0], [1.0, 0.0]])
+        >>> sbece_loss(logits, torch.tensor([0, 1, 1]))
+        tensor(0.9341)
+    """
+    lam = _number(lambda_, "lambda_", low=0)
+    n_bins = check_positive_int(n_bins, "n_bins")
+    temperature = _number(temperature, "temperature", low=0, low_open=True)
+    check_choice(form, "form", {"label", "binned"})
+    check_choice(reduction, "reduction", REDUCTIONS)
+    if weight is not None:
+        raise ValueError(f"`weight` is not accepted: {_SBECE_IS_A_BATCH_TERM}")
+    check_label_smoothing(label_smoothing, _SBECE_IS_A_BATCH_TERM)
+    with torch.autocast(_device_type(logits), enabled=False):
+        rows = loss_rows(logits, targets, check_ignore_index(ignore_index), soft_refusal=_SBECE_NEEDS_LABELS)
+        log_p = torch.log_softmax(rows.logits, 1)
+        penalty = _sbece_rows(rows, log_p, n_bins, temperature, form, sync, group)
+        ce = -log_p.gather(1, rows.targets[:, None])[:, 0]
+        return _with_batch_term(ce, rows, reduction, lam, penalty)

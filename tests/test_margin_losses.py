@@ -1,0 +1,458 @@
+"""The margin and penalty losses (SPEC §8, torchcal.functional.margin): MbLS, Poly-1, the confidence penalty
+and MaxSup, against the float64 per-position loop references of tests/reference/margin.py (values and
+gradients, (N, K) and (N, K, H, W), ignored labels, the three reductions), gradcheck, hand-computed cases, the
+released code's conventions, the schedules, the registry and autocast."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as nnf
+
+import torchcal.functional as F
+from tests.reference import margin as R
+from torchcal.losses import (
+    ConfidencePenaltyLoss,
+    LogitMarginL1Loss,
+    MaxSupLoss,
+    Poly1CrossEntropyLoss,
+    create,
+)
+
+K = 4
+
+
+def batch(shape=(7,), k=K, seed=0, scale=6.0, ignore=-100):
+    """Logits of shape (N, K, *spatial) spread wide enough that some logit distances exceed MbLS's margin of
+    10, and labels with two ignored positions."""
+    g = torch.Generator().manual_seed(seed)
+    n, spatial = shape[0], shape[1:]
+    z = scale * torch.randn(n, k, *spatial, generator=g, dtype=torch.float64)
+    y = torch.randint(0, k, (n, *spatial), generator=g)
+    flat = y.view(-1)
+    flat[1] = flat[-1] = ignore
+    return z, y
+
+
+# (name, the torchcal function, the reference), each with its keyword options
+CASES = [
+    ("mbls", lambda z, y, **kw: F.logit_margin_l1_loss(z, y, **kw), R.mbls, {}),
+    ("mbls-m3-drop", lambda z, y, **kw: F.logit_margin_l1_loss(z, y, 3.0, 0.5, ignored_rows="drop", **kw),
+     lambda z, y, **kw: R.mbls(z, y, 3.0, 0.5, ignored_rows="drop", **kw), {}),
+    ("mbls-255", lambda z, y, **kw: F.logit_margin_l1_loss(z, y, 3.0, **kw),
+     lambda z, y, **kw: R.mbls(z, y, 3.0, **kw), {"ignore_index": 255}),
+    ("acls", lambda z, y, **kw: F.acls_loss(z, y, **kw), R.acls, {}),
+    ("acls-m3-drop", lambda z, y, **kw: F.acls_loss(z, y, 0.5, 3.0, lambda_neg=0.3, ignored_rows="drop", **kw),
+     lambda z, y, **kw: R.acls(z, y, 0.5, 3.0, lambda_neg=0.3, ignored_rows="drop", **kw), {}),
+    ("acls-255", lambda z, y, **kw: F.acls_loss(z, y, margin=3.0, **kw),
+     lambda z, y, **kw: R.acls(z, y, margin=3.0, **kw), {"ignore_index": 255}),
+    ("poly1", lambda z, y, **kw: F.poly1_cross_entropy(z, y, **kw), R.poly1, {}),
+    ("poly1-neg", lambda z, y, **kw: F.poly1_cross_entropy(z, y, -0.5, **kw),
+     lambda z, y, **kw: R.poly1(z, y, -0.5, **kw), {}),
+    ("cp", lambda z, y, **kw: F.confidence_penalty_loss(z, y, **kw), R.confidence_penalty, {}),
+    ("cp-exact", lambda z, y, **kw: F.confidence_penalty_loss(z, y, 0.3, eps=0.0, **kw),
+     lambda z, y, **kw: R.confidence_penalty(z, y, 0.3, eps=0.0, **kw), {}),
+    ("cp-mbls", lambda z, y, **kw: F.confidence_penalty_loss(z, y, 0.1, form="mbls", **kw),
+     lambda z, y, **kw: R.confidence_penalty(z, y, 0.1, form="mbls", **kw), {}),
+    ("maxsup", lambda z, y, **kw: F.maxsup_loss(z, y, **kw), R.maxsup, {}),
+    ("maxsup-0.2", lambda z, y, **kw: F.maxsup_loss(z, y, 0.2, **kw),
+     lambda z, y, **kw: R.maxsup(z, y, 0.2, **kw), {}),
+    ("mdca", lambda z, y, **kw: F.mdca_loss(z, y, **kw), R.mdca, {}),
+    ("focal-mdca", lambda z, y, **kw: F.mdca_loss(z, y, 2.0, base="focal", **kw),
+     lambda z, y, **kw: R.mdca(z, y, 2.0, base="focal", **kw), {}),
+    ("ls-mdca", lambda z, y, **kw: F.mdca_loss(z, y, base="ls", smoothing=0.2, **kw),
+     lambda z, y, **kw: R.mdca(z, y, base="ls", smoothing=0.2, **kw), {}),
+    ("dca", lambda z, y, **kw: F.dca_loss(z, y, **kw), R.dca, {}),
+    ("sb-ece", lambda z, y, **kw: F.sbece_loss(z, y, **kw), R.sbece, {}),
+    ("sb-ece-binned", lambda z, y, **kw: F.sbece_loss(z, y, 1.0, n_bins=5, temperature=0.05, form="binned", **kw),
+     lambda z, y, **kw: R.sbece(z, y, 1.0, n_bins=5, temperature=0.05, form="binned", **kw), {}),
+    ("dca-weighted", lambda z, y, **kw: F.dca_loss(z, y, 3.0, weight=torch.tensor([0.5, 1.0, 2.0, 1.5],
+     dtype=torch.float64), **kw), lambda z, y, **kw: R.dca(z, y, 3.0, weight=[0.5, 1.0, 2.0, 1.5], **kw), {}),
+]  # fmt: skip
+IDS = [c[0] for c in CASES]
+# ACLS's negative term detaches the max logit (released code), so its gradient is not the derivative of its
+# value wherever that term is active, and gradcheck's finite differences cannot agree; the loop reference's
+# gradients (same detach) check it above. gradcheck covers ACLS's positive term alone, a true gradient.
+GRADCHECK_CASES = [c for c in CASES if not c[0].startswith("acls")] + [
+    ("acls-positive", lambda z, y, **kw: F.acls_loss(z, y, 1.0, 3.0, lambda_neg=0.0, **kw), None, {})
+]
+
+
+@pytest.mark.parametrize("name,fast,ref,options", CASES, ids=IDS)
+@pytest.mark.parametrize("shape", [(9,), (2, 3, 2)], ids=["NK", "NKHW"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_value_and_gradient_match_the_float64_loop_reference(name, fast, ref, options, shape, reduction):
+    ignore = options.get("ignore_index", -100)
+    z, y = batch(shape, ignore=ignore)
+    za, zb = z.clone().requires_grad_(True), z.clone().requires_grad_(True)
+    got = fast(za, y, reduction=reduction, **options)
+    want = ref(zb, y, reduction=reduction, **options)
+    # float64 on both sides; the loops sum in another order than the vectorised code, a few ulps per term
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    upstream = torch.linspace(0.5, 1.5, got.numel(), dtype=torch.float64).reshape(got.shape)
+    (got * upstream).sum().backward()
+    (want * upstream).sum().backward()
+    torch.testing.assert_close(za.grad, zb.grad, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("name,fast,ref,options", GRADCHECK_CASES, ids=[c[0] for c in GRADCHECK_CASES])
+@pytest.mark.parametrize("shape", [(5,), (2, 2, 2)], ids=["NK", "NKHW"])
+def test_gradcheck(name, fast, ref, options, shape):
+    # scale 4: no logit distance within gradcheck's step of the margin, where the hinge has a kink
+    z, y = batch(shape, seed=3, scale=4.0, ignore=options.get("ignore_index", -100))
+    for reduction in ("mean", "none"):
+        assert torch.autograd.gradcheck(
+            lambda x, r=reduction: fast(x, y, reduction=r, **options), (z.clone().requires_grad_(True),)
+        )
+
+
+def test_soft_targets_enter_the_cross_entropy_term():
+    """Class probabilities: the CE term is −Σ q log p (Poly-1: Σ q_k(−log p_k + ε(1 − p_k))); the penalty
+    terms do not depend on the target."""
+    g = torch.Generator().manual_seed(5)
+    z = 6 * torch.randn(6, K, 3, generator=g, dtype=torch.float64)
+    q = torch.softmax(torch.randn(6, K, 3, generator=g, dtype=torch.float64), 1)
+    pairs = [
+        (F.logit_margin_l1_loss(z, q, 3.0, reduction="none"), R.mbls(z, q, 3.0, reduction="none")),
+        (F.poly1_cross_entropy(z, q, 2.0, label_smoothing=0.1), R.poly1(z, q, 2.0, label_smoothing=0.1)),
+        (F.confidence_penalty_loss(z, q), R.confidence_penalty(z, q)),
+        (F.maxsup_loss(z, q, reduction="sum"), R.maxsup(z, q, reduction="sum")),
+        (F.mdca_loss(z, q, reduction="none"), R.mdca(z, q, reduction="none")),
+        (F.mdca_loss(z, q, base="focal", gamma=2.0), R.mdca(z, q, base="focal", gamma=2.0)),
+    ]
+    for got, want in pairs:
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_losses_that_need_labels_refuse_soft_targets():
+    z, _ = batch()
+    q = torch.full((7, K), 1 / K, dtype=torch.float64)
+    with pytest.raises(TypeError, match="not accepted: DCA compares the confidence with the accuracy"):
+        F.dca_loss(z, q)
+    with pytest.raises(TypeError, match="not accepted: the MDCA repository's label smoothing"):
+        create("ls-mdca")(z, q)
+
+
+def test_sbece_vanishes_on_a_calibrated_batch_and_its_sqrt_has_a_finite_gradient():
+    """Every confidence 0.5 with half the positions correct: each bin's accuracy is 0.5 = r, SB-ECE = 0,
+    and the sqrt at 0 gives the gradient of cross entropy alone (no NaN)."""
+    z = torch.tensor([[0.0, 0.0, -50.0]] * 4, dtype=torch.float64, requires_grad=True)
+    y = torch.tensor([0, 0, 1, 1])  # the arg-max is class 0 (first of the tie): two right, two wrong
+    assert F.sbece_penalty(z, y).item() == pytest.approx(0.0, abs=1e-15)
+    F.sbece_loss(z, y).backward()
+    (ce_grad,) = torch.autograd.grad(nnf.cross_entropy(z, y), z)
+    torch.testing.assert_close(z.grad, ce_grad, rtol=1e-12, atol=1e-15)
+    with pytest.raises(TypeError, match="not accepted: SB-ECE compares"):
+        F.sbece_loss(z.detach(), torch.full((4, 3), 1 / 3, dtype=torch.float64))
+    with pytest.raises(ValueError, match="`temperature` must be > 0"):
+        create("sb-ece", temperature=0.0)
+
+
+def test_dca_weights_its_cross_entropy_as_the_official_function():
+    """The official cross_entropy_with_dca_loss passes its weights to F.cross_entropy: a weighted CE mean
+    plus β·abs(mean r − mean a), the batch term unweighted."""
+    z, y = batch((10,))
+    w = torch.tensor([0.5, 1.0, 2.0, 1.5], dtype=torch.float64)
+    p = torch.softmax(z, 1)
+    keep = y != -100
+    conf, pred = p.max(1)
+    term = (conf[keep].mean() - (pred == y)[keep].double().mean()).abs()
+    want = nnf.cross_entropy(z, y, w) + 10 * term
+    torch.testing.assert_close(F.dca_loss(z, y, weight=w), want, rtol=1e-12, atol=0)
+    torch.testing.assert_close(create("dca", weight=w)(z, y), want, rtol=1e-12, atol=0)
+
+
+def test_mdca_compares_class_means_with_label_frequencies():
+    """Hand-computed: p = (0.8808, 0.1192) and (0.2689, 0.7311) against labels (0, 0): both classes are
+    0.4251 away from the frequencies (1, 0); against (0, 1): 0.0749 each."""
+    z = torch.tensor([[2.0, 0.0], [0.0, 1.0]], dtype=torch.float64)
+    p = torch.softmax(z, 1)
+    assert F.mdca_penalty(z, torch.tensor([0, 0])).item() == pytest.approx(
+        1 - p[:, 0].mean().item(), rel=1e-14
+    )
+    assert F.mdca_penalty(z, torch.tensor([0, 1])).item() == pytest.approx(
+        abs(p[:, 0].mean().item() - 0.5), rel=1e-13
+    )
+    # the repository's LS base: 1 − α on the label, α/(K − 1) on each other class (not PyTorch's α/K)
+    z3 = torch.tensor([[1.0, 0.0, -1.0]], dtype=torch.float64)
+    logp = torch.log_softmax(z3, 1)[0]
+    want = -(0.9 * logp[0] + 0.05 * logp[1] + 0.05 * logp[2])
+    got = F.mdca_loss(z3, torch.tensor([0]), 0.0, base="ls")
+    assert got.item() == pytest.approx(want.item(), rel=1e-14)
+    assert got.item() != pytest.approx(nnf.cross_entropy(z3, torch.tensor([0]), label_smoothing=0.1).item())
+
+
+# ----------------------------------------------------------------------------- MbLS
+
+
+def test_mbls_hand_computed_and_the_arg_max_entry_counts():
+    """z = (12, 0, 1), m = 10: distances (0, 12, 11) give hinges (0, 2, 1), averaged over all K = 3 entries
+    (the arg-max entry's 0 included): α·3/3."""
+    z = torch.tensor([[12.0, 0.0, 1.0]], dtype=torch.float64)
+    ce = nnf.cross_entropy(z, torch.tensor([0]))
+    got = F.logit_margin_l1_loss(z, torch.tensor([0]))
+    assert got.item() == pytest.approx(ce.item() + 0.1 * 3 / 3, rel=1e-14)
+    # no distance above the margin: cross entropy
+    z = torch.tensor([[3.0, 0.0, -5.0]], dtype=torch.float64)
+    assert (
+        F.logit_margin_l1_loss(z, torch.tensor([2])).item() == nnf.cross_entropy(z, torch.tensor([2])).item()
+    )
+
+
+def test_mbls_gradient_reaches_the_max_logit():
+    """The max is not detached (released code): the hinge's gradient is +α/(NK) on the max logit per active
+    entry and −α/(NK) on each active entry."""
+    z = torch.tensor([[20.0, 0.0, 15.0]], dtype=torch.float64, requires_grad=True)
+    F.logit_margin_l1_loss(z, torch.tensor([0]), alpha=1.0).backward()
+    p = torch.softmax(z.detach(), 1)[0]
+    ce_grad = p - torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64)
+    hinge = torch.tensor([1 / 3, -1 / 3, 0.0], dtype=torch.float64)  # only class 1 is 20 > 10 away
+    torch.testing.assert_close(z.grad[0], ce_grad + hinge, rtol=1e-12, atol=1e-15)
+
+
+def test_mbls_ignored_rows_follow_the_released_code():
+    """ignore_index < 0 (the default −100): CE leaves the ignored rows out but the margin term's mean covers
+    every row; ignore_index >= 0 (255) or ignored_rows="drop": both terms leave them out."""
+    z = torch.tensor([[12.0, 0.0, 1.0], [0.0, 30.0, 0.0], [1.0, 2.0, 0.0]], dtype=torch.float64)
+    ce = nnf.cross_entropy(z, torch.tensor([0, 1, 1]), reduction="none")
+    hinge = torch.tensor([3 / 3, 40 / 3, 0.0], dtype=torch.float64)
+    y = torch.tensor([0, -100, 1])
+    want = (ce[0] + ce[2]) / 2 + 0.1 * hinge.mean()
+    assert F.logit_margin_l1_loss(z, y).item() == pytest.approx(want.item(), rel=1e-14)
+    none = F.logit_margin_l1_loss(z, y, reduction="none")
+    torch.testing.assert_close(none, torch.stack([ce[0] + 0.1, 0.1 * hinge[1], ce[2]]), rtol=1e-14, atol=0)
+    dropped = (ce[0] + ce[2] + 0.1 * (hinge[0] + hinge[2])) / 2
+    assert F.logit_margin_l1_loss(z, y, ignored_rows="drop").item() == pytest.approx(
+        dropped.item(), rel=1e-14
+    )
+    y255 = torch.tensor([0, 255, 1])
+    assert F.logit_margin_l1_loss(z, y255, ignore_index=255).item() == pytest.approx(
+        dropped.item(), rel=1e-14
+    )
+    every = torch.full((3,), -100)
+    assert torch.isnan(F.logit_margin_l1_loss(z, every, ignored_rows="drop"))
+
+
+def test_mbls_alpha_schedule_is_the_released_codes():
+    """α after the end-of-epoch updates of epochs 0 … e − 1, each capped at max_alpha."""
+    assert F.mbls_alpha(0.1, 0, "add", mu=0.5) == 0.1
+    assert [F.mbls_alpha(0.1, e, "add", mu=0.5, max_alpha=1.0) for e in range(4)] == [0.1, 0.6, 1.0, 1.0]
+    assert [F.mbls_alpha(0.1, e, "multiply", mu=2.0) for e in range(4)] == [0.1, 0.2, 0.4, 0.8]
+    # "step" multiplies at the end of epochs 2, 5, ... ((e + 1) % 3 == 0)
+    steps = [F.mbls_alpha(1.0, e, "step", mu=10.0, step_size=3) for e in range(7)]
+    assert steps == [1, 1, 1, 10, 10, 10, 100]
+    assert F.mbls_alpha(0.1, 500, "") == 0.1  # the paper's setting
+    assert F.mbls_alpha(0.1, 3, "multiply") == 0.0  # μ = 0, the code's default, zeroes α
+    with pytest.raises(ValueError, match="`schedule` must be one of"):
+        F.mbls_alpha(0.1, 1, "cosine")
+    with pytest.raises(ValueError, match="`step_size` must be >= 1"):
+        F.mbls_alpha(0.1, 1, "step", step_size=0)
+
+
+def test_mbls_module_schedule_and_checkpoint():
+    z, y = batch()
+    loss_fn = LogitMarginL1Loss(margin=3.0, schedule="add", mu=0.2)
+    loss_fn.set_epoch(2)
+    assert loss_fn.current_alpha == pytest.approx(0.5)
+    torch.testing.assert_close(loss_fn(z, y), F.logit_margin_l1_loss(z, y, 3.0, 0.5))
+    restored = LogitMarginL1Loss(margin=3.0, schedule="add", mu=0.2)
+    restored.load_state_dict(loss_fn.state_dict())
+    assert restored.epoch == 2 and restored.current_alpha == loss_fn.current_alpha
+
+
+def test_acls_hand_computed_ties_and_detached_max():
+    """z = (12, 0, −1), m = 10: positive 1·(12 − 10)², negative 0.1·((12 − 0 − 10)² + (12 + 1 − 10)²)/2;
+    the negative term's max is detached (only the other logits get its gradient), the positive keeps it."""
+    z = torch.tensor([[12.0, 0.0, -1.0]], dtype=torch.float64, requires_grad=True)
+    y = torch.tensor([0])
+    loss = F.acls_loss(z, y, alpha=1.0)
+    ce = nnf.cross_entropy(z.detach(), y)
+    assert loss.item() == pytest.approx(ce.item() + 4.0 + 0.1 * (4 + 9) / 2, rel=1e-14)
+    loss.backward()
+    ce_grad = torch.softmax(z.detach(), 1)[0] - torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64)
+    reg = torch.tensor([2 * 2.0, -0.1 * 2 * 2.0 / 2, -0.1 * 2 * 3.0 / 2], dtype=torch.float64)
+    torch.testing.assert_close(z.grad[0], ce_grad + reg, rtol=1e-12, atol=1e-15)
+    # tied maxima are each positive, the divisor stays N: 2·(11 − 10)²
+    tied = torch.tensor([[11.0, 11.0, 0.0]], dtype=torch.float64)
+    reg = F.acls_loss(tied, y, alpha=1.0, lambda_neg=0.0) - nnf.cross_entropy(tied, y)
+    assert reg.item() == pytest.approx(2.0, rel=1e-12)
+
+
+# ----------------------------------------------------------------------------- Poly-1, CP, MaxSup
+
+
+def test_poly1_with_epsilon_zero_is_cross_entropy_and_hand_value():
+    z, y = batch()
+    w = torch.tensor([0.5, 1.0, 2.0, 1.5], dtype=torch.float64)
+    for eps in (0.0, 0.1):
+        want = nnf.cross_entropy(z, y, w, label_smoothing=eps)
+        torch.testing.assert_close(F.poly1_cross_entropy(z, y, 0.0, weight=w, label_smoothing=eps), want)
+    z = torch.tensor([[2.0, 0.0]], dtype=torch.float64)
+    p = 1 / (1 + math.exp(-2))
+    assert F.poly1_cross_entropy(z, torch.tensor([0])).item() == pytest.approx(
+        -math.log(p) + 1 - p, rel=1e-14
+    )
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.2])
+def test_poly1_weights_and_smoothing_match_the_reference(reduction, smoothing):
+    """Σ_k w_k q_k(−log p_k + ε(1 − p_k)) over the smoothed labels (1 − α)·onehot + α/K, not 1 − p_y."""
+    z, y = batch((3, 2, 2))
+    w = torch.tensor([0.5, 1.0, 2.0, 1.5], dtype=torch.float64)
+    za, zb = z.clone().requires_grad_(True), z.clone().requires_grad_(True)
+    got = F.poly1_cross_entropy(za, y, 2.0, weight=w, label_smoothing=smoothing, reduction=reduction)
+    want = R.poly1(zb, y, 2.0, weight=w, label_smoothing=smoothing, reduction=reduction)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    got.sum().backward()
+    want.sum().backward()
+    torch.testing.assert_close(za.grad, zb.grad, rtol=1e-10, atol=1e-12)
+
+
+def test_confidence_penalty_is_zero_at_the_uniform_distribution():
+    """log K − H(p) vanishes at the uniform p (up to the 1e-6 inside the log of torch-uncertainty's code)."""
+    z = torch.zeros(2, 5, dtype=torch.float64)
+    y = torch.tensor([0, 3])
+    ce = math.log(5)
+    assert F.confidence_penalty_loss(z, y, eps=0.0).item() == pytest.approx(ce, rel=1e-14)
+    # Σ_k (1/5) log(1/5 + 1e-6) − log(1/5) = log(1 + 5e-6)
+    assert F.confidence_penalty_loss(z, y).item() == pytest.approx(ce + math.log1p(5e-6), rel=1e-13)
+
+
+def test_maxsup_is_label_smoothing_with_the_top_logit():
+    """LS-CE = CE + α(z_y − mean_k z): where the label is the arg-max, MaxSup with α equals cross entropy with
+    label_smoothing α; elsewhere MaxSup penalises the top logit instead of the label's."""
+    z, _ = batch(ignore=0)
+    top = z.argmax(1)
+    for alpha in (0.1, 0.3):
+        torch.testing.assert_close(
+            F.maxsup_loss(z, top, alpha), nnf.cross_entropy(z, top, label_smoothing=alpha), rtol=1e-12, atol=0
+        )
+    y = (top + 1) % K
+    diff = F.maxsup_loss(z, y, 0.1, reduction="none") - nnf.cross_entropy(z, y, reduction="none")
+    torch.testing.assert_close(diff, 0.1 * (z.amax(1) - z.mean(1)), rtol=1e-12, atol=1e-14)
+
+
+def test_maxsup_ramp():
+    """α_t = 0.1 + 0.1·t/(E − 1) (the official ResNet train.py); constant before the epoch count is known
+    and with alpha_end=None."""
+    loss_fn = MaxSupLoss()
+    assert loss_fn.current_alpha == 0.1
+    loss_fn.set_total_epochs(5)
+    alphas = []
+    for t in range(5):
+        loss_fn.set_epoch(t)
+        alphas.append(loss_fn.current_alpha)
+    assert alphas == pytest.approx([0.1, 0.125, 0.15, 0.175, 0.2], abs=1e-15)
+    restored = MaxSupLoss()
+    restored.load_state_dict(loss_fn.state_dict())
+    assert restored.current_alpha == pytest.approx(0.2)
+    const = MaxSupLoss(0.3, alpha_end=None, epochs=10)
+    const.set_epoch(9)
+    assert const.current_alpha == 0.3
+    z, y = batch()
+    torch.testing.assert_close(loss_fn(z, y), F.maxsup_loss(z, y, 0.2))
+
+
+# ----------------------------------------------------------------------------- contract
+
+
+def test_batch_terms_refuse_what_they_do_not_define():
+    z, y = batch()
+    with pytest.raises(ValueError, match=r"^`weight` is not accepted: MDCA's penalty is a statistic"):
+        create("mdca", weight=torch.ones(K))
+    with pytest.raises(ValueError, match=r"^`label_smoothing` is not accepted: MDCA's penalty"):
+        F.mdca_loss(z, y, label_smoothing=0.1)
+    with pytest.raises(ValueError, match=r"^`label_smoothing` is not accepted: DCA compares"):
+        create("dca", label_smoothing=0.1)
+    with pytest.raises(ValueError, match="`base` must be one of"):
+        F.mdca_loss(z, y, base="brier")
+
+
+@pytest.mark.parametrize("name", ["mbls", "acls", "confidence-penalty", "maxsup"])
+def test_penalties_refuse_weights_and_smoothing_in_one_sentence(name):
+    z, y = batch()
+    with pytest.raises(ValueError, match=r"^`weight` is not accepted: the [^.]+ term does not depend"):
+        create(name, weight=torch.ones(K))
+    with pytest.raises(ValueError, match=r"^`label_smoothing` is not accepted: the [^.]+$"):
+        create(name, label_smoothing=0.1)
+    fn = {"mbls": F.logit_margin_l1_loss, "acls": F.acls_loss, "confidence-penalty": F.confidence_penalty_loss,
+          "maxsup": F.maxsup_loss}[name]  # fmt: skip
+    with pytest.raises(ValueError, match="`weight` is not accepted"):
+        fn(z, y, weight=torch.ones(K, dtype=torch.float64))
+
+
+def test_bad_arguments_are_named():
+    z, y = batch()
+    with pytest.raises(ValueError, match="`margin` must be >= 0"):
+        F.logit_margin_l1_loss(z, y, margin=-1.0)
+    with pytest.raises(ValueError, match="`ignored_rows` must be one of"):
+        F.logit_margin_l1_loss(z, y, ignored_rows="all")
+    with pytest.raises(ValueError, match="`epsilon` must be >= -1"):
+        F.poly1_cross_entropy(z, y, -2.0)
+    with pytest.raises(ValueError, match="`form` must be one of"):
+        ConfidencePenaltyLoss(form="paper")
+    with pytest.raises(ValueError, match="`beta` must be >= 0"):
+        F.confidence_penalty_loss(z, y, -1.0)
+    with pytest.raises(ValueError, match="`alpha` must be >= 0"):
+        F.maxsup_loss(z, y, -0.1)
+    with pytest.raises(ValueError, match=r"`targets` must have shape \(9,\)"):
+        F.maxsup_loss(torch.zeros(9, K), y)
+
+
+@pytest.mark.parametrize(
+    "name", ["mbls", "acls", "poly1", "confidence-penalty", "maxsup", "mdca", "ls-mdca", "dca", "sb-ece"]
+)
+@pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16])
+def test_dense_autocast_is_finite_and_float32(name, autocast_dtype):
+    """A segmentation-shaped batch under CPU autocast: computed in float32, finite loss and gradients."""
+    g = torch.Generator().manual_seed(1)
+    conv = torch.nn.Conv2d(3, K, 1)
+    x = 20 * torch.randn(2, 3, 5, 5, generator=g)
+    y = torch.randint(0, K, (2, 5, 5), generator=g)
+    y[0, 0, 0] = -100
+    with torch.autocast("cpu", dtype=autocast_dtype):
+        loss = create(name)(conv(x), y)
+    loss.backward()
+    assert loss.dtype == torch.float32 and torch.isfinite(loss)
+    assert all(torch.isfinite(p.grad).all() for p in conv.parameters())
+
+
+def test_registry_names_and_modules_equal_functions():
+    z, y = batch((3, 2, 2))
+    pairs = [
+        (create("mbls"), F.logit_margin_l1_loss(z, y)),
+        (create("acls", margin=3.0), F.acls_loss(z, y, margin=3.0)),
+        (create("poly1", epsilon=2.0), F.poly1_cross_entropy(z, y, 2.0)),
+        (Poly1CrossEntropyLoss(weight=torch.ones(K, dtype=torch.float64)), F.poly1_cross_entropy(z, y)),
+        (create("confidence-penalty", form="mbls", beta=0.1), F.confidence_penalty_loss(z, y, 0.1, form="mbls")),
+        (create("maxsup"), F.maxsup_loss(z, y)),
+        (create("mdca"), F.mdca_loss(z, y)),
+        (create("focal-mdca"), F.mdca_loss(z, y, base="focal")),
+        (create("ls-mdca", smoothing=0.2), F.mdca_loss(z, y, base="ls", smoothing=0.2)),
+        (create("dca", beta=25.0), F.dca_loss(z, y, 25.0)),
+        (create("sb-ece", form="binned"), F.sbece_loss(z, y, form="binned")),
+    ]  # fmt: skip
+    for module, want in pairs:
+        torch.testing.assert_close(module(z, y), want, rtol=0, atol=0)
+    with pytest.raises(
+        ValueError, match="loss 'ls-mdca' is MDCALoss with base = ls, so base cannot be passed"
+    ):
+        create("ls-mdca", base="nll")
+    assert repr(create("mbls", ignore_index=255)) == (
+        "LogitMarginL1Loss(margin=10.0, alpha=0.1, schedule='', reduction='mean', ignore_index=255)"
+    )
+
+
+@pytest.mark.compile
+def test_scheduled_alpha_compiles_without_a_graph_break():
+    """A schedule changes α every epoch; torch.compile then recompiles with α as a symbolic float, which the
+    losses take without checking values while tracing (fullgraph=True raises on any break)."""
+    torch._dynamo.reset()
+    z, y = batch()
+    for loss_fn in (MaxSupLoss(epochs=3), LogitMarginL1Loss(margin=3.0, schedule="add", mu=0.05)):
+        compiled = torch.compile(lambda a, b, f=loss_fn: f(a, b), fullgraph=True, backend="aot_eager")
+        for epoch in range(3):
+            loss_fn.set_epoch(epoch)
+            # the same float64 ATen kernels eager and compiled; AOTAutograd may reassociate a few sums
+            torch.testing.assert_close(compiled(z, y), loss_fn(z, y), rtol=1e-12, atol=1e-14)
