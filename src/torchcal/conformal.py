@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from ._namespace import only_public as _only_public
 from ._validation import as_data, check_bool, check_choice, check_float, check_positive_int
 from .functional._field_inputs import field_inputs
 from .functional.conformal import CONFORMAL_SCORES, conformal_quantile, conformal_scores
@@ -177,3 +178,6 @@ def tune_raps(
         if best_size is None or size < best_size:
             best, best_size = float(lam), size
     return best, k_reg
+
+
+_only_public(__name__)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from ._namespace import only_public as _only_public
 from ._validation import as_data, check_bool, check_choice, check_positive_int
 from .functional import cumulative as CU
 from .functional import decomposition as D
@@ -272,3 +273,6 @@ def field_results(sums: torch.Tensor, rows, k: int, m: int) -> dict[str, torch.T
             "aurc": area(curve.risk), "augrc": area(curve.generalized_risk),
         })  # fmt: skip
     return out
+
+
+_only_public(__name__)

@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from .._namespace import only_public as _only_public
 from .._validation import check_positive_int
 from .base import Calibrator
 from .binary import BinaryCalibrator
@@ -178,3 +179,6 @@ class BetaCalibration(Calibrator):
         ls, l1 = self._logs(logits)
         out = _beta_map(self.params_.to(logits.device), ls, l1).T.clamp_min(1e-30)
         return (out / out.sum(1, keepdim=True)).to(logits.dtype)
+
+
+_only_public(__name__)

@@ -7,6 +7,7 @@ import warnings
 
 import torch
 
+from .._namespace import only_public as _only_public
 from .._validation import check_bool, check_choice, check_float, check_positive_int
 from . import _solvers as S
 from .base import Calibrator
@@ -206,3 +207,6 @@ class DiagonalDirichletCalibration(_Dirichlet):
             theta, _, n_iter, converged, solver = S.minimize(model, x0, self.solver, max_iter)
             weight, bias = model.split(theta)
         self._finish(weight, bias, n_iter, converged, solver)
+
+
+_only_public(__name__)

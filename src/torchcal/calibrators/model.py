@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._namespace import only_public as _only_public
 from .._validation import check_choice
 from .base import Calibrator
 
@@ -91,3 +92,5 @@ class CalibratedModel(nn.Module):
     def extra_repr(self) -> str:
         return f"output={self.output!r}, calibrator={self.calibrator!r}"
 
+
+_only_public(__name__)

@@ -11,6 +11,7 @@ import warnings
 
 import torch
 
+from .._namespace import only_public as _only_public
 from .._validation import check_choice, check_float, check_positive_int
 from . import _solvers as S
 from .base import Calibrator
@@ -215,3 +216,6 @@ class StructuredMatrixScaling(_Structured):
             x0 = torch.zeros(k * k + k, dtype=f.dtype, device=f.device)
             theta, _, n_iter, converged, solver = S.minimize(model, x0, self.solver, max_iter)
         self._finish(model, beta, epsilon, theta, n_iter, converged, solver)
+
+
+_only_public(__name__)

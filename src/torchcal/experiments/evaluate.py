@@ -27,7 +27,7 @@ from .field_report import (
     paired_ranking,
     parse_conformal,
 )
-from .train import CALIBRATORS, LOGITS, RESULTS, atomic_write_bytes
+from .run_files import CALIBRATORS, LOGITS, RESULTS, atomic_write_bytes
 
 __all__ = [
     "evaluate_run",

@@ -190,7 +190,7 @@ def field_figures(run_dir, test: dict, pre: torch.Tensor, post: torch.Tensor, ca
     import json
 
     from ..plotting import plot_risk_coverage, plot_set_sizes
-    from .train import RESULTS
+    from .run_files import RESULTS
 
     targets = test["targets"]
     curves = {

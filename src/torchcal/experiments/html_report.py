@@ -22,7 +22,7 @@ from .evaluate import (
 )
 from .field_report import COLUMN_HEADERS as FIELD_HEADERS
 from .field_report import REPORT_METRICS, field_figures
-from .train import CALIBRATORS, atomic_write_bytes, read_metrics
+from .run_files import CALIBRATORS, atomic_write_bytes, read_metrics
 
 __all__ = ["group_runs", "html_report", "summarise"]
 

@@ -19,6 +19,7 @@ import warnings
 
 import torch
 
+from .._namespace import only_public as _only_public
 from .._validation import as_data, check_choice, check_float, check_targets
 
 __all__ = [
@@ -242,3 +243,6 @@ def conformal_set_metrics(sets, targets, alpha: float, *, strata=TORCHCP_STRATA)
         "size_distribution": dist,
         "stratified_coverage": per,
     }
+
+
+_only_public(__name__)

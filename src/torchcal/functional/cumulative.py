@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from .._namespace import only_public as _only_public
 from .._validation import check_choice
 from ._field_inputs import field_inputs, top_label_pairs
 
@@ -117,3 +118,6 @@ def kuiper_calibration_error(
     check_choice(reduction, "reduction", {"mean", "sum", "none"})
     hi, lo = _extremes(probs, targets, kind, from_logits)
     return _reduce(hi - lo, kind, reduction)
+
+
+_only_public(__name__)

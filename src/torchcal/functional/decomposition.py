@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import torch
 
+from .._namespace import only_public as _only_public
 from .._validation import check_choice, check_positive_int
 from ._binning import equal_width_index
 from ._field_inputs import field_inputs, top_label_pairs
@@ -319,3 +320,6 @@ def _log_terms(p_true, targets, index, count, f_bar, y_bar_g) -> LogScoreDecompo
     f_true = f_bar[index, targets]
     within = torch.where(f_true == p_true, 0.0, torch.log(f_true) - torch.log(p_true)).mean()
     return LogScoreDecomposition(score, rel, res, unc, within)
+
+
+_only_public(__name__)

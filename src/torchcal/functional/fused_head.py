@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 import torch
 
+from .._namespace import only_public as _only_public
 from .._validation import as_tensor, check_choice, check_float, check_label_range, check_positive_int
 from . import losses as L
 from ._loss_inputs import IGNORE_INDEX, _check_soft_targets, check_ignore_index
@@ -717,3 +718,6 @@ def _check_dtype(x, hidden, name):
             f"`{name}` must have hidden's dtype {hidden.dtype} (or, for half-precision or float32 hidden states, "
             f"float32 / bfloat16 / float16), got {x.dtype}"
         )
+
+
+_only_public(__name__)

@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import torch
 
+from .._namespace import only_public as _only_public
 from .._validation import _FROM_LOGITS_ADVICE, as_data, check_choice, check_float, check_logits
 from ._field_inputs import field_inputs, top_label, top_label_pairs
 from .calibration import binary_auroc
@@ -369,3 +370,6 @@ def ood_detection_metrics(
         average_precision(-ood, 1 - t),
         average_precision(ood, t),
     )
+
+
+_only_public(__name__)

@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import torch
 
+from .._namespace import only_public as _only_public
 from .._validation import as_data, check_choice, check_float, check_positive_int
 from . import calibration as C
 from ._binning import equal_width_index
@@ -260,3 +261,6 @@ def paired_bootstrap(
         est_b.to(diff.device),
         samples,
     )
+
+
+_only_public(__name__)
