@@ -89,7 +89,7 @@ class VennAbers(Calibrator):
         >>> z = torch.tensor([[2.0, 0.0], [1.0, 0.0], [0.0, 1.0], [0.0, 2.0]])
         >>> va = VennAbers().fit(z, torch.tensor([0, 1, 0, 1]))
         >>> p0, p1 = va.predict_interval(torch.tensor([[3.0, 0.0]]))
-        >>> p0, p1  # class 0: calibration ∪ {(s, 0)} pools s with the label-1 row above it
+        >>> p0, p1  # class 0: with (s, 0) added, s pools with the label-1 score below it
         (tensor([[0.5000, 0.0000]]), tensor([[1.0000, 0.5000]]))
         >>> va.predict_proba(torch.tensor([[3.0, 0.0]]))  # merged 2/3 and 1/3, rows summing to one
         tensor([[0.6667, 0.3333]])
