@@ -265,7 +265,8 @@ def test_ts_preserves_the_argmax_on_the_same_data():
 
 
 @pytest.mark.parametrize(
-    "name", ["svs", "sms", "bcts", "nbvs", "vector", "matrix", "dirichlet", "dirichlet_diag", "beta"]
+    "name",
+    ["svs", "sms", "bcts", "nbvs", "vector", "matrix", "dirichlet", "dirichlet_diag", "beta", "venn_abers"],
 )
 def test_fit_makes_no_host_round_trip(name, monkeypatch):
     """Fitting code keeps tensors on the input's device: .cpu(), .numpy() and .tolist() of anything larger
@@ -287,18 +288,18 @@ def test_fit_makes_no_host_round_trip(name, monkeypatch):
         monkeypatch.setattr(torch.Tensor, attr, trapped(attr))
     cal.fit(logits, targets)
     monkeypatch.undo()
-    fitted = next(getattr(cal, a) for a in ("bias_", "weight_", "params_") if hasattr(cal, a))
+    fitted = next(getattr(cal, a) for a in ("bias_", "weight_", "params_", "p0_") if hasattr(cal, a))
     assert fitted.device == logits.device
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize(
-    "name", ["svs", "sms", "bcts", "nbvs", "vector", "dirichlet", "dirichlet_diag", "beta"]
+    "name", ["svs", "sms", "bcts", "nbvs", "vector", "dirichlet", "dirichlet_diag", "beta", "venn_abers"]
 )
 def test_fit_on_cuda_stays_on_cuda(name):
     logits, targets = synthetic_logits(3000, 7, seed=13)
     cal = create(name).fit(logits.cuda(), targets.cuda())
-    fitted = next(getattr(cal, a) for a in ("bias_", "weight_", "params_") if hasattr(cal, a))
+    fitted = next(getattr(cal, a) for a in ("bias_", "weight_", "params_", "p0_") if hasattr(cal, a))
     assert fitted.is_cuda
     cpu = create(name).fit(logits, targets)
     torch.testing.assert_close(cal.transform(logits.cuda()).cpu(), cpu.transform(logits), atol=1e-4, rtol=0)
