@@ -73,10 +73,13 @@ class VennAbers(Calibrator):
     values are divided by their row sum (so p'_k is not p1 / (1 − p0 + p1) itself for K > 2). Fitting
     precomputes p0 and p1 at every position between the sorted calibration scores
     (:func:`venn_abers_tables`, O(K·N²) time); a test score is looked up with ``searchsorted`` (right for
-    p0, left for p1). No parameters are learned: the calibration scores are stored.
+    p0, left for p1). No parameters are learned: the calibration scores are stored. The fit grows as K·N²:
+    3.4 s for N = 5,000 and K = 10 on one CPU thread, so some 2 minutes (extrapolated) for N = 10,000
+    and K = 100.
 
-    A class absent from the calibration labels keeps its column (its p0 is 0 and p1 = 1 / (n_above + 1));
-    venn-abers drops it instead (its classes come from ``np.unique(y_cal)``). Can change the argmax.
+    A class absent from the calibration labels keeps its column (its p0 is 0 and p1 = 1 / (m + 1), m the
+    number of calibration scores at or above s); venn-abers drops it instead (its classes come from
+    ``np.unique(y_cal)``). Can change the argmax.
 
     References:
         V. Vovk, I. Petej, V. Fedorova, "Large-scale probabilistic predictors with and without guarantees of
