@@ -157,6 +157,13 @@ METHODS = {
         betacal_binary,
         DATASETS,
     ),
+    # venn-abers' table computation is O(N²) Python per class: 10k x 10 only
+    "venn_abers": (
+        "venn_abers",
+        "probmetrics ivap (venn-abers 1.5.4, one_vs_all)",
+        probmetrics_method("ivap"),
+        {"10k_x_10": DATASETS["10k_x_10"]},
+    ),
     "dirichlet_diag": (
         "dirichlet_diag",
         "dirichletcal b03f65f DiagonalDirichletCalibrator(reg_lambda=1e-3, reg_mu=1e-3)",

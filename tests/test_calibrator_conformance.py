@@ -118,6 +118,15 @@ def test_binary_beta_parameters_match_betacal(ds, fitted):
     assert b == pytest.approx(params["b"], abs=5e-3)
 
 
+def test_venn_abers_matches_probmetrics_ivap(fitted):
+    gold = GOLDENS["methods"]["venn_abers"]["results"]["10k_x_10"]
+    _, cal_nll, test_nll = fitted("venn_abers", "10k_x_10")
+    # the same predictor on the same data; probmetrics hands venn-abers float32 probabilities, which merges
+    # and reorders a few nearly tied scores (max |Δp| 2.4e-4 on single rows, 5e-8 on the mean NLL): 1e-6
+    assert test_nll == pytest.approx(gold["peer"]["nll"], abs=1e-6)
+    assert cal_nll == pytest.approx(gold["calibration_nll"]["peer"], abs=1e-6)
+
+
 def test_ts_temperature_matches_probmetrics(fitted):
     for ds, result in GOLDENS["methods"]["ts"]["results"].items():
         assert fitted("ts", ds)[0].temperature_ == pytest.approx(
@@ -265,7 +274,8 @@ def test_ts_preserves_the_argmax_on_the_same_data():
 
 
 @pytest.mark.parametrize(
-    "name", ["svs", "sms", "bcts", "nbvs", "vector", "matrix", "dirichlet", "dirichlet_diag", "beta"]
+    "name",
+    ["svs", "sms", "bcts", "nbvs", "vector", "matrix", "dirichlet", "dirichlet_diag", "beta", "venn_abers"],
 )
 def test_fit_makes_no_host_round_trip(name, monkeypatch):
     """Fitting code keeps tensors on the input's device: .cpu(), .numpy() and .tolist() of anything larger
@@ -287,18 +297,18 @@ def test_fit_makes_no_host_round_trip(name, monkeypatch):
         monkeypatch.setattr(torch.Tensor, attr, trapped(attr))
     cal.fit(logits, targets)
     monkeypatch.undo()
-    fitted = next(getattr(cal, a) for a in ("bias_", "weight_", "params_") if hasattr(cal, a))
+    fitted = next(getattr(cal, a) for a in ("bias_", "weight_", "params_", "p0_") if hasattr(cal, a))
     assert fitted.device == logits.device
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize(
-    "name", ["svs", "sms", "bcts", "nbvs", "vector", "dirichlet", "dirichlet_diag", "beta"]
+    "name", ["svs", "sms", "bcts", "nbvs", "vector", "dirichlet", "dirichlet_diag", "beta", "venn_abers"]
 )
 def test_fit_on_cuda_stays_on_cuda(name):
     logits, targets = synthetic_logits(3000, 7, seed=13)
     cal = create(name).fit(logits.cuda(), targets.cuda())
-    fitted = next(getattr(cal, a) for a in ("bias_", "weight_", "params_") if hasattr(cal, a))
+    fitted = next(getattr(cal, a) for a in ("bias_", "weight_", "params_", "p0_") if hasattr(cal, a))
     assert fitted.is_cuda
     cpu = create(name).fit(logits, targets)
     torch.testing.assert_close(cal.transform(logits.cuda()).cpu(), cpu.transform(logits), atol=1e-4, rtol=0)

@@ -7,7 +7,7 @@ Use a class directly or the registry::
     >>> names[:7]
     ['bcts', 'beta', 'dirichlet', 'dirichlet_diag', 'ets', 'fts', 'histogram']
     >>> names[7:]
-    ['isotonic', 'matrix', 'nbvs', 'sms', 'spline', 'svs', 'ts', 'vector']
+    ['isotonic', 'matrix', 'nbvs', 'sms', 'spline', 'svs', 'ts', 'vector', 'venn_abers']
     >>> create("ts", objective="ece")
     TemperatureScaling(objective='ece', n_bins=15, grid=..., bounds=(0.01, 100.0), extend=True)
 """
@@ -38,6 +38,7 @@ from .temperature import (
     TemperatureScaling,
     fit_temperature_nll,
 )
+from .venn_abers import VennAbers
 
 _REGISTRY: dict[str, type[Calibrator]] = {
     "ts": TemperatureScaling,
@@ -55,9 +56,10 @@ _REGISTRY: dict[str, type[Calibrator]] = {
     "dirichlet": DirichletCalibration,
     "beta": BetaCalibration,
     "dirichlet_diag": DiagonalDirichletCalibration,
+    "venn_abers": VennAbers,
 }
 _ALIASES = {cls.name: key for key, cls in _REGISTRY.items()}
-_ALIASES.update({"temperature": "ts", "histogram_binning": "histogram"})
+_ALIASES.update({"temperature": "ts", "histogram_binning": "histogram", "ivap": "venn_abers"})
 # sigmoid outputs (binary / multi-label): the same short names, one map per label
 _BINARY_REGISTRY: dict[str, type[Calibrator]] = {
     "ts": BinaryTemperatureScaling,
@@ -193,6 +195,7 @@ __all__ = [
     "StructuredVectorScaling",
     "TemperatureScaling",
     "VectorScaling",
+    "VennAbers",
     "create",
     "fit_temperature_nll",
     "from_json",

@@ -1,0 +1,130 @@
+"""Venn-Abers (IVAP): against venn-abers 1.5.4 (golden values from benchmarks/conformance_venn_abers.py),
+against literal isotonic refits with the test point added (tests/reference/venn_abers.py), hand-computed
+cases and properties."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.reference.calibration_data import split, synthetic_logits
+from tests.reference.venn_abers import ivap_interval, ivap_one_vs_all
+from torchcal.calibrators import VennAbers, create, from_json
+from torchcal.calibrators.venn_abers import venn_abers_tables
+
+GOLDENS = json.loads((Path(__file__).parent / "data" / "venn_abers_goldens.json").read_text())
+
+
+def _case(name):
+    c = GOLDENS["cases"][name]
+    z, y = synthetic_logits(c["n"], c["k"], c["seed"], dtype=torch.float64)
+    if c["round_logits"]:
+        z = torch.round(z)
+    return split(z, y), c
+
+
+@pytest.mark.parametrize("name", sorted(GOLDENS["cases"]))
+def test_matches_venn_abers_package(name):
+    ((zc, yc), (zt, _)), c = _case(name)
+    va = VennAbers().fit(zc, yc)
+    p0, p1 = va.predict_interval(zt)
+    # both compute the same rationals (label counts over block sizes) from the same float64 scores, with
+    # the same ties; only the division and the merge round: a few ulps
+    np.testing.assert_allclose(p0.numpy(), c["p0"], rtol=0, atol=1e-14)
+    np.testing.assert_allclose(p1.numpy(), c["p1"], rtol=0, atol=1e-14)
+    np.testing.assert_allclose(va.predict_proba(zt).numpy(), c["probs"], rtol=0, atol=1e-14)
+
+
+@pytest.mark.parametrize("rounded", [False, True])
+def test_matches_isotonic_refits_with_the_test_point_added(rounded):
+    pytest.importorskip("sklearn")
+    (zc, yc), (zt, _) = split(*synthetic_logits(240, 3, seed=11, dtype=torch.float64))
+    if rounded:  # many tied calibration scores, and test scores equal to calibration scores
+        zc, zt = torch.round(zc), torch.round(zt)
+    zt = torch.cat([zt[:25], zc[:5], zc.amax(0, keepdim=True) + 20, zc.amin(0, keepdim=True) - 20])
+    probs, r0, r1 = ivap_one_vs_all(torch.softmax(zc, 1).numpy(), yc.numpy(), torch.softmax(zt, 1).numpy())
+    va = VennAbers().fit(zc, yc)
+    p0, p1 = va.predict_interval(zt)
+    # sklearn's PAV averages blocks in another order than our block sums: rounding only
+    np.testing.assert_allclose(p0.numpy(), r0, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(p1.numpy(), r1, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(va.predict_proba(zt).numpy(), probs, rtol=0, atol=1e-12)
+
+
+def test_tables_by_hand():
+    # sorted scores with labels 0, 1, 0, 1 (no ties); S = 0, 0, 1, 1, 2
+    scores = torch.tensor([[0.1, 0.2, 0.3, 0.4]], dtype=torch.float64)
+    labels = torch.tensor([[0, 1, 0, 1]])
+    p0, p1 = venn_abers_tables(scores, labels)
+    # position i: s inserted after the i lowest scores; PAV on the label sequence with s's label in place
+    # i=0: with 0: 0 0 1 0 1 -> 0;        with 1: 1 0 1 0 1 -> (1 0)(1 0) 1 -> 1/2
+    # i=1: with 0: 0 0 1 0 1 -> 0;        with 1: 0 1 1 0 1 -> 0 (1 1 0) 1 -> 2/3
+    # i=2: with 0: 0 1 0 0 1 -> (1 0 0) = 1/3; with 1: 0 1 1 0 1 -> 2/3
+    # i=3: with 0: 0 1 0 0 1 -> 1/3;      with 1: 0 1 0 1 1 -> 0 (1 0) 1 1 -> 1
+    # i=4: with 0: 0 1 0 1 0 -> 0 (1 0)(1 0) -> 1/2; with 1: 1
+    expected0 = torch.tensor([[0.0, 0.0, 1 / 3, 1 / 3, 1 / 2]], dtype=torch.float64)
+    expected1 = torch.tensor([[1 / 2, 2 / 3, 2 / 3, 1.0, 1.0]], dtype=torch.float64)
+    torch.testing.assert_close(p0, expected0, rtol=0, atol=1e-15)
+    torch.testing.assert_close(p1, expected1, rtol=0, atol=1e-15)
+    for i in range(5):  # and the reference agrees at a score in each gap
+        s = [0.05, 0.15, 0.25, 0.35, 0.45][i]
+        r0, r1 = ivap_interval(scores[0].numpy(), labels[0].numpy(), [s])
+        assert (r0[0], r1[0]) == pytest.approx((float(expected0[0, i]), float(expected1[0, i])), abs=1e-15)
+
+
+def test_properties_interval_order_monotonicity_and_rows():
+    (zc, yc), (zt, _) = split(*synthetic_logits(2000, 5, seed=2))
+    va = create("ivap").fit(zc, yc)
+    assert isinstance(va, VennAbers)
+    p0, p1 = va.predict_interval(zt)
+    assert p0.dtype == zt.dtype and p0.shape == zt.shape
+    assert (p0 >= 0).all() and (p1 <= 1).all() and (p0 <= p1).all()
+    assert (va.p0_[:, 1:] >= va.p0_[:, :-1]).all() and (va.p1_[:, 1:] >= va.p1_[:, :-1]).all()
+    probs = va.predict_proba(zt)
+    # float32 output of float64 rows summing to one: float32 rounding of 5 terms
+    torch.testing.assert_close(probs.sum(1), torch.ones(len(zt)), rtol=0, atol=1e-6)
+
+
+def test_class_absent_from_calibration_keeps_its_column():
+    (zc, yc), (zt, _) = split(*synthetic_logits(600, 4, seed=7, dtype=torch.float64))
+    keep = yc != 2
+    va = VennAbers().fit(zc[keep], yc[keep])
+    p0, p1 = va.predict_interval(zt)
+    n_cal = int(keep.sum())
+    assert (p0[:, 2] == 0).all()
+    # isotonic fit on all-zero labels plus (s, 1): the 1 pools with every calibration score at or above s
+    above = (torch.softmax(zc[keep], 1)[:, 2][None, :] >= torch.softmax(zt, 1)[:, 2][:, None]).sum(1)
+    torch.testing.assert_close(p1[:, 2], 1 / (above + 1).double(), rtol=0, atol=1e-15)
+    assert n_cal == va.scores_.shape[1]
+    probs = va.predict_proba(zt)
+    assert probs.shape == (300, 4) and (probs[:, 2] > 0).all()
+
+
+def test_json_round_trip_and_device_agnostic_lookup():
+    (zc, yc), (zt, _) = split(*synthetic_logits(400, 3, seed=8))
+    va = VennAbers().fit(zc, yc)
+    again = from_json(va.to_json())
+    assert isinstance(again, VennAbers)
+    assert torch.equal(again.predict_proba(zt), va.predict_proba(zt))
+    assert all(torch.equal(a, b) for a, b in zip(again.predict_interval(zt), va.predict_interval(zt)))
+
+
+def test_blocked_table_computation_equals_one_block(monkeypatch):
+    import torchcal.calibrators.venn_abers as V
+
+    scores, order = torch.sort(torch.rand(3, 300, generator=torch.Generator().manual_seed(0)).double(), 1)
+    labels = (torch.rand(3, 300, generator=torch.Generator().manual_seed(1)) < 0.4).long()
+    whole = venn_abers_tables(scores.round(decimals=2), labels)
+    monkeypatch.setattr(V, "_BLOCK", 3 * 301 * 7)  # blocks of 7 rows
+    blocked = venn_abers_tables(scores.round(decimals=2), labels)
+    assert torch.equal(whole[0], blocked[0]) and torch.equal(whole[1], blocked[1])
+
+
+def test_bad_input_is_refused():
+    va = VennAbers().fit(torch.randn(50, 3), torch.randint(0, 3, (50,)))
+    with pytest.raises(ValueError, match="has 4 classes"):
+        va.predict_interval(torch.randn(5, 4))
+    with pytest.raises(Exception, match="not fitted"):
+        VennAbers().predict_interval(torch.randn(5, 3))
