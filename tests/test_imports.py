@@ -101,6 +101,7 @@ CORE_NAMESPACES = [
     "torchcal.calibrators.scaling",
     "torchcal.calibrators.structured",
     "torchcal.calibrators.temperature",
+    "torchcal.calibrators.venn_abers",
     "torchcal.conformal",
     "torchcal.field_metrics",
     "torchcal.functional",

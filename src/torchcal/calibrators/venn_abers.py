@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .._namespace import only_public as _only_public
 from .base import Calibrator
 
 __all__ = ["VennAbers", "venn_abers_tables"]
@@ -130,3 +131,6 @@ class VennAbers(Calibrator):
             logits = self._check_input(logits)
             p0, p1 = self._interval(logits)
         return p0.to(logits.dtype), p1.to(logits.dtype)
+
+
+_only_public(__name__)
