@@ -383,3 +383,16 @@ def test_calibrator_specs_parse_and_name_their_errors():
             from_spec(bad)
     with pytest.raises(ValueError, match="non-empty string"):
         parse_spec(None)
+
+
+@pytest.mark.parametrize("solver", ["newton", "lbfgs"])
+def test_non_convergence_names_the_iterations_taken(solver):
+    """The warning states the iterations the solver ran (Newton is capped below ``max_iter``), not the
+    setting: here 3 of 3."""
+    g = torch.Generator().manual_seed(0)
+    z = 3 * torch.randn(400, 4, generator=g, dtype=torch.float64)
+    y = torch.multinomial(torch.softmax(z / 3, 1), 1, generator=g).squeeze(1)
+    cal = create("matrix").set_params(solver=solver, max_iter=3)
+    with pytest.warns(UserWarning, match=f"stopped after 3 {solver} iterations"):
+        cal.fit(z, y)
+    assert cal.n_iter_ == 3

@@ -33,7 +33,7 @@ class _Dirichlet(Calibrator):
     def _finish(self, weight, bias, n_iter, converged, solver):
         if not converged:
             warnings.warn(
-                f"{type(self).__name__} did not converge in {self.max_iter} iterations ({solver})",
+                f"{type(self).__name__} did not converge (stopped after {n_iter} {solver} iterations)",
                 stacklevel=4,
             )
         self.weight_ = weight.detach().clone()

@@ -61,7 +61,9 @@ class _AffineScaling(Calibrator):
             theta, _, n_iter, converged, solver = S.minimize(model, x0, self.solver, max_iter)
         if not converged:
             warnings.warn(
-                f"{type(self).__name__} did not converge in {max_iter} iterations ({solver})", stacklevel=3
+                f"{type(self).__name__} did not converge (stopped after {n_iter} {solver} iterations; without "
+                "weight_decay the NLL can have no finite minimiser)",
+                stacklevel=3,
             )
         weight, bias = model.split(theta)
         self.weight_ = weight.detach().clone()
@@ -179,7 +181,7 @@ class BiasCorrectedTemperatureScaling(Calibrator):
                 "with the targets); the method requires T > 0"
             )
         if not converged:
-            warnings.warn(f"{type(self).__name__} did not converge in {max_iter} iterations", stacklevel=3)
+            warnings.warn(f"{type(self).__name__} did not converge (stopped after {n_iter} {solver} iterations)", stacklevel=3)
         self.temperature_ = 1.0 / beta
         self.bias_ = theta[1:].detach().clone()
         self.n_iter_ = int(n_iter)
@@ -241,7 +243,7 @@ class NoBiasVectorScaling(Calibrator):
                 "the method requires w >= 0"
             )
         if not converged:
-            warnings.warn(f"{type(self).__name__} did not converge in {max_iter} iterations", stacklevel=3)
+            warnings.warn(f"{type(self).__name__} did not converge (stopped after {n_iter} {solver} iterations)", stacklevel=3)
         self.weight_ = theta.detach().clone()
         self.n_iter_ = int(n_iter)
         self.solver_ = solver

@@ -60,7 +60,7 @@ class _Structured(Calibrator):
         weight, bias = model.split(theta)
         if not converged:
             warnings.warn(
-                f"{type(self).__name__} did not converge in {self.max_iter} iterations ({solver})",
+                f"{type(self).__name__} did not converge (stopped after {n_iter} {solver} iterations)",
                 stacklevel=4,
             )
         self.beta_ = float(beta)
