@@ -9,6 +9,7 @@ The models are affine in their parameters: logits ``o = offset + f ⊙ w + b`` (
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -458,3 +459,15 @@ def minimize(model, x0: torch.Tensor, solver: str = "auto", max_iter: int = 1000
         u, *rest = lbfgs(scaled, to_u(x0), max_iter=max_iter)
         out = (to_theta(u), *rest)
     return (*out, solver)
+
+
+def warn_if_not_converged(name: str, converged: bool, n_iter: int, solver: str, hint: str = "", stacklevel=3):
+    """The calibrators' one warning for a solve that stopped short: it names the iterations the solver ran
+    (Newton stops at 200, whatever ``max_iter`` says). ``stacklevel`` counts from the caller of this
+    function, as for ``warnings.warn``."""
+    if not converged:
+        more = f"; {hint}" if hint else ""
+        warnings.warn(
+            f"{name} did not converge (stopped after {n_iter} {solver} iterations{more})",
+            stacklevel=stacklevel + 1,
+        )

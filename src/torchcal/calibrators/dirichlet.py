@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
 
@@ -31,11 +30,7 @@ class _Dirichlet(Calibrator):
         return lam, mu, check_positive_int(self.max_iter, "max_iter")
 
     def _finish(self, weight, bias, n_iter, converged, solver):
-        if not converged:
-            warnings.warn(
-                f"{type(self).__name__} did not converge (stopped after {n_iter} {solver} iterations)",
-                stacklevel=4,
-            )
+        S.warn_if_not_converged(type(self).__name__, converged, n_iter, solver, stacklevel=4)
         self.weight_ = weight.detach().clone()
         self.bias_ = bias.detach().clone()
         self.n_iter_ = int(n_iter)

@@ -49,7 +49,9 @@ class _AffineScaling(Calibrator):
             beta = 1.0 / _warm_temperature(z, targets)  # warm start: the temperature-scaling solution
             dev = z.device
             if self._matrix:
-                center = torch.cat([torch.eye(k, dtype=torch.float64, device=dev).reshape(-1), z.new_zeros(k)])
+                center = torch.cat(
+                    [torch.eye(k, dtype=torch.float64, device=dev).reshape(-1), z.new_zeros(k)]
+                )
                 x0 = torch.cat([beta * torch.eye(k, dtype=z.dtype, device=dev).reshape(-1), z.new_zeros(k)])
                 penalty = S.ridge(torch.full_like(center, decay), center.double()) if decay > 0 else None
                 model = S.FullModel(z, targets, penalty=penalty)
@@ -59,12 +61,13 @@ class _AffineScaling(Calibrator):
                 penalty = S.ridge(torch.full_like(center, decay), center) if decay > 0 else None
                 model = S.DiagModel(z, targets, scale="class", bias=True, penalty=penalty)
             theta, _, n_iter, converged, solver = S.minimize(model, x0, self.solver, max_iter)
-        if not converged:
-            warnings.warn(
-                f"{type(self).__name__} did not converge (stopped after {n_iter} {solver} iterations; without "
-                "weight_decay the NLL can have no finite minimiser)",
-                stacklevel=3,
-            )
+        S.warn_if_not_converged(
+            type(self).__name__,
+            converged,
+            n_iter,
+            solver,
+            "without weight_decay the NLL can have no finite minimiser",
+        )
         weight, bias = model.split(theta)
         self.weight_ = weight.detach().clone()
         self.bias_ = bias.detach().clone()
@@ -180,8 +183,7 @@ class BiasCorrectedTemperatureScaling(Calibrator):
                 f"{type(self).__name__}: the NLL optimum has 1/T = {beta:.3g} <= 0 (logits anti-correlated "
                 "with the targets); the method requires T > 0"
             )
-        if not converged:
-            warnings.warn(f"{type(self).__name__} did not converge (stopped after {n_iter} {solver} iterations)", stacklevel=3)
+        S.warn_if_not_converged(type(self).__name__, converged, n_iter, solver)
         self.temperature_ = 1.0 / beta
         self.bias_ = theta[1:].detach().clone()
         self.n_iter_ = int(n_iter)
@@ -242,8 +244,7 @@ class NoBiasVectorScaling(Calibrator):
                 f"{type(self).__name__}: the NLL optimum has negative weights {theta[theta < 0].tolist()}; "
                 "the method requires w >= 0"
             )
-        if not converged:
-            warnings.warn(f"{type(self).__name__} did not converge (stopped after {n_iter} {solver} iterations)", stacklevel=3)
+        S.warn_if_not_converged(type(self).__name__, converged, n_iter, solver)
         self.weight_ = theta.detach().clone()
         self.n_iter_ = int(n_iter)
         self.solver_ = solver

@@ -58,11 +58,7 @@ class _Structured(Calibrator):
 
     def _finish(self, model, beta, epsilon, theta, n_iter, converged, solver):
         weight, bias = model.split(theta)
-        if not converged:
-            warnings.warn(
-                f"{type(self).__name__} did not converge (stopped after {n_iter} {solver} iterations)",
-                stacklevel=4,
-            )
+        S.warn_if_not_converged(type(self).__name__, converged, n_iter, solver, stacklevel=4)
         self.beta_ = float(beta)
         self.epsilon_ = float(epsilon)
         self.weight_ = weight.detach().clone()
