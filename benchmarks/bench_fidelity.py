@@ -27,8 +27,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_metrics import hardware  # noqa: E402
 
 from torchcal.experiments.demo import DEMO_LOSSES, PROTOCOLS, DemoJob, demo_jobs, run_jobs  # noqa: E402
-from torchcal.experiments.evaluate import collect_groups  # noqa: E402
-from torchcal.experiments.train import atomic_write_bytes  # noqa: E402
+from torchcal.experiments.evaluation.evaluate import collect_groups  # noqa: E402
+from torchcal.experiments.training.loop import atomic_write_bytes  # noqa: E402
 
 # label -> overrides on top of the protocol (the loss's defaults are the first entry of each family)
 VARIANTS = {

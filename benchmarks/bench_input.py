@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_metrics import hardware, write_results  # noqa: E402
 
-from torchcal.experiments.streaming import EpochPlan, ImageFolderInputs, TrainBatches, sequential_batches  # noqa: E402
+from torchcal.experiments.data.streaming import EpochPlan, ImageFolderInputs, TrainBatches, sequential_batches  # noqa: E402
 
 
 def write_folder(root: Path, n: int, size=(500, 375), classes: int = 4) -> list[Path]:
@@ -78,7 +78,7 @@ def eval_rate(paths, workers: int) -> float:
 
 
 def train_rate(device: str, batch: int, steps: int) -> float:
-    from torchcal.experiments.models import create_model
+    from torchcal.experiments.models.registry import create_model
 
     dev = torch.device(device)
     model = create_model("resnet50_imagenet", 1000, (3, 224, 224)).to(dev)
@@ -113,7 +113,7 @@ def train_rate(device: str, batch: int, steps: int) -> float:
 _RSS_RUN = """
 import json, resource, sys
 from torchcal.experiments.config import load_config
-from torchcal.experiments.train import train
+from torchcal.experiments.training.loop import train
 train(load_config(None, json.loads(sys.argv[1])), sys.argv[2])
 print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 """

@@ -19,9 +19,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_metrics import hardware, write_results  # noqa: E402
 
 from torchcal.experiments.config import load_config  # noqa: E402
-from torchcal.experiments.data import load_splits  # noqa: E402
-from torchcal.experiments.models import create_model  # noqa: E402
-from torchcal.experiments.train import predict_logits, train  # noqa: E402
+from torchcal.experiments.data.readers import load_splits  # noqa: E402
+from torchcal.experiments.models.registry import create_model  # noqa: E402
+from torchcal.experiments.training.loop import predict_logits, train  # noqa: E402
 from torchcal.losses import create as create_loss  # noqa: E402
 from torchcal.metrics import CalibrationMetrics  # noqa: E402
 

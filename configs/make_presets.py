@@ -19,6 +19,10 @@ from pathlib import Path
 
 import yaml
 
+# editors with the YAML language server complete and check the presets against the config's JSON Schema
+# (`torchcal config schema > configs/schema.json`)
+SCHEMA_LINE = "# yaml-language-server: $schema=schema.json\n"
+
 # the papers' post-hoc criteria: T on the grid 0.1..10 minimising validation ECE (Mukhoti et al., DFL, FCL),
 # the same on equal-mass ECE (AdaFocal), and focal temperature scaling on equal-mass ECE (Komisarenko & Kull)
 PAPER_CALIBRATORS = ["ts:objective=ece", "ts:objective=adaece", "fts"]
@@ -42,10 +46,11 @@ def preset(dataset, model, loss_key):
         gamma, lam = FCL[(dataset, model)]
         kwargs = {"gamma": gamma, "lambda_": lam}
     return {
-        "data": {"name": dataset, "root": "data", "val_size": 5000, "split_seed": 1, "batch_size": 128,
-                 "augment": True, "shift": "cifar10_c" if dataset == "cifar10" else "", "shift_severity": 5,
-                 "shift_root": "data/CIFAR-10-C", "ood": ["svhn", "cifar10_c"] if dataset == "cifar10" else "",
-                 "ood_root": "data/svhn"},
+        "data": {"name": dataset, "root": "data", "val_size": 5000, "split_seed": 1, "augment": True,
+                 "loader": {"batch_size": 128},
+                 "shift": {"name": "cifar10_c" if dataset == "cifar10" else "", "severity": 5,
+                           "root": "data/CIFAR-10-C"},
+                 "ood": {"sets": ["svhn", "cifar10_c"] if dataset == "cifar10" else [], "root": "data/svhn"}},
         "model": {"name": model},
         "loss": {"name": name, "reduction": "mean" if name == "brier" else "sum", "kwargs": kwargs},
         "optim": {"name": "sgd", "lr": 0.1, "momentum": 0.9, "weight_decay": 5e-4, "milestones": [150, 250],
@@ -61,13 +66,11 @@ def tiny_imagenet(loss_key):
     cfg["data"] = {
         "name": "tiny_imagenet",
         "root": "data",
-        "batch_size": 64,
         "augment": True,
-        "shift": "",
-        "ood": "",
+        "loader": {"batch_size": 64},
     }
     if loss_key == "fcl":
-        cfg["data"]["batch_size"] = 128  # the FCL paper trains every dataset but CheXNet at batch 128
+        cfg["data"]["loader"]["batch_size"] = 128  # the FCL paper trains every dataset but CheXNet at batch 128
     cfg["optim"].update({"milestones": [40, 60]})
     cfg["train"]["epochs"] = 100
     cfg["train"]["select"] = "best_val_error"  # AdaFocal §6: the model with the lowest validation error
@@ -81,7 +84,7 @@ def newsgroups(loss_key):
     if loss_key == "mmce":
         cfg["loss"]["kwargs"]["lambda_"] = 8.0  # λ = 8 for text (SPEC §1)
     cfg["data"] = {"name": "20newsgroups_papers", "root": "data", "glove": "data/glove.6B.100d.txt", "max_len": 1000,
-                   "val_size": 900, "batch_size": 128, "augment": False, "shift": "", "ood": ""}  # fmt: skip
+                   "val_size": 900, "augment": False, "loader": {"batch_size": 128}}  # fmt: skip
     cfg["model"] = {"name": "text_cnn"}
     cfg["optim"] = {"name": "adam", "lr": 0.001, "weight_decay": 0.0, "milestones": [], "grad_clip_norm": 2.0}
     cfg["train"]["epochs"] = 50
@@ -125,9 +128,8 @@ def bert(loss_key):
     weights, gradient norm clipped at 1.0, the batch mean of the loss."""
     name, kwargs, every = BERT_LOSSES[loss_key]
     return {
-        "data": {"name": "20newsgroups_papers", "root": "data", "val_size": 900, "batch_size": 32,
-                 "eval_batch_size": 64, "max_len": 128, "eval_max_len": 512, "augment": False, "shift": "",
-                 "ood": ""},
+        "data": {"name": "20newsgroups_papers", "root": "data", "val_size": 900, "max_len": 128,
+                 "eval_max_len": 512, "augment": False, "loader": {"batch_size": 32, "eval_batch_size": 64}},
         "model": {"name": "transformer", "checkpoint": "data/bert-base-uncased"},
         "loss": {"name": name, "reduction": "mean", "kwargs": kwargs, "update_every": every},
         "optim": {"name": "adamw", "lr": 2e-5, "weight_decay": 0.01, "schedule": "linear", "warmup_epochs": 0.2,
@@ -143,7 +145,7 @@ def sst(loss_key):
     validation accuracy; MMCE λ = 8 (text); FCL with its 20 Newsgroups CNN setting (the FCL paper has no SST)."""
     cfg = newsgroups(loss_key)
     cfg["data"] = {"name": "sst_binary", "root": "data", "glove": "data/glove.6B.100d.txt", "max_len": 150,
-                   "batch_size": 25, "augment": False, "shift": "", "ood": ""}  # fmt: skip
+                   "augment": False, "loader": {"batch_size": 25}}  # fmt: skip
     cfg["optim"] = {
         "name": "adagrad",
         "lr": 0.05,
@@ -167,8 +169,8 @@ def chexnet(loss_key):
     name, kwargs = CHEXNET_LOSSES[loss_key]
     return {
         "data": {"name": "chestxray14", "root": "data/ChestX-ray14", "val_size": 8650, "split_seed": 1,
-                 "batch_size": 32, "eval_batch_size": 64, "image_size": 224, "ten_crop": True, "augment": True,
-                 "shift": "", "ood": ""},
+                 "image_size": 224, "ten_crop": True, "augment": True,
+                 "loader": {"batch_size": 32, "eval_batch_size": 64}},
         "model": {"name": "densenet121_imagenet"},
         "loss": {"name": name, "reduction": "mean", "kwargs": kwargs},
         "optim": {"name": "adam", "lr": 1e-4, "weight_decay": 1e-5, "schedule": "plateau", "patience": 5,
@@ -194,8 +196,8 @@ def imagenet(loss_key):
     name, kwargs = IMAGENET_LOSSES[loss_key]
     return {
         "data": {"name": "imagenet", "root": "data/imagenet", "val_size": 25000, "split_seed": 1,
-                 "batch_size": 128, "eval_batch_size": 256, "image_size": 224, "augment": True,
-                 "num_workers": 8, "shift": "", "ood": ""},
+                 "image_size": 224, "augment": True,
+                 "loader": {"batch_size": 128, "eval_batch_size": 256, "num_workers": 8}},
         "model": {"name": "resnet50_imagenet"},
         "loss": {"name": name, "reduction": "mean", "kwargs": kwargs},
         "optim": {"name": "sgd", "lr": 0.01, "momentum": 0.9, "weight_decay": 1e-4, "milestones": [30, 60],
@@ -209,19 +211,19 @@ def main():
     for loss_key in IMAGENET_LOSSES:
         header = f"# imagenet_resnet50 {loss_key}: generated by configs/make_presets.py (see imagenet())\n"
         (here / f"imagenet_resnet50_{loss_key}.yaml").write_text(
-            header + yaml.safe_dump(imagenet(loss_key), sort_keys=False)
+            SCHEMA_LINE + header + yaml.safe_dump(imagenet(loss_key), sort_keys=False)
         )
     for loss_key in CHEXNET_LOSSES:
         header = (
             f"# chestxray14_densenet121 {loss_key}: generated by configs/make_presets.py (see chexnet())\n"
         )
         (here / f"chestxray14_densenet121_{loss_key}.yaml").write_text(
-            header + yaml.safe_dump(chexnet(loss_key), sort_keys=False)
+            SCHEMA_LINE + header + yaml.safe_dump(chexnet(loss_key), sort_keys=False)
         )
     for loss_key in BERT_LOSSES:
         header = f"# 20newsgroups_bert {loss_key}: generated by configs/make_presets.py (see bert())\n"
         (here / f"20newsgroups_bert_{loss_key}.yaml").write_text(
-            header + yaml.safe_dump(bert(loss_key), sort_keys=False)
+            SCHEMA_LINE + header + yaml.safe_dump(bert(loss_key), sort_keys=False)
         )
     for loss_key in LOSSES:
         for name, make in (("tinyimagenet_resnet50", tiny_imagenet), ("20newsgroups_textcnn", newsgroups),
@@ -229,14 +231,14 @@ def main():
                            ("sstbinary_textcnn", sst)):  # fmt: skip
             header = f"# {name} {loss_key}: generated by configs/make_presets.py (see its docstring)\n"
             (here / f"{name}_{loss_key}.yaml").write_text(
-                header + yaml.safe_dump(make(loss_key), sort_keys=False)
+                SCHEMA_LINE + header + yaml.safe_dump(make(loss_key), sort_keys=False)
             )
     for dataset in ("cifar10", "cifar100"):
         for short, model in MODELS.items():
             for loss_key in LOSSES:
                 path = here / f"{dataset}_{short}_{loss_key}.yaml"
                 header = f"# {dataset} {model} {loss_key}: generated by configs/make_presets.py (see its docstring)\n"
-                path.write_text(header + yaml.safe_dump(preset(dataset, model, loss_key), sort_keys=False))
+                path.write_text(SCHEMA_LINE + header + yaml.safe_dump(preset(dataset, model, loss_key), sort_keys=False))
 
 
 if __name__ == "__main__":

@@ -103,7 +103,7 @@ def test_adafocal_update_frequency(tmp_path, every):
     """AdaFocal's update-frequency ablation (AdaFocal App. I, Figs. 16-17) and its unconstrained γ (App. N):
     γ updated after each epoch's validation pass (0), every n batches (n) and every batch (1), 2 epochs."""
     from torchcal.experiments.config import load_config
-    from torchcal.experiments.data import load_splits
+    from torchcal.experiments.data.readers import load_splits
 
     run = tmp_path / "run"
     overrides = ["data.name=digits", "data.ood=", "data.val_size=260", "data.batch_size=128", "model.width=8",

@@ -15,7 +15,8 @@ from typer.testing import CliRunner
 import torchcal.calibrators as calibrators
 import torchcal.functional as F
 from torchcal.calibrators import Calibrator
-from torchcal.experiments.arena import (
+from torchcal.experiments.cli import app
+from torchcal.experiments.evaluation.arena import (
     SCORES,
     ArenaTask,
     arena_csv,
@@ -25,7 +26,6 @@ from torchcal.experiments.arena import (
     summarise,
     write_arena,
 )
-from torchcal.experiments.cli import app
 
 runner = CliRunner()
 FAST = "ts,histogram"  # two quick calibrators of different kinds keep the CLI tests short
@@ -178,7 +178,7 @@ def extra_calibrators(monkeypatch):
 
 
 def test_failing_calibrators_are_reported_in_their_row_and_the_arena_goes_on(extra_calibrators, tmp_path):
-    from torchcal.experiments.arena import resolve_calibrators
+    from torchcal.experiments.evaluation.arena import resolve_calibrators
 
     assert {"boom", "nanprobs", "warns", "ts"} <= set(resolve_calibrators("all"))
     res = run_arena([_task(), _task("other", seed=3)], ["boom", "ts", "nanprobs", "warns"], n_resamples=20)

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from torchcal.experiments.chestxray import PATHOLOGIES, load_chestxray14
 from torchcal.experiments.config import load_config
+from torchcal.experiments.data.chestxray import PATHOLOGIES, load_chestxray14
+from torchcal.experiments.data.streaming import ImageFolderInputs
 from torchcal.experiments.errors import DatasetError
-from torchcal.experiments.models import TenCrop
-from torchcal.experiments.streaming import ImageFolderInputs
+from torchcal.experiments.models.registry import TenCrop
 
 HEADER = ["Image Index", "Finding Labels", "Follow-up #", "Patient ID", "Patient Age", "Patient Gender",
           "View Position", "OriginalImage[Width", "Height]", "OriginalImagePixelSpacing[x", "y]", ""]  # fmt: skip
@@ -110,8 +110,8 @@ def test_ten_crop_averages_the_ten_crops():
 
 
 def test_chexnet_preset_path_end_to_end(tmp_path):
-    from torchcal.experiments.evaluate import evaluate_run, report
-    from torchcal.experiments.train import train
+    from torchcal.experiments.evaluation.evaluate import evaluate_run, report
+    from torchcal.experiments.training.loop import train
 
     write_chestxray(tmp_path / "data", n_patients=16)
     cfg = load_config("configs/chestxray14_densenet121_fcl.yaml", [
@@ -145,7 +145,7 @@ def test_chexnet_preset_path_end_to_end(tmp_path):
 def test_grad_cam_of_a_linear_model_is_known():
     """Conv 1 × 1 → global average pool → linear: ∂y_c/∂A_k = W_ck/(h·w) at every position, so the map is
     ReLU(Σ_k W_ck A_k)/(h·w) (Zhou et al.'s CAM), hand-computed here."""
-    from torchcal.experiments.gradcam import default_layer, grad_cam
+    from torchcal.experiments.reports.gradcam import default_layer, grad_cam
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from torchcal.experiments.config import load_config
-from torchcal.experiments.data import (
+from torchcal.experiments.data.readers import (
     DatasetError,
     load_cifar,
     load_cifar10_c,
@@ -15,8 +15,8 @@ from torchcal.experiments.data import (
     random_crop_flip,
     split_train_val,
 )
-from torchcal.experiments.models import create_model
-from torchcal.experiments.train import train
+from torchcal.experiments.models.registry import create_model
+from torchcal.experiments.training.loop import train
 
 
 def write_cifar(root, num_classes=10, per_batch=6, test=4):
@@ -78,7 +78,7 @@ def test_cifar_root_may_be_the_sub_folder_itself(tmp_path):
 
 
 def test_papers_split_is_numpy_seed_1():
-    from torchcal.experiments.data import Dataset
+    from torchcal.experiments.data.readers import Dataset
 
     data = Dataset(torch.arange(50).float()[:, None], torch.arange(50))
     train_set, val = split_train_val(data, 5, seed=1)
@@ -180,7 +180,7 @@ def test_auroc_for_every_configured_ood_set(tmp_path):
     import json
 
     import torchcal.functional as F
-    from torchcal.experiments.evaluate import evaluate_run, report
+    from torchcal.experiments.evaluation.evaluate import evaluate_run, report
 
     write_cifar(tmp_path / "data", 10, per_batch=8)
     rng = np.random.default_rng(1)

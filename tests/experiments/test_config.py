@@ -45,7 +45,7 @@ def test_missing_and_malformed_files(tmp_path):
 
 def test_every_paper_preset_loads_and_names_real_components():
     from torchcal.experiments.cli import list_presets
-    from torchcal.experiments.models import list_models
+    from torchcal.experiments.models.registry import list_models
     from torchcal.losses import create
 
     presets = list_presets()
@@ -62,10 +62,10 @@ def test_every_paper_preset_loads_and_names_real_components():
                 90,
                 25000,
             )
-            assert cfg.model.name == "resnet50_imagenet" and cfg.data.batch_size == 128, name
+            assert cfg.model.name == "resnet50_imagenet" and cfg.data.loader.batch_size == 128, name
             continue
         if name.startswith("chestxray14"):  # CheXNet as the FCL paper trains it (decision 79)
-            assert (cfg.optim.name, cfg.optim.lr, cfg.optim.schedule, cfg.data.batch_size) == (
+            assert (cfg.optim.name, cfg.optim.lr, cfg.optim.schedule, cfg.data.loader.batch_size) == (
                 "adam",
                 1e-4,
                 "plateau",

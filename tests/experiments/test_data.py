@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from torchcal.experiments.data import (
+from torchcal.experiments.data.readers import (
     DatasetError,
     gaussian_noise,
     load_digits_28,

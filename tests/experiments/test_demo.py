@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 from torchcal.experiments.cli import app
 from torchcal.experiments.demo import PROTOCOLS, demo_jobs, regime, run_jobs, summary_rows
 from torchcal.experiments.errors import UserError
-from torchcal.experiments.evaluate import collect_groups
+from torchcal.experiments.evaluation.evaluate import collect_groups
 
 TINY = ["data.name=digits", "data.ood=", "data.val_size=260", "model.width=16", "train.epochs=2",
         "data.limit_train=0"]  # fmt: skip

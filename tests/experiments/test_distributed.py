@@ -9,7 +9,7 @@ import torch.multiprocessing as mp
 
 from tests.conftest import assert_weights_match_up_to_sum_order, free_port
 from torchcal.experiments.config import load_config
-from torchcal.experiments.train import train
+from torchcal.experiments.training.loop import train
 
 # plain SGD: the ranks' gradient sums differ from the single process's in their last bits only (another order
 # of the same float32 terms), and SGD keeps it so; Adam would blow a near-zero gradient's rounding noise up

@@ -11,9 +11,9 @@ from typer.testing import CliRunner
 import torchcal.functional as F
 from torchcal.experiments.cli import app
 from torchcal.experiments.config import load_config
-from torchcal.experiments.evaluate import evaluate_run, load_logits, report
-from torchcal.experiments.field_report import parse_conformal
-from torchcal.experiments.train import train
+from torchcal.experiments.evaluation.evaluate import evaluate_run, load_logits, report
+from torchcal.experiments.evaluation.field_metrics import parse_conformal
+from torchcal.experiments.training.loop import train
 
 runner = CliRunner()
 TINY = ["data.name=digits", "data.ood=", "data.val_size=260", "data.batch_size=64", "model.width=16",
@@ -86,7 +86,7 @@ def test_parse_conformal():
 
 
 def test_html_report_shows_columns_and_figures_only_when_asked(run, tmp_path):
-    from torchcal.experiments.html_report import html_report
+    from torchcal.experiments.reports.html import html_report
 
     evaluate_run(run, ("ts",), ("aps:alpha=0.1",))
     asked = html_report([run], tmp_path / "asked", "ts", extra_metrics=("signed_ece", "set_size")).read_text()
@@ -106,7 +106,7 @@ def test_report_ranks_rows_with_a_paired_bootstrap(run, tmp_path):
     ranking = markdown.split("Rows ranked by ECE after ts")[1]
     assert "(best)" in ranking and "p = " in ranking
     # the difference printed is ECE(row) − ECE(best) on the same samples, recomputed here
-    from torchcal.experiments.evaluate import post_calibration_probs
+    from torchcal.experiments.evaluation.evaluate import post_calibration_probs
 
     (pa, ya), (pb, yb) = post_calibration_probs(run, "ts"), post_calibration_probs(other, "ts")
     assert torch.equal(ya, yb)

@@ -11,10 +11,10 @@ import torch
 
 from tests.experiments.test_data import write_idx
 from torchcal.experiments.config import ConfigError, load_config
-from torchcal.experiments.data import FASHION_ATTRIBUTES, fashion_attributes
-from torchcal.experiments.evaluate import evaluate_run, report
-from torchcal.experiments.html_report import html_report
-from torchcal.experiments.train import train
+from torchcal.experiments.data.readers import FASHION_ATTRIBUTES, fashion_attributes
+from torchcal.experiments.evaluation.evaluate import evaluate_run, report
+from torchcal.experiments.reports.html import html_report
+from torchcal.experiments.training.loop import train
 
 
 def learnable_fashion(root, n_train=600, n_test=200):

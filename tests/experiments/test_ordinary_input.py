@@ -135,7 +135,7 @@ def test_missing_cifar_from_the_cli_names_the_sub_folder_path_and_archive(tmp_pa
 def test_an_unavailable_device_is_refused_before_the_data_loads(tmp_path, monkeypatch, device):
     import torch
 
-    import torchcal.experiments.train as train_module
+    import torchcal.experiments.training.loop as train_module
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU-only build, whatever this host has
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
@@ -154,7 +154,7 @@ def test_an_unavailable_device_is_refused_before_the_data_loads(tmp_path, monkey
 def test_a_gpu_index_beyond_the_machine_is_refused(monkeypatch):
     import torch
 
-    from torchcal.experiments.train import resolve_device
+    from torchcal.experiments.training.loop import resolve_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -173,7 +173,7 @@ IMAGE_MODELS = ["small_cnn", "mlp", "resnet50", "resnet110", "resnet110_he", "wr
 
 
 def test_the_list_covers_every_registered_model():
-    from torchcal.experiments.models import list_models
+    from torchcal.experiments.models.registry import list_models
 
     assert set(list_models()) - set(IMAGE_MODELS) == {"text_cnn", "transformer"}
 
@@ -183,7 +183,7 @@ def test_the_list_covers_every_registered_model():
 def test_every_image_model_runs_on_one_and_three_channel_images(name, channels):
     import torch
 
-    from torchcal.experiments.models import create_model
+    from torchcal.experiments.models.registry import create_model
 
     stats = ((0.3,), (0.2,)) if channels == 1 else None
     model = create_model(name, 7, (channels, 32, 32), 16, stats=stats)
@@ -200,8 +200,8 @@ def test_every_image_model_runs_on_one_and_three_channel_images(name, channels):
 def test_a_grey_dataset_trains_a_cifar_resnet_normalised_with_its_own_statistics(tmp_path):
     import torch
 
-    from torchcal.experiments.data import load_splits
-    from torchcal.experiments.train import _build_model
+    from torchcal.experiments.data.readers import load_splits
+    from torchcal.experiments.training.loop import _build_model
 
     cfg = load_config(None, [*TINY, "model.name=resnet110_he"])
     train_set = load_splits(cfg.data)["train"]

@@ -11,9 +11,9 @@ import subprocess
 import pytest
 
 from torchcal.experiments.config import load_config
-from torchcal.experiments.evaluate import collect_groups, evaluate_run
-from torchcal.experiments.html_report import html_report
-from torchcal.experiments.train import train
+from torchcal.experiments.evaluation.evaluate import collect_groups, evaluate_run
+from torchcal.experiments.reports.html import html_report
+from torchcal.experiments.training.loop import train
 
 BROWSER = next((b for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)), None)
 

@@ -10,8 +10,8 @@ from typer.testing import CliRunner
 
 from torchcal.experiments.cli import app
 from torchcal.experiments.config import load_config
-from torchcal.experiments.evaluate import collect_groups, report
-from torchcal.experiments.train import train
+from torchcal.experiments.evaluation.evaluate import collect_groups, report
+from torchcal.experiments.training.loop import train
 
 runner = CliRunner()
 TINY = ["data.name=digits", "data.ood=", "data.val_size=260", "data.batch_size=64", "model.width=16",

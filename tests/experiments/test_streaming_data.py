@@ -17,9 +17,9 @@ import torch.multiprocessing as mp
 
 from tests.conftest import assert_weights_match_up_to_sum_order, free_port
 from torchcal.experiments.config import load_config
+from torchcal.experiments.data.streaming import ImageFolderInputs, load_imagenet, random_resized_crop
 from torchcal.experiments.errors import DatasetError
-from torchcal.experiments.streaming import ImageFolderInputs, load_imagenet, random_resized_crop
-from torchcal.experiments.train import train
+from torchcal.experiments.training.loop import train
 
 WNIDS = ["n01440764", "n01443537", "n01484850", "n01491361"]
 
@@ -116,7 +116,7 @@ def test_sigkill_with_workers_then_resume_is_identical(imagenet, tmp_path):
     cfg_args = args(imagenet, "data.num_workers=2", "train.epochs=3")
     train(load_config(None, cfg_args), tmp_path / "reference")
     run = tmp_path / "killed"
-    code = ("from torchcal.experiments.config import load_config; from torchcal.experiments.train import train;"
+    code = ("from torchcal.experiments.config import load_config; from torchcal.experiments.training.loop import train;"
             f"train(load_config(None, {cfg_args!r}), {str(run)!r})")  # fmt: skip
     proc = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "OMP_NUM_THREADS": "1"})
     deadline = time.time() + 120
@@ -155,7 +155,7 @@ def test_two_ddp_ranks_match_one_process(imagenet, tmp_path):
 def test_crops_on_the_device_match_the_workers_crops(imagenet):
     """augment_on=device: the same draws (box, flip) per sample; the crop resampled by grid_sample from the
     image resized to 256/224 of the crop, close to Pillow's crop of the original."""
-    from torchcal.experiments.streaming import DeferredCrops, crop_on_device
+    from torchcal.experiments.data.streaming import DeferredCrops, crop_on_device
 
     paths = sorted((imagenet / "train" / WNIDS[1]).iterdir())[:16]
     direct = ImageFolderInputs(paths, 32, train=True, seed=5)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from torchcal.experiments.config import load_config
-from torchcal.experiments.data import DatasetError
-from torchcal.experiments.text import (
+from torchcal.experiments.data.readers import DatasetError
+from torchcal.experiments.data.text import (
     Vocabulary,
     encode,
     load_20newsgroups,
@@ -20,7 +20,7 @@ from torchcal.experiments.text import (
     papers_20ng_split,
     tokenize,
 )
-from torchcal.experiments.train import train
+from torchcal.experiments.training.loop import train
 
 GROUPS = {"comp.graphics": "pixels render shading polygon", "rec.autos": "engine wheels brakes torque",
           "sci.space": "orbit rocket launch moon"}  # fmt: skip
@@ -96,17 +96,17 @@ def test_text_cnn_run(tmp_path):
 
 
 def test_text_datasets_default_to_no_shift_or_ood_set(tmp_path):
-    """The default shift and OOD sets are image sets: a text dataset has none unless asked for (and then it is
-    refused); the text_cnn's shortest document length is checked by name at config time."""
+    """The shift and OOD sets are image sets: a text dataset's config has no such keys (naming one is refused);
+    the text_cnn's shortest document length is checked by name at config time."""
     from torchcal.experiments.config import ConfigError
 
     cfg = load_config(None, ["data.name=ag_news", "model.name=text_cnn"])
-    assert (cfg.data.shift, cfg.data.ood) == ("", "")
+    assert not hasattr(cfg.data, "shift") and not hasattr(cfg.data, "ood")
     (tmp_path / "run.yaml").write_text("data: {name: sst_fine, shift: gaussian_noise}\n")
     with pytest.raises(ConfigError, match="is a text dataset"):
         load_config(tmp_path / "run.yaml")
     image = load_config(None, ["data.name=fashion_mnist"])
-    assert (image.data.shift, image.data.ood) == ("gaussian_noise", "digits")  # image sets keep theirs
+    assert (image.data.shift.name, image.data.ood.sets) == ("gaussian_noise", ["digits"])  # image sets keep theirs
     with pytest.raises(ConfigError, match=r"model.name=text_cnn needs data.max_len >= 149 tokens .*got 100"):
         load_config(None, ["data.name=ag_news", "model.name=text_cnn", "data.max_len=100"])
     with pytest.raises(ConfigError, match=r"needs data.eval_max_len >= 149 tokens .*got 148"):
@@ -258,7 +258,7 @@ def write_sst(root, nested=True):
 
 
 def test_sst_reader_binary_and_fine(tmp_path):
-    from torchcal.experiments.text import load_sst, parse_ptb_tree
+    from torchcal.experiments.data.text import load_sst, parse_ptb_tree
 
     write_sst(tmp_path)
     (tr_x, tr_y), (va_x, va_y), (te_x, te_y) = load_sst(tmp_path, binary=True)

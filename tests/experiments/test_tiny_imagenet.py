@@ -5,7 +5,7 @@ import pytest
 import torch
 from PIL import Image
 
-from torchcal.experiments.data import DatasetError, load_tiny_imagenet
+from torchcal.experiments.data.readers import DatasetError, load_tiny_imagenet
 
 
 def write_tiny(root, wnids=("n01443537", "n01629819"), per_class=4):

@@ -14,7 +14,7 @@ from tests.experiments.test_text import GROUPS, write_19997  # noqa: E402
 from tests.experiments.tiny_bert import make_tiny_bert  # noqa: E402
 from torchcal.experiments.cli import app  # noqa: E402
 from torchcal.experiments.config import ConfigError  # noqa: E402
-from torchcal.experiments.text import load_tokenizer  # noqa: E402
+from torchcal.experiments.data.text import load_tokenizer  # noqa: E402
 
 runner = CliRunner()
 

@@ -12,8 +12,8 @@ import torch
 import yaml
 
 from torchcal.experiments.config import ConfigError, load_config
-from torchcal.experiments.evaluate import evaluate_run, report
-from torchcal.experiments.train import CheckpointError, RunError, train
+from torchcal.experiments.evaluation.evaluate import evaluate_run, report
+from torchcal.experiments.training.loop import CheckpointError, RunError, train
 
 TINY = ["data.name=digits", "data.ood=", "data.val_size=260", "data.batch_size=64", "model.width=16",
         "train.epochs=3", "train.num_threads=1"]  # fmt: skip
@@ -63,7 +63,7 @@ def test_sigkill_at_any_moment_then_resume(tmp_path, kill_after):
     train(load_config(None, cfg_args), tmp_path / "reference")
     run = tmp_path / "killed"
     code = (
-        "from torchcal.experiments.config import load_config; from torchcal.experiments.train import train;"
+        "from torchcal.experiments.config import load_config; from torchcal.experiments.training.loop import train;"
         f"train(load_config(None, {cfg_args!r}), {str(run)!r})"
     )
     proc = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -114,8 +114,8 @@ def test_evaluate_and_report(tmp_path):
 
 def test_parity_with_a_plain_pytorch_loop(tmp_path):
     """The runner's weights equal those of a plain 20-line loop on the same model, data order and seed."""
-    from torchcal.experiments.data import load_splits
-    from torchcal.experiments.models import create_model
+    from torchcal.experiments.data.readers import load_splits
+    from torchcal.experiments.models.registry import create_model
 
     cfg = tiny("loss.name=fl-3", "optim.name=sgd", "optim.lr=0.05", "optim.milestones=[2]", "train.epochs=3")
     train(cfg, tmp_path / "run")
@@ -153,7 +153,7 @@ def test_autocast_and_channels_last_options_train_finitely(tmp_path, amp):
 
 
 def test_html_report_with_seeds_and_figures(tmp_path):
-    from torchcal.experiments.html_report import group_runs, html_report, summarise
+    from torchcal.experiments.reports.html import group_runs, html_report, summarise
 
     runs = []
     for seed in (0, 1):
@@ -192,9 +192,9 @@ def test_the_runner_gives_maxsup_its_epoch_count(tmp_path):
 
 
 def test_best_validation_model_selection_is_exact_and_resumable(tmp_path):
-    from torchcal.experiments.data import load_splits
-    from torchcal.experiments.models import create_model
-    from torchcal.experiments.train import predict_logits
+    from torchcal.experiments.data.readers import load_splits
+    from torchcal.experiments.models.registry import create_model
+    from torchcal.experiments.training.loop import predict_logits
 
     # a learning rate high enough that the validation error does not fall every epoch
     cfg = tiny("train.epochs=4", "train.select=best_val_error", "optim.lr=0.05")
@@ -254,7 +254,7 @@ def test_gradient_accumulation_is_the_same_update(tmp_path, reduction):
     rows = [json.loads(x) for x in (tmp_path / "micro" / "metrics.jsonl").read_text().splitlines()]
     whole = [json.loads(x) for x in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["train_loss"] == pytest.approx(whole[-1]["train_loss"], rel=1e-4)
-    with pytest.raises(ConfigError, match="train.accumulate=65 splits a batch of data.batch_size=64"):
+    with pytest.raises(ConfigError, match="train.accumulate=65 splits a batch of data.loader.batch_size=64"):
         tiny("train.accumulate=65")
 
 

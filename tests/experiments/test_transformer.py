@@ -18,7 +18,7 @@ from tests.experiments.test_text import GROUPS, write_19997  # noqa: E402
 from tests.experiments.tiny_bert import make_tiny_bert  # noqa: E402
 from torchcal.experiments.cli import app  # noqa: E402
 from torchcal.experiments.config import load_config  # noqa: E402
-from torchcal.experiments.train import train  # noqa: E402
+from torchcal.experiments.training.loop import train  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +72,7 @@ def test_sigkill_then_resume_is_identical(corpus, tmp_path):
     train(load_config(None, cfg_args), tmp_path / "reference")
     run = tmp_path / "killed"
     code = (
-        "from torchcal.experiments.config import load_config; from torchcal.experiments.train import train;"
+        "from torchcal.experiments.config import load_config; from torchcal.experiments.training.loop import train;"
         f"train(load_config(None, {cfg_args!r}), {str(run)!r})"
     )
     proc = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -127,7 +127,7 @@ def test_a_head_of_another_size_is_named(tmp_path):
 
     from transformers import BertConfig, BertForSequenceClassification
 
-    from torchcal.experiments.models import TransformerClassifier
+    from torchcal.experiments.models.registry import TransformerClassifier
 
     config = BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                         intermediate_size=32, max_position_embeddings=16, num_labels=2)  # fmt: skip

@@ -16,8 +16,8 @@ from typer.testing import CliRunner
 from torchcal.experiments.cli import app
 from torchcal.experiments.config import ConfigError, load_config
 from torchcal.experiments.errors import RunError
-from torchcal.experiments.evaluate import collect_groups, evaluate_run, report
-from torchcal.experiments.train import read_metrics, train
+from torchcal.experiments.evaluation.evaluate import collect_groups, evaluate_run, report
+from torchcal.experiments.training.loop import read_metrics, train
 
 runner = CliRunner()
 TINY = ["data.name=digits", "data.ood=", "data.val_size=260", "data.batch_size=64", "model.width=16",
@@ -190,7 +190,7 @@ def test_damaged_files_are_named(runs, tmp_path):
 
 
 def test_a_model_that_does_not_fit_the_data_is_one_sentence(tmp_path, monkeypatch):
-    from torchcal.experiments import models
+    from torchcal.experiments.models import registry as models
 
     # every registered image model takes every image size and channel count: a model for 5 features
     monkeypatch.setitem(models._MODELS, "small_cnn", (lambda k, s, w, stats=None: torch.nn.Linear(5, k), ""))
@@ -261,7 +261,7 @@ def test_files_follow_the_users_umask(runs, tmp_path, umask, mode):
         train(tiny("train.epochs=1"), run)
         evaluate_run(run, ("ts",))
         report([run], tmp_path / "rep")
-        from torchcal.experiments.html_report import html_report
+        from torchcal.experiments.reports.html import html_report
 
         html_report([run], tmp_path / "rep")
     finally:
@@ -340,7 +340,7 @@ def test_calibrator_specs_are_validated_in_configs_and_presets():
         best = name.startswith(("tinyimagenet", "20newsgroups", "agnews", "finsen", "sstbinary"))
         assert preset.train.select == ("best_val_error" if best else "last"), name
         if name.startswith("tinyimagenet"):  # AdaFocal / FTS train at 64, the FCL paper at 128
-            assert preset.data.batch_size == (128 if name.endswith("_fcl") else 64), name
+            assert preset.data.loader.batch_size == (128 if name.endswith("_fcl") else 64), name
         text_sets = {"agnews": "ag_news", "20newsgroups": "20newsgroups_papers", "finsen": "finsen",
                      "sstbinary": "sst_binary"}  # fmt: skip
         for prefix, dataset in text_sets.items():  # the papers' splits (decisions 71, 72, 76)
@@ -348,7 +348,7 @@ def test_calibrator_specs_are_validated_in_configs_and_presets():
                 model = "transformer" if "_bert_" in name else "text_cnn"
                 assert preset.data.name == dataset and preset.model.name == model, name
         if "_bert_" in name:  # AdaFocal's BERT recipe (decision 75)
-            assert (preset.optim.name, preset.optim.lr, preset.data.batch_size) == ("adamw", 2e-5, 32), name
+            assert (preset.optim.name, preset.optim.lr, preset.data.loader.batch_size) == ("adamw", 2e-5, 32), name
             assert (preset.data.max_len, preset.data.eval_max_len, preset.train.epochs) == (128, 512, 10), (
                 name
             )
@@ -363,7 +363,7 @@ def test_report_gives_standard_errors_and_s99(runs, tmp_path):
     folders = [runs / "ce-e1-s0", runs / "ce-e1-s1"]
     markdown, csv_text = report(folders, tmp_path / "rep")
     assert "S99 (% with conf ≥ 0.99)" in markdown
-    from torchcal.experiments.html_report import html_report
+    from torchcal.experiments.reports.html import html_report
 
     assert "S99 (% with conf ≥ 0.99) (pre → post)" in html_report(folders, tmp_path / "rep").read_text()
     row = next(csv.DictReader(io.StringIO(csv_text)))

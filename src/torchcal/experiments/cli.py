@@ -1,4 +1,5 @@
-"""The ``torchcal`` command line (typer): demo, train, evaluate, calibrate, arena, report, list, build-extension."""
+"""The ``torchcal`` command line (typer): demo, train, evaluate, calibrate, arena, report, config, list,
+build-extension."""
 
 from __future__ import annotations
 
@@ -79,7 +80,7 @@ def _epoch_text(row: dict, total: int) -> str:
 
 
 def _train_with_bar(cfg, run_dir, resume=False, label=None, total=None):
-    from .train import train
+    from .training.loop import train
 
     total = total if total is not None else cfg.train.epochs
     bar = _progress()
@@ -114,11 +115,11 @@ def train(
         False,
         "--resume",
         help="continue the run in --run-dir from its checkpoint, with its saved config; overrides may only "
-        "ask for more train.epochs (or train.device, train.num_threads, data.eval_batch_size)",
+        "ask for more train.epochs (or train.device, train.num_threads, data.loader.eval_batch_size)",
     ),
 ):
     """Train a model with a calibration loss; the run folder holds config, metrics log, checkpoint, logits."""
-    from .train import _saved_run
+    from .training.loop import _saved_run
 
     overrides = list(overrides or [])
     if config is not None and "=" in str(config) and not config.exists():  # only overrides were given
@@ -172,14 +173,14 @@ def evaluate(
     calibrators' results are kept); the fitted calibrators are saved in <run>/calibrators/. With
     --conformal, the coverage and set sizes of conformal sets on the test split after each calibrator; with
     --arena, the runs then go through the calibrator arena (torchcal arena)."""
-    from .evaluate import RESULTS, check_calibrators, evaluate_run
-    from .field_report import parse_conformal
+    from .evaluation.evaluate import RESULTS, check_calibrators, evaluate_run
+    from .evaluation.field_metrics import parse_conformal
 
     for spec in conformal:
         parse_conformal(spec)  # refused before anything is computed or written
     names = check_calibrators((c.strip() for c in calibrators.split(",") if c.strip()), None)
     if arena:
-        from .arena import resolve_calibrators, tasks_from_runs
+        from .evaluation.arena import resolve_calibrators, tasks_from_runs
 
         arena_names = resolve_calibrators(arena_calibrators)
         _check_arena_options(resamples, 0, "cpu")
@@ -196,7 +197,7 @@ def evaluate(
 
 def _arena(tasks, calibrators, out, resamples, seed, device, save_runs=False):
     """Runs the arena over ``tasks`` with a progress bar, writes its files and prints the leaderboard."""
-    from .arena import recommendation, run_arena, save_to_runs, write_arena
+    from .evaluation.arena import recommendation, run_arena, save_to_runs, write_arena
 
     names = calibrators
     bar = _progress()
@@ -258,7 +259,7 @@ def arena(
     classwise ECE, accuracy; improvement over uncalibrated with a bootstrap 95% interval; fit and predict
     time) and ranks them across tasks (mean rank, pairwise win rate). Tasks: finished runs, or your own
     saved logits with --val and --test. A calibrator that fails on a task is reported in its row."""
-    from .arena import resolve_calibrators, tasks_from_runs, user_task
+    from .evaluation.arena import resolve_calibrators, tasks_from_runs, user_task
 
     names = resolve_calibrators(calibrators)
     _check_arena_options(resamples, seed, device)
@@ -288,7 +289,7 @@ def _parameters_text(parameters: dict) -> str:
 def calibrate(run_dir: Path, method: str = typer.Option("ts", "--method", "-m", help="ts, fts, ets, ...")):
     """Fit one post-hoc calibrator on the run's validation logits, evaluate it on test, save it in
     <run>/calibrators/<method>.pt and .json and add its results to results.json."""
-    from .evaluate import calibrate_run, read_results
+    from .evaluation.evaluate import calibrate_run, read_results
 
     out = calibrate_run(run_dir, method)
     out.pop("calibrator")
@@ -296,7 +297,7 @@ def calibrate(run_dir: Path, method: str = typer.Option("ts", "--method", "-m", 
     console.print(
         _before_after_table({"uncalibrated": result.get("uncalibrated", {}), method: out}, [method])
     )
-    from .evaluate import calibrator_file_stem
+    from .evaluation.evaluate import calibrator_file_stem
 
     saved = Path(run_dir) / "calibrators" / calibrator_file_stem(method)
     typer.echo(f"{method}: {_parameters_text(out['parameters'])}; saved to {saved}.pt and .json")
@@ -317,7 +318,7 @@ def gradcam(
 
     from ..plotting import save_figure
     from .errors import UserError
-    from .gradcam import gradcam_figure, load_run_model
+    from .reports.gradcam import gradcam_figure, load_run_model
 
     models, data = {}, None
     for run in run_dirs:
@@ -372,16 +373,16 @@ def report(
     averaged in one row; unfinished run folders are skipped with a warning. With cross-entropy runs among
     them, the report names the regime their fitted temperature shows."""
     from .demo import regime_note
-    from .evaluate import (
+    from .evaluation.evaluate import (
         OPTIONAL_COLUMNS,
         check_calibrators,
         check_columns,
         check_optional_columns,
         collect_groups,
     )
-    from .evaluate import report as make_report
-    from .field_report import REPORT_METRICS, check_report_metrics
-    from .html_report import html_report
+    from .evaluation.evaluate import report as make_report
+    from .evaluation.field_metrics import REPORT_METRICS, check_report_metrics
+    from .reports.html import html_report
 
     check_calibrators([calibrator], None)
     names = [n.strip() for n in metrics.split(",") if n.strip()]
@@ -415,7 +416,7 @@ def sweep(
     ),
 ):
     """Run a grid of trainings (resumable: finished runs are kept) and aggregate them into one report."""
-    from .evaluate import check_calibrators
+    from .evaluation.evaluate import check_calibrators
     from .sweep import load_sweep, run_sweep
 
     if backend not in ("local", "ray"):
@@ -431,6 +432,64 @@ def sweep(
     console.print(f"report in {spec.out / 'report'}/" if len(failed) < len(state) else "no finished run")
     if failed:
         raise typer.Exit(code=1)
+
+
+config_app = typer.Typer(
+    no_args_is_help=True,
+    help="The run configuration: its JSON Schema (for an editor's completion and checking) and the resolved "
+    "config of a preset or file, with every default.",
+)
+app.add_typer(config_app, name="config")
+
+
+@config_app.command("schema")
+@_user_errors
+def config_schema_command(
+    out: Path = typer.Option(None, "--out", "-o", help="write the schema to this file (default: print it)"),
+):
+    """Print (or write) the JSON Schema of a run's YAML file. Point an editor at it with a first line
+    `# yaml-language-server: $schema=<path or URL of the schema>`."""
+    from .config import config_schema
+    from .run_files import atomic_write_bytes
+
+    text = json.dumps(config_schema(), indent=2) + "\n"
+    if out is None:
+        typer.echo(text, nl=False)
+        return
+    if out.parent and not out.parent.is_dir():
+        raise UserError(f"--out {str(out)!r}: the folder {str(out.parent)!r} does not exist")
+    atomic_write_bytes(out, lambda fh: fh.write(text.encode()))
+    console.print(f"schema written to {out}")
+
+
+@config_app.command("show")
+@_user_errors
+def config_show(
+    config: str = typer.Argument(None, help="a preset name (torchcal list presets) or a YAML file; none: defaults"),
+    overrides: list[str] = typer.Argument(None, help="section.key=value overrides, e.g. optim.lr=0.1"),
+):
+    """Print the resolved config (YAML, every default included) of a preset or file and overrides: what
+    `torchcal train` would run."""
+    import yaml
+
+    from .config import config_to_dict
+
+    overrides = list(overrides or [])
+    if config is not None and "=" in config and not Path(config).exists():  # only overrides were given
+        overrides, config = [config, *overrides], None
+    path = None
+    if config is not None:
+        presets = list_presets()
+        if config in presets:
+            path = presets[config]
+        elif Path(config).is_file():
+            path = config
+        else:
+            raise UserError(
+                f"{config!r} is neither a preset nor a file: torchcal list presets names the presets"
+            )
+    cfg = load_config(path, overrides)
+    typer.echo(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), nl=False)
 
 
 @app.command(name="list")
@@ -484,11 +543,12 @@ def demo(
     evaluate on test, a Gaussian-noise shifted test set and an OOD set, and write the reports."""
     from rich.progress import Progress
 
-    from .data import DatasetError, load_fashion_mnist
+    from .data import load_fashion_mnist
     from .demo import DEMO_LOSSES, PROTOCOLS, demo_jobs, regime_note, run_jobs
-    from .evaluate import collect_groups
-    from .evaluate import report as make_report
-    from .html_report import html_report
+    from .errors import DatasetError
+    from .evaluation.evaluate import collect_groups
+    from .evaluation.evaluate import report as make_report
+    from .reports.html import html_report
 
     start = time.time()
     calibrators = ("ts", "fts")
@@ -501,7 +561,7 @@ def demo(
                       "Gaussian noise σ = 0.5; OOD: scikit-learn digits rescaled to 28 × 28")  # fmt: skip
     except DatasetError as err:
         console.print(f"[yellow]Fashion-MNIST not found ({err}); falling back to scikit-learn digits[/]")
-        extra += ["data.name=digits", "data.ood=", "data.val_size=260", "data.limit_train=0"]
+        extra += ["data.name=digits", "data.ood.sets=[]", "data.val_size=260", "data.limit_train=0"]
         jobs = demo_jobs(out, protocol, DEMO_LOSSES, range(seeds), extra)
     load_config(None, list(jobs[0].overrides))  # a bad --epochs or --limit-train is refused before any run
     with Progress(*_progress().columns, console=console) as bar:

@@ -80,8 +80,8 @@ def _run_job(job: DemoJob, calibrators: tuple[str, ...], threads: int) -> DemoJo
     import torch
 
     from .config import load_config
-    from .evaluate import evaluate_run, read_results
-    from .train import LOGITS, train
+    from .evaluation.evaluate import evaluate_run, read_results
+    from .training.loop import LOGITS, train
 
     torch.set_num_threads(threads)
     with warnings.catch_warnings():
@@ -134,7 +134,7 @@ def regime(ce_temperature: float) -> str:
 
 def regime_note(groups) -> str:
     """The regime of each cross-entropy row among ``groups`` (from
-    :func:`torchcal.experiments.evaluate.collect_groups` with temperature scaling: its mean fitted T), or ""
+    :func:`torchcal.experiments.evaluation.evaluate.collect_groups` with temperature scaling: its mean fitted T), or ""
     when there is none. One row: its :func:`regime`; several: each prefixed with its label."""
     ce = [g for g in groups if g.config.get("loss.name") == "ce" and math.isfinite(g.stats["T"][0])]
     if len(ce) == 1:
@@ -143,7 +143,7 @@ def regime_note(groups) -> str:
 
 
 def summary_rows(groups_by_calibrator: dict[str, list]) -> list[dict]:
-    """One row per loss from :func:`torchcal.experiments.evaluate.collect_groups` of each calibrator:
+    """One row per loss from :func:`torchcal.experiments.evaluation.evaluate.collect_groups` of each calibrator:
     (mean, std, n) of error, ECE pre and post each calibrator, AdaECE, NLL, the temperature, shift ECE and
     OOD AUROC (×100 but T)."""
     rows = {}

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import ConfigError, load_config, load_yaml
-from .train import atomic_write_bytes
+from .training.loop import atomic_write_bytes
 
 __all__ = ["Sweep", "load_sweep", "expand", "run_sweep"]
 
@@ -75,8 +75,8 @@ def load_sweep(path: str | Path) -> Sweep:
         except ValueError as err:
             raise ConfigError(f"`evaluate`: {err}") from None
     if raw.get("arena") is not None:
-        from .arena import resolve_calibrators
         from .errors import UserError
+        from .evaluation.arena import resolve_calibrators
 
         try:
             sweep.arena = resolve_calibrators(raw["arena"] if isinstance(raw["arena"], str | list) else "")
@@ -130,7 +130,7 @@ def run_one(command: list[str], run_dir: str, evaluate: list[str], env: dict | N
     log = (proc.stdout + proc.stderr)[-4000:]
     if proc.returncode != 0:
         return {"status": "failed", "log": log, "returncode": proc.returncode}
-    from .evaluate import evaluate_run
+    from .evaluation.evaluate import evaluate_run
 
     try:
         evaluate_run(run_dir, tuple(evaluate))
@@ -206,14 +206,14 @@ def run_sweep(
 
     done = [sweep.out / name for name, s in state.items() if s.get("status") == "done"]
     if done:
-        from .evaluate import collect_groups, report
-        from .html_report import html_report
+        from .evaluation.evaluate import collect_groups, report
+        from .reports.html import html_report
 
         groups = collect_groups(done, report_calibrator)
         report(done, sweep.out / "report", report_calibrator, groups=groups)
         html_report(done, sweep.out / "report", report_calibrator, groups=groups)
         if sweep.arena:
-            from .arena import run_arena, save_to_runs, tasks_from_runs, write_arena
+            from .evaluation.arena import run_arena, save_to_runs, tasks_from_runs, write_arena
 
             tasks = tasks_from_runs(done)
             result = run_arena(tasks, sweep.arena)

@@ -28,7 +28,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .errors import DatasetError
+from ..errors import DatasetError
 
 __all__ = [
     "ImageFolderInputs",

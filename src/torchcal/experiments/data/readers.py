@@ -13,8 +13,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..errors import DatasetError
+from .catalog import (
+    DATASETS,
+    FIXED_VALIDATION,
+    OOD_SETS,
+    SHIFTS,
+    TEXT_DATASETS,
+)
 from .dataset import Dataset
-from .errors import DatasetError
 
 __all__ = [
     "Dataset",
@@ -307,40 +314,9 @@ def gaussian_noise(data: Dataset, std: float, seed: int = 0) -> Dataset:
     return Dataset((data.inputs + noise).clamp(0, 1), data.targets.clone())
 
 
-_DATASETS = {
-    "fashion_mnist": "Fashion-MNIST (IDX files; Debian package dataset-fashion-mnist)",
-    "digits": "scikit-learn digits rescaled to 28 x 28 (bundled with scikit-learn)",
-    "fashion_mnist_attributes": "Fashion-MNIST images with 5 overlapping attributes of their class (multi-label)",
-    "chestxray14": "ChestX-ray14 (NIH): 14 pathologies, official split, images decoded per batch (multi-label)",
-    "imagenet": "ImageNet train/ and val/ <wnid> folders, decoded per batch; val halved into validation / test",
-    "cifar10": "CIFAR-10 python pickles (cifar-10-batches-py); 45k/5k split with seed 1",
-    "cifar100": "CIFAR-100 python pickles (cifar-100-python); 45k/5k split with seed 1",
-    "20newsgroups": "20 Newsgroups bydate folders + GloVe 100-d vectors (data.glove)",
-    "20newsgroups_papers": "20news-19997 folders in the papers' split 15,098 / 900 / 3,999 + GloVe (data.glove)",
-    "ag_news": "AG News train.csv / test.csv + GloVe 100-d vectors (data.glove)",
-    "finsen": "FinSen finsen.csv in its loader's 70 / 15 / 15 split (seed 42) + GloVe (data.glove)",
-    "sst_binary": "Stanford Sentiment Treebank PTB trees, binary (6,920 / 872 / 1,821 sentences)",
-    "sst_fine": "Stanford Sentiment Treebank PTB trees, five classes (8,544 / 1,101 / 2,210 sentences)",
-    "tiny_imagenet": "Tiny-ImageNet-200 folders; validation = 50 training images per class, test = val split",
-}
-_SHIFTS = {"gaussian_noise": "additive Gaussian noise of σ = shift_severity", "cifar10_c": "CIFAR-10-C"}
-_OOD = {"digits": "scikit-learn digits 28 x 28", "svhn": "SVHN test_32x32.mat",
-        "cifar10_c": "CIFAR-10-C Gaussian noise, severity 5 (data.shift_root)"}  # fmt: skip
-
-
-MULTILABEL_DATASETS = ("fashion_mnist_attributes", "chestxray14")
-# images decoded per batch: no shift or OOD set (those are small in-memory image sets)
-LAZY_DATASETS = ("chestxray14", "imagenet", "tiny_imagenet")
-TEXT_DATASETS = ("20newsgroups", "20newsgroups_papers", "ag_news", "finsen", "sst_binary", "sst_fine")
-FIXED_VALIDATION = {  # datasets whose split fixes the validation set (data.val_size and split_seed unused)
-    "tiny_imagenet": "Tiny-ImageNet's validation split is 50 training images per class",
-    "20newsgroups_papers": "the papers' 20 Newsgroups split fixes 900 validation documents",
-    "finsen": "FinSen's split fixes 15 % of the articles for validation",
-    "sst_binary": "the Stanford Sentiment Treebank's dev split is the validation set",
-    "sst_fine": "the Stanford Sentiment Treebank's dev split is the validation set",
-    "chestxray14": "ChestX-ray14's validation set takes whole patients until data.val_size images",
-    "imagenet": "ImageNet's validation images are split into validation and test halves",
-}
+_DATASETS = DATASETS
+_SHIFTS = SHIFTS
+_OOD = OOD_SETS
 
 
 def list_datasets() -> dict[str, str]:
@@ -348,7 +324,8 @@ def list_datasets() -> dict[str, str]:
 
 
 def load_splits(cfg, tokenizer=None) -> dict[str, Dataset]:
-    """train / val / test (and shift / ood when configured) for a :class:`DataConfig`; text datasets are
+    """train / val / test (and shift / ood when configured) for a data config (one of the kinds of
+    :data:`torchcal.experiments.config.DataConfig`); text datasets are
     encoded with a Hugging Face ``tokenizer`` when given (a transformer model), else with their own
     vocabulary."""
     if cfg.name in ("fashion_mnist", "fashion_mnist_attributes"):
@@ -415,33 +392,26 @@ def load_splits(cfg, tokenizer=None) -> dict[str, Dataset]:
         train = Dataset(first, train.targets[: cfg.limit_train], label_names=train.label_names)
     train.embeddings, train.vocab_size = embeddings, vocab_size
     splits = {"train": train, "val": val, "test": test}
-    if not test.inputs.is_floating_point() and (cfg.shift or cfg.ood):
-        raise ValueError(f"{cfg.name} is a text dataset: set data.shift= and data.ood= (image-only sets)")
-    if cfg.shift == "gaussian_noise":
-        splits["shift"] = gaussian_noise(test, cfg.shift_severity)
-    elif cfg.shift == "cifar10_c":
-        splits["shift"] = load_cifar10_c(
-            cfg.shift_root or "data/CIFAR-10-C", "gaussian_noise", int(cfg.shift_severity)
-        )
-    elif cfg.shift:
-        raise ValueError(f"unknown shift {cfg.shift!r}; available: {sorted(_SHIFTS)}")
-    for i, name in enumerate(ood_names(cfg.ood)):
+    shift = getattr(cfg, "shift", None)  # in-memory image sets only (the config's kinds)
+    ood = getattr(cfg, "ood", None)
+    if shift is not None and shift.name == "gaussian_noise":
+        splits["shift"] = gaussian_noise(test, shift.severity)
+    elif shift is not None and shift.name == "cifar10_c":
+        splits["shift"] = load_cifar10_c(shift.root or "data/CIFAR-10-C", "gaussian_noise", int(shift.severity))
+    elif shift is not None and shift.name:
+        raise ValueError(f"unknown shift {shift.name!r}; available: {sorted(_SHIFTS)}")
+    for i, name in enumerate(ood.sets if ood is not None else []):
         if name == "digits":
-            ood = load_digits_28()
+            ood_set = load_digits_28()
         elif name == "svhn":
-            ood = load_svhn(cfg.ood_root or "data/svhn", "test")
+            ood_set = load_svhn(ood.root or "data/svhn", "test")
         elif name == "cifar10_c":  # Gaussian noise at severity 5, the papers' OOD set beside SVHN
-            ood = load_cifar10_c(cfg.shift_root or "data/CIFAR-10-C", "gaussian_noise", 5)
+            root = shift.root if shift is not None else ""
+            ood_set = load_cifar10_c(root or "data/CIFAR-10-C", "gaussian_noise", 5)
         else:
             raise ValueError(f"unknown OOD set {name!r}; available: {sorted(_OOD)}")
-        splits[f"ood_{name}"] = ood
+        splits[f"ood_{name}"] = ood_set
         if i == 0:
-            splits["ood"] = ood  # the first set is also "the" OOD set of single-set reports
+            splits["ood"] = ood_set  # the first set is also "the" OOD set of single-set reports
     return splits
 
-
-def ood_names(ood) -> list[str]:
-    """The OOD sets of ``data.ood``: "" (none), a name, a comma-separated string or a list of names."""
-    if isinstance(ood, str):
-        return [n.strip() for n in ood.split(",") if n.strip()]
-    return [str(n).strip() for n in ood]

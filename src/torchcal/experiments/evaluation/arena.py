@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from .. import functional as F
-from .errors import RunError, UserError
+from ... import functional as F
+from ..errors import RunError, UserError
 
 __all__ = [
     "SCORES",
@@ -220,8 +220,8 @@ def user_task(val, test, val_targets=None, test_targets=None) -> ArenaTask:
 def tasks_from_runs(run_dirs, warn=None) -> list[ArenaTask]:
     """One task per finished run (its saved validation and test logits). A missing folder, or a multi-label
     run, is a :class:`RunError`; unfinished or damaged runs are skipped with a warning; none left is an error."""
+    from ..run_files import LOGITS
     from .evaluate import load_logits, run_task
-    from .train import LOGITS
 
     warn = warn or (lambda message: warnings.warn(message, UserWarning, stacklevel=3))
     run_dirs = [Path(r) for r in run_dirs]
@@ -255,7 +255,7 @@ def tasks_from_runs(run_dirs, warn=None) -> list[ArenaTask]:
 def resolve_calibrators(spec: str | list | tuple = "all") -> tuple[str, ...]:
     """``"all"`` (every multiclass calibrator registered now, sorted) or comma-separated specs, each checked
     against the registry (a :class:`UserError` names an unknown one)."""
-    from ..calibrators import list_calibrators
+    from ...calibrators import list_calibrators
     from .evaluate import check_calibrators
 
     names = spec.split(",") if isinstance(spec, str) else list(spec)
@@ -322,7 +322,7 @@ def _scalar_parameters(cal) -> dict:
 def _fit_one(spec: str, task: ArenaTask, device: torch.device) -> tuple[dict, torch.Tensor | None]:
     """(row without scores, calibrated test probabilities or None): the calibrator fitted on validation and
     applied to test, timed; any exception, or probabilities that are not finite, make the row "failed"."""
-    from ..calibrators import from_spec
+    from ...calibrators import from_spec
 
     row = {"status": "ok", "message": "", "fit_seconds": None, "predict_seconds": None}
     val_z, val_y = task.val_logits.to(device), task.val_targets.to(device)
@@ -370,7 +370,7 @@ def run_arena(
 
     Example:
         >>> import torch
-        >>> from torchcal.experiments.arena import ArenaTask, run_arena
+        >>> from torchcal.experiments.evaluation.arena import ArenaTask, run_arena
         >>> g = torch.Generator().manual_seed(0)
         >>> z = 2 * torch.randn(2000, 4, generator=g)
         >>> y = torch.multinomial(torch.softmax(z, 1), 1, generator=g).squeeze(1)
@@ -382,7 +382,7 @@ def run_arena(
         >>> res["summary"]["order"][0]
         'ts'
     """
-    from .._validation import check_float, check_positive_int
+    from ..._validation import check_float, check_positive_int
 
     n_resamples = check_positive_int(n_resamples, "n_resamples")
     seed = check_positive_int(seed, "seed", minimum=0)
@@ -446,7 +446,7 @@ def rank_scores(values: list[float | None], lower_is_better: bool = True) -> lis
     values (failures) rank after every present one, sharing the mean of the last ranks.
 
     Example:
-        >>> from torchcal.experiments.arena import rank_scores
+        >>> from torchcal.experiments.evaluation.arena import rank_scores
         >>> rank_scores([0.3, 0.1, 0.3, None, 0.2])
         [3.5, 1.0, 3.5, 5.0, 2.0]
         >>> rank_scores([0.9, 0.8, None, None], lower_is_better=False)
@@ -708,8 +708,8 @@ def _reliability_figure(task: ArenaTask, specs: list[str], device):
     validation split."""
     import matplotlib.pyplot as plt
 
-    from ..calibrators import from_spec
-    from ..plotting import plot_reliability_diagram
+    from ...calibrators import from_spec
+    from ...plotting import plot_reliability_diagram
 
     panels = [(UNCALIBRATED, torch.softmax(task.test_logits, 1))]
     for spec in specs:
@@ -790,7 +790,7 @@ def write_arena(result: dict, out_dir, tasks: list[ArenaTask] | None = None, dev
     """Writes ``arena.md``, ``arena.csv``, ``arena.html`` (the section of :func:`arena_html_section` as one
     self-contained page) and ``arena.json`` (the results) to ``out_dir``, each atomically; returns the paths.
     Everything is rendered before the folder is created, so a failure writes nothing."""
-    from .train import atomic_write_bytes
+    from ..run_files import atomic_write_bytes
 
     texts = {
         "arena.md": arena_markdown(result),

@@ -97,10 +97,10 @@ def load_run_model(run_dir) -> tuple[nn.Module, dict]:
     best validation epoch) in eval mode, and its data splits."""
     import yaml
 
-    from .config import config_from_dict
-    from .data import load_splits
-    from .text import load_tokenizer
-    from .train import BEST, CHECKPOINT, CONFIG, _build_model, load_checkpoint
+    from ..config import config_from_dict
+    from ..data import load_splits
+    from ..data.text import load_tokenizer
+    from ..training.loop import BEST, CHECKPOINT, CONFIG, _build_model, load_checkpoint
 
     run_dir = Path(run_dir)
     state = load_checkpoint(run_dir / CHECKPOINT)
@@ -128,7 +128,7 @@ def gradcam_figure(models: dict, images: torch.Tensor, target, *, layer: str | N
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
 
-    from .train import as_model_input
+    from ..training.loop import as_model_input
 
     images = as_model_input(images)  # uint8 images of the lazy sets to [0, 1]
     maps = {name: grad_cam(_unwrap(m), _crop_for(m, images), target, layer) for name, m in models.items()}
@@ -150,14 +150,14 @@ def gradcam_figure(models: dict, images: torch.Tensor, target, *, layer: str | N
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
-    from .models import TenCrop
+    from ..models import TenCrop
 
     return model.model if isinstance(model, TenCrop) else model
 
 
 def _crop_for(model: nn.Module, images: torch.Tensor) -> torch.Tensor:
     """The centre crop a ten-crop model takes (its training size); other models see the images as they are."""
-    from .models import TenCrop
+    from ..models import TenCrop
 
     if not isinstance(model, TenCrop):
         return images

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import functional as F
-from ..conformal import SplitConformalClassifier
-from ..functional.conformal import CONFORMAL_SCORES, conformal_set_metrics
-from .errors import UserError
+from ... import functional as F
+from ...conformal import SplitConformalClassifier
+from ...functional.conformal import CONFORMAL_SCORES, conformal_set_metrics
+from ..errors import UserError
 
 __all__ = [
     "FIELD_COLUMNS",
@@ -189,8 +189,8 @@ def field_figures(run_dir, test: dict, pre: torch.Tensor, post: torch.Tensor, ca
     half of the test split (the sets the report's columns measure)."""
     import json
 
-    from ..plotting import plot_risk_coverage, plot_set_sizes
-    from .run_files import RESULTS
+    from ...plotting import plot_risk_coverage, plot_set_sizes
+    from ..run_files import RESULTS
 
     targets = test["targets"]
     curves = {

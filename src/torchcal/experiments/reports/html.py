@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from .errors import RunError
-from .evaluate import (
+from ..errors import RunError
+from ..evaluation.evaluate import (
     COLUMN_HEADERS,
     calibrator_file_stem,
     check_columns,
@@ -20,15 +20,15 @@ from .evaluate import (
     collect_groups,
     describe_calibrator,
 )
-from .field_report import COLUMN_HEADERS as FIELD_HEADERS
-from .field_report import REPORT_METRICS, field_figures
-from .run_files import CALIBRATORS, atomic_write_bytes, read_metrics
+from ..evaluation.field_metrics import COLUMN_HEADERS as FIELD_HEADERS
+from ..evaluation.field_metrics import REPORT_METRICS, field_figures
+from ..run_files import CALIBRATORS, atomic_write_bytes, read_metrics
 
 __all__ = ["group_runs", "html_report", "summarise"]
 
 
 def group_runs(run_dirs, calibrator: str = "ts") -> dict[str, list[Path]]:
-    """Row label -> run folders of the report's rows (:func:`torchcal.experiments.evaluate.collect_groups`:
+    """Row label -> run folders of the report's rows (:func:`torchcal.experiments.evaluation.evaluate.collect_groups`:
     runs whose configs differ only in the seed share a row)."""
     return {g.label: g.runs for g in collect_groups(run_dirs, calibrator)}
 
@@ -53,8 +53,8 @@ def _figures(run_dir: Path, calibrator: str, extra_metrics=()) -> list[tuple[str
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
 
-    from ..calibrators import from_json, from_spec
-    from ..plotting import plot_reliability_diagram
+    from ...calibrators import from_json, from_spec
+    from ...plotting import plot_reliability_diagram
 
     figs = []
     logits = torch.load(run_dir / "logits.pt", weights_only=True)
@@ -109,8 +109,8 @@ def _figures(run_dir: Path, calibrator: str, extra_metrics=()) -> list[tuple[str
 
 def _multilabel_figures(run_dir: Path, calibrator: str, test: dict, cal) -> list[tuple[str, str]]:
     """A reliability diagram per label and pooled, before and after the calibrator, and ECE over epochs."""
-    from ..plotting import plot_multilabel_reliability
-    from .evaluate import _label_names
+    from ...plotting import plot_multilabel_reliability
+    from ..evaluation.evaluate import _label_names
 
     names = _label_names(run_dir, test["targets"].shape[1])
     pre, post = torch.sigmoid(test["logits"]), cal.transform(test["logits"])
@@ -158,7 +158,7 @@ def _comparison_figures(groups, calibrator: str) -> list[tuple[str, str]]:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    from ..plotting import multilabel_reliability_data, reliability_diagram_data
+    from ...plotting import multilabel_reliability_data, reliability_diagram_data
 
     short = [g.label.split(" · ")[-1] for g in groups]
     labels = short if len(set(short)) == len(short) else [g.label for g in groups]
@@ -199,7 +199,7 @@ def _comparison_figures(groups, calibrator: str) -> list[tuple[str, str]]:
 
 
 def _fit_warnings_html(groups, calibrator: str) -> str:
-    from .evaluate import fit_warnings
+    from ..evaluation.evaluate import fit_warnings
 
     found = fit_warnings(groups, calibrator)
     if not found:
@@ -223,12 +223,12 @@ def html_report(
     columns=(),
 ) -> Path:
     """Writes ``report.html`` (one file) to ``out_dir``; returns its path. It opens with the table (rows as in
-    :func:`torchcal.experiments.evaluate.collect_groups`, each naming its seeds and run folders) and the
+    :func:`torchcal.experiments.evaluation.evaluate.collect_groups`, each naming its seeds and run folders) and the
     comparison across rows (ECE before/after the calibrator with error bars; every row's reliability curve
     on one axis), then one section of figures per row. ``note`` (e.g. the regime) is shown under the title;
     ``groups`` (from ``collect_groups`` with this calibrator) saves collecting them again. ``extra_metrics``
     (``report --metrics``) adds those columns and each row's risk-coverage and set-size figures; ``columns``
-    adds the report's columns on request (:data:`~torchcal.experiments.evaluate.OPTIONAL_COLUMNS`)."""
+    adds the report's columns on request (:data:`~torchcal.experiments.evaluation.evaluate.OPTIONAL_COLUMNS`)."""
     columns = check_columns(columns)
     groups = collect_groups(run_dirs, calibrator, warn) if groups is None else groups
     check_optional_columns(groups, columns)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .cifar_models import BasicBlock, Bottleneck, CifarResNet, DenseNet, WideResNet
+from .cifar import BasicBlock, Bottleneck, CifarResNet, DenseNet, WideResNet
 
 __all__ = ["create_model", "list_models"]
 
@@ -92,7 +92,7 @@ class TransformerClassifier(nn.Module):
 
         path = Path(checkpoint)
         if not (path / "config.json").is_file():
-            from .text import _CHECKPOINT_HELP
+            from ..data.text import _CHECKPOINT_HELP
 
             raise ValueError(f"model.checkpoint={checkpoint!r}: {_CHECKPOINT_HELP}")
         try:

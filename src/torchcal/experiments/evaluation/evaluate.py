@@ -13,12 +13,13 @@ from pathlib import Path
 
 import torch
 
-from .. import functional as F
-from ..calibrators import from_spec
-from .config import EXECUTION_KEYS, flatten_config
-from .errors import RunError, UserError
-from .field_report import COLUMN_HEADERS as FIELD_HEADERS
-from .field_report import (
+from ... import functional as F
+from ...calibrators import from_spec
+from ..config import EXECUTION_KEYS, flatten_config
+from ..errors import RunError, UserError
+from ..run_files import CALIBRATORS, LOGITS, RESULTS, atomic_write_bytes
+from .field_metrics import COLUMN_HEADERS as FIELD_HEADERS
+from .field_metrics import (
     check_report_metrics,
     conformal_metrics,
     direction_word,
@@ -27,7 +28,6 @@ from .field_report import (
     paired_ranking,
     parse_conformal,
 )
-from .run_files import CALIBRATORS, LOGITS, RESULTS, atomic_write_bytes
 
 __all__ = [
     "evaluate_run",
@@ -181,7 +181,7 @@ def check_calibrators(names, task: str | None = "multiclass") -> tuple[str, ...]
 def _calibrator_error(spec, task, errors) -> str:
     """The message for a spec no registry accepts: the error of the registry that knows its name, or, for a
     name neither knows (``task`` None), both registries' names."""
-    from ..calibrators import get_calibrator_class, list_calibrators, parse_spec
+    from ...calibrators import get_calibrator_class, list_calibrators, parse_spec
 
     if task is not None:
         return str(errors[0])
@@ -330,7 +330,7 @@ def evaluate_run(run_dir, calibrators=("ts", "fts"), conformal=()) -> dict:
     """Metrics of the uncalibrated model and after each calibrator (each saved as by
     :func:`calibrate_run`), added to ``results.json``; returns the file's whole content.
 
-    ``conformal``: specs such as ``"aps:alpha=0.1"`` (:func:`torchcal.experiments.field_report.
+    ``conformal``: specs such as ``"aps:alpha=0.1"`` (:func:`torchcal.experiments.evaluation.field_metrics.
     parse_conformal`); each adds ``"conformal": {spec: set metrics}`` to the uncalibrated and each
     calibrator's results: a seeded half of the test split calibrates the sets, the other half scores them."""
     run_dir = Path(run_dir)
@@ -634,7 +634,7 @@ def _multilabel_report(groups, out_dir: Path, calibrator: str, note: str) -> tup
 def post_calibration_probs(run_dir, calibrator: str):
     """(test probabilities after the run's saved ``calibrator``, test targets); the calibrator is refitted on
     the validation split if its saved file is missing."""
-    from ..calibrators import from_json
+    from ...calibrators import from_json
 
     logits = torch.load(run_dir / LOGITS, weights_only=True)
     test, val = logits["test"], logits["val"]
@@ -679,7 +679,7 @@ def report(
     ``report.md`` and ``report.csv`` to ``out_dir`` (created only when there is something to report) and
     returns (markdown, csv). ``note`` (e.g. the regime the runs are in) is printed under the title; ``groups``
     (from :func:`collect_groups` with this calibrator) saves collecting them again. ``metrics`` adds columns
-    of :data:`torchcal.experiments.field_report.REPORT_METRICS` (runs evaluated before they existed leave the
+    of :data:`torchcal.experiments.evaluation.field_metrics.REPORT_METRICS` (runs evaluated before they existed leave the
     cell empty) and says next to each ECE whether the model is over- or under-confident (signed ECE);
     ``columns`` adds :data:`OPTIONAL_COLUMNS` after S99 (multiclass runs)."""
     metrics = check_report_metrics(metrics)

@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..errors import DatasetError
 from .dataset import Dataset
-from .errors import DatasetError
 
 __all__ = [
     "tokenize",
@@ -340,7 +340,7 @@ def load_tokenizer(checkpoint: str | Path):
     So is a tokenizer whose vocabulary does not fit the model's token embedding (``vocab_size`` in
     config.json): more tokens than embedding rows, or fewer than half of them (another model's tokenizer;
     checkpoints pad their embedding by a few per cent at most)."""
-    from .errors import ConfigError
+    from ..errors import ConfigError
 
     path = Path(checkpoint)
     if not (path / "config.json").is_file():

@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 
-from .. import __version__
-from ..adafocal import AdaFocalLoss
-from ..losses import create as create_loss
-from ..metrics import CalibrationMetrics, MultilabelCalibrationMetrics
-from .config import (
+from ... import __version__
+from ...adafocal import AdaFocalLoss
+from ...losses import create as create_loss
+from ...metrics import CalibrationMetrics, MultilabelCalibrationMetrics
+from ..config import (
     RunConfig,
     config_from_dict,
     config_to_dict,
@@ -35,11 +35,11 @@ from .config import (
     resume_config,
     validate_config,
 )
-from .data import FIXED_VALIDATION, load_splits, random_crop_flip
-from .errors import CheckpointError, ConfigError, RunError
-from .models import TenCrop, create_model
-from .streaming import DeferredCrops, EpochPlan, TrainBatches, crop_on_device, sequential_batches
-from .text import load_tokenizer
+from ..data import FIXED_VALIDATION, load_splits, random_crop_flip
+from ..data.streaming import DeferredCrops, EpochPlan, TrainBatches, crop_on_device, sequential_batches
+from ..data.text import load_tokenizer
+from ..errors import CheckpointError, ConfigError, RunError
+from ..models import TenCrop, create_model
 
 __all__ = [
     "train",
@@ -53,7 +53,7 @@ __all__ = [
     "resolve_device",
 ]
 
-from .run_files import (  # noqa: F401  (the run folder's layout, re-exported for the runner's modules)
+from ..run_files import (  # noqa: F401  (the run folder's layout, re-exported for the runner's modules)
     BEST,
     CALIBRATORS,
     CHECKPOINT,
@@ -225,7 +225,7 @@ def _epoch_metrics(model, splits, cfg, device, names=("val", "test"), rank=0, wo
     out = {}
     for name in names:
         inputs, targets = splits[name].inputs[rank::world], splits[name].targets[rank::world]
-        logits = predict_logits(model, inputs, cfg.data.eval_batch_size, device, cfg.data.num_workers)
+        logits = predict_logits(model, inputs, cfg.data.loader.eval_batch_size, device, cfg.data.loader.num_workers)
         if targets.ndim == 2:  # multi-label: sigmoid outputs
             m = MultilabelCalibrationMetrics(num_labels=logits.shape[1], from_logits=True)
             m.update(logits, targets.to(logits.device))
@@ -313,7 +313,7 @@ def train(
     train_set = splits["train"]
     if hasattr(train_set.inputs, "seed"):  # lazy images: their augmentation follows the run's seed
         train_set.inputs.seed = cfg.train.seed
-        train_set.inputs.defer_crop = cfg.data.augment_on == "device"
+        train_set.inputs.defer_crop = getattr(cfg.data, "augment_on", "workers") == "device"
     if train_set.multilabel:  # (N, L) 0/1 targets: L sigmoid outputs
         num_classes = int(train_set.targets.shape[1])
     else:
@@ -344,7 +344,7 @@ def train(
         )
     step_model = torch.compile(step_model) if cfg.train.compile else step_model
     n = len(train_set)
-    bs = cfg.data.batch_size
+    bs = cfg.data.loader.batch_size
     n_batches = (n + bs - 1) // bs
     opt, sched, sched_mode = _optimizer(cfg, model, n_batches)
     start_epoch, rows, best = 0, [], None
@@ -368,7 +368,7 @@ def train(
     # DataLoader workers, which compute the same indices from (epoch, b)
     plan = EpochPlan(n, bs, cfg.train.seed, rank, world)
     batches = TrainBatches(train_set.inputs, train_set.targets, plan, n_batches,
-                           cfg.data.num_workers if lazy else 0, pin_memory=device.type == "cuda")  # fmt: skip
+                           cfg.data.loader.num_workers if lazy else 0, pin_memory=device.type == "cuda")  # fmt: skip
     if hasattr(loss_fn, "set_total_epochs"):  # a loss whose schedule spans the run (MaxSup's α ramp)
         loss_fn.set_total_epochs(cfg.train.epochs)
     for epoch in range(start_epoch, cfg.train.epochs):
@@ -485,7 +485,7 @@ def train(
                 if id(split) not in done:  # "ood" is also "ood_<first set>": predicted once, stored once
                     done[id(split)] = {
                         "logits": predict_logits(
-                            model, split.inputs, cfg.data.eval_batch_size, device, cfg.data.num_workers
+                            model, split.inputs, cfg.data.loader.eval_batch_size, device, cfg.data.loader.num_workers
                         ),
                         "targets": split.targets,
                     }
@@ -507,8 +507,8 @@ def _fit_calibrators(run_dir: Path, specs: tuple[str, ...]) -> None:
     """``train.calibrators`` fitted on the final validation logits and saved, as ``torchcal evaluate`` does
     (``results.json``, ``calibrators/<name>.pt`` / ``.json``). A calibrator the data cannot fit is named in
     a warning; the trained run stays."""
-    from .errors import UserError
-    from .evaluate import evaluate_run
+    from ..errors import UserError
+    from ..evaluation.evaluate import evaluate_run
 
     try:
         evaluate_run(run_dir, specs)
@@ -656,6 +656,6 @@ def _build_model(cfg: RunConfig, train_set, num_classes: int):
     if tuple(out.shape) != (min(2, len(train_set)), num_classes):
         raise ConfigError(f"model.name={cfg.model.name!r} gives outputs of shape {tuple(out.shape)} for "
                           f"{num_classes} classes")  # fmt: skip
-    if cfg.data.ten_crop:
+    if getattr(cfg.data, "ten_crop", False):
         model = TenCrop(model, cfg.data.image_size, train_set.multilabel)
     return model.train()
