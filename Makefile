@@ -17,7 +17,7 @@ $(VENV)/.torch: | $(BIN)/python
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
 	touch $@
 
-# the demo's set: torch, the package and its `demo` extra (matplotlib, scikit-learn, rich, typer, PyYAML,
+# the demo's set: torch, the package and its `demo` extra (matplotlib, scikit-learn, rich, typer, PyYAML, pydantic, Jinja2,
 # ninja); nothing of the integrations (Lightning, transformers, Ray)
 $(VENV)/.demo-installed: pyproject.toml $(VENV)/.torch
 	$(BIN)/python -m pip install --quiet -e ".[demo]"

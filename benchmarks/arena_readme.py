@@ -40,7 +40,8 @@ def _torchcal(*args: str, env: dict | None = None) -> None:
 
 def leaderboard(result: dict, title: str) -> str:
     """A compact leaderboard of one arena (Markdown), from its ``arena.json``."""
-    from torchcal.experiments.evaluation.arena import SCORES, UNCALIBRATED, recommendation
+    from torchcal.experiments.evaluation.arena import SCORES, UNCALIBRATED
+    from torchcal.experiments.reports.arena import recommendation
 
     s = result["summary"]
     task = result["tasks"][0]

@@ -16,16 +16,8 @@ import torchcal.calibrators as calibrators
 import torchcal.functional as F
 from torchcal.calibrators import Calibrator
 from torchcal.experiments.cli import app
-from torchcal.experiments.evaluation.arena import (
-    SCORES,
-    ArenaTask,
-    arena_csv,
-    arena_markdown,
-    rank_scores,
-    run_arena,
-    summarise,
-    write_arena,
-)
+from torchcal.experiments.evaluation.arena import SCORES, ArenaTask, rank_scores, run_arena, summarise
+from torchcal.experiments.reports.arena import arena_csv, arena_markdown, write_arena
 
 runner = CliRunner()
 FAST = "ts,histogram"  # two quick calibrators of different kinds keep the CLI tests short

@@ -119,7 +119,7 @@ def train(
     ),
 ):
     """Train a model with a calibration loss; the run folder holds config, metrics log, checkpoint, logits."""
-    from .training.loop import _saved_run
+    from .training.checkpoints import saved_run as _saved_run
 
     overrides = list(overrides or [])
     if config is not None and "=" in str(config) and not config.exists():  # only overrides were given
@@ -197,7 +197,8 @@ def evaluate(
 
 def _arena(tasks, calibrators, out, resamples, seed, device, save_runs=False):
     """Runs the arena over ``tasks`` with a progress bar, writes its files and prints the leaderboard."""
-    from .evaluation.arena import recommendation, run_arena, save_to_runs, write_arena
+    from .evaluation.arena import run_arena, save_to_runs
+    from .reports.arena import recommendation, write_arena
 
     names = calibrators
     bar = _progress()
@@ -396,8 +397,12 @@ def report(
     groups = collect_groups(run_dirs, calibrator)  # warns once per skipped folder
     check_optional_columns(groups, columns)
     note = regime_note(groups)
-    markdown, _ = make_report(run_dirs, out, calibrator, note=note, groups=groups, metrics=extra, columns=columns)
-    page = html_report(run_dirs, out, calibrator, note=note, groups=groups, extra_metrics=extra, columns=columns)
+    markdown, _ = make_report(
+        run_dirs, out, calibrator, note=note, groups=groups, metrics=extra, columns=columns
+    )
+    page = html_report(
+        run_dirs, out, calibrator, note=note, groups=groups, extra_metrics=extra, columns=columns
+    )
     console.print(Markdown(markdown))
     console.print(f"report.md, report.csv and {page.name} (with figures) in {out}/")
 
@@ -465,7 +470,9 @@ def config_schema_command(
 @config_app.command("show")
 @_user_errors
 def config_show(
-    config: str = typer.Argument(None, help="a preset name (torchcal list presets) or a YAML file; none: defaults"),
+    config: str = typer.Argument(
+        None, help="a preset name (torchcal list presets) or a YAML file; none: defaults"
+    ),
     overrides: list[str] = typer.Argument(None, help="section.key=value overrides, e.g. optim.lr=0.1"),
 ):
     """Print the resolved config (YAML, every default included) of a preset or file and overrides: what

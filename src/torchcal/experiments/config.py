@@ -284,7 +284,9 @@ class OptimConfig(_Section):
     @model_validator(mode="after")
     def check_schedule_options(self) -> OptimConfig:
         if self.warmup_epochs and self.schedule != "linear":
-            raise ValueError(f"optim.warmup_epochs={self.warmup_epochs} applies to optim.schedule=linear only")
+            raise ValueError(
+                f"optim.warmup_epochs={self.warmup_epochs} applies to optim.schedule=linear only"
+            )
         if self.milestones and self.schedule != "multistep":
             raise ValueError(f"optim.milestones={self.milestones} apply to optim.schedule=multistep only")
         if list(self.milestones) != sorted(set(self.milestones)):
@@ -767,7 +769,9 @@ def _parse_overrides(overrides: list[str]) -> dict:
                 f"override {item!r}: the value is not valid YAML ({_yaml_problem(err)})"
             ) from None
         kwargs = parts[:2] == ["loss", "kwargs"]
-        nested_ok = kwargs or (parts[0] == "data" and parts[1] in ("shift", "ood", "loader") and len(parts) == 3)
+        nested_ok = kwargs or (
+            parts[0] == "data" and parts[1] in ("shift", "ood", "loader") and len(parts) == 3
+        )
         if len(parts) > 2 and not nested_ok:
             raise ConfigError(
                 f"override {item!r}: {'.'.join(parts[:2])} is a value, not a section; only loss.kwargs takes "
@@ -832,7 +836,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 def flatten_config(cfg: RunConfig | dict) -> dict[str, Any]:
     """``{"section.key": value}`` of a config (or of its dict form, e.g. a saved ``config.yaml``), nested
     sections joined by dots (``data.loader.batch_size``); ``loss.kwargs`` stays one value."""
-    raw = config_to_dict(cfg) if isinstance(cfg, RunConfig) else migrate_config_dict(cfg)
+    if isinstance(cfg, RunConfig):
+        raw = config_to_dict(cfg)
+    else:  # a saved dict: read as a config (values normalised, e.g. data.ood: digits -> [digits]) if it is one
+        try:
+            raw = config_to_dict(config_from_dict({k: v for k, v in cfg.items() if k != "meta"}, validate=False))
+        except ConfigError:
+            raw = migrate_config_dict(cfg)
     out: dict[str, Any] = {}
 
     def walk(prefix: str, values: dict) -> None:

@@ -213,7 +213,8 @@ def run_sweep(
         report(done, sweep.out / "report", report_calibrator, groups=groups)
         html_report(done, sweep.out / "report", report_calibrator, groups=groups)
         if sweep.arena:
-            from .evaluation.arena import run_arena, save_to_runs, tasks_from_runs, write_arena
+            from .evaluation.arena import run_arena, save_to_runs, tasks_from_runs
+            from .reports.arena import write_arena
 
             tasks = tasks_from_runs(done)
             result = run_arena(tasks, sweep.arena)

@@ -100,7 +100,7 @@ def load_run_model(run_dir) -> tuple[nn.Module, dict]:
     from ..config import config_from_dict
     from ..data import load_splits
     from ..data.text import load_tokenizer
-    from ..training.loop import BEST, CHECKPOINT, CONFIG, _build_model, load_checkpoint
+    from ..training.loop import BEST, CHECKPOINT, CONFIG, _build_model, load_checkpoint  # noqa: F401
 
     run_dir = Path(run_dir)
     state = load_checkpoint(run_dir / CHECKPOINT)

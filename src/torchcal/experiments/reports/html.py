@@ -1,11 +1,10 @@
-"""A self-contained HTML report: the papers' table (mean ± std over seeds) and the figures — reliability
+"""A self-contained HTML report (rendered from templates/report.html.j2): the papers' table (mean ± std over seeds) and the figures — reliability
 diagrams before and after calibration, confidence histograms, test ECE over epochs, AdaFocal's γ and
 validation gap per bin over epochs. Figures are embedded as base64 PNG, so the page is one file."""
 
 from __future__ import annotations
 
 import base64
-import html
 import io
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from ..evaluation.evaluate import (
 from ..evaluation.field_metrics import COLUMN_HEADERS as FIELD_HEADERS
 from ..evaluation.field_metrics import REPORT_METRICS, field_figures
 from ..run_files import CALIBRATORS, atomic_write_bytes, read_metrics
+from .templates import render
 
 __all__ = ["group_runs", "html_report", "summarise"]
 
@@ -198,20 +198,6 @@ def _comparison_figures(groups, calibrator: str) -> list[tuple[str, str]]:
     return figs
 
 
-def _fit_warnings_html(groups, calibrator: str) -> str:
-    from ..evaluation.evaluate import fit_warnings
-
-    found = fit_warnings(groups, calibrator)
-    if not found:
-        return ""
-    items = "".join(f"<li>{html.escape(label)}: {html.escape(str(run))}: {html.escape(message)}</li>"
-                    for label, run, message in found)  # fmt: skip
-    return (
-        f'\n<div class="note">Warnings of the {html.escape(calibrator)} fits ({len(found)}; also in each run\'s '
-        f"results.json):<ul>{items}</ul></div>"
-    )
-
-
 def html_report(
     run_dirs,
     out_dir,
@@ -241,62 +227,37 @@ def html_report(
     metrics = [m for m in metrics if m not in (per_set if len(per_set) < 2 else ["ood auroc"])]
     metrics = [m for m in metrics if m not in REPORT_METRICS or m in extra_metrics]  # asked for only
 
-    def stat(value, arrow=""):  # one value never splits across lines; a cell may wrap between two values
-        m, s, n = value
-        return f'<span class="v">{arrow}{m:.2f}' + (f"<small> ± {s:.2f}</small>" if n > 1 else "") + "</span>"
-
-    names = ["run group", "seeds"]
     headers = {**COLUMN_HEADERS, **FIELD_HEADERS}
-    names += [f"{headers.get(m, m)} (pre → post)" if m != "error" else "error" for m in metrics]
-    names += [f"T ({calibrator})", "runs"]
-    head = "".join(f"<th>{html.escape(c).replace('_', '_<wbr>')}</th>" for c in names)  # classwise_<wbr>ece
-    body = []
+    columns_shown = ["run group", "seeds"]
+    columns_shown += [f"{headers.get(m, m)} (pre → post)" if m != "error" else "error" for m in metrics]
+    columns_shown += [f"T ({calibrator})", "runs"]
+    rows = []
     for group in groups:
         stats = row_stats[id(group)]
-        cells = [html.escape(group.label), f'<span class="v">{html.escape(group.seeds_text)}</span>']
+        cells = []
         for m in metrics:
             pre, post = stats.get(f"{m} pre"), stats.get(f"{m} post")
-            if pre is None:
-                cells.append("-")
-            elif m == "error" or post is None:
-                cells.append(stat(pre))
-            else:
-                cells.append(f"{stat(pre)} {stat(post, '→ ')}")
-        cells.append(stat(stats["T"]))
-        paths = "\n".join(str(r) for r in group.runs)
-        names_only = ", ".join(r.name for r in group.runs)
-        cells.append(f'<span class="runs" title="{html.escape(paths)}">{html.escape(names_only)}</span>')
-        body.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
-    sections = []
-    for group in groups:
-        run = group.runs[0]
-        figs = "".join(f'<figure><img src="{src}"><figcaption>{html.escape(t)}</figcaption></figure>'
-                       for t, src in _figures(run, calibrator, extra_metrics))  # fmt: skip
-        shown = f"figures of {run.name}, seed {group.seeds[0]}"
-        sections.append(f"<h2>{html.escape(group.label)} <small>({html.escape(shown)})</small></h2>{figs}")
-    comparison = "".join(f'<figure><img src="{src}"><figcaption>{html.escape(t)}</figcaption></figure>'
-                         for t, src in _comparison_figures(groups, calibrator))  # fmt: skip
+            cells.append(None if pre is None else {"pre": pre, "post": None if m == "error" else post})
+        rows.append({"label": group.label, "seeds": group.seeds_text, "cells": cells, "temperature": stats["T"],
+                     "paths": "\n".join(str(r) for r in group.runs),
+                     "names": ", ".join(r.name for r in group.runs)})  # fmt: skip
+    sections = [{"label": group.label, "shown": f"figures of {group.runs[0].name}, seed {group.seeds[0]}",
+                 "figures": _figures(group.runs[0], calibrator, extra_metrics)} for group in groups]  # fmt: skip
+    from ..evaluation.evaluate import fit_warnings
+
+    page = render(
+        "report.html.j2",
+        calibrator=describe_calibrator(calibrator),
+        calibrator_name=calibrator,
+        note=note,
+        fit_warnings=[(label, str(run), message) for label, run, message in fit_warnings(groups, calibrator)],
+        columns=columns_shown,
+        rows=rows,
+        comparison=_comparison_figures(groups, calibrator),
+        sections=sections,
+    )
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    # fits a laptop's window: headers and cells wrap (a value never splits), figures shrink to the page, and
-    # a table still wider than the page scrolls inside its own box (tests/experiments/test_report_layout.py)
-    page = f"""<!doctype html><html><head><meta charset="utf-8">
-<meta name="viewport" content="width=device-width, initial-scale=1"><title>torchcal report</title><style>
-body{{font-family:sans-serif;margin:2em}} table{{border-collapse:collapse;font-size:12px}}
-.table-scroll{{overflow-x:auto;max-width:100%}}
-td,th{{border:1px solid #ccc;padding:3px 5px;text-align:right;vertical-align:top}}
-th{{max-width:8em}} td:first-child,th:first-child{{text-align:left}}
-.v{{white-space:nowrap}} small{{color:#555}}
-.runs{{font-size:11px;color:#555}} .note{{font-weight:bold;background:#fff6d6;padding:6px 10px;display:inline-block}}
-img{{max-width:100%;height:auto}} figure{{display:inline-block;margin:6px;max-width:100%}}
-figcaption{{max-width:520px;margin:auto;text-align:center;font-size:12px}}</style></head><body>
-<h1>torchcal report</h1><p>Test metrics ×100, mean ± std over the runs of a row (their configs differ only
-in the seed); "pre" uncalibrated, "post" after {html.escape(describe_calibrator(calibrator))}, fitted on the
-validation split.</p>
-{f'<p class="note">{html.escape(note)}</p>' if note else ""}{_fit_warnings_html(groups, calibrator)}
-<p>Run folders: hover a row's runs for their full paths (they are listed in report.md and report.csv).</p>
-<div class="table-scroll"><table><tr>{head}</tr>{"".join(body)}</table></div>
-<h2>Comparison</h2>{comparison}{"".join(sections)}</body></html>"""
     path = out_dir / "report.html"
     atomic_write_bytes(path, lambda fh: fh.write(page.encode()))
     return path

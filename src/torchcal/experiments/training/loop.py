@@ -16,10 +16,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
-import os
 import subprocess
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -27,19 +28,14 @@ from ... import __version__
 from ...adafocal import AdaFocalLoss
 from ...losses import create as create_loss
 from ...metrics import CalibrationMetrics, MultilabelCalibrationMetrics
-from ..config import (
-    RunConfig,
-    config_from_dict,
-    config_to_dict,
-    flatten_config,
-    resume_config,
-    validate_config,
-)
+from ..config import RunConfig, config_to_dict, flatten_config, resume_config, validate_config
 from ..data import FIXED_VALIDATION, load_splits, random_crop_flip
 from ..data.streaming import DeferredCrops, EpochPlan, TrainBatches, crop_on_device, sequential_batches
 from ..data.text import load_tokenizer
 from ..errors import CheckpointError, ConfigError, RunError
 from ..models import TenCrop, create_model
+from .checkpoints import drop_stale_results, load_best, load_checkpoint, saved_run, write_jsonl
+from .distributed import barrier, init_distributed, resolve_device
 
 __all__ = [
     "train",
@@ -76,52 +72,6 @@ def _git_revision() -> str:
         return out.stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
-
-
-def resolve_device(name: str) -> torch.device:
-    """ "auto": CUDA when available (the local rank's GPU under torchrun), else CPU. A device this torch
-    build or machine does not have (``cuda`` on a CPU-only build, ``mps`` off Apple silicon, ``cuda:3`` on a
-    machine with one GPU) is a :class:`ConfigError` in one sentence."""
-    if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        return torch.device("cpu")
-    try:
-        device = torch.device(name)
-    except (RuntimeError, TypeError, ValueError):
-        raise ConfigError(
-            f"train.device={name!r} is not a device (auto, cpu, cuda, cuda:1, mps, ...)"
-        ) from None
-    if device.type == "cpu":
-        return device
-    if device.type == "mps":
-        backend = getattr(torch.backends, "mps", None)
-    else:
-        backend = getattr(torch, device.type, None)
-    available = getattr(backend, "is_available", None)
-    if available is None or not available():
-        why = {"cuda": f"this torch build ({torch.__version__}) has no CUDA or sees no NVIDIA GPU",
-               "mps": "MPS needs an Apple-silicon Mac with a torch build that has it"}.get(
-                   device.type, f"this torch build ({torch.__version__}) has no {device.type} device")  # fmt: skip
-        raise ConfigError(f"train.device={name} is not available here: {why}; use train.device=cpu (or auto)")
-    count = getattr(backend, "device_count", None)
-    if device.index is not None and count is not None and device.index >= count():
-        raise ConfigError(
-            f"train.device={name} is not available here: this machine has {count()} {device.type} device(s) "
-            f"({', '.join(f'{device.type}:{i}' for i in range(count()))})"
-        )
-    return device
-
-
-def load_checkpoint(path: Path) -> dict:
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # noqa: BLE001 - any unpickling failure means the same thing to the user
-        raise CheckpointError(f"checkpoint {path} is corrupt or not a torchcal checkpoint ({err})") from None
-    required = {"format", "epoch", "model", "optimizer", "scheduler", "loss", "rng", "config"}
-    if not isinstance(state, dict) or state.get("format") != "torchcal-checkpoint-1" or required - set(state):
-        raise CheckpointError(f"checkpoint {path} is not a torchcal checkpoint (missing {sorted(required)})")
-    return state
 
 
 def as_model_input(x: torch.Tensor, device=None) -> torch.Tensor:
@@ -205,11 +155,6 @@ def _speed_options(cfg, device, is_image):
     return amp_dtype, channels_last
 
 
-def _write_jsonl(path: Path, rows: list[dict]) -> None:
-    text = "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows)
-    atomic_write_bytes(path, lambda fh: fh.write(text.encode()))
-
-
 _SELECTION_KEYS = {"best_val_error": "val_error", "best_val_nll": "val_nll"}  # train.select -> its row key
 _ROW_METRICS = (
     "ece",
@@ -225,7 +170,9 @@ def _epoch_metrics(model, splits, cfg, device, names=("val", "test"), rank=0, wo
     out = {}
     for name in names:
         inputs, targets = splits[name].inputs[rank::world], splits[name].targets[rank::world]
-        logits = predict_logits(model, inputs, cfg.data.loader.eval_batch_size, device, cfg.data.loader.num_workers)
+        logits = predict_logits(
+            model, inputs, cfg.data.loader.eval_batch_size, device, cfg.data.loader.num_workers
+        )
         if targets.ndim == 2:  # multi-label: sigmoid outputs
             m = MultilabelCalibrationMetrics(num_labels=logits.shape[1], from_logits=True)
             m.update(logits, targets.to(logits.device))
@@ -237,24 +184,31 @@ def _epoch_metrics(model, splits, cfg, device, names=("val", "test"), rank=0, wo
     return out
 
 
-def _distributed(device):
-    """(rank, world size) from torchrun's environment; initialises the process group (gloo on CPU, NCCL on
-    CUDA) when WORLD_SIZE > 1."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
-        return 0, 1
-    import torch.distributed as dist
+@dataclass
+class _Run:
+    """What one training call works with: the checked config, where it runs, the data, the model and the
+    optimisation state, and the epochs logged so far."""
 
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return dist.get_rank(), dist.get_world_size()
-
-
-def _barrier(world):
-    if world > 1:
-        import torch.distributed as dist
-
-        dist.barrier()
+    cfg: RunConfig
+    run_dir: Path
+    device: torch.device
+    rank: int
+    world: int
+    splits: dict
+    model: torch.nn.Module
+    step_model: torch.nn.Module  # the model as stepped: DDP-wrapped and compiled when asked
+    loss_fn: torch.nn.Module
+    opt: torch.optim.Optimizer
+    sched: Any
+    sched_mode: str  # "step", "epoch" or "plateau"
+    amp_dtype: torch.dtype | None
+    channels_last: bool
+    batches: TrainBatches
+    n_batches: int
+    adjusted: dict
+    start_epoch: int = 0
+    rows: list = field(default_factory=list)
+    best: dict | None = None
 
 
 def train(
@@ -282,17 +236,36 @@ def train(
     epoch's metric row once it is written (on rank 0). ``stop_after`` ends the call after that
     many epochs of this call (the run stays resumable), for tests and time-boxed jobs.
     """
-    import yaml
+    run = _set_up(cfg, Path(run_dir), resume)
+    trained = 0
+    for epoch in range(run.start_epoch, run.cfg.train.epochs):
+        train_loss = _train_epoch(run, epoch, progress)
+        metrics = _validate(run, epoch)
+        _adapt(run, metrics)
+        row = _log_epoch(run, epoch, train_loss, metrics)
+        _checkpoint(run, epoch, row, on_epoch)
+        trained += 1
+        if stop_after is not None and trained >= stop_after and epoch + 1 < run.cfg.train.epochs:
+            return run.rows
+    if trained == 0 and (run.run_dir / LOGITS).exists():
+        return run.rows  # a finished run resumed without more epochs: its logits are those of this model
+    if run.rank == 0:
+        selection = _select(run)
+        _save_logits(run, selection)
+    barrier(run.world)
+    return run.rows
 
-    run_dir = Path(run_dir)
-    ckpt_path = run_dir / CHECKPOINT
+
+def _set_up(cfg: RunConfig | None, run_dir: Path, resume: bool) -> _Run:
+    """Checks the config, the run folder, the data and the model; only then writes ``config.yaml``, and
+    restores the checkpoint of a resumed run."""
     state, adjusted, resumes, changes, done = None, {}, [], {}, 0
     if resume:
-        saved, adjusted, resumes, state = _saved_run(run_dir)
+        saved, adjusted, resumes, state = saved_run(run_dir)
         done = int(state["epoch"]) if state is not None else 0
         cfg = saved if cfg is None else resume_config(saved, cfg, done, adjusted)
         old, new = flatten_config(saved), flatten_config(cfg)
-        changes = {k: [old[k], new[k]] for k in old if old[k] != new[k]}
+        changes = {k: [old.get(k), new.get(k)] for k in old.keys() | new.keys() if old.get(k) != new.get(k)}
     else:
         if cfg is None:
             raise TypeError("train() needs a RunConfig unless resume=True")
@@ -306,7 +279,7 @@ def train(
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
     device = resolve_device(cfg.train.device)
-    rank, world = _distributed(device)
+    rank, world = init_distributed(device)
     tokenizer = load_tokenizer(cfg.model.checkpoint) if cfg.model.name == "transformer" else None
     splits = load_splits(cfg.data, tokenizer)
     adjusted.update(_adjust_to_data(cfg, splits))
@@ -329,11 +302,7 @@ def train(
     if train_set.multilabel:
         meta["label_names"] = list(train_set.label_names or range(num_classes))
     if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(
-            run_dir / CONFIG,
-            lambda fh: fh.write(yaml.safe_dump({**config_to_dict(cfg), "meta": meta}).encode()),
-        )
+        _write_config(run_dir, cfg, meta)
     amp_dtype, channels_last = _speed_options(cfg, device, train_set.inputs.ndim == 4)
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
@@ -343,164 +312,208 @@ def train(
             model, device_ids=[device] if device.type == "cuda" else None
         )
     step_model = torch.compile(step_model) if cfg.train.compile else step_model
-    n = len(train_set)
-    bs = cfg.data.loader.batch_size
+    n, bs = len(train_set), cfg.data.loader.batch_size
     n_batches = (n + bs - 1) // bs
     opt, sched, sched_mode = _optimizer(cfg, model, n_batches)
-    start_epoch, rows, best = 0, [], None
-    if state is not None:
-        best = state.get("best")
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
-        loss_fn.load_state_dict(state["loss"])
-        torch.set_rng_state(state["rng"])
-        start_epoch = int(state["epoch"])
-        rows = [r for r in read_metrics(run_dir) if r["epoch"] < start_epoch]
-        if rank == 0:
-            _write_jsonl(run_dir / METRICS, rows)  # drop an epoch logged after the last checkpoint
-        _barrier(world)
-
-    done_here = 0
-    lazy = hasattr(train_set.inputs, "decode")  # image folders decoded per batch
-    augmented_in_decode = bool(getattr(train_set.inputs, "train", False))  # ImageNet's RandomResizedCrop
     # the global batch b of the (seed, epoch) permutation, sharded across ranks; lazy inputs are decoded in
     # DataLoader workers, which compute the same indices from (epoch, b)
-    plan = EpochPlan(n, bs, cfg.train.seed, rank, world)
-    batches = TrainBatches(train_set.inputs, train_set.targets, plan, n_batches,
-                           cfg.data.loader.num_workers if lazy else 0, pin_memory=device.type == "cuda")  # fmt: skip
+    lazy = hasattr(train_set.inputs, "decode")  # image folders decoded per batch
+    batches = TrainBatches(train_set.inputs, train_set.targets, EpochPlan(n, bs, cfg.train.seed, rank, world),
+                           n_batches, cfg.data.loader.num_workers if lazy else 0,
+                           pin_memory=device.type == "cuda")  # fmt: skip
     if hasattr(loss_fn, "set_total_epochs"):  # a loss whose schedule spans the run (MaxSup's α ramp)
         loss_fn.set_total_epochs(cfg.train.epochs)
-    for epoch in range(start_epoch, cfg.train.epochs):
-        if hasattr(loss_fn, "set_epoch"):
-            loss_fn.set_epoch(epoch)
-        model.train()
-        epoch_gen = torch.Generator().manual_seed(cfg.train.seed * 100_003 + epoch)
-        torch.randperm(
-            n, generator=epoch_gen
-        )  # the plan's order; advances epoch_gen as the augmentation expects
-        total = 0.0
-        for b, (xb, yb) in enumerate(batches.epoch(epoch)):
-            opt.zero_grad(set_to_none=True)
-            # gradient accumulation: the batch as train.accumulate micro-batches, each loss weighted by its
-            # share of the batch ("mean") so that the update is the whole batch's
-            members = torch.arange(len(yb))
-            parts = [p for p in members.tensor_split(cfg.train.accumulate) if len(p)]
-            for j, part in enumerate(parts):
-                x, y = as_model_input(xb[part], device), yb[part].to(device)
-                if cfg.data.augment and not augmented_in_decode:
-                    x = random_crop_flip(x, epoch_gen)
-                if channels_last:
-                    x = x.contiguous(memory_format=torch.channels_last)
-                last = j == len(parts) - 1
-                with step_model.no_sync() if world > 1 and not last else contextlib.nullcontext():
-                    with torch.autocast(
-                        device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None
-                    ):
-                        loss = loss_fn(step_model(x), y)
-                    if len(parts) > 1 and cfg.loss.reduction == "mean":
-                        loss = loss * (len(part) / len(members))
-                    # DDP averages gradients over ranks: a summed loss is scaled back to the global batch's sum
-                    (loss * world if world > 1 and cfg.loss.reduction == "sum" else loss).backward()
-                total += loss.detach()
-            if cfg.optim.grad_clip_norm > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip_norm)
-            opt.step()
-            if sched_mode == "step":
-                sched.step()
-            if cfg.loss.update_every and hasattr(loss_fn, "update") and (b + 1) % cfg.loss.update_every == 0:
-                loss_fn.update(
-                    metrics=_epoch_metrics(model, splits, cfg, device, ("val",), rank, world)["val"]
-                )
-                model.train()
-            if progress is not None:
-                progress(epoch, b + 1, n_batches)
-        if sched_mode == "epoch":
-            sched.step()
-        every = cfg.train.test_every
-        with_test = every > 0 and ((epoch + 1) % every == 0 or epoch + 1 == cfg.train.epochs)
-        names = ("val", "test") if with_test else ("val",)
-        metrics = _epoch_metrics(model, splits, cfg, device, names, rank=rank, world=world)
-        if world > 1:
-            import torch.distributed as dist
+    run = _Run(cfg, run_dir, device, rank, world, splits, model, step_model, loss_fn, opt, sched, sched_mode,
+               amp_dtype, channels_last, batches, n_batches, adjusted)  # fmt: skip
+    if state is not None:
+        _restore(run, state)
+    return run
 
-            total = torch.as_tensor(total, dtype=torch.float64, device=device)
-            dist.all_reduce(total)
-            total = total / world
-        if sched_mode == "plateau":
-            val = metrics["val"]
-            values = val.compute() if isinstance(val, MultilabelCalibrationMetrics) else val.compute("nll")
-            sched.step(float(values["nll"]))
-        if hasattr(loss_fn, "update") and not cfg.loss.update_every:
-            loss_fn.update(metrics=metrics["val"])  # AdaFocal: the validation pass we already made
-        row = {"epoch": epoch, "train_loss": float(total) / n_batches, "lr": opt.param_groups[0]["lr"]}
-        for split, m in metrics.items():
-            values = m.compute() if isinstance(m, MultilabelCalibrationMetrics) else m.compute(_ROW_METRICS)
-            row.update({f"{split}_{k}": float(values[k]) for k in _ROW_METRICS})
-        if isinstance(loss_fn, AdaFocalLoss):
-            row["gammas"] = [float(g) for g in loss_fn.gammas]
-            if len(loss_fn.gap_history):
-                row["gaps"] = [float(g) for g in loss_fn.gap_history[-1]]
-        rows.append(row)
-        key = _SELECTION_KEYS.get(cfg.train.select)  # val_error or val_nll (None: the last epoch)
-        improved = key is not None and (best is None or row[key] < best[key])
-        if improved:  # the earliest epoch with the lowest validation error (or NLL) wins ties
-            best = {"epoch": epoch, key: row[key]}
-        checkpoint = {
-            "format": "torchcal-checkpoint-1", "epoch": epoch + 1, "model": model.state_dict(),
-            "optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "loss": loss_fn.state_dict(),
-            "rng": torch.get_rng_state(), "config": config_to_dict(cfg), "adjusted": adjusted, "best": best,
-        }  # fmt: skip
-        if rank == 0:  # one writer; the others wait so that a resume finds a complete checkpoint
-            if improved:  # written before the checkpoint that records it: a resume never points past it
-                weights = {"format": "torchcal-best-1", **best, "model": model.state_dict()}
-                atomic_write_bytes(run_dir / BEST, lambda fh, w=weights: torch.save(w, fh))
-            # the epoch's row before the checkpoint that counts it: a kill between the two leaves a row that
-            # resume drops, never a checkpoint without its row
-            _write_jsonl(run_dir / METRICS, rows)
-            atomic_write_bytes(ckpt_path, lambda fh, c=checkpoint: torch.save(c, fh))
-            if on_epoch is not None:
-                on_epoch(row)
-        _barrier(world)
-        done_here += 1
-        if stop_after is not None and done_here >= stop_after and epoch + 1 < cfg.train.epochs:
-            return rows
 
-    if done_here == 0 and (run_dir / LOGITS).exists():
-        return rows  # a finished run resumed without more epochs: its logits are those of this model
-    if rank == 0:
-        selection = {
-            "rule": cfg.train.select,
-            "epoch": cfg.train.epochs - 1,
-            "val_error": rows[-1]["val_error"],
-        }
-        key = _SELECTION_KEYS.get(cfg.train.select)
-        if key is not None:
-            saved = _load_best(run_dir / BEST)
-            model.load_state_dict(saved["model"])
-            selection.update({"epoch": saved["epoch"], key: saved[key]})
-        logits, done = {}, {}
-        for name, split in splits.items():
-            if name != "train":
-                if id(split) not in done:  # "ood" is also "ood_<first set>": predicted once, stored once
-                    done[id(split)] = {
-                        "logits": predict_logits(
-                            model, split.inputs, cfg.data.loader.eval_batch_size, device, cfg.data.loader.num_workers
-                        ),
-                        "targets": split.targets,
-                    }
-                logits[name] = done[id(split)]
-        had_logits = (run_dir / LOGITS).exists()
-        atomic_write_bytes(run_dir / LOGITS, lambda fh: torch.save(logits, fh))
-        text = json.dumps(selection, indent=2)
-        atomic_write_bytes(run_dir / SELECTION, lambda fh: fh.write(text.encode()))
-        refit = tuple(cfg.train.calibrators)
-        if had_logits:  # trained further: results and calibrators of the earlier model no longer apply
-            _drop_stale_results(run_dir, refit)
-        if refit:
-            _fit_calibrators(run_dir, refit)
-    _barrier(world)
-    return rows
+def _write_config(run_dir: Path, cfg: RunConfig, meta: dict) -> None:
+    import yaml
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    text = yaml.safe_dump({**config_to_dict(cfg), "meta": meta})
+    atomic_write_bytes(run_dir / CONFIG, lambda fh: fh.write(text.encode()))
+
+
+def _restore(run: _Run, state: dict) -> None:
+    """A resumed run's model, optimizer, scheduler, loss state and RNG from its checkpoint; the metrics log
+    is cut back to the checkpointed epochs."""
+    run.best = state.get("best")
+    run.model.load_state_dict(state["model"])
+    run.opt.load_state_dict(state["optimizer"])
+    run.sched.load_state_dict(state["scheduler"])
+    run.loss_fn.load_state_dict(state["loss"])
+    torch.set_rng_state(state["rng"])
+    run.start_epoch = int(state["epoch"])
+    run.rows = [r for r in read_metrics(run.run_dir) if r["epoch"] < run.start_epoch]
+    if run.rank == 0:
+        write_jsonl(run.run_dir / METRICS, run.rows)  # drop an epoch logged after the last checkpoint
+    barrier(run.world)
+
+
+def _train_epoch(run: _Run, epoch: int, progress=None) -> float:
+    """One pass over the training set; the mean training loss of its batches (over ranks)."""
+    cfg, device, loss_fn, world = run.cfg, run.device, run.loss_fn, run.world
+    if hasattr(loss_fn, "set_epoch"):
+        loss_fn.set_epoch(epoch)
+    run.model.train()
+    inputs = run.splits["train"].inputs
+    augmented_in_decode = bool(getattr(inputs, "train", False))  # ImageNet's RandomResizedCrop
+    epoch_gen = torch.Generator().manual_seed(cfg.train.seed * 100_003 + epoch)
+    torch.randperm(
+        len(inputs), generator=epoch_gen
+    )  # the plan's order; advances epoch_gen as augmentation expects
+    total = 0.0
+    for b, (xb, yb) in enumerate(run.batches.epoch(epoch)):
+        run.opt.zero_grad(set_to_none=True)
+        # gradient accumulation: the batch as train.accumulate micro-batches, each loss weighted by its
+        # share of the batch ("mean") so that the update is the whole batch's
+        members = torch.arange(len(yb))
+        parts = [p for p in members.tensor_split(cfg.train.accumulate) if len(p)]
+        for j, part in enumerate(parts):
+            x, y = as_model_input(xb[part], device), yb[part].to(device)
+            if cfg.data.augment and not augmented_in_decode:
+                x = random_crop_flip(x, epoch_gen)
+            if run.channels_last:
+                x = x.contiguous(memory_format=torch.channels_last)
+            last = j == len(parts) - 1
+            with run.step_model.no_sync() if world > 1 and not last else contextlib.nullcontext():
+                with torch.autocast(
+                    device.type, dtype=run.amp_dtype or torch.float32, enabled=run.amp_dtype is not None
+                ):
+                    loss = loss_fn(run.step_model(x), y)
+                if len(parts) > 1 and cfg.loss.reduction == "mean":
+                    loss = loss * (len(part) / len(members))
+                # DDP averages gradients over ranks: a summed loss is scaled back to the global batch's sum
+                (loss * world if world > 1 and cfg.loss.reduction == "sum" else loss).backward()
+            total += loss.detach()
+        if cfg.optim.grad_clip_norm > 0:
+            torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.optim.grad_clip_norm)
+        run.opt.step()
+        if run.sched_mode == "step":
+            run.sched.step()
+        if cfg.loss.update_every and hasattr(loss_fn, "update") and (b + 1) % cfg.loss.update_every == 0:
+            loss_fn.update(
+                metrics=_epoch_metrics(run.model, run.splits, cfg, device, ("val",), run.rank, world)["val"]
+            )
+            run.model.train()
+        if progress is not None:
+            progress(epoch, b + 1, run.n_batches)
+    if run.sched_mode == "epoch":
+        run.sched.step()
+    if world > 1:
+        import torch.distributed as dist
+
+        total = torch.as_tensor(total, dtype=torch.float64, device=device)
+        dist.all_reduce(total)
+        total = total / world
+    return float(total) / run.n_batches
+
+
+def _validate(run: _Run, epoch: int) -> dict:
+    """The epoch's streaming metrics: validation always, test every ``train.test_every`` epochs and at the
+    last."""
+    every = run.cfg.train.test_every
+    with_test = every > 0 and ((epoch + 1) % every == 0 or epoch + 1 == run.cfg.train.epochs)
+    names = ("val", "test") if with_test else ("val",)
+    return _epoch_metrics(run.model, run.splits, run.cfg, run.device, names, rank=run.rank, world=run.world)
+
+
+def _adapt(run: _Run, metrics: dict) -> None:
+    """What the validation pass steers: the plateau schedule's learning rate, and a loss updated from the
+    validation set (AdaFocal's γ per bin) when it is updated per epoch."""
+    if run.sched_mode == "plateau":
+        val = metrics["val"]
+        values = val.compute() if isinstance(val, MultilabelCalibrationMetrics) else val.compute("nll")
+        run.sched.step(float(values["nll"]))
+    if hasattr(run.loss_fn, "update") and not run.cfg.loss.update_every:
+        run.loss_fn.update(metrics=metrics["val"])  # the validation pass we already made
+
+
+def _log_epoch(run: _Run, epoch: int, train_loss: float, metrics: dict) -> dict:
+    """The epoch's row of ``metrics.jsonl`` (appended to ``run.rows``): training loss, learning rate, each
+    split's metrics and AdaFocal's γ and gaps."""
+    row = {"epoch": epoch, "train_loss": train_loss, "lr": run.opt.param_groups[0]["lr"]}
+    for split, m in metrics.items():
+        values = m.compute() if isinstance(m, MultilabelCalibrationMetrics) else m.compute(_ROW_METRICS)
+        row.update({f"{split}_{k}": float(values[k]) for k in _ROW_METRICS})
+    if isinstance(run.loss_fn, AdaFocalLoss):
+        row["gammas"] = [float(g) for g in run.loss_fn.gammas]
+        if len(run.loss_fn.gap_history):
+            row["gaps"] = [float(g) for g in run.loss_fn.gap_history[-1]]
+    run.rows.append(row)
+    return row
+
+
+def _checkpoint(run: _Run, epoch: int, row: dict, on_epoch=None) -> None:
+    """The best validation model (when this epoch is it), the metrics log and the checkpoint, in the order
+    that leaves a resumable folder whenever the process is killed."""
+    key = _SELECTION_KEYS.get(run.cfg.train.select)  # val_error or val_nll (None: the last epoch)
+    improved = key is not None and (run.best is None or row[key] < run.best[key])
+    if improved:  # the earliest epoch with the lowest validation error (or NLL) wins ties
+        run.best = {"epoch": epoch, key: row[key]}
+    checkpoint = {
+        "format": "torchcal-checkpoint-1", "epoch": epoch + 1, "model": run.model.state_dict(),
+        "optimizer": run.opt.state_dict(), "scheduler": run.sched.state_dict(), "loss": run.loss_fn.state_dict(),
+        "rng": torch.get_rng_state(), "config": config_to_dict(run.cfg), "adjusted": run.adjusted,
+        "best": run.best,
+    }  # fmt: skip
+    if run.rank == 0:  # one writer; the others wait so that a resume finds a complete checkpoint
+        if improved:  # written before the checkpoint that records it: a resume never points past it
+            weights = {"format": "torchcal-best-1", **run.best, "model": run.model.state_dict()}
+            atomic_write_bytes(run.run_dir / BEST, lambda fh: torch.save(weights, fh))
+        # the epoch's row before the checkpoint that counts it: a kill between the two leaves a row that
+        # resume drops, never a checkpoint without its row
+        write_jsonl(run.run_dir / METRICS, run.rows)
+        atomic_write_bytes(run.run_dir / CHECKPOINT, lambda fh: torch.save(checkpoint, fh))
+        if on_epoch is not None:
+            on_epoch(row)
+    barrier(run.world)
+
+
+def _select(run: _Run) -> dict:
+    """Loads the model ``train.select`` names (the last epoch's, or the best validation model) and returns
+    the selection record of ``selection.json``."""
+    cfg = run.cfg
+    selection = {
+        "rule": cfg.train.select,
+        "epoch": cfg.train.epochs - 1,
+        "val_error": run.rows[-1]["val_error"],
+    }
+    key = _SELECTION_KEYS.get(cfg.train.select)
+    if key is not None:
+        saved = load_best(run.run_dir / BEST)
+        run.model.load_state_dict(saved["model"])
+        selection.update({"epoch": saved["epoch"], key: saved[key]})
+    return selection
+
+
+def _save_logits(run: _Run, selection: dict) -> None:
+    """The selected model's logits of every evaluated split, the selection record, and the run's
+    ``train.calibrators`` fitted on them (results of an earlier model, trained further, are removed)."""
+    cfg, run_dir = run.cfg, run.run_dir
+    logits, predicted = {}, {}
+    for name, split in run.splits.items():
+        if name != "train":
+            if id(split) not in predicted:  # "ood" is also "ood_<first set>": predicted once, stored once
+                predicted[id(split)] = {
+                    "logits": predict_logits(run.model, split.inputs, cfg.data.loader.eval_batch_size, run.device,
+                                             cfg.data.loader.num_workers),
+                    "targets": split.targets,
+                }  # fmt: skip
+            logits[name] = predicted[id(split)]
+    had_logits = (run_dir / LOGITS).exists()
+    atomic_write_bytes(run_dir / LOGITS, lambda fh: torch.save(logits, fh))
+    text = json.dumps(selection, indent=2)
+    atomic_write_bytes(run_dir / SELECTION, lambda fh: fh.write(text.encode()))
+    refit = tuple(cfg.train.calibrators)
+    if had_logits:  # trained further: results and calibrators of the earlier model no longer apply
+        drop_stale_results(run_dir, refit)
+    if refit:
+        _fit_calibrators(run_dir, refit)
 
 
 def _fit_calibrators(run_dir: Path, specs: tuple[str, ...]) -> None:
@@ -519,70 +532,6 @@ def _fit_calibrators(run_dir: Path, specs: tuple[str, ...]) -> None:
             UserWarning,
             stacklevel=3,
         )
-
-
-def _load_best(path: Path) -> dict:
-    try:
-        saved = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # noqa: BLE001 - any unpickling failure means the same thing to the user
-        raise CheckpointError(f"{path} (the best validation model) is missing or damaged ({err})") from None
-    if not isinstance(saved, dict) or saved.get("format") != "torchcal-best-1":
-        raise CheckpointError(f"{path} is not a torchcal best-model file")
-    return saved
-
-
-def _drop_stale_results(run_dir: Path, refit: tuple[str, ...] = ()) -> None:
-    import shutil
-
-    stale = [p for p in (run_dir / RESULTS, run_dir / CALIBRATORS) if p.exists()]
-    for path in stale:
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
-    if stale:
-        then = (
-            f"train.calibrators ({', '.join(refit)}) are fitted again; others need torchcal evaluate"
-            if refit
-            else "run torchcal evaluate again"
-        )
-        warnings.warn(
-            f"{run_dir}: trained further, so {', '.join(p.name for p in stale)} of the earlier model were "
-            f"removed; {then}",
-            UserWarning,
-            stacklevel=3,
-        )
-
-
-def _saved_run(run_dir: Path):
-    """(saved config, adjusted values, resume history, checkpoint state or None) of a run to resume. A run
-    interrupted before its first checkpoint resumes from its saved config at epoch 0."""
-    import yaml
-
-    ckpt_path, cfg_path = run_dir / CHECKPOINT, run_dir / CONFIG
-    if not run_dir.is_dir():
-        raise RunError(f"cannot resume: {run_dir} does not exist")
-    meta = {}
-    if cfg_path.exists():
-        try:
-            meta = (yaml.safe_load(cfg_path.read_text()) or {}).get("meta") or {}
-        except (yaml.YAMLError, AttributeError, OSError):
-            meta = {}
-    if ckpt_path.exists():
-        state = load_checkpoint(ckpt_path)
-        saved = config_from_dict(state["config"], validate=False)
-        return (
-            saved,
-            dict(state.get("adjusted") or meta.get("adjusted") or {}),
-            list(meta.get("resumes", [])),
-            state,
-        )
-    if not cfg_path.exists():
-        raise RunError(f"cannot resume: {run_dir} holds no run (no {CONFIG}, no {CHECKPOINT})")
-    try:
-        raw = yaml.safe_load(cfg_path.read_text()) or {}
-        raw.pop("meta", None)
-        saved = config_from_dict(raw, validate=False)
-    except (yaml.YAMLError, ConfigError, AttributeError) as err:
-        raise RunError(f"cannot resume: {cfg_path} is damaged ({err})") from None
-    return saved, dict(meta.get("adjusted") or {}), list(meta.get("resumes", [])), None
 
 
 def _adjust_to_data(cfg: RunConfig, splits) -> dict:
