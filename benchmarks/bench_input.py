@@ -121,7 +121,7 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 
 def peak_rss_mb(root: Path, val_size: int, run: Path) -> float:
     args = [f"data.root={root}", "data.name=imagenet", f"data.val_size={val_size}", "data.image_size=64",
-            "data.shift=", "data.ood=", "data.batch_size=32", "data.eval_batch_size=64", "model.name=small_cnn",
+            "data.shift.name=", "data.ood.sets=[]", "data.loader.batch_size=32", "data.loader.eval_batch_size=64", "model.name=small_cnn",
             "model.width=16", "train.epochs=1", "train.calibrators=[ts]", "train.num_threads=2"]  # fmt: skip
     out = subprocess.run([sys.executable, "-c", _RSS_RUN, json.dumps(args), str(run)], capture_output=True,
                          text=True, check=True)  # fmt: skip

@@ -40,12 +40,12 @@ def plain_loop(cfg):
         order = torch.randperm(
             len(y), generator=torch.Generator().manual_seed(cfg.train.seed * 100_003 + epoch)
         )
-        for idx in order.split(cfg.data.batch_size):
+        for idx in order.split(cfg.data.loader.batch_size):
             opt.zero_grad()
             loss_fn(model(x[idx]), y[idx]).backward()
             opt.step()
         for name in ("val", "test"):
-            predict_logits(model, splits[name].inputs, cfg.data.eval_batch_size, "cpu")
+            predict_logits(model, splits[name].inputs, cfg.data.loader.eval_batch_size, "cpu")
 
 
 def main():
@@ -54,7 +54,7 @@ def main():
     parser.add_argument("--resnet-batches", type=int, default=5)
     args = parser.parse_args()
     rows = []
-    cfg = load_config(None, [f"train.epochs={args.epochs}", "data.shift=", "data.ood="])
+    cfg = load_config(None, [f"train.epochs={args.epochs}", "data.shift.name=", "data.ood.sets=[]"])
     splits = load_splits(cfg.data)
     n_train = len(splits["train"])
 

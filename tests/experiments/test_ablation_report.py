@@ -18,7 +18,7 @@ runner = CliRunner()
 def run(tmp_path_factory):
     """One epoch of the dual focal loss's "mean" variant on digits (a config key), evaluated with TS."""
     run = tmp_path_factory.mktemp("abl") / "run"
-    args = ["train", "--run-dir", str(run), "data.name=digits", "data.ood=", "data.val_size=260",
+    args = ["train", "--run-dir", str(run), "data.name=digits", "data.ood.sets=[]", "data.val_size=260",
             "model.width=16", "train.epochs=1", "loss.name=dfl", "loss.kwargs.dual_logit=mean"]  # fmt: skip
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
@@ -106,7 +106,7 @@ def test_adafocal_update_frequency(tmp_path, every):
     from torchcal.experiments.data.readers import load_splits
 
     run = tmp_path / "run"
-    overrides = ["data.name=digits", "data.ood=", "data.val_size=260", "data.batch_size=128", "model.width=8",
+    overrides = ["data.name=digits", "data.ood.sets=[]", "data.val_size=260", "data.loader.batch_size=128", "model.width=8",
                  "train.epochs=2", "loss.name=adafocal", f"loss.update_every={every}",
                  "loss.kwargs.gamma_max=inf"]  # fmt: skip
     result = runner.invoke(app, ["train", "--run-dir", str(run), *overrides])

@@ -115,8 +115,8 @@ def test_chexnet_preset_path_end_to_end(tmp_path):
 
     write_chestxray(tmp_path / "data", n_patients=16)
     cfg = load_config("configs/chestxray14_densenet121_fcl.yaml", [
-        f"data.root={tmp_path / 'data'}", "data.val_size=6", "data.image_size=32", "data.batch_size=8",
-        "data.eval_batch_size=16", "train.epochs=2", "train.num_threads=1", "train.calibrators=[ts]"])  # fmt: skip
+        f"data.root={tmp_path / 'data'}", "data.val_size=6", "data.image_size=32", "data.loader.batch_size=8",
+        "data.loader.eval_batch_size=16", "train.epochs=2", "train.num_threads=1", "train.calibrators=[ts]"])  # fmt: skip
     assert cfg.data.ten_crop and cfg.model.name == "densenet121_imagenet" and cfg.optim.schedule == "plateau"
     with pytest.warns(UserWarning):
         rows = train(cfg, tmp_path / "run")

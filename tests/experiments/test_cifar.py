@@ -146,7 +146,7 @@ def test_cifar_models(name, params):
 def test_tiny_cifar_run_with_augmentation(tmp_path):
     write_cifar(tmp_path / "data", 10, per_batch=8)
     cfg = load_config(None, [f"data.root={tmp_path / 'data'}", "data.name=cifar10", "data.val_size=5",
-                             "data.augment=true", "data.shift=", "data.ood=", "data.batch_size=16",
+                             "data.augment=true", "data.shift.name=", "data.ood.sets=[]", "data.loader.batch_size=16",
                              "model.name=resnet110_he", "train.epochs=1", "optim.name=sgd",
                              "optim.lr=0.1", "optim.weight_decay=0.0005", "optim.grad_clip_norm=2.0",
                              "loss.name=flsd-53", "loss.reduction=sum"])  # fmt: skip
@@ -193,8 +193,8 @@ def test_auroc_for_every_configured_ood_set(tmp_path):
     np.save(c10c / "gaussian_noise.npy", rng.integers(0, 256, size=(20, 32, 32, 3), dtype=np.uint8))
     np.save(c10c / "labels.npy", np.arange(20) % 10)
     cfg = load_config(None, [f"data.root={tmp_path / 'data'}", "data.name=cifar10", "data.val_size=5",
-                             "data.shift=", "data.ood=[svhn, cifar10_c]", f"data.ood_root={svhn}",
-                             f"data.shift_root={c10c}", "model.name=small_cnn", "model.width=8",
+                             "data.shift.name=", "data.ood.sets=[svhn, cifar10_c]", f"data.ood.root={svhn}",
+                             f"data.shift.root={c10c}", "model.name=small_cnn", "model.width=8",
                              "train.epochs=1"])  # fmt: skip
     train(cfg, tmp_path / "run")
     logits = torch.load(tmp_path / "run" / "logits.pt", weights_only=True)
@@ -217,7 +217,7 @@ def test_auroc_for_every_configured_ood_set(tmp_path):
     )
     markdown, _ = report([tmp_path / "run"], tmp_path / "rep")
     assert "ood auroc cifar10_c | ood auroc svhn |" in markdown
-    with pytest.raises(Exception, match=r"unknown OOD set\(s\) \['mnist'\]"):
-        load_config(None, ["data.ood=svhn,mnist"])
+    with pytest.raises(Exception, match=r"unknown OOD set 'mnist' in data.ood.sets\[1\]; available"):
+        load_config(None, ["data.ood.sets=[svhn, mnist]"])
     with pytest.raises(Exception, match="is the training dataset itself"):
-        load_config(None, ["data.name=digits", "data.ood=digits"])
+        load_config(None, ["data.name=digits", "data.ood.sets=[digits]"])

@@ -21,7 +21,7 @@ def test_list():
 
 def test_train_evaluate_report(tmp_path):
     run = tmp_path / "run"
-    args = ["train", "--run-dir", str(run), "data.name=digits", "data.ood=", "data.val_size=260",
+    args = ["train", "--run-dir", str(run), "data.name=digits", "data.ood.sets=[]", "data.val_size=260",
             "model.width=16", "train.epochs=1", "loss.name=dfl"]  # fmt: skip
     result = runner.invoke(app, [*args[:-2], "train.epochs=2", "loss.name=dfl"])
     assert result.exit_code == 0, result.output

@@ -11,7 +11,7 @@ from torchcal.experiments.demo import PROTOCOLS, demo_jobs, regime, run_jobs, su
 from torchcal.experiments.errors import UserError
 from torchcal.experiments.evaluation.evaluate import collect_groups
 
-TINY = ["data.name=digits", "data.ood=", "data.val_size=260", "model.width=16", "train.epochs=2",
+TINY = ["data.name=digits", "data.ood.sets=[]", "data.val_size=260", "model.width=16", "train.epochs=2",
         "data.limit_train=0"]  # fmt: skip
 
 

@@ -14,7 +14,7 @@ from torchcal.experiments.training.loop import train
 # plain SGD: the ranks' gradient sums differ from the single process's in their last bits only (another order
 # of the same float32 terms), and SGD keeps it so; Adam would blow a near-zero gradient's rounding noise up
 # into a whole step (see assert_weights_match_up_to_sum_order)
-ARGS = ["data.name=digits", "data.ood=", "data.val_size=260", "data.batch_size=64", "model.width=16",
+ARGS = ["data.name=digits", "data.ood.sets=[]", "data.val_size=260", "data.loader.batch_size=64", "model.width=16",
         "train.epochs=2", "train.num_threads=1", "loss.name=adafocal", "optim.name=sgd", "optim.momentum=0",
         "optim.lr=0.05"]  # fmt: skip
 STEPS = 2 * 17  # 2 epochs of 1,040 training digits in batches of 64

@@ -16,7 +16,7 @@ from torchcal.experiments.evaluation.field_metrics import parse_conformal
 from torchcal.experiments.training.loop import train
 
 runner = CliRunner()
-TINY = ["data.name=digits", "data.ood=", "data.val_size=260", "data.batch_size=64", "model.width=16",
+TINY = ["data.name=digits", "data.ood.sets=[]", "data.val_size=260", "data.loader.batch_size=64", "model.width=16",
         "train.num_threads=1", "train.epochs=1"]  # fmt: skip
 
 

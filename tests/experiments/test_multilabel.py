@@ -37,8 +37,8 @@ def runs(tmp_path_factory):
     out = {}
     for loss in ("bce", "binary-fcl"):
         for seed in (0, 1):
-            cfg = load_config(None, [f"data.root={root / 'data'}", "data.name=fashion_mnist_attributes", "data.ood=",
-                                     "data.val_size=120", "data.batch_size=32", "model.name=small_cnn", "model.width=32",
+            cfg = load_config(None, [f"data.root={root / 'data'}", "data.name=fashion_mnist_attributes",
+                                     "data.val_size=120", "data.loader.batch_size=32", "model.name=small_cnn", "model.width=32",
                                      "train.epochs=3", f"loss.name={loss}", f"train.seed={seed}",
                                      "train.calibrators=[ts, platt]", "train.num_threads=1"])  # fmt: skip
             train(cfg, root / f"{loss}-{seed}")
@@ -99,19 +99,19 @@ def test_table_9_report(runs, tmp_path):
 
 def test_softmax_and_sigmoid_pieces_are_kept_apart(runs, tmp_path):
     root, _ = runs
-    base = [f"data.root={root / 'data'}", "data.name=fashion_mnist_attributes", "data.ood=", "model.name=mlp"]
+    base = [f"data.root={root / 'data'}", "data.name=fashion_mnist_attributes", "model.name=mlp"]
     with pytest.raises(
         ConfigError, match=r"loss.name='fl-3' is a loss for multiclass .* choose one of \['bce'"
     ):
         load_config(None, [*base, "loss.name=fl-3"])
     with pytest.raises(ConfigError, match="loss.name='bce' is a loss for multilabel"):
-        load_config(None, ["data.name=digits", "data.ood=", "loss.name=bce"])
+        load_config(None, ["data.name=digits", "data.ood.sets=[]", "loss.name=bce"])
     with pytest.raises(
         ConfigError, match=r"train.calibrators \(multilabel outputs\): unknown calibrator 'ets'"
     ):
         load_config(None, [*base, "loss.name=bce", "train.calibrators=[ets]"])
     with pytest.raises(ConfigError, match="data.ood applies to multiclass datasets"):
-        load_config(None, [*base[:2], "data.ood=digits", "loss.name=bce"])
+        load_config(None, [*base[:2], "data.ood.sets=[digits]", "loss.name=bce"])
 
 
 def test_an_unknown_calibrator_names_both_registries(runs):

@@ -11,7 +11,7 @@ from torchcal.experiments.config import ConfigError, load_config, load_yaml
 from torchcal.losses import create
 
 runner = CliRunner()
-TINY = ["data.name=digits", "data.ood=", "data.val_size=260", "data.batch_size=64", "model.width=16",
+TINY = ["data.name=digits", "data.ood.sets=[]", "data.val_size=260", "data.loader.batch_size=64", "model.width=16",
         "train.num_threads=1", "train.epochs=1", "train.calibrators=[ts]"]  # fmt: skip
 
 
@@ -119,7 +119,7 @@ def test_a_name_that_fixes_gamma_says_so_and_names_the_loss_to_use(tmp_path):
 def test_missing_cifar_from_the_cli_names_the_sub_folder_path_and_archive(tmp_path):
     root = tmp_path / "nowhere"
     result = runner.invoke(app, ["train", "-o", str(tmp_path / "r"), "data.name=cifar10", f"data.root={root}",
-                                 "model.name=resnet110", "data.ood="])  # fmt: skip
+                                 "model.name=resnet110", "data.ood.sets=[]"])  # fmt: skip
     assert result.exit_code == 2, result.output
     line = result.output.strip()
     assert len(line.splitlines()) == 1

@@ -35,7 +35,7 @@ def reports(tmp_path_factory):
     """Two reports of nine rows of three runs each, from one tiny real run (its figures are real), with the
     CIFAR presets' longest labels: the demo's columns (one OOD set), and the widest set (three OOD sets)."""
     root = tmp_path_factory.mktemp("layout")
-    cfg = ["data.name=digits", "data.ood=", "data.val_size=260", "model.width=8", "train.epochs=1",
+    cfg = ["data.name=digits", "data.ood.sets=[]", "data.val_size=260", "model.width=8", "train.epochs=1",
            "train.num_threads=1"]  # fmt: skip
     train(load_config(None, cfg), root / "run")
     evaluate_run(root / "run", ("ts",))

@@ -56,8 +56,8 @@ def imagenet(tmp_path_factory):
 
 
 def args(root, *extra):
-    return [f"data.root={root}", "data.name=imagenet", "data.image_size=32", "data.val_size=50", "data.shift=",
-            "data.ood=", "data.batch_size=100", "data.eval_batch_size=100", "data.augment=true",
+    return [f"data.root={root}", "data.name=imagenet", "data.image_size=32", "data.val_size=50",
+            "data.loader.batch_size=100", "data.loader.eval_batch_size=100", "data.augment=true",
             "model.name=small_cnn", "model.width=16", "train.epochs=2", "train.num_threads=1",
             "train.calibrators=[ts]", "optim.lr=0.003", *extra]  # fmt: skip
 
@@ -104,7 +104,7 @@ def test_augmentation_is_a_function_of_seed_epoch_and_sample(imagenet):
 
 def test_workers_do_not_change_the_run(imagenet, tmp_path):
     train(load_config(None, args(imagenet)), tmp_path / "w0")
-    train(load_config(None, args(imagenet, "data.num_workers=2")), tmp_path / "w2")
+    train(load_config(None, args(imagenet, "data.loader.num_workers=2")), tmp_path / "w2")
     a, b = weights(tmp_path / "w0"), weights(tmp_path / "w2")
     for name in a:
         assert torch.equal(a[name], b[name]), name
@@ -113,7 +113,7 @@ def test_workers_do_not_change_the_run(imagenet, tmp_path):
 
 
 def test_sigkill_with_workers_then_resume_is_identical(imagenet, tmp_path):
-    cfg_args = args(imagenet, "data.num_workers=2", "train.epochs=3")
+    cfg_args = args(imagenet, "data.loader.num_workers=2", "train.epochs=3")
     train(load_config(None, cfg_args), tmp_path / "reference")
     run = tmp_path / "killed"
     code = ("from torchcal.experiments.config import load_config; from torchcal.experiments.training.loop import train;"
@@ -134,7 +134,7 @@ def test_sigkill_with_workers_then_resume_is_identical(imagenet, tmp_path):
 def _worker(rank, world, port, root, run_dir, extra=()):
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})  # fmt: skip
-    train(load_config(None, args(root, "data.num_workers=1", *extra)), run_dir)
+    train(load_config(None, args(root, "data.loader.num_workers=1", *extra)), run_dir)
     torch.distributed.destroy_process_group()
 
 
@@ -172,23 +172,25 @@ def test_crops_on_the_device_match_the_workers_crops(imagenet):
 
 def test_device_augmentation_runs_and_ignores_workers(imagenet, tmp_path):
     train(load_config(None, args(imagenet, "data.augment_on=device")), tmp_path / "w0")
-    train(load_config(None, args(imagenet, "data.augment_on=device", "data.num_workers=2")), tmp_path / "w2")
+    train(load_config(None, args(imagenet, "data.augment_on=device", "data.loader.num_workers=2")), tmp_path / "w2")
     a, b = weights(tmp_path / "w0"), weights(tmp_path / "w2")
     for name in a:
         assert torch.equal(a[name], b[name]), name
     from torchcal.experiments.config import ConfigError
 
     with pytest.raises(ConfigError, match="data.augment_on=device applies to data.name=imagenet"):
-        load_config(None, ["data.name=digits", "data.ood=", "data.augment_on=device"])
+        load_config(None, ["data.name=digits", "data.augment_on=device"])
 
 
 def test_lazy_sets_refuse_the_in_memory_shift_and_ood_sets():
     from torchcal.experiments.config import ConfigError, validate_config
 
     for name in ("imagenet", "tiny_imagenet"):
-        with pytest.raises(ConfigError, match=f"not data.name={name} \\(decoded per batch\\)"):
-            validate_config(load_config(None, [f"data.name={name}"]))  # default shift and OOD sets
+        validate_config(load_config(None, [f"data.name={name}"]))  # no shift or OOD sets by default
+        for key in ("data.shift.name=cifar10_c", "data.ood.sets=[svhn]"):
+            with pytest.raises(ConfigError, match=f"not data.name={name} \\(decoded per batch\\)"):
+                load_config(None, [f"data.name={name}", key])
     with pytest.raises(ConfigError, match="data.ten_crop applies to chestxray14"):
         validate_config(
-            load_config(None, ["data.name=imagenet", "data.shift=", "data.ood=", "data.ten_crop=true"])
+            load_config(None, ["data.name=imagenet", "data.ten_crop=true"])
         )

@@ -7,7 +7,7 @@ import pytest
 from torchcal.experiments.config import ConfigError
 from torchcal.experiments.sweep import expand, load_sweep, run_sweep
 
-TINY = ["data.name=digits", "data.ood=", "data.val_size=260", "model.width=16", "train.epochs=1",
+TINY = ["data.name=digits", "data.ood.sets=[]", "data.val_size=260", "model.width=16", "train.epochs=1",
         "train.num_threads=1"]  # fmt: skip
 
 

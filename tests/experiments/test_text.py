@@ -83,8 +83,8 @@ def test_text_cnn_run(tmp_path):
     write_20ng(tmp_path / "data")
     write_glove(tmp_path / "glove.txt", [w for ws in GROUPS.values() for w in ws.split()])
     cfg = load_config(None, [f"data.root={tmp_path / 'data'}", "data.name=20newsgroups",
-                             f"data.glove={tmp_path / 'glove.txt'}", "data.max_len=150", "data.shift=", "data.ood=",
-                             "data.val_size=6", "data.batch_size=8", "model.name=text_cnn", "train.epochs=2",
+                             f"data.glove={tmp_path / 'glove.txt'}", "data.max_len=150",
+                             "data.val_size=6", "data.loader.batch_size=8", "model.name=text_cnn", "train.epochs=2",
                              "loss.name=flsd-53"])  # fmt: skip
     rows = train(cfg, tmp_path / "run")
     assert len(rows) == 2
@@ -230,7 +230,7 @@ def test_fixed_split_text_runs(tmp_path, dataset):
         write_19997(tmp_path / "data", per_group=400)
         n_val, n_test = 900, 240
     cfg = load_config(None, [f"data.root={tmp_path / 'data'}", f"data.name={dataset}", "data.max_len=150",
-                             "data.shift=", "data.ood=", "data.batch_size=32", "data.eval_batch_size=2000",
+                             "data.loader.batch_size=32", "data.loader.eval_batch_size=2000",
                              "model.name=text_cnn", "train.epochs=1", "train.calibrators=[]"])  # fmt: skip
     with pytest.warns(UserWarning, match="data.val_size=5000 adjusted"):
         train(cfg, tmp_path / "run")
@@ -288,7 +288,7 @@ def test_sst_reader_binary_and_fine(tmp_path):
 def test_sst_runs_with_the_text_cnn(tmp_path):
     write_sst(tmp_path / "data")
     cfg = load_config(None, [f"data.root={tmp_path / 'data'}", "data.name=sst_binary", "data.max_len=150",
-                             "data.shift=", "data.ood=", "data.batch_size=4", "model.name=text_cnn", "train.epochs=1",
+                             "data.loader.batch_size=4", "model.name=text_cnn", "train.epochs=1",
                              "train.calibrators=[]", "optim.name=adagrad", "optim.lr=0.05"])  # fmt: skip
     with pytest.warns(UserWarning, match="dev split is the validation set"):
         train(cfg, tmp_path / "run")

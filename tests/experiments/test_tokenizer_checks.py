@@ -42,7 +42,7 @@ def test_a_checkpoint_without_tokenizer_files_is_refused_before_training(bert, t
     ):
         load_tokenizer(bare)
     args = ["train", "-o", str(tmp_path / "run"), f"data.root={bert.parent / 'data'}", "data.name=20newsgroups_papers",
-            "data.val_size=900", "data.shift=", "data.ood=", "data.max_len=12", "model.name=transformer",
+            "data.val_size=900", "data.max_len=12", "model.name=transformer",
             f"model.checkpoint={bare}", "train.epochs=1", "train.num_threads=1"]  # fmt: skip
     result = runner.invoke(app, args)
     assert result.exit_code == 2, result.output

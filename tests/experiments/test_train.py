@@ -15,7 +15,7 @@ from torchcal.experiments.config import ConfigError, load_config
 from torchcal.experiments.evaluation.evaluate import evaluate_run, report
 from torchcal.experiments.training.loop import CheckpointError, RunError, train
 
-TINY = ["data.name=digits", "data.ood=", "data.val_size=260", "data.batch_size=64", "model.width=16",
+TINY = ["data.name=digits", "data.ood.sets=[]", "data.val_size=260", "data.loader.batch_size=64", "model.width=16",
         "train.epochs=3", "train.num_threads=1"]  # fmt: skip
 
 
@@ -148,7 +148,7 @@ def test_autocast_and_channels_last_options_train_finitely(tmp_path, amp):
                "loss.name=flsd-53")  # fmt: skip
     rows = train(cfg, tmp_path / "run")
     assert all(map(lambda v: v == v, [rows[0]["train_loss"], rows[0]["val_ece"]]))  # not NaN
-    with pytest.raises(ValueError, match="train.amp must be one of"):
+    with pytest.raises(ValueError, match="train.amp must be 'auto', 'bfloat16', 'float16' or 'off', got 'fp8'"):
         train(tiny("train.amp=fp8"), tmp_path / "bad")
 
 

@@ -31,9 +31,9 @@ def corpus(tmp_path_factory):
 
 
 def args(corpus, *extra):
-    return [f"data.root={corpus / 'data'}", "data.name=20newsgroups_papers", "data.val_size=900", "data.shift=", "data.ood=",
+    return [f"data.root={corpus / 'data'}", "data.name=20newsgroups_papers", "data.val_size=900",
             "data.max_len=12",
-            "data.eval_max_len=24", "data.batch_size=8", "data.eval_batch_size=512", "model.name=transformer",
+            "data.eval_max_len=24", "data.loader.batch_size=8", "data.loader.eval_batch_size=512", "model.name=transformer",
             f"model.checkpoint={corpus / 'bert'}", "optim.name=adamw", "optim.lr=0.03", "optim.weight_decay=0.01",
             "optim.schedule=linear", "optim.warmup_epochs=0.2", "train.epochs=3", "train.calibrators=[ts]",
             "train.select=best_val_error", "train.num_threads=1", *extra]  # fmt: skip
@@ -115,7 +115,7 @@ def test_checkpoint_errors_are_one_line(corpus, tmp_path):
     assert result.exit_code == 2
     assert "huggingface-cli download bert-base-uncased" in result.output
     assert not (tmp_path / "run").exists()  # a refused command writes nothing
-    result = runner.invoke(app, ["train", "-o", str(tmp_path / "r2"), "model.name=transformer", "data.name=digits", "data.ood=",
+    result = runner.invoke(app, ["train", "-o", str(tmp_path / "r2"), "model.name=transformer", "data.name=digits", "data.ood.sets=[]",
                                  f"model.checkpoint={corpus / 'bert'}"])  # fmt: skip
     assert result.exit_code == 2 and "needs a text dataset" in result.output
 

@@ -20,7 +20,7 @@ from torchcal.experiments.evaluation.evaluate import collect_groups, evaluate_ru
 from torchcal.experiments.training.loop import read_metrics, train
 
 runner = CliRunner()
-TINY = ["data.name=digits", "data.ood=", "data.val_size=260", "data.batch_size=64", "model.width=16",
+TINY = ["data.name=digits", "data.ood.sets=[]", "data.val_size=260", "data.loader.batch_size=64", "model.width=16",
         "train.num_threads=1", "train.calibrators=[]"]  # fmt: skip  # calibrators: as each test asks
 
 
@@ -138,8 +138,8 @@ def test_saved_config_is_what_ran(tmp_path):
     [
         (["train.epochs=0"], "train.epochs must be >= 1"),
         (["model.width=0"], "model.width must be >= 1"),
-        (["data.batch_size=0"], "data.batch_size must be >= 1"),
-        (["data.eval_batch_size=-5"], "data.eval_batch_size must be >= 1"),
+        (["data.loader.batch_size=0"], "data.loader.batch_size must be >= 1"),
+        (["data.loader.eval_batch_size=-5"], "data.loader.eval_batch_size must be >= 1"),
         (["loss.name=adafocal", "loss.update_every=-1"], "loss.update_every must be >= 0"),
         (["loss.update_every=3"], "applies only to losses updated"),
         (["optim.lr=.nan"], "optim.lr must be a finite number"),
@@ -151,7 +151,7 @@ def test_saved_config_is_what_ran(tmp_path):
             ["train.calibrators=[ts, nope]"],
             "train.calibrators (multiclass outputs): unknown calibrator 'nope'",
         ),
-        (["data.shift=cifar10_c"], "severity 1-5"),
+        (["data.shift.name=cifar10_c"], "severity 1-5"),
         (["data.limit_train=-1"], "data.limit_train must be >= 0"),
         (["train.device=gpu0"], "is not a device"),
     ],

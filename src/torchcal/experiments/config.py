@@ -583,6 +583,8 @@ def _translate(err: ValidationError, raw: dict, renamed: dict[str, str]) -> Conf
     if kind in ("int_type", "int_parsing", "int_from_float"):
         return ConfigError(f"{path} must be an integer, got {value!r}")
     if kind in ("float_type", "float_parsing"):
+        if isinstance(value, str) and value.strip().lower().lstrip("+-.") in ("nan", "inf", "infinity"):
+            return ConfigError(f"{path} must be a finite number, got {value}")
         return ConfigError(f"{path} must be a number (e.g. 0.1, 1e-5), got {value!r}")
     if kind == "finite_number":
         return ConfigError(f"{path} must be a finite number, got {value}")

@@ -1,7 +1,7 @@
 """ChestX-ray14 (Wang et al. 2017) for the CheXNet protocol (Rajpurkar et al. 2017; the FCL paper's appendix
 A.16): 112,120 frontal X-rays (PNG, 1024 × 1024), 14 pathologies per image, the official patient-wise
 ``train_val_list.txt`` / ``test_list.txt`` split. Images are decoded on the fly, one batch at a time
-(:class:`~torchcal.experiments.data.streaming.ImageFolderInputs`, in DataLoader workers with ``data.num_workers``),
+(:class:`~torchcal.experiments.data.streaming.ImageFolderInputs`, in DataLoader workers with ``data.loader.num_workers``),
 so a run's memory does not grow with the dataset (decisions 79, 80).
 """
 
