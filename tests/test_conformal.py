@@ -272,3 +272,10 @@ def test_tune_raps_picks_from_grid():
         for lam_ in (0.001, 0.01, 0.1, 0.2, 0.5)
     }  # fmt: skip
     assert sizes[lam] == min(sizes.values())
+
+
+def test_tune_raps_refuses_an_empty_grid():
+    # an empty grid used to return (None, k_reg): a lambda_ that no RAPS predictor accepts
+    p, y, _ = _probs(50, 4, seed=5)
+    with pytest.raises(ValueError, match="`lambdas` must hold at least one value"):
+        tune_raps(p, y, 0.1, lambdas=(), from_logits=False)

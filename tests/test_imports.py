@@ -30,6 +30,30 @@ def test_public_api_is_reexported():
         assert hasattr(torchcal, name), name
 
 
+def test_type_checkers_see_the_top_level_metric_functions():
+    """torchcal re-exports functional.METRIC_FUNCTIONS at run time through globals(), which a type checker
+    does not execute: its TYPE_CHECKING block binds the same names (``from .functional import x as x``, the
+    re-export form of a typed package), and a metric added to one list must be added to the other."""
+    import ast
+    import pathlib
+
+    import torchcal.functional as F
+
+    init = pathlib.Path(F.__file__).parents[1] / "__init__.py"  # torchcal/__init__.py
+    tree = ast.parse(init.read_text())
+    (block,) = [n for n in tree.body if isinstance(n, ast.If) and getattr(n.test, "id", "") == "TYPE_CHECKING"]
+    bound = [
+        alias.name
+        for node in block.body
+        if isinstance(node, ast.ImportFrom) and node.module == "functional" and node.level == 1
+        for alias in node.names
+        if alias.asname == alias.name
+    ]
+    missing, extra = set(F.METRIC_FUNCTIONS) - set(bound), set(bound) - set(F.METRIC_FUNCTIONS)
+    assert not missing and not extra, f"{init}: add {sorted(missing)}, remove {sorted(extra)}"
+    assert len(bound) == len(set(bound))
+
+
 def _import_graph():
     """{module: the torchcal modules it imports} from the source (module level and inside functions)."""
     import ast

@@ -46,3 +46,15 @@ def test_make_demo_installs_the_demo_extra_and_make_test_the_dev_extra():
     names = {r.split(">")[0].split("=")[0].split("[")[0].strip().lower() for r in extra("demo")}
     assert not names & heavy and {"matplotlib", "typer", "rich", "pyyaml"} <= names
     assert set(extra("demo")) <= set(extra("dev"))  # `make test` covers what the demo needs
+
+
+def test_make_test_type_checks_src_and_the_package_ships_py_typed():
+    test = planned("test")
+    assert "pyright --pythonpath .venv/bin/python" in test
+    assert test.index("pyright") < test.index("pytest")  # a type error stops `make test` before the tests
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    pyright = config["tool"]["pyright"]
+    assert pyright["include"] == ["src"] and pyright["typeCheckingMode"] == "standard"
+    assert any(r.startswith("pyright[nodejs]==") for r in extra("dev"))  # pinned, Node.js from a wheel
+    assert (ROOT / "src" / "torchcal" / "py.typed").is_file()
+    assert "py.typed" in config["tool"]["setuptools"]["package-data"]["torchcal"]

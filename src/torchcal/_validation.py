@@ -134,7 +134,7 @@ def check_logits(
         raise ValueError(f"`{name}` contains NaN or infinite values")
     if warn_if_probs is not None:
         lowest, worst = values
-        if lowest >= 0 and worst <= _SUM_TOL.get(head.dtype, 1e-4) * max(1.0, head.shape[1] / 100):
+        if lowest >= 0 and worst <= _SUM_TOL.get(logits.dtype, 1e-4) * max(1.0, logits.shape[1] / 100):
             warnings.warn(
                 f"`{name}` rows are non-negative and sum to 1: they look like probabilities, not logits; "
                 f"{warn_if_probs}",

@@ -23,6 +23,8 @@ __all__ = ["AdaFocalLoss", "CalFocalLoss"]
 class _ValidationBins(nn.Module):
     """Shared state: M validation bins (edges (M + 1,), right-closed, first open below, last open above)."""
 
+    bin_edges: torch.Tensor
+
     def __init__(self, n_bins: int):
         super().__init__()
         self.n_bins = check_positive_int(n_bins, "n_bins")
@@ -128,6 +130,11 @@ class AdaFocalLoss(_ValidationBins):
         tensor([1.0779, 1.2840, 0.9277], dtype=torch.float64)
     """
 
+    weight: torch.Tensor | None
+    gamma_per_bin: torch.Tensor
+    gamma_history: torch.Tensor
+    gap_history: torch.Tensor
+
     def __init__(
         self,
         n_bins: int = 15,
@@ -168,6 +175,7 @@ class AdaFocalLoss(_ValidationBins):
         if self.dual:
             return _ada_dual(logits, targets, self, self.reduction, self.ignore_index, buffers["weight"])
         gammas, edges = buffers["gamma_per_bin"], buffers["bin_edges"]
+        assert gammas is not None and edges is not None  # registered tensors
 
         def weight(log_pt):
             p_t = log_pt.exp().detach()
@@ -258,6 +266,10 @@ class CalFocalLoss(_ValidationBins):
     """CalFocal (Ghosh et al. 2022, eq. 2 with ``case=1``, eq. 3 with ``case=2``): γ from the validation
     accuracy (and confidence) of the bin containing p_t; :meth:`update` adopts new validation statistics."""
 
+    weight: torch.Tensor | None
+    bin_accuracy: torch.Tensor
+    bin_confidence: torch.Tensor
+
     def __init__(
         self,
         n_bins: int = 15,
@@ -284,6 +296,7 @@ class CalFocalLoss(_ValidationBins):
     def forward(self, logits, targets):
         buffers = self._buffers  # (module attribute lookup of a buffer costs ~1 µs per access)
         edges, acc, confidence = buffers["bin_edges"], buffers["bin_accuracy"], buffers["bin_confidence"]
+        assert edges is not None and acc is not None and confidence is not None  # registered tensors
         conf = confidence if self.case == 2 else None
         if (
             type(logits) is not torch.Tensor

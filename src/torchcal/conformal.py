@@ -165,6 +165,9 @@ def tune_raps(
         (True, True)
     """
     alpha = check_float(alpha, "alpha", low=0, high=1, low_open=True, high_open=True)
+    lambdas = tuple(lambdas)
+    if not lambdas:
+        raise ValueError("`lambdas` must hold at least one value to choose from, got none")
     probs, targets = field_inputs(logits, targets, from_logits, "logits", allow_empty=False)
     order = torch.sort(probs, dim=1, descending=True, stable=True).indices
     rank0 = (order == targets[:, None]).double().argmax(1).double()  # 0-based rank of the true label
@@ -177,6 +180,7 @@ def tune_raps(
         size = float(cp.fit(probs, targets, alpha).predict_sets(probs).sum(1).double().mean())
         if best_size is None or size < best_size:
             best, best_size = float(lam), size
+    assert best is not None  # lambdas is not empty
     return best, k_reg
 
 

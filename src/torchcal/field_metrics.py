@@ -230,7 +230,9 @@ def field_results(sums: torch.Tensor, rows, k: int, m: int) -> dict[str, torch.T
     n = scalars[1]
     if float(n) == 0:
         raise RuntimeError("FieldMetrics.compute() called before any update()")
-    out = dict(zip(("ece", "signed_ece", "ece_over", "ece_under"), D.direction_from_sums(*top), strict=True))
+    out: dict[str, torch.Tensor] = dict(
+        zip(("ece", "signed_ece", "ece_over", "ece_under"), D.direction_from_sums(*top), strict=True)
+    )
     count, p_sum, y_sum = top[0], vec[0], vec[1]
     safe = count.clamp(min=1)[:, None]
     f_bar, y_bar_g, w = p_sum / safe, y_sum / safe, count / n

@@ -15,6 +15,7 @@ Each ``forward`` is one call into :mod:`torchcal.functional.losses`; the statefu
 from __future__ import annotations
 
 import re
+from typing import cast
 
 import torch
 from torch import nn
@@ -214,7 +215,7 @@ class DualFocalLoss(FocalLoss):
         gamma: float = 5.0,
         reduction: str = "mean",
         *,
-        dual_logit="largest",
+        dual_logit: str | float = "largest",
         weight=None,
         label_smoothing: float = 0.0,
         ignore_index=L.IGNORE_INDEX,
@@ -307,7 +308,7 @@ class KDEXELoss(_Loss):
     def __init__(
         self,
         lambda_: float = 1.0,
-        bandwidth="auto",
+        bandwidth: float | str = "auto",
         reduction: str = "mean",
         *,
         weight=None,
@@ -1015,7 +1016,7 @@ class FusedLinearLoss(nn.Module):
         if not isinstance(loss, nn.Module):
             raise TypeError(f"`loss` must be a torchcal loss module or name, got {type(loss).__name__}")
         _fused_form(loss)
-        self.loss = loss
+        self.loss = cast("_Loss | AdaFocalLoss", loss)  # (_fused_form accepts only these)
         self.chunk_size = None if chunk_size is None else check_positive_int(chunk_size, "chunk_size")
         self.vocab_chunk_size = (
             None if vocab_chunk_size is None else check_positive_int(vocab_chunk_size, "vocab_chunk_size")

@@ -231,6 +231,7 @@ def batch_state(probs_or_logits, targets, num_classes, n_bins, from_logits, s99_
     conf, correct = scan.conf, scan.correct
     sums = torch.zeros(state_size(num_classes, n_bins), dtype=torch.float64, device=probs.device)
     top, cw, scalars = state_views(sums, num_classes, n_bins)
+    assert scan.top is not None and scan.sums is not None  # asked for: n_bins, threshold
     top += torch.stack(list(scan.top))
     _, cw_conf, cw_correct = classwise_sums(probs, targets, n_bins, scan.classwise)
     cw += torch.stack([cw_conf, cw_correct])

@@ -69,6 +69,7 @@ def reliability_diagram_data(
     _, _, scan = scan_inputs(probs, targets, from_logits, n_bins=n_bins if binning == "equal_width" else None)
     conf, correct = scan.conf, scan.correct
     if binning == "equal_width":
+        assert scan.top is not None  # the scan bins with n_bins
         count, conf_sum, correct_sum = scan.top
         edges = equal_width_edges(n_bins, torch.float64, conf.device)
         lower, upper = edges[:-1], edges[1:]
@@ -283,8 +284,9 @@ def plot_multilabel_reliability(
         plot_reliability_diagram(data, title=name, axes=(ax, hist))
         ax.set_ylabel("fraction positive")
         hist.set_xlabel("predicted probability p")
-        if i:
-            ax.get_legend().remove()
+        legend = ax.get_legend()
+        if i and legend is not None:
+            legend.remove()
     if title:
         fig.suptitle(title)
     return fig

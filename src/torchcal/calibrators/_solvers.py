@@ -102,8 +102,8 @@ class DiagModel:
             # H over [w (K), b (K)] = diag blocks of mean f²p, fp, p minus the Gram matrix of [f ⊙ p, p]
             # (formed in float32: Newton needs only an approximate Hessian, the gradient stays exact)
             cols = []
+            a = f * p  # (read only with a scale)
             if self.scale != "none":
-                a = f * p
                 cols.append(a)
             if self.n_bias:
                 cols.append(p)
@@ -192,18 +192,14 @@ class DiagModel:
             parts.append(v.sum(0)[: self.n_bias] / n)
         return torch.cat(parts).to(theta.dtype)
 
-
-def _cross_diag(self, theta, stride: int = 1):
-    """mean_i p_ik (1 − p_ik) f_ik per class: the Hessian entry coupling w_k and b_k."""
-    f, y = self.f[::stride], self.y[::stride]
-    sub = copy.copy(self)
-    sub.f, sub.y = f, y
-    sub.offset = None if self.offset is None else self.offset[::stride]
-    _, p = _ce_terms(sub.logits(theta), y)
-    return ((p * (1 - p) * f).sum(0) / f.shape[0]).to(theta.dtype)
-
-
-DiagModel.cross_diag = _cross_diag
+    def cross_diag(self, theta, stride: int = 1):
+        """mean_i p_ik (1 − p_ik) f_ik per class: the Hessian entry coupling w_k and b_k."""
+        f, y = self.f[::stride], self.y[::stride]
+        sub = copy.copy(self)
+        sub.f, sub.y = f, y
+        sub.offset = None if self.offset is None else self.offset[::stride]
+        _, p = _ce_terms(sub.logits(theta), y)
+        return ((p * (1 - p) * f).sum(0) / f.shape[0]).to(theta.dtype)
 
 
 def _add_penalty(penalty, theta, order, value, grad, hess):
@@ -308,7 +304,9 @@ def ridge(weights: torch.Tensor, center: torch.Tensor | None = None):
     return penalty
 
 
-def newton(fun: Callable, x0: torch.Tensor, max_iter: int = 100, tol: float = 1e-12):
+def newton(
+    fun: Callable, x0: torch.Tensor, max_iter: int = 100, tol: float = 1e-12
+) -> tuple[torch.Tensor, float, int, bool]:
     """Damped Newton on a convex, twice differentiable ``fun(θ, order) -> (f, g, H)``.
 
     Each step solves H d = −g by Cholesky (a singular H, e.g. a bias whose common shift leaves the softmax
@@ -355,7 +353,7 @@ def lbfgs(
     gtol: float = 1e-6,
     ftol: float | None = None,
     history: int = 20,
-):
+) -> tuple[torch.Tensor, float, int, bool]:
     """L-BFGS (two-loop recursion, ``history`` pairs) with a strong-Wolfe line search (torch's cubic
     interpolating search, c1 = 1e-4, c2 = 0.9) on ``fun(θ, 1) -> (f, g, _)``, with the analytic gradient
     (no autograd graph, no optimizer object). The first step is scaled to unit length. Stops when max |g| ≤
@@ -397,8 +395,12 @@ def lbfgs(
         ys = float(yv @ step)
         if ys > 1e-10 * float(yv @ yv) ** 0.5 * float(step @ step) ** 0.5:
             if len(s_hist) == history:
-                s_hist.pop(0), y_hist.pop(0), rho_hist.pop(0)
-            s_hist.append(step), y_hist.append(yv), rho_hist.append(1.0 / ys)
+                s_hist.pop(0)
+                y_hist.pop(0)
+                rho_hist.pop(0)
+            s_hist.append(step)
+            y_hist.append(yv)
+            rho_hist.append(1.0 / ys)
             h_diag = ys / float(yv @ yv)
         x = x + step
         change = abs(float(f) - f_new)
@@ -440,13 +442,16 @@ def _preconditioner(model, x0, stride):
     return (lambda u: u * scale), (lambda theta: theta / scale), (lambda g: g * scale)
 
 
-def minimize(model, x0: torch.Tensor, solver: str = "auto", max_iter: int = 1000):
+def minimize(
+    model, x0: torch.Tensor, solver: str = "auto", max_iter: int = 1000
+) -> tuple[torch.Tensor, float, int, bool, str]:
     """Minimises ``model`` (a :class:`DiagModel` or :class:`FullModel`) from ``x0``: Newton when the
     Hessian is cheap (P ≤ 600 parameters and N·P² ≤ 2.5e9), else L-BFGS. Returns (θ, f, iters, converged,
     solver used)."""
     n, p = model.f.shape[0], len(x0)
     if solver == "auto":
         solver = "newton" if p <= NEWTON_MAX_PARAMS and n * p * p <= NEWTON_MAX_WORK else "lbfgs"
+    out: tuple[torch.Tensor, float, int, bool]  # (θ, f, iters, converged)
     if solver == "newton":  # in float64: the Hessian is small, and Newton's end game needs the precision
         out = newton(model.to(torch.float64), x0.double(), max_iter=min(max_iter, 200))
     else:  # L-BFGS on θ = T u, T ≈ H^(-1/2) from the Hessian's (block) diagonal at x0 (8k rows suffice)
@@ -456,8 +461,8 @@ def minimize(model, x0: torch.Tensor, solver: str = "auto", max_iter: int = 1000
             value, grad, _ = model(to_theta(u), order)
             return value, (None if grad is None else grad_u(grad)), None
 
-        u, *rest = lbfgs(scaled, to_u(x0), max_iter=max_iter)
-        out = (to_theta(u), *rest)
+        u, value, n_iter, converged = lbfgs(scaled, to_u(x0), max_iter=max_iter)
+        out = (to_theta(u), value, n_iter, converged)
     return (*out, solver)
 
 

@@ -30,7 +30,7 @@ def _encode(value):
     return value
 
 
-def _decode(value):
+def _decode(value: Any) -> Any:
     if isinstance(value, dict) and "__tensor__" in value:
         return torch.tensor(value["__tensor__"], dtype=getattr(torch, value["dtype"]))
     if isinstance(value, list):

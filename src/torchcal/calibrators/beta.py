@@ -53,6 +53,7 @@ def _logistic_newton(x, t, active, max_iter: int):
             break
         step = step * active_rows[:, None]
         scale = torch.ones(b, 1, dtype=x.dtype, device=x.device)
+        candidate, value, bad = theta, current, active_rows  # (set again by the loop, which always runs)
         for _ in range(30):  # halve the step of the problems whose loss did not decrease enough
             candidate = theta - scale * step
             value = loss(candidate)

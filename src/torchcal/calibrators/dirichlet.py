@@ -21,6 +21,12 @@ def _log_probs(logits):
 
 class _Dirichlet(Calibrator):
     fitted_attributes = ("weight_", "bias_", "n_iter_", "solver_")
+    # the subclasses' parameters
+    reg_lambda: float
+    reg_mu: float | None
+    reg_norm: bool
+    solver: str
+    max_iter: int
 
     def _check_common(self):
         lam = check_float(self.reg_lambda, "reg_lambda", low=0)

@@ -69,6 +69,7 @@ class _AffineScaling(Calibrator):
             "without weight_decay the NLL can have no finite minimiser",
         )
         weight, bias = model.split(theta)
+        assert bias is not None  # both models fit a bias here
         self.weight_ = weight.detach().clone()
         self.bias_ = bias.detach().clone()
         self.n_iter_ = int(n_iter)

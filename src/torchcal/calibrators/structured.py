@@ -45,6 +45,9 @@ def _ts_mix_features(logits, beta: float, epsilon: float):
 
 class _Structured(Calibrator):
     fitted_attributes = ("beta_", "epsilon_", "weight_", "bias_", "n_iter_", "solver_")
+    # the subclasses' parameters
+    solver: str
+    max_iter: int
 
     def _check_common(self):
         check_choice(self.solver, "solver", _SOLVERS)

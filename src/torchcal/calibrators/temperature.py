@@ -367,6 +367,8 @@ class FocalTemperatureScaling(Calibrator):
         log_q, q, l1, a, tmp = (torch.empty(n, k, dtype=dtype, device=dev) for _ in range(5))
 
         def score_at(t):  # (G,) objective values at T = t
+            assert n_g is not None and g is not None and g3 is not None  # set by use_gammas
+            assert flat_group is not None and num is not None and den is not None
             torch.div(centred, t, out=log_q)  # row max is 0, so log Σ exp needs no shift
             true_lq = log_q.gather(1, targets[:, None]).squeeze(1)
             # The NLL objective uses the exact true-class log-probability below, never a clamped one.
@@ -439,7 +441,7 @@ class FocalTemperatureScaling(Calibrator):
         return focal_log_map(torch.log_softmax(logits / self.temperature_, dim=1), self.gamma_).exp()
 
 
-def _simplex_qp(gram, lin):
+def _simplex_qp(gram, lin) -> torch.Tensor:
     """argmin_w wᵀ A w − 2 bᵀ w over the probability simplex, exactly, by checking every face (3 variables)."""
     best_w, best_val = None, math.inf
     k = gram.shape[0]
@@ -461,6 +463,7 @@ def _simplex_qp(gram, lin):
             val = float(w @ gram @ w - 2 * lin @ w)
             if val < best_val - 1e-15:
                 best_w, best_val = w, val
+    assert best_w is not None, "no face of the simplex has a finite objective"
     return best_w
 
 

@@ -188,6 +188,6 @@ METRIC_FUNCTIONS = list(__all__)  # (with the kernel switches) re-exported at to
 __all__ += ["LOSS_FUNCTIONS", "METRIC_FUNCTIONS"]
 
 # the functional losses (their nn.Module twins are in torchcal.losses)
-__all__ += LOSS_FUNCTIONS
+__all__ += LOSS_FUNCTIONS  # pyright: ignore[reportUnsupportedDunderAll]  (each is bound by an import above)
 __all__ += ["FUSED_LOSSES", "fused_linear_loss"]  # the fused linear head + loss (language-model vocabularies)
 __all__ += ["mbls_alpha", "mdca_penalty", "sbece_penalty"]  # MbLS's α schedule; batch terms alone

@@ -80,7 +80,7 @@ def top_label_from_logits(logits, targets, n_bins=None):
     return conf, correct, top
 
 
-def sort_with_flags(values: torch.Tensor, flags: torch.Tensor):
+def sort_with_flags(values: torch.Tensor, flags: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Stable ascending sort of non-negative confidences ``values`` carrying the bool ``flags`` (correctness)
     along: (sorted values, their flags). C++ radix sort on CPU when built; ``torch.sort(stable=True)`` and a
     gather otherwise."""
@@ -129,7 +129,7 @@ def true_class_loss(
     brier_lambda=0.0,
     runner_up=False,
     spec=None,
-    ignore_index=IGNORE_INDEX,
+    ignore_index: int | None = IGNORE_INDEX,
     soft_refusal=None,
     weight=None,
     label_smoothing=0.0,

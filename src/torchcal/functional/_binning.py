@@ -184,7 +184,7 @@ class Scan(NamedTuple):
     correct: torch.Tensor  # argmax == target (N,), bool (ties: the lowest index is the prediction)
     stats: tuple  # (largest |row sum − 1|, most negative entry or 0.0, any row sum not finite)
     classwise: object  # object with .finish(probs, targets) -> classwise sums, or None
-    top: tuple | None  # top-label equal-width (count, conf sum, correct sum) with ``n_bins``, else None
+    top: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # top-label equal-width (count, conf sum, correct sum) with ``n_bins``, else None
     sum_sq: float | None = None  # Σ_ik p_ik² in float64 (fused path only)
     sums: ScanSums | None = None  # with ``threshold`` (scan_inputs fills them on every path)
 

@@ -371,7 +371,7 @@ def sort_applies(values: torch.Tensor) -> bool:
     return values.dtype in _SCAN_DTYPES and values.is_cpu and values.dim() == 1 and cpu_extension_available()
 
 
-def sort_with_flags(values: torch.Tensor, flags: torch.Tensor):
+def sort_with_flags(values: torch.Tensor, flags: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Stable ascending sort of non-negative ``values`` carrying the bool ``flags`` along: (sorted values,
     their flags), by the C++ radix sort (ties keep their input order; −0.0 sorts as 0.0; negative or NaN
     values raise ValueError)."""

@@ -45,11 +45,16 @@ def top_label_inputs(probs, targets, from_logits: bool, name: str = "probs"):
     return scan.conf, scan.correct
 
 
-def top_label_bins(probs, targets, from_logits: bool, n_bins: int, name: str = "probs"):
+def top_label_bins(
+    probs, targets, from_logits: bool, n_bins: int, name: str = "probs"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Validated top-label equal-width (count, confidence sum, correct sum), float64 of shape (n_bins,)."""
     if from_logits is True:
-        return logits_top_label(probs, targets, n_bins, name)[2]
-    return scan_inputs(probs, targets, from_logits, name, n_bins=n_bins)[2].top
+        top = logits_top_label(probs, targets, n_bins, name)[2]
+    else:
+        top = scan_inputs(probs, targets, from_logits, name, n_bins=n_bins)[2].top
+    assert top is not None  # both passes bin with n_bins
+    return top
 
 
 def logits_top_label(logits, targets, n_bins, name: str = "probs"):

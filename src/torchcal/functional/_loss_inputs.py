@@ -66,7 +66,7 @@ class LossRows(NamedTuple):
         return self.targets.ndim == 2
 
 
-def check_ignore_index(ignore_index):
+def check_ignore_index(ignore_index: object) -> int | None:
     """None or an integer (not a bool)."""
     if ignore_index is not None and (
         isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral)
@@ -76,7 +76,7 @@ def check_ignore_index(ignore_index):
 
 
 def check_loss_inputs(
-    logits, targets, ignore_index=IGNORE_INDEX, *, soft_refusal: str | None = None, check_range: bool = True
+    logits, targets, ignore_index: int | None = IGNORE_INDEX, *, soft_refusal: str | None = None, check_range: bool = True
 ):
     """Checks the inputs of a training loss without reshaping them: (logits, targets, soft) with ``logits``
     upcast from half precision. ``soft_refusal`` is the reason a loss refuses soft targets (None: accepted).
@@ -138,7 +138,7 @@ def _check_soft_targets(targets: torch.Tensor) -> None:
         )
 
 
-def loss_rows(logits, targets, ignore_index=IGNORE_INDEX, *, soft_refusal: str | None = None) -> LossRows:
+def loss_rows(logits, targets, ignore_index: int | None = IGNORE_INDEX, *, soft_refusal: str | None = None) -> LossRows:
     """Checked inputs as :class:`LossRows`: positions become rows, ignored labels are replaced by 0 and masked."""
     ignore_index = check_ignore_index(ignore_index)
     logits, targets, soft = check_loss_inputs(logits, targets, ignore_index, soft_refusal=soft_refusal)

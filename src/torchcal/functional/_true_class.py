@@ -56,8 +56,9 @@ class TrueClassLoss(torch.autograd.Function):
         ctx.save_for_backward(log_p, targets, c_t, c_j, j, sq)
         return loss
 
+    # one gradient argument per output, as in torch's own Functions (the base declares *grad_outputs)
     @staticmethod
-    def backward(ctx, grad_loss):
+    def backward(ctx, grad_loss):  # pyright: ignore[reportIncompatibleMethodOverride]
         log_p, targets, c_t, c_j, j, sq = ctx.saved_tensors
         lam = ctx.brier_lambda
         c_t = c_t * grad_loss
@@ -107,8 +108,9 @@ class SoftTargetLoss(torch.autograd.Function):
         ctx.save_for_backward(log_p, q, qw * c, lam)
         return loss
 
+    # one gradient argument per output, as in torch's own Functions (the base declares *grad_outputs)
     @staticmethod
-    def backward(ctx, grad_loss):
+    def backward(ctx, grad_loss):  # pyright: ignore[reportIncompatibleMethodOverride]
         log_p, q, qc, lam = ctx.saved_tensors
         p = torch.exp(log_p)
         grad = qc - p * qc.sum(dim=1, keepdim=True)

@@ -84,7 +84,7 @@ def classwise_from_sums(conf_sum, correct_sum, n) -> torch.Tensor:
     return ((correct_sum - conf_sum).abs().sum(dim=1) / n).mean()
 
 
-def sorted_by_confidence(conf: torch.Tensor, correct: torch.Tensor):
+def sorted_by_confidence(conf: torch.Tensor, correct: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Stable ascending sort of confidences, carrying correctness along (ties keep input order).
 
     On CPU with the C++ extension built this is its radix sort of the bit patterns, which carries the
@@ -291,6 +291,7 @@ def negative_log_likelihood(probs, targets, *, from_logits: bool = False, ignore
         floor = math.log(torch.finfo(log_p.dtype).tiny)
         return (-log_p.clamp(min=floor)).double().mean()
     probs, targets, scan = scan_inputs(probs, targets, False, threshold=1.0)
+    assert scan.sums is not None  # scan_inputs sums with a threshold
     return torch.as_tensor(scan.sums.nll / probs.shape[0], dtype=torch.float64, device=probs.device)
 
 
@@ -585,7 +586,7 @@ def _kde_log_norm(f, bandwidth):
 KDE_WARN_PAIRS = 400_000_000
 
 
-def _kde_select_bandwidth(f, log_f, chunk):
+def _kde_select_bandwidth(f, log_f, chunk) -> float:
     """Leave-one-out log-likelihood of the Dirichlet KDE over a fixed grid; returns the maximiser."""
     n = f.shape[0]
     best, best_ll = None, -math.inf
@@ -599,6 +600,7 @@ def _kde_select_bandwidth(f, log_f, chunk):
             ll += float((torch.logsumexp(lk, dim=1) - math.log(n - 1)).sum())
         if ll > best_ll:
             best, best_ll = h, ll
+    assert best is not None, "no bandwidth's leave-one-out log-likelihood exceeds -inf"
     return best
 
 

@@ -299,6 +299,7 @@ def _block_stats(h, weight, bias, t, recipe, vchunk):
     for start in range(0, v, vchunk):
         z = _logits(h, weight, bias, start, start + vchunk)
         if recipe.runner_up:
+            assert zj is not None and j is not None  # made above with recipe.runner_up
             value, index = _masked_max(z, zt, t - start)
             better = value > zj
             zj = torch.where(better, value, zj)
@@ -463,7 +464,7 @@ def _run(hidden, index, weight, bias, targets, recipe, extra, chunk, vchunk, row
                 g_w[b0:b1].addmm_(g.T, h)
             if g_b is not None:
                 g_b[b0:b1] += g.sum(dim=0)
-        if g_rows is not None and rows is not None:
+        if g_h is not None and g_rows is not None and rows is not None:  # (g_rows is made only with g_h)
             g_h.index_copy_(0, rows, g_rows)
         z = g = blocks = g_rows = None  # this chunk's buffer is freed before the next one is made
     return loss, (g_h, g_w, g_b)
@@ -501,8 +502,9 @@ class _FusedLinearLoss(torch.autograd.Function):
         ctx.save_for_backward(*(None if g is None else g.to(d) for g, d in zip(grads, ctx.dtypes)))
         return value
 
+    # one gradient argument per output, as in torch's own Functions (the base declares *grad_outputs)
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out):  # pyright: ignore[reportIncompatibleMethodOverride]
         with torch.autocast(grad_out.device.type, enabled=False):
             return _FusedLinearLoss._backward(ctx, grad_out)
 
@@ -541,7 +543,7 @@ def fused_linear_loss(
     bias=None,
     chunk_size: int | None = None,
     vocab_chunk_size: int | None = None,
-    ignore_index=IGNORE_INDEX,
+    ignore_index: int | None = IGNORE_INDEX,
     reduction: str = "mean",
     **loss_kwargs,
 ):

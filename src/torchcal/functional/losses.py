@@ -175,7 +175,7 @@ def cross_entropy(
     *,
     weight=None,
     label_smoothing: float = 0.0,
-    ignore_index=IGNORE_INDEX,
+    ignore_index: int | None = IGNORE_INDEX,
     reduction: str = "mean",
 ):
     """Cross entropy −log p_t, optionally against (1 − ε)·onehot + ε/K (PyTorch's ``label_smoothing``);
@@ -217,7 +217,7 @@ _NO_IGNORED_LABEL = -(2**63)  # int64's minimum, a label no dataset holds
 
 
 def label_smoothing_loss(
-    logits, targets, epsilon: float = 0.05, *, weight=None, ignore_index=IGNORE_INDEX, reduction: str = "mean"
+    logits, targets, epsilon: float = 0.05, *, weight=None, ignore_index: int | None = IGNORE_INDEX, reduction: str = "mean"
 ):
     """Label smoothing LS-ε: cross entropy against (1 − ε)·onehot + ε/K (Müller et al. 2019; ε = 0.05 in
     Mukhoti et al.). Same as ``cross_entropy(..., label_smoothing=epsilon)``.
@@ -237,7 +237,7 @@ def label_smoothing_loss(
 
 
 def brier_loss(
-    logits, targets, *, weight=None, label_smoothing: float = 0.0, ignore_index=IGNORE_INDEX, reduction="mean"
+    logits, targets, *, weight=None, label_smoothing: float = 0.0, ignore_index: int | None = IGNORE_INDEX, reduction="mean"
 ):
     """Brier loss Σ_k (p_k − onehot_k)² of softmax probabilities; Σ_k (p_k − q_k)² against soft targets q
     (and against the smoothed (1 − ε)·onehot + ε/K with ``label_smoothing``). With class ``weight`` a row
@@ -277,7 +277,7 @@ def focal_loss(
     *,
     weight=None,
     label_smoothing: float = 0.0,
-    ignore_index=IGNORE_INDEX,
+    ignore_index: int | None = IGNORE_INDEX,
     reduction: str = "mean",
 ):
     r"""Focal loss :math:`-(1 - p_t)^\gamma \log p_t` (Lin et al. 2017; Mukhoti et al. 2020).
@@ -317,7 +317,7 @@ def inverse_focal_loss(
     *,
     weight=None,
     label_smoothing: float = 0.0,
-    ignore_index=IGNORE_INDEX,
+    ignore_index: int | None = IGNORE_INDEX,
     reduction: str = "mean",
 ):
     r"""Inverse focal loss :math:`-(1 + p_t)^\gamma \log p_t` (Wang et al. 2021), used by AdaFocal for γ < 0;
@@ -368,7 +368,7 @@ def sample_dependent_focal_loss(
     *,
     weight=None,
     label_smoothing: float = 0.0,
-    ignore_index=IGNORE_INDEX,
+    ignore_index: int | None = IGNORE_INDEX,
     reduction: str = "mean",
 ):
     """Sample-dependent focal loss (FLSD) of Mukhoti et al. 2020.
@@ -408,7 +408,7 @@ def varying_focal_loss(
     *,
     weight=None,
     label_smoothing: float = 0.0,
-    ignore_index=IGNORE_INDEX,
+    ignore_index: int | None = IGNORE_INDEX,
     reduction: str = "mean",
 ):
     """Focal loss with a per-sample γ tensor of the labels' shape ((N,) or (N, d1, ...)): focal form where
@@ -448,10 +448,10 @@ def dual_focal_loss(
     targets,
     gamma: float = 5.0,
     *,
-    dual_logit="largest",
+    dual_logit: str | float = "largest",
     weight=None,
     label_smoothing: float = 0.0,
-    ignore_index=IGNORE_INDEX,
+    ignore_index: int | None = IGNORE_INDEX,
     reduction: str = "mean",
 ):
     r"""Dual focal loss :math:`-(1 - p_t + p_j)^\gamma \log p_t` (Tao et al. 2023).
@@ -556,7 +556,7 @@ def dual_sample_dependent_focal_loss(
     *,
     weight=None,
     label_smoothing: float = 0.0,
-    ignore_index=IGNORE_INDEX,
+    ignore_index: int | None = IGNORE_INDEX,
     reduction: str = "mean",
 ):
     """DualFLSD: the dual focal form with γ_i chosen by the FLSD thresholds applied to the detached margin
@@ -593,7 +593,7 @@ def focal_calibration_loss(
     distance: str = "l2",
     weight=None,
     label_smoothing: float = 0.0,
-    ignore_index=IGNORE_INDEX,
+    ignore_index: int | None = IGNORE_INDEX,
     reduction="mean",
 ):
     r"""Focal calibration loss: focal(γ) + λ·Σ_k (p_k − onehot_k)² ("Towards Trustworthy DNN through
@@ -663,7 +663,7 @@ def _l1_focal_weight(gamma, lam):
 
 
 def mmce_penalty(
-    logits, targets, *, normalization: str = "code", bandwidth: float = 0.4, ignore_index=IGNORE_INDEX
+    logits, targets, *, normalization: str = "code", bandwidth: float = 0.4, ignore_index: int | None = IGNORE_INDEX
 ):
     """Kumar et al. 2018 weighted MMCE of a batch, on top-label confidences r and correctness c.
 
@@ -739,7 +739,7 @@ def mmce_loss(
     normalization: str = "code",
     weight=None,
     label_smoothing: float = 0.0,
-    ignore_index=IGNORE_INDEX,
+    ignore_index: int | None = IGNORE_INDEX,
     reduction: str = "mean",
 ):
     """Cross entropy + λ·MMCE_w(batch) (Kumar et al. 2018; λ = 2 for images, 8 for text), by default with
@@ -774,7 +774,7 @@ _KDE_NEEDS_LABELS = "the KDE calibration term compares each sample's one-hot lab
 _KDE_IS_A_BATCH_TERM = "the KDE calibration error is a statistic of the whole batch"
 
 
-def check_kde_xe_options(lambda_, bandwidth, weight, label_smoothing):
+def check_kde_xe_options(lambda_, bandwidth, weight, label_smoothing) -> tuple[float, float | str]:
     """(λ, bandwidth) of KDE-XE, checked; class weights and label smoothing refused."""
     lam = check_float(lambda_, "lambda_", low=0)
     if not (isinstance(bandwidth, str) and bandwidth == "auto"):
@@ -792,11 +792,11 @@ def kde_xe_loss(
     targets,
     lambda_: float = 1.0,
     *,
-    bandwidth="auto",
+    bandwidth: float | str = "auto",
     chunk_size: int = 1024,
     weight=None,
     label_smoothing: float = 0.0,
-    ignore_index=IGNORE_INDEX,
+    ignore_index: int | None = IGNORE_INDEX,
     reduction: str = "mean",
 ):
     """KDE-XE (Popordanoska et al. 2022; the Dual Focal paper's appendix F): cross entropy + λ·ECE_KDE(batch),
@@ -842,7 +842,7 @@ def kde_xe_loss(
             f = f / f.sum(1, keepdim=True)
             log_f = f.log()
             h = bandwidth
-            if h == "auto":
+            if isinstance(h, str):  # "auto" (checked)
                 h = _kde_select_bandwidth(f.detach(), log_f.detach(), chunk)
             onehot = nnf.one_hot(kept_targets, k).to(f.dtype)
             term = kde_l1_sum(f, log_f, onehot, h, chunk) / n
@@ -862,7 +862,7 @@ def calfocal_loss(
     bin_confidence=None,
     weight=None,
     label_smoothing: float = 0.0,
-    ignore_index=IGNORE_INDEX,
+    ignore_index: int | None = IGNORE_INDEX,
     reduction: str = "mean",
 ):
     """CalFocal (Ghosh et al. 2022, eq. 2 and 3): focal loss whose γ follows validation calibration.
@@ -923,7 +923,7 @@ def _calfocal(
     lam,
     reduction,
     spec,
-    ignore_index=IGNORE_INDEX,
+    ignore_index: int | None = IGNORE_INDEX,
     class_weight=None,
     eps=0.0,
 ):

@@ -27,6 +27,7 @@ the reference code, with ``sync=True`` for the global batch.
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import torch
 
@@ -91,7 +92,7 @@ def _ce_rows(logits, targets, ignore_index):
     return rows, log_p, ce
 
 
-def _reduce_penalised(ce, penalty, coef, rows, reduction, penalty_keep="rows"):
+def _reduce_penalised(ce, penalty, coef, rows, reduction, penalty_keep: Literal["rows"] | None = "rows"):
     """CE_i + coef·penalty_i reduced over the rows. The CE term leaves out ignored rows; the penalty leaves
     out the rows of ``penalty_keep`` ("rows": the same as CE; None: it covers every row, MbLS's released code
     with a negative ``ignore_index``). ``"mean"`` averages each term over the rows it covers (so it is
@@ -125,7 +126,7 @@ def logit_margin_l1_loss(
     ignored_rows: str = "reference",
     weight=None,
     label_smoothing: float = 0.0,
-    ignore_index=IGNORE_INDEX,
+    ignore_index: int | None = IGNORE_INDEX,
     reduction: str = "mean",
 ):
     r"""Margin-based label smoothing, MbLS (Liu et al., CVPR 2022): cross entropy plus a hinge on the logit
@@ -218,7 +219,7 @@ def poly1_cross_entropy(
     *,
     weight=None,
     label_smoothing: float = 0.0,
-    ignore_index=IGNORE_INDEX,
+    ignore_index: int | None = IGNORE_INDEX,
     reduction: str = "mean",
 ):
     r"""Poly-1 cross entropy (Leng et al., ICLR 2022): :math:`-\log p_t + \varepsilon (1 - p_t)`.
@@ -276,7 +277,7 @@ def confidence_penalty_loss(
     form: str = "sample",
     weight=None,
     label_smoothing: float = 0.0,
-    ignore_index=IGNORE_INDEX,
+    ignore_index: int | None = IGNORE_INDEX,
     reduction: str = "mean",
 ):
     r"""Confidence penalty (Pereyra et al. 2017): cross entropy minus β times the entropy of p.
@@ -325,7 +326,7 @@ def maxsup_loss(
     *,
     weight=None,
     label_smoothing: float = 0.0,
-    ignore_index=IGNORE_INDEX,
+    ignore_index: int | None = IGNORE_INDEX,
     reduction: str = "mean",
 ):
     r"""Max suppression, MaxSup (Zhou et al. 2025): :math:`\mathrm{CE}_i + \alpha (\max_k z_{ik} -
@@ -373,7 +374,7 @@ def acls_loss(
     ignored_rows: str = "reference",
     weight=None,
     label_smoothing: float = 0.0,
-    ignore_index=IGNORE_INDEX,
+    ignore_index: int | None = IGNORE_INDEX,
     reduction: str = "mean",
 ):
     r"""Adaptive and conditional label smoothing, ACLS (Park et al., ICCV 2023), as the released code
@@ -464,7 +465,7 @@ def _with_batch_term(base, rows, reduction, coef, penalty, weight=None):
     return none if reduction == "none" else none.sum()
 
 
-def mdca_penalty(logits, targets, *, sync: bool = False, group=None, ignore_index=IGNORE_INDEX):
+def mdca_penalty(logits, targets, *, sync: bool = False, group=None, ignore_index: int | None = IGNORE_INDEX):
     r"""The multi-class difference in confidence and accuracy of a batch (Hebbalaguppe et al., CVPR 2022):
     :math:`\frac{1}{K} \sum_k \bigl| \frac{1}{N}\sum_i p_{ik} - \frac{1}{N}\sum_i 1[y_i = k] \bigr|`, the
     batch-mean probability of every class against the class frequency of the **labels** (soft targets: their
@@ -508,7 +509,7 @@ def mdca_loss(
     group=None,
     weight=None,
     label_smoothing: float = 0.0,
-    ignore_index=IGNORE_INDEX,
+    ignore_index: int | None = IGNORE_INDEX,
     reduction: str = "mean",
 ):
     r"""A classification loss plus β·MDCA of the batch (:func:`mdca_penalty`; Hebbalaguppe et al. 2022).
@@ -570,7 +571,7 @@ def dca_loss(
     group=None,
     weight=None,
     label_smoothing: float = 0.0,
-    ignore_index=IGNORE_INDEX,
+    ignore_index: int | None = IGNORE_INDEX,
     reduction: str = "mean",
 ):
     r"""Cross entropy plus the difference between confidence and accuracy, DCA (Liang et al., BMVC 2020):
@@ -655,7 +656,7 @@ def sbece_penalty(
     form: str = "label",
     sync: bool = False,
     group=None,
-    ignore_index=IGNORE_INDEX,
+    ignore_index: int | None = IGNORE_INDEX,
 ):
     r"""Soft-binned ECE of a batch (Karandikar et al., NeurIPS 2021), on the top-label confidences r_i (with
     gradient) and the correctness a_i (a constant). Memberships g_bi = softmax_b(−(r_i − ξ_b)²/T) over the
@@ -695,7 +696,7 @@ def sbece_loss(
     group=None,
     weight=None,
     label_smoothing: float = 0.0,
-    ignore_index=IGNORE_INDEX,
+    ignore_index: int | None = IGNORE_INDEX,
     reduction: str = "mean",
 ):
     r"""Cross entropy + λ·SB-ECE of the batch (:func:`sbece_penalty`). λ = 2, M = 15, T = 0.01 are the ESD

@@ -146,9 +146,10 @@ def calibration_test(
     else:
         if statistic is None:
 
-            def statistic(p, y):
+            def classwise(p, y):
                 return C.classwise_calibration_error(p, y, n_bins=n_bins)
 
+            statistic = classwise
         observed = torch.as_tensor(statistic(probs, targets), dtype=torch.float64, device=probs.device)
         null = torch.stack([
             torch.as_tensor(statistic(probs[idx[r]], _sampled_labels(probs, idx[r], u[r])), dtype=torch.float64,
@@ -229,18 +230,22 @@ def paired_bootstrap(
     n = pa.shape[0]
     gen = torch.Generator().manual_seed(seed)
     name = _WEIGHTED.get(metric)
+    fast = None  # (A, B) weighted by resample counts: the metrics of _WEIGHTED
     if name is not None:
         n_bins = check_positive_int(metric_kwargs.get("n_bins", 15), "n_bins")
-        fast_a = _Weighted(name, pa, ta, scan_a.conf, scan_a.correct, n_bins)
-        fast_b = _Weighted(name, pb, tb, scan_b.conf.to(pa.device), scan_b.correct.to(pa.device), n_bins)
+        fast = (
+            _Weighted(name, pa, ta, scan_a.conf, scan_a.correct, n_bins),
+            _Weighted(name, pb, tb, scan_b.conf.to(pa.device), scan_b.correct.to(pa.device), n_bins),
+        )
     diffs = []
     step = max(1, _CHUNK // n)
     for start in range(0, n_resamples, step):
         b = min(step, n_resamples - start)
         idx = torch.randint(n, (b, n), generator=gen).to(pa.device)
-        if name is not None:
+        if fast is not None:
             counts = torch.zeros(b, n, dtype=torch.float64, device=pa.device)
             counts.scatter_add_(1, idx, torch.ones_like(counts))
+            fast_a, fast_b = fast
             diffs.append(fast_b(counts) - fast_a(counts))
         else:
             for row in idx:

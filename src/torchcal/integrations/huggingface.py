@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -245,13 +246,13 @@ _LOGIT_TRANSFORMS = {
 }
 
 
-def _unwrapped(model):
+def _unwrapped(model: Any) -> Any:
     while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):  # DDP, DataParallel
         model = model.module
     return model
 
 
-def _fused_head(model, head=None) -> torch.nn.Module:
+def _fused_head(model, head=None) -> torch.nn.Linear:
     """The model's output head: ``head`` if given, else its output embeddings (language-model heads), else
     its ``classifier`` or ``score`` (token-classification heads); a linear layer."""
     model = _unwrapped(model)
@@ -297,9 +298,9 @@ def _head_input(head: torch.nn.Linear):
     on the empty class dimension)."""
     captured = []
 
-    def capture(hidden):
-        captured.append(hidden)
-        return hidden.new_empty(*hidden.shape[:-1], 0)
+    def capture(input: torch.Tensor) -> torch.Tensor:  # (nn.Linear.forward's signature)
+        captured.append(input)
+        return input.new_empty(*input.shape[:-1], 0)
 
     head.forward = capture
     try:

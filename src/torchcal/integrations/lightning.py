@@ -30,15 +30,20 @@ the validation set does not divide; those repeats count like any sample, as in L
 
 from __future__ import annotations
 
-try:
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # one base class for the type checker: the current package name
     from lightning.pytorch import Callback
-except ImportError:  # pragma: no cover - the older package name
+else:
     try:
-        from pytorch_lightning import Callback
-    except ImportError as err:
-        raise ImportError(
-            "torchcal.integrations.lightning needs Lightning: pip install 'torchcal[lightning]'"
-        ) from err
+        from lightning.pytorch import Callback
+    except ImportError:  # pragma: no cover - the older package name
+        try:
+            from pytorch_lightning import Callback
+        except ImportError as err:
+            raise ImportError(
+                "torchcal.integrations.lightning needs Lightning: pip install 'torchcal[lightning]'"
+            ) from err
 
 import warnings
 

@@ -86,6 +86,9 @@ class CalibrationMetric(Metric):
     is_differentiable = False
     higher_is_better = False
     full_state_update = False
+    # the states (add_state)
+    sums: torch.Tensor
+    samples: list[torch.Tensor]
 
     def __init__(
         self,
@@ -263,6 +266,9 @@ class MultilabelCalibrationMetric(Metric):
     is_differentiable = False
     higher_is_better = False
     full_state_update = False
+    # the states (add_state)
+    sums: torch.Tensor
+    samples: list[torch.Tensor]
 
     def __init__(
         self,
@@ -311,7 +317,7 @@ class MultilabelCalibrationMetric(Metric):
         if sums is None:  # every target unknown
             return
         self.sums += sums
-        if self.keeps_rows:
+        if rows is not None:  # (made with keeps_rows)
             self.samples.append(rows)
 
     def compute(self) -> torch.Tensor:

@@ -61,6 +61,9 @@ class FieldCalibrationMetric(Metric):
     is_differentiable = False
     higher_is_better = False
     full_state_update = False
+    # the states (add_state)
+    sums: torch.Tensor
+    rows: list[torch.Tensor]
 
     def __init__(
         self,
