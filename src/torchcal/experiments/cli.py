@@ -395,12 +395,8 @@ def report(
     groups = collect_groups(run_dirs, calibrator)  # warns once per skipped folder
     check_optional_columns(groups, columns)
     note = regime_note(groups)
-    markdown, _ = make_report(
-        run_dirs, out, calibrator, note=note, groups=groups, metrics=extra, columns=columns
-    )
-    page = html_report(
-        run_dirs, out, calibrator, note=note, groups=groups, extra_metrics=extra, columns=columns
-    )
+    markdown, _ = make_report(run_dirs, out, calibrator, note=note, groups=groups, metrics=extra, columns=columns)
+    page = html_report(run_dirs, out, calibrator, note=note, groups=groups, extra_metrics=extra, columns=columns)
     console.print(Markdown(markdown))
     console.print(f"report.md, report.csv and {page.name} (with figures) in {out}/")
 
