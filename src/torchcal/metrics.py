@@ -490,10 +490,10 @@ class MultilabelCalibrationMetrics:
     """Accumulates the multi-label (sigmoid) metrics of :mod:`torchcal.functional.binary` over batches,
     mergeable and all-reducible.
 
-    State: per-label equal-width bin sums of p (count, p sum, positives), 3·L·M float64 numbers, and per-label
-    sums of Brier and NLL; with ``equal_mass`` (default) also every sample's (p, y), 16·L bytes per sample, for
-    the equal-mass ECE and the AUROC. ``compute()`` calls the one-shot functions' arithmetic, so k updates
-    give the one-shot values up to float64 summation order.
+    State: per-label equal-width bin sums of p (count, p sum, positives, p², p·y), 5·L·M float64 numbers, and
+    per-label sums of Brier, NLL and wrong decisions; with ``equal_mass`` (default) also every sample's
+    (p, y), 16·L bytes per sample, for the equal-mass ECE, KS, Kuiper and the AUROC. ``compute()`` calls the
+    one-shot functions' arithmetic, so k updates give the one-shot values up to float64 summation order.
 
     Example:
         >>> import torch
@@ -520,15 +520,15 @@ class MultilabelCalibrationMetrics:
 
     def reset(self) -> None:
         """Forget everything seen so far."""
-        size = 3 * self.num_labels * self.n_bins + 3 * self.num_labels + 1
+        size = 5 * self.num_labels * self.n_bins + 3 * self.num_labels + 1
         self._sums = torch.zeros(size, dtype=torch.float64, device=self._device)
         self._samples: list[torch.Tensor] = []  # (B, 2, L) float64: p and y
 
     def _views(self):
         lm = self.num_labels * self.n_bins
         s = self._sums
-        bins = s[: 3 * lm].view(3, self.num_labels, self.n_bins)
-        per_label = s[3 * lm : 3 * lm + 3 * self.num_labels].view(3, self.num_labels)  # brier, nll, wrong
+        bins = s[: 5 * lm].view(5, self.num_labels, self.n_bins)  # count, Σ p, Σ y, Σ p², Σ p·y
+        per_label = s[5 * lm : 5 * lm + 3 * self.num_labels].view(3, self.num_labels)  # brier, nll, wrong
         return bins, per_label[0], per_label[1], per_label[2], s[-1:]
 
     def update(self, probs_or_logits, targets) -> None:
@@ -551,8 +551,10 @@ class MultilabelCalibrationMetrics:
         bins, brier, nll, wrong, n = self._views()
         flat = (torch.bincount(index, minlength=labels * m).double(),
                 torch.bincount(index, weights=p.reshape(-1), minlength=labels * m),
-                torch.bincount(index, weights=y.reshape(-1), minlength=labels * m))  # fmt: skip
-        bins += torch.stack(flat).view(3, labels, m)
+                torch.bincount(index, weights=y.reshape(-1), minlength=labels * m),
+                torch.bincount(index, weights=(p * p).reshape(-1), minlength=labels * m),
+                torch.bincount(index, weights=(p * y).reshape(-1), minlength=labels * m))  # fmt: skip
+        bins += torch.stack(flat).view(5, labels, m)
         brier += ((p - y) ** 2).sum(0)
         wrong += ((p >= 0.5).double() != y).double().sum(0)
         if self.from_logits:
@@ -598,29 +600,40 @@ class MultilabelCalibrationMetrics:
         return int(self._views()[4][0])
 
     def compute(self) -> dict[str, torch.Tensor]:
-        """ece, ece_micro, mce (macro over labels, equal-width), brier, nll, error (the share of wrong 0/1
-        decisions at p >= 0.5) and, with ``equal_mass``, adaece, adaece_micro and auroc (mean over the labels
-        that have both classes); ``<name>_per_label`` (L,) tensors beside each macro value."""
+        """ece, ece_micro, mce (macro over labels, equal-width), signed_ece, ece_over, ece_under (the direction
+        of each label's ECE, and their ``_micro`` values), brier, nll, error (the share of wrong 0/1 decisions
+        at p >= 0.5), the Brier decomposition of each label (:func:`label_brier_terms`: brier_reliability,
+        brier_resolution, brier_uncertainty, brier_within_variance, brier_within_covariance) and, with
+        ``equal_mass``, adaece, adaece_micro, ks, kuiper (``kind="binary"`` per label) and auroc (mean over
+        the labels that have both classes); ``<name>_per_label`` (L,) tensors beside each macro value."""
         from .functional import binary as B
         from .functional.calibration import ece_from_sums, mce_from_sums
 
         bins, brier, nll, wrong, n = self._views()
         if float(n[0]) == 0:
             raise RuntimeError("MultilabelCalibrationMetrics.compute() called before any update()")
-        ece = torch.stack([ece_from_sums(*bins[:, j]) for j in range(self.num_labels)])
-        mce = torch.stack([mce_from_sums(*bins[:, j]) for j in range(self.num_labels)])
+        ece = torch.stack([ece_from_sums(*bins[:3, j]) for j in range(self.num_labels)])
+        mce = torch.stack([mce_from_sums(*bins[:3, j]) for j in range(self.num_labels)])
         out = {
-            "ece": ece.mean(), "ece_per_label": ece, "ece_micro": ece_from_sums(*bins.sum(1)),
+            "ece": ece.mean(), "ece_per_label": ece, "ece_micro": ece_from_sums(*bins[:3].sum(1)),
             "mce": mce.mean(), "mce_per_label": mce,
             "brier": (brier / n).mean(), "brier_per_label": brier / n,
             "nll": (nll / n).mean(), "nll_per_label": nll / n,
             "error": (wrong / n).mean(), "error_per_label": wrong / n,
         }  # fmt: skip
+        out.update(label_direction(bins[:3]))
+        for name, values in label_brier_terms(bins).items():
+            out[name], out[f"{name}_per_label"] = values.mean(), values
         if self.equal_mass:
             samples = torch.cat(self._samples)
             p, y = samples[:, 0], samples[:, 1]
             ada = B.multilabel_adaece(p, y, n_bins=self.n_bins, average="none")
             auroc = B.multilabel_auroc(p, y, average="none")
+            hi, lo = CU.cumulative_extremes(p, y)  # per label along dim 0
+            ks, kuiper = torch.maximum(hi, -lo), hi - lo
+            out.update(
+                {"ks": ks.mean(), "ks_per_label": ks, "kuiper": kuiper.mean(), "kuiper_per_label": kuiper}
+            )
             kept = auroc[~torch.isnan(auroc)]
             out.update({
                 "adaece": ada.mean(), "adaece_per_label": ada,
@@ -629,3 +642,42 @@ class MultilabelCalibrationMetrics:
                 "auroc_per_label": auroc,
             })  # fmt: skip
         return out
+
+
+def label_direction(bins: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The direction of each label's equal-width ECE from its (count, p sum, positives) bin sums (3, L, M):
+    ``signed_ece``, ``ece_over``, ``ece_under`` (macro means over the labels with a sample), their
+    ``_per_label`` (L,) values (NaN for a label without samples) and ``_micro`` values (every (sample, label)
+    pair pooled). Positive signed ECE: p above the observed frequency (over-confident in the positive
+    class)."""
+    per_label = D.direction_from_sums(bins[0], bins[1], bins[2])
+    micro = D.direction_from_sums(*bins.sum(1))
+    seen = bins[0].sum(-1) > 0
+    out = {}
+    for name, i in (("signed_ece", 1), ("ece_over", 2), ("ece_under", 3)):
+        values = torch.where(seen, per_label[i], torch.full_like(per_label[i], float("nan")))
+        out[name], out[f"{name}_per_label"], out[f"{name}_micro"] = values[seen].mean(), values, micro[i]
+    return out
+
+
+def label_brier_terms(bins: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Murphy's decomposition of each label's Brier score ``(1/N) Σ_i (p_i − y_i)²``, grouped by the label's
+    equal-width bins of p, from the bin sums (count, Σ p, Σ y, Σ p², Σ p·y) (5, L, M): ``REL = Σ_b n_b
+    (p̄_b − ȳ_b)²/N``, ``RES = Σ_b n_b (ȳ_b − ȳ)²/N``, ``UNC = ȳ(1 − ȳ)``, ``WBV = (Σ p² − Σ_b n_b p̄_b²)/N``,
+    ``WBC = (Σ p·y − Σ_b n_b p̄_b ȳ_b)/N``, and ``BS = REL − RES + UNC + WBV − 2·WBC`` exactly. (L,) float64
+    each; NaN for a label without samples."""
+    count, p_sum, y_sum, sq_sum, py_sum = bins
+    n = count.sum(-1)
+    safe_n = n.clamp(min=1)
+    safe = count.clamp(min=1)
+    p_bar, y_bar_b = p_sum / safe, y_sum / safe
+    y_bar = (y_sum.sum(-1) / safe_n)[:, None]
+    terms = {
+        "brier_reliability": (count * (p_bar - y_bar_b) ** 2).sum(-1) / safe_n,
+        "brier_resolution": (count * (y_bar_b - y_bar) ** 2).sum(-1) / safe_n,
+        "brier_uncertainty": (y_bar * (1 - y_bar)).squeeze(-1),
+        "brier_within_variance": (sq_sum.sum(-1) - (count * p_bar * p_bar).sum(-1)) / safe_n,
+        "brier_within_covariance": (py_sum.sum(-1) - (count * p_bar * y_bar_b).sum(-1)) / safe_n,
+    }
+    nan = torch.full_like(n, float("nan"))
+    return {k: torch.where(n > 0, v, nan) for k, v in terms.items()}

@@ -269,10 +269,11 @@ class MultilabelCalibrationMetric(Metric):
 
     Args:
         num_labels: L.
-        metric: "ece", "mce", "adaece", "brier", "nll", "error" (wrong 0/1 decisions at p >= 0.5) or
-            "auroc".
-        average: "macro" (mean over labels), "micro" (every (sample, label) pair pooled; not for AUROC) or
-            "none" (the (L,) values).
+        metric: "ece", "mce", "signed_ece", "ece_over", "ece_under" (the direction of each label's ECE),
+            "adaece", "brier", "nll", "error" (wrong 0/1 decisions at p >= 0.5), "ks", "kuiper" (per label,
+            ``kind="binary"``) or "auroc".
+        average: "macro" (mean over labels), "micro" (every (sample, label) pair pooled; not for AUROC, KS
+            and Kuiper) or "none" (the (L,) values).
         n_bins: bins of the binned estimators.
         from_logits: ``update`` receives logits and applies the sigmoid.
         ignore_index: targets with this value (e.g. −1 or −100 for an unknown label) are left out, element
@@ -284,8 +285,8 @@ class MultilabelCalibrationMetric(Metric):
             entries is refused as ambiguous.
         **kwargs: ``torchmetrics.Metric`` options.
 
-    State: 3·L·M + 4·L float64 sums, summed across processes; AdaECE and AUROC also keep every sample's
-    (p, y) (16·L bytes a sample), concatenated across processes. Without ``ignore_index`` the values equal
+    State: 3·L·M + 4·L float64 sums, summed across processes; AdaECE, KS, Kuiper and AUROC also keep every
+    sample's (p, y) (16·L bytes a sample), concatenated across processes. Without ``ignore_index`` the values equal
     :class:`torchcal.metrics.MultilabelCalibrationMetrics`'.
 
     Example:
