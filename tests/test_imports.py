@@ -127,7 +127,6 @@ CORE_NAMESPACES = [
     "torchcal.calibrators.temperature",
     "torchcal.calibrators.venn_abers",
     "torchcal.conformal",
-    "torchcal.field_metrics",
     "torchcal.functional",
     "torchcal.functional.binary",
     "torchcal.functional.bootstrap",

@@ -91,10 +91,11 @@ def test_metric_collection_shares_one_update():
 
 def test_state_is_constant_size_for_equal_width_metrics():
     ece = TM.ExpectedCalibrationError(num_classes=10, n_bins=15)
-    assert set(ece._defaults) == {"sums", "settings"} and ece.sums.shape == (3 * 15 + 2 * 10 * 15 + 6,)
-    assert ece.settings.shape == (
-        8,
-    )  # (is set, value) of from_logits, ignore_index, s99_threshold, class_dim
+    assert set(ece._defaults) == {"sums", "settings"} and ece.sums.shape == (3 * 15 + 2 * 10 * 15 + 7,)
+    # (is set, value) of from_logits, ignore_index, s99_threshold, class_dim, score
+    assert ece.settings.shape == (10,)
+    rel = TM.CalibrationMetric(num_classes=10, metric="brier_reliability")  # + the per-bin vector sums
+    assert set(rel._defaults) == {"sums", "settings"} and rel.sums.shape == (3 * 15 + 4 * 10 * 15 + 7,)
     ada = TM.AdaptiveCalibrationError(num_classes=10)
     assert set(ada._defaults) == {"sums", "settings", "samples"}
 
@@ -346,3 +347,40 @@ def test_multilabel_token_layout_and_refusals():
         TM.MultilabelCalibrationMetric(2, "auroc", "micro")
     with pytest.raises(ValueError, match="expected num_labels=3"):
         TM.MultilabelCalibrationMetric(3).update(torch.rand(4, 2), torch.ones(4, 2))
+
+
+def test_every_metric_of_the_accumulator_equals_calibration_metrics():
+    # one wrapper for every metric of CalibrationMetrics, including the SPEC §9 ones: the same float64
+    # state summed batch by batch in the same order, so equal to a few ulps
+    from tests.conftest import make_probs
+    from torchcal.metrics import METRICS
+
+    probs, targets = make_probs(301, 5, seed=2)
+    coll = MetricCollection({name: TM.CalibrationMetric(5, name) for name in METRICS})
+    ranked = TM.CalibrationMetric(5, "aurc", score="entropy")
+    ref, ref_ranked = CalibrationMetrics(5), CalibrationMetrics(5, score="entropy")
+    for a, b in ((0, 3), (3, 100), (100, 301)):
+        for m in (coll, ranked, ref, ref_ranked):
+            m.update(probs[a:b], targets[a:b])
+    got, want = coll.compute(), ref.compute()
+    assert set(got) == set(METRICS) == set(want)
+    for name in METRICS:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-12, msg=name)
+    torch.testing.assert_close(ranked.compute(), ref_ranked.compute("aurc")["aurc"], rtol=0, atol=1e-12)
+    assert not torch.isclose(ranked.compute(), want["aurc"])  # the ranking score changes the value
+
+
+def test_field_metric_errors_and_reset():
+    from tests.conftest import make_probs
+
+    with pytest.raises(ValueError, match="metric"):
+        TM.CalibrationMetric(3, "ece_sideways")
+    with pytest.raises(ValueError, match="needs logits"):
+        TM.CalibrationMetric(3, "aurc", score="energy")
+    m = TM.CalibrationMetric(3, "ks")
+    probs, targets = make_probs(50, 3, seed=1)
+    m.update(probs, targets)
+    first = m.compute()
+    m.reset()
+    m.update(probs, targets)
+    torch.testing.assert_close(m.compute(), first)

@@ -217,3 +217,29 @@ def conformal_qhat(scores, alpha):
     n = len(scores)
     k = math.ceil((n + 1) * (1 - alpha))
     return math.inf if n == 0 or k > n else sorted(scores)[k - 1]
+
+
+def binary_binned(p, y, n_bins):
+    """One label's (signed ECE, over, under, REL, RES, UNC, WBV, WBC, Brier) over equal-width bins of p (SPEC
+    §3 bins), the Brier terms in the scalar form (p − y)², by explicit per-bin lists."""
+    p, y = [float(v) for v in p], [float(v) for v in y]
+    n = len(p)
+    groups = [[] for _ in range(n_bins)]
+    for pi, yi in zip(p, y):
+        groups[_bin_torchcal(pi, n_bins)].append((pi, yi))
+    ybar = sum(y) / n
+    signed = over = under = rel = res = wbv = wbc = 0.0
+    for g in groups:
+        if not g:
+            continue
+        pb = sum(a for a, _ in g) / len(g)
+        yb = sum(b for _, b in g) / len(g)
+        gap = len(g) / n * (pb - yb)
+        signed += gap
+        over, under = over + max(gap, 0.0), under + max(-gap, 0.0)
+        rel += len(g) / n * (pb - yb) ** 2
+        res += len(g) / n * (yb - ybar) ** 2
+        wbv += sum((a - pb) ** 2 for a, _ in g) / n
+        wbc += sum((a - pb) * (b - yb) for a, b in g) / n
+    brier = sum((a - b) ** 2 for a, b in zip(p, y)) / n
+    return signed, over, under, rel, res, ybar * (1 - ybar), wbv, wbc, brier

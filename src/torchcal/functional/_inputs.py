@@ -97,11 +97,12 @@ def scan_inputs(
 
 def _torch_sums(probs, targets, scan, threshold):
     """The per-sample sums of :class:`torchcal.functional._binning.ScanSums` by torch ops, as 0-d float64
-    tensors on the input's device (no host sync): −log p_t with the clamp and log in the input dtype."""
+    tensors on the input's device (no host sync): −log p_t with the clamp in the input dtype and the log in
+    float64, as the C++ scan takes them."""
     p_true = probs.gather(1, targets[:, None]).squeeze(1)
     confident = scan.conf >= threshold
     return ScanSums(
-        nll_from_true_probs(p_true).double().sum(),
+        -torch.log(p_true.clamp(min=torch.finfo(p_true.dtype).tiny).double()).sum(),
         p_true.double().sum(),
         scan.correct.double().sum(),
         confident.double().sum(),

@@ -155,8 +155,16 @@ def sweep_from_sorted(conf_sorted, correct_sorted, p: int = 1, prefix=None):
 
 
 def brier_per_sample(probs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Σ_k (p_k − onehot_k)² = Σ_k p_k² − 2 p_t + 1 (no (N, K) temporary)."""
-    sq = torch.linalg.vector_norm(probs, dim=1).double() ** 2
+    """Σ_k (p_k − onehot_k)² = Σ_k p_k² − 2 p_t + 1, the squares summed in float64 as the C++ scan sums them
+    (a float32 batch is upcast in chunks of 2^20 entries: no (N, K) float64 copy)."""
+    if probs.dtype == torch.float64 or probs.numel() == 0:
+        sq = torch.linalg.vector_norm(probs, dim=1, dtype=torch.float64) ** 2
+    else:
+        rows = max(1, (1 << 20) // probs.shape[1])
+        sq = (
+            torch.cat([torch.linalg.vector_norm(c, dim=1, dtype=torch.float64) for c in probs.split(rows)])
+            ** 2
+        )
     p_true = probs.gather(1, targets[:, None]).squeeze(1).double()
     return sq - 2 * p_true + 1
 

@@ -3,7 +3,7 @@
 
 Kernel: sort the scores ``s`` ascending (stable: ties keep input order), ``D_k = (1/N) Σ_{j≤k} (t_(j) −
 s_(j))`` for k = 1..N (the divisor is the total N); ``KS = max_k |D_k|`` and ``Kuiper = max(0, max_k D_k) −
-min(0, min_k D_k)``. These need every score, so a stream keeps rows (:class:`torchcal.field_metrics.FieldMetrics`
+min(0, min_k D_k)``. These need every score, so a stream keeps rows (:class:`torchcal.metrics.CalibrationMetrics`
 keeps the top-label confidence and correctness and merges by gathering).
 """
 
@@ -14,11 +14,13 @@ import torch
 from .._namespace import only_public as _only_public
 from .._validation import check_choice
 from ._field_inputs import field_inputs, top_label_pairs
+from .calibration import sorted_by_confidence
 
 __all__ = [
     "ks_calibration_error",
     "kuiper_calibration_error",
     "cumulative_extremes",
+    "extremes_of_sorted",
 ]
 
 # float64 elements of one classwise chunk: bounds the (N, chunk) sort and cumulative-sum buffers
@@ -33,18 +35,30 @@ def cumulative_extremes(scores: torch.Tensor, targets: torch.Tensor) -> tuple[to
         zero = torch.zeros(scores.shape[1:], dtype=torch.float64, device=scores.device)
         return zero, zero.clone()
     s, order = torch.sort(scores, dim=0, stable=True)
-    d = torch.cumsum(targets.double().gather(0, order) - s.double(), dim=0) / n
+    return extremes_of_sorted(s, targets.gather(0, order))
+
+
+def extremes_of_sorted(scores_sorted: torch.Tensor, targets_sorted: torch.Tensor):
+    """:func:`cumulative_extremes` of scores already sorted ascending (stable) with their targets."""
+    n = scores_sorted.shape[0]
+    if n == 0:
+        zero = torch.zeros(scores_sorted.shape[1:], dtype=torch.float64, device=scores_sorted.device)
+        return zero, zero.clone()
+    d = torch.cumsum(targets_sorted.double() - scores_sorted.double(), dim=0) / n
     return d.amax(0).clamp(min=0), d.amin(0).clamp(max=0)
 
 
 def _extremes(probs, targets, kind, from_logits):
+    # top label and binary: validated probabilities (non-negative) with bool targets, sorted by
+    # sorted_by_confidence (the C++ radix sort on CPU when built, carrying the targets along)
     if kind == "top_label":
-        return cumulative_extremes(*top_label_pairs(probs, targets, from_logits))
+        conf, correct = top_label_pairs(probs, targets, from_logits)
+        return extremes_of_sorted(*sorted_by_confidence(conf, correct > 0.5))
     probs, targets = field_inputs(probs, targets, from_logits)
     if kind == "binary":
         if probs.shape[1] != 2:
             raise ValueError(f"kind='binary' needs 2 classes, `probs` has {probs.shape[1]}")
-        return cumulative_extremes(probs[:, 1], (targets == 1).double())
+        return extremes_of_sorted(*sorted_by_confidence(probs[:, 1].contiguous(), targets == 1))
     n, k = probs.shape
     cols = max(1, _CHUNK_ELEMENTS // max(n, 1))
     his, los = [], []

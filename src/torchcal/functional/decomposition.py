@@ -223,7 +223,7 @@ def brier_decomposition(
     ``WBV = (1/N) Σ_i ‖P_i − f̄_g‖²`` and covariance ``WBC = (1/N) Σ_i ⟨P_i − f̄_g, Y_i − ȳ_g⟩`` (Stephenson et
     al. 2008). ``groups="unique"`` (default) groups identical probability vectors, where both within terms
     are 0 and ``BS = REL − RES + UNC``; ``groups="width"`` groups by equal-width top-label confidence bins
-    (SPEC §3), a fixed-size statistic that :class:`torchcal.field_metrics.FieldMetrics` streams.
+    (SPEC §3), a fixed-size statistic that :class:`torchcal.metrics.CalibrationMetrics` streams.
 
     Args:
         probs: probabilities (N, K) (or (N,) for P(class 1)), or logits with ``from_logits=True``.

@@ -4,7 +4,7 @@ Selective prediction ranks samples by a confidence score (higher = more confiden
 (stable: ties keep input order) and, with ``e_(k)`` the top-label error of the k-th most confident sample,
 defines the selective risk ``r_k = (1/k) Σ_{j≤k} e_(j)`` at coverage ``k/N`` and the generalized risk
 ``r_k · k/N``. The metrics need every score, so a stream keeps rows and merges by gathering
-(:class:`torchcal.field_metrics.FieldMetrics`).
+(:class:`torchcal.metrics.CalibrationMetrics`).
 
 OOD scores are oriented the other way: higher = more OOD; OOD samples are the positive class.
 """
@@ -152,7 +152,15 @@ def _area(probs, targets, confidence, score, from_logits, ties, generalized):
         cov, risk = _grouped_points(confidence, errors, generalized)
         return torch.trapezoid(risk, cov)
     curve = _curve(confidence, errors)
-    y = curve.generalized_risk if generalized else curve.risk
+    return sample_area(curve.generalized_risk if generalized else curve.risk)
+
+
+def sample_area(y: torch.Tensor) -> torch.Tensor:
+    """``ties="sample"``'s area under per-sample curve points ``y`` (N,) at coverages k/N:
+    ``(1/(N−1)) Σ_{k=2}^N (y_{k−1} + y_k)/2``; NaN for N < 2."""
+    n = y.shape[0]
+    if n < 2:
+        return torch.tensor(float("nan"), dtype=torch.float64, device=y.device)
     return (y[1:] + y[:-1]).sum() / (2 * (n - 1))
 
 
@@ -268,12 +276,14 @@ def _ood_inputs(scores, is_ood):
     t = is_ood.to(scores.device).double()
     if not bool(((t == 0) | (t == 1)).all()):
         raise ValueError("`is_ood` must hold 0/1 (or bool) values")
-    return scores.double(), t
+    return scores, t
 
 
 def _threshold_counts(scores, t):
-    """Descending stable sort; at the end of each tie block the cumulative (TP, FP, index)."""
-    s, order = torch.sort(scores, descending=True, stable=True)
+    """At the end of each tie block of the descending scores the cumulative float64 (TP, FP). Only block
+    ends are read, and they do not depend on the order inside a block, so the sort need not be stable; it
+    runs in the input dtype (upcasting keeps the order and the ties)."""
+    s, order = torch.sort(scores, descending=True)
     tps_all = torch.cumsum(t[order], 0)
     last = torch.ones_like(s, dtype=torch.bool)
     last[:-1] = s[1:] != s[:-1]

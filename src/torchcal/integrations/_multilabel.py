@@ -5,7 +5,8 @@ The framework adapters (torchmetrics, Lightning, Hugging Face) see targets that
 an (N, L) target matrix, and sequence layouts (N, T, L). Here every sum is kept per label with its own count,
 so a masked element leaves out that label of that sample only.
 
-State: per-label equal-width bin sums (count, p sum, positives), 3·L·M float64 numbers, and per label the
+State: per-label equal-width bin sums (count, p sum, positives), 3·L·M float64 numbers (also giving the
+direction of each label's ECE), and per label the
 count of known targets and the sums of Brier, NLL and wrong 0/1 decisions, 4·L numbers; optionally every
 sample's (p, y) as (B, 2, L) float64 rows, y = −1 where the target is unknown (equal-mass ECE, AUROC).
 Without masked elements the values equal :class:`~torchcal.metrics.MultilabelCalibrationMetrics`'.
@@ -22,6 +23,8 @@ from .._validation import as_data
 from ..functional import binary as B
 from ..functional._binning import equal_width_index
 from ..functional.calibration import binary_auroc, ece_from_sums, mce_from_sums
+from ..functional.cumulative import cumulative_extremes
+from ..metrics import label_direction
 
 # metric name -> (needs the per-sample rows, averages it supports)
 MULTILABEL_METRICS = {
@@ -30,7 +33,12 @@ MULTILABEL_METRICS = {
     "brier": (False, ("macro", "micro", "none")),
     "nll": (False, ("macro", "micro", "none")),
     "error": (False, ("macro", "micro", "none")),
+    "signed_ece": (False, ("macro", "micro", "none")),
+    "ece_over": (False, ("macro", "micro", "none")),
+    "ece_under": (False, ("macro", "micro", "none")),
     "adaece": (True, ("macro", "micro", "none")),
+    "ks": (True, ("macro", "none")),
+    "kuiper": (True, ("macro", "none")),
     "auroc": (True, ("macro", "none")),
 }
 
@@ -150,13 +158,15 @@ def compute(sums, rows, num_labels, n_bins, names=None) -> dict[str, torch.Tenso
         put("ece", torch.stack([ece_from_sums(*bins[:, j]) for j in labels]), ece_from_sums(*bins.sum(1)))
     if "mce" in names:
         put("mce", torch.stack([mce_from_sums(*bins[:, j]) for j in labels]), mce_from_sums(*bins.sum(1)))
+    if names & {"signed_ece", "ece_over", "ece_under"}:
+        out.update(label_direction(bins))
     safe = count.clamp_min(1)
     for i, name in enumerate(("brier", "nll", "error"), start=1):
         if name in names:
             put(name, per_label[i] / safe, per_label[i].sum() / count.sum())
-    if names & {"adaece", "auroc"}:
+    if names & {"adaece", "auroc", "ks", "kuiper"}:
         if rows is None:
-            raise RuntimeError("adaece and auroc need the per-sample rows (keep_rows)")
+            raise RuntimeError("adaece, auroc, ks and kuiper need the per-sample rows (keep_rows)")
         p, y = rows[:, 0], rows[:, 1]
         known = y >= 0
         if "adaece" in names:
@@ -166,6 +176,11 @@ def compute(sums, rows, num_labels, n_bins, names=None) -> dict[str, torch.Tenso
             auroc = torch.stack([_auroc(p[known[:, j], j], y[known[:, j], j], nan) for j in labels])
             kept = auroc[~torch.isnan(auroc)]
             out["auroc"], out["auroc_per_label"] = (kept.mean() if kept.numel() else nan), auroc
+        if names & {"ks", "kuiper"}:
+            extremes = [_extremes(p[known[:, j], j], y[known[:, j], j], nan) for j in labels]
+            hi, lo = torch.stack([e[0] for e in extremes]), torch.stack([e[1] for e in extremes])
+            put("ks", torch.maximum(hi, -lo), None)
+            put("kuiper", hi - lo, None)
     return out
 
 
@@ -173,6 +188,11 @@ def _adaece(p, y, n_bins, nan):
     if p.numel() == 0:
         return nan
     return B.multilabel_adaece(p[:, None], y[:, None], n_bins=n_bins, average="none")[0]
+
+
+def _extremes(p, y, nan):
+    """KS/Kuiper's (max(0, max D), min(0, min D)) of one label's known (p, y); NaN for a label without any."""
+    return (nan, nan) if p.numel() == 0 else cumulative_extremes(p, y)
 
 
 def _auroc(p, y, nan):

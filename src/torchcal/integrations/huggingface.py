@@ -44,7 +44,7 @@ from .._validation import check_bool, check_choice, check_positive_int
 from ..adafocal import AdaFocalLoss, CalFocalLoss
 from ..functional._loss_inputs import check_ignore_index
 from ..losses import _BinaryLoss
-from ..metrics import EQUAL_MASS_METRICS, EQUAL_WIDTH_METRICS, CalibrationMetrics, metric_rows
+from ..metrics import DECOMPOSITION_METRICS, METRICS, ROW_METRICS, CalibrationMetrics, metric_rows
 from . import _multilabel as ML
 
 __all__ = ["loss_func", "compute_metrics", "CalibrationTrainer", "fused_loss", "FusedCalibrationTrainer"]
@@ -151,7 +151,7 @@ def compute_metrics(num_classes: int, names=None, ignore_index=-100, *, task: st
             f"{m}_micro" for m, (_, averages) in ML.MULTILABEL_METRICS.items() if "micro" in averages
         }
     else:
-        known = set(EQUAL_WIDTH_METRICS + EQUAL_MASS_METRICS)
+        known = set(METRICS)
     unknown = set(names) - known
     if unknown:
         raise ValueError(f"`names` has unknown metrics {sorted(unknown)}; choose from {sorted(known)}")
@@ -173,7 +173,12 @@ def compute_metrics(num_classes: int, names=None, ignore_index=-100, *, task: st
             out = ML.compute(sums, rows, num_classes, 15, wanted)
             return {name: float(out[name]) for name in names}
         logits, labels = _rows(eval_prediction.predictions, eval_prediction.label_ids, ignore_index)
-        acc = CalibrationMetrics(num_classes, from_logits=True)
+        acc = CalibrationMetrics(  # the state the names need, no more
+            num_classes,
+            from_logits=True,
+            equal_mass=bool(set(names) & set(ROW_METRICS)),
+            decompositions=bool(set(names) & set(DECOMPOSITION_METRICS)),
+        )
         acc.update(logits, labels)
         return {name: float(value) for name, value in acc.compute(names).items()}
 

@@ -54,8 +54,9 @@ from ..adafocal import AdaFocalLoss, CalFocalLoss
 from ..calibrators import from_spec
 from ..functional._loss_inputs import check_ignore_index
 from ..metrics import (
-    EQUAL_MASS_METRICS,
-    EQUAL_WIDTH_METRICS,
+    DECOMPOSITION_METRICS,
+    METRICS,
+    ROW_METRICS,
     CalibrationMetrics,
     all_gather_rows,
     metric_rows,
@@ -119,7 +120,7 @@ class CalibrationCallback(Callback):
                 f"{m}_micro" for m, (_, averages) in ML.MULTILABEL_METRICS.items() if "micro" in averages
             ]
         else:
-            known = list(EQUAL_WIDTH_METRICS + EQUAL_MASS_METRICS)
+            known = list(METRICS)
         unknown = set(self.metrics) - set(known)
         if unknown:
             raise ValueError(f"`metrics` has unknown names {sorted(unknown)}; choose from {known}")
@@ -141,7 +142,14 @@ class CalibrationCallback(Callback):
                 self.num_classes, self.n_bins, self.metrics, self.ignore_index
             )
         else:
-            self._accumulator = CalibrationMetrics(self.num_classes, self.n_bins, from_logits=True)
+            wanted = set(self.metrics)  # the state those metrics need, no more
+            self._accumulator = CalibrationMetrics(
+                self.num_classes,
+                self.n_bins,
+                from_logits=True,
+                equal_mass=self.update_adafocal or bool(wanted & set(ROW_METRICS)),  # AdaFocal: the rows
+                decompositions=bool(wanted & set(DECOMPOSITION_METRICS)),
+            )
         self._logits: list[torch.Tensor] = []
         self._targets: list[torch.Tensor] = []
 

@@ -1,12 +1,14 @@
 """The calibration metrics as ``torchmetrics.Metric`` classes (``pip install torchcal[torchmetrics]``).
 
 Each metric keeps the constant-size float64 sums of :class:`torchcal.metrics.CalibrationMetrics`
-(3·M top-label bin sums, 2·K·M classwise bin sums and 6 scalars), summed across processes on sync, so DDP
-moves O(K·M) numbers, not every sample. Only the equal-mass estimators (``adaece``, ``debiased_ece``,
-``ece_sweep``, ``smece``) also keep every sample's top-label confidence and correctness, concatenated across
-processes (equal-mass bins need them all). Metrics with the same state (ECE, MCE, classwise ECE, Brier, NLL,
-error) share one update inside a ``MetricCollection`` (torchmetrics' compute groups). ``compute`` calls the
-same functions as the one-shot API.
+(3·M top-label bin sums, 2·K·M classwise bin sums and 7 scalars; for the Brier and log-score decomposition
+terms also the 2·M·K per-bin vector sums), summed across processes on sync, so DDP moves O(K·M) numbers, not
+every sample. Only the row metrics (``adaece``, ``debiased_ece``, ``ece_sweep``, ``smece``, ``adaece_over``,
+``adaece_under``, ``ks``, ``kuiper``, ``aurc``, ``augrc``) also keep every sample's top-label confidence and
+correctness (and the ranking score of AURC/AUGRC when it is not the confidence), concatenated across
+processes. Metrics with the same state (ECE, MCE, classwise ECE, Brier, NLL, error, the signed ECE and its
+split) share one update inside a ``MetricCollection`` (torchmetrics' compute groups). ``compute`` calls the
+same functions as :meth:`torchcal.metrics.CalibrationMetrics.compute`.
 
 Inputs are probabilities (or logits with ``from_logits=True``) of shape (N, K) or (N, K, d1, ...) with
 integer targets (N,) or (N, d1, ...); targets equal to ``ignore_index`` are left out.
@@ -41,7 +43,17 @@ except ImportError as err:  # pragma: no cover - exercised only without torchmet
 
 from .._validation import check_bool, check_choice, check_float, check_positive_int
 from ..functional._loss_inputs import check_ignore_index
-from ..metrics import EQUAL_MASS_METRICS, EQUAL_WIDTH_METRICS, batch_state, metric_rows, results, state_size
+from ..functional.selective import CONFIDENCE_SCORES
+from ..metrics import (
+    DECOMPOSITION_METRICS,
+    METRICS,
+    ROW_METRICS,
+    batch_state,
+    check_score,
+    metric_rows,
+    results,
+    state_size,
+)
 from . import _multilabel as ML
 from ._multilabel import resolve_class_dim
 
@@ -56,9 +68,8 @@ __all__ = [
     "BrierScore",
     "NegativeLogLikelihood",
     "MultilabelCalibrationMetric",
+    "METRICS",
 ]
-
-METRICS = EQUAL_WIDTH_METRICS + EQUAL_MASS_METRICS
 
 
 class CalibrationMetric(Metric):
@@ -66,10 +77,16 @@ class CalibrationMetric(Metric):
 
     Args:
         num_classes: K.
-        metric: "ece", "mce", "classwise_ece", "nll", "brier", "rbs", "error", "s99_fraction", "s99_accuracy",
-            "adaece", "debiased_ece", "ece_sweep" or "smece".
+        metric: a name of :data:`torchcal.metrics.METRICS`: "ece", "mce", "classwise_ece", "nll", "brier",
+            "rbs", "error", "s99_fraction", "s99_accuracy", "signed_ece", "ece_over", "ece_under", the
+            decomposition terms ("brier_reliability", "brier_resolution", "brier_uncertainty",
+            "brier_within_variance", "brier_within_covariance", "log_reliability", "log_resolution",
+            "log_uncertainty", "log_within") or the row metrics ("adaece", "debiased_ece", "ece_sweep",
+            "smece", "adaece_over", "adaece_under", "ks", "kuiper", "aurc", "augrc").
         n_bins: bins of the binned estimators (15, the papers').
         from_logits: ``update`` receives logits and applies softmax.
+        score: the ranking score of "aurc" and "augrc" (:func:`torchcal.functional.confidence_score`;
+            "max_logit" and "energy" need ``from_logits``).
         ignore_index: targets with this value are left out (None: every target must be a class).
         s99_threshold: the confidence threshold of the S99 metrics.
         class_dim: the class dimension of inputs with extra dimensions: 1 for PyTorch's (N, K, d1, ...), −1
@@ -78,7 +95,8 @@ class CalibrationMetric(Metric):
         **kwargs: ``torchmetrics.Metric`` options (``sync_on_compute``, ``dist_sync_on_step``, ...).
 
     Inside a ``MetricCollection`` metrics share one update only when every setting that changes ``update``
-    (``from_logits``, ``ignore_index``, ``s99_threshold``, ``class_dim``, K, M) is equal: the settings are
+    (``from_logits``, ``ignore_index``, ``s99_threshold``, ``class_dim``, ``score``, K, M) is equal and their
+    states have the same parts: the settings are
     part of the state torchmetrics compares, so a first batch that happens to give equal sums does not merge
     metrics whose settings differ.
     """
@@ -100,6 +118,7 @@ class CalibrationMetric(Metric):
         ignore_index: int | None = None,
         s99_threshold: float = 0.99,
         class_dim: int | None = None,
+        score: str = "max_prob",
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -110,14 +129,24 @@ class CalibrationMetric(Metric):
         self.ignore_index = check_ignore_index(ignore_index)
         self.s99_threshold = check_float(s99_threshold, "s99_threshold", low=0, high=1)
         self.class_dim = _check_class_dim(class_dim)
+        self.score = check_score(score, self.from_logits, "metric")
+        self.decompositions = self.metric in DECOMPOSITION_METRICS  # the per-bin vector sums
         self.add_state(
             "sums",
-            default=torch.zeros(state_size(self.num_classes, self.n_bins), dtype=torch.float64),
+            default=torch.zeros(
+                state_size(self.num_classes, self.n_bins, self.decompositions), dtype=torch.float64
+            ),
             dist_reduce_fx="sum",
         )
-        _add_settings_state(self, self.from_logits, self.ignore_index, self.s99_threshold, self.class_dim)
-        self.equal_mass = self.metric in EQUAL_MASS_METRICS
-        if self.equal_mass:  # every sample's (confidence, correct), in one tensor: all-gathered as one
+        score_code = float(CONFIDENCE_SCORES.index(self.score))
+        _add_settings_state(
+            self, self.from_logits, self.ignore_index, self.s99_threshold, self.class_dim, score_code
+        )
+        self.equal_mass = self.metric in ROW_METRICS
+        self.ranked = self.metric in ("aurc", "augrc") and self.score != "max_prob"
+        if (
+            self.equal_mass
+        ):  # every sample's (confidence, correct[, score]) in one tensor: all-gathered as one
             self.add_state("samples", default=[], dist_reduce_fx="cat")
 
     def update(self, preds, target) -> None:
@@ -134,24 +163,35 @@ class CalibrationMetric(Metric):
             )
         if preds.shape[0] == 0:  # every target ignored
             return
-        sums, conf, correct = batch_state(
-            preds, target, self.num_classes, self.n_bins, self.from_logits, self.s99_threshold
+        sums, conf, correct, rank = batch_state(
+            preds,
+            target,
+            self.num_classes,
+            self.n_bins,
+            self.from_logits,
+            self.s99_threshold,
+            decompositions=self.decompositions,
+            score=self.score if self.ranked else "max_prob",
         )
         self.sums += sums
         if self.equal_mass:
-            self.samples.append(torch.stack([conf.double(), correct.double()], dim=1))
+            columns = [conf.double(), correct.double()] + ([rank] if rank is not None else [])
+            self.samples.append(torch.stack(columns, dim=1))
 
     def compute(self) -> torch.Tensor:
         """The metric over every batch since the last ``reset`` (all processes after a sync), a 0-d float64
         tensor."""
-        samples = None
+        rows = None
         if self.equal_mass:
+            width = 3 if self.ranked else 2
             samples = (
-                dim_zero_cat(self.samples) if len(self.samples) else torch.zeros(0, 2, dtype=torch.float64)
+                dim_zero_cat(self.samples)
+                if len(self.samples)
+                else torch.zeros(0, width, dtype=torch.float64, device=self.sums.device)
             )
-        conf = None if samples is None else samples[:, 0]
-        correct = None if samples is None else samples[:, 1] > 0.5
-        return results(self.sums, conf, correct, self.num_classes, self.n_bins, (self.metric,))[self.metric]
+            rows = (samples[:, 0], samples[:, 1] > 0.5, samples[:, 2] if self.ranked else None)
+        out = results(self.sums, rows, self.num_classes, self.n_bins, (self.metric,), self.decompositions)
+        return out[self.metric]
 
 
 def _check_class_dim(class_dim):
@@ -232,10 +272,11 @@ class MultilabelCalibrationMetric(Metric):
 
     Args:
         num_labels: L.
-        metric: "ece", "mce", "adaece", "brier", "nll", "error" (wrong 0/1 decisions at p >= 0.5) or
-            "auroc".
-        average: "macro" (mean over labels), "micro" (every (sample, label) pair pooled; not for AUROC) or
-            "none" (the (L,) values).
+        metric: "ece", "mce", "signed_ece", "ece_over", "ece_under" (the direction of each label's ECE),
+            "adaece", "brier", "nll", "error" (wrong 0/1 decisions at p >= 0.5), "ks", "kuiper" (per label,
+            ``kind="binary"``) or "auroc".
+        average: "macro" (mean over labels), "micro" (every (sample, label) pair pooled; not for AUROC, KS
+            and Kuiper) or "none" (the (L,) values).
         n_bins: bins of the binned estimators.
         from_logits: ``update`` receives logits and applies the sigmoid.
         ignore_index: targets with this value (e.g. −1 or −100 for an unknown label) are left out, element
@@ -247,8 +288,8 @@ class MultilabelCalibrationMetric(Metric):
             entries is refused as ambiguous.
         **kwargs: ``torchmetrics.Metric`` options.
 
-    State: 3·L·M + 4·L float64 sums, summed across processes; AdaECE and AUROC also keep every sample's
-    (p, y) (16·L bytes a sample), concatenated across processes. Without ``ignore_index`` the values equal
+    State: 3·L·M + 4·L float64 sums, summed across processes; AdaECE, KS, Kuiper and AUROC also keep every
+    sample's (p, y) (16·L bytes a sample), concatenated across processes. Without ``ignore_index`` the values equal
     :class:`torchcal.metrics.MultilabelCalibrationMetrics`'.
 
     Example:
