@@ -6,7 +6,8 @@ rather than copy it.
 
 A line ``<!-- include PATH -->`` in a page is replaced by the file PATH (relative to the repository root);
 ``<!-- include PATH section="TITLE" -->`` by its level-2 section TITLE (the ``## TITLE`` line up to the next
-level-2 heading); ``<!-- include PATH until="HEADING" -->`` by the file up to the line HEADING. Relative
+level-2 heading); ``<!-- include PATH until="HEADING" -->`` by the file up to the line HEADING; ``shift="1"``
+makes each heading of the included text one level deeper (outside code fences). Relative
 links of the included text are rewritten from the file's place in the repository to the page's place in the
 site: a file under ``docs/`` becomes its page, an included file becomes the page that includes it
 (``SITE_PAGES``). A link to anything else is left as it is, so that ``mkdocs build --strict`` names it.
@@ -39,8 +40,21 @@ SITE_PAGES = {
     "benchmarks/README.md": "benchmarks.md",
 }
 
-_INCLUDE = re.compile(r'^<!-- include (?P<path>\S+)(?: (?P<key>section|until)="(?P<value>[^"]+)")? -->$', re.M)
+_INCLUDE = re.compile(r'^<!-- include (?P<path>\S+)(?P<options>(?: \w+="[^"]+")*) -->$', re.M)
+_OPTION = re.compile(r' (\w+)="([^"]+)"')
+_FENCE = re.compile(r"^(```|~~~)")
 _LINK = re.compile(r"\]\((?P<target>[^)\s]+)\)")
+
+
+def _shift_headings(text: str, levels: int) -> str:
+    out, fenced = [], False
+    for line in text.splitlines():
+        if _FENCE.match(line):
+            fenced = not fenced
+        elif not fenced and line.startswith("#"):
+            line = "#" * levels + line
+        out.append(line)
+    return "\n".join(out)
 
 
 def _select(text: str, path: str, key: str | None, value: str | None) -> str:
@@ -90,7 +104,14 @@ def include(markdown: str, page: str) -> str:
         file = ROOT / path
         if not file.is_file():
             raise FileNotFoundError(f"include: no file {path} (in docs/{page})")
-        text = _select(file.read_text(encoding="utf-8"), path, match.group("key"), match.group("value"))
+        options = dict(_OPTION.findall(match.group("options")))
+        unknown = set(options) - {"section", "until", "shift"}
+        if unknown or {"section", "until"} <= set(options):
+            raise ValueError(f"include: bad options {sorted(options)} (in docs/{page}): section or until, and shift")
+        key = next((k for k in ("section", "until") if k in options), None)
+        text = _select(file.read_text(encoding="utf-8"), path, key, options.get(key))
+        if "shift" in options:
+            text = _shift_headings(text, int(options["shift"]))
         return rewrite_links(text, path, page)
 
     return _INCLUDE.sub(replace, markdown)
