@@ -125,6 +125,7 @@ def on_page_markdown(markdown, page, config, files):  # noqa: ARG001  (MkDocs' h
 
 _ROLE = re.compile(r":(?:py:)?(?P<role>class|func|meth|attr|mod|data|exc|obj):`(?P<tilde>~?)(?P<name>[\w.]+)(?:\(\))?`")
 _MATH = re.compile(r"^(?P<indent>[ \t]*)\.\. math::[ \t]*\n", re.M)
+_INLINE_MATH = re.compile(r"^(?P<indent>[ \t]*)\.\. math:: (?P<formula>\S.*)$", re.M)
 _EXAMPLE = re.compile(r"^(?P<indent>[ \t]*)Example:[ \t]*$", re.M)
 _LITERAL = re.compile(r"(?<=\w)::[ \t]*$", re.M)  # "text::" before an indented block
 
@@ -146,6 +147,7 @@ def convert_docstring(text: str, module: str, parent: str | None = None) -> str:
 
     text = _ROLE.sub(role, text)
     text = _MATH.sub("", text)
+    text = _INLINE_MATH.sub(lambda m: f"\n{m.group('indent')}    {m.group('formula')}", text)
     text = _EXAMPLE.sub(r"\g<indent>Examples:", text)
     return _LITERAL.sub(":", text)
 

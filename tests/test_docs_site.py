@@ -206,6 +206,8 @@ def test_docstring_roles_become_optional_cross_references():
         in out
     )
     assert ".. math::" not in out and "        x = 1" in out
+    inline = hooks.convert_docstring("Text.\n\n.. math:: a = b\n          + c\n\nMore.", "torchcal.functional")
+    assert inline == "Text.\n\n\n    a = b\n          + c\n\nMore."  # an indented (code) block
     assert "    Examples:\n" in out and "the registry:\n" in out
     method = hooks.convert_docstring(":meth:`update`", "torchcal.metrics", "torchcal.metrics.CalibrationMetrics")
     assert 'identifier="torchcal.metrics.CalibrationMetrics.update"' in method
