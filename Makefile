@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup demo-setup test lint typecheck demo bench clean extension
+.PHONY: setup demo-setup test lint typecheck docs demo bench clean extension
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -49,7 +49,12 @@ typecheck: setup
 extension: $(VENV)/.demo-installed
 	-$(BIN)/torchcal build-extension
 
-test: lint typecheck extension
+# the documentation site, built strictly: a broken link, a missing reference or a docstring griffe cannot
+# parse fails it (`.venv/bin/mkdocs serve` previews it)
+docs: setup
+	$(BIN)/mkdocs build --strict -d site
+
+test: lint typecheck docs extension
 	$(BIN)/python -m pytest -n 2 -q
 
 FMNIST_DIR := /usr/share/datasets/fashion-mnist
@@ -68,4 +73,4 @@ bench: setup extension
 	$(BIN)/python benchmarks/bench_losses.py
 
 clean:
-	rm -rf $(VENV) torchcal-demo .pytest_cache .ruff_cache
+	rm -rf $(VENV) torchcal-demo site .pytest_cache .ruff_cache

@@ -166,6 +166,7 @@ class _DataBase(_Section):
     limit_train: Count = 0
     """0: all training samples; n > 0 takes the first n (smoke runs)"""
     loader: LoaderConfig = Field(default_factory=LoaderConfig)
+    """batch sizes and decoding workers"""
 
 
 class ImageDataConfig(_DataBase):
@@ -173,7 +174,9 @@ class ImageDataConfig(_DataBase):
 
     name: Literal[IMAGE_DATASETS] = "fashion_mnist"  # type: ignore[valid-type]
     shift: ShiftConfig = Field(default_factory=ShiftConfig)
+    """the shifted test set (corrupted images) evaluated beside the test set"""
     ood: OODConfig = Field(default_factory=OODConfig)
+    """the out-of-distribution sets scored by predictive-entropy AUROC"""
 
 
 class MultilabelImageDataConfig(_DataBase):
@@ -181,6 +184,7 @@ class MultilabelImageDataConfig(_DataBase):
 
     name: Literal["fashion_mnist_attributes"] = "fashion_mnist_attributes"
     shift: ShiftConfig = Field(default_factory=ShiftConfig)
+    """the shifted test set (corrupted images) evaluated beside the test set"""
 
 
 class TinyImageNetDataConfig(_DataBase):
@@ -259,6 +263,7 @@ class LossConfig(_Section):
     name: str = "ce"
     """a registered loss (torchcal list losses)"""
     reduction: Literal["mean", "sum"] = "mean"
+    """how the per-sample losses of a batch are combined (the papers' presets: sum)"""
     kwargs: dict[str, Any] = Field(default_factory=dict)
     """the loss's arguments, e.g. {gamma: 3}"""
     update_every: Count = 0
@@ -267,19 +272,26 @@ class LossConfig(_Section):
 
 class OptimConfig(_Section):
     name: Literal["adam", "adamw", "adagrad", "sgd"] = "adam"
+    """the optimiser"""
     lr: Positive = 1e-3
+    """the (peak) learning rate"""
     momentum: NonNegative = 0.9
+    """SGD's momentum (the other optimisers ignore it)"""
     weight_decay: NonNegative = 0.0
+    """L2 weight decay (AdamW: decoupled, and not on biases and normalisation weights)"""
     milestones: list[PositiveInt] = Field(default_factory=list)
     """epochs at which optim.schedule=multistep multiplies the learning rate by gamma"""
     gamma: Positive = 0.1
+    """the factor of the multistep and plateau schedules"""
     grad_clip_norm: NonNegative = 0.0
     """0: no clipping"""
     schedule: Literal["multistep", "linear", "plateau"] = "multistep"
     """multistep (× gamma at each milestone, per epoch), linear (warm-up over warmup_epochs, then decay to 0
     at the last step) or plateau (× gamma when the validation NLL has not improved for `patience` epochs)"""
     warmup_epochs: NonNegative = 0.0
+    """epochs (fractions allowed) of linear warm-up, optim.schedule=linear only"""
     patience: Count = 5
+    """epochs without a better validation NLL before optim.schedule=plateau lowers the rate"""
 
     @model_validator(mode="after")
     def check_schedule_options(self) -> OptimConfig:
@@ -296,7 +308,9 @@ class OptimConfig(_Section):
 
 class TrainConfig(_Section):
     epochs: PositiveInt = 5
+    """training epochs"""
     seed: Count = 0
+    """seed of the initialisation, the batch order and the augmentation"""
     device: str = "auto"
     """auto (CUDA when available), cpu, cuda, cuda:1, ..."""
     num_threads: Count = 0
@@ -340,10 +354,15 @@ class RunConfig(_Section):
     """A run: what to train (data, model, loss), how (optim, train)."""
 
     data: DataConfig = Field(default_factory=ImageDataConfig)
+    """the dataset, one of the *DataConfig kinds chosen by data.name"""
     model: ModelConfig = Field(default_factory=ModelConfig)
+    """the network"""
     loss: LossConfig = Field(default_factory=LossConfig)
+    """the training loss"""
     optim: OptimConfig = Field(default_factory=OptimConfig)
+    """the optimiser and its schedule"""
     train: TrainConfig = Field(default_factory=TrainConfig)
+    """the loop: epochs, device, precision, calibrators evaluated at the end"""
 
     @model_validator(mode="before")
     @classmethod

@@ -197,7 +197,8 @@ def expected_calibration_error(
         probs (N, K) with K >= 2, targets (N,). Returns a 0-d float64 tensor in [0, 1].
 
     Raises:
-        ValueError / TypeError naming the argument on bad shapes, dtypes, ranges or NaN.
+        ValueError: naming the argument on bad shapes, ranges or NaN.
+        TypeError: naming the argument on a bad dtype.
 
     References:
         Naeini et al. 2015; Guo et al. 2017.

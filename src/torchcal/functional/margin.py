@@ -380,8 +380,8 @@ def acls_loss(
     r"""Adaptive and conditional label smoothing, ACLS (Park et al., ICCV 2023), as the released code
     (cvlab-yonsei/ACLS ``acls.py``, decision 138): cross entropy plus α times
 
-    .. math:: \lambda_{pos} rac{1}{N} \sum_{i,k} 1[z_{ik} = z_i^{max}]\, \mathrm{relu}(z_i^{max} - m)^2
-              + \lambda_{neg} rac{1}{N(K-1)} \sum_{i,k} (1 - 1[z_{ik} = z_i^{max}])\,
+    .. math:: \lambda_{pos} \frac{1}{N} \sum_{i,k} 1[z_{ik} = z_i^{max}]\, \mathrm{relu}(z_i^{max} - m)^2
+              + \lambda_{neg} \frac{1}{N(K-1)} \sum_{i,k} (1 - 1[z_{ik} = z_i^{max}])\,
               \mathrm{relu}(\mathrm{sg}(z_i^{max}) - z_{ik} - m)^2 .
 
     The positive term penalises the **absolute** top logit above m and keeps its gradient; the negative term

@@ -197,7 +197,8 @@ def paired_bootstrap(
 
     Args:
         metric: a metric function ``metric(probs, targets, **metric_kwargs)``.
-        probs_a, probs_b: the two models' probabilities (N, K) (logits with ``from_logits=True``).
+        probs_a: the first model's probabilities (N, K) (logits with ``from_logits=True``).
+        probs_b: the second model's, of the same shape.
         targets: the shared labels (N,).
 
     Returns:

@@ -1,0 +1,254 @@
+"""The documentation site (mkdocs.yml, docs/): the strict build passes with no warning, every code example on
+its pages runs as a doctest or is deliberately marked as not executed, the include hook and the docstring
+extension do what docs/mkdocs_hooks.py says, and the guide pages name every registered loss, calibrator,
+sweep and command."""
+
+import importlib.util
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: pytest's own dependency
+    import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+
+# fences that show something to read or type, not Python to run: shell commands (they need data, GPUs or a
+# cluster), configuration files, diagrams and outputs
+NOT_EXECUTED = {"bash", "text", "yaml"}
+
+
+def _hooks():
+    spec = importlib.util.spec_from_file_location("torchcal_mkdocs_hooks", DOCS / "mkdocs_hooks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _site_sources() -> dict[str, str]:
+    """Every Markdown source of the site, by path relative to the repository: the pages under docs/ and the
+    files they include, with their text as the site shows it (the includes resolved)."""
+    hooks = _hooks()
+    sources = {}
+    for page in sorted(DOCS.rglob("*.md")):
+        text = page.read_text(encoding="utf-8")
+        sources[page.relative_to(ROOT).as_posix()] = text
+        for match in hooks._INCLUDE.finditer(text):
+            path = match.group("path")
+            if path.endswith(".md"):
+                sources[path] = (ROOT / path).read_text(encoding="utf-8")
+    return sources
+
+
+def _fences(text: str):
+    """(info string, body) of each fenced code block."""
+    for match in re.finditer(r"^```(?P<info>[^\n]*)\n(?P<body>.*?)^```[ \t]*$", text, re.M | re.S):
+        yield match.group("info").strip(), match.group("body")
+
+
+# ----------------------------------------------------------------------------- the strict build
+
+
+def test_strict_build_has_no_warning(tmp_path):
+    pytest.importorskip("mkdocs")
+    pytest.importorskip("material")
+    pytest.importorskip("mkdocstrings_handlers.python")
+    done = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**__import__("os").environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
+    log = done.stdout + done.stderr
+    assert done.returncode == 0, log
+    assert not re.search(r"^(WARNING|ERROR)\b", log, re.M), log
+    for page in ("index.html", "metrics.html", "reference/functional.html", "reference/calibrators.html"):
+        assert (tmp_path / "site" / page).is_file(), page
+    # the API pages hold the docstrings, rendered (an empty page would still build)
+    api = (tmp_path / "site" / "reference" / "metrics.html").read_text(encoding="utf-8")
+    assert 'id="torchcal.metrics.CalibrationMetrics"' in api and "Accumulates every calibration metric" in api
+    # a docstring role became a link to the object's entry
+    functional = (tmp_path / "site" / "reference" / "functional.html").read_text(encoding="utf-8")
+    assert 'href="metrics.html#torchcal.metrics.CalibrationMetrics"' in functional
+    # the home page is the README's quick start
+    home = (tmp_path / "site" / "index.html").read_text(encoding="utf-8")
+    assert 'id="quick-start"' in home and "Streaming over batches" in home
+
+
+def test_make_test_builds_the_site_strictly_and_installs_its_tools():
+    if shutil.which("make") is None:
+        pytest.skip("no make here")
+    planned = subprocess.run(
+        ["make", "-n", "-B", "test"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
+    assert "mkdocs build --strict -d site" in planned
+    assert planned.index("mkdocs build --strict") < planned.index("pytest")
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert set(extras["docs"]) <= set(extras["dev"])
+    assert "site/" in (ROOT / ".gitignore").read_text().split()
+
+
+# ----------------------------------------------------------------------------- examples are executed
+
+
+def test_every_code_example_on_the_site_runs_or_is_marked_not_executed():
+    """A ```python fence is a doctest (every line an example or its output), so the doctest run executes it,
+    or an excerpt of another program titled "(an excerpt: not run)"; any other fence names a language that is
+    not run. An unmarked fence is refused rather than skipped."""
+    problems = []
+    for path, text in _site_sources().items():
+        for info, body in _fences(text):
+            language = info.split()[0] if info else ""
+            if language == "python" and "(an excerpt: not run)" in info:
+                continue  # lines to paste into another program, titled as such on the page
+            if language == "python":
+                if not body.lstrip().startswith(">>> "):
+                    problems.append(f"{path}: a python fence that is not a doctest: {body[:60]!r}")
+            elif language not in NOT_EXECUTED:
+                problems.append(f"{path}: a fence marked {language or 'with nothing'!r}: {body[:60]!r}")
+    assert not problems, "\n".join(problems)
+
+
+def test_every_page_with_examples_is_collected_as_a_doctest():
+    """The pages' ```python examples run through pytest's doctest collection (pyproject's testpaths and
+    --doctest-glob); this asks pytest itself which files it collects."""
+    with_examples = sorted(p for p, text in _site_sources().items() if re.search(r"^>>> ", text, re.M))
+    assert {"README.md", "docs/metrics.md", "docs/losses.md", "docs/calibrators.md"} <= set(with_examples)
+    # a plain `pytest` (make test) starts from testpaths ...
+    testpaths = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["testpaths"]
+    outside = [p for p in with_examples if not any(p == t or p.startswith(t.rstrip("/") + "/") for t in testpaths)]
+    assert not outside, f"pages with examples outside pytest's testpaths {testpaths}: {outside}"
+    # ... and collects a Markdown file as a doctest when it matches a --doctest-glob
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:xdist", "-p", "no:cacheprovider"]
+        + with_examples,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    collected = {line.split("::")[0] for line in done.stdout.splitlines() if ".md::" in line}
+    missing = [p for p in with_examples if p not in collected]
+    assert not missing, f"pages with examples that the test run does not collect: {missing}\n{done.stdout[-2000:]}"
+
+
+# ----------------------------------------------------------------------------- the include hook
+
+
+def test_include_selects_a_section_a_prefix_or_the_whole_file(tmp_path, monkeypatch):
+    hooks = _hooks()
+    monkeypatch.setattr(hooks, "ROOT", tmp_path)
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "notes.md").write_text(
+        "# Title\n\nintro [c](docs/conventions.md#bins)\n\n## First\n\none\n\n```bash\n# a comment\n```\n\n"
+        "## Second\n\ntwo [s](docs/sub/page.md) [x](https://example.org) [r](other.md) [a](#first)\n"
+    )
+    page = "guide/page.md"
+    first = hooks.include('<!-- include notes.md section="First" -->', page)
+    assert first == "## First\n\none\n\n```bash\n# a comment\n```\n"
+    head = hooks.include('<!-- include notes.md until="## First" -->', page)
+    assert head == "# Title\n\nintro [c](../conventions.md#bins)\n"
+    second = hooks.include('<!-- include notes.md section="Second" shift="1" -->', page)
+    # headings go one level down, a comment inside a code fence does not; links under docs/ follow the page,
+    # absolute links, anchors and links to files the site does not show stay as written
+    assert second == "### Second\n\ntwo [s](../sub/page.md) [x](https://example.org) [r](other.md) [a](#first)"
+    shifted = hooks.include('<!-- include notes.md section="First" shift="1" -->', page)
+    assert "### First" in shifted and "# a comment" in shifted and "## a comment" not in shifted
+
+
+def test_include_maps_the_readme_and_the_benchmarks_summary_to_their_pages():
+    hooks = _hooks()
+    text = "[b](benchmarks/results/SUMMARY.md) [f](docs/integrations/timm.md) [d](docs/decisions.md#x)"
+    assert hooks.rewrite_links(text, "README.md", "index.md") == (
+        "[b](benchmarks.md) [f](integrations/timm.md) [d](decisions.md#x)"
+    )
+    assert hooks.rewrite_links("[f](../../docs/fidelity.md)", "benchmarks/results/SUMMARY.md", "benchmarks.md") == (
+        "[f](fidelity.md)"
+    )
+
+
+def test_include_of_a_missing_file_section_or_heading_fails_the_build(tmp_path, monkeypatch):
+    hooks = _hooks()
+    monkeypatch.setattr(hooks, "ROOT", tmp_path)
+    (tmp_path / "notes.md").write_text("# Title\n\n## First\n")
+    with pytest.raises(FileNotFoundError, match="no file missing.md"):
+        hooks.include("<!-- include missing.md -->", "index.md")
+    with pytest.raises(ValueError, match="no section '## Second'"):
+        hooks.include('<!-- include notes.md section="Second" -->', "index.md")
+    with pytest.raises(ValueError, match="no line '## Third'"):
+        hooks.include('<!-- include notes.md until="## Third" -->', "index.md")
+    with pytest.raises(ValueError, match="bad options"):
+        hooks.include('<!-- include notes.md sections="First" -->', "index.md")
+
+
+# ----------------------------------------------------------------------------- docstrings
+
+
+def test_docstring_roles_become_optional_cross_references():
+    hooks = _hooks()
+    text = (
+        "Calls :func:`ece_from_sums` and :class:`torchcal.metrics.CalibrationMetrics`, see\n"
+        ":meth:`~torchcal.metrics.CalibrationMetrics.update` and :mod:`torchcal.functional`.\n\n"
+        "    .. math::\n        x = 1\n\n    Example:\n        >>> 1\n        1\n\nthe registry::\n\n    >>> 2\n"
+    )
+    out = hooks.convert_docstring(text, "torchcal.functional.calibration")
+    assert '<autoref identifier="torchcal.functional.calibration.ece_from_sums" optional>' in out
+    assert '<autoref identifier="torchcal.metrics.CalibrationMetrics" optional>' in out
+    assert (
+        '<autoref identifier="torchcal.metrics.CalibrationMetrics.update" optional><code>update</code></autoref>'
+        in out
+    )
+    assert ".. math::" not in out and "        x = 1" in out
+    inline = hooks.convert_docstring("Text.\n\n.. math:: a = b\n          + c\n\nMore.", "torchcal.functional")
+    assert inline == "Text.\n\n\n    a = b\n          + c\n\nMore."  # an indented (code) block
+    assert "    Examples:\n" in out and "the registry:\n" in out
+    method = hooks.convert_docstring(":meth:`update`", "torchcal.metrics", "torchcal.metrics.CalibrationMetrics")
+    assert 'identifier="torchcal.metrics.CalibrationMetrics.update"' in method
+
+
+# ----------------------------------------------------------------------------- the guide is complete
+
+
+def _page(name: str) -> str:
+    return (DOCS / name).read_text(encoding="utf-8")
+
+
+def test_the_guide_names_every_registered_loss_and_calibrator():
+    from torchcal.calibrators import list_calibrators
+    from torchcal.losses import list_losses
+
+    losses, multilabel, calibrators = _page("losses.md"), _page("multilabel.md"), _page("calibrators.md")
+    assert not [n for n in list_losses() if f"`{n}`" not in losses]
+    assert not [n for n in list_losses("multilabel") if f'"{n}"' not in multilabel]
+    assert not [n for n in list_calibrators() if f"`{n}`" not in calibrators]
+    assert not [n for n in list_calibrators("multilabel") if f"`{n}`" not in multilabel]
+
+
+def test_the_papers_page_names_every_sweep():
+    papers = _page("papers.md")
+    assert not [p.name for p in sorted((ROOT / "sweeps").glob("*.yaml")) if f"`sweeps/{p.name}`" not in papers]
+
+
+def test_the_runner_page_describes_every_command():
+    """The commands as `torchcal --help` lists them (the CLI's own answer, whatever module defines it)."""
+    pytest.importorskip("typer")
+    done = subprocess.run(
+        [sys.executable, "-m", "torchcal", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**__import__("os").environ, "COLUMNS": "200", "NO_COLOR": "1", "TERM": "dumb"},
+    )
+    assert done.returncode == 0, done.stderr
+    panel = done.stdout[done.stdout.index("Commands") :]
+    commands = re.findall(r"^[│|] (\w[\w-]*) {2,}", panel, re.M)
+    assert {"train", "evaluate", "report", "arena", "sweep"} <= set(commands), done.stdout
+    runner = _page("runner.md")
+    assert not [c for c in commands if f"`torchcal {c}" not in runner]
