@@ -136,7 +136,8 @@ def train(
     else:
         cfg = load_config(config, overrides)
         rows = _train_with_bar(cfg, run_dir)
-    console.print(f"trained {len(rows)} epochs; last: {json.dumps(rows[-1]) if rows else '-'}")
+    last = {k: v for k, v in rows[-1].items() if k != "dynamics"} if rows else None
+    console.print(f"trained {len(rows)} epochs; last: {json.dumps(last) if last else '-'}")
 
 
 @app.command(name="build-extension")
@@ -352,6 +353,46 @@ def gradcam(
     typer.echo(
         f"Grad-CAM of {len(indices)} {split} images for target {target} under {len(models)} models: {out}"
     )
+
+
+@app.command()
+@_user_errors
+def figures(
+    paths: list[Path] = typer.Argument(..., help="run folders, or folders of runs (a sweep's out)"),
+    out: Path = typer.Option(Path("figures"), "--out", help="output folder (PNG, SVG, figures.json)"),
+    only: str = typer.Option("", "--only", help="comma-separated figure names (default: all); see --list"),
+    epochs: str = typer.Option("", "--epochs", help="epochs of the per-epoch histograms, e.g. 10,100,200"),
+    band: str = typer.Option("std", "--band", help="band over seeds: std or sem (standard error)"),
+    gammas: str = typer.Option("1,2,3,5,7", "--gammas", help="γ values of focal-fig4a's g(p, γ) curves"),
+    list_figures: bool = typer.Option(False, "--list", help="list the figures and what each needs, and exit"),
+):
+    """The papers' analysis figures from what the runs logged (no training): curves over epochs with bands
+    over seeds, histograms, box plots, ROC curves. Turn on train.dynamics when training for the ones that
+    need it."""
+    from .reports.figures import FIGURES, draw_figures, find_runs, run_groups
+
+    if list_figures:
+        for name, (caption, needs) in FIGURES.items():
+            typer.echo(f"{name}: {caption} [needs {needs or 'any finished run'}]")
+        return
+    names = [n.strip() for n in only.split(",") if n.strip()] or list(FIGURES)
+    unknown = [n for n in names if n not in FIGURES]
+    if unknown:
+        raise UserError(f"--only: unknown figure {unknown[0]!r}; choose from {', '.join(FIGURES)}")
+    if band not in ("std", "sem"):
+        raise UserError(f"--band must be std or sem, got {band!r}")
+    try:
+        chosen = tuple(int(e) for e in epochs.split(",") if e.strip())
+        gamma_values = tuple(float(g) for g in gammas.split(",") if g.strip())
+    except ValueError:
+        raise UserError(f"--epochs must be integers and --gammas numbers, got {epochs!r} and {gammas!r}") from None
+    groups = run_groups(find_runs(paths))
+    written, skipped = draw_figures(groups, names, out, band=band, epochs=chosen, gammas=gamma_values)
+    for name, needs in skipped.items():
+        typer.echo(f"skipped {name}: no run logged its data (train with {needs})")
+    if not written:
+        raise UserError(f"no figure could be drawn from {len(groups)} run group(s); see the lines above")
+    typer.echo(f"{len(written)} figures (PNG and SVG) and figures.json in {out}/: {', '.join(written)}")
 
 
 @app.command()

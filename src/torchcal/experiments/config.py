@@ -330,6 +330,13 @@ class TrainConfig(_Section):
     """the model whose logits are evaluated: the last epoch, or the one of lowest validation error or NLL"""
     accumulate: PositiveInt = 1
     """each batch of data.loader.batch_size runs as this many micro-batches"""
+    dynamics: list[Literal["bins", "outputs", "weights", "logits", "gradients"]] = Field(default_factory=list)
+    """training dynamics logged per epoch for the papers' analysis figures (torchcal figures): bins (train and
+    validation confidence and accuracy per bin), outputs (test NLL, entropy, p_y of correct and wrong
+    samples), weights (last-layer norm), logits (max-logit percentiles, q_j box plot), gradients (per-sample
+    last-layer gradient norms over the training set); [] logs none and costs nothing"""
+    dynamics_bins: PositiveInt = 15
+    """equal-width confidence bins of train.dynamics=[bins] and of its test ECE"""
 
     @field_validator("device")
     @classmethod
@@ -456,6 +463,22 @@ class RunConfig(_Section):
         if t.accumulate > bs:
             raise ValueError(
                 f"train.accumulate={t.accumulate} splits a batch of data.loader.batch_size={bs}: at most that many"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def check_dynamics_fit_task(self) -> RunConfig:
+        multiclass_only = sorted(set(self.train.dynamics) - {"weights"})
+        if self.task == "multilabel" and multiclass_only:
+            raise ValueError(
+                f"train.dynamics={multiclass_only} are defined for softmax outputs; data.name={self.data.name} "
+                "is multi-label (only weights applies)"
+            )
+        on_train = sorted({"bins", "gradients"} & set(self.train.dynamics))
+        if on_train and self.data.name in LAZY_DATASETS:
+            raise ValueError(
+                f"train.dynamics={on_train} score the whole training set every epoch, which data.name="
+                f"{self.data.name} decodes per batch with its augmentation: use outputs, logits or weights"
             )
         return self
 

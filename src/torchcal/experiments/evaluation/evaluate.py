@@ -34,6 +34,7 @@ __all__ = [
     "calibrate_run",
     "check_calibrators",
     "collect_groups",
+    "label_groups",
     "report",
     "load_logits",
     "read_results",
@@ -482,6 +483,17 @@ def collect_groups(run_dirs, calibrator: str = "ts", warn=None) -> list[RunGroup
     if not by_key:
         raise RunError("no finished run to report among the given folders")
     groups = list(by_key.values())
+    label_groups(groups)
+    for group in groups:
+        group.stats = _group_stats(group.results, calibrator)
+        group.optional_stats = _optional_stats(group.results, calibrator)
+    return groups
+
+
+def label_groups(groups) -> None:
+    """Appends ``[key=value, ...]`` to the label (dataset · model · loss) of each group that shares it with
+    another, naming the config keys in which those groups differ (``groups``: objects with ``label`` and
+    ``config``)."""
     base = {id(g): g.label for g in groups}
     for group in groups:
         twins = [g for g in groups if base[id(g)] == base[id(group)]]
@@ -490,9 +502,6 @@ def collect_groups(run_dirs, calibrator: str = "ts", warn=None) -> list[RunGroup
                 k for k in group.config if len({json.dumps(g.config.get(k), default=str) for g in twins}) > 1
             )
             group.label += " [" + ", ".join(f"{k}={group.config[k]}" for k in differ) + "]"
-        group.stats = _group_stats(group.results, calibrator)
-        group.optional_stats = _optional_stats(group.results, calibrator)
-    return groups
 
 
 def fit_warnings(groups, calibrator: str) -> list[tuple[str, Path, str]]:

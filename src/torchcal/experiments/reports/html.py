@@ -198,6 +198,17 @@ def _comparison_figures(groups, calibrator: str) -> list[tuple[str, str]]:
     return figs
 
 
+def _paper_figures(out_dir: Path) -> list[dict]:
+    """The figures ``torchcal figures --out OUT/figures`` listed in ``figures.json`` (files that exist)."""
+    import json
+
+    try:
+        index = json.loads((out_dir / "figures" / "figures.json").read_text())["figures"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    return [f for f in index if isinstance(f, dict) and (out_dir / "figures" / str(f.get("png"))).exists()]
+
+
 def html_report(
     run_dirs,
     out_dir,
@@ -214,7 +225,8 @@ def html_report(
     on one axis), then one section of figures per row. ``note`` (e.g. the regime) is shown under the title;
     ``groups`` (from ``collect_groups`` with this calibrator) saves collecting them again. ``extra_metrics``
     (``report --metrics``) adds those columns and each row's risk-coverage and set-size figures; ``columns``
-    adds the report's columns on request (:data:`~torchcal.experiments.evaluation.evaluate.OPTIONAL_COLUMNS`)."""
+    adds the report's columns on request (:data:`~torchcal.experiments.evaluation.evaluate.OPTIONAL_COLUMNS`).
+    The papers' figures that ``torchcal figures --out OUT/figures`` drew are linked in a section of their own."""
     columns = check_columns(columns)
     groups = collect_groups(run_dirs, calibrator, warn) if groups is None else groups
     check_optional_columns(groups, columns)
@@ -255,6 +267,7 @@ def html_report(
         rows=rows,
         comparison=_comparison_figures(groups, calibrator),
         sections=sections,
+        paper_figures=_paper_figures(Path(out_dir)),
     )
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

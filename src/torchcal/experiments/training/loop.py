@@ -36,6 +36,7 @@ from ..errors import CheckpointError, ConfigError, RunError
 from ..models import TenCrop, create_model
 from .checkpoints import drop_stale_results, load_best, load_checkpoint, saved_run, write_jsonl
 from .distributed import barrier, init_distributed, resolve_device
+from .dynamics import check_dynamics, epoch_dynamics
 
 __all__ = [
     "train",
@@ -294,6 +295,7 @@ def _set_up(cfg: RunConfig | None, run_dir: Path, resume: bool) -> _Run:
     torch.manual_seed(cfg.train.seed)
     model = _build_model(cfg, train_set, num_classes).to(device)
     loss_fn = create_loss(cfg.loss.name, reduction=cfg.loss.reduction, **cfg.loss.kwargs).to(device)
+    check_dynamics(cfg.train.dynamics, model)
     # everything the run needs exists and fits: only now is anything written
     if resume and state is not None:
         resumes = [*resumes, {"from_epoch": done, "changed": changes}] if changes or done else resumes
@@ -435,11 +437,19 @@ def _adapt(run: _Run, metrics: dict) -> None:
 
 def _log_epoch(run: _Run, epoch: int, train_loss: float, metrics: dict) -> dict:
     """The epoch's row of ``metrics.jsonl`` (appended to ``run.rows``): training loss, learning rate, each
-    split's metrics and AdaFocal's γ and gaps."""
+    split's metrics, AdaFocal's γ and gaps, and the ``train.dynamics`` asked for."""
     row = {"epoch": epoch, "train_loss": train_loss, "lr": run.opt.param_groups[0]["lr"]}
     for split, m in metrics.items():
         values = m.compute() if isinstance(m, MultilabelCalibrationMetrics) else m.compute(_ROW_METRICS)
         row.update({f"{split}_{k}": float(values[k]) for k in _ROW_METRICS})
+    if run.cfg.train.dynamics and run.rank == 0:  # opt-in; the rank that writes the log
+        cfg = run.cfg
+        row["dynamics"] = epoch_dynamics(
+            cfg.train.dynamics, model=run.model, splits=run.splits, loss_fn=run.loss_fn,
+            n_bins=cfg.train.dynamics_bins,
+            predict=lambda inputs: predict_logits(run.model, inputs, cfg.data.loader.eval_batch_size, run.device,
+                                                  cfg.data.loader.num_workers),
+        )  # fmt: skip
     if isinstance(run.loss_fn, AdaFocalLoss):
         row["gammas"] = [float(g) for g in run.loss_fn.gammas]
         if len(run.loss_fn.gap_history):

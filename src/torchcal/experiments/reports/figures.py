@@ -1,0 +1,525 @@
+"""The papers' analysis figures, drawn from what runs saved (``metrics.jsonl``, its ``train.dynamics``
+entries, ``logits.pt``), never by training again: ``torchcal figures RUN_OR_SWEEP... --out DIR``.
+
+Each figure is a PNG and an SVG whose name starts with the paper and its figure number (``focal-fig3``,
+``dualfocal-fig4b``, ``adafocal-fig1``, ``fcl-table9``); ``figures.json`` lists them with their captions and
+the runs drawn, and the HTML report of ``torchcal report RUNS --out DIR`` links them when they are in
+``DIR/figures``. Runs whose configs differ only in the seed form one curve: its mean, with a band of ± one
+standard deviation over the seeds (the standard error with ``--band sem``). A figure whose data no run
+logged is skipped with the config key that logs it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..config import flatten_config
+from ..errors import RunError, UserError
+from ..evaluation.evaluate import GROUP_IGNORED_KEYS, label_groups, load_logits
+from ..run_files import atomic_write_bytes, read_metrics
+
+__all__ = ["FIGURES", "Curves", "draw_figures", "find_runs", "g_focal", "run_groups"]
+
+# name -> (caption, the key whose data it needs, or None when it needs only what every run saves)
+FIGURES = {
+    "focal-fig1": ("Focal loss Fig. 1: test NLL, test error and training loss over epochs", None),
+    "focal-fig2": (
+        "Focal loss Fig. 2: training-set reliability and share of samples per bin at chosen epochs",
+        "train.dynamics=[bins]",
+    ),
+    "focal-fig3": (
+        "Focal loss Fig. 3: test NLL, NLL / entropy / p_y of correct and wrong samples, test ECE over epochs",
+        "train.dynamics=[outputs]",
+    ),
+    "focal-fig4a": ("Focal loss Fig. 4a: g(p, γ) = (1 − p)^γ − γ p (1 − p)^(γ−1) log p against p", None),
+    "focal-fig4b": (
+        "Focal loss Fig. 4b-d: per-sample gradient norms of the last linear layer over the "
+        "training set (equal-mass histograms) at chosen epochs",
+        "train.dynamics=[gradients]",
+    ),
+    "focal-weights": (
+        "Focal loss §3: the last linear layer's weight norm over epochs",
+        "train.dynamics=[weights]",
+    ),
+    "dualfocal-fig4a": (
+        "Dual focal Fig. 4a: test ECE over epochs, exponential moving average 0.5",
+        "train.test_every=1",
+    ),
+    "dualfocal-fig4b": (
+        "Dual focal Fig. 4b: histogram of the test set's maximum logits (last epoch; equal-mass bins)",
+        "train.dynamics=[logits]",
+    ),
+    "dualfocal-fig4c": (
+        "Dual focal Fig. 4c: box plot of q_j, the largest probability below the true class's "
+        "(test set, last epoch, first seed; outliers not shown)",
+        "train.dynamics=[logits]",
+    ),
+    "adafocal-fig1": (
+        "AdaFocal Figs. 1, 7-14: validation calibration gap (confidence − accuracy) per bin over epochs",
+        "train.dynamics=[bins]",
+    ),
+    "adafocal-fig2": (
+        "AdaFocal Fig. 2: training against validation confidence and accuracy per bin (last epoch)",
+        "train.dynamics=[bins]",
+    ),
+    "fcl-table9": (
+        "FCL Table 9 / A.17: ROC curves per class (one-vs-rest; per label for multi-label runs) "
+        "with per-class AUROC, ECE and MCE in fcl-table9.csv",
+        None,
+    ),
+}
+
+
+@dataclass
+class RunSet:
+    """Runs whose configs differ only in the seed: one curve."""
+
+    label: str
+    config: dict
+    runs: list[Path] = field(default_factory=list)
+    rows: list[list[dict]] = field(default_factory=list)  # each run's metrics.jsonl rows
+
+
+def find_runs(paths) -> list[Path]:
+    """Run folders among ``paths``: a folder with ``config.yaml`` is a run; any other folder (a sweep's
+    ``out``) contributes its sub-folders that are runs."""
+    runs: list[Path] = []
+    for path in map(Path, paths):
+        if not path.is_dir():
+            raise UserError(f"{path} is not a folder (a run folder or a sweep's output folder)")
+        if (path / "config.yaml").exists():
+            runs.append(path)
+            continue
+        found = sorted(p for p in path.iterdir() if (p / "config.yaml").exists())
+        if not found:
+            raise UserError(f"{path} holds no run (no config.yaml in it or in its sub-folders)")
+        runs.extend(found)
+    return runs
+
+
+def run_groups(run_dirs) -> list[RunSet]:
+    """The runs grouped as the report's rows (same config but the seed), with their logged rows."""
+    import yaml
+
+    groups: dict[str, RunSet] = {}
+    for run in run_dirs:
+        try:
+            raw = yaml.safe_load((run / "config.yaml").read_text())
+            rows = read_metrics(run)
+        except (OSError, yaml.YAMLError, RunError) as err:
+            raise UserError(f"{run}: cannot be read ({err})") from None
+        raw.pop("meta", None)
+        flat = flatten_config(raw)
+        config = {k: v for k, v in flat.items() if k not in GROUP_IGNORED_KEYS}
+        key = json.dumps(config, sort_keys=True, default=str)
+        label = f"{flat.get('data.name')} · {flat.get('model.name')} · {flat.get('loss.name')}"
+        group = groups.setdefault(key, RunSet(label, config))
+        group.runs.append(run)
+        group.rows.append(rows)
+    out = list(groups.values())
+    label_groups(out)
+    return out
+
+
+@dataclass
+class Curves:
+    """A quantity per epoch over a group's seeds: mean and band (± std or ± standard error)."""
+
+    epochs: torch.Tensor
+    mean: torch.Tensor
+    band: torch.Tensor
+    n: int
+
+
+def curve(group: RunSet, value, band: str = "std") -> Curves | None:
+    """``value(row)`` (a number or None) per epoch, over the epochs every seed logged; None when no seed
+    logged it."""
+    series = []
+    for rows in group.rows:
+        points = {r["epoch"]: value(r) for r in rows}
+        series.append({e: v for e, v in points.items() if v is not None and math.isfinite(v)})
+    common = sorted(set.intersection(*(set(s) for s in series))) if series else []
+    if not common:
+        return None
+    data = torch.tensor([[s[e] for e in common] for s in series], dtype=torch.float64)
+    n = data.shape[0]
+    std = data.std(dim=0, unbiased=True) if n > 1 else torch.zeros(len(common), dtype=torch.float64)
+    spread = std / math.sqrt(n) if band == "sem" else std
+    return Curves(torch.tensor(common), data.mean(dim=0), spread, n)
+
+
+def ema(values: torch.Tensor, alpha: float = 0.5) -> torch.Tensor:
+    """Exponential moving average s_t = α x_t + (1 − α) s_{t−1}, s_0 = x_0 (dual focal Fig. 4a: α = 0.5)."""
+    out = values.clone()
+    for t in range(1, len(values)):
+        out[t] = alpha * values[t] + (1 - alpha) * out[t - 1]
+    return out
+
+
+def g_focal(p: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Focal loss's gradient factor g(p, γ) = (1 − p)^γ − γ p (1 − p)^(γ−1) log p (Mukhoti et al. §4): the
+    focal gradient of the last layer is g times the cross entropy's."""
+    p = p.double()
+    return (1 - p) ** gamma - gamma * p * (1 - p) ** (gamma - 1) * torch.log(p)
+
+
+def _dyn(row: dict, *keys):
+    value = row.get("dynamics")
+    for key in keys:
+        if not isinstance(value, dict) or key not in value:
+            return None
+        value = value[key]
+    return value
+
+
+def _plot_curves(ax, groups, value, band, label_suffix="", **style):
+    drawn = False
+    for i, group in enumerate(groups):
+        c = curve(group, value, band)
+        if c is None:
+            continue
+        color = f"C{i % 10}"
+        ax.plot(c.epochs.numpy(), c.mean.numpy(), color=color, label=f"{group.label}{label_suffix} (n={c.n})",
+                **style)  # fmt: skip
+        if c.n > 1:
+            ax.fill_between(c.epochs.numpy(), (c.mean - c.band).numpy(), (c.mean + c.band).numpy(), color=color,
+                            alpha=0.2, linewidth=0)  # fmt: skip
+        drawn = True
+    return drawn
+
+
+def _chosen_epochs(groups, epochs, key) -> list[int]:
+    logged = sorted({r["epoch"] for g in groups for rows in g.rows for r in rows if _dyn(r, key) is not None})
+    if epochs:
+        missing = [e for e in epochs if e not in logged]
+        if missing:
+            raise UserError(
+                f"--epochs {missing}: not logged with train.dynamics=[{key}]; logged epochs: {logged}"
+            )
+        return list(epochs)
+    if len(logged) <= 4:
+        return logged
+    return [logged[round(i * (len(logged) - 1) / 3)] for i in range(4)]
+
+
+def _equal_mass_hist(ax, percentiles, **style):
+    """The distribution of 101 percentiles as an equal-mass histogram of 20 bins (every fifth percentile: 5%
+    of the samples in each bin)."""
+    q = torch.tensor(percentiles, dtype=torch.float64)[::5]
+    width = (q[1:] - q[:-1]).clamp(min=1e-12)
+    density = 0.05 / width
+    xs = torch.repeat_interleave(q, 2)[1:-1].numpy()
+    ys = torch.repeat_interleave(density, 2).numpy()
+    ax.plot(xs, ys, **style)
+
+
+def _first_row(rows, key):
+    for r in reversed(rows):
+        if _dyn(r, key) is not None:
+            return r
+    return None
+
+
+def draw_figures(
+    groups: list[RunSet], names, out: Path, *, band: str = "std", epochs=(), gammas=(1, 2, 3, 5, 7)
+):
+    """Draws each figure of ``names`` that the groups' data allow into ``out``; returns (written, skipped):
+    written maps a figure name to its data (what was plotted), skipped to the key that would log it."""
+    from ...plotting import _pyplot, save_figure
+
+    plt = _pyplot(None)
+    written: dict[str, dict] = {}
+    skipped: dict[str, str] = {}
+    out.mkdir(parents=True, exist_ok=True)
+
+    def save(name, fig, data):
+        fig.set_layout_engine("constrained")  # titles and labels of neighbouring panels do not overlap
+        for suffix in (".png", ".svg"):
+            save_figure(fig, out / f"{name}{suffix}", dpi=110, bbox_inches="tight")
+        plt.close(fig)
+        written[name] = data
+
+    def legend(ax):  # below the axes: run-group labels are long
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), frameon=False)
+
+    for name in names:
+        caption, needs = FIGURES[name]
+        if name == "focal-fig1":
+            fig, axes = plt.subplots(1, 3, figsize=(12, 3.2))
+            drawn = False
+            for ax, key, title in zip(axes, ("test_nll", "test_error", "train_loss"),
+                                      ("test NLL", "test error", "training loss"), strict=True):  # fmt: skip
+                drawn |= _plot_curves(ax, groups, lambda r, k=key: r.get(k), band)
+                ax.set(xlabel="epoch", title=title)
+            legend(axes[0])
+            if drawn:
+                save(name, fig, {"groups": [g.label for g in groups]})
+            else:
+                plt.close(fig)
+                skipped[name] = "train.test_every=1"
+        elif name == "focal-fig3":
+            panels = [("test NLL", ("outputs", "nll")), ("NLL, correct", ("outputs", "nll_correct")),
+                      ("NLL, wrong", ("outputs", "nll_wrong")), ("entropy, wrong", ("outputs", "entropy_wrong")),
+                      ("p_y, correct", ("outputs", "p_y_correct")), ("p_y, wrong", ("outputs", "p_y_wrong")),
+                      ("test ECE", ("outputs", "ece"))]  # fmt: skip
+            fig, axes = plt.subplots(2, 4, figsize=(15, 6.5))
+            drawn = False
+            data = {}
+            for ax, (title, keys) in zip(axes.flat, panels, strict=False):
+                drawn |= _plot_curves(ax, groups, lambda r, k=keys: _dyn(r, *k), band)
+                ax.set(xlabel="epoch", title=title)
+                data[title] = {
+                    g.label: _as_list(curve(g, lambda r, k=keys: _dyn(r, *k), band)) for g in groups
+                }
+            axes.flat[-1].axis("off")
+            legend(axes.flat[0])
+            if drawn:
+                save(name, fig, data)
+            else:
+                plt.close(fig)
+                skipped[name] = needs
+        elif name == "focal-fig4a":
+            fig, ax = plt.subplots(figsize=(4.5, 3.4))
+            p = torch.linspace(1e-3, 1 - 1e-3, 500, dtype=torch.float64)
+            ax.plot(
+                p.numpy(), torch.ones_like(p).numpy(), "k--", linewidth=0.8, label="cross entropy (g = 1)"
+            )
+            for gamma in gammas:
+                ax.plot(p.numpy(), g_focal(p, gamma).numpy(), label=f"γ = {gamma:g}")
+            ax.set(xlabel="p", ylabel="g(p, γ)", ylim=(-0.1, 3))
+            legend(ax)
+            save(name, fig, {"gammas": list(gammas)})
+        elif name == "focal-fig4b":
+            if not any(_first_row(rows, "gradients") for g in groups for rows in g.rows):
+                skipped[name] = needs
+                continue
+            chosen = _chosen_epochs(groups, epochs, "gradients")
+            fig, axes = plt.subplots(1, len(chosen), figsize=(4 * len(chosen), 3.2), squeeze=False)
+            data = {}
+            for ax, epoch in zip(axes[0], chosen, strict=True):
+                for i, g in enumerate(groups):
+                    row = next((r for r in g.rows[0] if r["epoch"] == epoch and _dyn(r, "gradients")), None)
+                    if row is not None:
+                        _equal_mass_hist(ax, row["dynamics"]["gradients"]["percentiles"], color=f"C{i % 10}",
+                                         label=g.label)  # fmt: skip
+                        data[f"{g.label} @ {epoch}"] = row["dynamics"]["gradients"]["percentiles"]
+                ax.set(xlabel="‖∂L/∂W‖ per sample", ylabel="density", title=f"epoch {epoch}")
+            legend(axes[0][0])
+            save(name, fig, data)
+        elif name == "focal-weights":
+            fig, ax = plt.subplots(figsize=(4.5, 3.4))
+            if _plot_curves(ax, groups, lambda r: _dyn(r, "weights", "last_linear_norm"), band):
+                ax.set(xlabel="epoch", ylabel="‖W‖ of the last linear layer")
+                legend(ax)
+                save(name, fig, {})
+            else:
+                plt.close(fig)
+                skipped[name] = needs
+        elif name == "dualfocal-fig4a":
+            fig, ax = plt.subplots(figsize=(4.5, 3.4))
+            data = {}
+            for i, g in enumerate(groups):
+                c = curve(g, lambda r: r.get("test_ece"), band)
+                if c is None:
+                    continue
+                smooth = ema(c.mean, 0.5)
+                ax.plot(
+                    c.epochs.numpy(), 100 * smooth.numpy(), color=f"C{i % 10}", label=f"{g.label} (n={c.n})"
+                )
+                data[g.label] = smooth.tolist()
+            if data:
+                ax.set(xlabel="epoch", ylabel="test ECE (%), EMA 0.5")
+                legend(ax)
+                save(name, fig, data)
+            else:
+                plt.close(fig)
+                skipped[name] = needs
+        elif name == "dualfocal-fig4b":
+            fig, ax = plt.subplots(figsize=(4.5, 3.4))
+            data = {}
+            for i, g in enumerate(groups):
+                row = _first_row(g.rows[0], "logits")
+                if row is not None:
+                    q = row["dynamics"]["logits"]["max_logit_percentiles"]
+                    _equal_mass_hist(ax, q, color=f"C{i % 10}", label=g.label)
+                    data[g.label] = q
+            if data:
+                ax.set(xlabel="maximum logit", ylabel="density")
+                legend(ax)
+                save(name, fig, data)
+            else:
+                plt.close(fig)
+                skipped[name] = needs
+        elif name == "dualfocal-fig4c":
+            stats, labels = [], []
+            for g in groups:
+                row = _first_row(g.rows[0], "logits")
+                if row is not None:
+                    stats.append(dict(row["dynamics"]["logits"]["q_j"], label=g.label))
+                    labels.append(g.label)
+            if stats:
+                fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(stats), 3.6))
+                ax.bxp(stats, showfliers=False)
+                ax.set(ylabel="q_j")
+                ax.tick_params(axis="x", labelrotation=20, labelsize=7)
+                save(name, fig, {s["label"]: {k: v for k, v in s.items() if k != "label"} for s in stats})
+            else:
+                skipped[name] = needs
+        elif name == "adafocal-fig1":
+            shown = [g for g in groups if any(_first_row(rows, "bins") for rows in g.rows)]
+            if not shown:
+                skipped[name] = needs
+                continue
+            fig, axes = plt.subplots(1, len(shown), figsize=(4.6 * len(shown), 3.4), squeeze=False)
+            data = {}
+            for ax, g in zip(axes[0], shown, strict=True):
+                n_bins = len(_first_row(g.rows[0], "bins")["dynamics"]["bins"]["val"]["count"])
+                data[g.label] = {}
+                for b in range(n_bins):
+
+                    def gap(r, b=b):
+                        v = _dyn(r, "bins", "val")
+                        if v is None or v["count"][b] == 0:
+                            return None
+                        return 100 * (v["confidence"][b] - v["accuracy"][b])
+
+                    c = curve(g, gap, band)
+                    if c is not None:
+                        ax.plot(c.epochs.numpy(), c.mean.numpy(), linewidth=1,
+                                label=f"({b / n_bins:.2f}, {(b + 1) / n_bins:.2f}]")  # fmt: skip
+                        data[g.label][b] = c.mean.tolist()
+                ax.axhline(0, color="black", linestyle="--", linewidth=0.8)
+                ax.set(xlabel="epoch", ylabel="val confidence − accuracy (%)", title=g.label)
+                legend(ax)
+            save(name, fig, data)
+        elif name == "adafocal-fig2":
+            shown = [g for g in groups if _first_row(g.rows[0], "bins")]
+            if not shown:
+                skipped[name] = needs
+                continue
+            fig, axes = plt.subplots(1, len(shown), figsize=(4.6 * len(shown), 3.4), squeeze=False)
+            data = {}
+            for ax, g in zip(axes[0], shown, strict=True):
+                bins = _first_row(g.rows[0], "bins")["dynamics"]["bins"]
+                m = len(bins["val"]["count"])
+                centres = [(b + 0.5) / m for b in range(m)]
+                for split, marker in (("train", "o"), ("val", "s")):
+                    conf, acc = bins[split]["confidence"], bins[split]["accuracy"]
+                    xs = [x for x, c in zip(centres, conf, strict=True) if c is not None]
+                    ax.plot(
+                        xs, [c for c in conf if c is not None], marker=marker, label=f"{split} confidence"
+                    )
+                    ax.plot(xs, [a for a in acc if a is not None], marker=marker, linestyle=":",
+                            label=f"{split} accuracy")  # fmt: skip
+                ax.set(xlabel="confidence bin", ylabel="value", title=g.label)
+                legend(ax)
+                data[g.label] = bins
+            save(name, fig, data)
+        elif name == "focal-fig2":
+            if not any(_first_row(rows, "bins") for g in groups for rows in g.rows):
+                skipped[name] = needs
+                continue
+            chosen = _chosen_epochs(groups, epochs, "bins")
+            g = next(g for g in groups if _first_row(g.rows[0], "bins"))
+            fig, axes = plt.subplots(2, len(chosen), figsize=(3.4 * len(chosen), 5.6), squeeze=False)
+            data = {}
+            for j, epoch in enumerate(chosen):
+                row = next((r for r in g.rows[0] if r["epoch"] == epoch and _dyn(r, "bins")), None)
+                if row is None:
+                    continue
+                train_bins = row["dynamics"]["bins"]["train"]
+                m = len(train_bins["count"])
+                edges = [b / m for b in range(m)]
+                acc = [a if a is not None else 0.0 for a in train_bins["accuracy"]]
+                total = sum(train_bins["count"]) or 1
+                share = [100 * c / total for c in train_bins["count"]]
+                axes[0][j].bar(edges, acc, width=1 / m, align="edge", edgecolor="black", linewidth=0.4)
+                axes[0][j].plot([0, 1], [0, 1], "k--", linewidth=0.8)
+                axes[0][j].set(title=f"epoch {epoch}", xlabel="confidence", ylabel="accuracy", xlim=(0, 1),
+                               ylim=(0, 1))  # fmt: skip
+                axes[1][j].bar(edges, share, width=1 / m, align="edge", edgecolor="black", linewidth=0.4)
+                axes[1][j].set(xlabel="confidence", ylabel="% of samples", xlim=(0, 1))
+                data[epoch] = {"accuracy": train_bins["accuracy"], "share": share}
+            fig.suptitle(f"{g.label}, seed of {g.runs[0].name}", fontsize=9)
+            save(name, fig, data)
+        elif name == "fcl-table9":
+            fig, axes = plt.subplots(1, len(groups), figsize=(4.6 * len(groups), 4.2), squeeze=False)
+            rows_csv = ["run,class,auroc,ece,mce"]
+            data = {}
+            for ax, g in zip(axes[0], groups, strict=True):
+                run = g.runs[0]
+                try:
+                    test = load_logits(run)["test"]
+                except RunError as err:
+                    raise UserError(f"{run}: {err}") from None
+                per_class = per_class_table(test["logits"], test["targets"])
+                data[g.label] = [
+                    {k: v for k, v in e.items() if k in ("auroc", "ece", "mce")} for e in per_class
+                ]
+                for k, entry in enumerate(per_class):
+                    rows_csv.append(f"{run},{k},{entry['auroc']:.6f},{entry['ece']:.6f},{entry['mce']:.6f}")
+                    ax.plot(
+                        entry["fpr"],
+                        entry["tpr"],
+                        linewidth=1,
+                        label=f"class {k}: AUROC {entry['auroc']:.3f}",
+                    )
+                ax.plot([0, 1], [0, 1], "k--", linewidth=0.8)
+                ax.set(
+                    xlabel="false positive rate", ylabel="true positive rate", title=f"{g.label} ({run.name})"
+                )
+                ax.legend(fontsize=6)
+            table = ("\n".join(rows_csv) + "\n").encode()
+            atomic_write_bytes(out / "fcl-table9.csv", lambda fh, text=table: fh.write(text))
+            save(name, fig, data)
+    index = [{"name": n, "png": f"{n}.png", "svg": f"{n}.svg", "caption": FIGURES[n][0],
+              "runs": [str(r) for g in groups for r in g.runs]} for n in written]  # fmt: skip
+    text = json.dumps({"figures": index, "skipped": skipped}, indent=2)
+    atomic_write_bytes(out / "figures.json", lambda fh: fh.write(text.encode()))
+    return written, skipped
+
+
+def _as_list(c: Curves | None):
+    return (
+        None if c is None else {"epochs": c.epochs.tolist(), "mean": c.mean.tolist(), "band": c.band.tolist()}
+    )
+
+
+def per_class_table(logits: torch.Tensor, targets: torch.Tensor, n_bins: int = 15) -> list[dict]:
+    """Per class (one-vs-rest on the softmax; per label on the sigmoid of a multi-label run): AUROC, the
+    binary ECE and MCE of that class's probability (equal-width bins) and the ROC curve's points."""
+    from ...functional.binary import multilabel_auroc, multilabel_ece, multilabel_mce
+
+    if targets.ndim == 2:  # multi-label
+        probs, onehot = torch.sigmoid(logits.double()), targets.long()
+    else:
+        probs = torch.softmax(logits.double(), dim=1)
+        onehot = torch.nn.functional.one_hot(targets.long(), logits.shape[1])
+    auroc = multilabel_auroc(probs, onehot, average="none")
+    ece = multilabel_ece(probs, onehot, n_bins=n_bins, average="none")
+    mce = multilabel_mce(probs, onehot, n_bins=n_bins, average="none")
+    out = []
+    for k in range(probs.shape[1]):
+        fpr, tpr = roc_curve(probs[:, k], onehot[:, k])
+        out.append(
+            {"auroc": float(auroc[k]), "ece": float(ece[k]), "mce": float(mce[k]), "fpr": fpr, "tpr": tpr}
+        )
+    return out
+
+
+def roc_curve(scores: torch.Tensor, labels: torch.Tensor) -> tuple[list[float], list[float]]:
+    """The ROC curve's corners: thresholds at each distinct score, from (0, 0) to (1, 1)."""
+    order = torch.argsort(scores, descending=True, stable=True)
+    s, y = scores[order], labels[order].double()
+    distinct = torch.nonzero(s[1:] != s[:-1]).flatten()
+    ends = torch.cat([distinct, torch.tensor([len(s) - 1])])
+    tp = torch.cumsum(y, 0)[ends]
+    fp = (ends + 1).double() - tp
+    pos, neg = max(float(y.sum()), 1.0), max(float(len(y) - y.sum()), 1.0)
+    return [0.0, *(fp / neg).tolist()], [0.0, *(tp / pos).tolist()]
