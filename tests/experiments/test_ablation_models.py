@@ -200,3 +200,40 @@ def test_training_survival_frequencies_follow_the_schedule():
     for block, p in zip(model.layers, model.survival, strict=True):
         sigma = (p * (1 - p) / n) ** 0.5
         assert abs(block.body.calls / n - p) <= 4.5 * sigma, (block.body.calls / n, p)
+
+
+def test_the_presets_of_dual_focal_table_10_and_adafocal_svhn():
+    """Table 10: {ResNet-110 (SD), DenseNet-40} x {CIFAR-10, CIFAR-100} x {CE, KDE-XE, DFL} on the CIFAR
+    protocol (decision 184); AdaFocal Fig. 53: ResNet-110 on SVHN with CE, FLSD-53, AdaFocal for 50 epochs
+    (decision 185)."""
+    from torchcal.experiments.cli import list_presets
+    from torchcal.experiments.config import load_config
+
+    presets = list_presets()
+    table10 = {name for name in presets if "_resnet110sd_" in name or "_densenet40_" in name}
+    assert table10 == {f"{d}_{m}_{loss}" for d in ("cifar10", "cifar100") for m in ("resnet110sd", "densenet40")
+                       for loss in ("ce", "kdexe", "dfl")}  # fmt: skip
+    for name in sorted(table10):
+        cfg = load_config(presets[name])
+        dataset, short, loss = name.split("_")
+        assert cfg.data.name == dataset and cfg.data.augment and cfg.data.val_size == 5000
+        assert cfg.model.name == {"resnet110sd": "resnet110_sd", "densenet40": "densenet40"}[short]
+        assert cfg.loss.name == {"ce": "ce", "kdexe": "kde-xe", "dfl": "dfl"}[loss], name
+        assert (cfg.train.epochs, cfg.optim.lr, cfg.optim.milestones, cfg.optim.weight_decay) == (
+            350, 0.1, [150, 250], 5e-4)  # fmt: skip
+        assert cfg.data.loader.batch_size == 128 and cfg.loss.reduction == "sum"
+    assert load_config(presets["cifar10_densenet40_kdexe"]).loss.kwargs == {
+        "lambda_": 1.0,
+        "bandwidth": "auto",
+    }
+    assert load_config(presets["cifar100_resnet110sd_dfl"]).loss.kwargs == {"gamma": 5.0}
+    svhn = {name for name in presets if name.startswith("svhn")}
+    assert svhn == {"svhn_resnet110_ce", "svhn_resnet110_flsd53", "svhn_resnet110_adafocal"}
+    for name in sorted(svhn):
+        cfg = load_config(presets[name])
+        assert (cfg.data.name, cfg.model.name, cfg.train.epochs, cfg.optim.milestones) == (
+            "svhn", "resnet110", 50, [25, 40])  # fmt: skip
+        assert not cfg.data.augment and cfg.data.ood.sets == [] and cfg.data.shift.name == ""
+        assert (
+            cfg.loss.name == name.split("_")[-1].replace("flsd53", "flsd-53") and cfg.train.select == "last"
+        )
