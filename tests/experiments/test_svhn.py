@@ -121,3 +121,26 @@ def test_an_ood_set_of_another_image_shape_is_refused_before_training(tmp_path):
                        r"data.name=svhn takes \(3, 32, 32\)"):  # fmt: skip
         train(cfg, tmp_path / "run")
     assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
+
+
+def test_the_cli_refuses_missing_svhn_and_a_misfit_ood_set_in_one_line_writing_nothing(tmp_path):
+    from typer.testing import CliRunner
+
+    from torchcal.experiments.cli import app
+
+    runner = CliRunner()
+    missing = tmp_path / "nowhere"
+    result = runner.invoke(app, ["train", "-o", str(tmp_path / "r"), "data.name=svhn", f"data.root={missing}",
+                                 "data.ood.sets=[]"])  # fmt: skip
+    assert result.exit_code == 2, result.output
+    line = result.output.strip()
+    assert len(line.splitlines()) == 1 and "train_32x32.mat not found in the folder" in line
+    assert str(missing) in line and "http://ufldl.stanford.edu/housenumbers/train_32x32.mat" in line
+    assert not (tmp_path / "r").exists()
+    write_svhn(tmp_path / "svhn")
+    result = runner.invoke(app, ["train", "-o", str(tmp_path / "r"), "data.name=svhn",
+                                 f"data.root={tmp_path / 'svhn'}", "data.val_size=8"])  # fmt: skip
+    assert result.exit_code == 2, result.output
+    line = result.output.strip()
+    assert len(line.splitlines()) == 1 and "digits holds images of shape (1, 28, 28)" in line
+    assert not (tmp_path / "r").exists()
