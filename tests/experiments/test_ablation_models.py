@@ -170,6 +170,26 @@ def test_training_drops_whole_blocks_with_one_seeded_draw_each():
     assert any(len(called_blocks(model, x)[0]) < 6 for _ in range(20))  # p_L = 0.5: drops happen
 
 
+def test_a_dropped_block_gives_its_parameters_zero_gradients():
+    """A dropped branch is not computed, yet each of its parameters gets a gradient of exactly 0 (not None):
+    SGD's weight decay and momentum then update every block alike, and DistributedDataParallel finds every
+    parameter used; a kept branch gets its ordinary gradient."""
+    model = tiny_sd().train()
+    x = torch.rand(3, 3, 16, 16)
+    torch.manual_seed(1)
+    keep = [bool(torch.rand(()) < p) for p in model.survival]
+    assert not all(keep) and any(keep)  # this seed drops some blocks and keeps others
+    torch.manual_seed(1)
+    model(x).square().sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+    for block, kept in zip(model.layers, keep, strict=True):
+        grads = [p.grad for p in block.body.parameters()]
+        if kept:
+            assert any(g.abs().sum() > 0 for g in grads)
+        else:
+            assert all(torch.equal(g, torch.zeros_like(g)) for g in grads)
+
+
 class Counting(torch.nn.Module):
     """A residual branch that counts its calls and returns its input (cheap, so 2,000 passes take little)."""
 

@@ -243,17 +243,13 @@ def survival_probabilities(num_blocks: int, final: float = 0.5) -> list[float]:
     return [1.0 - (block / num_blocks) * (1.0 - final) for block in range(1, num_blocks + 1)]
 
 
-def _in_distributed_run() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
-
-
 class StochasticDepthBlock(BasicBlock):
     """A basic block whose residual branch is dropped during training with probability 1 − ``survival``,
     one draw per mini-batch from torch's default CPU generator (so a seeded run drops the same blocks on any
     device): H = ReLU(b·f(x) + shortcut(x)), b ~ Bernoulli(survival). In evaluation the branch is scaled by
-    its survival probability, H = ReLU(survival·f(x) + shortcut(x)). A dropped branch is not computed; in a
-    distributed run it is computed and multiplied by 0, so that every parameter takes part in the gradient
-    reduction."""
+    its survival probability, H = ReLU(survival·f(x) + shortcut(x)). A dropped branch is not computed, but
+    its parameters get a zero gradient (not none), so the optimiser's weight decay and momentum treat every
+    block alike and ``DistributedDataParallel`` finds every parameter used."""
 
     survival: float = 1.0
 
@@ -263,9 +259,8 @@ class StochasticDepthBlock(BasicBlock):
             return torch.relu(self.body(x) * self.survival + shortcut)
         if self.survival >= 1.0 or bool(torch.rand(()) < self.survival):
             return torch.relu(self.body(x) + shortcut)
-        if _in_distributed_run():
-            return torch.relu(self.body(x) * 0.0 + shortcut)
-        return torch.relu(shortcut)
+        zero = sum(p.sum() for p in self.body.parameters()) * 0.0  # ties the branch's parameters, O(#params)
+        return torch.relu(shortcut + zero)
 
 
 class StochasticDepthResNet(CifarResNet):
