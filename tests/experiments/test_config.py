@@ -49,8 +49,8 @@ def test_every_paper_preset_loads_and_names_real_components():
     from torchcal.losses import create
 
     presets = list_presets()
-    # CIFAR; Tiny-ImageNet, 20NG, AG News, FinSen; SST; BERT; CheXNet; ImageNet
-    assert len(presets) == 72 + 36 + 9 + 4 + 3 + 5
+    # CIFAR; Tiny-ImageNet, 20NG, AG News, FinSen; SST; BERT; CheXNet; ImageNet; Dual Focal Table 10; SVHN
+    assert len(presets) == 72 + 36 + 9 + 4 + 3 + 5 + 12 + 3
     for name, path in presets.items():
         cfg = load_config(path)
         assert cfg.model.name in list_models(), name

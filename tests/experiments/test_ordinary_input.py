@@ -168,8 +168,8 @@ def test_a_gpu_index_beyond_the_machine_is_refused(monkeypatch):
 
 # -- every image model on every image dataset --------------------------------------------------------------
 
-IMAGE_MODELS = ["small_cnn", "mlp", "resnet50", "resnet110", "resnet110_he", "wrn_26_10", "densenet121",
-                "resnet50_imagenet", "densenet121_imagenet"]  # fmt: skip
+IMAGE_MODELS = ["small_cnn", "mlp", "resnet50", "resnet110", "resnet110_he", "resnet110_sd", "wrn_26_10",
+                "densenet121", "densenet40", "resnet50_imagenet", "densenet121_imagenet"]  # fmt: skip
 
 
 def test_the_list_covers_every_registered_model():

@@ -25,6 +25,7 @@ DATASETS = {
     "imagenet": "ImageNet train/ and val/ <wnid> folders, decoded per batch; val halved into validation / test",
     "cifar10": "CIFAR-10 python pickles (cifar-10-batches-py); 45k/5k split with seed 1",
     "cifar100": "CIFAR-100 python pickles (cifar-100-python); 45k/5k split with seed 1",
+    "svhn": "SVHN train_32x32.mat / test_32x32.mat (data.root, default data/svhn); 5k validation, seed 1",
     "20newsgroups": "20 Newsgroups bydate folders + GloVe 100-d vectors (data.glove)",
     "20newsgroups_papers": "20news-19997 folders in the papers' split 15,098 / 900 / 3,999 + GloVe (data.glove)",
     "ag_news": "AG News train.csv / test.csv + GloVe 100-d vectors (data.glove)",
@@ -34,7 +35,7 @@ DATASETS = {
     "tiny_imagenet": "Tiny-ImageNet-200 folders; validation = 50 training images per class, test = val split",
 }
 # small image sets held in memory: the only ones with a shifted test set and OOD sets
-IMAGE_DATASETS = ("fashion_mnist", "digits", "cifar10", "cifar100")
+IMAGE_DATASETS = ("fashion_mnist", "digits", "cifar10", "cifar100", "svhn")
 MULTILABEL_DATASETS = ("fashion_mnist_attributes", "chestxray14")
 # images decoded per batch: no shift or OOD set (those are small in-memory image sets)
 LAZY_DATASETS = ("chestxray14", "imagenet", "tiny_imagenet")

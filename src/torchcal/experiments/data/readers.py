@@ -36,12 +36,14 @@ __all__ = [
     "list_datasets",
     "load_cifar",
     "load_svhn",
+    "SVHN_DIR",
     "load_cifar10_c",
     "random_crop_flip",
     "load_tiny_imagenet",
 ]
 
 FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
+SVHN_DIR = "data/svhn"  # the default folder of SVHN's .mat files, as training set and as OOD set
 _IDX_TYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
 
 
@@ -202,17 +204,46 @@ def load_cifar(root: str | Path, num_classes: int = 10) -> tuple[Dataset, Datase
     return out[0], out[1]
 
 
-def load_svhn(root: str | Path, split: str = "test") -> Dataset:
-    """SVHN ``<split>_32x32.mat`` (X: 32 × 32 × 3 × N uint8, y: N × 1 with 10 meaning digit 0)."""
-    from scipy.io import loadmat
+SVHN_URL = "http://ufldl.stanford.edu/housenumbers/"
 
-    path = Path(root) / f"{split}_32x32.mat"
+
+def load_svhn(root: str | Path, split: str = "test") -> Dataset:
+    """SVHN's ``<split>_32x32.mat`` (``train`` or ``test``; X: 32 × 32 × 3 × N uint8, y: N × 1 with the digits
+    1-9 as themselves and 0 as 10) as 3 × 32 × 32 images in [0, 1] and labels 0-9. Nothing is downloaded: a
+    missing file is a :class:`DatasetError` that names the file, the folder and where to get it."""
+    if split not in ("train", "test"):
+        raise ValueError(f"`split` must be 'train' or 'test', got {split!r}")
+    from scipy.io import loadmat
+    from scipy.io.matlab import MatReadError
+
+    root = Path(root)
+    name = f"{split}_32x32.mat"
+    path = root / name
     if not path.is_file():
-        raise DatasetError(f"missing file {path}: put SVHN's {split}_32x32.mat there (data.root=<folder>)")
-    mat = loadmat(path)
-    x = torch.from_numpy(np.ascontiguousarray(mat["X"].transpose(3, 2, 0, 1)).astype(np.float32) / 255.0)
-    y = torch.from_numpy(mat["y"].reshape(-1).astype(np.int64) % 10)
-    return Dataset(x, y)
+        where = "" if root.is_dir() else " (the folder does not exist)"
+        raise DatasetError(
+            f"SVHN file {name} not found in the folder {root}{where}: download {SVHN_URL}{name} (the "
+            f"cropped-digits format) into that folder, or set the folder's key (data.root for training on SVHN, "
+            f"data.ood.root for SVHN as an OOD set) to the folder that holds it (nothing is downloaded "
+            f"automatically)"
+        )
+    try:
+        mat = loadmat(path)
+    except (MatReadError, ValueError, TypeError, OSError) as err:
+        raise DatasetError(f"{path} is not a readable MATLAB file: {err}") from None
+    x, y = mat.get("X"), mat.get("y")
+    if x is None or y is None or x.ndim != 4 or x.shape[:3] != (32, 32, 3) or y.size != x.shape[3]:
+        shapes = {key: getattr(mat.get(key), "shape", None) for key in ("X", "y")}
+        raise DatasetError(
+            f"{path} holds {shapes}: SVHN's files hold X of shape (32, 32, 3, N) and y of shape (N, 1)"
+        )
+    labels = np.asarray(y).reshape(-1).astype(np.int64)
+    if labels.size and (labels.min() < 1 or labels.max() > 10):
+        raise DatasetError(
+            f"{path} holds labels from {labels.min()} to {labels.max()}: SVHN's are 1-10 (10 for digit 0)"
+        )
+    images = torch.from_numpy(np.ascontiguousarray(x.transpose(3, 2, 0, 1)).astype(np.float32) / 255.0)
+    return Dataset(images, torch.from_numpy(labels % 10))
 
 
 def load_cifar10_c(root: str | Path, corruption: str = "gaussian_noise", severity: int = 5) -> Dataset:
@@ -338,6 +369,9 @@ def load_splits(cfg, tokenizer=None) -> dict[str, Dataset]:
             test = Dataset(test.inputs, fashion_attributes(test.targets), label_names=names)
     elif cfg.name in ("cifar10", "cifar100"):
         train, test = load_cifar(cfg.root or "data", 10 if cfg.name == "cifar10" else 100)
+    elif cfg.name == "svhn":
+        root = cfg.root or SVHN_DIR
+        train, test = load_svhn(root, "train"), load_svhn(root, "test")
     elif cfg.name in TEXT_DATASETS:
         from .text import text_splits
 
@@ -404,12 +438,18 @@ def load_splits(cfg, tokenizer=None) -> dict[str, Dataset]:
         if name == "digits":
             ood_set = load_digits_28()
         elif name == "svhn":
-            ood_set = load_svhn(ood.root or "data/svhn", "test")
+            ood_set = load_svhn(ood.root or SVHN_DIR, "test")
         elif name == "cifar10_c":  # Gaussian noise at severity 5, the papers' OOD set beside SVHN
             root = shift.root if shift is not None else ""
             ood_set = load_cifar10_c(root or "data/CIFAR-10-C", "gaussian_noise", 5)
         else:
             raise ValueError(f"unknown OOD set {name!r}; available: {sorted(_OOD)}")
+        if tuple(ood_set.inputs.shape[1:]) != tuple(test.inputs.shape[1:]):  # refused before training
+            raise DatasetError(
+                f"data.ood.sets: {name} holds images of shape {tuple(ood_set.inputs.shape[1:])}, the model of "
+                f"data.name={cfg.name} takes {tuple(test.inputs.shape[1:])}: choose OOD sets of that shape (digits "
+                "are 1 x 28 x 28, svhn and cifar10_c 3 x 32 x 32) or none (data.ood.sets=[])"
+            )
         splits[f"ood_{name}"] = ood_set
         if i == 0:
             splits["ood"] = ood_set  # the first set is also "the" OOD set of single-set reports

@@ -1,12 +1,24 @@
-"""The papers' CIFAR models (SPEC §5): CIFAR ResNet-50, the papers' "ResNet-110", He et al.'s ResNet-110,
-WRN-26-10 and DenseNet-121, with input normalisation inside the model."""
+"""The papers' CIFAR models (SPEC §5): CIFAR ResNet-50, the papers' "ResNet-110", He et al.'s ResNet-110 (also
+with stochastic depth), WRN-26-10, DenseNet-121 and the original DenseNet-40, with input normalisation inside
+the model."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-__all__ = ["CifarResNet", "WideResNet", "DenseNet", "Normalize", "input_norm", "CIFAR_MEAN", "CIFAR_STD"]
+__all__ = [
+    "CifarResNet",
+    "WideResNet",
+    "DenseNet",
+    "CifarDenseNet",
+    "StochasticDepthResNet",
+    "survival_probabilities",
+    "Normalize",
+    "input_norm",
+    "CIFAR_MEAN",
+    "CIFAR_STD",
+]
 
 # CIFAR-10 statistics, used for CIFAR-100 too (SPEC §5: the released code normalises the CIFAR-100 test set
 # with ImageNet statistics; we do not copy that).
@@ -207,6 +219,95 @@ class DenseNet(nn.Module):
             if i < len(blocks) - 1:
                 stages += [*_bn_relu_conv(planes, planes // 2, 1), nn.AvgPool2d(2)]
                 planes //= 2
+        self.features = nn.Sequential(*stages, nn.BatchNorm2d(planes), nn.ReLU(inplace=True))
+        self.fc = nn.Linear(planes, num_classes)
+
+    def forward(self, x):
+        return _head(self.features(self.conv1(self.norm(x))), self.fc)
+
+
+def survival_probabilities(num_blocks: int, final: float = 0.5) -> list[float]:
+    """Huang et al.'s (2016) linear decay rule of stochastic depth: block l = 1..L survives with probability
+    p_l = 1 − (l / L)(1 − p_L), so p_0 = 1 is the input and the last block has ``final`` = p_L.
+
+    Example:
+        >>> survival_probabilities(4, 0.5)
+        [0.875, 0.75, 0.625, 0.5]
+    """
+    if num_blocks < 1:
+        raise ValueError(f"`num_blocks` must be at least 1, got {num_blocks}")
+    if not 0.0 < final <= 1.0:
+        raise ValueError(
+            f"`final` (the last block's survival probability p_L) must be in (0, 1], got {final}"
+        )
+    return [1.0 - (block / num_blocks) * (1.0 - final) for block in range(1, num_blocks + 1)]
+
+
+class StochasticDepthBlock(BasicBlock):
+    """A basic block whose residual branch is dropped during training with probability 1 − ``survival``,
+    one draw per mini-batch from torch's default CPU generator (so a seeded run drops the same blocks on any
+    device): H = ReLU(b·f(x) + shortcut(x)), b ~ Bernoulli(survival). In evaluation the branch is scaled by
+    its survival probability, H = ReLU(survival·f(x) + shortcut(x)). A dropped branch is not computed, but
+    its parameters get a zero gradient (not none), so the optimiser's weight decay and momentum treat every
+    block alike and ``DistributedDataParallel`` finds every parameter used."""
+
+    survival: float = 1.0
+
+    def forward(self, x):
+        shortcut = self.shortcut(x)
+        if not self.training:
+            return torch.relu(self.body(x) * self.survival + shortcut)
+        if self.survival >= 1.0 or bool(torch.rand(()) < self.survival):
+            return torch.relu(self.body(x) + shortcut)
+        zero = sum(p.sum() for p in self.body.parameters()) * 0.0  # ties the branch's parameters, O(#params)
+        return torch.relu(shortcut + zero)
+
+
+class StochasticDepthResNet(CifarResNet):
+    """He et al.'s CIFAR ResNet (basic blocks, widths 16/32/64, 3 × 3 stem) with stochastic depth (Huang et
+    al. 2016): the survival probability of the residual blocks decays linearly from 1 at the input to
+    ``final_survival`` (p_L = 0.5 in the paper) at the last block (:func:`survival_probabilities`). Blocks
+    (18, 18, 18) are ResNet-110 (SD). Downsampling shortcuts are 1 × 1 projections, as in ``resnet110_he``."""
+
+    def __init__(
+        self, blocks, num_classes, widths=(16, 32, 64), final_survival=0.5, in_channels=3, stats=None
+    ):
+        super().__init__(StochasticDepthBlock, blocks, num_classes, widths, in_channels, "cifar", stats)
+        self.survival = survival_probabilities(len(self.layers), final_survival)
+        for layer, p in zip(self.layers, self.survival, strict=True):
+            layer.survival = p
+
+
+class _PlainDenseLayer(nn.Module):
+    def __init__(self, in_planes, growth):
+        super().__init__()
+        self.body = nn.Sequential(*_bn_relu_conv(in_planes, growth, 3))
+
+    def forward(self, x):
+        return torch.cat([x, self.body(x)], 1)
+
+
+class CifarDenseNet(nn.Module):
+    """Huang et al.'s (2017) original CIFAR DenseNet (no bottleneck, no compression): a 3 × 3 convolution of
+    16 channels, three dense blocks of (depth − 4) / 3 layers BN-ReLU-conv 3 × 3 of ``growth`` channels,
+    transitions BN-ReLU-conv 1 × 1 (channels kept) + 2 × 2 average pooling, then BN-ReLU, global average
+    pooling and the classifier; no dropout (the paper's setting for augmented data). Depth 40, growth 12 is
+    DenseNet-40 (about 1.0 M parameters)."""
+
+    def __init__(self, depth, growth, num_classes, in_channels=3, stats=None):
+        super().__init__()
+        if depth < 7 or (depth - 4) % 3:
+            raise ValueError(f"`depth` must be 3·n + 4 with n ≥ 1, got {depth}")
+        n, planes = (depth - 4) // 3, 16
+        self.norm = input_norm(in_channels, stats)
+        self.conv1 = nn.Conv2d(in_channels, planes, 3, 1, 1, bias=False)
+        stages = []
+        for i in range(3):
+            for _ in range(n):
+                stages.append(_PlainDenseLayer(planes, growth))
+                planes += growth
+            if i < 2:
+                stages += [*_bn_relu_conv(planes, planes, 1), nn.AvgPool2d(2)]
         self.features = nn.Sequential(*stages, nn.BatchNorm2d(planes), nn.ReLU(inplace=True))
         self.fc = nn.Linear(planes, num_classes)
 

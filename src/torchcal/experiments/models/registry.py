@@ -5,7 +5,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .cifar import BasicBlock, Bottleneck, CifarResNet, DenseNet, WideResNet
+from .cifar import (
+    BasicBlock,
+    Bottleneck,
+    CifarDenseNet,
+    CifarResNet,
+    DenseNet,
+    StochasticDepthResNet,
+    WideResNet,
+)
 
 __all__ = ["create_model", "list_models"]
 
@@ -147,6 +155,10 @@ _MODELS = {
     "resnet50": (_resnet50, "CIFAR ResNet-50: bottleneck blocks (3, 4, 6, 3), 3 x 3 stem"),
     "resnet110": (_resnet110, "the papers' 'ResNet-110': bottleneck blocks (3, 4, 26, 3) at ImageNet widths"),
     "resnet110_he": (_resnet110_he, "He et al.'s CIFAR ResNet-110: basic blocks 3 x 18, widths 16/32/64"),
+    "resnet110_sd": (
+        lambda k, s, w, stats=None: StochasticDepthResNet((18, 18, 18), k, in_channels=s[0], stats=stats),
+        "resnet110_he with stochastic depth: survival 1 -> 0.5 linearly over the 54 blocks (Huang et al. 2016)",
+    ),
     "wrn_26_10": (
         lambda k, s, w, stats=None: WideResNet(26, 10, k, in_channels=s[0], stats=stats),
         "WRN-26-10 without dropout",
@@ -154,6 +166,10 @@ _MODELS = {
     "densenet121": (
         lambda k, s, w, stats=None: DenseNet((6, 12, 24, 16), 32, k, in_channels=s[0], stats=stats),
         "DenseNet-121 (growth 32) for CIFAR",
+    ),
+    "densenet40": (
+        lambda k, s, w, stats=None: CifarDenseNet(40, 12, k, in_channels=s[0], stats=stats),
+        "DenseNet-40 (growth 12): 3 blocks of 12 BN-ReLU-conv 3 x 3 layers, no bottleneck or compression",
     ),
     "resnet50_imagenet": (
         lambda k, s, w, stats=None: CifarResNet(
