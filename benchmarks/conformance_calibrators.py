@@ -115,6 +115,17 @@ def probmetrics_ovr_beta(zc, yc, zt):
     return cal.predict_proba(_probs(zt).astype(np.float32)), {}
 
 
+def netcal_bbq(zc, yc, zt):
+    """netcal's BBQ (probmetrics' ``NetcalBBQCalibrator``): equal-width bins, BIC scores, elbow pruning, one
+    model per class (one-vs-all), the outputs divided by the row sum as netcal returns them."""
+    from netcal.binning import BBQ
+
+    cal = BBQ()
+    cal.fit(_probs(zc), yc.numpy())
+    out = np.clip(np.asarray(cal.transform(_probs(zt)), dtype=np.float64), 1e-30, None)
+    return out / out.sum(1, keepdims=True), {}
+
+
 def abstention_method(kind):
     def run(zc, yc, zt):
         from abstention import calibration as A
@@ -164,6 +175,7 @@ METHODS = {
         probmetrics_method("ivap"),
         {"10k_x_10": DATASETS["10k_x_10"]},
     ),
+    "bbq": ("bbq", "netcal 1.4.0 BBQ() (equal-width bins, BIC, elbow)", netcal_bbq, DATASETS),
     "dirichlet_diag": (
         "dirichlet_diag",
         "dirichletcal b03f65f DiagonalDirichletCalibrator(reg_lambda=1e-3, reg_mu=1e-3)",

@@ -93,6 +93,7 @@ CORE_NAMESPACES = [
     "torchcal.adafocal",
     "torchcal.calibrators",
     "torchcal.calibrators.base",
+    "torchcal.calibrators.bbq",
     "torchcal.calibrators.beta",
     "torchcal.calibrators.binary",
     "torchcal.calibrators.dirichlet",

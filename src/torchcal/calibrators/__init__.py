@@ -4,15 +4,16 @@ Use a class directly or the registry::
 
     >>> from torchcal.calibrators import create, list_calibrators
     >>> names = list_calibrators()
-    >>> names[:7]
-    ['bcts', 'beta', 'dirichlet', 'dirichlet_diag', 'ets', 'fts', 'histogram']
-    >>> names[7:]
+    >>> names[:8]
+    ['bbq', 'bcts', 'beta', 'dirichlet', 'dirichlet_diag', 'ets', 'fts', 'histogram']
+    >>> names[8:]
     ['isotonic', 'matrix', 'nbvs', 'sms', 'spline', 'svs', 'ts', 'vector', 'venn_abers']
     >>> create("ts", objective="ece")
     TemperatureScaling(objective='ece', n_bins=15, grid=..., bounds=(0.01, 100.0), extend=True)
 """
 
 from .base import Calibrator, NotFittedError
+from .bbq import BBQ, BinaryBBQ
 from .beta import BetaCalibration, BinaryBetaCalibration
 from .binary import (
     BinaryCalibrator,
@@ -57,6 +58,7 @@ _REGISTRY: dict[str, type[Calibrator]] = {
     "beta": BetaCalibration,
     "dirichlet_diag": DiagonalDirichletCalibration,
     "venn_abers": VennAbers,
+    "bbq": BBQ,
 }
 _ALIASES = {cls.name: key for key, cls in _REGISTRY.items()}
 _ALIASES.update({"temperature": "ts", "histogram_binning": "histogram", "ivap": "venn_abers"})
@@ -68,6 +70,7 @@ _BINARY_REGISTRY: dict[str, type[Calibrator]] = {
     "beta": BinaryBetaCalibration,
     "histogram": BinaryHistogramBinning,
     "isotonic": BinaryIsotonicCalibration,
+    "bbq": BinaryBBQ,
 }
 _BINARY_ALIASES = {cls.name: key for key, cls in _BINARY_REGISTRY.items()}
 _TASKS = ("multiclass", "multilabel")
@@ -165,6 +168,8 @@ def from_json(text: str) -> Calibrator:
 
 
 __all__ = [
+    "BBQ",
+    "BinaryBBQ",
     "BiasCorrectedTemperatureScaling",
     "BetaCalibration",
     "BinaryBetaCalibration",
