@@ -98,6 +98,7 @@ CORE_NAMESPACES = [
     "torchcal.calibrators.binary",
     "torchcal.calibrators.dirichlet",
     "torchcal.calibrators.model",
+    "torchcal.calibrators.neural",
     "torchcal.calibrators.nonparametric",
     "torchcal.calibrators.scaling",
     "torchcal.calibrators.structured",

@@ -61,6 +61,8 @@ def bbq_one_vs_rest(cal_probs, cal_targets, test_probs, c=10.0, prior_strength=2
     k = cal_probs.shape[1]
     out = np.zeros((len(test_probs), k))
     for j in range(k):
-        out[:, j] = bbq_binary(cal_probs[:, j], np.asarray(cal_targets) == j, test_probs[:, j], c, prior_strength)[0]
+        out[:, j] = bbq_binary(
+            cal_probs[:, j], np.asarray(cal_targets) == j, test_probs[:, j], c, prior_strength
+        )[0]
     out = np.maximum(out, 1e-30)
     return out / out.sum(1, keepdims=True)

@@ -4,10 +4,10 @@ Use a class directly or the registry::
 
     >>> from torchcal.calibrators import create, list_calibrators
     >>> names = list_calibrators()
-    >>> names[:8]
-    ['bbq', 'bcts', 'beta', 'dirichlet', 'dirichlet_diag', 'ets', 'fts', 'histogram']
-    >>> names[8:]
-    ['isotonic', 'matrix', 'nbvs', 'sms', 'spline', 'svs', 'ts', 'vector', 'venn_abers']
+    >>> names[:9]
+    ['bbq', 'bcts', 'beta', 'dirichlet', 'dirichlet_diag', 'ets', 'fts', 'histogram', 'iop']
+    >>> names[9:]
+    ['isotonic', 'matrix', 'nbvs', 'pts', 'sms', 'spline', 'svs', 'ts', 'vector', 'venn_abers']
     >>> create("ts", objective="ece")
     TemperatureScaling(objective='ece', n_bins=15, grid=..., bounds=(0.01, 100.0), extend=True)
 """
@@ -25,6 +25,7 @@ from .binary import (
 )
 from .dirichlet import DiagonalDirichletCalibration, DirichletCalibration
 from .model import CalibratedModel
+from .neural import IntraOrderPreserving, ParameterizedTemperatureScaling
 from .nonparametric import HistogramBinning, IsotonicCalibration, SplineCalibration
 from .scaling import BiasCorrectedTemperatureScaling, MatrixScaling, NoBiasVectorScaling, VectorScaling
 from .structured import StructuredMatrixScaling, StructuredVectorScaling
@@ -59,6 +60,8 @@ _REGISTRY: dict[str, type[Calibrator]] = {
     "dirichlet_diag": DiagonalDirichletCalibration,
     "venn_abers": VennAbers,
     "bbq": BBQ,
+    "pts": ParameterizedTemperatureScaling,
+    "iop": IntraOrderPreserving,
 }
 _ALIASES = {cls.name: key for key, cls in _REGISTRY.items()}
 _ALIASES.update({"temperature": "ts", "histogram_binning": "histogram", "ivap": "venn_abers"})
@@ -189,11 +192,13 @@ __all__ = [
     "SEARCH_LIMITS",
     "FocalTemperatureScaling",
     "HistogramBinning",
+    "IntraOrderPreserving",
     "IsotonicCalibration",
     "MatrixScaling",
     "NoBiasVectorScaling",
     "NotFittedError",
     "PAPER_TEMPERATURE_GRID",
+    "ParameterizedTemperatureScaling",
     "PlattScaling",
     "SplineCalibration",
     "StructuredMatrixScaling",
