@@ -100,6 +100,7 @@ CORE_NAMESPACES = [
     "torchcal.calibrators.model",
     "torchcal.calibrators.neural",
     "torchcal.calibrators.nonparametric",
+    "torchcal.calibrators.ppa",
     "torchcal.calibrators.scaling",
     "torchcal.calibrators.structured",
     "torchcal.calibrators.temperature",
