@@ -27,12 +27,13 @@ def ppa_coefficient(probs: torch.Tensor, targets: torch.Tensor) -> tuple[float, 
     """The Brier-optimal PPA coefficient for ``probs`` (N, K) and integer ``targets`` (N,).
 
     The Brier score Σ_i ‖p_i + r·d_i − e_{y_i}‖² with d_i = t_i − p_i is a quadratic in r, minimised at
-    r* = −Σ_i (p_i − e_{y_i})·d_i / Σ_i ‖d_i‖² = 1 − Σ_i (t_i − e_{y_i})·d_i / Σ_i ‖d_i‖²; the coefficient is
-    r* clipped to [0, 1] (exact for a convex quadratic), and 0 when Σ_i ‖d_i‖² = 0 (every row uniform or one-hot: the map is then the identity). The
-    target t is found in the dtype of ``probs``; the sums are taken in float64 on its device.
+    r* = −Σ_i (p_i − e_{y_i})·d_i / Σ_i ‖d_i‖² = 1 − Σ_i (t_i − e_{y_i})·d_i / Σ_i ‖d_i‖²; the coefficient
+    is r* clipped to [0, 1] (exact for a convex quadratic), and 0 when Σ_i ‖d_i‖² = 0 (every row uniform
+    or one-hot: the map is then the identity). The target t is found in the dtype of ``probs``; the sums
+    are taken in float64 on its device.
 
-    Each row's (t_i − e_{y_i})·d_i is 0 when y_i is a top class and 1/|A| − p_max + p_{y_i} ≥ 0 otherwise, so
-    r* ≤ 1: only the lower clip acts (the upper one only absorbs rounding).
+    Each row's (t_i − e_{y_i})·d_i is 0 when y_i is a top class and 1/|A| − p_max + p_{y_i} ≥ 0 otherwise,
+    so r* ≤ 1: only the lower clip acts (the upper one only absorbs rounding).
 
     Returns:
         (r, r*): the coefficient and the unconstrained minimiser (negative when moving toward the top class
