@@ -85,3 +85,26 @@ def threshold_value(sorted_scores, labels, position, extra, iterations=80):
         else:
             hi = v
     return (lo + hi) / 2
+
+
+def minmax_tables_dense(sorted_scores, labels):
+    """(p0, p1) at every boundary position, the min-max formula evaluated over all (a, b) pairs at once:
+    R[a, b] = (S_b − S_a + label) / (b − a + 1) on boundaries a ≤ b, a suffix minimum over b, then a
+    maximum over a ≤ i. O(N²) time and memory (numpy, float64); entries at non-boundary positions are NaN."""
+    x = np.asarray(sorted_scores, dtype=np.float64)
+    n = len(x)
+    cum = np.concatenate([[0.0], np.cumsum(np.asarray(labels, dtype=np.float64))])
+    bound = np.ones(n + 1, dtype=bool)
+    bound[1:-1] = x[1:] > x[:-1]
+    idx = np.arange(n + 1)
+    pair = bound[:, None] & bound[None, :] & (idx[None, :] >= idx[:, None])
+    out = []
+    for extra in (0.0, 1.0):
+        with np.errstate(divide="ignore", invalid="ignore"):
+            r = (cum[None, :] - cum[:, None] + extra) / (idx[None, :] - idx[:, None] + 1)
+        r = np.where(pair, r, np.inf)
+        inner = np.minimum.accumulate(r[:, ::-1], axis=1)[:, ::-1]  # min over b ≥ i, per a
+        inner = np.where(bound[:, None] & (idx[:, None] <= idx[None, :]), inner, -np.inf)
+        value = inner.max(axis=0)  # max over a ≤ i
+        out.append(np.where(bound, value, np.nan))
+    return out[0], out[1]
