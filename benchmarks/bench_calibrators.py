@@ -100,6 +100,11 @@ METHODS = {
         10,
     ),
     "beta": ([("torchcal beta", torchcal("beta")), ("probmetrics beta-ovr", probmetrics_ovr_beta)], 100),
+    "venn_abers": (
+        [("torchcal venn_abers", torchcal("venn_abers")), ("probmetrics ivap", probmetrics("ivap"))],
+        100,
+    ),
+    "ppa": ([("torchcal ppa", torchcal("ppa"))], 10**9),  # no installable peer (decision 174)
 }
 
 

@@ -115,6 +115,29 @@ def probmetrics_ovr_beta(zc, yc, zt):
     return cal.predict_proba(_probs(zt).astype(np.float32)), {}
 
 
+def netcal_bbq(zc, yc, zt):
+    """netcal's BBQ (probmetrics' ``NetcalBBQCalibrator``): equal-width bins, BIC scores, elbow pruning, one
+    model per class (one-vs-all), the outputs divided by the row sum as netcal returns them."""
+    from netcal.binning import BBQ
+
+    cal = BBQ()
+    cal.fit(_probs(zc), yc.numpy())
+    out = np.clip(np.asarray(cal.transform(_probs(zt)), dtype=np.float64), 1e-30, None)
+    return out / out.sum(1, keepdims=True), {}
+
+
+def probmetrics_iop(zc, yc, zt):
+    """probmetrics' port of the IOP reference code (not in its factory; its defaults: hidden (150, 150),
+    Adam lr 5e-3, weight decay 5e-4, batch 256, 40 epochs), seeded with torch.manual_seed(0); it trains on
+    float32 ln clip(p, 1e-15, 1)."""
+    from probmetrics.calibrators.orderpreserving import IntraOrderPreservingCalibrator
+
+    torch.manual_seed(0)
+    cal = IntraOrderPreservingCalibrator()
+    cal.fit(_probs(zc).astype(np.float32), yc.numpy())
+    return cal.predict_proba(_probs(zt).astype(np.float32)), {}
+
+
 def abstention_method(kind):
     def run(zc, yc, zt):
         from abstention import calibration as A
@@ -164,6 +187,13 @@ METHODS = {
         probmetrics_method("ivap"),
         {"10k_x_10": DATASETS["10k_x_10"]},
     ),
+    "bbq": ("bbq", "netcal 1.4.0 BBQ() (equal-width bins, BIC, elbow)", netcal_bbq, DATASETS),
+    "iop": (
+        "iop",
+        "probmetrics IntraOrderPreservingCalibrator, torch.manual_seed(0)",
+        probmetrics_iop,
+        DATASETS,
+    ),
     "dirichlet_diag": (
         "dirichlet_diag",
         "dirichletcal b03f65f DiagonalDirichletCalibrator(reg_lambda=1e-3, reg_mu=1e-3)",
@@ -184,7 +214,16 @@ def binary_view(spec, data):
 
 def versions():
     out = {"torch": torch.__version__}
-    for pkg in ("probmetrics", "abstention", "betacal", "venn-abers", "netcal", "jax", "scikit-learn", "numpy"):
+    for pkg in (
+        "probmetrics",
+        "abstention",
+        "betacal",
+        "venn-abers",
+        "netcal",
+        "jax",
+        "scikit-learn",
+        "numpy",
+    ):
         try:
             out[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:

@@ -14,7 +14,7 @@ from torchcal.adafocal import AdaFocalLoss
 from torchcal.calibrators import create, list_calibrators
 from torchcal.metrics import CalibrationMetrics
 
-FAST_KW = {"fts": {"temperatures": [0.5, 1.0, 2.0]}}
+FAST_KW = {"fts": {"temperatures": [0.5, 1.0, 2.0]}, "pts": {"steps": 30}, "iop": {"epochs": 2}}
 
 # every metric function of torchcal.functional that takes (probs, targets)
 METRICS = {

@@ -12,6 +12,7 @@ import torch.multiprocessing as mp
 import torchcal.functional as F
 from tests.conftest import free_port
 from torchcal.calibrators import (
+    BinaryBBQ,
     BinaryBetaCalibration,
     BinaryFocalTemperatureScaling,
     BinaryHistogramBinning,
@@ -35,11 +36,11 @@ def data(n=2000, labels=3, seed=0, sharp=2.5):
 
 
 ALL = [BinaryTemperatureScaling, PlattScaling, BinaryHistogramBinning, BinaryIsotonicCalibration,
-       BinaryFocalTemperatureScaling, BinaryBetaCalibration]  # fmt: skip
+       BinaryFocalTemperatureScaling, BinaryBetaCalibration, BinaryBBQ]  # fmt: skip
 
 
 def test_registry_and_specs():
-    assert list_calibrators("multilabel") == ["beta", "fts", "histogram", "isotonic", "platt", "ts"]
+    assert list_calibrators("multilabel") == ["bbq", "beta", "fts", "histogram", "isotonic", "platt", "ts"]
     assert isinstance(from_spec("ts:per_label=false", task="multilabel"), BinaryTemperatureScaling)
     assert from_spec("histogram:n_bins=10", task="multilabel").n_bins == 10
     with pytest.raises(ValueError, match="unknown calibrator 'ets'"):

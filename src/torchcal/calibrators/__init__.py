@@ -4,15 +4,16 @@ Use a class directly or the registry::
 
     >>> from torchcal.calibrators import create, list_calibrators
     >>> names = list_calibrators()
-    >>> names[:7]
-    ['bcts', 'beta', 'dirichlet', 'dirichlet_diag', 'ets', 'fts', 'histogram']
-    >>> names[7:]
-    ['isotonic', 'matrix', 'nbvs', 'sms', 'spline', 'svs', 'ts', 'vector', 'venn_abers']
+    >>> names[:9]
+    ['bbq', 'bcts', 'beta', 'dirichlet', 'dirichlet_diag', 'ets', 'fts', 'histogram', 'iop']
+    >>> names[9:]
+    ['isotonic', 'matrix', 'nbvs', 'ppa', 'pts', 'sms', 'spline', 'svs', 'ts', 'vector', 'venn_abers']
     >>> create("ts", objective="ece")
     TemperatureScaling(objective='ece', n_bins=15, grid=..., bounds=(0.01, 100.0), extend=True)
 """
 
 from .base import Calibrator, NotFittedError
+from .bbq import BBQ, BinaryBBQ
 from .beta import BetaCalibration, BinaryBetaCalibration
 from .binary import (
     BinaryCalibrator,
@@ -24,7 +25,9 @@ from .binary import (
 )
 from .dirichlet import DiagonalDirichletCalibration, DirichletCalibration
 from .model import CalibratedModel
+from .neural import IntraOrderPreserving, ParameterizedTemperatureScaling
 from .nonparametric import HistogramBinning, IsotonicCalibration, SplineCalibration
+from .ppa import ParameterizedProbabilityAdjustment
 from .scaling import BiasCorrectedTemperatureScaling, MatrixScaling, NoBiasVectorScaling, VectorScaling
 from .structured import StructuredMatrixScaling, StructuredVectorScaling
 from .temperature import (
@@ -57,6 +60,10 @@ _REGISTRY: dict[str, type[Calibrator]] = {
     "beta": BetaCalibration,
     "dirichlet_diag": DiagonalDirichletCalibration,
     "venn_abers": VennAbers,
+    "bbq": BBQ,
+    "pts": ParameterizedTemperatureScaling,
+    "iop": IntraOrderPreserving,
+    "ppa": ParameterizedProbabilityAdjustment,
 }
 _ALIASES = {cls.name: key for key, cls in _REGISTRY.items()}
 _ALIASES.update({"temperature": "ts", "histogram_binning": "histogram", "ivap": "venn_abers"})
@@ -68,6 +75,7 @@ _BINARY_REGISTRY: dict[str, type[Calibrator]] = {
     "beta": BinaryBetaCalibration,
     "histogram": BinaryHistogramBinning,
     "isotonic": BinaryIsotonicCalibration,
+    "bbq": BinaryBBQ,
 }
 _BINARY_ALIASES = {cls.name: key for key, cls in _BINARY_REGISTRY.items()}
 _TASKS = ("multiclass", "multilabel")
@@ -165,6 +173,8 @@ def from_json(text: str) -> Calibrator:
 
 
 __all__ = [
+    "BBQ",
+    "BinaryBBQ",
     "BiasCorrectedTemperatureScaling",
     "BetaCalibration",
     "BinaryBetaCalibration",
@@ -184,11 +194,14 @@ __all__ = [
     "SEARCH_LIMITS",
     "FocalTemperatureScaling",
     "HistogramBinning",
+    "IntraOrderPreserving",
     "IsotonicCalibration",
     "MatrixScaling",
     "NoBiasVectorScaling",
     "NotFittedError",
     "PAPER_TEMPERATURE_GRID",
+    "ParameterizedProbabilityAdjustment",
+    "ParameterizedTemperatureScaling",
     "PlattScaling",
     "SplineCalibration",
     "StructuredMatrixScaling",

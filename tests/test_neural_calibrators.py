@@ -1,0 +1,224 @@
+"""PTS and IOP: their maps against float64 row-by-row references (tests/reference/neural.py) and, for IOP,
+against probmetrics' port of the reference code (golden values from tests/data/make_iop_goldens.py);
+hand-computed special cases, argmax and order preservation, seeding, device placement and errors."""
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.reference import neural as ref
+from tests.reference.calibration_data import split, synthetic_logits
+from torchcal.calibrators import IntraOrderPreserving, ParameterizedTemperatureScaling, create, from_json
+from torchcal.calibrators.neural import iop_logits
+
+GOLDENS = json.loads((Path(__file__).parent / "data" / "iop_goldens.json").read_text())
+
+
+def _keras(cal):
+    """The fitted network in Keras' (in, out) layout, float64 numpy."""
+    return [w.double().T.numpy() for w in cal.weights_], [b.double().numpy() for b in cal.biases_]
+
+
+def _nll(probs, y):
+    return float(-torch.log(probs.double().gather(1, y[:, None])).mean())
+
+
+# ----------------------------------------------------------------------------- PTS
+
+
+def test_pts_map_matches_the_reference():
+    (zc, yc), (zt, _) = split(*synthetic_logits(600, 12, seed=1, dtype=torch.float64))
+    zt = torch.cat([zt, 80 * zt[:5]])  # some logits beyond the ±100 clip
+    cal = ParameterizedTemperatureScaling(steps=30, lr=1e-2, batch_size=128).fit(zc, yc)
+    expected = ref.pts_probs(zt.numpy(), *_keras(cal), top_k=10)
+    # float64 throughout; softmax and the MLP in another order of operations: rounding only
+    np.testing.assert_allclose(cal.transform(zt).numpy(), expected, rtol=0, atol=1e-13)
+    assert cal.top_k_ == 10
+
+
+@pytest.mark.parametrize("bias", [2.0, -2.0])
+def test_pts_with_a_constant_network_is_temperature_scaling(bias):
+    # zero kernels and a output bias b: T = |b| for every sample, so softmax(z / |b|)
+    cal = ParameterizedTemperatureScaling(hidden_sizes=(3,), top_k=4)
+    state = cal.state_dict()
+    state["fitted"] = {
+        "num_classes_": 4,
+        "weights_": [torch.zeros(3, 4, dtype=torch.float64), torch.zeros(1, 3, dtype=torch.float64)],
+        "biases_": [torch.zeros(3, dtype=torch.float64), torch.tensor([bias], dtype=torch.float64)],
+        "top_k_": 4,
+        "loss_": 0.0,
+    }
+    cal.load_state_dict(state)
+    z = torch.tensor([[3.0, 1.0, 0.0, -1.0], [0.0, 0.0, 0.0, 250.0]], dtype=torch.float64)
+    clipped = z.clamp(-100, 100)  # the reference clips the logits to ±100 before dividing
+    torch.testing.assert_close(cal.transform(z), torch.softmax(clipped / 2.0, 1), rtol=0, atol=1e-15)
+    torch.testing.assert_close(cal.temperature(z), torch.full((2,), 2.0, dtype=torch.float64))
+
+
+def test_pts_recovers_a_known_temperature_and_keeps_the_argmax():
+    # targets drawn from softmax(t), logits 2.5·t: the Brier-optimal temperature is 2.5 for every sample
+    g = torch.Generator().manual_seed(0)
+    t = 1.5 * torch.randn(20000, 5, generator=g)
+    y = torch.multinomial(torch.softmax(t, 1), 1, generator=g)[:, 0]
+    z = 2.5 * t
+    cal = ParameterizedTemperatureScaling(steps=1500, lr=1e-2).fit(z, y)
+    temps = cal.temperature(z)
+    # 20,000 samples: the fitted map's median temperature within 10% of 2.5 (sampling noise of the Brier
+    # optimum is ~2%; the network need not be exactly constant)
+    assert float(temps.median()) == pytest.approx(2.5, rel=0.1)
+    assert torch.equal(cal.transform(z).argmax(1), z.argmax(1))
+    assert _nll(cal.transform(z), y) < _nll(torch.softmax(z, 1), y)
+
+
+def test_pts_is_seeded_and_uses_all_logits_below_top_k():
+    z, y = synthetic_logits(500, 4, seed=2)
+    a = ParameterizedTemperatureScaling(steps=20).fit(z, y)
+    b = ParameterizedTemperatureScaling(steps=20).fit(z, y)
+    c = ParameterizedTemperatureScaling(steps=20, seed=1).fit(z, y)
+    assert all(torch.equal(u, v) for u, v in zip(a.weights_, b.weights_))
+    assert not torch.equal(a.weights_[0], c.weights_[0])
+    assert a.top_k_ == 4 and a.weights_[0].shape == (5, 4)
+
+
+def test_pts_weight_decay_acts_on_the_hidden_kernels_only():
+    z, y = synthetic_logits(2000, 6, seed=3)
+    free = ParameterizedTemperatureScaling(steps=400, lr=1e-2).fit(z, y)
+    decayed = ParameterizedTemperatureScaling(steps=400, lr=1e-2, weight_decay=10.0).fit(z, y)
+    # a strong penalty drives the hidden kernels towards 0 (Adam steps of lr = 1e-2 around it), the
+    # unpenalised output kernel is not pulled towards 0 the same way
+    for w_free, w_decay in zip(free.weights_[:-1], decayed.weights_[:-1]):
+        assert float(w_decay.abs().max()) < 0.05 < float(w_free.abs().max())
+
+
+# ----------------------------------------------------------------------------- IOP
+
+
+@pytest.mark.parametrize("name", sorted(GOLDENS["cases"]))
+def test_iop_map_matches_probmetrics_port(name):
+    case = GOLDENS["cases"][name]
+    weights = [torch.tensor(w, dtype=torch.float32) for w in case["weights"]]
+    biases = [torch.tensor(b, dtype=torch.float32) for b in case["biases"]]
+    x = torch.tensor(case["inputs"], dtype=torch.float32)
+    out = iop_logits(x, weights, biases, invariant=case["invariant"])
+    peer = torch.tensor(case["logits"], dtype=torch.float32)
+    # the same float32 products summed in the same order; only sort tie order could differ (no ties here):
+    # float32 rounding of values up to ~50
+    torch.testing.assert_close(out, peer, rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("invariant", [True, False])
+def test_iop_map_matches_the_reference(invariant):
+    (zc, yc), (zt, _) = split(*synthetic_logits(600, 6, seed=4, dtype=torch.float64))
+    cal = IntraOrderPreserving(hidden_sizes=(16,), epochs=2, invariant=invariant).fit(zc, yc)
+    x = np.maximum(torch.log_softmax(zt, 1).numpy(), math.log(1e-15))
+    expected = ref.iop_logits(x, *_keras(cal), invariant=invariant)
+    np.testing.assert_allclose(cal.transform_logits(zt).numpy(), expected, rtol=0, atol=1e-12)
+
+
+def test_iop_hand_computed_identity_and_temperature():
+    # zero kernels: m is the output bias; softplus(m_i) = c on every gap gives o = c·(s − s_min), i.e.
+    # softmax(c·ln p): c = 1 is the identity, c = 1/2 temperature scaling with T = 2
+    k = 4
+    z = torch.tensor([[2.0, -1.0, 0.5, 0.0], [0.0, 0.0, 3.0, 1.0]], dtype=torch.float64)
+    for c in (1.0, 0.5):
+        b = math.log(math.expm1(c))
+        weights = [torch.zeros(3, k, dtype=torch.float64), torch.zeros(k, 3, dtype=torch.float64)]
+        biases = [torch.zeros(3, dtype=torch.float64), torch.full((k,), b, dtype=torch.float64)]
+        o = iop_logits(torch.log_softmax(z, 1), weights, biases)
+        ell = torch.log_softmax(z, 1)
+        torch.testing.assert_close(o, c * (ell - ell.amin(1, keepdim=True)), rtol=0, atol=1e-14)
+        torch.testing.assert_close(torch.softmax(o, 1), torch.softmax(c * z, 1), rtol=0, atol=1e-14)
+
+
+def test_iop_keeps_the_order_ties_and_permutations():
+    (zc, yc), (zt, _) = split(*synthetic_logits(1000, 5, seed=5))
+    zt = torch.cat([zt, torch.tensor([[1.0, 1.0, 0.0, -2.0, 1.0]])])  # a three-way tie at the top
+    cal = create("iop", epochs=3).fit(zc, yc)
+    o = cal.transform_logits(zt)
+    assert (o.amin(1) == 0).all()
+    # the order of every row is kept (not only the argmax) and ties stay ties; in float32 a gap's term
+    # softplus(m)·gap can round to 0 (softplus of a very negative m underflows), so the order is kept
+    # weakly, and strictly for almost all pairs
+    x = torch.log_softmax(zt, 1)
+    i, j = torch.triu_indices(5, 5, 1)
+    above = x[:, i] > x[:, j]
+    assert (above <= (o[:, i] >= o[:, j])).all() and ((x[:, i] < x[:, j]) <= (o[:, i] <= o[:, j])).all()
+    assert ((x[:, i] == x[:, j]) <= (o[:, i] == o[:, j])).all()
+    assert float((above & (o[:, i] > o[:, j])).sum() / above.sum()) > 0.95
+    # the argmax, ties aside: where the learned weight of the top gap is tiny, the top two calibrated
+    # logits round to the same float32 value (a tie), and then argmax picks the lower index
+    probs = cal.transform(zt)
+    top = zt.argmax(1, keepdim=True)
+    assert torch.equal(probs.gather(1, top)[:, 0], probs.amax(1))
+    changed = probs.argmax(1) != zt.argmax(1)
+    assert float(changed.double().mean()) < 0.2
+    perm = torch.tensor([3, 0, 4, 1, 2])  # invariant=True: permutation-equivariant
+    # up to float32 rounding: log_softmax sums the permuted row in another order (1 ulp of x), which the
+    # 150-wide MLP carries to ~1e-6 on logits of a few units
+    torch.testing.assert_close(cal.transform_logits(zt[:, perm]), o[:, perm], rtol=1e-5, atol=1e-5)
+
+
+def test_iop_is_seeded_and_round_trips():
+    z, y = synthetic_logits(700, 4, seed=6)
+    a = IntraOrderPreserving(epochs=2).fit(z, y)
+    b = IntraOrderPreserving(epochs=2).fit(z, y)
+    assert all(torch.equal(u, v) for u, v in zip(a.weights_, b.weights_))
+    again = from_json(a.to_json())
+    assert isinstance(again, IntraOrderPreserving) and torch.equal(again.transform(z), a.transform(z))
+
+
+# ----------------------------------------------------------------------------- both
+
+
+@pytest.mark.parametrize("name, kwargs", [("pts", {"steps": 20}), ("iop", {"epochs": 1}), ("bbq", {})])
+def test_fit_makes_no_host_round_trip(name, kwargs, monkeypatch):
+    """Fitting keeps tensors on the input's device: .cpu(), .numpy() and .tolist() of more than a few
+    scalars are trapped while fitting (on CPU they would be no-ops)."""
+    logits, targets = synthetic_logits(600, 5, seed=12)
+    originals = {attr: getattr(torch.Tensor, attr) for attr in ("cpu", "numpy", "tolist")}
+
+    def trapped(attr):
+        def call(self, *args, **kw):
+            if self.numel() > 16:
+                raise AssertionError(f"host round trip during fit: .{attr}() of {tuple(self.shape)}")
+            return originals[attr](self, *args, **kw)
+
+        return call
+
+    cal = create(name, **kwargs)
+    for attr in originals:
+        monkeypatch.setattr(torch.Tensor, attr, trapped(attr))
+    cal.fit(logits, targets)
+    monkeypatch.undo()
+    fitted = cal.weights_[0] if isinstance(cal.weights_, list) else cal.weights_
+    assert fitted.device == logits.device
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name, kwargs", [("pts", {"steps": 50}), ("iop", {"epochs": 2}), ("bbq", {})])
+def test_fit_on_cuda_stays_on_cuda(name, kwargs):
+    logits, targets = synthetic_logits(3000, 7, seed=13)
+    cal = create(name, **kwargs).fit(logits.cuda(), targets.cuda())
+    fitted = cal.weights_[0] if isinstance(cal.weights_, list) else cal.weights_
+    assert fitted.is_cuda
+    probs = cal.transform(logits.cuda())
+    assert probs.is_cuda and torch.isfinite(probs).all()
+    if name == "bbq":  # deterministic: the same map as on the CPU
+        cpu = create(name, **kwargs).fit(logits, targets)
+        torch.testing.assert_close(probs.cpu(), cpu.transform(logits), atol=1e-6, rtol=0)
+
+
+def test_bad_arguments_are_named():
+    z, y = synthetic_logits(100, 3, seed=1)
+    with pytest.raises(ValueError, match="`hidden_sizes` must be a sequence of positive layer widths"):
+        create("pts", hidden_sizes=(5, 0)).fit(z, y)
+    with pytest.raises(ValueError, match="`lr` must be > 0"):
+        create("iop", lr=0.0).fit(z, y)
+    with pytest.raises(TypeError, match="`invariant` must be a bool"):
+        create("iop", invariant="yes").fit(z, y)
+    with pytest.raises(ValueError, match="`steps` must be >= 1"):
+        create("pts", steps=0).fit(z, y)
