@@ -104,7 +104,6 @@ METHODS = {
         [("torchcal venn_abers", torchcal("venn_abers")), ("probmetrics ivap", probmetrics("ivap"))],
         100,
     ),
-    "ppa": ([("torchcal ppa", torchcal("ppa"))], 10**9),  # no installable peer (decision 174)
 }
 
 

@@ -50,21 +50,6 @@ def test_forward_equals_the_calibrator_and_survives_save_load_and_export(name, d
     torch.testing.assert_close(exported.module()(idx[:50]), expected)
 
 
-def test_ppa_with_an_interior_coefficient_survives_save_load_and_export(data):
-    """PPA is the identity on the over-confident fixture; on flattened logits its r is inside (0, 1)."""
-    logits, targets = data[0] / 10, data[1]
-    idx = torch.arange(len(targets))
-    cm = CalibratedModel(Memorised(logits), create("ppa")).fit(idx, targets, batch_size=512)
-    assert 0 < cm.calibrator.r_ < 1
-    expected = create("ppa").fit(logits, targets).transform(logits[:50])
-    torch.testing.assert_close(cm(idx[:50]), expected)
-    fresh = CalibratedModel(Memorised(torch.zeros_like(logits)), create("ppa"))
-    fresh.load_state_dict(cm.state_dict())
-    torch.testing.assert_close(fresh(idx[:50]), expected)
-    exported = torch.export.export(cm, (idx[:8],), dynamic_shapes=(({0: torch.export.Dim("batch")},),))
-    torch.testing.assert_close(exported.module()(idx[:50]), expected)
-
-
 def test_unfitted_and_bad_arguments():
     cm = CalibratedModel(torch.nn.Linear(3, 2), TemperatureScaling())
     with pytest.raises(NotFittedError, match="not fitted yet"):

@@ -124,7 +124,6 @@ CORE_NAMESPACES = [
     "torchcal.calibrators.model",
     "torchcal.calibrators.neural",
     "torchcal.calibrators.nonparametric",
-    "torchcal.calibrators.ppa",
     "torchcal.calibrators.scaling",
     "torchcal.calibrators.structured",
     "torchcal.calibrators.temperature",

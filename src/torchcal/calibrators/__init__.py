@@ -7,7 +7,7 @@ Use a class directly or the registry::
     >>> names[:9]
     ['bbq', 'bcts', 'beta', 'dirichlet', 'dirichlet_diag', 'ets', 'fts', 'histogram', 'iop']
     >>> names[9:]
-    ['isotonic', 'matrix', 'nbvs', 'ppa', 'pts', 'sms', 'spline', 'svs', 'ts', 'vector', 'venn_abers']
+    ['isotonic', 'matrix', 'nbvs', 'pts', 'sms', 'spline', 'svs', 'ts', 'vector', 'venn_abers']
     >>> create("ts", objective="ece")
     TemperatureScaling(objective='ece', n_bins=15, grid=..., bounds=(0.01, 100.0), extend=True)
 """
@@ -27,7 +27,6 @@ from .dirichlet import DiagonalDirichletCalibration, DirichletCalibration
 from .model import CalibratedModel
 from .neural import IntraOrderPreserving, ParameterizedTemperatureScaling
 from .nonparametric import HistogramBinning, IsotonicCalibration, SplineCalibration
-from .ppa import ParameterizedProbabilityAdjustment
 from .scaling import BiasCorrectedTemperatureScaling, MatrixScaling, NoBiasVectorScaling, VectorScaling
 from .structured import StructuredMatrixScaling, StructuredVectorScaling
 from .temperature import (
@@ -63,7 +62,6 @@ _REGISTRY: dict[str, type[Calibrator]] = {
     "bbq": BBQ,
     "pts": ParameterizedTemperatureScaling,
     "iop": IntraOrderPreserving,
-    "ppa": ParameterizedProbabilityAdjustment,
 }
 _ALIASES = {cls.name: key for key, cls in _REGISTRY.items()}
 _ALIASES.update({"temperature": "ts", "histogram_binning": "histogram", "ivap": "venn_abers"})
@@ -200,7 +198,6 @@ __all__ = [
     "NoBiasVectorScaling",
     "NotFittedError",
     "PAPER_TEMPERATURE_GRID",
-    "ParameterizedProbabilityAdjustment",
     "ParameterizedTemperatureScaling",
     "PlattScaling",
     "SplineCalibration",
