@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .streaming import ImageFolderInputs
 
 __all__ = ["Dataset"]
 
@@ -13,9 +17,10 @@ __all__ = ["Dataset"]
 class Dataset:
     """Tensors of one split: inputs (N, ...) and integer labels (N,), or for multi-label sets float 0/1 targets
     (N, L) with ``label_names``; text training sets also carry the embedding matrix of their vocabulary
-    (``embeddings``)."""
+    (``embeddings``). The image sets decoded per batch hold :class:`~.streaming.ImageFolderInputs` as their
+    inputs (file paths, indexed like the (N, 3, S, S) uint8 tensor)."""
 
-    inputs: torch.Tensor
+    inputs: torch.Tensor | ImageFolderInputs
     targets: torch.Tensor
     embeddings: torch.Tensor | None = None
     vocab_size: int | None = None
