@@ -49,6 +49,15 @@ def test_each_dataset_kind_carries_only_its_keys():
             load_config(None, [override])
 
 
+def test_a_dataset_name_that_is_not_a_string_is_refused_by_name():
+    # a mapping or list given as data.name is an unknown dataset, not a TypeError from looking it up
+    for override in ("data.name={a: 1}", "data.name=[a]", "data.name=3"):
+        with pytest.raises(ConfigError, match="unknown dataset data.name="):
+            load_config(None, [override])
+    with pytest.raises(ConfigError, match="unknown dataset data.name="):
+        config_from_dict({"data": {"name": ["cifar10"]}})
+
+
 def test_changing_the_dataset_drops_the_other_kinds_keys():
     # a config of an image set, overridden to a text set: the image set's shift and OOD sets do not follow
     from torchcal.experiments.config import apply_overrides

@@ -113,6 +113,16 @@ def test_text_datasets_default_to_no_shift_or_ood_set(tmp_path):
         load_config(None, ["data.name=ag_news", "model.name=text_cnn", "data.eval_max_len=148"])
 
 
+def test_text_cnn_without_a_vocabulary_is_refused_by_name():
+    # an empty vocabulary size with no embedding matrix once fell through to embeddings.shape (AttributeError)
+    from torchcal.experiments.models import create_model
+
+    for extra in ({}, {"vocab_size": 0}):
+        with pytest.raises(ValueError, match="text_cnn needs the vocabulary"):
+            create_model("text_cnn", 4, (200,), **extra)
+    embeddings = torch.zeros(7, 100)
+    assert create_model("text_cnn", 4, (200,), embeddings=embeddings).embed.num_embeddings == 7
+    assert create_model("text_cnn", 4, (200,), vocab_size=9).embed.num_embeddings == 9
 @pytest.mark.parametrize("split,bad", [("train", "0"), ("test", "5")])
 def test_ag_news_class_outside_1_to_4_is_refused_before_anything_is_written(tmp_path, split, bad):
     """A class 0 once crashed inside the loss (exit 1, a run folder left); a class 5 silently trained a

@@ -97,7 +97,7 @@ def _fit_bbq(scores: torch.Tensor, labels: torch.Tensor, c: float, prior_strengt
     positives = torch.cat([torch.zeros_like(y[:, :1]), y.cumsum(1)], 1)
     models = [bbq_binning(scores, positives, b, prior_strength) for b in bbq_bin_counts(scores.shape[1], c)]
     weights = torch.softmax(torch.stack([m[2] for m in models]), dim=0)  # (M, B)
-    base = sum(w[:, None] * m[1][:, :1] for w, m in zip(weights, models))  # every model's first bin
+    base = torch.stack([w[:, None] * m[1][:, :1] for w, m in zip(weights, models)]).sum(0)  # every first bin
     edges = torch.cat([m[0][:, 1:-1] for m in models], 1)
     jumps = torch.cat([w[:, None] * m[1].diff(dim=1) for w, m in zip(weights, models)], 1)
     edges, order = torch.sort(edges, dim=1, stable=True)

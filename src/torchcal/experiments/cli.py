@@ -108,8 +108,8 @@ def _train_with_bar(cfg, run_dir, resume=False, label=None, total=None):
 @app.command()
 @_user_errors
 def train(
-    config: Path = typer.Argument(None, help="YAML config file (optional: defaults otherwise)"),
-    overrides: list[str] = typer.Argument(None, help="section.key=value overrides, e.g. optim.lr=0.1"),
+    config: Path | None = typer.Argument(None, help="YAML config file (optional: defaults otherwise)"),
+    overrides: list[str] | None = typer.Argument(None, help="section.key=value overrides, e.g. optim.lr=0.1"),
     run_dir: Path = typer.Option(Path("runs/run"), "--run-dir", "-o", help="folder of the run"),
     resume: bool = typer.Option(
         False,
@@ -180,6 +180,7 @@ def evaluate(
     for spec in conformal:
         parse_conformal(spec)  # refused before anything is computed or written
     names = check_calibrators((c.strip() for c in calibrators.split(",") if c.strip()), None)
+    tasks, arena_names = [], ()
     if arena:
         from .evaluation.arena import resolve_calibrators, tasks_from_runs
 
@@ -240,13 +241,15 @@ def _check_arena_options(resamples: int, seed: int, device: str) -> None:
 @app.command()
 @_user_errors
 def arena(
-    run_dirs: list[Path] = typer.Argument(None, help="finished run folders (each one task)"),
-    val: Path = typer.Option(None, "--val", help="your validation logits+labels (.pt, .npz, or .npy logits)"),
-    test: Path = typer.Option(None, "--test", help="your test logits+labels, same layout as --val"),
-    val_targets: Path = typer.Option(
+    run_dirs: list[Path] | None = typer.Argument(None, help="finished run folders (each one task)"),
+    val: Path | None = typer.Option(
+        None, "--val", help="your validation logits+labels (.pt, .npz, or .npy logits)"
+    ),
+    test: Path | None = typer.Option(None, "--test", help="your test logits+labels, same layout as --val"),
+    val_targets: Path | None = typer.Option(
         None, "--val-targets", help="labels .npy when --val is an .npy of logits"
     ),
-    test_targets: Path = typer.Option(
+    test_targets: Path | None = typer.Option(
         None, "--test-targets", help="labels .npy when --test is an .npy of logits"
     ),
     calibrators: str = typer.Option(
@@ -327,6 +330,8 @@ def gradcam(
         model, splits = load_run_model(run)
         models[run.name] = model
         data = data or splits
+    if data is None:
+        raise UserError("gradcam needs at least one run folder")
     if split not in data:
         raise UserError(
             f"--split {split!r}: the runs have {sorted(k for k in data if not k.startswith('ood'))}"
@@ -454,9 +459,11 @@ def sweep(
     sweep_file: Path = typer.Argument(..., help="sweep YAML (grid of runs)"),
     backend: str = typer.Option("local", help="local or ray"),
     workers: int = typer.Option(1, help="local: runs in parallel (each a process)"),
-    address: str = typer.Option(None, help="ray: cluster address (e.g. auto); default starts a local Ray"),
+    address: str | None = typer.Option(
+        None, help="ray: cluster address (e.g. auto); default starts a local Ray"
+    ),
     retry_failed: bool = typer.Option(False, "--retry-failed", help="run failed runs again"),
-    calibrator: str = typer.Option(
+    calibrator: str | None = typer.Option(
         None,
         help="calibrator spec of the report's post columns (default: the sweep's first `evaluate` entry)",
     ),
@@ -491,7 +498,9 @@ app.add_typer(config_app, name="config")
 @config_app.command("schema")
 @_user_errors
 def config_schema_command(
-    out: Path = typer.Option(None, "--out", "-o", help="write the schema to this file (default: print it)"),
+    out: Path | None = typer.Option(
+        None, "--out", "-o", help="write the schema to this file (default: print it)"
+    ),
 ):
     """Print (or write) the JSON Schema of a run's YAML file. Point an editor at it with a first line
     `# yaml-language-server: $schema=<path or URL of the schema>`."""
@@ -511,10 +520,10 @@ def config_schema_command(
 @config_app.command("show")
 @_user_errors
 def config_show(
-    config: str = typer.Argument(
+    config: str | None = typer.Argument(
         None, help="a preset name (torchcal list presets) or a YAML file; none: defaults"
     ),
-    overrides: list[str] = typer.Argument(None, help="section.key=value overrides, e.g. optim.lr=0.1"),
+    overrides: list[str] | None = typer.Argument(None, help="section.key=value overrides, e.g. optim.lr=0.1"),
 ):
     """Print the resolved config (YAML, every default included) of a preset or file and overrides: what
     `torchcal train` would run."""
@@ -591,7 +600,7 @@ def demo(
     evaluate on test, a Gaussian-noise shifted test set and an OOD set, and write the reports."""
     from rich.progress import Progress
 
-    from .data import load_fashion_mnist
+    from .data import FASHION_MNIST_DIR, load_fashion_mnist
     from .demo import DEMO_LOSSES, PROTOCOLS, demo_jobs, regime_note, run_jobs
     from .errors import DatasetError
     from .evaluation.evaluate import collect_groups
@@ -604,7 +613,7 @@ def demo(
     extra += [f"data.limit_train={limit_train}"] if limit_train >= 0 else []
     jobs = demo_jobs(out, protocol, DEMO_LOSSES, range(seeds), extra)  # refuses an unknown protocol
     try:
-        load_fashion_mnist(os.environ.get("TORCHCAL_FASHION_MNIST") or None)
+        load_fashion_mnist(os.environ.get("TORCHCAL_FASHION_MNIST") or FASHION_MNIST_DIR)
         console.print(f"protocol {protocol}: {PROTOCOLS[protocol]['text']}; validation 5,000, test 10,000; shift: "
                       "Gaussian noise σ = 0.5; OOD: scikit-learn digits rescaled to 28 × 28")  # fmt: skip
     except DatasetError as err:

@@ -28,7 +28,7 @@ import functools
 import re
 import warnings
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Generic, Literal, TypeVar, Union
 
 from pydantic import (
     BaseModel,
@@ -48,6 +48,8 @@ from .data.catalog import (
     OOD_SETS,
     SHIFTS,
     TEXT_DATASETS,
+    ImageDatasetName,
+    TextDatasetName,
 )
 from .errors import ConfigError
 
@@ -152,8 +154,13 @@ class LoaderConfig(_Section):
     """DataLoader worker processes decoding images of the per-batch sets (0: in the training process)"""
 
 
-class _DataBase(_Section):
-    name: str
+DatasetName = TypeVar("DatasetName", bound=str)
+
+
+class _DataBase(_Section, Generic[DatasetName]):
+    """The keys every dataset takes; each kind narrows ``name`` to its datasets (the union's tag)."""
+
+    name: DatasetName
     """the dataset (torchcal list datasets); its kind decides which other keys the section takes"""
     root: str = ""
     """the dataset's folder (empty: its default location)"""
@@ -169,54 +176,60 @@ class _DataBase(_Section):
     """batch sizes and decoding workers"""
 
 
-class ImageDataConfig(_DataBase):
+class ImageDataConfig(_DataBase[ImageDatasetName]):
     """A small multiclass image set held in memory, with a shifted test set and OOD sets."""
 
-    name: Literal[IMAGE_DATASETS] = "fashion_mnist"  # type: ignore[valid-type]
+    name: ImageDatasetName = "fashion_mnist"
+    """the dataset (torchcal list datasets); its kind decides which other keys the section takes"""
     shift: ShiftConfig = Field(default_factory=ShiftConfig)
     """the shifted test set (corrupted images) evaluated beside the test set"""
     ood: OODConfig = Field(default_factory=OODConfig)
     """the out-of-distribution sets scored by predictive-entropy AUROC"""
 
 
-class MultilabelImageDataConfig(_DataBase):
+class MultilabelImageDataConfig(_DataBase[Literal["fashion_mnist_attributes"]]):
     """Fashion-MNIST's attributes: a multi-label image set held in memory, with a shifted test set."""
 
     name: Literal["fashion_mnist_attributes"] = "fashion_mnist_attributes"
+    """the dataset (torchcal list datasets); its kind decides which other keys the section takes"""
     shift: ShiftConfig = Field(default_factory=ShiftConfig)
     """the shifted test set (corrupted images) evaluated beside the test set"""
 
 
-class TinyImageNetDataConfig(_DataBase):
+class TinyImageNetDataConfig(_DataBase[Literal["tiny_imagenet"]]):
     """Tiny-ImageNet-200, read per batch."""
 
     name: Literal["tiny_imagenet"] = "tiny_imagenet"
+    """the dataset (torchcal list datasets); its kind decides which other keys the section takes"""
 
 
-class ImageNetDataConfig(_DataBase):
+class ImageNetDataConfig(_DataBase[Literal["imagenet"]]):
     """ImageNet folders, decoded per batch."""
 
     name: Literal["imagenet"] = "imagenet"
+    """the dataset (torchcal list datasets); its kind decides which other keys the section takes"""
     image_size: Annotated[int, Field(ge=8)] = 224
     """side of the training crops"""
     augment_on: Literal["workers", "device"] = "workers"
     """where the random crops are taken: workers (Pillow, on the CPU) or device (resampled on the GPU)"""
 
 
-class ChestXray14DataConfig(_DataBase):
+class ChestXray14DataConfig(_DataBase[Literal["chestxray14"]]):
     """ChestX-ray14, multi-label, decoded per batch."""
 
     name: Literal["chestxray14"] = "chestxray14"
+    """the dataset (torchcal list datasets); its kind decides which other keys the section takes"""
     image_size: Annotated[int, Field(ge=8)] = 224
     """side of the training images"""
     ten_crop: bool = False
     """evaluate on ten crops of image_size from images at 256/224 of it"""
 
 
-class TextDataConfig(_DataBase):
+class TextDataConfig(_DataBase[TextDatasetName]):
     """A text classification set: word vectors or a transformer's tokenizer."""
 
-    name: Literal[TEXT_DATASETS]  # type: ignore[valid-type]
+    name: TextDatasetName
+    """the dataset (torchcal list datasets); its kind decides which other keys the section takes"""
     glove: str = ""
     """GloVe vectors file (glove.6B.100d.txt); empty: embeddings learned from scratch"""
     max_len: PositiveInt = 1000
@@ -236,7 +249,7 @@ DataConfig = Annotated[
     ],
     Field(discriminator="name"),
 ]
-_DATA_KINDS: dict[str, type[_DataBase]] = {
+_DATA_KINDS: dict[str, type[_DataBase[Any]]] = {
     **dict.fromkeys(IMAGE_DATASETS, ImageDataConfig),
     "fashion_mnist_attributes": MultilabelImageDataConfig,
     "tiny_imagenet": TinyImageNetDataConfig,
@@ -520,7 +533,8 @@ def _migrate_data(data: dict, *, saved: bool, name: str | None = None) -> tuple[
     """``data`` with the flat keys of earlier releases moved to their sections, and {new key: old key};
     ``name``: the dataset when ``data`` (overrides) does not name it."""
     out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
-    kind = _DATA_KINDS.get(out.get("name", name or "fashion_mnist"))
+    data_name = out.get("name", name or "fashion_mnist")
+    kind = _DATA_KINDS.get(data_name) if isinstance(data_name, str) else None  # not a name: refused later
     fields = set(kind.model_fields) if kind is not None else None
     renamed: dict[str, str] = {}
     for old, (section, key) in _RENAMED.items():

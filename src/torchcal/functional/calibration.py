@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import math
 import warnings
-from typing import NamedTuple
+from typing import Literal, NamedTuple, overload
 
 import numpy as np
 import torch
@@ -452,6 +452,21 @@ def smooth_ece_from_conf(conf, correct, sigma=None, eps: float = 1e-3, refine: i
     return _smooth_ece_at(conf, correct, sigma, cache), sigma
 
 
+@overload
+def smooth_calibration_error(
+    probs, targets, *, sigma: float | None = ..., from_logits: bool = ..., ignore_index=...,
+    return_sigma: Literal[False] = ...,
+) -> torch.Tensor: ...
+@overload
+def smooth_calibration_error(
+    probs, targets, *, sigma: float | None = ..., from_logits: bool = ..., ignore_index=...,
+    return_sigma: Literal[True],
+) -> tuple[torch.Tensor, float]: ...
+@overload
+def smooth_calibration_error(
+    probs, targets, *, sigma: float | None = ..., from_logits: bool = ..., ignore_index=...,
+    return_sigma: bool = ...,
+) -> torch.Tensor | tuple[torch.Tensor, float]: ...
 def smooth_calibration_error(
     probs,
     targets,
@@ -460,7 +475,7 @@ def smooth_calibration_error(
     from_logits: bool = False,
     ignore_index=None,
     return_sigma: bool = False,
-):
+) -> torch.Tensor | tuple[torch.Tensor, float]:
     """Smooth ECE (smECE) of Błasiok & Nakkiran 2023 on the top-label confidence.
 
     The residual conf − correct is smoothed with a Gaussian kernel reflected at 0 and 1; smECE_σ is the
@@ -507,6 +522,21 @@ def debiased_calibration_error(
     return debiased_from_sorted(*sorted_by_confidence(*top_label_inputs(probs, targets, from_logits)), n_bins)
 
 
+@overload
+def ece_sweep(
+    probs, targets, *, p: int = ..., binning: str = ..., from_logits: bool = ..., ignore_index=...,
+    return_n_bins: Literal[False] = ...,
+) -> torch.Tensor: ...
+@overload
+def ece_sweep(
+    probs, targets, *, p: int = ..., binning: str = ..., from_logits: bool = ..., ignore_index=...,
+    return_n_bins: Literal[True],
+) -> tuple[torch.Tensor, int]: ...
+@overload
+def ece_sweep(
+    probs, targets, *, p: int = ..., binning: str = ..., from_logits: bool = ..., ignore_index=...,
+    return_n_bins: bool = ...,
+) -> torch.Tensor | tuple[torch.Tensor, int]: ...
 def ece_sweep(
     probs,
     targets,
@@ -516,7 +546,7 @@ def ece_sweep(
     from_logits: bool = False,
     ignore_index=None,
     return_n_bins: bool = False,
-):
+) -> torch.Tensor | tuple[torch.Tensor, int]:
     """ECE_sweep of Roelofs et al. 2022, with equal-mass bins (default) or equal-width bins.
 
     Tries b = 2, 3, ... bins and keeps the largest b before the first whose bin accuracies are not

@@ -6,7 +6,11 @@ read it, so that the schema's choices and the readers' registry cannot drift apa
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 __all__ = [
+    "ImageDatasetName",
+    "TextDatasetName",
     "DATASETS",
     "IMAGE_DATASETS",
     "TEXT_DATASETS",
@@ -35,11 +39,13 @@ DATASETS = {
     "tiny_imagenet": "Tiny-ImageNet-200 folders; validation = 50 training images per class, test = val split",
 }
 # small image sets held in memory: the only ones with a shifted test set and OOD sets
-IMAGE_DATASETS = ("fashion_mnist", "digits", "cifar10", "cifar100", "svhn")
+ImageDatasetName = Literal["fashion_mnist", "digits", "cifar10", "cifar100", "svhn"]
+IMAGE_DATASETS: tuple[str, ...] = get_args(ImageDatasetName)
 MULTILABEL_DATASETS = ("fashion_mnist_attributes", "chestxray14")
 # images decoded per batch: no shift or OOD set (those are small in-memory image sets)
 LAZY_DATASETS = ("chestxray14", "imagenet", "tiny_imagenet")
-TEXT_DATASETS = ("20newsgroups", "20newsgroups_papers", "ag_news", "finsen", "sst_binary", "sst_fine")
+TextDatasetName = Literal["20newsgroups", "20newsgroups_papers", "ag_news", "finsen", "sst_binary", "sst_fine"]
+TEXT_DATASETS: tuple[str, ...] = get_args(TextDatasetName)
 FIXED_VALIDATION = {  # datasets whose split fixes the validation set (data.val_size and split_seed unused)
     "tiny_imagenet": "Tiny-ImageNet's validation split is 50 training images per class",
     "20newsgroups_papers": "the papers' 20 Newsgroups split fixes 900 validation documents",

@@ -57,8 +57,8 @@ def read_idx(path: str | Path) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=8)
-def _read_idx_cached(path: str, size: int, mtime_ns: int) -> np.ndarray:
-    path = Path(path)
+def _read_idx_cached(name: str, size: int, mtime_ns: int) -> np.ndarray:
+    path = Path(name)
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rb") as fh:
         data = fh.read()
@@ -142,11 +142,21 @@ def split_train_val(train: Dataset, val_size: int, seed: int = 1) -> tuple[Datas
     np.random.RandomState(seed).shuffle(indices)
     perm = torch.from_numpy(indices)
     val_idx, train_idx = perm[:val_size], perm[val_size:]
-    names = train.label_names
+    names, inputs = train.label_names, _in_memory(train, "split_train_val")
     return (
-        Dataset(train.inputs[train_idx], train.targets[train_idx], label_names=names),
-        Dataset(train.inputs[val_idx], train.targets[val_idx], label_names=names),
+        Dataset(inputs[train_idx], train.targets[train_idx], label_names=names),
+        Dataset(inputs[val_idx], train.targets[val_idx], label_names=names),
     )
+
+
+def _in_memory(data: Dataset, what: str) -> torch.Tensor:
+    """The inputs of a set held in memory; an image set decoded per batch (whose splits and shifts are fixed
+    by its reader) is refused."""
+    if not isinstance(data.inputs, torch.Tensor):
+        raise ValueError(
+            f"{what} takes a set held in memory, got images decoded per batch ({type(data.inputs).__name__})"
+        )
+    return data.inputs
 
 
 # ----------------------------------------------------------------------------- CIFAR, SVHN, CIFAR-10-C
@@ -341,8 +351,9 @@ def random_crop_flip(x: torch.Tensor, generator: torch.Generator, padding: int =
 def gaussian_noise(data: Dataset, std: float, seed: int = 0) -> Dataset:
     """A covariate-shifted copy: additive Gaussian noise of standard deviation ``std``, clipped to [0, 1]."""
     g = torch.Generator().manual_seed(seed)
-    noise = torch.randn(data.inputs.shape, generator=g) * std
-    return Dataset((data.inputs + noise).clamp(0, 1), data.targets.clone())
+    inputs = _in_memory(data, "gaussian_noise")
+    noise = torch.randn(inputs.shape, generator=g) * std
+    return Dataset((inputs + noise).clamp(0, 1), data.targets.clone())
 
 
 _DATASETS = DATASETS
@@ -359,6 +370,7 @@ def load_splits(cfg, tokenizer=None) -> dict[str, Dataset]:
     :data:`torchcal.experiments.config.DataConfig`); text datasets are
     encoded with a Hugging Face ``tokenizer`` when given (a transformer model), else with their own
     vocabulary."""
+    fixed_val: Dataset | None = None  # the validation set of the datasets whose split fixes it
     if cfg.name in ("fashion_mnist", "fashion_mnist_attributes"):
         train, test = load_fashion_mnist(
             cfg.root or os.environ.get("TORCHCAL_FASHION_MNIST", FASHION_MNIST_DIR)
@@ -404,8 +416,9 @@ def load_splits(cfg, tokenizer=None) -> dict[str, Dataset]:
         full = load_digits_28()
         perm = torch.randperm(len(full), generator=torch.Generator().manual_seed(0))
         test_idx, train_idx = perm[:497], perm[497:]
-        train = Dataset(full.inputs[train_idx], full.targets[train_idx])
-        test = Dataset(full.inputs[test_idx], full.targets[test_idx])
+        inputs = _in_memory(full, "digits")
+        train = Dataset(inputs[train_idx], full.targets[train_idx])
+        test = Dataset(inputs[test_idx], full.targets[test_idx])
     else:
         raise ValueError(f"unknown dataset {cfg.name!r}; available: {sorted(_DATASETS)}")
     if tokenizer is not None and cfg.name not in TEXT_DATASETS:
@@ -414,15 +427,17 @@ def load_splits(cfg, tokenizer=None) -> dict[str, Dataset]:
         )
     embeddings, vocab_size = train.embeddings, train.vocab_size
     if cfg.name in FIXED_VALIDATION:
+        if fixed_val is None:
+            raise DatasetError(f"the reader of {cfg.name} gave no validation split")
         val = fixed_val
     else:
         train, val = split_train_val(train, min(cfg.val_size, len(train) // 5), cfg.split_seed)
     if cfg.limit_train:
-        first = (
-            train.inputs.head(cfg.limit_train)
-            if hasattr(train.inputs, "head")
-            else train.inputs[: cfg.limit_train]
-        )
+        from .streaming import ImageFolderInputs
+
+        inputs = train.inputs
+        n = cfg.limit_train
+        first = inputs.head(n) if isinstance(inputs, ImageFolderInputs) else inputs[:n]
         train = Dataset(first, train.targets[: cfg.limit_train], label_names=train.label_names)
     train.embeddings, train.vocab_size = embeddings, vocab_size
     splits = {"train": train, "val": val, "test": test}
@@ -434,11 +449,12 @@ def load_splits(cfg, tokenizer=None) -> dict[str, Dataset]:
         splits["shift"] = load_cifar10_c(shift.root or "data/CIFAR-10-C", "gaussian_noise", int(shift.severity))
     elif shift is not None and shift.name:
         raise ValueError(f"unknown shift {shift.name!r}; available: {sorted(_SHIFTS)}")
-    for i, name in enumerate(ood.sets if ood is not None else []):
+    ood_sets, ood_root = (ood.sets, ood.root) if ood is not None else ([], "")
+    for i, name in enumerate(ood_sets):
         if name == "digits":
             ood_set = load_digits_28()
         elif name == "svhn":
-            ood_set = load_svhn(ood.root or SVHN_DIR, "test")
+            ood_set = load_svhn(ood_root or SVHN_DIR, "test")
         elif name == "cifar10_c":  # Gaussian noise at severity 5, the papers' OOD set beside SVHN
             root = shift.root if shift is not None else ""
             ood_set = load_cifar10_c(root or "data/CIFAR-10-C", "gaussian_noise", 5)

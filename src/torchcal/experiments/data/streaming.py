@@ -22,8 +22,10 @@ worker processes (decision 80).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import overload
 
 import numpy as np
 import torch
@@ -57,7 +59,8 @@ def _open_rgb(path: Path):
         raise DatasetError(f"cannot decode image {path}: {err}") from None
 
 
-class DeferredCrops(NamedTuple):
+@dataclass(frozen=True)
+class DeferredCrops:
     """A training batch whose crops are taken on the device (``data.augment_on=device``): the decoded images
     resized to R × R (R = 256/224 of the crop size) as uint8, each sample's crop box in fractions of its image
     (x0, y0, x1, y1) and its flip. Indexing takes the same samples of all three."""
@@ -67,15 +70,13 @@ class DeferredCrops(NamedTuple):
     flips: torch.Tensor
     size: int
 
-    def __getitem__(self, index):
-        if isinstance(index, int | str):  # the NamedTuple's own fields
-            return tuple.__getitem__(self, index)
+    def __getitem__(self, index: slice | torch.Tensor | np.ndarray | Sequence[int]) -> DeferredCrops:
         return DeferredCrops(self.images[index], self.boxes[index], self.flips[index], self.size)
 
-    def __len__(self):
+    def __len__(self) -> int:
         return int(self.images.shape[0])
 
-    def pin_memory(self):
+    def pin_memory(self) -> DeferredCrops:
         return DeferredCrops(
             self.images.pin_memory(), self.boxes.pin_memory(), self.flips.pin_memory(), self.size
         )
@@ -103,7 +104,7 @@ def crop_on_device(batch: DeferredCrops, device) -> torch.Tensor:
     theta[:, 0, 0], theta[:, 0, 2] = sx, x0 + x1 - 1
     theta[:, 1, 1], theta[:, 1, 2] = y1 - y0, y0 + y1 - 1
     grid = torch.nn.functional.affine_grid(
-        theta, (len(batch), 3, batch.size, batch.size), align_corners=False
+        theta, [len(batch), 3, batch.size, batch.size], align_corners=False
     )
     return torch.nn.functional.grid_sample(
         images, grid, mode="bilinear", padding_mode="border", align_corners=False
@@ -194,7 +195,15 @@ class ImageFolderInputs:
     def head(self, n: int) -> ImageFolderInputs:
         return self._view(0, n, 1)
 
-    def __getitem__(self, index):
+    @overload
+    def __getitem__(self, index: int) -> torch.Tensor: ...
+    @overload
+    def __getitem__(self, index: slice) -> ImageFolderInputs | torch.Tensor | DeferredCrops: ...
+    @overload
+    def __getitem__(
+        self, index: torch.Tensor | np.ndarray | Sequence[int]
+    ) -> torch.Tensor | DeferredCrops: ...
+    def __getitem__(self, index: int | slice | torch.Tensor | np.ndarray | Sequence[int]):
         if isinstance(index, slice):
             start, stop, step = index.indices(len(self.paths))
             if step != 1:
@@ -325,10 +334,10 @@ class EpochPlan:
 
     def __init__(self, n: int, batch_size: int, seed: int, rank: int = 0, world: int = 1):
         self.n, self.batch_size, self.seed, self.rank, self.world = n, batch_size, seed, rank, world
-        self._cached = (None, None)
+        self._cached: tuple[int, torch.Tensor] | None = None  # (epoch, its permutation)
 
     def indices(self, epoch: int, b: int) -> torch.Tensor:
-        if self._cached[0] != epoch:  # one permutation per epoch and process
+        if self._cached is None or self._cached[0] != epoch:  # one permutation per epoch and process
             self._cached = (epoch, epoch_order(self.n, self.seed, epoch))
         order = self._cached[1]
         return order[b * self.batch_size : (b + 1) * self.batch_size][self.rank :: self.world]

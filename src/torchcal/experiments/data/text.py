@@ -246,7 +246,8 @@ def parse_ptb_tree(line: str) -> tuple[int, str]:
     line = line.strip()
     if not (line.startswith("(") and line.endswith(")")) or len(line) < 4 or not line[1].isdigit():
         raise ValueError(f"not a PTB sentiment tree: {line[:60]!r}")
-    words = [_PTB_ESCAPES.get(w, w) for w in _PTB_LEAF.findall(line)]
+    leaves: list[str] = _PTB_LEAF.findall(line)
+    words = [_PTB_ESCAPES.get(w, w) for w in leaves]
     if not words or line.count("(") != line.count(")"):
         raise ValueError(f"not a PTB sentiment tree: {line[:60]!r}")
     return int(line[1]), " ".join(words)

@@ -348,7 +348,7 @@ def _fit_one(spec: str, task: ArenaTask, device: torch.device) -> tuple[dict, to
 
 def run_arena(
     tasks: list[ArenaTask],
-    calibrators="all",
+    calibrators: str | list | tuple = "all",
     *,
     n_resamples: int = 1000,
     seed: int = 0,

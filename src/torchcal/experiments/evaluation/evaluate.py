@@ -10,6 +10,7 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -213,7 +214,7 @@ def describe_calibrator(spec: str) -> str:
         cal = from_spec(spec)
     except ValueError:
         cal = from_spec(spec, "multilabel")
-    objective = getattr(cal, "objective", None)
+    objective = str(getattr(cal, "objective", None))  # "None": a calibrator without one
     bins = getattr(cal, "n_bins", 15)
     criteria = {"nll": "validation NLL", "ece": f"validation ECE ({bins} equal-width bins)",
                 "adaece": f"validation equal-mass ECE ({bins} bins)"}  # fmt: skip
@@ -244,7 +245,7 @@ def _scores(logits: dict, to_probs) -> dict:
     (softmax, or a fitted calibrator), applied once per split."""
     probs = {split: to_probs(logits[split]["logits"]) for split in ("test", "shift") if split in logits}
     metrics = _multilabel_metrics if run_task(logits) == "multilabel" else _metrics
-    out = {split: metrics(p, logits[split]["targets"]) for split, p in probs.items()}
+    out: dict[str, Any] = {split: metrics(p, logits[split]["targets"]) for split, p in probs.items()}
     if "ood" in logits:
         sets = _ood_sets(logits)  # ood_<name> per set; "ood" is the first (or the only one of older runs)
         by_set = {
@@ -272,9 +273,10 @@ def _fit_and_score(logits: dict, method: str):
     for note in notes:  # shown as they were, and kept with the results (a search that ended on a bound)
         warnings.warn(f"calibrator {method!r}: {note}", UserWarning, stacklevel=3)
     fitted = cal.state_dict()["fitted"]
-    out = {"parameters": {k: v for k, v in fitted.items() if isinstance(v, float | int)}}
-    if getattr(cal, "search_", None):  # the grids a grid-search calibrator searched (decision 81)
-        out["search"] = cal.search_
+    out: dict[str, Any] = {"parameters": {k: v for k, v in fitted.items() if isinstance(v, float | int)}}
+    search = getattr(cal, "search_", None)  # the grids a grid-search calibrator searched (decision 81)
+    if search:
+        out["search"] = search
     if notes:
         out["warnings"] = notes
     return cal, {**out, **_scores(logits, cal.transform)}
@@ -319,7 +321,7 @@ def _uncalibrated(run_dir: Path, logits: dict) -> dict:
         return torch.sigmoid(z) if task == "multilabel" else torch.softmax(z, 1)
 
     metrics = _multilabel_metrics if task == "multilabel" else _metrics
-    result = {"uncalibrated": _scores(logits, softmax)}
+    result: dict[str, Any] = {"uncalibrated": _scores(logits, softmax)}
     result["uncalibrated"]["val"] = metrics(softmax(logits["val"]["logits"]), logits["val"]["targets"])
     if task == "multilabel":
         result["task"] = "multilabel"
@@ -395,7 +397,7 @@ class RunGroup:
 
     label: str
     runs: list[Path]
-    seeds: list[int]
+    seeds: list[int | None]  # None: a saved config without train.seed
     config: dict
     stats: dict[str, tuple[float, float, int]] = field(default_factory=dict)
     results: list[dict] = field(default_factory=list)

@@ -223,7 +223,9 @@ def paired_ranking(groups, calibrator: str, probs_of, n_resamples: int = 1000, s
     for g in groups:
         probs, targets = probs_of(g.runs[0])
         scored.append((g.label, probs, targets))
-    ref_targets = scored[0][2] if scored else None
+    if len(scored) < 2:
+        return ""
+    ref_targets = scored[0][2]
     same = [s for s in scored if s[2].shape == ref_targets.shape and torch.equal(s[2], ref_targets)]
     if len(same) < 2:
         return ""

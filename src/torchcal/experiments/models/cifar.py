@@ -275,6 +275,7 @@ class StochasticDepthResNet(CifarResNet):
         super().__init__(StochasticDepthBlock, blocks, num_classes, widths, in_channels, "cifar", stats)
         self.survival = survival_probabilities(len(self.layers), final_survival)
         for layer, p in zip(self.layers, self.survival, strict=True):
+            assert isinstance(layer, StochasticDepthBlock)
             layer.survival = p
 
 

@@ -80,14 +80,19 @@ class TextCNN(nn.Module):
         return self.head(x.amax(dim=2))
 
 
-def _text_cnn(num_classes, in_shape, width, embeddings=None, vocab_size=None):
-    if embeddings is None and vocab_size is None:
-        raise ValueError(
-            "text_cnn needs the vocabulary: train it on a text dataset (20newsgroups, 20newsgroups_papers, ag_news, finsen)"
-        )
+def _text_cnn(
+    num_classes, in_shape, width, embeddings: torch.Tensor | None = None, vocab_size: int | None = None
+):
+    if not vocab_size:  # the vocabulary's size: given, or the rows of its embedding matrix
+        if embeddings is None:
+            raise ValueError(
+                "text_cnn needs the vocabulary: train it on a text dataset (20newsgroups, "
+                "20newsgroups_papers, ag_news, finsen)"
+            )
+        vocab_size = int(embeddings.shape[0])
     if in_shape[0] < 149:  # three convolutions of 5 and two max-pools of 5 need 149 tokens
         raise ValueError(f"text_cnn needs data.max_len >= 149, got {in_shape[0]}")
-    return TextCNN(num_classes, vocab_size or embeddings.shape[0], embeddings)
+    return TextCNN(num_classes, vocab_size, embeddings)
 
 
 class TransformerClassifier(nn.Module):

@@ -219,10 +219,16 @@ def _equal_mass_hist(ax, percentiles, **style):
 
 
 def _first_row(rows, key):
+    """The last logged row of one run that holds ``dynamics[key]``, or None."""
     for r in reversed(rows):
         if _dyn(r, key) is not None:
             return r
     return None
+
+
+def _group_row(group: RunSet, key) -> dict | None:
+    """The last row holding ``dynamics[key]`` of the group's first run that logged it."""
+    return next((row for rows in group.rows if (row := _first_row(rows, key)) is not None), None)
 
 
 def draw_figures(
@@ -344,7 +350,7 @@ def draw_figures(
             fig, ax = plt.subplots(figsize=(4.5, 3.4))
             data = {}
             for i, g in enumerate(groups):
-                row = _first_row(g.rows[0], "logits")
+                row = _group_row(g, "logits")
                 if row is not None:
                     q = row["dynamics"]["logits"]["max_logit_percentiles"]
                     _equal_mass_hist(ax, q, color=f"C{i % 10}", label=g.label)
@@ -359,7 +365,7 @@ def draw_figures(
         elif name == "dualfocal-fig4c":
             stats, labels = [], []
             for g in groups:
-                row = _first_row(g.rows[0], "logits")
+                row = _group_row(g, "logits")
                 if row is not None:
                     stats.append(dict(row["dynamics"]["logits"]["q_j"], label=g.label))
                     labels.append(g.label)
@@ -372,14 +378,14 @@ def draw_figures(
             else:
                 skipped[name] = needs
         elif name == "adafocal-fig1":
-            shown = [g for g in groups if any(_first_row(rows, "bins") for rows in g.rows)]
+            shown = [(g, row) for g in groups if (row := _group_row(g, "bins")) is not None]
             if not shown:
                 skipped[name] = needs
                 continue
             fig, axes = plt.subplots(1, len(shown), figsize=(4.6 * len(shown), 3.4), squeeze=False)
             data = {}
-            for ax, g in zip(axes[0], shown, strict=True):
-                n_bins = len(_first_row(g.rows[0], "bins")["dynamics"]["bins"]["val"]["count"])
+            for ax, (g, row) in zip(axes[0], shown, strict=True):
+                n_bins = len(row["dynamics"]["bins"]["val"]["count"])
                 data[g.label] = {}
                 for b in range(n_bins):
 
@@ -399,14 +405,14 @@ def draw_figures(
                 legend(ax)
             save(name, fig, data)
         elif name == "adafocal-fig2":
-            shown = [g for g in groups if _first_row(g.rows[0], "bins")]
+            shown = [(g, row) for g in groups if (row := _group_row(g, "bins")) is not None]
             if not shown:
                 skipped[name] = needs
                 continue
             fig, axes = plt.subplots(1, len(shown), figsize=(4.6 * len(shown), 3.4), squeeze=False)
             data = {}
-            for ax, g in zip(axes[0], shown, strict=True):
-                bins = _first_row(g.rows[0], "bins")["dynamics"]["bins"]
+            for ax, (g, row) in zip(axes[0], shown, strict=True):
+                bins = row["dynamics"]["bins"]
                 m = len(bins["val"]["count"])
                 centres = [(b + 0.5) / m for b in range(m)]
                 for split, marker in (("train", "o"), ("val", "s")):
@@ -426,11 +432,13 @@ def draw_figures(
                 skipped[name] = needs
                 continue
             chosen = _chosen_epochs(groups, epochs, "bins")
-            g = next(g for g in groups if _first_row(g.rows[0], "bins"))
+            # the first run that logged the bins (the figure shows one run, as the paper's)
+            g, run, rows = next((g, r, rows) for g in groups for r, rows in zip(g.runs, g.rows, strict=True)
+                                if _first_row(rows, "bins"))  # fmt: skip
             fig, axes = plt.subplots(2, len(chosen), figsize=(3.4 * len(chosen), 5.6), squeeze=False)
             data = {}
             for j, epoch in enumerate(chosen):
-                row = next((r for r in g.rows[0] if r["epoch"] == epoch and _dyn(r, "bins")), None)
+                row = next((r for r in rows if r["epoch"] == epoch and _dyn(r, "bins")), None)
                 if row is None:
                     continue
                 train_bins = row["dynamics"]["bins"]["train"]
@@ -446,7 +454,7 @@ def draw_figures(
                 axes[1][j].bar(edges, share, width=1 / m, align="edge", edgecolor="black", linewidth=0.4)
                 axes[1][j].set(xlabel="confidence", ylabel="% of samples", xlim=(0, 1))
                 data[epoch] = {"accuracy": train_bins["accuracy"], "share": share}
-            fig.suptitle(f"{g.label}, seed of {g.runs[0].name}", fontsize=9)
+            fig.suptitle(f"{g.label}: {run.name}", fontsize=9)
             save(name, fig, data)
         elif name == "fcl-table9":
             fig, axes = plt.subplots(1, len(groups), figsize=(4.6 * len(groups), 4.2), squeeze=False)

@@ -18,9 +18,10 @@ import copy
 import json
 import subprocess
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -28,9 +29,23 @@ from ... import __version__
 from ...adafocal import AdaFocalLoss
 from ...losses import create as create_loss
 from ...metrics import CalibrationMetrics, MultilabelCalibrationMetrics
-from ..config import RunConfig, config_to_dict, flatten_config, resume_config, validate_config
+from ..config import (
+    ChestXray14DataConfig,
+    RunConfig,
+    config_to_dict,
+    flatten_config,
+    resume_config,
+    validate_config,
+)
 from ..data import FIXED_VALIDATION, load_splits, random_crop_flip
-from ..data.streaming import DeferredCrops, EpochPlan, TrainBatches, crop_on_device, sequential_batches
+from ..data.streaming import (
+    DeferredCrops,
+    EpochPlan,
+    ImageFolderInputs,
+    TrainBatches,
+    crop_on_device,
+    sequential_batches,
+)
 from ..data.text import load_tokenizer
 from ..errors import CheckpointError, ConfigError, RunError
 from ..models import TenCrop, create_model
@@ -75,7 +90,7 @@ def _git_revision() -> str:
         return "unknown"
 
 
-def as_model_input(x: torch.Tensor, device=None) -> torch.Tensor:
+def as_model_input(x: torch.Tensor | DeferredCrops, device=None) -> torch.Tensor:
     """A batch on ``device`` as the model takes it: uint8 images (the lazy image sets') scaled to [0, 1]
     float32 there (4× less host-to-device traffic than sending floats); crops deferred to the device
     (``data.augment_on=device``) taken there."""
@@ -185,6 +200,24 @@ def _epoch_metrics(model, splits, cfg, device, names=("val", "test"), rank=0, wo
     return out
 
 
+# the hooks a loss may have, called by the loop when it has them
+
+
+@runtime_checkable
+class _EpochAware(Protocol):
+    def set_epoch(self, epoch: int) -> None: ...
+
+
+@runtime_checkable
+class _RunLengthAware(Protocol):  # a schedule that spans the run (MaxSup's α ramp)
+    def set_total_epochs(self, epochs: int) -> None: ...
+
+
+@runtime_checkable
+class _ValidationUpdated(Protocol):  # a loss steered by validation statistics (AdaFocal's γ per bin)
+    def update(self, *, metrics: Any) -> None: ...
+
+
 @dataclass
 class _Run:
     """What one training call works with: the checked config, where it runs, the data, the model and the
@@ -197,7 +230,7 @@ class _Run:
     world: int
     splits: dict
     model: torch.nn.Module
-    step_model: torch.nn.Module  # the model as stepped: DDP-wrapped and compiled when asked
+    step_model: Callable[..., torch.Tensor]  # the model as stepped: DDP-wrapped and compiled when asked
     loss_fn: torch.nn.Module
     opt: torch.optim.Optimizer
     sched: Any
@@ -210,6 +243,7 @@ class _Run:
     start_epoch: int = 0
     rows: list = field(default_factory=list)
     best: dict | None = None
+    ddp: torch.nn.parallel.DistributedDataParallel | None = None  # the DDP wrapper when world > 1
 
 
 def train(
@@ -285,7 +319,7 @@ def _set_up(cfg: RunConfig | None, run_dir: Path, resume: bool) -> _Run:
     splits = load_splits(cfg.data, tokenizer)
     adjusted.update(_adjust_to_data(cfg, splits))
     train_set = splits["train"]
-    if hasattr(train_set.inputs, "seed"):  # lazy images: their augmentation follows the run's seed
+    if isinstance(train_set.inputs, ImageFolderInputs):  # lazy images: augmented following the run's seed
         train_set.inputs.seed = cfg.train.seed
         train_set.inputs.defer_crop = getattr(cfg.data, "augment_on", "workers") == "device"
     if train_set.multilabel:  # (N, L) 0/1 targets: L sigmoid outputs
@@ -307,26 +341,28 @@ def _set_up(cfg: RunConfig | None, run_dir: Path, resume: bool) -> _Run:
         _write_config(run_dir, cfg, meta)
     amp_dtype, channels_last = _speed_options(cfg, device, train_set.inputs.ndim == 4)
     if channels_last:
-        model = model.to(memory_format=torch.channels_last)
-    step_model = model
+        # Module.to takes memory_format (its documented fourth form), which torch's overloads leave out
+        model = model.to(memory_format=torch.channels_last)  # pyright: ignore[reportCallIssue]
+    ddp = None
     if world > 1:
-        step_model = torch.nn.parallel.DistributedDataParallel(
+        ddp = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device] if device.type == "cuda" else None
         )
+    step_model = ddp if ddp is not None else model
     step_model = torch.compile(step_model) if cfg.train.compile else step_model
     n, bs = len(train_set), cfg.data.loader.batch_size
     n_batches = (n + bs - 1) // bs
     opt, sched, sched_mode = _optimizer(cfg, model, n_batches)
     # the global batch b of the (seed, epoch) permutation, sharded across ranks; lazy inputs are decoded in
     # DataLoader workers, which compute the same indices from (epoch, b)
-    lazy = hasattr(train_set.inputs, "decode")  # image folders decoded per batch
+    lazy = isinstance(train_set.inputs, ImageFolderInputs)  # image folders decoded per batch
     batches = TrainBatches(train_set.inputs, train_set.targets, EpochPlan(n, bs, cfg.train.seed, rank, world),
                            n_batches, cfg.data.loader.num_workers if lazy else 0,
                            pin_memory=device.type == "cuda")  # fmt: skip
-    if hasattr(loss_fn, "set_total_epochs"):  # a loss whose schedule spans the run (MaxSup's α ramp)
+    if isinstance(loss_fn, _RunLengthAware):  # a loss whose schedule spans the run (MaxSup's α ramp)
         loss_fn.set_total_epochs(cfg.train.epochs)
     run = _Run(cfg, run_dir, device, rank, world, splits, model, step_model, loss_fn, opt, sched, sched_mode,
-               amp_dtype, channels_last, batches, n_batches, adjusted)  # fmt: skip
+               amp_dtype, channels_last, batches, n_batches, adjusted, ddp=ddp)  # fmt: skip
     if state is not None:
         _restore(run, state)
     return run
@@ -359,7 +395,7 @@ def _restore(run: _Run, state: dict) -> None:
 def _train_epoch(run: _Run, epoch: int, progress=None) -> float:
     """One pass over the training set; the mean training loss of its batches (over ranks)."""
     cfg, device, loss_fn, world = run.cfg, run.device, run.loss_fn, run.world
-    if hasattr(loss_fn, "set_epoch"):
+    if isinstance(loss_fn, _EpochAware):
         loss_fn.set_epoch(epoch)
     run.model.train()
     inputs = run.splits["train"].inputs
@@ -382,7 +418,7 @@ def _train_epoch(run: _Run, epoch: int, progress=None) -> float:
             if run.channels_last:
                 x = x.contiguous(memory_format=torch.channels_last)
             last = j == len(parts) - 1
-            with run.step_model.no_sync() if world > 1 and not last else contextlib.nullcontext():
+            with run.ddp.no_sync() if run.ddp is not None and not last else contextlib.nullcontext():
                 with torch.autocast(
                     device.type, dtype=run.amp_dtype or torch.float32, enabled=run.amp_dtype is not None
                 ):
@@ -397,7 +433,8 @@ def _train_epoch(run: _Run, epoch: int, progress=None) -> float:
         run.opt.step()
         if run.sched_mode == "step":
             run.sched.step()
-        if cfg.loss.update_every and hasattr(loss_fn, "update") and (b + 1) % cfg.loss.update_every == 0:
+        every = cfg.loss.update_every
+        if every and isinstance(loss_fn, _ValidationUpdated) and (b + 1) % every == 0:
             loss_fn.update(
                 metrics=_epoch_metrics(run.model, run.splits, cfg, device, ("val",), run.rank, world)["val"]
             )
@@ -431,7 +468,7 @@ def _adapt(run: _Run, metrics: dict) -> None:
         val = metrics["val"]
         values = val.compute() if isinstance(val, MultilabelCalibrationMetrics) else val.compute("nll")
         run.sched.step(float(values["nll"]))
-    if hasattr(run.loss_fn, "update") and not run.cfg.loss.update_every:
+    if isinstance(run.loss_fn, _ValidationUpdated) and not run.cfg.loss.update_every:
         run.loss_fn.update(metrics=metrics["val"])  # the validation pass we already made
 
 
@@ -463,8 +500,10 @@ def _checkpoint(run: _Run, epoch: int, row: dict, on_epoch=None) -> None:
     that leaves a resumable folder whenever the process is killed."""
     key = _SELECTION_KEYS.get(run.cfg.train.select)  # val_error or val_nll (None: the last epoch)
     improved = key is not None and (run.best is None or row[key] < run.best[key])
-    if improved:  # the earliest epoch with the lowest validation error (or NLL) wins ties
-        run.best = {"epoch": epoch, key: row[key]}
+    # the earliest epoch with the lowest validation error (or NLL) wins ties
+    best = {"epoch": epoch, key: row[key]} if improved else None
+    if best is not None:
+        run.best = best
     checkpoint = {
         "format": "torchcal-checkpoint-1", "epoch": epoch + 1, "model": run.model.state_dict(),
         "optimizer": run.opt.state_dict(), "scheduler": run.sched.state_dict(), "loss": run.loss_fn.state_dict(),
@@ -472,8 +511,8 @@ def _checkpoint(run: _Run, epoch: int, row: dict, on_epoch=None) -> None:
         "best": run.best,
     }  # fmt: skip
     if run.rank == 0:  # one writer; the others wait so that a resume finds a complete checkpoint
-        if improved:  # written before the checkpoint that records it: a resume never points past it
-            weights = {"format": "torchcal-best-1", **run.best, "model": run.model.state_dict()}
+        if best is not None:  # written before the checkpoint that records it: a resume never points past it
+            weights = {"format": "torchcal-best-1", **best, "model": run.model.state_dict()}
             atomic_write_bytes(run.run_dir / BEST, lambda fh: torch.save(weights, fh))
         # the epoch's row before the checkpoint that counts it: a kill between the two leaves a row that
         # resume drops, never a checkpoint without its row
@@ -615,6 +654,6 @@ def _build_model(cfg: RunConfig, train_set, num_classes: int):
     if tuple(out.shape) != (min(2, len(train_set)), num_classes):
         raise ConfigError(f"model.name={cfg.model.name!r} gives outputs of shape {tuple(out.shape)} for "
                           f"{num_classes} classes")  # fmt: skip
-    if getattr(cfg.data, "ten_crop", False):
+    if isinstance(cfg.data, ChestXray14DataConfig) and cfg.data.ten_crop:
         model = TenCrop(model, cfg.data.image_size, train_set.multilabel)
     return model.train()
