@@ -20,6 +20,9 @@ from torchcal.losses import (
 )
 
 K = 4
+# CALS's multipliers and penalty parameters per class, one of them small enough that its PHR term is flat
+CALS_LAMBDA = torch.tensor([1e-6, 0.5, 2.0, 0.1], dtype=torch.float64)
+CALS_RHO = torch.tensor([1.0, 3.0, 1.5, 10.0], dtype=torch.float64)
 
 
 def batch(shape=(7,), k=K, seed=0, scale=6.0, ignore=-100):
@@ -68,6 +71,26 @@ CASES = [
      lambda z, y, **kw: R.sbece(z, y, 1.0, n_bins=5, temperature=0.05, form="binned", **kw), {}),
     ("dca-weighted", lambda z, y, **kw: F.dca_loss(z, y, 3.0, weight=torch.tensor([0.5, 1.0, 2.0, 1.5],
      dtype=torch.float64), **kw), lambda z, y, **kw: R.dca(z, y, 3.0, weight=[0.5, 1.0, 2.0, 1.5], **kw), {}),
+    ("avuc", lambda z, y, **kw: F.avuc_loss(z, y, **kw), R.avuc, {}),
+    ("avuc-th", lambda z, y, **kw: F.avuc_loss(z, y, 1.5, threshold=0.05, **kw),
+     lambda z, y, **kw: R.avuc(z, y, 1.5, threshold=0.05, **kw), {}),
+    ("s-avuc", lambda z, y, **kw: F.soft_avuc_loss(z, y, temperature=0.1, kappa=0.5, **kw), R.soft_avuc, {}),
+    ("s-avuc-2", lambda z, y, **kw: F.soft_avuc_loss(z, y, 2.0, temperature=0.5, kappa=0.2, **kw),
+     lambda z, y, **kw: R.soft_avuc(z, y, 2.0, temperature=0.5, kappa=0.2, **kw), {}),
+    ("esd", lambda z, y, **kw: F.esd_loss(z, y, **kw), R.esd, {}),
+    ("esd-holdout", lambda z, y, **kw: F.esd_loss(z, y, 2.0, holdout=0.34, **kw),
+     lambda z, y, **kw: R.esd(z, y, 2.0, holdout=0.34, **kw), {}),
+    ("ml1ace-hard", lambda z, y, **kw: F.ml1ace_loss(z, y, **kw), R.ml1ace, {}),
+    ("ml1ace-soft", lambda z, y, **kw: F.ml1ace_loss(z, y, 0.5, binning="soft", n_bins=6, **kw),
+     lambda z, y, **kw: R.ml1ace(z, y, 0.5, binning="soft", n_bins=6, **kw), {}),
+    ("ml1ace-soft-nobg", lambda z, y, **kw: F.ml1ace_loss(z, y, binning="soft", n_bins=3, include_background=False,
+     ignore_empty_classes=False, per_image=False, **kw), lambda z, y, **kw: R.ml1ace(z, y, binning="soft",
+     n_bins=3, include_background=False, ignore_empty_classes=False, per_image=False, **kw), {}),
+    ("cals", lambda z, y, **kw: F.cals_loss(z, y, CALS_LAMBDA, CALS_RHO, 3.0, **kw),
+     lambda z, y, **kw: R.cals(z, y, CALS_LAMBDA, CALS_RHO, 3.0, **kw), {}),
+    ("cals-drop-raw", lambda z, y, **kw: F.cals_loss(z, y, CALS_LAMBDA, CALS_RHO, 5.0, normalize=False,
+     ignored_rows="drop", **kw), lambda z, y, **kw: R.cals(z, y, CALS_LAMBDA, CALS_RHO, 5.0, normalize=False,
+     ignored_rows="drop", **kw), {}),
 ]  # fmt: skip
 IDS = [c[0] for c in CASES]
 # ACLS's negative term detaches the max logit (released code), so its gradient is not the derivative of its

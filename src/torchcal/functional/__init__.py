@@ -67,6 +67,17 @@ from .margin import (  # noqa: F401  (the losses are listed in LOSS_FUNCTIONS be
     poly1_cross_entropy,
     sbece_loss,
     sbece_penalty,
+    avuc_loss,
+    avuc_penalty,
+    soft_avuc_loss,
+    soft_avuc_penalty,
+    esd_loss,
+    esd_penalty,
+    ml1ace_loss,
+    ml1ace_penalty,
+    cals_loss,
+    cals_statistics,
+    phr_penalty,
 )
 from .selective import (
     augrc,
@@ -97,6 +108,11 @@ LOSS_FUNCTIONS = [
     "mdca_loss",
     "poly1_cross_entropy",
     "sbece_loss",
+    "avuc_loss",
+    "soft_avuc_loss",
+    "esd_loss",
+    "ml1ace_loss",
+    "cals_loss",
 ]
 
 # Short aliases.
@@ -191,3 +207,5 @@ __all__ += ["LOSS_FUNCTIONS", "METRIC_FUNCTIONS"]
 __all__ += LOSS_FUNCTIONS
 __all__ += ["FUSED_LOSSES", "fused_linear_loss"]  # the fused linear head + loss (language-model vocabularies)
 __all__ += ["mbls_alpha", "mdca_penalty", "sbece_penalty"]  # MbLS's α schedule; batch terms alone
+# the other penalty terms alone; CALS's PHR penalty and the statistics of its multiplier update
+__all__ += ["avuc_penalty", "soft_avuc_penalty", "esd_penalty", "ml1ace_penalty", "phr_penalty", "cals_statistics"]
