@@ -266,7 +266,9 @@ def test_soft_spatial_targets(name):
     z = torch.randn(2, 4, 3, generator=g, dtype=torch.float64)
     q = torch.softmax(torch.randn(2, 4, 3, generator=g, dtype=torch.float64), 1)
     got = create(name, reduction="none", **PER_BATCH.get(name, {}))(z, q)
-    rows = create(name, reduction="none", **PER_BATCH.get(name, {}))(z.movedim(1, -1).reshape(-1, 4), q.movedim(1, -1).reshape(-1, 4))
+    rows = create(name, reduction="none", **PER_BATCH.get(name, {}))(
+        z.movedim(1, -1).reshape(-1, 4), q.movedim(1, -1).reshape(-1, 4)
+    )
     assert got.shape == (2, 3)
     torch.testing.assert_close(got, rows.reshape(2, 3))
 

@@ -768,13 +768,19 @@ class AvUCLoss(_Loss):
         self.beta = check_float(beta, "beta", low=0)
         self.warmup_epochs = check_positive_int(warmup_epochs, "warmup_epochs", minimum=0)
         self.sync = check_bool(sync, "sync")
-        self.register_buffer("threshold", torch.tensor(check_float(threshold, "threshold", low=0), dtype=torch.float64))
+        self.register_buffer(
+            "threshold", torch.tensor(check_float(threshold, "threshold", low=0), dtype=torch.float64)
+        )
         # Σ H and the count of the correct, then of the wrong training predictions since the last update
         self.register_buffer("entropy_sums", torch.zeros(4, dtype=torch.float64))
         self.register_buffer("updates", torch.zeros((), dtype=torch.long))
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", threshold={float(self.threshold):.4g}" + (", sync=True" if self.sync else "")
+        return (
+            super().extra_repr()
+            + f", threshold={float(self.threshold):.4g}"
+            + (", sync=True" if self.sync else "")
+        )
 
     def forward(self, logits, targets):
         loss = M.avuc_loss(
@@ -943,8 +949,12 @@ class ML1ACELoss(_Loss):
         M._refuse_batch_term(M._ACE_IS_PER_IMAGE, weight, label_smoothing)
         super().__init__(reduction, ignore_index)
         self.lambda_ = check_float(lambda_, "lambda_", low=0)
-        options = M._check_ace_options(n_bins, binning, empty_weight, include_background, ignore_empty_classes)
-        self.n_bins, self.binning, self.empty_weight, self.include_background, self.ignore_empty_classes = options
+        options = M._check_ace_options(
+            n_bins, binning, empty_weight, include_background, ignore_empty_classes
+        )
+        self.n_bins, self.binning, self.empty_weight, self.include_background, self.ignore_empty_classes = (
+            options
+        )
         self.multilabel = check_bool(multilabel, "multilabel")
         if per_image is not None:
             per_image = check_bool(per_image, "per_image")
@@ -1037,7 +1047,9 @@ class CALSLoss(_Loss):
         if self.lambdas.numel() == k:
             return
         if self.lambdas.numel():
-            raise ValueError(f"CALSLoss holds multipliers for {self.lambdas.numel()} classes, got logits with {k}")
+            raise ValueError(
+                f"CALSLoss holds multipliers for {self.lambdas.numel()} classes, got logits with {k}"
+            )
         device = self.lambdas.device
         self.lambdas = torch.full((k,), self.lambda_min, dtype=torch.float64, device=device)
         self.rhos = torch.full((k,), self.rho_min, dtype=torch.float64, device=device)
@@ -1075,7 +1087,9 @@ class CALSLoss(_Loss):
         no logits). Without logits and with nothing accumulated, nothing changes."""
         del metrics
         if not from_logits:
-            raise ValueError("CALSLoss.update needs logits (from_logits=True): the constraints are on the logits")
+            raise ValueError(
+                "CALSLoss.update needs logits (from_logits=True): the constraints are on the logits"
+            )
         if logits is not None:
             z = torch.as_tensor(logits)
             self._size(z.shape[1])
@@ -1093,7 +1107,9 @@ class CALSLoss(_Loss):
         self.updates.add_(1)
         if int(self.updates) % self.rho_step == 0 and not torch.isnan(self.previous_constraint).any():
             grow = constraint > self.tau * self.previous_constraint.clamp(min=0)
-            self.rhos.copy_(torch.where(grow, self.gamma * self.rhos, self.rhos).clamp(self.rho_min, self.rho_max))
+            self.rhos.copy_(
+                torch.where(grow, self.gamma * self.rhos, self.rhos).clamp(self.rho_min, self.rho_max)
+            )
         self.previous_constraint.copy_(constraint)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):

@@ -332,11 +332,13 @@ def esd_term(logits, targets, ignore_index=-100):
 def esd(logits, targets, lambda_=4.0, *, holdout=0.0, ignore_index=-100, reduction="mean"):
     n = logits.shape[0]
     held = math.ceil(holdout * n) if holdout else 0
-    cal_z, cal_y = logits[n - held:] if held else logits, targets[n - held:] if held else targets
+    cal_z, cal_y = logits[n - held :] if held else logits, targets[n - held :] if held else targets
     value = esd_term(cal_z, cal_y, ignore_index)
     penalty = lambda_ * torch.sqrt(value) if float(value.detach()) > 0 else 0.0 * value
     if not held:
-        return _batch_combined(logits, targets, lambda z, t: -log_softmax(z)[t], penalty, reduction, ignore_index)
+        return _batch_combined(
+            logits, targets, lambda z, t: -log_softmax(z)[t], penalty, reduction, ignore_index
+        )
     out = _batch_combined(logits[: n - held], targets[: n - held], lambda z, t: -log_softmax(z)[t], penalty,
                           reduction, ignore_index)  # fmt: skip
     if reduction == "none":

@@ -773,7 +773,9 @@ def _avuc_rows(rows, log_p, threshold, sync, group):
     return -torch.log(avu + 1e-10)
 
 
-def avuc_penalty(logits, targets, *, threshold=1.0, sync: bool = False, group=None, ignore_index=IGNORE_INDEX):
+def avuc_penalty(
+    logits, targets, *, threshold=1.0, sync: bool = False, group=None, ignore_index=IGNORE_INDEX
+):
     r"""The accuracy-versus-uncertainty calibration term of a batch, AvUC (Krishnan & Tickoo, NeurIPS 2020),
     as the released code (IntelLabs/AVUC ``AvULoss``): with H_i = −Σ_k p_ik log(p_ik + 1e-10), r_i the
     top-label probability and a_i its correctness, a position is *certain* when H_i <= ``threshold`` (u_th);
@@ -1243,7 +1245,9 @@ def _ace_inputs(logits, targets, multilabel, per_image, ignore_index):
 
     if check_bool(multilabel, "multilabel"):
         if ignore_index is not None and ignore_index != IGNORE_INDEX:
-            raise ValueError("`ignore_index` is not accepted with multilabel=True (targets are 0/1 per label)")
+            raise ValueError(
+                "`ignore_index` is not accepted with multilabel=True (targets are 0/1 per label)"
+            )
         from .binary import _check_binary_targets
 
         if not isinstance(logits, torch.Tensor) or logits.ndim < 2:
@@ -1303,7 +1307,9 @@ def ml1ace_loss(
     check_choice(reduction, "reduction", REDUCTIONS)
     _refuse_batch_term(_ACE_IS_PER_IMAGE, weight, label_smoothing)
     with torch.autocast(_device_type(logits), enabled=False):
-        p, y, kept, group_of, n_groups, rows = _ace_inputs(logits, targets, multilabel, per_image, ignore_index)
+        p, y, kept, group_of, n_groups, rows = _ace_inputs(
+            logits, targets, multilabel, per_image, ignore_index
+        )
         ace, cover = _ace_term(p, y, kept, group_of, n_groups, options)
         if multilabel:
             z, t = rows
@@ -1404,7 +1410,9 @@ def cals_loss(
                 f"{tuple(lam.shape)} and {tuple(rho.shape)}"
             )
         penalty = phr_penalty(_cals_h(z, m, normalize), lam, rho).mean(1)
-        return _reduce_penalised(ce, penalty, 1.0, rows, reduction, None if ignored_rows == "reference" else "rows")
+        return _reduce_penalised(
+            ce, penalty, 1.0, rows, reduction, None if ignored_rows == "reference" else "rows"
+        )
 
 
 def cals_statistics(logits, targets=None, lambdas=None, rhos=None, margin: float = 10.0, *, normalize=True,
@@ -1429,7 +1437,9 @@ def cals_statistics(logits, targets=None, lambdas=None, rhos=None, margin: float
             z = z.movedim(1, -1).reshape(-1, k)
         kept = z.new_ones(z.shape[0])
         if targets is not None and ignore_index is not None:
-            kept = (targets.reshape(-1) != ignore_index).to(z.dtype) if not targets.is_floating_point() else kept
+            kept = (
+                (targets.reshape(-1) != ignore_index).to(z.dtype) if not targets.is_floating_point() else kept
+            )
         h = _cals_h(z, margin, normalize)
         lam = torch.as_tensor(lambdas).to(z.device, z.dtype)
         rho = torch.as_tensor(rhos).to(z.device, z.dtype)
