@@ -729,11 +729,11 @@ class SBECELoss(_Loss):
 
 
 def _all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` summed over the ranks when torch.distributed is initialised (a copy), else itself."""
+    """A copy of ``tensor``, summed over the ranks when torch.distributed is initialised."""
     import torch.distributed as dist
 
+    tensor = tensor.clone()
     if dist.is_available() and dist.is_initialized():
-        tensor = tensor.clone()
         dist.all_reduce(tensor)
     return tensor
 
@@ -793,7 +793,7 @@ class AvUCLoss(_Loss):
             reduction=self.reduction,
         )
         if torch.is_grad_enabled() and self._warming_up():
-            self.entropy_sums.add_(_entropy_sums(logits, targets, self.ignore_index).to(self.entropy_sums))
+            self.entropy_sums.add_(_entropy_sums(logits, targets, self.ignore_index))
         return loss
 
     def _warming_up(self) -> bool:
@@ -827,15 +827,15 @@ class AvUCLoss(_Loss):
 def _entropy_sums(logits, targets, ignore_index):
     """(Σ H over the correct predictions, their count, Σ H over the wrong ones, their count), detached, with
     AvUC's entropy H = −Σ p log(p + 1e-10)."""
-    with torch.no_grad():
-        rows = M.loss_rows(logits.detach(), targets, ignore_index, soft_refusal=M._AVUC_NEEDS_LABELS)
-        p = torch.softmax(rows.logits.double(), 1)
-        entropy = -(p * torch.log(p + 1e-10)).sum(1)
-        correct = (p.argmax(1) == rows.targets).double()
-        kept = p.new_ones(p.shape[0]) if rows.keep is None else rows.keep.double()
-        wrong = (1 - correct) * kept
-        correct = correct * kept
-        return torch.stack([(entropy * correct).sum(), correct.sum(), (entropy * wrong).sum(), wrong.sum()])
+    # (detached rather than under no_grad: a no_grad region splits a torch.compile graph)
+    rows = M.loss_rows(logits.detach(), targets, ignore_index, soft_refusal=M._AVUC_NEEDS_LABELS)
+    p = torch.softmax(rows.logits.double(), 1)
+    entropy = -(p * torch.log(p + 1e-10)).sum(1)
+    correct = (p.argmax(1) == rows.targets).double()
+    kept = p.new_ones(p.shape[0]) if rows.keep is None else rows.keep.double()
+    wrong = (1 - correct) * kept
+    correct = correct * kept
+    return torch.stack([(entropy * correct).sum(), correct.sum(), (entropy * wrong).sum(), wrong.sum()])
 
 
 class SoftAvUCLoss(_Loss):
@@ -1070,7 +1070,7 @@ class CALSLoss(_Loss):
             reduction=self.reduction,
         )
         if torch.is_grad_enabled():
-            self.statistics.add_(self._statistics(logits, targets).to(self.statistics))
+            self.statistics.add_(self._statistics(logits, targets))
         return loss
 
     def _statistics(self, logits, targets):

@@ -1429,7 +1429,9 @@ def cals_statistics(logits, targets=None, lambdas=None, rhos=None, margin: float
         tensor([ 2.0000e-06,  7.0000e-01,  6.0000e-01, -1.9000e+00, -8.0000e-01,
                 -8.0000e-01,  2.0000e+00])
     """
-    with torch.no_grad(), torch.autocast(_device_type(logits), enabled=False):
+    with torch.autocast(
+        _device_type(logits), enabled=False
+    ):  # (detached: no_grad would split a compile graph)
         z = logits.detach()
         z = z.float() if z.dtype in (torch.float16, torch.bfloat16) else z
         k = z.shape[1]
