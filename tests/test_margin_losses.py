@@ -424,8 +424,10 @@ def test_bad_arguments_are_named():
 
 
 @pytest.mark.parametrize(
-    "name", ["mbls", "acls", "poly1", "confidence-penalty", "maxsup", "mdca", "ls-mdca", "dca", "sb-ece"]
-)
+    "name",
+    ["mbls", "acls", "poly1", "confidence-penalty", "maxsup", "mdca", "ls-mdca", "dca", "sb-ece", "avuc", "s-avuc",
+     "esd", "hl1-ace", "sl1-ace", "cals"],
+)  # fmt: skip
 @pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16])
 def test_dense_autocast_is_finite_and_float32(name, autocast_dtype):
     """A segmentation-shaped batch under CPU autocast: computed in float32, finite loss and gradients."""
@@ -455,6 +457,14 @@ def test_registry_names_and_modules_equal_functions():
         (create("ls-mdca", smoothing=0.2), F.mdca_loss(z, y, base="ls", smoothing=0.2)),
         (create("dca", beta=25.0), F.dca_loss(z, y, 25.0)),
         (create("sb-ece", form="binned"), F.sbece_loss(z, y, form="binned")),
+        (create("avuc", threshold=0.3), F.avuc_loss(z, y, threshold=0.3)),
+        (create("s-avuc", temperature=0.2, kappa=0.3), F.soft_avuc_loss(z, y, temperature=0.2, kappa=0.3)),
+        (create("esd", holdout=0.5), F.esd_loss(z, y, holdout=0.5)),
+        (create("hl1-ace", n_bins=5), F.ml1ace_loss(z, y, n_bins=5)),
+        (create("sl1-ace", include_background=False), F.ml1ace_loss(z, y, binning="soft", include_background=False)),
+        # the module's float64 buffers: λ_min = 1e-6 as a float32 literal would round to another number
+        (create("cals", margin=3.0),
+         F.cals_loss(z, y, torch.full((K,), 1e-6, dtype=torch.float64), torch.ones(K, dtype=torch.float64), 3.0)),
     ]  # fmt: skip
     for module, want in pairs:
         torch.testing.assert_close(module(z, y), want, rtol=0, atol=0)
@@ -479,3 +489,153 @@ def test_scheduled_alpha_compiles_without_a_graph_break():
             loss_fn.set_epoch(epoch)
             # the same float64 ATen kernels eager and compiled; AOTAutograd may reassociate a few sums
             torch.testing.assert_close(compiled(z, y), loss_fn(z, y), rtol=1e-12, atol=1e-14)
+
+
+# ----------------------------------------------------------------------------- AvUC, S-AvUC, ESD, mL1-ACE
+
+
+def test_avuc_hand_computed():
+    """Two positions, u_th = 0.5: a correct confident one (H = 0.1407 <= u_th, certain) and a wrong
+    uncertain one (H = 0.6931, uniform): n_AC = 0.9526(1 − tanh 0.1407), n_IU = 0.5·tanh 0.6931, no AU or
+    IC, so AvU = 1 and AvUC = −log(1 + 1e-10) ≈ 0."""
+    z = torch.tensor([[3.0, 0.0], [0.0, 0.0]], dtype=torch.float64)
+    assert abs(float(F.avuc_penalty(z, torch.tensor([0, 1]), threshold=0.5))) < 1e-9
+    # the same two positions with u_th = 0.05: the first is uncertain now (n_AU), AvU = n_IU/(n_AU + n_IU)
+    p = torch.softmax(z, 1)
+    h = -(p * torch.log(p + 1e-10)).sum(1)
+    n_au, n_iu = p[0, 0] * torch.tanh(h[0]), 0.5 * torch.tanh(h[1])
+    want = -torch.log(n_iu / (n_au + n_iu + 1e-10) + 1e-10)
+    torch.testing.assert_close(F.avuc_penalty(z, torch.tensor([0, 1]), threshold=0.05), want)
+
+
+def test_soft_avuc_is_small_when_uncertainty_matches_errors():
+    """Confident correct positions and uniform wrong ones: q ≈ 0 on the first, ≈ 1 on the others, so
+    n_AU + n_IC ≈ 0 and S-AvUC ≈ 0; swapping which ones are correct makes it large."""
+    z = torch.tensor([[9.0, 0.0, 0.0]] * 3 + [[0.0, 0.0, 0.0]] * 3, dtype=torch.float64)
+    good = F.soft_avuc_penalty(z, torch.tensor([0, 0, 0, 1, 1, 2]), temperature=0.05, kappa=0.5)
+    bad = F.soft_avuc_penalty(z, torch.tensor([1, 1, 2, 0, 0, 0]), temperature=0.05, kappa=0.5)
+    assert float(good) < 1e-6 and float(bad) > 1.0
+
+
+def test_esd_is_the_pairwise_u_statistic_and_its_sqrt_is_safe():
+    """ESD against the matrix form Σ_{j≠k; j,k≠i} x_ij x_ik / ((n − 1)(n − 2)) averaged over i, with ties in
+    the confidences; a negative ESD gives CE's gradient alone (relu before the sqrt, no NaN)."""
+    g = torch.Generator().manual_seed(2)
+    z = 2 * torch.randn(10, 3, generator=g, dtype=torch.float64)
+    z[4] = z[7]  # a tie: r_4 = r_7, each counts the other
+    y = torch.randint(0, 3, (10,), generator=g)
+    p = torch.softmax(z, 1)
+    r, pred = p.max(1)
+    x = (pred == y).double() - r
+    n = 10
+    total = 0.0
+    for i in range(n):
+        xi = [float(x[j]) if float(r[j]) <= float(r[i]) else 0.0 for j in range(n) if j != i]
+        pairs = sum(a * b for ja, a in enumerate(xi) for jb, b in enumerate(xi) if ja != jb)
+        total += pairs / ((n - 1) * (n - 2))
+    assert abs(float(F.esd_penalty(z, y)) - total / n) < 1e-14
+    zz = torch.tensor(
+        [[3.0, 0.0], [0.0, 0.2], [2.0, 0.0], [0.5, 0.0]], dtype=torch.float64, requires_grad=True
+    )
+    yy = torch.tensor([0, 1, 1, 1])
+    assert float(F.esd_penalty(zz, yy).detach()) < 0
+    (grad,) = torch.autograd.grad(F.esd_loss(zz, yy), zz)
+    (ce,) = torch.autograd.grad(torch.nn.functional.cross_entropy(zz, yy), zz)
+    torch.testing.assert_close(grad, ce)
+    assert float(F.esd_penalty(zz[:2], yy[:2]).detach()) == 0.0  # fewer than 3 positions
+
+
+def test_esd_holdout_is_the_reference_protocol_with_two_batches():
+    """holdout = h: cross entropy on the first samples, ESD on the last ceil(h·N) alone."""
+    z, y = batch((10,))
+    got = F.esd_loss(z, y, 2.0, holdout=0.3)
+    want = nnf.cross_entropy(z[:7], y[:7]) + 2.0 * F.esd_penalty(z[7:], y[7:]).clamp(min=0).sqrt()
+    torch.testing.assert_close(got, want)
+    with pytest.raises(ValueError, match="holds out all 10 samples"):
+        F.esd_loss(z, y, holdout=1.0)
+
+
+def test_ml1ace_hand_computed_hard_and_soft():
+    """One image of 4 pixels, 2 classes, M = 2 hard bins: class 0's p = (0.9, 0.8, 0.3, 0.2) with labels
+    (1, 0, 0, 0): bin (0.5, 1] holds 0.9, 0.8 (mean p 0.85, mean y 0.5), bin [0, 0.5] holds 0.3, 0.2 (0.25 vs
+    0): ACE_0 = (0.35 + 0.25)/2; class 1 mirrors it (p 1 − p, y 1 − y): the same gaps."""
+    p0 = torch.tensor([0.9, 0.8, 0.3, 0.2], dtype=torch.float64)
+    z = torch.stack([torch.log(p0), torch.log(1 - p0)])[None, :, :, None]  # (1, 2, 4, 1)
+    y = torch.tensor([0, 1, 1, 1])[None, :, None]
+    ace = F.ml1ace_penalty(z, y, n_bins=2, reduction="none")
+    torch.testing.assert_close(ace, torch.tensor([[0.3, 0.3]], dtype=torch.float64))
+    # soft bins, centres 0.25 and 0.75: 0.9 and 0.8 sit above 0.75 (all in bin 1); 0.3 splits 0.9/0.1 and
+    # 0.2 is below 0.25 (all in bin 0)
+    w0 = torch.tensor([0.0, 0.0, 0.9, 1.0], dtype=torch.float64)
+    w1 = 1 - w0
+    y0 = torch.tensor([1.0, 0.0, 0.0, 0.0], dtype=torch.float64)
+    c = 1 + 1.1920928955078125e-07
+    w0[2] = 1 - (0.3 / c * 2 - 0.5)
+    w1[2] = 1 - w0[2]
+    gaps = [((w * p0).sum() - (w * y0).sum()).abs() / w.sum() for w in (w0, w1)]
+    soft = F.ml1ace_penalty(z, y, n_bins=2, binning="soft", reduction="none")
+    torch.testing.assert_close(soft[0, 0], sum(gaps) / 2)
+
+
+def test_ml1ace_empty_classes_and_images():
+    """A class absent from an image counts 0 and stays in the mean (the reference's ignore_empty_classes);
+    an image whose every position is ignored leaves the mean; include_background drops class 0."""
+    z, y = batch((2, 3, 2))
+    y[0] = 1  # image 0 holds class 1 only
+    ace = F.ml1ace_penalty(z, y, reduction="none")
+    assert (ace[0, [0, 2, 3]] == 0).all() and ace[0, 1] > 0
+    full = F.ml1ace_penalty(z, y, ignore_empty_classes=False, reduction="none")
+    assert (full[0, [0, 2, 3]] > 0).all()
+    torch.testing.assert_close(F.ml1ace_penalty(z, y), ace.mean())
+    y[1] = -100
+    torch.testing.assert_close(F.ml1ace_penalty(z, y), F.ml1ace_penalty(z[:1], y[:1]))
+    nobg = F.ml1ace_penalty(z, y, include_background=False, reduction="none")
+    assert nobg.shape == (2, 3)
+
+
+def test_ml1ace_multilabel_matches_the_loop_reference():
+    """Sigmoid outputs (N, L, H, W) with 0/1 targets: BCE + λ·mL1-ACE per image and label, values and
+    gradients against the loop reference, soft bins included; (N, L) inputs pool the batch."""
+    g = torch.Generator().manual_seed(6)
+    for shape in ((2, 3, 3, 2), (7, 3)):
+        z = 3 * torch.randn(*shape, generator=g, dtype=torch.float64)
+        t = (torch.rand(*shape, generator=g) < 0.4).double()
+        for binning in ("hard", "soft"):
+            for reduction in ("mean", "none", "sum"):
+                za, zb = z.clone().requires_grad_(True), z.clone().requires_grad_(True)
+                got = F.ml1ace_loss(
+                    za, t, 0.5, binning=binning, n_bins=4, multilabel=True, reduction=reduction
+                )
+                want = R.ml1ace(zb, t, 0.5, binning=binning, n_bins=4, multilabel=True, reduction=reduction)
+                torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+                got.sum().backward()
+                want.sum().backward()
+                torch.testing.assert_close(za.grad, zb.grad, rtol=1e-10, atol=1e-12)
+    module = create("binary-sl1-ace", n_bins=4)
+    torch.testing.assert_close(module(z, t), F.ml1ace_loss(z, t, binning="soft", n_bins=4, multilabel=True))
+    with pytest.raises(ValueError, match="`ignore_index` is not accepted with multilabel=True"):
+        F.ml1ace_loss(z, t, multilabel=True, ignore_index=255)
+
+
+def test_new_batch_terms_refuse_what_they_do_not_define():
+    z, y = batch()
+    q = torch.full((9, K), 1 / K, dtype=torch.float64)
+    for name, message in (("avuc", "AvUC is a statistic"), ("s-avuc", "S-AvUC is a statistic"),
+                          ("esd", "ESD is a statistic"), ("hl1-ace", "mL1-ACE is a statistic")):  # fmt: skip
+        with pytest.raises(ValueError, match=rf"^`weight` is not accepted: {message}"):
+            create(name, weight=torch.ones(K))
+        with pytest.raises(ValueError, match=rf"^`label_smoothing` is not accepted: {message}"):
+            create(name, label_smoothing=0.1)
+    for fn in (F.avuc_loss, F.esd_loss, lambda a, b: F.soft_avuc_loss(a, b, temperature=0.1, kappa=0.5)):
+        with pytest.raises(TypeError, match="soft \\(floating\\) `targets` are not accepted"):
+            fn(z, q)
+    with pytest.raises(ValueError, match="`kappa` must lie in \\(0, 1\\)"):
+        F.soft_avuc_loss(z, y, temperature=0.1, kappa=1.0)
+    with pytest.raises(ValueError, match="`temperature` must be > 0"):
+        F.soft_avuc_penalty(z, y, temperature=0.0, kappa=0.5)
+    with pytest.raises(TypeError, match="temperature"):
+        F.soft_avuc_loss(z, y)  # no default in the functional form
+    with pytest.raises(ValueError, match="`binning` must be one of"):
+        F.ml1ace_loss(z, y, binning="kde")
+    with pytest.raises(ValueError, match="`holdout` must be"):
+        F.esd_loss(z, y, holdout=1.5)

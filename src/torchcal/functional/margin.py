@@ -1095,7 +1095,7 @@ def _ace_groups(p, y, kept, group_of, n_groups, n_bins, binning, empty_weight):
     w = kept[:, None].expand(m, c)
     if binning == "hard":
         edges = torch.linspace(0, 1 + _FLOAT32_EPS, n_bins + 1, dtype=p.dtype, device=p.device)
-        index = (cell + torch.bucketize(p.detach(), edges[1:-1], right=False)).reshape(-1)
+        index = (cell + torch.bucketize(p.detach().contiguous(), edges[1:-1], right=False)).reshape(-1)
         parts = [(index, w.reshape(-1))]
     else:
         u = (p * (n_bins / (1 + _FLOAT32_EPS)) - 0.5).clamp(0, n_bins - 1)  # position in centre units
