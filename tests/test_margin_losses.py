@@ -130,8 +130,9 @@ def test_gradcheck(name, fast, ref, options, shape):
 
 
 def test_soft_targets_enter_the_cross_entropy_term():
-    """Class probabilities: the CE term is −Σ q log p (Poly-1: Σ q_k(−log p_k + ε(1 − p_k))); the penalty
-    terms do not depend on the target."""
+    """Class probabilities: the CE term is −Σ q log p (Poly-1: Σ q_k(−log p_k + ε(1 − p_k))); the margin
+    penalties do not depend on the target, MDCA's label frequencies become mean_i q_ik and mL1-ACE's bins
+    average q_ik in place of the one-hot labels."""
     g = torch.Generator().manual_seed(5)
     z = 6 * torch.randn(6, K, 3, generator=g, dtype=torch.float64)
     q = torch.softmax(torch.randn(6, K, 3, generator=g, dtype=torch.float64), 1)
@@ -142,6 +143,10 @@ def test_soft_targets_enter_the_cross_entropy_term():
         (F.maxsup_loss(z, q, reduction="sum"), R.maxsup(z, q, reduction="sum")),
         (F.mdca_loss(z, q, reduction="none"), R.mdca(z, q, reduction="none")),
         (F.mdca_loss(z, q, base="focal", gamma=2.0), R.mdca(z, q, base="focal", gamma=2.0)),
+        (F.acls_loss(z, q, margin=3.0, reduction="none"), R.acls(z, q, margin=3.0, reduction="none")),
+        (F.cals_loss(z, q, CALS_LAMBDA, CALS_RHO, 3.0), R.cals(z, q, CALS_LAMBDA, CALS_RHO, 3.0)),
+        (F.ml1ace_loss(z, q, n_bins=4, reduction="none"), R.ml1ace(z, q, n_bins=4, reduction="none")),
+        (F.ml1ace_loss(z, q, binning="soft", n_bins=4), R.ml1ace(z, q, binning="soft", n_bins=4)),
     ]
     for got, want in pairs:
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)

@@ -783,7 +783,8 @@ class AvUCLoss(_Loss):
         )
 
     def forward(self, logits, targets):
-        loss = M.avuc_loss(
+        accumulate = torch.is_grad_enabled() and self._warming_up()
+        out = M.avuc_loss(
             logits,
             targets,
             self.beta,
@@ -791,9 +792,12 @@ class AvUCLoss(_Loss):
             sync=self.sync,
             ignore_index=self.ignore_index,
             reduction=self.reduction,
+            statistics=accumulate,
         )
-        if torch.is_grad_enabled() and self._warming_up():
-            self.entropy_sums.add_(_entropy_sums(logits, targets, self.ignore_index))
+        if not accumulate:
+            return out
+        loss, sums = out
+        self.entropy_sums.add_(sums)
         return loss
 
     def _warming_up(self) -> bool:
@@ -1058,7 +1062,8 @@ class CALSLoss(_Loss):
 
     def forward(self, logits, targets):
         self._size(logits.shape[1])
-        loss = M.cals_loss(
+        training = torch.is_grad_enabled()
+        out = M.cals_loss(
             logits,
             targets,
             self.lambdas,
@@ -1068,9 +1073,12 @@ class CALSLoss(_Loss):
             ignored_rows=self.ignored_rows,
             ignore_index=self.ignore_index,
             reduction=self.reduction,
+            statistics=(self.lambda_min, self.lambda_max) if training else None,
         )
-        if torch.is_grad_enabled():
-            self.statistics.add_(self._statistics(logits, targets))
+        if not training:
+            return out
+        loss, sums = out
+        self.statistics.add_(sums)
         return loss
 
     def _statistics(self, logits, targets):

@@ -102,6 +102,69 @@ def _ce_rows(logits, targets, ignore_index):
     return rows, log_p, ce
 
 
+class _TopGapPenalty(torch.autograd.Function):
+    r"""Per row, Σ_k w_k·r_ik^p with r_ik = relu(b_k + a_k(z_i^max − z_ik)) and p = 1 or 2: the margin terms of
+    MbLS (a = 1, b = −m, w = 1/K, p = 1), ACLS's negative term (the same with p = 2, w = 1/(K − 1) and the max
+    detached) and CALS's PHR penalty (a = ρ/s, b = λ − ρm/s, w = 1/(2ρK), p = 2), with an analytic backward.
+
+    ``grad_scale`` is w_k·a_k, which is the same for every class in all three (1/K, 1/(K − 1), 1/(2Ks)): the
+    gradient is −g_i·grad_scale·p·r_ik^(p−1) on z_ik and, when the max is not detached (``top_grad``), minus
+    the row's sum of those on the arg-max entry (its own term cancels). Autograd's chain through d = max − z,
+    the hinge, the power and the mean takes five (N, K) temporaries forward and as many backward; this takes
+    one (N, K) array forward (kept for the backward: the hinge, or its active mask for p = 1) and writes the
+    gradient in one pass. Differentiable once.
+
+    Outputs (value (M,), z^max (M,), statistics). The second is the max with its gradient (ACLS's positive
+    term), added on the arg-max entries of the same gradient array rather than through a dense max backward.
+    With ``stats_rows`` (M,) row weights (CALS's training accumulation, p = 2), the third holds, from the same
+    hinge, Σ_i s_i clamp(r_ik, lo, hi) (K), Σ_i s_i z_ik (K) and Σ_i s_i z_i^max (1), detached; it is empty
+    otherwise."""
+
+    @staticmethod
+    def forward(ctx, z, a, b, w, grad_scale, power, top_grad, stats_rows=None, lo=0.0, hi=math.inf):
+        top, arg = z.max(dim=1)
+        if isinstance(a, float) and a == 1.0:
+            r = torch.sub((top[:, None] + b) if isinstance(b, torch.Tensor) else (top + b)[:, None], z)
+        else:
+            r = torch.sub(top[:, None], z).mul_(a).add_(b)
+        r.clamp_(min=0)
+        if power == 1:
+            value = r.sum(1) * w if isinstance(w, float) else r @ w
+            r = r > 0
+        else:
+            # (the norm's reduction allocates nothing, unlike r·r)
+            value = (
+                torch.linalg.vector_norm(r, dim=1).square() * w if isinstance(w, float) else r.square() @ w
+            )
+        stats = z.new_empty(0)
+        if stats_rows is not None:
+            stats = torch.cat([stats_rows @ r.clamp(lo, hi), stats_rows @ z, (stats_rows @ top)[None]])
+        ctx.mark_non_differentiable(stats)
+        ctx.set_materialize_grads(False)
+        ctx.grad_scale, ctx.power, ctx.top_grad = grad_scale, power, top_grad
+        ctx.save_for_backward(r, arg)
+        return value, top, stats
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_value, grad_top, grad_stats):
+        del grad_stats
+        r, arg = ctx.saved_tensors
+        if grad_value is None and grad_top is None:
+            return (None,) * 10
+        if grad_value is None:
+            grad = torch.zeros(r.shape, dtype=grad_top.dtype, device=grad_top.device)
+        else:
+            coef = (-ctx.grad_scale * ctx.power) * grad_value[:, None]
+            grad = torch.where(r, coef, coef.new_zeros(())) if ctx.power == 1 else r.mul(coef)
+        at_top = -grad.sum(1) if ctx.top_grad and grad_value is not None else None
+        if grad_top is not None:
+            at_top = grad_top if at_top is None else at_top + grad_top
+        if at_top is not None:
+            grad.scatter_add_(1, arg[:, None], at_top[:, None])
+        return grad, None, None, None, None, None, None, None, None, None
+
+
 def _reduce_penalised(ce, penalty, coef, rows, reduction, penalty_keep="rows"):
     """CE_i + coef·penalty_i reduced over the rows. The CE term leaves out ignored rows; the penalty leaves
     out the rows of ``penalty_keep`` ("rows": the same as CE; None: it covers every row, MbLS's released code
@@ -180,9 +243,8 @@ def logit_margin_l1_loss(
     ignore_index = check_ignore_index(ignore_index)
     with torch.autocast(_device_type(logits), enabled=False):
         rows, _, ce = _ce_rows(logits, targets, ignore_index)
-        z = rows.logits
-        distance = z.max(dim=1).values[:, None] - z
-        penalty = torch.relu(distance - m).mean(1)
+        k = rows.logits.shape[1]
+        penalty = _TopGapPenalty.apply(rows.logits, 1.0, -m, 1.0 / k, 1.0 / k, 1, True)[0]
         reference_keeps_all = ignored_rows == "reference" and (ignore_index is None or ignore_index < 0)
         return _reduce_penalised(ce, penalty, a, rows, reduction, None if reference_keeps_all else "rows")
 
@@ -390,8 +452,8 @@ def acls_loss(
     r"""Adaptive and conditional label smoothing, ACLS (Park et al., ICCV 2023), as the released code
     (cvlab-yonsei/ACLS ``acls.py``, decision 138): cross entropy plus α times
 
-    .. math:: \lambda_{pos} rac{1}{N} \sum_{i,k} 1[z_{ik} = z_i^{max}]\, \mathrm{relu}(z_i^{max} - m)^2
-              + \lambda_{neg} rac{1}{N(K-1)} \sum_{i,k} (1 - 1[z_{ik} = z_i^{max}])\,
+    .. math:: \lambda_{pos} \frac{1}{N} \sum_{i,k} 1[z_{ik} = z_i^{max}]\, \mathrm{relu}(z_i^{max} - m)^2
+              + \lambda_{neg} \frac{1}{N(K-1)} \sum_{i,k} (1 - 1[z_{ik} = z_i^{max}])\,
               \mathrm{relu}(\mathrm{sg}(z_i^{max}) - z_{ik} - m)^2 .
 
     The positive term penalises the **absolute** top logit above m and keeps its gradient; the negative term
@@ -424,10 +486,11 @@ def acls_loss(
         rows, _, ce = _ce_rows(logits, targets, ignore_index)
         z = rows.logits
         k = z.shape[1]
-        top = z.max(dim=1).values[:, None].expand_as(z)
-        positive = (top.detach() == z.detach()).to(z.dtype)
-        pos = (positive * torch.relu(top - m) ** 2).sum(1)
-        neg = ((1 - positive) * torch.relu(top.detach() - z - m) ** 2).sum(1) / (k - 1)
+        # the negative term with the max detached; the tied maxima's own distance is −m <= 0, so the hinge
+        # leaves them out. The max returned keeps its gradient for the positive term.
+        neg, top, _ = _TopGapPenalty.apply(z, 1.0, -m, 1.0 / (k - 1), 1.0 / (k - 1), 2, False)
+        ties = (z.detach() == top.detach()[:, None]).sum(1).to(z.dtype)  # every tied maximum is positive
+        pos = ties * torch.relu(top - m) ** 2
         penalty = lam_pos * pos + lam_neg * neg
         return _reduce_penalised(
             ce, penalty, a, rows, reduction, None if ignored_rows == "reference" else "rows"
@@ -499,9 +562,10 @@ def mdca_penalty(logits, targets, *, sync: bool = False, group=None, ignore_inde
 
 def _mdca_rows(rows, p, sync, group):
     k = p.shape[1]
-    q = rows.targets if rows.soft else torch.nn.functional.one_hot(rows.targets, k).to(p.dtype)
     kept = p.new_ones(p.shape[0]) if rows.keep is None else rows.keep.to(p.dtype)
-    sums = torch.cat([(p * kept[:, None]).sum(0), (q * kept[:, None]).sum(0), kept.sum()[None]])
+    # the label counts by a scatter of the (N,) mask, not an (N, K) one-hot matrix
+    labels = kept @ rows.targets if rows.soft else kept.new_zeros(k).index_add(0, rows.targets, kept)
+    sums = torch.cat([kept @ p, labels, kept.sum()[None]])
     sums = _global_sums(sums, sync, group)
     count = sums[-1]
     return ((sums[:k] - sums[k : 2 * k]) / count).abs().mean()
@@ -609,9 +673,7 @@ def dca_loss(
         rows = loss_rows(logits, targets, ignore_index, soft_refusal=_DCA_NEEDS_LABELS)
         w = check_class_weight(weight, rows.logits)
         log_p = torch.log_softmax(rows.logits, 1)
-        conf, pred = log_p.exp().max(1)
-        correct = (pred == rows.targets).to(conf.dtype)
-        kept = conf.new_ones(conf.shape[0]) if rows.keep is None else rows.keep.to(conf.dtype)
+        conf, correct, kept = _correct_and_kept(rows, log_p)
         sums = _global_sums(
             torch.stack([(conf * kept).sum(), (correct * kept).sum(), kept.sum()]), sync, group
         )
@@ -635,9 +697,7 @@ def _safe_sqrt(value: torch.Tensor) -> torch.Tensor:
 
 
 def _sbece_rows(rows, log_p, n_bins, temperature, form, sync, group):
-    conf, pred = log_p.exp().max(1)
-    correct = (pred == rows.targets).to(conf.dtype)
-    kept = conf.new_ones(conf.shape[0]) if rows.keep is None else rows.keep.to(conf.dtype)
+    conf, correct, kept = _correct_and_kept(rows, log_p)
     centres = (torch.arange(n_bins, dtype=conf.dtype, device=conf.device) + 0.5) / n_bins
     g = torch.softmax(-((conf[:, None] - centres) ** 2) / temperature, 1) * kept[:, None]  # (M rows, bins)
     if form == "label":
@@ -745,18 +805,26 @@ _AVUC_IS_A_BATCH_TERM = (
 )
 
 
-def _correct_and_kept(rows, p):
-    """Top-label confidence r_i, correctness a_i (constant) and the kept mask (1.0 / 0.0) of the rows."""
-    conf, pred = p.max(1)
-    correct = (pred == rows.targets).to(p.dtype)
-    kept = p.new_ones(p.shape[0]) if rows.keep is None else rows.keep.to(p.dtype)
-    return conf, correct, kept
+def _correct_and_kept(rows, log_p):
+    """Top-label confidence r_i, correctness a_i (constant) and the kept mask (1.0 / 0.0) of the rows, from
+    the log-probabilities (r = exp(max log p): no (N, K) exponential for the top label alone)."""
+    top, pred = log_p.max(1)
+    correct = (pred == rows.targets).to(log_p.dtype)
+    kept = log_p.new_ones(log_p.shape[0]) if rows.keep is None else rows.keep.to(log_p.dtype)
+    return top.exp(), correct, kept
 
 
-def _avuc_rows(rows, log_p, threshold, sync, group):
+def _avuc_rows(rows, log_p, threshold, sync, group, statistics=False):
+    """AvUC of the rows; with ``statistics``, (AvUC, the detached (Σ H over the correct predictions, their
+    count, Σ H over the wrong ones, their count) of the kept rows: the threshold update's sums)."""
     p = log_p.exp()
-    conf, correct, kept = _correct_and_kept(rows, p)
+    conf, correct, kept = _correct_and_kept(rows, log_p)
     entropy = -(p * torch.log(p + 1e-10)).sum(1)
+    entropy_sums = None
+    if statistics:
+        h = entropy.detach()
+        right, wrong_kept = correct * kept, (1 - correct) * kept
+        entropy_sums = torch.stack([h @ right, right.sum(), h @ wrong_kept, wrong_kept.sum()])
     t = torch.tanh(entropy)
     certain = (entropy <= threshold).to(p.dtype)
     wrong = 1 - correct
@@ -770,7 +838,8 @@ def _avuc_rows(rows, log_p, threshold, sync, group):
     )
     sums = _global_sums(sums, sync, group)
     avu = (sums[0] + sums[3]) / (sums.sum() + 1e-10)
-    return -torch.log(avu + 1e-10)
+    penalty = -torch.log(avu + 1e-10)
+    return (penalty, entropy_sums) if statistics else penalty
 
 
 def avuc_penalty(
@@ -822,12 +891,15 @@ def avuc_loss(
     label_smoothing: float = 0.0,
     ignore_index=IGNORE_INDEX,
     reduction: str = "mean",
+    statistics: bool = False,
 ):
     r"""Cross entropy + β·AvUC of the batch (:func:`avuc_penalty`). β = 3 as the released training scripts
     (the class default there is 1); u_th = ``threshold`` (1.0, the scripts' start; the module
     :class:`~torchcal.losses.AvUCLoss` updates it as they do). "mean" is CE.mean() + β·AvUC, "none" gives every
     kept position CE_i + β·AvUC, "sum" the sum of "none". Soft targets, class ``weight`` and
     ``label_smoothing`` are refused. Per-rank batch under data parallelism unless ``sync=True``.
+    ``statistics=True`` returns (loss, (Σ H of the correct predictions, their count, Σ H of the wrong ones,
+    their count) over the kept positions, detached): the threshold update's sums from the same pass.
 
     Example:
         >>> import torch
@@ -842,15 +914,17 @@ def avuc_loss(
     with torch.autocast(_device_type(logits), enabled=False):
         rows = loss_rows(logits, targets, check_ignore_index(ignore_index), soft_refusal=_AVUC_NEEDS_LABELS)
         log_p = torch.log_softmax(rows.logits, 1)
-        penalty = _avuc_rows(rows, log_p, threshold, sync, group)
+        out = _avuc_rows(rows, log_p, threshold, sync, group, statistics)
+        penalty, sums = out if statistics else (out, None)
         ce = -log_p.gather(1, rows.targets[:, None])[:, 0]
-        return _with_batch_term(ce, rows, reduction, b, penalty)
+        loss = _with_batch_term(ce, rows, reduction, b, penalty)
+        return (loss, sums) if statistics else loss
 
 
 def _savuc_rows(rows, log_p, temperature, kappa, sync, group):
     p = log_p.exp()
     k = p.shape[1]
-    _, correct, kept = _correct_and_kept(rows, p)
+    _, correct, kept = _correct_and_kept(rows, log_p)
     smoothed = (1 - 1e-5) * p + 1e-5 / k
     entropy = -(smoothed * smoothed.log()).sum(1)
     tiny = torch.finfo(p.dtype).eps
@@ -966,7 +1040,7 @@ def _gather_rows(tensors, sync, group):
 def _esd_rows(rows, log_p, sync, group):
     """The U-statistic ESD of the kept rows in O(n log n): with x_j = a_j − r_j, S_i = Σ_{j≠i, r_j<=r_i} x_j
     and Q_i = Σ_{j≠i, r_j<=r_i} x_j², d_i² = (S_i² − Q_i) / ((n − 1)(n − 2)) and ESD = mean_i d_i²."""
-    conf, correct, kept = _correct_and_kept(rows, log_p.exp())
+    conf, correct, kept = _correct_and_kept(rows, log_p)
     x = (correct - conf) * kept
     conf, x, kept = _gather_rows([conf, x, kept], sync, group)
     r = conf.detach()
@@ -1357,6 +1431,26 @@ def phr_penalty(h, lambdas, rhos):
     return (torch.relu(lambdas + rhos * h) ** 2 - lambdas**2) / (2 * rhos)
 
 
+def _cals_penalty(z, lam, rho, margin, normalize, kept=None, lambda_min=0.0, lambda_max=math.inf):
+    """mean_k P(h_ik; λ_k, ρ_k) per row: with s = m (normalised) or 1, λ + ρh = (λ − ρm/s) + (ρ/s)(max − z),
+    so Σ_k P = Σ_k relu(·)²/(2ρ_k) − Σ_k λ_k²/(2ρ_k), the first through :class:`_TopGapPenalty`. With
+    ``kept`` (M,) 1/0, also the sums of :func:`cals_statistics` from the same pass (else None)."""
+    k = z.shape[1]
+    s = margin if normalize else 1.0
+    a = rho / s
+    w = 1 / (2 * rho * k)
+    hinge, _, raw = _TopGapPenalty.apply(
+        z, a, lam - a * margin, w, 1 / (2 * k * s), 2, True, kept, lambda_min, lambda_max
+    )
+    penalty = hinge - (lam * lam * w).sum()
+    if kept is None:
+        return penalty, None
+    count = kept.sum()
+    # Σ_i h_ik = (Σ_i max_i − Σ_i z_ik − m·n)/s over the kept rows
+    h_sums = (raw[2 * k] - raw[k : 2 * k] - margin * count) / s
+    return penalty, torch.cat([raw[:k], h_sums, count[None]])
+
+
 def cals_loss(
     logits,
     targets,
@@ -1370,6 +1464,7 @@ def cals_loss(
     label_smoothing: float = 0.0,
     ignore_index=IGNORE_INDEX,
     reduction: str = "mean",
+    statistics=None,
 ):
     r"""Class-adaptive label smoothing, CALS (Liu et al., CVPR 2023; by-liu/CALS ``AugLagrangianClass``): cross
     entropy plus the PHR penalty (:func:`phr_penalty`) of the logit-distance constraints h_ik <= 0 with
@@ -1381,6 +1476,8 @@ def cals_loss(
     ``ignored_rows="reference"`` (default): as the released code, the penalty covers every position, those
     labelled ``ignore_index`` included (cross entropy leaves them out); ``"drop"`` leaves them out of both.
     Soft targets enter the cross entropy. Class ``weight`` and ``label_smoothing`` are refused.
+    ``statistics=(lambda_min, lambda_max)`` returns (loss, the detached sums of :func:`cals_statistics` over
+    the kept positions) from the same pass (the module's training accumulation).
 
     Example:
         >>> import torch
@@ -1409,10 +1506,14 @@ def cals_loss(
                 f"`lambdas` and `rhos` must have shape ({z.shape[1]},) (one per class), got "
                 f"{tuple(lam.shape)} and {tuple(rho.shape)}"
             )
-        penalty = phr_penalty(_cals_h(z, m, normalize), lam, rho).mean(1)
-        return _reduce_penalised(
+        kept = None
+        if statistics is not None:
+            kept = z.new_ones(z.shape[0]) if rows.keep is None else rows.keep.to(z.dtype)
+        penalty, sums = _cals_penalty(z, lam, rho, m, normalize, kept, *(statistics or ()))
+        loss = _reduce_penalised(
             ce, penalty, 1.0, rows, reduction, None if ignored_rows == "reference" else "rows"
         )
+        return loss if statistics is None else (loss, sums)
 
 
 def cals_statistics(logits, targets=None, lambdas=None, rhos=None, margin: float = 10.0, *, normalize=True,
