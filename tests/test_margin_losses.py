@@ -644,3 +644,18 @@ def test_new_batch_terms_refuse_what_they_do_not_define():
         F.ml1ace_loss(z, y, binning="kde")
     with pytest.raises(ValueError, match="`holdout` must be"):
         F.esd_loss(z, y, holdout=1.5)
+
+
+def test_margin_terms_are_differentiable_once():
+    """MbLS, ACLS and CALS compute their margin terms' gradient analytically (one (N, K) array): a gradient
+    with create_graph=True (for a second derivative) is refused rather than missing the terms' Hessian."""
+    z, y = batch()
+    for fn in (
+        lambda a: F.logit_margin_l1_loss(a, y, 3.0),
+        lambda a: F.acls_loss(a, y, margin=3.0),
+        lambda a: F.cals_loss(a, y, CALS_LAMBDA, CALS_RHO, 3.0),
+    ):
+        za = z.clone().requires_grad_(True)
+        torch.autograd.grad(fn(za), za)  # first order
+        with pytest.raises(RuntimeError, match="differentiable once only"):
+            torch.autograd.grad(fn(za), za, create_graph=True)

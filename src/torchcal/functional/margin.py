@@ -146,9 +146,15 @@ class _TopGapPenalty(torch.autograd.Function):
         return value, top, stats
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_value, grad_top, grad_stats):
         del grad_stats
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            # (create_graph=True: the saved hinge is not a function of z, so a graph of this gradient would
+            # miss the second derivative; refused rather than wrong)
+            raise RuntimeError(
+                "the margin terms of MbLS, ACLS and CALS are differentiable once only (an analytic backward); "
+                "second-order gradients are not available for them"
+            )
         r, arg = ctx.saved_tensors
         if grad_value is None and grad_top is None:
             return (None,) * 10
