@@ -430,8 +430,8 @@ def test_bad_arguments_are_named():
 
 @pytest.mark.parametrize(
     "name",
-    ["mbls", "acls", "poly1", "confidence-penalty", "maxsup", "mdca", "ls-mdca", "dca", "sb-ece", "avuc", "s-avuc",
-     "esd", "hl1-ace", "sl1-ace", "cals"],
+    ["mbls", "acls", "poly1", "confidence-penalty", "maxsup", "mdca", "focal-mdca", "ls-mdca", "dca", "sb-ece",
+     "avuc", "s-avuc", "esd", "hl1-ace", "sl1-ace", "cals"],
 )  # fmt: skip
 @pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16])
 def test_dense_autocast_is_finite_and_float32(name, autocast_dtype):
@@ -443,6 +443,21 @@ def test_dense_autocast_is_finite_and_float32(name, autocast_dtype):
     y[0, 0, 0] = -100
     with torch.autocast("cpu", dtype=autocast_dtype):
         loss = create(name)(conv(x), y)
+    loss.backward()
+    assert loss.dtype == torch.float32 and torch.isfinite(loss)
+    assert all(torch.isfinite(p.grad).all() for p in conv.parameters())
+
+
+@pytest.mark.parametrize("name", ["binary-hl1-ace", "binary-sl1-ace"])
+@pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16])
+def test_multilabel_ace_autocast_is_finite_and_float32(name, autocast_dtype):
+    """The sigmoid mL1-ACE on a segmentation-shaped batch of 0/1 label maps under CPU autocast."""
+    g = torch.Generator().manual_seed(1)
+    conv = torch.nn.Conv2d(3, K, 1)
+    x = 20 * torch.randn(2, 3, 5, 5, generator=g)
+    t = (torch.rand(2, K, 5, 5, generator=g) < 0.3).float()
+    with torch.autocast("cpu", dtype=autocast_dtype):
+        loss = create(name)(conv(x), t)
     loss.backward()
     assert loss.dtype == torch.float32 and torch.isfinite(loss)
     assert all(torch.isfinite(p.grad).all() for p in conv.parameters())
