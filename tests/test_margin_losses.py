@@ -674,3 +674,23 @@ def test_margin_terms_are_differentiable_once():
         torch.autograd.grad(fn(za), za)  # first order
         with pytest.raises(RuntimeError, match="differentiable once only"):
             torch.autograd.grad(fn(za), za, create_graph=True)
+
+
+@pytest.mark.compile
+def test_pooled_ml1ace_compiles_with_inductor():
+    """(N, K) inputs pool the batch into one group; a scatter-add into that one group's sums made Inductor's
+    CPU code generation fail (torch 2.13), so the per-group sums are block sums. The default backend,
+    float32: generated code reorders float32 sums (a few ulps)."""
+    g = torch.Generator().manual_seed(4)
+    z = (3 * torch.randn(32, K, generator=g)).requires_grad_(True)
+    y = torch.randint(0, K, (32,), generator=g)
+    y[3] = -100
+    torch._dynamo.reset()
+    compiled = torch.compile(create("hl1-ace"), backend="inductor")
+    got = compiled(z, y)
+    (got_grad,) = torch.autograd.grad(got, z)
+    want = create("hl1-ace")(z, y)
+    (want_grad,) = torch.autograd.grad(want, z)
+    torch._dynamo.reset()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_grad, want_grad, rtol=1e-5, atol=1e-6)

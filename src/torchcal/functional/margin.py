@@ -1203,8 +1203,11 @@ def _ace_groups(p, y, kept, group_of, n_groups, n_bins, binning, empty_weight):
     gap = torch.where(occupied, (sum_p - sum_y).abs() / safe, torch.zeros_like(count))
     n_occupied = occupied.sum(-1)
     ace = gap.sum(-1) / n_occupied.clamp(min=1)
-    rows_per_group = p.new_zeros(n_groups).index_add(0, group_of, kept)
-    present = p.new_zeros(n_groups, c).index_add(0, group_of, y * kept[:, None])
+    # each group's rows are one contiguous block of equal size (:func:`_groups`): block sums, not a scatter
+    # (Inductor's CPU code generation fails on a scatter-add into one group, torch 2.13)
+    per_group = m // n_groups if n_groups else 0
+    rows_per_group = kept.reshape(n_groups, per_group).sum(1)
+    present = (y * kept[:, None]).reshape(n_groups, per_group, c).sum(1)
     return ace, rows_per_group, present
 
 
