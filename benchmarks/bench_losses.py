@@ -1,6 +1,8 @@
 """Forward + backward time and peak memory of every loss relative to ``F.cross_entropy`` in the same run.
 
-Shapes: batch 128 x K in {10, 100, 1000} and 4096 x 32000 (vocabulary-sized). Each loss is timed in
+Shapes: batch 128 x K in {10, 100, 1000} and 4096 x 32000 (vocabulary-sized); with ``--margin``, the margin and
+penalty losses (SPEC §8) at 4096 x K in {10, 100, 1000} and the segmentation batch 4 x 19 x 256 x 256 (labels
+4 x 256 x 256), each with the goal of 1.5x cross entropy's time and 2x its peak memory. Each loss is timed in
 rounds that alternate with cross entropy (forward + backward from a leaf logits tensor, many steps per round
 for the small shapes); the ratio is the median over rounds of loss time / cross-entropy time of the same
 round, so the VM's drift cancels. Peak memory is the largest amount of tensor memory
@@ -10,6 +12,7 @@ functional losses (compile time and steady-state ratio). Writes a CSV to benchma
 
     python benchmarks/bench_losses.py [--repeats 20] [--quick] [--compile] [--device cuda]
                                       [--path default|cpp|torch] [--losses mbls,acls --tag margin]
+                                      [--margin]
 
 On CPU the losses take the C++ operator when it is built (``--path cpp`` builds it), else torch;
 ``--path`` forces one (the CSV records it).
@@ -32,6 +35,9 @@ from bench_metrics import hardware, paired, timed, write_results  # noqa: E402
 from torchcal.losses import create, list_losses  # noqa: E402
 
 SHAPES = [(128, 10), (128, 100), (128, 1000), (4096, 32000)]
+MARGIN_SHAPES = [(4096, 10), (4096, 100), (4096, 1000), (4, 19, 256, 256)]
+MARGIN_FAMILY = ["mbls", "acls", "cals", "poly1", "confidence-penalty", "maxsup", "mdca", "focal-mdca", "ls-mdca",
+                 "dca", "sb-ece", "avuc", "s-avuc", "esd", "hl1-ace", "sl1-ace"]  # fmt: skip
 FOCAL_FAMILY = {
     "fl-1",
     "fl-2",
@@ -102,6 +108,7 @@ def main():
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--path", default="default", choices=["default", "cpp", "torch"])
     parser.add_argument("--losses", default="", help="comma-separated registry names (default: every loss)")
+    parser.add_argument("--margin", action="store_true", help="the margin and penalty losses at their shapes")
     parser.add_argument(
         "--tag", default="", help="a word added to the CSV's name (e.g. for a --losses subset)"
     )
@@ -113,31 +120,35 @@ def main():
 
 def run(args, path):
     device = torch.device(args.device)
-    shapes = SHAPES[:3] if args.quick else SHAPES
+    shapes = MARGIN_SHAPES if args.margin else SHAPES[:3] if args.quick else SHAPES
+    names = args.losses.split(",") if args.losses else MARGIN_FAMILY if args.margin else list_losses()
+    goal_family = set(MARGIN_FAMILY) if args.margin else FOCAL_FAMILY
     rows = []
-    for n, k in shapes:
+    for shape in shapes:
+        n, k = shape[:2]
         g = torch.Generator().manual_seed(0)
-        logits = (3 * torch.randn(n, k, generator=g)).to(device).requires_grad_(True)
-        targets = torch.randint(0, k, (n,), generator=g).to(device)
+        logits = (3 * torch.randn(*shape, generator=g)).to(device).requires_grad_(True)
+        targets = torch.randint(0, k, (n, *shape[2:]), generator=g).to(device)
         # sub-millisecond steps: many steps per round, or the timings are timer and scheduler noise
-        small = n * k <= 1_000_000
+        small = logits.numel() <= 1_000_000
         steps, rounds = (max(10, args.repeats * 10), 9) if small else (1, max(3, min(args.repeats, 5)))
         base_fn = lambda: fwd_bwd(nnf.cross_entropy, logits, targets)  # noqa: E731
         base_t = timed(lambda: (base_fn(), sync(device)), steps * 3 if small else 3)[0]
         base_m = peak_memory(base_fn, device)
         print(
-            f"{n} x {k}: cross_entropy {1e3 * base_t:.3f} ms, peak {base_m / 2**20:.1f} MiB ({path} path)",
+            f"{' x '.join(map(str, shape))}: cross_entropy {1e3 * base_t:.3f} ms, peak {base_m / 2**20:.1f} MiB "
+            f"({path} path)",
             flush=True,
         )
-        for name in args.losses.split(",") if args.losses else list_losses():
+        for name in names:
             loss_fn = create(name).to(device)
             fn = lambda: fwd_bwd(loss_fn, logits, targets)  # noqa: E731
             t, pair_base_t, ratios = paired(fn, base_fn, rounds, steps, lambda: sync(device))
             ratio = statistics.median(ratios)
             m = peak_memory(fn, device)
-            goal_t = 2.0 if k == 10 else 1.5
+            goal_t = 2.0 if k == 10 and not args.margin else 1.5
             row = {
-                "shape": f"{n}x{k}",
+                "shape": "x".join(map(str, shape)),
                 "loss": name,
                 "path": path if device.type == "cpu" else device.type,
                 "time_s": t,
@@ -146,8 +157,8 @@ def run(args, path):
                 "peak_bytes": m,
                 "memory_ratio": m / base_m,
                 "focal_family": name in FOCAL_FAMILY,
-                "time_goal": goal_t if name in FOCAL_FAMILY else "",
-                "memory_goal": 2.0 if name in FOCAL_FAMILY else "",
+                "time_goal": goal_t if name in goal_family else "",
+                "memory_goal": 2.0 if name in goal_family else "",
             }
             if args.compile:
                 compiled = torch.compile(loss_fn)
@@ -166,7 +177,7 @@ def run(args, path):
                 )
             rows.append(row)
             flag = ""
-            if name in FOCAL_FAMILY and (row["time_ratio"] > goal_t or row["memory_ratio"] > 2.0):
+            if name in goal_family and (row["time_ratio"] > goal_t or row["memory_ratio"] > 2.0):
                 flag = "  <- over goal"
             print(
                 f"  {name:14s} time {row['time_ratio']:5.2f}x  memory {row['memory_ratio']:5.2f}x{flag}",
@@ -174,7 +185,7 @@ def run(args, path):
             )
 
     tag = (
-        (f"{args.tag}-" if args.tag else "")
+        (f"{args.tag}-" if args.tag else "margin-" if args.margin else "")
         + ("quick-" if args.quick else "")
         + ("" if path in ("cpp", "cuda") or args.device == "cuda" else f"{path}-")
     )

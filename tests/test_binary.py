@@ -331,7 +331,7 @@ def test_loss_modules_and_registry():
     assert module.pos_weight.dtype == torch.float64 and "pos_weight" in dict(module.named_buffers())
     assert repr(create("binary-fl-2")) == "BinaryFocalLoss(gamma=2.0, alpha=None, reduction='mean')"
     assert list_losses("multilabel") == ["bce", "binary-brier", "binary-dfl", "binary-fcl", "binary-fl-2",
-                                         "binary-ls-0.05"]  # fmt: skip
+                                         "binary-hl1-ace", "binary-ls-0.05", "binary-sl1-ace"]  # fmt: skip
     assert loss_task("fl-3") == "multiclass" and "bce" not in list_losses()
     with pytest.raises(ValueError, match="for sigmoid outputs"):
         create("binary-focal")

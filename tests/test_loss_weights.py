@@ -38,7 +38,7 @@ HARD_REFERENCE = {
 # the batch statistics and the target-free penalties (SPEC §8, decision 133) take no class weights; DCA's
 # weights enter its cross entropy only, not a per-sample loss (tests/test_margin_losses.py)
 WEIGHT_REFUSED = ["mmce", "kde-xe", "mbls", "acls", "confidence-penalty", "maxsup", "mdca", "focal-mdca", "ls-mdca",
-                  "sb-ece"]  # fmt: skip
+                  "sb-ece", "avuc", "s-avuc", "esd", "hl1-ace", "sl1-ace", "cals"]  # fmt: skip
 WEIGHTED = [n for n in list_losses() if n not in [*WEIGHT_REFUSED, "dca"]]
 # the losses that are functions of the target distribution, with their per-class term f(p_k) and λ
 SMOOTHED = {
@@ -50,7 +50,8 @@ SMOOTHED = {
     "poly1": (lambda pj, j: -R.math.log(pj) + (1 - pj), 0.0),
 }
 SMOOTHING_REFUSED = ["mmce", "kde-xe", "dfl", "dualflsd-53", "adafocal", "adadualfocal", "calfocal", "mbls", "acls",
-                     "confidence-penalty", "maxsup", "mdca", "focal-mdca", "ls-mdca", "dca", "sb-ece"]  # fmt: skip
+                     "confidence-penalty", "maxsup", "mdca", "focal-mdca", "ls-mdca", "dca", "sb-ece", "avuc", "s-avuc",
+                     "esd", "hl1-ace", "sl1-ace", "cals"]  # fmt: skip
 
 
 def batch(n=16, seed=0, scale=3.0, ignored=True):

@@ -1,4 +1,4 @@
-"""MDCA's, DCA's and SB-ECE's batch terms under torch.distributed, with 2 gloo processes on CPU: ``sync=False`` (the
+"""MDCA's, DCA's, SB-ECE's, AvUC's, S-AvUC's and ESD's batch terms under torch.distributed, with 2 gloo processes on CPU: ``sync=False`` (the
 reference's behaviour) is each rank's batch; ``sync=True`` is the global batch, its value that of one
 process holding the whole batch, and its gradients, once averaged over the ranks as data parallelism does,
 those of the whole batch's loss."""
@@ -19,6 +19,9 @@ LOSSES = {
     "dca": lambda z, y, sync: F.dca_loss(z, y, sync=sync),
     "sb-ece": lambda z, y, sync: F.sbece_loss(z, y, sync=sync),
     "sb-ece-binned": lambda z, y, sync: F.sbece_loss(z, y, form="binned", sync=sync),
+    "avuc": lambda z, y, sync: F.avuc_loss(z, y, threshold=0.8, sync=sync),
+    "s-avuc": lambda z, y, sync: F.soft_avuc_loss(z, y, temperature=0.2, kappa=0.3, sync=sync),
+    "esd": lambda z, y, sync: F.esd_loss(z, y, sync=sync),
 }
 
 
@@ -99,4 +102,10 @@ def _base(name, z, y):
         return F.dca_loss(z, y, 0.0)
     if name.startswith("sb-ece"):
         return F.sbece_loss(z, y, 0.0)
+    if name == "avuc":
+        return F.avuc_loss(z, y, 0.0)
+    if name == "s-avuc":
+        return F.soft_avuc_loss(z, y, 0.0, temperature=0.2, kappa=0.3)
+    if name == "esd":
+        return F.esd_loss(z, y, 0.0)
     return F.mdca_loss(z, y, 0.0, base="focal" if name == "focal-mdca" else "nll")

@@ -20,6 +20,9 @@ from torchcal.losses import (
 )
 
 K = 4
+# CALS's multipliers and penalty parameters per class, one of them small enough that its PHR term is flat
+CALS_LAMBDA = torch.tensor([1e-6, 0.5, 2.0, 0.1], dtype=torch.float64)
+CALS_RHO = torch.tensor([1.0, 3.0, 1.5, 10.0], dtype=torch.float64)
 
 
 def batch(shape=(7,), k=K, seed=0, scale=6.0, ignore=-100):
@@ -68,6 +71,26 @@ CASES = [
      lambda z, y, **kw: R.sbece(z, y, 1.0, n_bins=5, temperature=0.05, form="binned", **kw), {}),
     ("dca-weighted", lambda z, y, **kw: F.dca_loss(z, y, 3.0, weight=torch.tensor([0.5, 1.0, 2.0, 1.5],
      dtype=torch.float64), **kw), lambda z, y, **kw: R.dca(z, y, 3.0, weight=[0.5, 1.0, 2.0, 1.5], **kw), {}),
+    ("avuc", lambda z, y, **kw: F.avuc_loss(z, y, **kw), R.avuc, {}),
+    ("avuc-th", lambda z, y, **kw: F.avuc_loss(z, y, 1.5, threshold=0.05, **kw),
+     lambda z, y, **kw: R.avuc(z, y, 1.5, threshold=0.05, **kw), {}),
+    ("s-avuc", lambda z, y, **kw: F.soft_avuc_loss(z, y, temperature=0.1, kappa=0.5, **kw), R.soft_avuc, {}),
+    ("s-avuc-2", lambda z, y, **kw: F.soft_avuc_loss(z, y, 2.0, temperature=0.5, kappa=0.2, **kw),
+     lambda z, y, **kw: R.soft_avuc(z, y, 2.0, temperature=0.5, kappa=0.2, **kw), {}),
+    ("esd", lambda z, y, **kw: F.esd_loss(z, y, **kw), R.esd, {}),
+    ("esd-holdout", lambda z, y, **kw: F.esd_loss(z, y, 2.0, holdout=0.34, **kw),
+     lambda z, y, **kw: R.esd(z, y, 2.0, holdout=0.34, **kw), {}),
+    ("ml1ace-hard", lambda z, y, **kw: F.ml1ace_loss(z, y, **kw), R.ml1ace, {}),
+    ("ml1ace-soft", lambda z, y, **kw: F.ml1ace_loss(z, y, 0.5, binning="soft", n_bins=6, **kw),
+     lambda z, y, **kw: R.ml1ace(z, y, 0.5, binning="soft", n_bins=6, **kw), {}),
+    ("ml1ace-soft-nobg", lambda z, y, **kw: F.ml1ace_loss(z, y, binning="soft", n_bins=3, include_background=False,
+     ignore_empty_classes=False, per_image=False, **kw), lambda z, y, **kw: R.ml1ace(z, y, binning="soft",
+     n_bins=3, include_background=False, ignore_empty_classes=False, per_image=False, **kw), {}),
+    ("cals", lambda z, y, **kw: F.cals_loss(z, y, CALS_LAMBDA, CALS_RHO, 3.0, **kw),
+     lambda z, y, **kw: R.cals(z, y, CALS_LAMBDA, CALS_RHO, 3.0, **kw), {}),
+    ("cals-drop-raw", lambda z, y, **kw: F.cals_loss(z, y, CALS_LAMBDA, CALS_RHO, 5.0, normalize=False,
+     ignored_rows="drop", **kw), lambda z, y, **kw: R.cals(z, y, CALS_LAMBDA, CALS_RHO, 5.0, normalize=False,
+     ignored_rows="drop", **kw), {}),
 ]  # fmt: skip
 IDS = [c[0] for c in CASES]
 # ACLS's negative term detaches the max logit (released code), so its gradient is not the derivative of its
@@ -107,8 +130,9 @@ def test_gradcheck(name, fast, ref, options, shape):
 
 
 def test_soft_targets_enter_the_cross_entropy_term():
-    """Class probabilities: the CE term is −Σ q log p (Poly-1: Σ q_k(−log p_k + ε(1 − p_k))); the penalty
-    terms do not depend on the target."""
+    """Class probabilities: the CE term is −Σ q log p (Poly-1: Σ q_k(−log p_k + ε(1 − p_k))); the margin
+    penalties do not depend on the target, MDCA's label frequencies become mean_i q_ik and mL1-ACE's bins
+    average q_ik in place of the one-hot labels."""
     g = torch.Generator().manual_seed(5)
     z = 6 * torch.randn(6, K, 3, generator=g, dtype=torch.float64)
     q = torch.softmax(torch.randn(6, K, 3, generator=g, dtype=torch.float64), 1)
@@ -119,6 +143,10 @@ def test_soft_targets_enter_the_cross_entropy_term():
         (F.maxsup_loss(z, q, reduction="sum"), R.maxsup(z, q, reduction="sum")),
         (F.mdca_loss(z, q, reduction="none"), R.mdca(z, q, reduction="none")),
         (F.mdca_loss(z, q, base="focal", gamma=2.0), R.mdca(z, q, base="focal", gamma=2.0)),
+        (F.acls_loss(z, q, margin=3.0, reduction="none"), R.acls(z, q, margin=3.0, reduction="none")),
+        (F.cals_loss(z, q, CALS_LAMBDA, CALS_RHO, 3.0), R.cals(z, q, CALS_LAMBDA, CALS_RHO, 3.0)),
+        (F.ml1ace_loss(z, q, n_bins=4, reduction="none"), R.ml1ace(z, q, n_bins=4, reduction="none")),
+        (F.ml1ace_loss(z, q, binning="soft", n_bins=4), R.ml1ace(z, q, binning="soft", n_bins=4)),
     ]
     for got, want in pairs:
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
@@ -401,8 +429,10 @@ def test_bad_arguments_are_named():
 
 
 @pytest.mark.parametrize(
-    "name", ["mbls", "acls", "poly1", "confidence-penalty", "maxsup", "mdca", "ls-mdca", "dca", "sb-ece"]
-)
+    "name",
+    ["mbls", "acls", "poly1", "confidence-penalty", "maxsup", "mdca", "focal-mdca", "ls-mdca", "dca", "sb-ece",
+     "avuc", "s-avuc", "esd", "hl1-ace", "sl1-ace", "cals"],
+)  # fmt: skip
 @pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16])
 def test_dense_autocast_is_finite_and_float32(name, autocast_dtype):
     """A segmentation-shaped batch under CPU autocast: computed in float32, finite loss and gradients."""
@@ -413,6 +443,21 @@ def test_dense_autocast_is_finite_and_float32(name, autocast_dtype):
     y[0, 0, 0] = -100
     with torch.autocast("cpu", dtype=autocast_dtype):
         loss = create(name)(conv(x), y)
+    loss.backward()
+    assert loss.dtype == torch.float32 and torch.isfinite(loss)
+    assert all(torch.isfinite(p.grad).all() for p in conv.parameters())
+
+
+@pytest.mark.parametrize("name", ["binary-hl1-ace", "binary-sl1-ace"])
+@pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16])
+def test_multilabel_ace_autocast_is_finite_and_float32(name, autocast_dtype):
+    """The sigmoid mL1-ACE on a segmentation-shaped batch of 0/1 label maps under CPU autocast."""
+    g = torch.Generator().manual_seed(1)
+    conv = torch.nn.Conv2d(3, K, 1)
+    x = 20 * torch.randn(2, 3, 5, 5, generator=g)
+    t = (torch.rand(2, K, 5, 5, generator=g) < 0.3).float()
+    with torch.autocast("cpu", dtype=autocast_dtype):
+        loss = create(name)(conv(x), t)
     loss.backward()
     assert loss.dtype == torch.float32 and torch.isfinite(loss)
     assert all(torch.isfinite(p.grad).all() for p in conv.parameters())
@@ -432,6 +477,14 @@ def test_registry_names_and_modules_equal_functions():
         (create("ls-mdca", smoothing=0.2), F.mdca_loss(z, y, base="ls", smoothing=0.2)),
         (create("dca", beta=25.0), F.dca_loss(z, y, 25.0)),
         (create("sb-ece", form="binned"), F.sbece_loss(z, y, form="binned")),
+        (create("avuc", threshold=0.3), F.avuc_loss(z, y, threshold=0.3)),
+        (create("s-avuc", temperature=0.2, kappa=0.3), F.soft_avuc_loss(z, y, temperature=0.2, kappa=0.3)),
+        (create("esd", holdout=0.5), F.esd_loss(z, y, holdout=0.5)),
+        (create("hl1-ace", n_bins=5), F.ml1ace_loss(z, y, n_bins=5)),
+        (create("sl1-ace", include_background=False), F.ml1ace_loss(z, y, binning="soft", include_background=False)),
+        # the module's float64 buffers: λ_min = 1e-6 as a float32 literal would round to another number
+        (create("cals", margin=3.0),
+         F.cals_loss(z, y, torch.full((K,), 1e-6, dtype=torch.float64), torch.ones(K, dtype=torch.float64), 3.0)),
     ]  # fmt: skip
     for module, want in pairs:
         torch.testing.assert_close(module(z, y), want, rtol=0, atol=0)
@@ -456,3 +509,188 @@ def test_scheduled_alpha_compiles_without_a_graph_break():
             loss_fn.set_epoch(epoch)
             # the same float64 ATen kernels eager and compiled; AOTAutograd may reassociate a few sums
             torch.testing.assert_close(compiled(z, y), loss_fn(z, y), rtol=1e-12, atol=1e-14)
+
+
+# ----------------------------------------------------------------------------- AvUC, S-AvUC, ESD, mL1-ACE
+
+
+def test_avuc_hand_computed():
+    """Two positions, u_th = 0.5: a correct confident one (H = 0.1407 <= u_th, certain) and a wrong
+    uncertain one (H = 0.6931, uniform): n_AC = 0.9526(1 − tanh 0.1407), n_IU = 0.5·tanh 0.6931, no AU or
+    IC, so AvU = 1 and AvUC = −log(1 + 1e-10) ≈ 0."""
+    z = torch.tensor([[3.0, 0.0], [0.0, 0.0]], dtype=torch.float64)
+    assert abs(float(F.avuc_penalty(z, torch.tensor([0, 1]), threshold=0.5))) < 1e-9
+    # the same two positions with u_th = 0.05: the first is uncertain now (n_AU), AvU = n_IU/(n_AU + n_IU)
+    p = torch.softmax(z, 1)
+    h = -(p * torch.log(p + 1e-10)).sum(1)
+    n_au, n_iu = p[0, 0] * torch.tanh(h[0]), 0.5 * torch.tanh(h[1])
+    want = -torch.log(n_iu / (n_au + n_iu + 1e-10) + 1e-10)
+    torch.testing.assert_close(F.avuc_penalty(z, torch.tensor([0, 1]), threshold=0.05), want)
+
+
+def test_soft_avuc_is_small_when_uncertainty_matches_errors():
+    """Confident correct positions and uniform wrong ones: q ≈ 0 on the first, ≈ 1 on the others, so
+    n_AU + n_IC ≈ 0 and S-AvUC ≈ 0; swapping which ones are correct makes it large."""
+    z = torch.tensor([[9.0, 0.0, 0.0]] * 3 + [[0.0, 0.0, 0.0]] * 3, dtype=torch.float64)
+    good = F.soft_avuc_penalty(z, torch.tensor([0, 0, 0, 1, 1, 2]), temperature=0.05, kappa=0.5)
+    bad = F.soft_avuc_penalty(z, torch.tensor([1, 1, 2, 0, 0, 0]), temperature=0.05, kappa=0.5)
+    assert float(good) < 1e-6 and float(bad) > 1.0
+
+
+def test_esd_is_the_pairwise_u_statistic_and_its_sqrt_is_safe():
+    """ESD against the matrix form Σ_{j≠k; j,k≠i} x_ij x_ik / ((n − 1)(n − 2)) averaged over i, with ties in
+    the confidences; a negative ESD gives CE's gradient alone (relu before the sqrt, no NaN)."""
+    g = torch.Generator().manual_seed(2)
+    z = 2 * torch.randn(10, 3, generator=g, dtype=torch.float64)
+    z[4] = z[7]  # a tie: r_4 = r_7, each counts the other
+    y = torch.randint(0, 3, (10,), generator=g)
+    p = torch.softmax(z, 1)
+    r, pred = p.max(1)
+    x = (pred == y).double() - r
+    n = 10
+    total = 0.0
+    for i in range(n):
+        xi = [float(x[j]) if float(r[j]) <= float(r[i]) else 0.0 for j in range(n) if j != i]
+        pairs = sum(a * b for ja, a in enumerate(xi) for jb, b in enumerate(xi) if ja != jb)
+        total += pairs / ((n - 1) * (n - 2))
+    assert abs(float(F.esd_penalty(z, y)) - total / n) < 1e-14
+    zz = torch.tensor(
+        [[3.0, 0.0], [0.0, 0.2], [2.0, 0.0], [0.5, 0.0]], dtype=torch.float64, requires_grad=True
+    )
+    yy = torch.tensor([0, 1, 1, 1])
+    assert float(F.esd_penalty(zz, yy).detach()) < 0
+    (grad,) = torch.autograd.grad(F.esd_loss(zz, yy), zz)
+    (ce,) = torch.autograd.grad(torch.nn.functional.cross_entropy(zz, yy), zz)
+    torch.testing.assert_close(grad, ce)
+    assert float(F.esd_penalty(zz[:2], yy[:2]).detach()) == 0.0  # fewer than 3 positions
+
+
+def test_esd_holdout_is_the_reference_protocol_with_two_batches():
+    """holdout = h: cross entropy on the first samples, ESD on the last ceil(h·N) alone."""
+    z, y = batch((10,))
+    got = F.esd_loss(z, y, 2.0, holdout=0.3)
+    want = nnf.cross_entropy(z[:7], y[:7]) + 2.0 * F.esd_penalty(z[7:], y[7:]).clamp(min=0).sqrt()
+    torch.testing.assert_close(got, want)
+    with pytest.raises(ValueError, match="holds out all 10 samples"):
+        F.esd_loss(z, y, holdout=1.0)
+
+
+def test_ml1ace_hand_computed_hard_and_soft():
+    """One image of 4 pixels, 2 classes, M = 2 hard bins: class 0's p = (0.9, 0.8, 0.3, 0.2) with labels
+    (1, 0, 0, 0): bin (0.5, 1] holds 0.9, 0.8 (mean p 0.85, mean y 0.5), bin [0, 0.5] holds 0.3, 0.2 (0.25 vs
+    0): ACE_0 = (0.35 + 0.25)/2; class 1 mirrors it (p 1 − p, y 1 − y): the same gaps."""
+    p0 = torch.tensor([0.9, 0.8, 0.3, 0.2], dtype=torch.float64)
+    z = torch.stack([torch.log(p0), torch.log(1 - p0)])[None, :, :, None]  # (1, 2, 4, 1)
+    y = torch.tensor([0, 1, 1, 1])[None, :, None]
+    ace = F.ml1ace_penalty(z, y, n_bins=2, reduction="none")
+    torch.testing.assert_close(ace, torch.tensor([[0.3, 0.3]], dtype=torch.float64))
+    # soft bins, centres 0.25 and 0.75: 0.9 and 0.8 sit above 0.75 (all in bin 1); 0.3 splits 0.9/0.1 and
+    # 0.2 is below 0.25 (all in bin 0)
+    w0 = torch.tensor([0.0, 0.0, 0.9, 1.0], dtype=torch.float64)
+    w1 = 1 - w0
+    y0 = torch.tensor([1.0, 0.0, 0.0, 0.0], dtype=torch.float64)
+    c = 1 + 1.1920928955078125e-07
+    w0[2] = 1 - (0.3 / c * 2 - 0.5)
+    w1[2] = 1 - w0[2]
+    gaps = [((w * p0).sum() - (w * y0).sum()).abs() / w.sum() for w in (w0, w1)]
+    soft = F.ml1ace_penalty(z, y, n_bins=2, binning="soft", reduction="none")
+    torch.testing.assert_close(soft[0, 0], sum(gaps) / 2)
+
+
+def test_ml1ace_empty_classes_and_images():
+    """A class absent from an image counts 0 and stays in the mean (the reference's ignore_empty_classes);
+    an image whose every position is ignored leaves the mean; include_background drops class 0."""
+    z, y = batch((2, 3, 2))
+    y[0] = 1  # image 0 holds class 1 only
+    ace = F.ml1ace_penalty(z, y, reduction="none")
+    assert (ace[0, [0, 2, 3]] == 0).all() and ace[0, 1] > 0
+    full = F.ml1ace_penalty(z, y, ignore_empty_classes=False, reduction="none")
+    assert (full[0, [0, 2, 3]] > 0).all()
+    torch.testing.assert_close(F.ml1ace_penalty(z, y), ace.mean())
+    y[1] = -100
+    torch.testing.assert_close(F.ml1ace_penalty(z, y), F.ml1ace_penalty(z[:1], y[:1]))
+    nobg = F.ml1ace_penalty(z, y, include_background=False, reduction="none")
+    assert nobg.shape == (2, 3)
+
+
+def test_ml1ace_multilabel_matches_the_loop_reference():
+    """Sigmoid outputs (N, L, H, W) with 0/1 targets: BCE + λ·mL1-ACE per image and label, values and
+    gradients against the loop reference, soft bins included; (N, L) inputs pool the batch."""
+    g = torch.Generator().manual_seed(6)
+    for shape in ((2, 3, 3, 2), (7, 3)):
+        z = 3 * torch.randn(*shape, generator=g, dtype=torch.float64)
+        t = (torch.rand(*shape, generator=g) < 0.4).double()
+        for binning in ("hard", "soft"):
+            for reduction in ("mean", "none", "sum"):
+                za, zb = z.clone().requires_grad_(True), z.clone().requires_grad_(True)
+                got = F.ml1ace_loss(
+                    za, t, 0.5, binning=binning, n_bins=4, multilabel=True, reduction=reduction
+                )
+                want = R.ml1ace(zb, t, 0.5, binning=binning, n_bins=4, multilabel=True, reduction=reduction)
+                torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+                got.sum().backward()
+                want.sum().backward()
+                torch.testing.assert_close(za.grad, zb.grad, rtol=1e-10, atol=1e-12)
+    module = create("binary-sl1-ace", n_bins=4)
+    torch.testing.assert_close(module(z, t), F.ml1ace_loss(z, t, binning="soft", n_bins=4, multilabel=True))
+    with pytest.raises(ValueError, match="`ignore_index` is not accepted with multilabel=True"):
+        F.ml1ace_loss(z, t, multilabel=True, ignore_index=255)
+
+
+def test_new_batch_terms_refuse_what_they_do_not_define():
+    z, y = batch()
+    q = torch.full((9, K), 1 / K, dtype=torch.float64)
+    for name, message in (("avuc", "AvUC is a statistic"), ("s-avuc", "S-AvUC is a statistic"),
+                          ("esd", "ESD is a statistic"), ("hl1-ace", "mL1-ACE is a statistic")):  # fmt: skip
+        with pytest.raises(ValueError, match=rf"^`weight` is not accepted: {message}"):
+            create(name, weight=torch.ones(K))
+        with pytest.raises(ValueError, match=rf"^`label_smoothing` is not accepted: {message}"):
+            create(name, label_smoothing=0.1)
+    for fn in (F.avuc_loss, F.esd_loss, lambda a, b: F.soft_avuc_loss(a, b, temperature=0.1, kappa=0.5)):
+        with pytest.raises(TypeError, match="soft \\(floating\\) `targets` are not accepted"):
+            fn(z, q)
+    with pytest.raises(ValueError, match="`kappa` must lie in \\(0, 1\\)"):
+        F.soft_avuc_loss(z, y, temperature=0.1, kappa=1.0)
+    with pytest.raises(ValueError, match="`temperature` must be > 0"):
+        F.soft_avuc_penalty(z, y, temperature=0.0, kappa=0.5)
+    with pytest.raises(TypeError, match="temperature"):
+        F.soft_avuc_loss(z, y)  # no default in the functional form
+    with pytest.raises(ValueError, match="`binning` must be one of"):
+        F.ml1ace_loss(z, y, binning="kde")
+    with pytest.raises(ValueError, match="`holdout` must be"):
+        F.esd_loss(z, y, holdout=1.5)
+
+
+def test_margin_terms_are_differentiable_once():
+    """MbLS, ACLS and CALS compute their margin terms' gradient analytically (one (N, K) array): a gradient
+    with create_graph=True (for a second derivative) is refused rather than missing the terms' Hessian."""
+    z, y = batch()
+    for fn in (
+        lambda a: F.logit_margin_l1_loss(a, y, 3.0),
+        lambda a: F.acls_loss(a, y, margin=3.0),
+        lambda a: F.cals_loss(a, y, CALS_LAMBDA, CALS_RHO, 3.0),
+    ):
+        za = z.clone().requires_grad_(True)
+        torch.autograd.grad(fn(za), za)  # first order
+        with pytest.raises(RuntimeError, match="differentiable once only"):
+            torch.autograd.grad(fn(za), za, create_graph=True)
+
+
+@pytest.mark.compile
+def test_pooled_ml1ace_compiles_with_inductor():
+    """(N, K) inputs pool the batch into one group; a scatter-add into that one group's sums made Inductor's
+    CPU code generation fail (torch 2.13), so the per-group sums are block sums. The default backend,
+    float32: generated code reorders float32 sums (a few ulps)."""
+    g = torch.Generator().manual_seed(4)
+    z = (3 * torch.randn(32, K, generator=g)).requires_grad_(True)
+    y = torch.randint(0, K, (32,), generator=g)
+    y[3] = -100
+    torch._dynamo.reset()
+    compiled = torch.compile(create("hl1-ace"), backend="inductor")
+    got = compiled(z, y)
+    (got_grad,) = torch.autograd.grad(got, z)
+    want = create("hl1-ace")(z, y)
+    (want_grad,) = torch.autograd.grad(want, z)
+    torch._dynamo.reset()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_grad, want_grad, rtol=1e-5, atol=1e-6)

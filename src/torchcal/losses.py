@@ -30,19 +30,23 @@ from .functional._loss_inputs import check_ignore_index, check_label_smoothing, 
 
 __all__ = [
     "ACLSLoss",
+    "ADAPTIVE_LOSSES",
     "AdaFocalLoss",
+    "AvUCLoss",
     "BinaryBrierLoss",
     "BinaryCrossEntropyLoss",
     "BinaryDualFocalLoss",
     "BinaryFocalCalibrationLoss",
     "BinaryFocalLoss",
     "BrierLoss",
+    "CALSLoss",
     "CalFocalLoss",
     "ConfidencePenaltyLoss",
     "CrossEntropyLoss",
     "DCALoss",
     "DualFocalLoss",
     "DualSampleDependentFocalLoss",
+    "ESDLoss",
     "FocalCalibrationLoss",
     "FocalLoss",
     "FusedLinearLoss",
@@ -50,12 +54,14 @@ __all__ = [
     "KDEXELoss",
     "LogitMarginL1Loss",
     "MDCALoss",
+    "ML1ACELoss",
     "MMCELoss",
     "MaxSupLoss",
     "Poly1CrossEntropyLoss",
     "SBECELoss",
     "SampleDependentFocalLoss",
     "ScheduledFocalLoss",
+    "SoftAvUCLoss",
     "create",
     "list_losses",
     "loss_task",
@@ -723,6 +729,424 @@ class SBECELoss(_Loss):
         )
 
 
+def _all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of ``tensor``, summed over the ranks when torch.distributed is initialised."""
+    import torch.distributed as dist
+
+    tensor = tensor.clone()
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(tensor)
+    return tensor
+
+
+class AvUCLoss(_Loss):
+    """Cross entropy + β·AvUC of the batch (β = 3, the released scripts') with the released code's threshold
+    schedule: u_th (a buffer, 1.0 at the start) is set to ½(mean entropy of the correct predictions + mean
+    entropy of the wrong ones) by :meth:`update` at the end of each of the first ``warmup_epochs`` epochs (6:
+    epochs 0-5 of the CIFAR script), then frozen. :meth:`update` takes the validation logits (the CIFAR
+    script's source); called without them (``metrics=`` only, as the runner and the Lightning callback do) it
+    uses the training predictions this module saw since the last update (the ImageNet script's source),
+    summed over the ranks under torch.distributed so that every rank holds the same u_th. The threshold, the
+    sums and the number of updates are buffers: ``state_dict()`` restores them. ``sync=True`` takes the batch
+    term over the global batch. Refuses class ``weight``, ``label_smoothing`` and soft targets."""
+
+    # buffers (register_buffer)
+    threshold: torch.Tensor
+    entropy_sums: torch.Tensor
+    updates: torch.Tensor
+
+    _args = ("beta", "warmup_epochs")
+
+    def __init__(
+        self,
+        beta: float = 3.0,
+        reduction: str = "mean",
+        *,
+        threshold: float = 1.0,
+        warmup_epochs: int = 6,
+        sync: bool = False,
+        weight=None,
+        label_smoothing: float = 0.0,
+        ignore_index=L.IGNORE_INDEX,
+    ):
+        M._refuse_batch_term(M._AVUC_IS_A_BATCH_TERM, weight, label_smoothing)
+        super().__init__(reduction, ignore_index)
+        self.beta = check_float(beta, "beta", low=0)
+        self.warmup_epochs = check_positive_int(warmup_epochs, "warmup_epochs", minimum=0)
+        self.sync = check_bool(sync, "sync")
+        self.register_buffer(
+            "threshold", torch.tensor(check_float(threshold, "threshold", low=0), dtype=torch.float64)
+        )
+        # Σ H and the count of the correct, then of the wrong training predictions since the last update
+        self.register_buffer("entropy_sums", torch.zeros(4, dtype=torch.float64))
+        self.register_buffer("updates", torch.zeros((), dtype=torch.long))
+
+    def extra_repr(self) -> str:
+        return (
+            super().extra_repr()
+            + f", threshold={float(self.threshold):.4g}"
+            + (", sync=True" if self.sync else "")
+        )
+
+    def forward(self, logits, targets):
+        accumulate = torch.is_grad_enabled() and self._warming_up()
+        out = M.avuc_loss(
+            logits,
+            targets,
+            self.beta,
+            threshold=self.threshold,
+            sync=self.sync,
+            ignore_index=self.ignore_index,
+            reduction=self.reduction,
+            statistics=accumulate,
+        )
+        if not accumulate:
+            return out
+        loss, sums = out
+        assert sums is not None  # asked for: statistics=True
+        self.entropy_sums.add_(sums)
+        return loss
+
+    def _warming_up(self) -> bool:
+        if torch.compiler.is_compiling():  # (the count is a tensor; accumulating after warm-up is harmless)
+            return True
+        return int(self.updates) < self.warmup_epochs
+
+    @torch.no_grad()
+    def update(self, logits=None, targets=None, *, metrics=None, from_logits: bool = True) -> None:
+        """The end of an epoch: during the warm-up, u_th ← ½(mean H of the correct + mean H of the wrong
+        predictions) of ``logits``/``targets`` (validation; ``from_logits=False`` for probabilities) or, when
+        none are given, of the training predictions accumulated since the last update. ``metrics`` (the
+        runner's validation metrics) is accepted and not used: it holds no entropies. A u_th with no correct
+        or no wrong prediction to average is left as it is."""
+        del metrics
+        if logits is not None:
+            if targets is None:
+                raise ValueError("update(logits, targets): `targets` is missing")
+            z = torch.as_tensor(logits)
+            if not from_logits:
+                z = z.double().clamp(min=1e-300).log()
+            sums = _entropy_sums(z, torch.as_tensor(targets), self.ignore_index).to(self.entropy_sums)
+        else:
+            sums = _all_reduce_sum(self.entropy_sums)
+        if int(self.updates) < self.warmup_epochs and sums[1] > 0 and sums[3] > 0:
+            self.threshold.fill_(float(0.5 * (sums[0] / sums[1] + sums[2] / sums[3])))
+        self.updates.add_(1)
+        self.entropy_sums.zero_()
+
+
+def _entropy_sums(logits, targets, ignore_index):
+    """(Σ H over the correct predictions, their count, Σ H over the wrong ones, their count), detached, with
+    AvUC's entropy H = −Σ p log(p + 1e-10)."""
+    # (detached rather than under no_grad: a no_grad region splits a torch.compile graph)
+    rows = M.loss_rows(logits.detach(), targets, ignore_index, soft_refusal=M._AVUC_NEEDS_LABELS)
+    p = torch.softmax(rows.logits.double(), 1)
+    entropy = -(p * torch.log(p + 1e-10)).sum(1)
+    correct = (p.argmax(1) == rows.targets).double()
+    kept = p.new_ones(p.shape[0]) if rows.keep is None else rows.keep.double()
+    wrong = (1 - correct) * kept
+    correct = correct * kept
+    return torch.stack([(entropy * correct).sum(), correct.sum(), (entropy * wrong).sum(), wrong.sum()])
+
+
+class SoftAvUCLoss(_Loss):
+    """Cross entropy + β·S-AvUC of the batch (soft AvUC, Karandikar et al. 2021). ``temperature`` T and
+    ``kappa`` κ have no published value (the reference code has no defaults; the functional form requires
+    them): the module's T = 0.1 and κ = 0.5 (the midpoint of the normalised entropy) are torchcal's choice so
+    that the registry name trains as it is, not a reproduction (decision 167); set both for a study.
+    ``sync=True`` takes the term over the global batch. Refuses class ``weight``, ``label_smoothing`` and soft
+    targets."""
+
+    _args = ("beta", "temperature", "kappa")
+
+    def __init__(
+        self,
+        beta: float = 1.0,
+        reduction: str = "mean",
+        *,
+        temperature: float = 0.1,
+        kappa: float = 0.5,
+        sync: bool = False,
+        weight=None,
+        label_smoothing: float = 0.0,
+        ignore_index=L.IGNORE_INDEX,
+    ):
+        M._refuse_batch_term(M._AVUC_IS_A_BATCH_TERM.replace("AvUC", "S-AvUC"), weight, label_smoothing)
+        super().__init__(reduction, ignore_index)
+        self.beta = check_float(beta, "beta", low=0)
+        self.temperature = check_float(temperature, "temperature", low=0, low_open=True)
+        self.kappa = M._kappa(kappa)
+        self.sync = check_bool(sync, "sync")
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (", sync=True" if self.sync else "")
+
+    def forward(self, logits, targets):
+        return M.soft_avuc_loss(
+            logits,
+            targets,
+            self.beta,
+            temperature=self.temperature,
+            kappa=self.kappa,
+            sync=self.sync,
+            ignore_index=self.ignore_index,
+            reduction=self.reduction,
+        )
+
+
+class ESDLoss(_Loss):
+    """Cross entropy + λ·sqrt(relu(ESD)) (λ = 4, the released ImageNet-100 script's). ``holdout`` h: the last
+    ceil(h·N) samples of each batch form the calibration part (ESD only, no cross entropy; decision 166); 0
+    (default) computes both terms on the whole batch. ``sync=True`` takes ESD over the global batch. Refuses
+    class ``weight``, ``label_smoothing`` and soft targets."""
+
+    _args = ("lambda_", "holdout")
+
+    def __init__(
+        self,
+        lambda_: float = 4.0,
+        reduction: str = "mean",
+        *,
+        holdout: float = 0.0,
+        sync: bool = False,
+        weight=None,
+        label_smoothing: float = 0.0,
+        ignore_index=L.IGNORE_INDEX,
+    ):
+        M._refuse_batch_term(M._ESD_IS_A_BATCH_TERM, weight, label_smoothing)
+        super().__init__(reduction, ignore_index)
+        self.lambda_ = check_float(lambda_, "lambda_", low=0)
+        self.holdout = check_float(holdout, "holdout", low=0, high=1)
+        self.sync = check_bool(sync, "sync")
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (", sync=True" if self.sync else "")
+
+    def forward(self, logits, targets):
+        return M.esd_loss(
+            logits,
+            targets,
+            self.lambda_,
+            holdout=self.holdout,
+            sync=self.sync,
+            ignore_index=self.ignore_index,
+            reduction=self.reduction,
+        )
+
+
+class ML1ACELoss(_Loss):
+    """Cross entropy + λ·mL1-ACE, the marginal L1 average calibration error per image and class (hard bins by
+    default, ``binning="soft"`` for soft bins; M = 20 bins). ``multilabel=True`` for sigmoid outputs (binary
+    cross entropy; the ``binary-`` registry names). Refuses class ``weight`` and ``label_smoothing``."""
+
+    _args = ("lambda_", "binning", "n_bins")
+
+    def __init__(
+        self,
+        lambda_: float = 1.0,
+        binning: str = "hard",
+        reduction: str = "mean",
+        *,
+        n_bins: int = 20,
+        empty_weight: float = 0.01,
+        multilabel: bool = False,
+        per_image=None,
+        include_background: bool = True,
+        ignore_empty_classes: bool = True,
+        weight=None,
+        label_smoothing: float = 0.0,
+        ignore_index=L.IGNORE_INDEX,
+    ):
+        M._refuse_batch_term(M._ACE_IS_PER_IMAGE, weight, label_smoothing)
+        super().__init__(reduction, ignore_index)
+        self.lambda_ = check_float(lambda_, "lambda_", low=0)
+        options = M._check_ace_options(
+            n_bins, binning, empty_weight, include_background, ignore_empty_classes
+        )
+        self.n_bins, self.binning, self.empty_weight, self.include_background, self.ignore_empty_classes = (
+            options
+        )
+        self.multilabel = check_bool(multilabel, "multilabel")
+        if per_image is not None:
+            per_image = check_bool(per_image, "per_image")
+        self.per_image = per_image
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (", multilabel=True" if self.multilabel else "")
+
+    def forward(self, logits, targets):
+        return M.ml1ace_loss(
+            logits,
+            targets,
+            self.lambda_,
+            n_bins=self.n_bins,
+            binning=self.binning,
+            empty_weight=self.empty_weight,
+            multilabel=self.multilabel,
+            per_image=self.per_image,
+            include_background=self.include_background,
+            ignore_empty_classes=self.ignore_empty_classes,
+            ignore_index=self.ignore_index,
+            reduction=self.reduction,
+        )
+
+
+class CALSLoss(_Loss):
+    """CALS, class-adaptive label smoothing (Liu et al. 2023): CE + mean_{i,k} P(h_ik; λ_k, ρ_k), the PHR
+    penalty of the logit-distance constraints (:func:`torchcal.functional.cals_loss`), with the released
+    code's augmented-Lagrangian updates of the per-class multipliers λ and penalty parameters ρ.
+
+    State (buffers, so ``state_dict()`` and a checkpoint restore it): λ (K,) starting at ``lambda_min`` =
+    1e-6, ρ (K,) starting at ``rho_min`` = 1, the previous constraint means, the update count and the sums of
+    the current epoch. The K buffers are sized on the first call when ``num_classes`` is not given.
+
+    :meth:`update` (the end of an epoch) sets λ_k ← clamp(mean_i clamp(max(0, λ_k + ρ_k h_ik), λ_min, λ_max),
+    λ_min, λ_max), with the λ and ρ in force, and c_k = mean_i h_ik; every ``rho_step`` updates (10) and once
+    a previous c exists, ρ_k ← clamp(γρ_k, ρ_min, ρ_max) where c_k > τ·max(c_prev_k, 0) (γ = 1.2, τ = 0.9,
+    ρ_max = 10); c_prev ← c. The means run over the validation logits passed to :meth:`update` (the released
+    code's source, which the Hugging Face trainer passes) or, when none are given (``metrics=`` only, as the
+    runner and the Lightning callback call it), over the training positions this module saw since the last
+    update, summed over the ranks under torch.distributed so that every rank holds the same λ and ρ
+    (decision 168). The penalty covers the positions labelled ``ignore_index`` as the released code
+    (``ignored_rows="drop"`` for the contract); the statistics leave them out. Margin m = 10 (the README's
+    commands; the YAML default 20 is overridden there). Refuses class ``weight`` and ``label_smoothing``."""
+
+    # buffers (register_buffer)
+    lambdas: torch.Tensor
+    rhos: torch.Tensor
+    previous_constraint: torch.Tensor
+    statistics: torch.Tensor
+    updates: torch.Tensor
+
+    _args = ("margin",)
+
+    def __init__(
+        self,
+        margin: float = 10.0,
+        reduction: str = "mean",
+        *,
+        num_classes: int | None = None,
+        normalize: bool = True,
+        lambda_min: float = 1e-6,
+        lambda_max: float = 1e6,
+        rho_min: float = 1.0,
+        rho_max: float = 10.0,
+        gamma: float = 1.2,
+        tau: float = 0.9,
+        rho_step: int = 10,
+        ignored_rows: str = "reference",
+        weight=None,
+        label_smoothing: float = 0.0,
+        ignore_index=L.IGNORE_INDEX,
+    ):
+        if weight is not None:
+            raise ValueError(f"`weight` is not accepted: {M._CALS_PENALTY_IS_NOT_PER_CLASS}")
+        check_label_smoothing(label_smoothing, M._CALS_PENALTY_IS_NOT_PER_CLASS)
+        super().__init__(reduction, ignore_index)
+        self.margin = check_float(margin, "margin", low=0, low_open=True)
+        self.normalize = check_bool(normalize, "normalize")
+        self.lambda_min = check_float(lambda_min, "lambda_min", low=0)
+        self.lambda_max = check_float(lambda_max, "lambda_max", low=self.lambda_min)
+        self.rho_min = check_float(rho_min, "rho_min", low=0, low_open=True)
+        self.rho_max = check_float(rho_max, "rho_max", low=self.rho_min)
+        self.gamma = check_float(gamma, "gamma", low=0)
+        self.tau = check_float(tau, "tau")
+        self.rho_step = check_positive_int(rho_step, "rho_step")
+        self.ignored_rows = check_choice(ignored_rows, "ignored_rows", {"reference", "drop"})
+        k = 0 if num_classes is None else check_positive_int(num_classes, "num_classes")
+        self.register_buffer("lambdas", torch.full((k,), self.lambda_min, dtype=torch.float64))
+        self.register_buffer("rhos", torch.full((k,), self.rho_min, dtype=torch.float64))
+        self.register_buffer("previous_constraint", torch.full((k,), torch.nan, dtype=torch.float64))
+        self.register_buffer("statistics", torch.zeros(2 * k + 1, dtype=torch.float64))
+        self.register_buffer("updates", torch.zeros((), dtype=torch.long))
+
+    def _size(self, k: int) -> None:
+        """Sizes the per-class buffers for K classes on first use; a different K later is an error."""
+        if self.lambdas.numel() == k:
+            return
+        if self.lambdas.numel():
+            raise ValueError(
+                f"CALSLoss holds multipliers for {self.lambdas.numel()} classes, got logits with {k}"
+            )
+        device = self.lambdas.device
+        self.lambdas = torch.full((k,), self.lambda_min, dtype=torch.float64, device=device)
+        self.rhos = torch.full((k,), self.rho_min, dtype=torch.float64, device=device)
+        self.previous_constraint = torch.full((k,), torch.nan, dtype=torch.float64, device=device)
+        self.statistics = torch.zeros(2 * k + 1, dtype=torch.float64, device=device)
+
+    def forward(self, logits, targets):
+        self._size(logits.shape[1])
+        training = torch.is_grad_enabled()
+        out = M.cals_loss(
+            logits,
+            targets,
+            self.lambdas,
+            self.rhos,
+            self.margin,
+            normalize=self.normalize,
+            ignored_rows=self.ignored_rows,
+            ignore_index=self.ignore_index,
+            reduction=self.reduction,
+            statistics=(self.lambda_min, self.lambda_max) if training else None,
+        )
+        if not training:
+            return out
+        loss, sums = out
+        assert sums is not None  # asked for: the statistics' clamp range
+        self.statistics.add_(sums)
+        return loss
+
+    def _statistics(self, logits, targets):
+        return M.cals_statistics(
+            logits, targets, self.lambdas, self.rhos, self.margin, normalize=self.normalize,
+            lambda_min=self.lambda_min, lambda_max=self.lambda_max, ignore_index=self.ignore_index,
+        )  # fmt: skip
+
+    @torch.no_grad()
+    def update(self, logits=None, targets=None, *, metrics=None, from_logits: bool = True) -> None:
+        """One multiplier update (the end of an epoch) from the validation ``logits`` (N, K) or (N, K, d1, ...)
+        (``targets`` optional: positions labelled ``ignore_index`` are left out) or, without them, from the
+        training positions accumulated since the last update. ``metrics`` is accepted and not used (it holds
+        no logits). Without logits and with nothing accumulated, nothing changes."""
+        del metrics
+        if not from_logits:
+            raise ValueError(
+                "CALSLoss.update needs logits (from_logits=True): the constraints are on the logits"
+            )
+        if logits is not None:
+            z = torch.as_tensor(logits)
+            self._size(z.shape[1])
+            sums = self._statistics(z, None if targets is None else torch.as_tensor(targets))
+        else:
+            sums = _all_reduce_sum(self.statistics)
+        self.statistics.zero_()
+        sums = sums.to(self.lambdas)
+        k = self.lambdas.numel()
+        count = sums[-1]
+        if k == 0 or count <= 0:
+            return
+        self.lambdas.copy_((sums[:k] / count).clamp(self.lambda_min, self.lambda_max))
+        constraint = sums[k : 2 * k] / count
+        self.updates.add_(1)
+        if int(self.updates) % self.rho_step == 0 and not torch.isnan(self.previous_constraint).any():
+            grow = constraint > self.tau * self.previous_constraint.clamp(min=0)
+            self.rhos.copy_(
+                torch.where(grow, self.gamma * self.rhos, self.rhos).clamp(self.rho_min, self.rho_max)
+            )
+        self.previous_constraint.copy_(constraint)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # the per-class buffers may still be unsized (num_classes not given): size them to the saved ones
+        key = prefix + "lambdas"
+        if key in state_dict and state_dict[key].numel() != self.lambdas.numel() and not self.lambdas.numel():
+            self._size(state_dict[key].numel())
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+# losses with an ``update`` hook that the integrations call after each validation pass
+ADAPTIVE_LOSSES = (AdaFocalLoss, CalFocalLoss, AvUCLoss, CALSLoss)
+
+
 # -- sigmoid outputs (binary / multi-label; SPEC §6) ---------------------------------------------------------
 
 
@@ -828,6 +1252,8 @@ _MULTILABEL = {
     "binary-brier": lambda **kw: BinaryBrierLoss(**kw),
     "binary-fcl": lambda **kw: BinaryFocalCalibrationLoss(**kw),
     "binary-dfl": lambda **kw: BinaryDualFocalLoss(**kw),
+    "binary-hl1-ace": lambda **kw: ML1ACELoss(binning="hard", multilabel=True, **kw),
+    "binary-sl1-ace": lambda **kw: ML1ACELoss(binning="soft", multilabel=True, **kw),
 }
 # parametrised names: (the argument the number fixes, the class that takes any value, the factory)
 _MULTILABEL_PATTERNS = {
@@ -861,6 +1287,12 @@ _FIXED = {
     "ls-mdca": lambda **kw: MDCALoss(base="ls", **kw),
     "dca": lambda **kw: DCALoss(**kw),
     "sb-ece": lambda **kw: SBECELoss(**kw),
+    "avuc": lambda **kw: AvUCLoss(**kw),
+    "s-avuc": lambda **kw: SoftAvUCLoss(**kw),
+    "esd": lambda **kw: ESDLoss(**kw),
+    "hl1-ace": lambda **kw: ML1ACELoss(binning="hard", **kw),
+    "sl1-ace": lambda **kw: ML1ACELoss(binning="soft", **kw),
+    "cals": lambda **kw: CALSLoss(**kw),
 }
 # the constructor arguments a fixed name sets, with their values and the class that takes any
 _FIXED_ARGS = {
@@ -872,6 +1304,10 @@ _FIXED_ARGS = {
     "adadualfocal": {"dual": True, "class": "AdaFocalLoss"},
     "focal-mdca": {"base": "focal", "class": "MDCALoss"},
     "ls-mdca": {"base": "ls", "class": "MDCALoss"},
+    "hl1-ace": {"binning": "hard", "multilabel": False, "class": "ML1ACELoss"},
+    "sl1-ace": {"binning": "soft", "multilabel": False, "class": "ML1ACELoss"},
+    "binary-hl1-ace": {"binning": "hard", "multilabel": True, "class": "ML1ACELoss"},
+    "binary-sl1-ace": {"binning": "soft", "multilabel": True, "class": "ML1ACELoss"},
 }
 # parametrised names (fl-3, ifl-1, ls-0.05): (the argument the number fixes, the class that takes any value,
 # the factory)
@@ -886,7 +1322,7 @@ _PATTERNS = {
 def list_losses(task: str = "multiclass") -> list[str]:
     """Registered names for softmax outputs (``task="multiclass"``; parametrised families shown with the
     papers' values: fl-1/2/3, ifl-1, ls-0.05) or for sigmoid outputs (``"multilabel"``: bce, binary-fl-2,
-    binary-ls-0.05, binary-fcl, binary-brier, binary-dfl)."""
+    binary-ls-0.05, binary-fcl, binary-brier, binary-dfl, binary-hl1-ace, binary-sl1-ace)."""
     check_choice(task, "task", {"multiclass", "multilabel"})
     if task == "multilabel":
         return sorted([*_MULTILABEL, "binary-fl-2", "binary-ls-0.05"])
@@ -904,7 +1340,8 @@ def create(name: str, **kwargs) -> nn.Module:
     """A loss module by the papers' label: "ce", "ls-0.05", "brier", "mmce", "fl-3", "flsd-53", "flsd-532",
     "fls-531", "dfl", "dualflsd-53", "fcl", "adafocal", "adadualfocal", "calfocal", "ifl-1", and the margin
     and penalty losses "mbls", "acls", "poly1", "confidence-penalty", "maxsup", "mdca" (NLL+MDCA), "focal-mdca"
-    (γ = 1), "ls-mdca" (α = 0.1), "dca", "sb-ece" (SPEC §8); keyword
+    (γ = 1), "ls-mdca" (α = 0.1), "dca", "sb-ece", "avuc", "s-avuc" (T = 0.1, κ = 0.5: no published value),
+    "esd", "hl1-ace" / "sl1-ace" (mL1-ACE, hard / soft bins), "cals" (SPEC §8); keyword
     arguments go to the constructor (e.g. ``reduction="sum"``). An argument the name fixes (γ of ``fl-3``,
     ε of ``ls-0.05``, the schedule of ``flsd-53``) is a ``ValueError`` naming the loss to use instead.
 
@@ -917,7 +1354,7 @@ def create(name: str, **kwargs) -> nn.Module:
         ValueError: loss 'fl-3' fixes gamma = 3 (the number in its name); for gamma = 2 name it 'fl-2' (fl-<γ> takes any value) or use torchcal.losses.FocalLoss(gamma=2)
     """
     key = name.lower()
-    if key in _FIXED:
+    if key in _FIXED or key in _MULTILABEL:
         fixed = sorted(set(_FIXED_ARGS.get(key, ())) & set(kwargs))
         if fixed:
             cls, values = _FIXED_ARGS[key]["class"], _FIXED_ARGS[key]
@@ -926,9 +1363,7 @@ def create(name: str, **kwargs) -> nn.Module:
                 f"loss {name!r} is {cls} with {shown}, so {', '.join(fixed)} cannot be passed; for other "
                 f"values use torchcal.losses.{cls}({', '.join(f'{k}=...' for k in fixed)})"
             )
-        return _FIXED[key](**kwargs)
-    if key in _MULTILABEL:
-        return _MULTILABEL[key](**kwargs)
+        return (_FIXED if key in _FIXED else _MULTILABEL)[key](**kwargs)
     for pattern, (param, cls, make) in (*_PATTERNS.items(), *_MULTILABEL_PATTERNS.items()):
         match = re.fullmatch(pattern, key)
         if match:

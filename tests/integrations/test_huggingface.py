@@ -14,7 +14,7 @@ from transformers import (  # noqa: E402
 
 import torchcal.functional as F  # noqa: E402
 from torchcal.integrations.huggingface import CalibrationTrainer, compute_metrics, loss_func  # noqa: E402
-from torchcal.losses import AdaFocalLoss, create  # noqa: E402
+from torchcal.losses import AdaFocalLoss, CALSLoss, create  # noqa: E402
 
 CONFIG = dict(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
               max_position_embeddings=16)  # fmt: skip
@@ -228,3 +228,27 @@ def test_multilabel_model_loss_and_metrics_with_unknown_labels(tmp_path):
         compute_metrics(3, ("ece", "auroc_micro"), task="multilabel")
     with pytest.raises(ValueError, match="`task` must be one of"):
         compute_metrics(3, task="multi-label")
+
+
+def test_trainer_updates_cals_from_the_evaluation_logits(tmp_path):
+    """CALS's multipliers follow each scheduled evaluation's logits (the released code's validation pass):
+    an opted-in evaluation's update equals CALSLoss.update on the predicted logits from the state before."""
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(num_labels=3, **CONFIG))
+    loss = CALSLoss(margin=2.0)
+    trainer = CalibrationTrainer(
+        model=model, args=args(tmp_path), train_dataset=Texts(96, 0), eval_dataset=Texts(48, 1),
+        calibration_loss=loss, compute_metrics=compute_metrics(num_classes=3, names="ece"),
+    )  # fmt: skip
+    trainer.train()
+    assert int(loss.updates) == 2
+    before = {k: v.clone() for k, v in loss.state_dict().items()}
+    trainer.evaluate()  # outside train(): no update
+    assert int(loss.updates) == 2
+    trainer.evaluate(update_calibration_loss=True)
+    prediction = trainer.predict(Texts(48, 1))
+    replay = CALSLoss(margin=2.0)
+    replay.load_state_dict(before)
+    replay.update(torch.as_tensor(prediction.predictions), torch.as_tensor(prediction.label_ids))
+    torch.testing.assert_close(loss.lambdas, replay.lambdas, rtol=1e-5, atol=1e-12)
+    assert int(loss.updates) == 3

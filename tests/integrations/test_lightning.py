@@ -15,7 +15,7 @@ pl = pytest.importorskip("lightning.pytorch")  # the `dev` extra installs it; CI
 import torchcal.functional as F  # noqa: E402
 from torchcal.calibrators import BinaryTemperatureScaling, TemperatureScaling  # noqa: E402
 from torchcal.integrations.lightning import CalibrationCallback  # noqa: E402
-from torchcal.losses import AdaFocalLoss  # noqa: E402
+from torchcal.losses import AdaFocalLoss, AvUCLoss, CALSLoss  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("lightning_script.py")
 from tests.integrations.lightning_script import Module, blobs, multilabel_outputs  # noqa: E402
@@ -308,3 +308,36 @@ def test_multilabel_callback_with_unknown_targets(tmp_path):
     torch.testing.assert_close(callback.calibrator_.temperature_, refit.temperature_, rtol=1e-4, atol=0)
     with pytest.raises(ValueError, match="unknown names"):
         CalibrationCallback(num_classes=3, task="multilabel", metrics=("auroc_micro",))
+
+
+class _CALSModule(Module):
+    def __init__(self):
+        super().__init__()
+        self.loss = CALSLoss()
+        self.avuc = AvUCLoss()
+
+    def training_step(self, batch, _):
+        x, y = batch
+        z = self.net(x)
+        return self.loss(z, y) + 0.1 * self.avuc(z, y)
+
+
+def test_fit_updates_cals_and_avuc_once_per_epoch(tmp_path):
+    """The callback calls CALS's and AvUC's end-of-epoch update after each validation epoch of fit (from the
+    training statistics they accumulated); a stand-alone validate leaves them as they are, and the
+    checkpoint restores them."""
+    module = _CALSModule()
+    callback = CalibrationCallback(num_classes=4, metrics="ece", calibrator=None)
+    trainer = _fit(module, callback, tmp_path, epochs=2)
+    assert int(module.loss.updates) == 2 and int(module.avuc.updates) == 2
+    assert (module.loss.lambdas > 1e-6).any() and float(module.avuc.threshold) != 1.0
+    lambdas = module.loss.lambdas.clone()
+    trainer.validate(module, _loaders()[1], verbose=False)
+    torch.testing.assert_close(module.loss.lambdas, lambdas)
+    assert int(module.loss.updates) == 2
+    restored = _CALSModule()
+    restored.load_state_dict(
+        torch.load(trainer.checkpoint_callback.best_model_path, weights_only=True)["state_dict"]
+    )
+    torch.testing.assert_close(restored.loss.lambdas, lambdas)
+    assert float(restored.avuc.threshold) == float(module.avuc.threshold)

@@ -251,3 +251,225 @@ def sbece(logits, targets, lambda_=2.0, *, n_bins=15, temperature=0.01, form="la
           reduction="mean"):  # fmt: skip
     penalty = lambda_ * sbece_term(logits, targets, n_bins, temperature, form, ignore_index)
     return _batch_combined(logits, targets, lambda z, t: -log_softmax(z)[t], penalty, reduction, ignore_index)
+
+
+def _kept_top_label(logits, targets, ignore_index):
+    """[(p as a list of 0-d tensors, arg-max j, label)] of the kept positions."""
+    out = []
+    for _, z, t in positions(logits, targets):
+        if ignore_index is not None and t == ignore_index:
+            continue
+        p = [torch.exp(v) for v in log_softmax(z)]
+        j = max(range(len(p)), key=lambda c: float(p[c].detach()))
+        out.append((p, j, t))
+    return out
+
+
+def avuc_term(logits, targets, threshold=1.0, ignore_index=-100):
+    """−log(AvU + 1e-10) of the kept positions, one position at a time (IntelLabs AvULoss)."""
+    n_ac = n_au = n_ic = n_iu = 0.0
+    for p, j, t in _kept_top_label(logits, targets, ignore_index):
+        h = -sum(v * torch.log(v + 1e-10) for v in p)
+        th = torch.tanh(h)
+        certain = float(h.detach()) <= threshold
+        if j == t and certain:
+            n_ac = n_ac + p[j] * (1 - th)
+        elif j == t:
+            n_au = n_au + p[j] * th
+        elif certain:
+            n_ic = n_ic + (1 - p[j]) * (1 - th)
+        else:
+            n_iu = n_iu + (1 - p[j]) * th
+    avu = (n_ac + n_iu) / (n_ac + n_au + n_ic + n_iu + 1e-10)
+    return -torch.log(avu + 1e-10)
+
+
+def avuc(logits, targets, beta=3.0, *, threshold=1.0, ignore_index=-100, reduction="mean"):
+    penalty = beta * avuc_term(logits, targets, threshold, ignore_index)
+    return _batch_combined(logits, targets, lambda z, t: -log_softmax(z)[t], penalty, reduction, ignore_index)
+
+
+def soft_avuc_term(logits, targets, temperature, kappa, ignore_index=-100):
+    """log(1 + (n_AU + n_IC)/max(n_AC + n_IU, 1e-5)) with the soft uncertainty q_i (uncertainty-baselines)."""
+    n_ac = n_au = n_ic = n_iu = 0.0
+    for p, j, t in _kept_top_label(logits, targets, ignore_index):
+        k = len(p)
+        ps = [(1 - 1e-5) * v + 1e-5 / k for v in p]
+        h = -sum(v * torch.log(v) for v in ps)
+        e = h / math.log(k)
+        q = torch.sigmoid(torch.log(e * (1 - kappa) / ((1 - e) * kappa)) / temperature)
+        th = torch.tanh(h)
+        if j == t:
+            n_ac, n_au = n_ac + (1 - q) * (1 - th), n_au + q * th
+        else:
+            n_ic, n_iu = n_ic + (1 - q) * (1 - th), n_iu + q * th
+    return torch.log(1 + (n_au + n_ic) / torch.clamp(n_ac + n_iu, min=1e-5))
+
+
+def soft_avuc(logits, targets, beta=1.0, *, temperature=0.1, kappa=0.5, ignore_index=-100, reduction="mean"):
+    penalty = beta * soft_avuc_term(logits, targets, temperature, kappa, ignore_index)
+    return _batch_combined(logits, targets, lambda z, t: -log_softmax(z)[t], penalty, reduction, ignore_index)
+
+
+def esd_term(logits, targets, ignore_index=-100):
+    """ESD from the paper's per-position mean and unbiased variance of x_ij = (a_j − r_j)·1[r_j <= r_i] over
+    the other positions j (the reference's μ_i, v_i, d_i² = μ_i² − v_i/(n − 1))."""
+    kept = _kept_top_label(logits, targets, ignore_index)
+    n = len(kept)
+    if n < 3:
+        return torch.zeros((), dtype=logits.dtype)
+    r = [p[j] for p, j, _ in kept]
+    a = [float(j == t) for _, j, t in kept]
+    total = 0.0
+    for i in range(n):
+        x = [(a[j] - r[j]) * float(float(r[j].detach()) <= float(r[i].detach())) for j in range(n) if j != i]
+        mu = sum(x) / (n - 1)
+        var = sum(v * v for v in x) / (n - 2) - (n - 1) / (n - 2) * mu * mu
+        total = total + mu * mu - var / (n - 1)
+    return total / n
+
+
+def esd(logits, targets, lambda_=4.0, *, holdout=0.0, ignore_index=-100, reduction="mean"):
+    n = logits.shape[0]
+    held = math.ceil(holdout * n) if holdout else 0
+    cal_z, cal_y = logits[n - held :] if held else logits, targets[n - held :] if held else targets
+    value = esd_term(cal_z, cal_y, ignore_index)
+    penalty = lambda_ * torch.sqrt(value) if float(value.detach()) > 0 else 0.0 * value
+    if not held:
+        return _batch_combined(
+            logits, targets, lambda z, t: -log_softmax(z)[t], penalty, reduction, ignore_index
+        )
+    out = _batch_combined(logits[: n - held], targets[: n - held], lambda z, t: -log_softmax(z)[t], penalty,
+                          reduction, ignore_index)  # fmt: skip
+    if reduction == "none":
+        return torch.cat([out, torch.zeros((held, *out.shape[1:]), dtype=out.dtype)])
+    return out
+
+
+def ace_cells(probs, targets, kept, n_bins=20, binning="hard", empty_weight=0.01):
+    """mL1-ACE of one (image, class) cell from lists of 0-d probabilities, float targets and kept flags, bin by
+    bin: hard bins (e_b, e_{b+1}] of linspace(0, 1 + eps32, M + 1) (0 in bin 0); soft bins: the weight of p in
+    bin b is max(0, 1 − |p − c_b|/Δ) between the neighbouring centres c_b, 1 in the end bins beyond them."""
+    eps = 1.1920928955078125e-07
+    top = 1 + eps
+    centres = [(2 * b + 1) / (2 * n_bins) * top for b in range(n_bins)]
+    step = top / n_bins
+    count = [0.0] * n_bins
+    sp = [0.0] * n_bins
+    sy = [0.0] * n_bins
+    for p, y, k in zip(probs, targets, kept):
+        if not k:
+            continue
+        v = float(p.detach())
+        for b in range(n_bins):
+            if binning == "hard":
+                low, high = b * top / n_bins, (b + 1) * top / n_bins
+                w = 1.0 if (low < v <= high or (b == 0 and v <= high)) else 0.0
+            elif (b == 0 and v <= centres[0]) or (b == n_bins - 1 and v >= centres[-1]):
+                w = 1.0 + 0.0 * p
+            else:
+                w = torch.clamp(1 - torch.abs(p - centres[b]) / step, min=0)
+            count[b] = count[b] + w
+            sp[b] = sp[b] + w * p
+            sy[b] = sy[b] + w * y
+    gaps = []
+    for b in range(n_bins):
+        c = float(count[b].detach()) if isinstance(count[b], torch.Tensor) else count[b]
+        if (binning == "hard" and c > 0) or (binning == "soft" and c >= empty_weight):
+            gaps.append(torch.abs(sp[b] / count[b] - sy[b] / count[b]))
+    return sum(gaps) / len(gaps) if gaps else 0.0 * probs[0]
+
+
+def ml1ace_term(logits, targets, *, n_bins=20, binning="hard", empty_weight=0.01, multilabel=False,
+                per_image=None, include_background=True, ignore_empty_classes=True, ignore_index=-100):  # fmt: skip
+    """(list of per-image lists of per-class ACE, list of the images covered) from explicit loops."""
+    n, c = logits.shape[:2]
+    spatial = logits.shape[2:]
+    if per_image is None:
+        per_image = len(spatial) > 0
+    groups = [[i] for i in range(n)] if per_image else [list(range(n))]
+    out, covered = [], []
+    for members in groups:
+        cells = []
+        n_kept = 0
+        for cls in range(0 if include_background else 1, c):
+            probs, ys, kept = [], [], []
+            for i in members:
+                for s in itertools.product(*(range(d) for d in spatial)):
+                    if multilabel:
+                        probs.append(torch.sigmoid(logits[(i, cls, *s)]))
+                        ys.append(float(targets[(i, cls, *s)]))
+                        kept.append(True)
+                        continue
+                    z = [logits[(i, j, *s)] for j in range(c)]
+                    p = torch.exp(log_softmax(z)[cls])
+                    if targets.is_floating_point():
+                        y, k = float(targets[(i, cls, *s)]), True
+                    else:
+                        t = int(targets[(i, *s)])
+                        k = ignore_index is None or t != ignore_index
+                        y = float(t == cls)
+                    probs.append(p)
+                    ys.append(y)
+                    kept.append(k)
+            n_kept = sum(kept)
+            value = ace_cells(probs, ys, kept, n_bins, binning, empty_weight)
+            if ignore_empty_classes and sum(y for y, k in zip(ys, kept) if k) == 0:
+                value = 0.0 * value
+            cells.append(value)
+        out.append(cells)
+        covered.append(n_kept > 0)
+    return out, covered
+
+
+def ml1ace(logits, targets, lambda_=1.0, *, reduction="mean", **options):
+    """CE (BCE with multilabel) + λ·mL1-ACE: "mean" over the base's kept elements + λ·mean of the covered
+    cells; "none": each kept element + λ·its image's mean over the classes."""
+    multilabel = options.get("multilabel", False)
+    ignore_index = options.get("ignore_index", -100)
+    cells, covered = ml1ace_term(logits, targets, **options)
+    n = logits.shape[0]
+    spatial = logits.shape[2:]
+    per_image = options.get("per_image")
+    per_image = len(spatial) > 0 if per_image is None else per_image
+    image_term = [lambda_ * sum(c) / len(c) for c in cells]
+    base, count, none = 0.0, 0, {}
+    if multilabel:
+        for idx in itertools.product(*(range(d) for d in logits.shape)):
+            z, t = logits[idx], float(targets[idx])
+            value = -(t * torch.nn.functional.logsigmoid(z) + (1 - t) * torch.nn.functional.logsigmoid(-z))
+            base, count = base + value, count + 1
+            none[idx] = value + image_term[idx[0] if per_image else 0]
+        shape = tuple(logits.shape)
+    else:
+        for idx, z, t in positions(logits, targets):
+            if isinstance(t, int) and ignore_index is not None and t == ignore_index:
+                none[idx] = 0.0 * z[0]
+                continue
+            value = ce(log_softmax(z), t)
+            base, count = base + value, count + 1
+            none[idx] = value + image_term[idx[0] if per_image else 0]
+        shape = (n, *spatial)
+    if reduction == "mean":
+        flat = [v for cs, cov in zip(cells, covered) if cov for v in cs]
+        return base / count + lambda_ * sum(flat) / len(flat)
+    out = torch.stack([none[idx] for idx in itertools.product(*(range(d) for d in shape))]).reshape(shape)
+    return out if reduction == "none" else out.sum()
+
+
+def cals(logits, targets, lambdas, rhos, margin=10.0, *, normalize=True, ignore_index=-100,
+         ignored_rows="reference", reduction="mean"):  # fmt: skip
+    """CE + (1/K) Σ_k P(h_k; λ_k, ρ_k) per position, P(h) = (max(0, λ + ρh)² − λ²)/(2ρ); the released code's
+    penalty covers ignored positions."""
+
+    def term(z, t):
+        k = len(z)
+        j = max(range(k), key=lambda c: float(z[c].detach()))
+        pen = 0.0
+        for c in range(k):
+            h = (z[j] - z[c] - margin) / (margin if normalize else 1.0)
+            lam, rho = float(lambdas[c]), float(rhos[c])
+            pen = pen + (torch.clamp(lam + rho * h, min=0) ** 2 - lam**2) / (2 * rho)
+        return ce(log_softmax(z), t), pen / k
+
+    return _combine(logits, targets, term, reduction, ignore_index, ignored_rows == "reference")

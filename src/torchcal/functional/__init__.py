@@ -57,16 +57,27 @@ from .losses import *  # noqa: F403  (the functional losses: functional.losses._
 from .losses import __all__ as _MULTICLASS_LOSSES
 from .margin import (  # noqa: F401  (the losses are listed in LOSS_FUNCTIONS below)
     acls_loss,
+    avuc_loss,
+    avuc_penalty,
+    cals_loss,
+    cals_statistics,
     confidence_penalty_loss,
     dca_loss,
+    esd_loss,
+    esd_penalty,
     logit_margin_l1_loss,
     maxsup_loss,
     mbls_alpha,
     mdca_loss,
     mdca_penalty,
+    ml1ace_loss,
+    ml1ace_penalty,
+    phr_penalty,
     poly1_cross_entropy,
     sbece_loss,
     sbece_penalty,
+    soft_avuc_loss,
+    soft_avuc_penalty,
 )
 from .selective import (
     augrc,
@@ -97,6 +108,11 @@ LOSS_FUNCTIONS = [
     "mdca_loss",
     "poly1_cross_entropy",
     "sbece_loss",
+    "avuc_loss",
+    "soft_avuc_loss",
+    "esd_loss",
+    "ml1ace_loss",
+    "cals_loss",
 ]
 
 # Short aliases.
@@ -191,3 +207,5 @@ __all__ += ["LOSS_FUNCTIONS", "METRIC_FUNCTIONS"]
 __all__ += LOSS_FUNCTIONS  # pyright: ignore[reportUnsupportedDunderAll]  (each is bound by an import above)
 __all__ += ["FUSED_LOSSES", "fused_linear_loss"]  # the fused linear head + loss (language-model vocabularies)
 __all__ += ["mbls_alpha", "mdca_penalty", "sbece_penalty"]  # MbLS's α schedule; batch terms alone
+# the other penalty terms alone; CALS's PHR penalty and the statistics of its multiplier update
+__all__ += ["avuc_penalty", "soft_avuc_penalty", "esd_penalty", "ml1ace_penalty", "phr_penalty", "cals_statistics"]

@@ -34,6 +34,7 @@ import torch
 from .._validation import check_choice, check_float, check_positive_int
 from ._loss_inputs import (
     IGNORE_INDEX,
+    LossRows,
     check_class_weight,
     check_ignore_index,
     check_label_smoothing,
@@ -55,6 +56,17 @@ __all__ = [
     "poly1_cross_entropy",
     "sbece_loss",
     "sbece_penalty",
+    "avuc_loss",
+    "avuc_penalty",
+    "soft_avuc_loss",
+    "soft_avuc_penalty",
+    "esd_loss",
+    "esd_penalty",
+    "ml1ace_loss",
+    "ml1ace_penalty",
+    "cals_loss",
+    "cals_statistics",
+    "phr_penalty",
 ]
 
 _PENALTY_IS_NOT_PER_CLASS = (
@@ -90,6 +102,75 @@ def _ce_rows(logits, targets, ignore_index):
     else:
         ce = -log_p.gather(1, rows.targets[:, None])[:, 0]
     return rows, log_p, ce
+
+
+class _TopGapPenalty(torch.autograd.Function):
+    r"""Per row, Σ_k w_k·r_ik^p with r_ik = relu(b_k + a_k(z_i^max − z_ik)) and p = 1 or 2: the margin terms of
+    MbLS (a = 1, b = −m, w = 1/K, p = 1), ACLS's negative term (the same with p = 2, w = 1/(K − 1) and the max
+    detached) and CALS's PHR penalty (a = ρ/s, b = λ − ρm/s, w = 1/(2ρK), p = 2), with an analytic backward.
+
+    ``grad_scale`` is w_k·a_k, which is the same for every class in all three (1/K, 1/(K − 1), 1/(2Ks)): the
+    gradient is −g_i·grad_scale·p·r_ik^(p−1) on z_ik and, when the max is not detached (``top_grad``), minus
+    the row's sum of those on the arg-max entry (its own term cancels). Autograd's chain through d = max − z,
+    the hinge, the power and the mean takes five (N, K) temporaries forward and as many backward; this takes
+    one (N, K) array forward (kept for the backward: the hinge, or its active mask for p = 1) and writes the
+    gradient in one pass. Differentiable once.
+
+    Outputs (value (M,), z^max (M,), statistics). The second is the max with its gradient (ACLS's positive
+    term), added on the arg-max entries of the same gradient array rather than through a dense max backward.
+    With ``stats_rows`` (M,) row weights (CALS's training accumulation, p = 2), the third holds, from the same
+    hinge, Σ_i s_i clamp(r_ik, lo, hi) (K), Σ_i s_i z_ik (K) and Σ_i s_i z_i^max (1), detached; it is empty
+    otherwise."""
+
+    @staticmethod
+    def forward(ctx, z, a, b, w, grad_scale, power, top_grad, stats_rows=None, lo=0.0, hi=math.inf):
+        top, arg = z.max(dim=1)
+        if isinstance(a, float) and a == 1.0:
+            r = torch.sub((top[:, None] + b) if isinstance(b, torch.Tensor) else (top + b)[:, None], z)
+        else:
+            r = torch.sub(top[:, None], z).mul_(a).add_(b)
+        r.clamp_(min=0)
+        if power == 1:
+            value = r.sum(1) * w if isinstance(w, float) else r @ w
+            r = r > 0
+        else:
+            # (the norm's reduction allocates nothing, unlike r·r)
+            value = (
+                torch.linalg.vector_norm(r, dim=1).square() * w if isinstance(w, float) else r.square() @ w
+            )
+        stats = z.new_empty(0)
+        if stats_rows is not None:
+            stats = torch.cat([stats_rows @ r.clamp(lo, hi), stats_rows @ z, (stats_rows @ top)[None]])
+        ctx.mark_non_differentiable(stats)
+        ctx.set_materialize_grads(False)
+        ctx.grad_scale, ctx.power, ctx.top_grad = grad_scale, power, top_grad
+        ctx.save_for_backward(r, arg)
+        return value, top, stats
+
+    @staticmethod
+    def backward(ctx, grad_value, grad_top, grad_stats):  # pyright: ignore[reportIncompatibleMethodOverride]
+        del grad_stats
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            # (create_graph=True: the saved hinge is not a function of z, so a graph of this gradient would
+            # miss the second derivative; refused rather than wrong)
+            raise RuntimeError(
+                "the margin terms of MbLS, ACLS and CALS are differentiable once only (an analytic backward); "
+                "second-order gradients are not available for them"
+            )
+        r, arg = ctx.saved_tensors
+        if grad_value is None and grad_top is None:
+            return (None,) * 10
+        if grad_value is None:
+            grad = torch.zeros(r.shape, dtype=grad_top.dtype, device=grad_top.device)
+        else:
+            coef = (-ctx.grad_scale * ctx.power) * grad_value[:, None]
+            grad = torch.where(r, coef, coef.new_zeros(())) if ctx.power == 1 else r.mul(coef)
+        at_top = -grad.sum(1) if ctx.top_grad and grad_value is not None else None
+        if grad_top is not None:
+            at_top = grad_top if at_top is None else at_top + grad_top
+        if at_top is not None:
+            grad.scatter_add_(1, arg[:, None], at_top[:, None])
+        return grad, None, None, None, None, None, None, None, None, None
 
 
 def _reduce_penalised(ce, penalty, coef, rows, reduction, penalty_keep: Literal["rows"] | None = "rows"):
@@ -170,9 +251,8 @@ def logit_margin_l1_loss(
     ignore_index = check_ignore_index(ignore_index)
     with torch.autocast(_device_type(logits), enabled=False):
         rows, _, ce = _ce_rows(logits, targets, ignore_index)
-        z = rows.logits
-        distance = z.max(dim=1).values[:, None] - z
-        penalty = torch.relu(distance - m).mean(1)
+        k = rows.logits.shape[1]
+        penalty = _TopGapPenalty.apply(rows.logits, 1.0, -m, 1.0 / k, 1.0 / k, 1, True)[0]
         reference_keeps_all = ignored_rows == "reference" and (ignore_index is None or ignore_index < 0)
         return _reduce_penalised(ce, penalty, a, rows, reduction, None if reference_keeps_all else "rows")
 
@@ -414,10 +494,11 @@ def acls_loss(
         rows, _, ce = _ce_rows(logits, targets, ignore_index)
         z = rows.logits
         k = z.shape[1]
-        top = z.max(dim=1).values[:, None].expand_as(z)
-        positive = (top.detach() == z.detach()).to(z.dtype)
-        pos = (positive * torch.relu(top - m) ** 2).sum(1)
-        neg = ((1 - positive) * torch.relu(top.detach() - z - m) ** 2).sum(1) / (k - 1)
+        # the negative term with the max detached; the tied maxima's own distance is −m <= 0, so the hinge
+        # leaves them out. The max returned keeps its gradient for the positive term.
+        neg, top, _ = _TopGapPenalty.apply(z, 1.0, -m, 1.0 / (k - 1), 1.0 / (k - 1), 2, False)
+        ties = (z.detach() == top.detach()[:, None]).sum(1).to(z.dtype)  # every tied maximum is positive
+        pos = ties * torch.relu(top - m) ** 2
         penalty = lam_pos * pos + lam_neg * neg
         return _reduce_penalised(
             ce, penalty, a, rows, reduction, None if ignored_rows == "reference" else "rows"
@@ -489,9 +570,10 @@ def mdca_penalty(logits, targets, *, sync: bool = False, group=None, ignore_inde
 
 def _mdca_rows(rows, p, sync, group):
     k = p.shape[1]
-    q = rows.targets if rows.soft else torch.nn.functional.one_hot(rows.targets, k).to(p.dtype)
     kept = p.new_ones(p.shape[0]) if rows.keep is None else rows.keep.to(p.dtype)
-    sums = torch.cat([(p * kept[:, None]).sum(0), (q * kept[:, None]).sum(0), kept.sum()[None]])
+    # the label counts by a scatter of the (N,) mask, not an (N, K) one-hot matrix
+    labels = kept @ rows.targets if rows.soft else kept.new_zeros(k).index_add(0, rows.targets, kept)
+    sums = torch.cat([kept @ p, labels, kept.sum()[None]])
     sums = _global_sums(sums, sync, group)
     count = sums[-1]
     return ((sums[:k] - sums[k : 2 * k]) / count).abs().mean()
@@ -599,9 +681,7 @@ def dca_loss(
         rows = loss_rows(logits, targets, ignore_index, soft_refusal=_DCA_NEEDS_LABELS)
         w = check_class_weight(weight, rows.logits)
         log_p = torch.log_softmax(rows.logits, 1)
-        conf, pred = log_p.exp().max(1)
-        correct = (pred == rows.targets).to(conf.dtype)
-        kept = conf.new_ones(conf.shape[0]) if rows.keep is None else rows.keep.to(conf.dtype)
+        conf, correct, kept = _correct_and_kept(rows, log_p)
         sums = _global_sums(
             torch.stack([(conf * kept).sum(), (correct * kept).sum(), kept.sum()]), sync, group
         )
@@ -625,9 +705,7 @@ def _safe_sqrt(value: torch.Tensor) -> torch.Tensor:
 
 
 def _sbece_rows(rows, log_p, n_bins, temperature, form, sync, group):
-    conf, pred = log_p.exp().max(1)
-    correct = (pred == rows.targets).to(conf.dtype)
-    kept = conf.new_ones(conf.shape[0]) if rows.keep is None else rows.keep.to(conf.dtype)
+    conf, correct, kept = _correct_and_kept(rows, log_p)
     centres = (torch.arange(n_bins, dtype=conf.dtype, device=conf.device) + 0.5) / n_bins
     g = torch.softmax(-((conf[:, None] - centres) ** 2) / temperature, 1) * kept[:, None]  # (M rows, bins)
     if form == "label":
@@ -725,3 +803,759 @@ def sbece_loss(
         penalty = _sbece_rows(rows, log_p, n_bins, temperature, form, sync, group)
         ce = -log_p.gather(1, rows.targets[:, None])[:, 0]
         return _with_batch_term(ce, rows, reduction, lam, penalty)
+
+
+# -- AvUC and S-AvUC -----------------------------------------------------------------------------------------
+
+_AVUC_NEEDS_LABELS = "AvUC compares the uncertainty with the correctness of the predicted class"
+_AVUC_IS_A_BATCH_TERM = (
+    "AvUC is a statistic of the whole batch, which class weights and smoothed targets do not define"
+)
+
+
+def _correct_and_kept(rows, log_p):
+    """Top-label confidence r_i, correctness a_i (constant) and the kept mask (1.0 / 0.0) of the rows, from
+    the log-probabilities (r = exp(max log p): no (N, K) exponential for the top label alone)."""
+    top, pred = log_p.max(1)
+    correct = (pred == rows.targets).to(log_p.dtype)
+    kept = log_p.new_ones(log_p.shape[0]) if rows.keep is None else rows.keep.to(log_p.dtype)
+    return top.exp(), correct, kept
+
+
+def _avuc_rows(rows, log_p, threshold, sync, group, statistics=False):
+    """AvUC of the rows; with ``statistics``, (AvUC, the detached (Σ H over the correct predictions, their
+    count, Σ H over the wrong ones, their count) of the kept rows: the threshold update's sums)."""
+    p = log_p.exp()
+    conf, correct, kept = _correct_and_kept(rows, log_p)
+    entropy = -(p * torch.log(p + 1e-10)).sum(1)
+    entropy_sums = None
+    if statistics:
+        h = entropy.detach()
+        right, wrong_kept = correct * kept, (1 - correct) * kept
+        entropy_sums = torch.stack([h @ right, right.sum(), h @ wrong_kept, wrong_kept.sum()])
+    t = torch.tanh(entropy)
+    certain = (entropy <= threshold).to(p.dtype)
+    wrong = 1 - correct
+    sums = torch.stack(
+        [
+            (kept * correct * certain * conf * (1 - t)).sum(),  # n_AC
+            (kept * correct * (1 - certain) * conf * t).sum(),  # n_AU
+            (kept * wrong * certain * (1 - conf) * (1 - t)).sum(),  # n_IC
+            (kept * wrong * (1 - certain) * (1 - conf) * t).sum(),  # n_IU
+        ]
+    )
+    sums = _global_sums(sums, sync, group)
+    avu = (sums[0] + sums[3]) / (sums.sum() + 1e-10)
+    penalty = -torch.log(avu + 1e-10)
+    return (penalty, entropy_sums) if statistics else penalty
+
+
+def avuc_penalty(
+    logits, targets, *, threshold: float | torch.Tensor = 1.0, sync: bool = False, group=None, ignore_index: int | None = IGNORE_INDEX
+):
+    r"""The accuracy-versus-uncertainty calibration term of a batch, AvUC (Krishnan & Tickoo, NeurIPS 2020),
+    as the released code (IntelLabs/AVUC ``AvULoss``): with H_i = −Σ_k p_ik log(p_ik + 1e-10), r_i the
+    top-label probability and a_i its correctness, a position is *certain* when H_i <= ``threshold`` (u_th);
+    n_AC = Σ_{accurate, certain} r_i(1 − tanh H_i), n_AU = Σ_{accurate, uncertain} r_i tanh H_i,
+    n_IC = Σ_{inaccurate, certain} (1 − r_i)(1 − tanh H_i), n_IU = Σ_{inaccurate, uncertain} (1 − r_i) tanh H_i,
+    and the term is −log(AvU + 1e-10) with AvU = (n_AC + n_IU) / (n_AC + n_AU + n_IC + n_IU + 1e-10). The
+    partition and a_i are constants; the gradient flows through r_i and H_i. ``threshold`` may be a 0-d
+    tensor (:class:`~torchcal.losses.AvUCLoss` keeps it as state). Positions labelled ``ignore_index`` are not
+    part of the batch. Under data parallelism the reference's term is each rank's batch (``sync=False``);
+    ``sync=True`` sums the four counts over the ranks of ``group`` (the global batch).
+
+    Example:
+        >>> import torch
+        >>> logits = torch.tensor([[3.0, 0.0], [0.0, 0.2], [2.0, 0.0]])
+        >>> avuc_penalty(logits, torch.tensor([0, 1, 1]))
+        tensor(0.0750)
+    """
+    with torch.autocast(_device_type(logits), enabled=False):
+        rows = loss_rows(logits, targets, check_ignore_index(ignore_index), soft_refusal=_AVUC_NEEDS_LABELS)
+        return _avuc_rows(rows, torch.log_softmax(rows.logits, 1), _threshold(threshold), sync, group)
+
+
+def _threshold(threshold):
+    if isinstance(threshold, torch.Tensor):
+        return threshold
+    return _number(threshold, "threshold", low=0)
+
+
+def _refuse_batch_term(reason: str, weight, label_smoothing) -> None:
+    if weight is not None:
+        raise ValueError(f"`weight` is not accepted: {reason}")
+    check_label_smoothing(label_smoothing, reason)
+
+
+def avuc_loss(
+    logits,
+    targets,
+    beta: float = 3.0,
+    *,
+    threshold: float | torch.Tensor = 1.0,
+    sync: bool = False,
+    group=None,
+    weight=None,
+    label_smoothing: float = 0.0,
+    ignore_index: int | None = IGNORE_INDEX,
+    reduction: str = "mean",
+    statistics: bool = False,
+):
+    r"""Cross entropy + β·AvUC of the batch (:func:`avuc_penalty`). β = 3 as the released training scripts
+    (the class default there is 1); u_th = ``threshold`` (1.0, the scripts' start; the module
+    :class:`~torchcal.losses.AvUCLoss` updates it as they do). "mean" is CE.mean() + β·AvUC, "none" gives every
+    kept position CE_i + β·AvUC, "sum" the sum of "none". Soft targets, class ``weight`` and
+    ``label_smoothing`` are refused. Per-rank batch under data parallelism unless ``sync=True``.
+    ``statistics=True`` returns (loss, (Σ H of the correct predictions, their count, Σ H of the wrong ones,
+    their count) over the kept positions, detached): the threshold update's sums from the same pass.
+
+    Example:
+        >>> import torch
+        >>> logits = torch.tensor([[3.0, 0.0], [0.0, 0.2], [2.0, 0.0]])
+        >>> avuc_loss(logits, torch.tensor([0, 1, 1]))
+        tensor(1.1496)
+    """
+    b = _number(beta, "beta", low=0)
+    check_choice(reduction, "reduction", REDUCTIONS)
+    _refuse_batch_term(_AVUC_IS_A_BATCH_TERM, weight, label_smoothing)
+    threshold = _threshold(threshold)
+    with torch.autocast(_device_type(logits), enabled=False):
+        rows = loss_rows(logits, targets, check_ignore_index(ignore_index), soft_refusal=_AVUC_NEEDS_LABELS)
+        log_p = torch.log_softmax(rows.logits, 1)
+        out = _avuc_rows(rows, log_p, threshold, sync, group, statistics)
+        penalty, sums = out if statistics else (out, None)
+        ce = -log_p.gather(1, rows.targets[:, None])[:, 0]
+        loss = _with_batch_term(ce, rows, reduction, b, penalty)
+        return (loss, sums) if statistics else loss
+
+
+def _savuc_rows(rows, log_p, temperature, kappa, sync, group):
+    p = log_p.exp()
+    k = p.shape[1]
+    _, correct, kept = _correct_and_kept(rows, log_p)
+    smoothed = (1 - 1e-5) * p + 1e-5 / k
+    entropy = -(smoothed * smoothed.log()).sum(1)
+    tiny = torch.finfo(p.dtype).eps
+    e = (entropy / math.log(k)).clamp(tiny, 1 - tiny)  # (1 at a uniform row: its log-odds would be infinite)
+    q = torch.sigmoid((torch.log(e / (1 - e)) - math.log(kappa / (1 - kappa))) / temperature)
+    t = torch.tanh(entropy)
+    wrong = 1 - correct
+    sums = torch.stack(
+        [
+            (kept * correct * (1 - q) * (1 - t)).sum(),  # n_AC
+            (kept * correct * q * t).sum(),  # n_AU
+            (kept * wrong * (1 - q) * (1 - t)).sum(),  # n_IC
+            (kept * wrong * q * t).sum(),  # n_IU
+        ]
+    )
+    sums = _global_sums(sums, sync, group)
+    return torch.log1p((sums[1] + sums[2]) / (sums[0] + sums[3]).clamp(min=1e-5))
+
+
+def soft_avuc_penalty(
+    logits, targets, *, temperature: float, kappa: float, sync: bool = False, group=None,
+    ignore_index: int | None = IGNORE_INDEX,
+):  # fmt: skip
+    r"""Soft AvUC of a batch, S-AvUC (Karandikar et al., NeurIPS 2021, eq. 15; uncertainty-baselines
+    ``get_soft_avuc_loss``): with p' = (1 − 1e-5)p + 1e-5/K, H_i = −Σ_k p'_ik log p'_ik, e_i = H_i / log K and
+    the soft uncertainty q_i = σ((logit(e_i) − logit(κ)) / T), n_AC = Σ_{accurate} (1 − q_i)(1 − tanh H_i),
+    n_AU = Σ_{accurate} q_i tanh H_i, n_IC = Σ_{inaccurate} (1 − q_i)(1 − tanh H_i),
+    n_IU = Σ_{inaccurate} q_i tanh H_i, and the term log(1 + (n_AU + n_IC) / max(n_AC + n_IU, 1e-5)). The
+    confidence r_i does not enter (unlike AvUC). ``temperature`` T > 0 and ``kappa`` κ in (0, 1) have no
+    published default (the reference code has none) and must be given. e_i is kept inside (0, 1) by the
+    dtype's machine epsilon (an exactly uniform row would otherwise have infinite log-odds). Positions
+    labelled ``ignore_index`` are not part of the batch; ``sync=True`` sums the counts over the ranks (global
+    batch), the reference's term being each rank's batch.
+
+    Example:
+        >>> import torch
+        >>> logits = torch.tensor([[3.0, 0.0], [0.0, 0.2], [2.0, 0.0]])
+        >>> soft_avuc_penalty(logits, torch.tensor([0, 1, 1]), temperature=0.1, kappa=0.5)
+        tensor(0.5362)
+    """
+    temperature = _number(temperature, "temperature", low=0, low_open=True)
+    kappa = _kappa(kappa)
+    with torch.autocast(_device_type(logits), enabled=False):
+        rows = loss_rows(logits, targets, check_ignore_index(ignore_index), soft_refusal=_AVUC_NEEDS_LABELS)
+        return _savuc_rows(rows, torch.log_softmax(rows.logits, 1), temperature, kappa, sync, group)
+
+
+def _kappa(kappa):
+    kappa = _number(kappa, "kappa", low=0, high=1, low_open=True)
+    if not torch.compiler.is_compiling() and kappa >= 1:
+        raise ValueError(f"`kappa` must lie in (0, 1), got {kappa!r}")
+    return kappa
+
+
+def soft_avuc_loss(
+    logits,
+    targets,
+    beta: float = 1.0,
+    *,
+    temperature: float,
+    kappa: float,
+    sync: bool = False,
+    group=None,
+    weight=None,
+    label_smoothing: float = 0.0,
+    ignore_index: int | None = IGNORE_INDEX,
+    reduction: str = "mean",
+):
+    r"""Cross entropy + β·S-AvUC of the batch (:func:`soft_avuc_penalty`); ``temperature`` and ``kappa`` must be
+    given (no published default), β = 1. Reductions, refusals and ``sync`` as :func:`avuc_loss`.
+
+    Example:
+        >>> import torch
+        >>> logits = torch.tensor([[3.0, 0.0], [0.0, 0.2], [2.0, 0.0]])
+        >>> soft_avuc_loss(logits, torch.tensor([0, 1, 1]), temperature=0.1, kappa=0.5)
+        tensor(1.4607)
+    """
+    b = _number(beta, "beta", low=0)
+    temperature = _number(temperature, "temperature", low=0, low_open=True)
+    kappa = _kappa(kappa)
+    check_choice(reduction, "reduction", REDUCTIONS)
+    _refuse_batch_term(_AVUC_IS_A_BATCH_TERM.replace("AvUC", "S-AvUC"), weight, label_smoothing)
+    with torch.autocast(_device_type(logits), enabled=False):
+        rows = loss_rows(logits, targets, check_ignore_index(ignore_index), soft_refusal=_AVUC_NEEDS_LABELS)
+        log_p = torch.log_softmax(rows.logits, 1)
+        penalty = _savuc_rows(rows, log_p, temperature, kappa, sync, group)
+        ce = -log_p.gather(1, rows.targets[:, None])[:, 0]
+        return _with_batch_term(ce, rows, reduction, b, penalty)
+
+
+# -- ESD -----------------------------------------------------------------------------------------------------
+
+_ESD_NEEDS_LABELS = "ESD compares the confidence with the correctness of the predicted class"
+_ESD_IS_A_BATCH_TERM = (
+    "ESD is a statistic of the whole batch, which class weights and smoothed targets do not define"
+)
+
+
+def _gather_rows(tensors, sync, group):
+    """The rows of every rank of ``group`` concatenated (a differentiable all-gather; every rank's batch must
+    have the same number of rows) when ``sync`` and torch.distributed is initialised, else ``tensors``."""
+    if not sync:
+        return tensors
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return tensors
+    from torch.distributed.nn.functional import all_gather
+
+    return [torch.cat(all_gather(t.contiguous(), group=group)) for t in tensors]
+
+
+def _esd_rows(rows, log_p, sync, group):
+    """The U-statistic ESD of the kept rows in O(n log n): with x_j = a_j − r_j, S_i = Σ_{j≠i, r_j<=r_i} x_j
+    and Q_i = Σ_{j≠i, r_j<=r_i} x_j², d_i² = (S_i² − Q_i) / ((n − 1)(n − 2)) and ESD = mean_i d_i²."""
+    conf, correct, kept = _correct_and_kept(rows, log_p)
+    x = (correct - conf) * kept
+    conf, x, kept = _gather_rows([conf, x, kept], sync, group)
+    r = conf.detach()
+    order = torch.argsort(r)
+    r_sorted = r[order]
+    x_sorted = x[order]
+    upto = torch.searchsorted(r_sorted, r, right=True) - 1  # the last sorted row with r_j <= r_i (i itself)
+    s = torch.cumsum(x_sorted, 0)[upto] - x
+    q = torch.cumsum(x_sorted * x_sorted, 0)[upto] - x * x
+    n = kept.sum()
+    d2 = (s * s - q) * kept
+    denom = (n - 1) * (n - 2)
+    return torch.where(n >= 3, d2.sum() / (n * denom.clamp(min=1)), d2.new_zeros(()))
+
+
+def esd_penalty(logits, targets, *, sync: bool = False, group=None, ignore_index=IGNORE_INDEX):
+    r"""The expected squared difference between confidence and accuracy of a batch, ESD (Yoon et al., ICLR
+    2023; hee-suk-yoon/ESD ``ESD``), the unbiased U-statistic: with x_ij = (a_j − r_j)·1[r_j <= r_i] over the
+    other n − 1 kept positions j of the batch, d_i² = Σ_{j≠k; j,k≠i} x_ij x_ik / ((n − 1)(n − 2)) and
+    ESD = (1/n) Σ_i d_i² (it can be negative). The indicator and a_j are constants; the gradient flows
+    through r. Computed by sorting (O(n log n) time, O(n) memory) rather than the reference's n × n matrix,
+    the same number. Fewer than 3 kept positions give 0. Positions labelled ``ignore_index`` are not part of
+    the batch. Under data parallelism the reference's term is each rank's batch; ``sync=True`` takes it over
+    the global batch (a differentiable all-gather of r and a − r: every rank's batch must have the same
+    number of positions, as with ``drop_last``).
+
+    Example:
+        >>> import torch
+        >>> logits = torch.tensor([[3.0, 0.0], [0.0, 0.2], [2.0, 0.0], [0.5, 0.0]])
+        >>> esd_penalty(logits, torch.tensor([0, 1, 1, 1]))  # unbiased, so it can be negative
+        tensor(-0.0341)
+    """
+    with torch.autocast(_device_type(logits), enabled=False):
+        rows = loss_rows(logits, targets, check_ignore_index(ignore_index), soft_refusal=_ESD_NEEDS_LABELS)
+        return _esd_rows(rows, torch.log_softmax(rows.logits, 1), sync, group)
+
+
+def esd_loss(
+    logits,
+    targets,
+    lambda_: float = 4.0,
+    *,
+    holdout: float = 0.0,
+    sync: bool = False,
+    group=None,
+    weight=None,
+    label_smoothing: float = 0.0,
+    ignore_index: int | None = IGNORE_INDEX,
+    reduction: str = "mean",
+):
+    r"""Cross entropy + λ·sqrt(relu(ESD)) (:func:`esd_penalty`); λ = 4, the released ImageNet-100 script's.
+
+    The released training computes ESD on a **separate calibration batch** drawn each step from 10% of the
+    training split held out from cross entropy (``--calset_ratio 0.1``). A loss sees one batch, so
+    ``holdout`` h splits it (decision 166): the last ceil(h·N) samples of the batch (along dimension 0, all
+    their positions) form the calibration part and leave the cross entropy; ESD is computed on them alone.
+    ``holdout=0`` (the default, what a trainer without a calibration loader can run) computes both terms on
+    the whole batch; ``holdout=0.1`` spends the reference's share of the data. For the reference's
+    interleaved form call ``cross_entropy(train) + λ·esd_penalty(calibration).clamp(min=0).sqrt()`` with two
+    batches. The sqrt has a zero gradient where ESD <= 0. "mean" is CE.mean() + λ·sqrt(ESD⁺), "none" gives
+    every kept training position CE_i + λ·sqrt(ESD⁺) (held-out positions 0), "sum" the sum of "none". Soft
+    targets, class ``weight`` and ``label_smoothing`` are refused. Per-rank batch under data parallelism
+    unless ``sync=True`` (see :func:`esd_penalty`).
+
+    Example:
+        >>> import torch
+        >>> logits = torch.tensor([[3.0, 0.0], [0.0, 0.2], [2.0, 0.0], [0.5, 0.0]])
+        >>> esd_loss(logits, torch.tensor([0, 1, 1, 1]))
+        tensor(0.9369)
+    """
+    lam = _number(lambda_, "lambda_", low=0)
+    holdout = _number(holdout, "holdout", low=0, high=1)
+    check_choice(reduction, "reduction", REDUCTIONS)
+    _refuse_batch_term(_ESD_IS_A_BATCH_TERM, weight, label_smoothing)
+    ignore_index = check_ignore_index(ignore_index)
+    with torch.autocast(_device_type(logits), enabled=False):
+        rows = loss_rows(logits, targets, ignore_index, soft_refusal=_ESD_NEEDS_LABELS)
+        log_p = torch.log_softmax(rows.logits, 1)
+        n = logits.shape[0]
+        held = math.ceil(holdout * n) if holdout else 0
+        if held >= n:
+            raise ValueError(f"`holdout` = {holdout} holds out all {n} samples of the batch; nothing is left")
+        if held == 0:
+            penalty = _safe_sqrt(_esd_rows(rows, log_p, sync, group))
+            ce = -log_p.gather(1, rows.targets[:, None])[:, 0]
+            return _with_batch_term(ce, rows, reduction, lam, penalty)
+        per_sample = rows.logits.shape[0] // n
+        split = (n - held) * per_sample
+        train, cal = _split_rows(rows, split)
+        penalty = _safe_sqrt(_esd_rows(cal, log_p[split:], sync, group))
+        ce = -log_p[:split].gather(1, train.targets[:, None])[:, 0]
+        out = _with_batch_term(ce, train, reduction, lam, penalty)
+        if reduction == "none":
+            return torch.cat([out, out.new_zeros((held, *out.shape[1:]))])
+        return out
+
+
+def _split_rows(rows, split):
+    """The rows before and after ``split`` as two :class:`LossRows` (samples along dimension 0)."""
+    keep = rows.keep
+    n = rows.shape[0]
+    per_sample = rows.logits.shape[0] // n
+    first = type(rows)(rows.logits[:split], rows.targets[:split], None if keep is None else keep[:split],
+                       (split // per_sample, *rows.shape[1:]))  # fmt: skip
+    second = type(rows)(rows.logits[split:], rows.targets[split:], None if keep is None else keep[split:],
+                        (n - split // per_sample, *rows.shape[1:]))  # fmt: skip
+    return first, second
+
+
+# -- mL1-ACE -------------------------------------------------------------------------------------------------
+
+ACE_BINNINGS = ("hard", "soft")
+_FLOAT32_EPS = 1.1920928955078125e-07  # the reference's upper bin edge is 1 + float32 eps
+
+
+def _ace_groups(p, y, kept, group_of, n_groups, n_bins, binning, empty_weight):
+    """mL1-ACE per (group, class) from probabilities p (M, C), targets y (M, C) in [0, 1], kept (M,) 1/0 and
+    the group (image) index of each row: (ace (G, C), the number of kept rows of each group (G,), Σ y (G, C)).
+    Hard bins: edges linspace(0, 1 + eps32, M + 1), bin b = (e_b, e_{b+1}] (bucketize, right=False, 0 in bin
+    0). Soft bins: each p split linearly between its two neighbouring centres (2b + 1)/(2M)·(1 + eps32), all
+    of it in the end bin below the first or above the last centre. ACE = mean over the occupied bins
+    (count > 0; soft: count >= ``empty_weight``) of |mean p − mean y|."""
+    m, c = p.shape
+    cell = (group_of[:, None] * c + torch.arange(c, device=p.device)) * n_bins  # (M, C) first bin of the cell
+    size = n_groups * c * n_bins
+    w = kept[:, None].expand(m, c)
+    if binning == "hard":
+        edges = torch.linspace(0, 1 + _FLOAT32_EPS, n_bins + 1, dtype=p.dtype, device=p.device)
+        index = (cell + torch.bucketize(p.detach().contiguous(), edges[1:-1], right=False)).reshape(-1)
+        parts = [(index, w.reshape(-1))]
+    else:
+        u = (p * (n_bins / (1 + _FLOAT32_EPS)) - 0.5).clamp(0, n_bins - 1)  # position in centre units
+        if n_bins == 1:
+            left, right_w = torch.zeros_like(u, dtype=torch.long), torch.zeros_like(u)
+        else:
+            left = u.detach().floor().clamp(max=n_bins - 2)
+            right_w = u - left
+            left = left.long()
+        index = (cell + left).reshape(-1)
+        parts = [(index, (w * (1 - right_w)).reshape(-1)), (index + 1, (w * right_w).reshape(-1))]
+    count = p.new_zeros(size)
+    sum_p = p.new_zeros(size)
+    sum_y = p.new_zeros(size)
+    pf, yf = p.reshape(-1), y.reshape(-1)
+    for idx, weight in parts:
+        if binning == "soft" and n_bins == 1 and idx is not parts[0][0]:
+            continue
+        count = count.index_add(0, idx, weight)
+        sum_p = sum_p.index_add(0, idx, weight * pf)
+        sum_y = sum_y.index_add(0, idx, weight * yf)
+    count, sum_p, sum_y = (t.reshape(n_groups, c, n_bins) for t in (count, sum_p, sum_y))
+    occupied = count > 0 if binning == "hard" else count >= empty_weight
+    safe = torch.where(occupied, count, torch.ones_like(count))
+    gap = torch.where(occupied, (sum_p - sum_y).abs() / safe, torch.zeros_like(count))
+    n_occupied = occupied.sum(-1)
+    ace = gap.sum(-1) / n_occupied.clamp(min=1)
+    # each group's rows are one contiguous block of equal size (:func:`_groups`): block sums, not a scatter
+    # (Inductor's CPU code generation fails on a scatter-add into one group, torch 2.13)
+    per_group = m // n_groups if n_groups else 0
+    rows_per_group = kept.reshape(n_groups, per_group).sum(1)
+    present = (y * kept[:, None]).reshape(n_groups, per_group, c).sum(1)
+    return ace, rows_per_group, present
+
+
+def _ace_term(p, y, kept, group_of, n_groups, options):
+    """mL1-ACE of every (group, class) cell, the reference's aggregation: a class absent from a group's
+    targets counts 0 (``ignore_empty_classes``); ``include_background=False`` leaves out class 0. Returns
+    (ace (G, C'), mask (G, C') of the cells the mean covers: the groups with a kept row)."""
+    n_bins, binning, empty_weight, include_background, ignore_empty = options
+    if not include_background:
+        p, y = p[:, 1:], y[:, 1:]
+    ace, rows_per_group, present = _ace_groups(p, y, kept, group_of, n_groups, n_bins, binning, empty_weight)
+    if ignore_empty:
+        ace = torch.where(present > 0, ace, torch.zeros_like(ace))
+    cover = (rows_per_group > 0)[:, None].expand_as(ace)
+    return ace, cover
+
+
+def _check_ace_options(n_bins, binning, empty_weight, include_background, ignore_empty_classes):
+    from .._validation import check_bool
+
+    return (
+        check_positive_int(n_bins, "n_bins"),
+        check_choice(binning, "binning", set(ACE_BINNINGS)),
+        _number(empty_weight, "empty_weight", low=0),
+        check_bool(include_background, "include_background"),
+        check_bool(ignore_empty_classes, "ignore_empty_classes"),
+    )
+
+
+def _groups(shape, m, per_image, device):
+    """The group (image) of each of the m rows and the number of groups: one per sample of dimension 0 when
+    ``per_image`` (None: when the input has spatial dimensions), one for the whole batch otherwise."""
+    if per_image is None:
+        per_image = len(shape) > 1
+    if not per_image:
+        return torch.zeros(m, dtype=torch.long, device=device), 1
+    n = shape[0]
+    return torch.arange(n, device=device).repeat_interleave(m // n if n else 0), n
+
+
+def _ace_reduce(base, ace, cover, rows_group, reduction, coef, base_keep, shape):
+    """base (per element, 0 where left out) + coef·ACE: "mean" is base's mean over its kept elements + coef·the
+    mean of ACE over the covered cells; "none" gives each kept element of group g base + coef·(mean over the
+    classes of g's ACE); "sum" the sum of "none"."""
+    zero = base.new_zeros(())
+    if reduction == "mean":
+        n_base = base.numel() if base_keep is None else base_keep.sum()
+        covered = torch.where(cover, ace, zero).sum() / cover.sum()
+        return base.sum() / n_base + coef * covered
+    per_group = ace.mean(1)[rows_group]
+    term = coef * per_group.reshape(base.shape[0], *([1] * (base.ndim - 1))).expand_as(base)
+    if base_keep is not None:
+        term = torch.where(base_keep, term, zero)
+    none = (base + term).reshape(shape)
+    return none if reduction == "none" else none.sum()
+
+
+def ml1ace_penalty(
+    logits,
+    targets,
+    *,
+    n_bins: int = 20,
+    binning: str = "hard",
+    empty_weight: float = 0.01,
+    multilabel: bool = False,
+    per_image=None,
+    include_background: bool = True,
+    ignore_empty_classes: bool = True,
+    ignore_index: int | None = IGNORE_INDEX,
+    reduction: str = "mean",
+):
+    r"""Marginal L1 average calibration error, mL1-ACE (Barfoot et al., MICCAI 2024 / arXiv 2506.03942; the
+    reference code cai4cai/Average-Calibration-Losses ``HardL1ACELoss`` / ``SoftL1ACELoss``, proposed to MONAI
+    in Project-MONAI/MONAI#9092), a differentiable ACE of every class's probability against its indicator.
+
+    For each image b (sample of dimension 0) and class c, the probabilities p_bc of its positions are binned
+    into ``n_bins`` M bins over [0, 1] and ACE_bc is the mean over the occupied bins of |mean p − mean y|
+    (every occupied bin counts the same: ACE, not ECE). ``binning="hard"``: bins (e_m, e_{m+1}] with edges
+    linspace(0, 1 + 1.19e-7, M + 1), the gradient through the bin means of p. ``"soft"``: each p is split
+    linearly between its two neighbouring bin centres (all of it into the end bin below the first centre or
+    above the last), the gradient through the weights as well; a bin with total weight < ``empty_weight``
+    (0.01) is empty. A class absent from an image's targets counts 0 (``ignore_empty_classes``, the
+    reference's default) but stays in the mean over the N·K cells; ``include_background=False`` leaves out
+    class 0. Defaults M = 20 as the reference.
+
+    Softmax outputs (default): logits (N, K, d1, ...) with labels (N, d1, ...) or class probabilities; the
+    target of class c is the one-hot indicator (or the probability); positions labelled ``ignore_index``
+    leave every bin; an image with no kept position leaves the mean. ``multilabel=True``: sigmoid outputs,
+    logits (N, L, d1, ...) with targets of the same shape in [0, 1] (no ``ignore_index``). ``per_image``:
+    None (default) bins per image when the input has spatial dimensions and over the whole batch for (N, K)
+    inputs (one "image": the batch's positions pooled, a batch term, per rank under data parallelism); True or
+    False forces either. The target is a constant.
+
+    Returns the mean over the (image, class) cells (``reduction="mean"``), their sum, or the (N, K) values
+    (``"none"``; (1, K) when pooled).
+
+    Example:
+        >>> import torch
+        >>> logits = torch.tensor([[2.0, 0.0], [0.0, 1.0], [1.0, 0.0]])
+        >>> ml1ace_penalty(logits, torch.tensor([0, 1, 1]))
+        tensor(0.3731)
+    """
+    options = _check_ace_options(n_bins, binning, empty_weight, include_background, ignore_empty_classes)
+    check_choice(reduction, "reduction", REDUCTIONS)
+    with torch.autocast(_device_type(logits), enabled=False):
+        p, y, kept, group_of, n_groups, _ = _ace_inputs(logits, targets, multilabel, per_image, ignore_index)
+        ace, cover = _ace_term(p, y, kept, group_of, n_groups, options)
+        if reduction == "none":
+            return ace
+        total = torch.where(cover, ace, ace.new_zeros(())).sum()
+        return total if reduction == "sum" else total / cover.sum()
+
+
+def _ace_inputs(logits, targets, multilabel, per_image, ignore_index):
+    """(p (M, C), y (M, C), kept (M,), group of each row, number of groups, the rows (softmax) or the checked
+    binary (logits, targets))."""
+    from .._validation import check_bool
+
+    if check_bool(multilabel, "multilabel"):
+        if ignore_index is not None and ignore_index != IGNORE_INDEX:
+            raise ValueError(
+                "`ignore_index` is not accepted with multilabel=True (targets are 0/1 per label)"
+            )
+        from .binary import _check_binary_targets
+
+        if not isinstance(logits, torch.Tensor) or logits.ndim < 2:
+            raise ValueError("`logits` must have shape (N, L) or (N, L, d1, ...) with multilabel=True")
+        z = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+        t, _ = _check_binary_targets(targets, z.shape, z.device)
+        t = t.to(z.dtype)
+        c = z.shape[1]
+        p = torch.sigmoid(z).movedim(1, -1).reshape(-1, c)
+        y = t.movedim(1, -1).reshape(-1, c)
+        kept = p.new_ones(p.shape[0])
+        shape = (z.shape[0], *z.shape[2:])
+        group_of, n_groups = _groups(shape, p.shape[0], per_image, p.device)
+        return p, y, kept, group_of, n_groups, (z, t)
+    rows = loss_rows(logits, targets, check_ignore_index(ignore_index))
+    p = torch.softmax(rows.logits, 1)
+    c = p.shape[1]
+    y = rows.targets if rows.soft else torch.nn.functional.one_hot(rows.targets, c).to(p.dtype)
+    kept = p.new_ones(p.shape[0]) if rows.keep is None else rows.keep.to(p.dtype)
+    group_of, n_groups = _groups(rows.shape, p.shape[0], per_image, p.device)
+    return p, y, kept, group_of, n_groups, rows
+
+
+def ml1ace_loss(
+    logits,
+    targets,
+    lambda_: float = 1.0,
+    *,
+    n_bins: int = 20,
+    binning: str = "hard",
+    empty_weight: float = 0.01,
+    multilabel: bool = False,
+    per_image=None,
+    include_background: bool = True,
+    ignore_empty_classes: bool = True,
+    weight=None,
+    label_smoothing: float = 0.0,
+    ignore_index: int | None = IGNORE_INDEX,
+    reduction: str = "mean",
+):
+    r"""Cross entropy (binary cross entropy with ``multilabel=True``) + λ·mL1-ACE (:func:`ml1ace_penalty`). The
+    paper trains Dice + CE + mL1-ACE in equal parts (1:1:1); torchcal has no Dice loss, so the default is
+    CE + 1·mL1-ACE, the CE-to-ACE ratio of the paper. "mean" is the base loss's mean over its kept elements
+    + λ·the mean ACE over the (image, class) cells; "none" gives each kept position (each element with
+    ``multilabel``) its base loss + λ·the mean over the classes of its image's ACE; "sum" the sum of "none".
+    Soft targets (class probabilities) enter both terms. Class ``weight`` and ``label_smoothing`` are refused
+    (the ACE term is a statistic of each image).
+
+    Example:
+        >>> import torch
+        >>> logits = torch.tensor([[2.0, 0.0], [0.0, 1.0], [1.0, 0.0]])
+        >>> ml1ace_loss(logits, torch.tensor([0, 1, 1]))
+        tensor(0.9576)
+    """
+    lam = _number(lambda_, "lambda_", low=0)
+    options = _check_ace_options(n_bins, binning, empty_weight, include_background, ignore_empty_classes)
+    check_choice(reduction, "reduction", REDUCTIONS)
+    _refuse_batch_term(_ACE_IS_PER_IMAGE, weight, label_smoothing)
+    with torch.autocast(_device_type(logits), enabled=False):
+        p, y, kept, group_of, n_groups, rows = _ace_inputs(
+            logits, targets, multilabel, per_image, ignore_index
+        )
+        ace, cover = _ace_term(p, y, kept, group_of, n_groups, options)
+        if not isinstance(rows, LossRows):  # multilabel: the checked (logits, 0/1 targets)
+            z, t = rows
+            base = torch.nn.functional.binary_cross_entropy_with_logits(z, t, reduction="none")
+            flat = base.movedim(1, -1).reshape(-1)  # element order of the rows: (position, label)
+            rows_group = group_of.repeat_interleave(z.shape[1])
+            out = _ace_reduce(flat, ace.repeat_interleave(1, 1), cover, rows_group, reduction, lam, None,
+                              (*z.shape[:1], *z.shape[2:], z.shape[1]))  # fmt: skip
+            return out.movedim(-1, 1) if reduction == "none" else out
+        log_p = torch.log_softmax(rows.logits, 1)
+        ce = -(rows.targets * log_p).sum(1) if rows.soft else -log_p.gather(1, rows.targets[:, None])[:, 0]
+        if rows.keep is not None:
+            ce = torch.where(rows.keep, ce, ce.new_zeros(()))
+        return _ace_reduce(ce, ace, cover, group_of, reduction, lam, rows.keep, rows.shape)
+
+
+_ACE_IS_PER_IMAGE = (
+    "mL1-ACE is a statistic of each image's bins, which class weights and smoothed targets do not define"
+)
+
+
+# -- CALS ----------------------------------------------------------------------------------------------------
+
+_CALS_PENALTY_IS_NOT_PER_CLASS = (
+    "CALS's multipliers are its class weights, and the released code smooths nothing; use "
+    "cross_entropy for weighted or smoothed targets"
+)
+
+
+def _cals_h(z, margin, normalize):
+    """h_ik = (max_j z_ij − z_ik − m) (/ m with ``normalize``): the constraint h <= 0 per row and class."""
+    h = z.max(dim=1).values[:, None] - z - margin
+    return h / margin if normalize else h
+
+
+def phr_penalty(h, lambdas, rhos):
+    r"""The PHR augmented-Lagrangian penalty P(h; λ, ρ) = (max(0, λ + ρh)² − λ²)/(2ρ), elementwise (its
+    derivative in h is max(0, λ + ρh)).
+
+    Example:
+        >>> import torch
+        >>> phr_penalty(torch.tensor([-1.0, 0.0, 0.5]), torch.tensor(1.0), torch.tensor(2.0))
+        tensor([-0.2500,  0.0000,  0.7500])
+    """
+    return (torch.relu(lambdas + rhos * h) ** 2 - lambdas**2) / (2 * rhos)
+
+
+def _cals_penalty(z, lam, rho, margin, normalize, kept=None, lambda_min=0.0, lambda_max=math.inf):
+    """mean_k P(h_ik; λ_k, ρ_k) per row: with s = m (normalised) or 1, λ + ρh = (λ − ρm/s) + (ρ/s)(max − z),
+    so Σ_k P = Σ_k relu(·)²/(2ρ_k) − Σ_k λ_k²/(2ρ_k), the first through :class:`_TopGapPenalty`. With
+    ``kept`` (M,) 1/0, also the sums of :func:`cals_statistics` from the same pass (else None)."""
+    k = z.shape[1]
+    s = margin if normalize else 1.0
+    a = rho / s
+    w = 1 / (2 * rho * k)
+    hinge, _, raw = _TopGapPenalty.apply(
+        z, a, lam - a * margin, w, 1 / (2 * k * s), 2, True, kept, lambda_min, lambda_max
+    )
+    penalty = hinge - (lam * lam * w).sum()
+    if kept is None:
+        return penalty, None
+    count = kept.sum()
+    # Σ_i h_ik = (Σ_i max_i − Σ_i z_ik − m·n)/s over the kept rows
+    h_sums = (raw[2 * k] - raw[k : 2 * k] - margin * count) / s
+    return penalty, torch.cat([raw[:k], h_sums, count[None]])
+
+
+def cals_loss(
+    logits,
+    targets,
+    lambdas,
+    rhos,
+    margin: float = 10.0,
+    *,
+    normalize: bool = True,
+    ignored_rows: str = "reference",
+    weight=None,
+    label_smoothing: float = 0.0,
+    ignore_index: int | None = IGNORE_INDEX,
+    reduction: str = "mean",
+    statistics=None,
+):
+    r"""Class-adaptive label smoothing, CALS (Liu et al., CVPR 2023; by-liu/CALS ``AugLagrangianClass``): cross
+    entropy plus the PHR penalty (:func:`phr_penalty`) of the logit-distance constraints h_ik <= 0 with
+    h_ik = (max_j z_ij − z_ik − m)/m, per class multipliers λ_k and penalty parameters ρ_k (K,):
+    CE + mean_{i,k} P(h_ik; λ_k, ρ_k), the mean over all N·K entries, the arg-max entry (h = −1) included,
+    as the released code. h is not detached. :class:`~torchcal.losses.CALSLoss` holds λ and ρ and updates
+    them; this function takes them as constants.
+
+    ``ignored_rows="reference"`` (default): as the released code, the penalty covers every position, those
+    labelled ``ignore_index`` included (cross entropy leaves them out); ``"drop"`` leaves them out of both.
+    Soft targets enter the cross entropy. Class ``weight`` and ``label_smoothing`` are refused.
+    ``statistics=(lambda_min, lambda_max)`` returns (loss, the detached sums of :func:`cals_statistics` over
+    the kept positions) from the same pass (the module's training accumulation).
+
+    Example:
+        >>> import torch
+        >>> logits = torch.tensor([[12.0, 0.0, 1.0], [0.0, 1.0, 0.0]])
+        >>> lam, rho = torch.full((3,), 1e-6), torch.ones(3)
+        >>> cals_loss(logits, torch.tensor([0, 1]), lam, rho, reduction="none")
+        tensor([0.0084, 0.5514])
+    """
+    m = _number(margin, "margin", low=0, low_open=True)
+    from .._validation import check_bool
+
+    normalize = check_bool(normalize, "normalize")
+    check_choice(ignored_rows, "ignored_rows", {"reference", "drop"})
+    check_choice(reduction, "reduction", REDUCTIONS)
+    if weight is not None:
+        raise ValueError(f"`weight` is not accepted: {_CALS_PENALTY_IS_NOT_PER_CLASS}")
+    check_label_smoothing(label_smoothing, _CALS_PENALTY_IS_NOT_PER_CLASS)
+    ignore_index = check_ignore_index(ignore_index)
+    with torch.autocast(_device_type(logits), enabled=False):
+        rows, _, ce = _ce_rows(logits, targets, ignore_index)
+        z = rows.logits
+        lam = torch.as_tensor(lambdas).to(z.device, z.dtype)
+        rho = torch.as_tensor(rhos).to(z.device, z.dtype)
+        if lam.shape != (z.shape[1],) or rho.shape != (z.shape[1],):
+            raise ValueError(
+                f"`lambdas` and `rhos` must have shape ({z.shape[1]},) (one per class), got "
+                f"{tuple(lam.shape)} and {tuple(rho.shape)}"
+            )
+        kept = None
+        if statistics is not None:
+            kept = z.new_ones(z.shape[0]) if rows.keep is None else rows.keep.to(z.dtype)
+        penalty, sums = _cals_penalty(z, lam, rho, m, normalize, kept, *(statistics or ()))
+        loss = _reduce_penalised(
+            ce, penalty, 1.0, rows, reduction, None if ignored_rows == "reference" else "rows"
+        )
+        return loss if statistics is None else (loss, sums)
+
+
+def cals_statistics(logits, targets=None, lambdas=None, rhos=None, margin: float = 10.0, *, normalize=True,
+                    lambda_min: float = 1e-6, lambda_max: float = 1e6, ignore_index: int | None = IGNORE_INDEX):  # fmt: skip
+    r"""The sums CALS's multiplier update averages, over the positions of a batch (detached): per class k,
+    Σ_i clamp(P'(h_ik; λ_k, ρ_k), λ_min, λ_max), Σ_i h_ik, and the number of positions, as a (2K + 1,)
+    tensor. ``targets`` only mark the positions labelled ``ignore_index`` (left out); None counts every
+    position, as the released code's validation pass.
+
+    Example:
+        >>> import torch
+        >>> logits = torch.tensor([[12.0, 0.0, 1.0], [0.0, 1.0, 0.0]])
+        >>> cals_statistics(logits, None, torch.full((3,), 0.5), torch.ones(3))
+        tensor([ 2.0000e-06,  7.0000e-01,  6.0000e-01, -1.9000e+00, -8.0000e-01,
+                -8.0000e-01,  2.0000e+00])
+    """
+    with torch.autocast(
+        _device_type(logits), enabled=False
+    ):  # (detached: no_grad would split a compile graph)
+        z = logits.detach()
+        z = z.float() if z.dtype in (torch.float16, torch.bfloat16) else z
+        k = z.shape[1]
+        if z.ndim > 2:
+            z = z.movedim(1, -1).reshape(-1, k)
+        kept = z.new_ones(z.shape[0])
+        if targets is not None and ignore_index is not None:
+            kept = (
+                (targets.reshape(-1) != ignore_index).to(z.dtype) if not targets.is_floating_point() else kept
+            )
+        h = _cals_h(z, margin, normalize)
+        lam = torch.as_tensor(lambdas).to(z.device, z.dtype)
+        rho = torch.as_tensor(rhos).to(z.device, z.dtype)
+        grad = torch.relu(lam + rho * h).clamp(lambda_min, lambda_max)
+        return torch.cat([(grad * kept[:, None]).sum(0), (h * kept[:, None]).sum(0), kept.sum()[None]])

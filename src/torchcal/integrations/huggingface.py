@@ -5,8 +5,8 @@
   token classification) against its ``labels``, padding labels −100 ignored. When the Trainer counts the
   label items of an accumulated batch (``num_items_in_batch``) the loss is the sum over the batch divided by
   that count, as the Trainer expects of a ``compute_loss_func`` under gradient accumulation.
-* :class:`CalibrationTrainer` is a ``Trainer`` with such a loss that also updates AdaFocal (and CalFocal)
-  after each scheduled evaluation of ``train()`` from the evaluation set's logits (gathered from every
+* :class:`CalibrationTrainer` is a ``Trainer`` with such a loss that also updates AdaFocal (and CalFocal,
+  CALS's multipliers, AvUC's threshold) after each scheduled evaluation of ``train()`` from the evaluation set's logits (gathered from every
   process by the Trainer). ``evaluate()`` called by the user (test metrics, the extra evaluation after
   training) leaves the loss as it is unless ``evaluate(..., update_calibration_loss=True)``.
 * :func:`compute_metrics` gives ``Trainer(compute_metrics=...)`` the calibration metrics (``eval_ece``, ...)
@@ -41,9 +41,8 @@ except ImportError as err:  # pragma: no cover - exercised only without transfor
     ) from err
 
 from .._validation import check_bool, check_choice, check_positive_int
-from ..adafocal import AdaFocalLoss, CalFocalLoss
 from ..functional._loss_inputs import check_ignore_index
-from ..losses import _BinaryLoss
+from ..losses import ADAPTIVE_LOSSES, _BinaryLoss
 from ..metrics import DECOMPOSITION_METRICS, METRICS, ROW_METRICS, CalibrationMetrics, metric_rows
 from . import _multilabel as ML
 
@@ -188,7 +187,7 @@ def compute_metrics(num_classes: int, names=None, ignore_index=-100, *, task: st
 class CalibrationTrainer(Trainer):
     """A ``transformers.Trainer`` training with a torchcal loss (``calibration_loss``); after each scheduled
     evaluation of ``train()`` (``eval_strategy``, on the ``eval_dataset``) it updates every AdaFocal /
-    CalFocal module of the loss from the evaluation logits, the papers' per-epoch update when evaluating
+    CalFocal / CALS / AvUC module of the loss from the evaluation logits, the papers' per-epoch update when evaluating
     every epoch. Evaluating every n steps (``eval_strategy="steps"``) gives AdaFocal-n (the AdaFocal paper's
     AdaFocal-100 for BERT).
 
@@ -232,7 +231,7 @@ class CalibrationTrainer(Trainer):
             update = self._calibration_training and prefix == "eval"
         else:
             update = self._calibration_update
-        adaptive = [m for m in self.calibration_loss.modules() if isinstance(m, AdaFocalLoss | CalFocalLoss)]
+        adaptive = [m for m in self.calibration_loss.modules() if isinstance(m, ADAPTIVE_LOSSES)]
         if update and adaptive and output.predictions is not None and output.label_ids is not None:
             logits, labels = _rows(output.predictions, output.label_ids, self.calibration_ignore_index)
             for module in adaptive:
@@ -421,7 +420,7 @@ class FusedCalibrationTrainer(CalibrationTrainer):
             return super().evaluation_loop(*args, **kwargs)
         output = Trainer.evaluation_loop(self, *args, **kwargs)
         prefix = kwargs.get("metric_key_prefix", args[4] if len(args) > 4 else "eval")
-        adaptive = [m for m in self.calibration_loss.modules() if isinstance(m, AdaFocalLoss | CalFocalLoss)]
+        adaptive = [m for m in self.calibration_loss.modules() if isinstance(m, ADAPTIVE_LOSSES)]
         if prefix == "eval" and adaptive and output.predictions is not None and output.label_ids is not None:
             predictions = (
                 output.predictions[0] if isinstance(output.predictions, tuple) else output.predictions

@@ -7,7 +7,9 @@
    confidences all-gathered only for the equal-mass metrics;
 2. **updates AdaFocal** (every :class:`~torchcal.adafocal.AdaFocalLoss` and
    :class:`~torchcal.adafocal.CalFocalLoss` inside the LightningModule) from those global validation
-   statistics, so every rank holds the same γ — the papers' per-epoch schedule. Only the validation epochs
+   statistics, so every rank holds the same γ — the papers' per-epoch schedule — and calls the end-of-epoch
+   update of :class:`~torchcal.losses.CALSLoss` and :class:`~torchcal.losses.AvUCLoss` (their multipliers
+   and threshold from the training statistics they accumulated, summed over the ranks). Only the validation epochs
    that ``Trainer.fit`` runs update it: a stand-alone ``Trainer.validate`` (before training, or of a
    checkpoint) measures and leaves the loss as it is;
 3. **fits a post-hoc calibrator** (a spec such as ``"ts"`` or ``"ts:objective=ece"``) on the epoch's
@@ -50,9 +52,9 @@ import warnings
 import torch
 
 from .._validation import check_bool, check_choice, check_positive_int
-from ..adafocal import AdaFocalLoss, CalFocalLoss
 from ..calibrators import from_spec
 from ..functional._loss_inputs import check_ignore_index
+from ..losses import ADAPTIVE_LOSSES
 from ..metrics import (
     DECOMPOSITION_METRICS,
     METRICS,
@@ -79,8 +81,8 @@ class CalibrationCallback(Callback):
             ``<name>_micro`` pools every (sample, label) pair, not for AUROC). None: the task's defaults.
         calibrator: calibrator spec fitted on each epoch's validation logits, or None (with
             ``task="multilabel"`` a sigmoid calibrator: ``"ts"`` is per-label temperature scaling).
-        update_adafocal: update the AdaFocal / CalFocal losses of the module after each validation epoch of
-            ``Trainer.fit`` (multiclass only).
+        update_adafocal: update the AdaFocal / CalFocal / CALS / AvUC losses of the module after each
+            validation epoch of ``Trainer.fit`` (multiclass only).
         n_bins: bins of the metrics (and of AdaFocal's equal-mass statistics: it uses the loss's own).
         prefix: prefix of the logged names; part of :attr:`state_key`, so two callbacks with the same
             calibrator spec and other prefixes keep their own state in a checkpoint.
@@ -192,7 +194,7 @@ class CalibrationCallback(Callback):
         )
         if self.update_adafocal and self.task == "multiclass" and _fitting(trainer):
             for module in pl_module.modules():
-                if isinstance(module, AdaFocalLoss | CalFocalLoss):
+                if isinstance(module, ADAPTIVE_LOSSES):
                     module.update(metrics=acc)
         if self.calibrator is not None:
             mine = (
