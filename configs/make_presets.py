@@ -14,7 +14,9 @@ place of the Tree-LSTM (decision 76). BERT on 20 Newsgroups: AdaFocal's fine-tun
 ECE (Mukhoti et al., DFL, FCL) and on equal-mass ECE (AdaFocal), and FTS (``PAPER_CALIBRATORS``). Tiny-ImageNet and the text sets keep the model of the epoch with the lowest
 validation error (``train.select: best_val_error``, AdaFocal §6); the CIFAR presets the last epoch. Dual Focal's
 Table 10: ResNet-110 (SD) and DenseNet-40 on CIFAR-10/100 with CE, KDE-XE and DFL (``table10()``). AdaFocal's
-Fig. 53: ResNet-110 on SVHN with CE, FLSD-53 and AdaFocal (``svhn()``).
+Fig. 53: ResNet-110 on SVHN with CE, FLSD-53 and AdaFocal (``svhn()``). The margin and penalty losses (SPEC §8):
+CIFAR-10/100 and Tiny-ImageNet ResNet-50 in each released repository's protocol, MbLS's where it states none
+(``margin()``, decision 187).
 """
 
 from pathlib import Path
