@@ -14,7 +14,9 @@ place of the Tree-LSTM (decision 76). BERT on 20 Newsgroups: AdaFocal's fine-tun
 ECE (Mukhoti et al., DFL, FCL) and on equal-mass ECE (AdaFocal), and FTS (``PAPER_CALIBRATORS``). Tiny-ImageNet and the text sets keep the model of the epoch with the lowest
 validation error (``train.select: best_val_error``, AdaFocal §6); the CIFAR presets the last epoch. Dual Focal's
 Table 10: ResNet-110 (SD) and DenseNet-40 on CIFAR-10/100 with CE, KDE-XE and DFL (``table10()``). AdaFocal's
-Fig. 53: ResNet-110 on SVHN with CE, FLSD-53 and AdaFocal (``svhn()``).
+Fig. 53: ResNet-110 on SVHN with CE, FLSD-53 and AdaFocal (``svhn()``). The margin and penalty losses (SPEC §8):
+CIFAR-10/100 and Tiny-ImageNet ResNet-50 in each released repository's protocol, MbLS's where it states none
+(``margin()``, decision 187).
 """
 
 from pathlib import Path
@@ -260,8 +262,118 @@ def svhn(loss_key):
     return cfg
 
 
+# the margin and penalty losses (SPEC §8): each paper's CIFAR-10/100 and Tiny-ImageNet protocol, read from its
+# released repository; where the repository states none for a dataset, MbLS's protocol (decision 187)
+MBLS_SOURCE = "by-liu/MbLS README, configs/{defaults,optim/sgd,scheduler/multi_step,data/*}.yaml"
+MBLS_CIFAR = {"batch": 128, "epochs": 200, "milestones": [150, 250], "clip": 2.0}  # one decay in 200 epochs
+MBLS_TINY = {"batch": 64, "epochs": 100, "milestones": [40, 60], "clip": 2.0}
+MDCA_SOURCE = "mdca-loss/MDCA-Calibration scripts/{cifar10,cifar100,imagenet}.sh, utils/argparser.py"
+MDCA_PROTOCOL = {  # SGD lr 0.1, momentum 0.9, weight decay 5e-4 (argparser defaults); no gradient clipping
+    "cifar10": {"batch": 128, "epochs": 160, "milestones": [80, 120], "clip": 0.0},
+    "cifar100": {"batch": 128, "epochs": 200, "milestones": [100, 150], "clip": 0.0},
+    "tiny_imagenet": {"batch": 64, "epochs": 100, "milestones": [40, 60], "clip": 0.0},
+}
+MARGIN_DATASETS = {
+    "cifar10": "cifar10_resnet50",
+    "cifar100": "cifar100_resnet50",
+    "tiny_imagenet": "tinyimagenet_resnet50",
+}
+# key -> (registry name, kwargs, {dataset: protocol} or None for MbLS's, source, what the header adds)
+MARGIN_LOSSES = {
+    "mbls": ("mbls", {}, {"cifar10": MBLS_CIFAR, "tiny_imagenet": MBLS_TINY},
+             MBLS_SOURCE + ", configs/loss/logit_margin.yaml (m = 10, alpha = 0.1)",
+             "MbLS releases CIFAR-10 and Tiny-ImageNet settings (no CIFAR-100)."),
+    "acls": ("acls", {}, {"tiny_imagenet": MBLS_TINY},
+             "cvlab-yonsei/ACLS tools/run_tiny.sh, configs/{defaults,optim/sgd,scheduler/multi_step,"
+             "data/tiny_imagenet,loss/acls}.yaml",
+             "ACLS releases a Tiny-ImageNet setting only; its CIFAR presets use MbLS's protocol."),
+    "cals": ("cals", {}, {"tiny_imagenet": {**MBLS_TINY, "batch": 128}},
+             "by-liu/CALS README (TinyImageNet command: batch 128, lag.margin=10), configs/{train/dist_lag,"
+             "optim/sgd,lr_scheduler/multi_step,lag/aug_lagrangian_class}.yaml",
+             "CALS releases Tiny-ImageNet, ImageNet and VOC settings; its CIFAR presets use MbLS's protocol. "
+             "Lambda and rho are updated on the validation set after every epoch."),
+    "mdca": ("mdca", {}, MDCA_PROTOCOL, MDCA_SOURCE + " (--loss NLL+MDCA --beta 1.0)",
+             "The scripts train ResNet-56 (not a runner model): ResNet-50 here."),
+    "flmdca": ("focal-mdca", {}, MDCA_PROTOCOL, MDCA_SOURCE + " (--loss FL+MDCA --gamma 1.0 --beta 1.0)",
+               "The scripts train ResNet-56 (not a runner model): ResNet-50 here."),
+    "lsmdca": ("ls-mdca", {}, MDCA_PROTOCOL, MDCA_SOURCE + " (--loss LS+MDCA --alpha 0.1 --beta 1.0)",
+               "The scripts train ResNet-56 (not a runner model): ResNet-50 here."),
+    "dca": ("dca", {}, None, "FOURM-LAB/DCA loss_fn.py (beta = 10, its default), README, demo_dca.ipynb",
+            "DCA releases only an AlexNet demo on Mendeley V2 chest X-rays; MDCA's comparison trains DCA "
+            "with beta = 1."),
+    "sbece": ("sb-ece", {}, None,
+              "hee-suk-yoon/ESD script/sbece.sh (M = 15, T = 0.01, lambda = 2; the SB-ECE authors release "
+              "no training script)", "ESD's script trains ResNet-18 on ImageNet-100 only."),
+    "savuc": ("s-avuc", {}, None, "google/uncertainty-baselines experimental/caltrain (loss functions only)",
+              "No training setting or T, kappa is released: torchcal's defaults (T = 0.1, kappa = 0.5)."),
+    "avuc": ("avuc", {}, None,
+             "IntelLabs/AVUC src/avuc_loss.py, src/main_bayesian_cifar_avu.py (beta = 3, threshold from "
+             "validation entropies over epochs 0-5)",
+             "AVUC trains only a Bayesian (SVI) ResNet-20 on CIFAR-10 (Adam, batch 107), which the runner "
+             "does not train."),
+    "esd": ("esd", {}, None, "hee-suk-yoon/ESD script/esd.sh, imagenet/main.py (lambda = 4)",
+            "ESD's script trains ResNet-18 on ImageNet-100 only, with a separate 10 % calibration set; here "
+            "ESD is taken on the training batch (holdout 0, decision 166)."),
+    "maxsup": ("maxsup", {}, None,
+               "ZhouYuxuanYX/Maximum-Suppression-Regularization Conv/common_resnet/train.py (alpha 0.1 -> 0.2 "
+               "over the run)", "MaxSup releases ImageNet and long-tailed CIFAR-10 settings only."),
+    "poly1": ("poly1", {}, None, "Leng et al. ICLR 2022, the paper's listing (epsilon = 1; no repository)",
+              "No repository with a training setting exists."),
+    "confpen": ("confidence-penalty", {}, None,
+                "ENSTA-U2IS-AI/torch-uncertainty ConfidencePenaltyLoss (beta = 1); Pereyra et al. release no "
+                "code", "No authors' training setting exists."),
+}  # fmt: skip
+
+
+def margin(dataset, loss_key):
+    """A margin or penalty loss (SPEC §8) in its paper's protocol on CIFAR-10/100 (ResNet-50) or Tiny-ImageNet
+    (ResNet-50): SGD lr 0.1, momentum 0.9, weight decay 5e-4, the batch-mean loss, 5,000 validation images
+    (Tiny-ImageNet: 50 per class), the model of lowest validation error (the released trainers keep the best
+    validation accuracy); batch, epochs, milestones and gradient clipping per ``MARGIN_LOSSES`` (MbLS's where
+    the repository states none: CIFAR batch 128, 200 epochs, milestones [150, 250], Tiny-ImageNet batch 64, 100
+    epochs, [40, 60], gradient norm clipped at 2)."""
+    name, kwargs, protocols, _, _ = MARGIN_LOSSES[loss_key]
+    default = MBLS_TINY if dataset == "tiny_imagenet" else MBLS_CIFAR
+    p = (protocols or {}).get(dataset, default)
+    cfg = preset("cifar100" if dataset == "tiny_imagenet" else dataset, "resnet50", "ce")
+    if dataset == "tiny_imagenet":
+        cfg["data"] = {"name": "tiny_imagenet", "root": "data", "augment": True, "loader": {}}
+    cfg["data"]["loader"]["batch_size"] = p["batch"]
+    cfg["loss"] = {"name": name, "reduction": "mean", "kwargs": dict(kwargs)}
+    cfg["optim"].update({"milestones": list(p["milestones"]), "grad_clip_norm": p["clip"]})
+    cfg["train"]["epochs"] = p["epochs"]
+    cfg["train"]["select"] = "best_val_error"
+    return cfg
+
+
+def margin_header(dataset, loss_key):
+    name, _, protocols, source, note = MARGIN_LOSSES[loss_key]
+    own = dataset in (protocols or {})
+    lines = [f"{MARGIN_DATASETS[dataset]} {loss_key}: generated by configs/make_presets.py (see margin()).",
+             f"{name}: {source}."]  # fmt: skip
+    lines.append("Training protocol: " + ("that repository's." if own else "MbLS's (" + MBLS_SOURCE + "; "
+                                            "decision 187), the source states none for this dataset."))  # fmt: skip
+    if note:
+        lines.append(note)
+    out = []
+    for line in lines:  # wrapped at 110 columns
+        words, cur = line.split(), "#"
+        for w in words:
+            if len(cur) + 1 + len(w) > 110:
+                out.append(cur)
+                cur = "#"
+            cur += " " + w
+        out.append(cur)
+    return "\n".join(out) + "\n"
+
+
 def main():
     here = Path(__file__).parent
+    for dataset, stem in MARGIN_DATASETS.items():
+        for loss_key in MARGIN_LOSSES:
+            text = yaml.safe_dump(margin(dataset, loss_key), sort_keys=False)
+            header = margin_header(dataset, loss_key)
+            (here / f"{stem}_{loss_key}.yaml").write_text(SCHEMA_LINE + header + text)
     for dataset in ("cifar10", "cifar100"):
         for short, model in TABLE10_MODELS.items():
             for loss_key in TABLE10_LOSSES:
