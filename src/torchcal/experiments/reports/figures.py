@@ -250,6 +250,14 @@ def draw_figures(
         plt.close(fig)
         written[name] = data
 
+    def finish(name, fig, data, drawn, needs):
+        """Saves the figure when anything was drawn; otherwise records the key that would log its data."""
+        if drawn:
+            save(name, fig, data)
+        else:
+            plt.close(fig)
+            skipped[name] = needs
+
     def legend(ax):  # below the axes: run-group labels are long
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), frameon=False)
@@ -264,11 +272,7 @@ def draw_figures(
                 drawn |= _plot_curves(ax, groups, lambda r, k=key: r.get(k), band)
                 ax.set(xlabel="epoch", title=title)
             legend(axes[0])
-            if drawn:
-                save(name, fig, {"groups": [g.label for g in groups]})
-            else:
-                plt.close(fig)
-                skipped[name] = "train.test_every=1"
+            finish(name, fig, {"groups": [g.label for g in groups]}, drawn, "train.test_every=1")
         elif name == "focal-fig3":
             panels = [("test NLL", ("outputs", "nll")), ("NLL, correct", ("outputs", "nll_correct")),
                       ("NLL, wrong", ("outputs", "nll_wrong")), ("entropy, wrong", ("outputs", "entropy_wrong")),
@@ -285,11 +289,7 @@ def draw_figures(
                 }
             axes.flat[-1].axis("off")
             legend(axes.flat[0])
-            if drawn:
-                save(name, fig, data)
-            else:
-                plt.close(fig)
-                skipped[name] = needs
+            finish(name, fig, data, drawn, needs)
         elif name == "focal-fig4a":
             fig, ax = plt.subplots(figsize=(4.5, 3.4))
             p = torch.linspace(1e-3, 1 - 1e-3, 500, dtype=torch.float64)
@@ -320,13 +320,10 @@ def draw_figures(
             save(name, fig, data)
         elif name == "focal-weights":
             fig, ax = plt.subplots(figsize=(4.5, 3.4))
-            if _plot_curves(ax, groups, lambda r: _dyn(r, "weights", "last_linear_norm"), band):
-                ax.set(xlabel="epoch", ylabel="‖W‖ of the last linear layer")
-                legend(ax)
-                save(name, fig, {})
-            else:
-                plt.close(fig)
-                skipped[name] = needs
+            drawn = _plot_curves(ax, groups, lambda r: _dyn(r, "weights", "last_linear_norm"), band)
+            ax.set(xlabel="epoch", ylabel="‖W‖ of the last linear layer")
+            legend(ax)
+            finish(name, fig, {}, drawn, needs)
         elif name == "dualfocal-fig4a":
             fig, ax = plt.subplots(figsize=(4.5, 3.4))
             data = {}
@@ -339,13 +336,9 @@ def draw_figures(
                     c.epochs.numpy(), 100 * smooth.numpy(), color=f"C{i % 10}", label=f"{g.label} (n={c.n})"
                 )
                 data[g.label] = smooth.tolist()
-            if data:
-                ax.set(xlabel="epoch", ylabel="test ECE (%), EMA 0.5")
-                legend(ax)
-                save(name, fig, data)
-            else:
-                plt.close(fig)
-                skipped[name] = needs
+            ax.set(xlabel="epoch", ylabel="test ECE (%), EMA 0.5")
+            legend(ax)
+            finish(name, fig, data, bool(data), needs)
         elif name == "dualfocal-fig4b":
             fig, ax = plt.subplots(figsize=(4.5, 3.4))
             data = {}
@@ -355,13 +348,9 @@ def draw_figures(
                     q = row["dynamics"]["logits"]["max_logit_percentiles"]
                     _equal_mass_hist(ax, q, color=f"C{i % 10}", label=g.label)
                     data[g.label] = q
-            if data:
-                ax.set(xlabel="maximum logit", ylabel="density")
-                legend(ax)
-                save(name, fig, data)
-            else:
-                plt.close(fig)
-                skipped[name] = needs
+            ax.set(xlabel="maximum logit", ylabel="density")
+            legend(ax)
+            finish(name, fig, data, bool(data), needs)
         elif name == "dualfocal-fig4c":
             stats, labels = [], []
             for g in groups:
