@@ -141,21 +141,41 @@ def test_a_run_without_dynamics_logs_none(runs):
     assert all("dynamics" not in r for r in rows_of(runs / "plain"))
 
 
-@pytest.mark.parametrize("loss_name, reduction", [("ce", "mean"), ("fl-3", "sum"), ("dfl", "mean")])
-def test_gradient_norms_equal_per_sample_autograd(loss_name, reduction):
+@pytest.mark.parametrize(
+    "loss_name, reduction, batch_size", [("ce", "mean", 12), ("fl-3", "sum", 5), ("dfl", "mean", 5)]
+)
+def test_gradient_norms_equal_per_sample_autograd(loss_name, reduction, batch_size):
     """‖∂L_i/∂W‖ of the last linear layer by one backward pass per sample (the sample alone in its batch,
     reduction sum, so L is L_i) against gradient_norms' ‖g‖‖h‖ from one batched pass."""
     g = torch.Generator().manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 4)).double()
     x, y = torch.randn(12, 6, generator=g, dtype=torch.float64), torch.randint(0, 4, (12,), generator=g)
     loss = create(loss_name, reduction=reduction)
-    got = gradient_norms(model, loss, x, y, lambda inputs: model(inputs).detach())
+    got = gradient_norms(model, loss, x, y, lambda inputs: model(inputs).detach(), batch_size)
     single = create(loss_name, reduction="sum")
     for i in range(12):
         model.zero_grad()
         single(model(x[i : i + 1]), y[i : i + 1]).backward()
         # a batch-mean loss of one sample is its own loss: both reductions give L_i here
         assert float(got[i]) == pytest.approx(float(model[2].weight.grad.norm()), rel=1e-12)
+
+
+def test_a_batch_level_loss_sees_training_sized_batches():
+    """MMCE's pair term over consecutive batches of 4 rows (the training batch), not over the whole set: each
+    sample's ‖∂L/∂z‖ equals a backward pass through its own batch's loss, times the batch size (mean)."""
+    g = torch.Generator().manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4)).double()
+    x, y = torch.randn(10, 3, generator=g, dtype=torch.float64), torch.randint(0, 4, (10,), generator=g)
+    loss = create("mmce")
+    got = gradient_norms(model, loss, x, y, lambda inputs: model(inputs).detach(), 4)
+    z = model(x).detach()
+    want = []
+    for zb, yb in zip(z.split(4), y.split(4), strict=True):
+        zb = zb.clone().requires_grad_(True)
+        (grad,) = torch.autograd.grad(loss(zb, yb), zb)
+        want.append(grad.norm(dim=1) * len(yb))
+    h = x.norm(dim=1)  # the head's input is x itself
+    torch.testing.assert_close(got, torch.cat(want) * h, rtol=1e-12, atol=0)
 
 
 def test_refusals_name_the_key():

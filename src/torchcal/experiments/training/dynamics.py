@@ -16,7 +16,8 @@ Each name of :data:`DYNAMICS` adds one entry to the epoch's row of ``metrics.jso
 - ``gradients``: the percentiles 0, ..., 100 and the mean of the per-sample gradient norm of the training
   loss with respect to the last linear layer's weight, over the training set (focal loss Fig. 4b-d). For a
   linear layer z = W h + b the sample's gradient is g hᵀ with g = ∂L/∂z, so its norm is ‖g‖ ‖h‖; g is
-  the gradient of the configured loss (its batch reduction undone), h the layer's input.
+  the gradient of the configured loss over training-sized batches (its batch reduction undone), h the
+  layer's input.
 
 Per-sample quantities are computed in float64 from float32 logits, on the rank that writes the log.
 """
@@ -134,9 +135,11 @@ def logit_statistics(logits: torch.Tensor, targets: torch.Tensor) -> dict:
 
 
 def gradient_norms(
-    model: nn.Module, loss_fn: nn.Module, inputs, targets: torch.Tensor, predict: Callable
+    model: nn.Module, loss_fn: nn.Module, inputs, targets: torch.Tensor, predict: Callable, batch_size: int
 ) -> torch.Tensor:
-    """Per-sample ‖∂L_i/∂W‖ of the last linear layer over ``inputs`` (float64, on the CPU)."""
+    """Per-sample ‖∂L_i/∂W‖ of the last linear layer over ``inputs`` (float64, on the CPU). The loss is taken
+    over consecutive batches of ``batch_size`` rows, the training batch: a batch-level term (MMCE's pairs,
+    ESD's sort) then sees a training-sized batch and never the whole set at once."""
     head = last_linear(model)
     assert head is not None  # check_dynamics refused the run otherwise
     norms: list[torch.Tensor] = []
@@ -149,20 +152,30 @@ def gradient_norms(
         handle.remove()
     h_norm = torch.cat(norms)
     loss = copy.deepcopy(loss_fn).cpu()  # a stateful loss's own state is not touched
-    z = logits.double().clone().requires_grad_(True)
-    with torch.enable_grad():
-        value = loss(z, targets)
-        (grad,) = torch.autograd.grad(value, z)
-    if getattr(loss, "reduction", "mean") == "mean":
-        grad = grad * len(targets)  # undo the batch mean: each sample's own gradient
-    return grad.double().norm(dim=1) * h_norm
+    grads = []
+    for z, y in zip(logits.double().split(batch_size), targets.split(batch_size), strict=True):
+        z = z.clone().requires_grad_(True)
+        with torch.enable_grad():
+            (grad,) = torch.autograd.grad(loss(z, y), z)
+        if getattr(loss, "reduction", "mean") == "mean":
+            grad = grad * len(y)  # undo the batch mean: each sample's own gradient
+        grads.append(grad.norm(dim=1))
+    return torch.cat(grads) * h_norm
 
 
 def epoch_dynamics(
-    names, *, model: nn.Module, splits: dict, loss_fn: nn.Module, n_bins: int, predict: Callable
+    names,
+    *,
+    model: nn.Module,
+    splits: dict,
+    loss_fn: nn.Module,
+    n_bins: int,
+    predict: Callable,
+    batch_size: int,
 ) -> dict:
     """The epoch's ``dynamics`` entry for ``names`` (:data:`DYNAMICS`); ``predict(inputs)`` returns a split's
-    logits (float32, CPU) from the model in evaluation mode."""
+    logits (float32, CPU) from the model in evaluation mode; ``batch_size``: the training batch, over which
+    the gradients' loss is taken."""
     out: dict = {}
     cache: dict[str, torch.Tensor] = {}
 
@@ -174,7 +187,12 @@ def epoch_dynamics(
     if "gradients" in names:  # the training pass with the head's inputs; its logits serve "bins" too
         train = splits["train"]
         norms = gradient_norms(
-            model, loss_fn, train.inputs, train.targets, lambda x: cache.setdefault("train", predict(x))
+            model,
+            loss_fn,
+            train.inputs,
+            train.targets,
+            lambda x: cache.setdefault("train", predict(x)),
+            batch_size,
         )
         out["gradients"] = {
             "percentiles": torch.quantile(norms, _PERCENTILES).tolist(),

@@ -483,7 +483,7 @@ def _log_epoch(run: _Run, epoch: int, train_loss: float, metrics: dict) -> dict:
         cfg = run.cfg
         row["dynamics"] = epoch_dynamics(
             cfg.train.dynamics, model=run.model, splits=run.splits, loss_fn=run.loss_fn,
-            n_bins=cfg.train.dynamics_bins,
+            n_bins=cfg.train.dynamics_bins, batch_size=cfg.data.loader.batch_size,
             predict=lambda inputs: predict_logits(run.model, inputs, cfg.data.loader.eval_batch_size, run.device,
                                                   cfg.data.loader.num_workers),
         )  # fmt: skip
