@@ -248,12 +248,15 @@ def test_the_presets_of_dual_focal_table_10_and_adafocal_svhn():
     }
     assert load_config(presets["cifar100_resnet110sd_dfl"]).loss.kwargs == {"gamma": 5.0}
     svhn = {name for name in presets if name.startswith("svhn")}
-    assert svhn == {"svhn_resnet110_ce", "svhn_resnet110_flsd53", "svhn_resnet110_adafocal"}
+    assert svhn == {"svhn_resnet110_ce", "svhn_resnet110_flsd53", "svhn_resnet110_adafocal",
+                    "svhn_resnet110_adafocal_schedule"}  # fmt: skip
     for name in sorted(svhn):
         cfg = load_config(presets[name])
         assert (cfg.data.name, cfg.model.name, cfg.train.epochs, cfg.optim.milestones) == (
             "svhn", "resnet110", 50, [25, 40])  # fmt: skip
         assert not cfg.data.augment and cfg.data.ood.sets == [] and cfg.data.shift.name == ""
-        assert (
-            cfg.loss.name == name.split("_")[-1].replace("flsd53", "flsd-53") and cfg.train.select == "last"
-        )
+        loss = name.removeprefix("svhn_resnet110_").removesuffix("_schedule")
+        assert cfg.loss.name == loss.replace("flsd53", "flsd-53") and cfg.train.select == "last"
+        # AdaFocal-schedule (Fig. 53's caption): per epoch to epoch 25, every 100 batches to 40, then every batch
+        schedule = [[25, 100], [40, 1]] if name.endswith("_schedule") else []
+        assert (cfg.loss.update_every, cfg.loss.update_schedule) == (0, schedule), name

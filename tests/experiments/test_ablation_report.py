@@ -117,3 +117,28 @@ def test_adafocal_update_frequency(tmp_path, every):
     history = _gamma_history(run)
     assert history.shape == (2 * (n_batches // every) if every else 2, 15)
     assert bool(history.isfinite().all())
+
+
+def test_adafocal_update_schedule(tmp_path):
+    """AdaFocal-schedule (AdaFocal Fig. 53): γ updated after the validation pass of epoch 0, every 3 batches in
+    epoch 1 and every batch in epoch 2 (``loss.update_schedule=[[1, 3], [2, 1]]``), so γ's history holds
+    1 + n_batches // 3 + n_batches rows."""
+    from torchcal.experiments.config import load_config
+    from torchcal.experiments.data.readers import load_splits
+
+    run = tmp_path / "run"
+    overrides = ["data.name=digits", "data.ood.sets=[]", "data.val_size=260", "data.loader.batch_size=128",
+                 "model.width=8", "train.epochs=3", "loss.name=adafocal", "loss.update_schedule=[[1, 3], [2, 1]]"]  # fmt: skip
+    result = runner.invoke(app, ["train", "--run-dir", str(run), *overrides])
+    assert result.exit_code == 0, result.output
+    n_train = len(load_splits(load_config(None, overrides).data)["train"])
+    n_batches = -(-n_train // 128)
+    assert n_batches > 3
+    assert _gamma_history(run).shape == (1 + n_batches // 3 + n_batches, 15)
+
+
+def test_update_schedule_picks_the_last_started_entry():
+    from torchcal.experiments.config import LossConfig
+
+    lo = LossConfig(name="adafocal", update_every=5, update_schedule=[[25, 100], [40, 1]])
+    assert [lo.update_every_at(e) for e in (0, 24, 25, 39, 40, 49)] == [5, 5, 100, 100, 1, 1]

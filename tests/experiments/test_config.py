@@ -92,7 +92,7 @@ def test_every_paper_preset_loads_and_names_real_components():
     presets = list_presets()
     # CIFAR; Tiny-ImageNet, 20NG, AG News, FinSen; SST; BERT; CheXNet; ImageNet; Dual Focal Table 10; SVHN;
     # the margin and penalty losses on CIFAR-10, CIFAR-100 and Tiny-ImageNet
-    assert len(presets) == 72 + 36 + 9 + 4 + 3 + 5 + 12 + 3 + 14 * 3
+    assert len(presets) == 72 + 36 + 9 + 4 + 3 + 5 + 12 + 4 + 14 * 3
     for name, path in presets.items():
         cfg = load_config(path)
         assert cfg.model.name in list_models(), name

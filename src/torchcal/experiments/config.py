@@ -281,6 +281,26 @@ class LossConfig(_Section):
     """the loss's arguments, e.g. {gamma: 3}"""
     update_every: Count = 0
     """losses updated from the validation set: 0 = after every epoch's validation pass, n > 0 = every n batches"""
+    update_schedule: list[Annotated[list[Count], Field(min_length=2, max_length=2)]] = Field(default_factory=list)
+    """losses updated from the validation set: [[epoch, every], ...] changes update_every from that epoch (0-based)
+    on, e.g. AdaFocal-schedule's [[25, 100], [40, 1]]: per epoch, then every 100 batches, then every batch"""
+
+    @field_validator("update_schedule")
+    @classmethod
+    def _schedule_epochs_increase(cls, v: list[list[int]]) -> list[list[int]]:
+        starts = [e for e, _ in v]
+        if any(b <= a for a, b in zip(starts, starts[1:])):
+            raise ValueError(f"loss.update_schedule: the epochs of [[epoch, every], ...] must increase, got {starts}")
+        return v
+
+    def update_every_at(self, epoch: int) -> int:
+        """update_every in ``epoch`` (0-based): the last update_schedule entry that has started, else
+        update_every."""
+        every = self.update_every
+        for start, n in self.update_schedule:
+            if epoch >= start:
+                every = n
+        return every
 
 
 class OptimConfig(_Section):
@@ -457,6 +477,17 @@ class RunConfig(_Section):
             raise ValueError(
                 f"loss.update_every={lo.update_every} applies only to losses updated from the validation set "
                 f"(adafocal, adadualfocal, calfocal), not {lo.name!r}"
+            )
+        if lo.update_schedule and not hasattr(loss, "update"):
+            raise ValueError(
+                f"loss.update_schedule applies only to losses updated from the validation set "
+                f"(adafocal, adadualfocal, calfocal), not {lo.name!r}"
+            )
+        late = [e for e, _ in lo.update_schedule if e >= self.train.epochs]
+        if late:
+            raise ValueError(
+                f"loss.update_schedule starts at epoch {late[0]}, but train.epochs={self.train.epochs} ends at "
+                f"epoch {self.train.epochs - 1} (epochs count from 0): that entry would never apply"
             )
         return self
 

@@ -276,7 +276,7 @@ def train(
     for epoch in range(run.start_epoch, run.cfg.train.epochs):
         train_loss = _train_epoch(run, epoch, progress)
         metrics = _validate(run, epoch)
-        _adapt(run, metrics)
+        _adapt(run, epoch, metrics)
         row = _log_epoch(run, epoch, train_loss, metrics)
         _checkpoint(run, epoch, row, on_epoch)
         trained += 1
@@ -433,7 +433,7 @@ def _train_epoch(run: _Run, epoch: int, progress=None) -> float:
         run.opt.step()
         if run.sched_mode == "step":
             run.sched.step()
-        every = cfg.loss.update_every
+        every = cfg.loss.update_every_at(epoch)
         if every and isinstance(loss_fn, _ValidationUpdated) and (b + 1) % every == 0:
             loss_fn.update(
                 metrics=_epoch_metrics(run.model, run.splits, cfg, device, ("val",), run.rank, world)["val"]
@@ -461,14 +461,14 @@ def _validate(run: _Run, epoch: int) -> dict:
     return _epoch_metrics(run.model, run.splits, run.cfg, run.device, names, rank=run.rank, world=run.world)
 
 
-def _adapt(run: _Run, metrics: dict) -> None:
+def _adapt(run: _Run, epoch: int, metrics: dict) -> None:
     """What the validation pass steers: the plateau schedule's learning rate, and a loss updated from the
     validation set (AdaFocal's γ per bin) when it is updated per epoch."""
     if run.sched_mode == "plateau":
         val = metrics["val"]
         values = val.compute() if isinstance(val, MultilabelCalibrationMetrics) else val.compute("nll")
         run.sched.step(float(values["nll"]))
-    if isinstance(run.loss_fn, _ValidationUpdated) and not run.cfg.loss.update_every:
+    if isinstance(run.loss_fn, _ValidationUpdated) and not run.cfg.loss.update_every_at(epoch):
         run.loss_fn.update(metrics=metrics["val"])  # the validation pass we already made
 
 
