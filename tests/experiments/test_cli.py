@@ -1,5 +1,6 @@
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from torchcal.experiments.cli import app
@@ -77,3 +78,37 @@ def test_build_extension_reports_the_library_or_the_failure(monkeypatch, cpp_ext
     result = runner.invoke(app, ["build-extension"])
     assert result.exit_code == 1
     assert "could not build the C++ operators" in result.output and "c++ not found" in result.output
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["figures"], "Missing argument 'paths'"),
+        (["train", "--bogus"], "No such option: --bogus"),
+        (["nosuch"], "No such command 'nosuch'"),
+    ],
+)
+def test_usage_errors_are_one_line_with_status_2(tmp_path, argv, message):
+    """The console entry point: the parser's usage errors are one line on stderr and exit status 2, like every
+    other user error (no boxed panel)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "torchcal", *argv], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=120)  # fmt: skip
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("torchcal: error: ") and message in lines[0], proc.stderr
+    assert proc.stdout == "" and list(tmp_path.iterdir()) == []  # a refused command writes nothing
+
+
+def test_entry_point_keeps_status_of_a_command(tmp_path):
+    import subprocess
+    import sys
+
+    ok = subprocess.run([sys.executable, "-m", "torchcal", "list", "losses"], capture_output=True, text=True,
+                        timeout=120)  # fmt: skip
+    assert ok.returncode == 0 and "focal" in ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "torchcal", "train", str(tmp_path / "nope.yaml")],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "does not exist" in bad.stderr

@@ -7,6 +7,7 @@ import copy
 import functools
 import json
 import os
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -711,7 +712,24 @@ def list_presets() -> dict[str, str]:
 
 
 def main() -> None:  # console script entry point
-    app()  # user errors exit with status 2 inside each command; click's usage errors do too
+    """Run the CLI. User errors exit with status 2 inside each command; the argument parser's usage errors (a
+    missing argument, an unknown option or command) become the same one line, naming the help to read."""
+    try:
+        status = app(standalone_mode=False)
+    except typer.Abort:
+        sys.stderr.write("torchcal: aborted\n")
+        sys.exit(1)
+    except Exception as err:  # click's UsageError family (typer vendors click: matched by what it has)
+        ctx = getattr(err, "ctx", None)
+        if type(err).__name__ == "NoArgsIsHelpError" and ctx is not None:  # `torchcal` or a group alone
+            sys.stderr.write(ctx.get_help() + "\n")
+            sys.exit(2)
+        if not (hasattr(err, "format_message") and isinstance(getattr(err, "exit_code", None), int)):
+            raise
+        where = ctx.command_path if ctx is not None else "torchcal"
+        sys.stderr.write(f"torchcal: error: {err.format_message()} (see `{where} --help`)\n")  # type: ignore[attr-defined]
+        sys.exit(err.exit_code)  # type: ignore[attr-defined]
+    sys.exit(status if isinstance(status, int) else 0)
 
 
 if __name__ == "__main__":
