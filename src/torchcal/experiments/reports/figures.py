@@ -72,6 +72,11 @@ FIGURES = {
         "with per-class AUROC, ECE and MCE in fcl-table9.csv",
         None,
     ),
+    "adafocal-fig6": (
+        "AdaFocal Fig. 6: ROC curves of OOD detection by predictive entropy (OOD positive) against the "
+        "in-distribution test set, before and after temperature scaling (T minimising validation ECE)",
+        "data.ood.sets=[svhn,cifar10_c] (a run evaluated on OOD sets)",
+    ),
 }
 
 
@@ -475,6 +480,8 @@ def draw_figures(
             table = ("\n".join(rows_csv) + "\n").encode()
             atomic_write_bytes(out / "fcl-table9.csv", lambda fh, text=table: fh.write(text))
             save(name, fig, data)
+        elif name == "adafocal-fig6":
+            finish(name, *_ood_roc_figure(plt, groups), needs)
     index = [{"name": n, "png": f"{n}.png", "svg": f"{n}.svg", "caption": FIGURES[n][0],
               "runs": [str(r) for g in groups for r in g.runs]} for n in written]  # fmt: skip
     text = json.dumps({"figures": index, "skipped": skipped}, indent=2)
@@ -520,3 +527,66 @@ def roc_curve(scores: torch.Tensor, labels: torch.Tensor) -> tuple[list[float], 
     fp = (ends + 1).double() - tp
     pos, neg = max(float(y.sum()), 1.0), max(float(len(y) - y.sum()), 1.0)
     return [0.0, *(fp / neg).tolist()], [0.0, *(tp / pos).tolist()]
+
+
+def ood_roc(logits_in: torch.Tensor, logits_out: torch.Tensor, to_probs) -> dict:
+    """OOD detection by predictive entropy (OOD = positive) of ``to_probs(logits)``: the ROC curve's points
+    and its AUROC (:func:`torchcal.functional.ood_auroc`, the report's number)."""
+    from ... import functional as F
+
+    p_in, p_out = to_probs(logits_in).double(), to_probs(logits_out).double()
+
+    def entropy(p):
+        return -(p * torch.log(p.clamp_min(torch.finfo(p.dtype).tiny))).sum(dim=1)
+
+    scores = torch.cat([entropy(p_in), entropy(p_out)])
+    labels = torch.cat([torch.zeros(len(p_in)), torch.ones(len(p_out))])
+    fpr, tpr = roc_curve(scores, labels)
+    return {"auroc": float(F.ood_auroc(p_in, p_out)), "fpr": fpr, "tpr": tpr}
+
+
+def _ood_roc_figure(plt, groups):
+    """AdaFocal Fig. 6: one panel per OOD set, per run group (its first seed) the ROC curve before (solid)
+    and after (dashed) temperature scaling fitted on the validation logits by ECE (AdaFocal Table 8's
+    criterion). Returns (figure, data, drawn)."""
+    import warnings
+
+    from ...calibrators import from_spec
+    from ..evaluation.evaluate import run_task
+
+    shown = []
+    for g in groups:
+        run = g.runs[0]
+        try:
+            logits = load_logits(run)
+        except RunError as err:
+            raise UserError(f"{run}: {err}") from None
+        sets = sorted(k[4:] for k in logits if k.startswith("ood_"))
+        if sets and run_task(logits) == "multiclass":
+            with warnings.catch_warnings():  # a search past the grid's edge is the calibrator's to report
+                warnings.simplefilter("ignore")
+                cal = from_spec("ts:objective=ece").fit(logits["val"]["logits"], logits["val"]["targets"])
+            shown.append((g, run, logits, sets, cal))
+    names = sorted({name for *_, sets, _ in shown for name in sets})
+    fig, axes = plt.subplots(1, max(1, len(names)), figsize=(4.8 * max(1, len(names)), 4.4), squeeze=False)
+    data: dict = {}
+    for ax, name in zip(axes[0], names, strict=False):
+        data[name] = {}
+        for i, (g, run, logits, sets, cal) in enumerate(shown):
+            if name not in sets:
+                continue
+            stages = (
+                ("pre T", lambda z: torch.softmax(z.double(), dim=1), "-"),
+                ("post T", cal.transform, "--"),
+            )
+            for stage, to_probs, style in stages:
+                roc = ood_roc(logits["test"]["logits"], logits[f"ood_{name}"]["logits"], to_probs)
+                ax.plot(roc["fpr"], roc["tpr"], color=f"C{i % 10}", linestyle=style, linewidth=1,
+                        label=f"{g.label} {stage}: AUROC {100 * roc['auroc']:.2f}")  # fmt: skip
+                data[name][f"{g.label} {stage}"] = {
+                    "run": str(run), "auroc": roc["auroc"], "temperature": float(cal.temperature_),
+                }  # fmt: skip
+        ax.plot([0, 1], [0, 1], "k:", linewidth=0.8)
+        ax.set(xlabel="false positive rate", ylabel="true positive rate", title=f"in: test set, OOD: {name}")
+        ax.legend(fontsize=6, loc="lower right")
+    return fig, data, bool(shown)
