@@ -252,3 +252,14 @@ def test_the_runner_page_describes_every_command():
     assert {"train", "evaluate", "report", "arena", "sweep"} <= set(commands), done.stdout
     runner = _page("runner.md")
     assert not [c for c in commands if f"`torchcal {c}" not in runner]
+
+
+def test_the_readmes_papers_section_names_every_figure():
+    """The README's section on the papers' ablations maps each figure of `torchcal figures` to what it needs."""
+    pytest.importorskip("matplotlib")
+    from torchcal.experiments.reports.figures import FIGURES
+
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = text.split("## The papers' ablations", 1)[1].split("\n## ", 1)[0]
+    missing = [name for name in FIGURES if f"`{name}`" not in section]
+    assert not missing, f"README's papers section does not name the figures {missing}"
