@@ -142,7 +142,7 @@ def test_saved_config_is_what_ran(tmp_path):
         (["data.loader.eval_batch_size=-5"], "data.loader.eval_batch_size must be >= 1"),
         (["loss.name=adafocal", "loss.update_every=-1"], "loss.update_every must be >= 0"),
         (["loss.update_every=3"], "applies only to losses updated"),
-        (["loss.update_schedule=[[2, 1]]"], "loss.update_schedule applies only to losses updated"),
+        (["loss.update_schedule=[[2, 1]]"], "loss.update_schedule=[[2, 1]] applies only to losses updated"),
         (["loss.name=adafocal", "loss.update_schedule=[[2, 1], [1, 0]]"], "loss.update_schedule: the epochs"),
         (["loss.name=adafocal", "train.epochs=3", "loss.update_schedule=[[3, 1]]"], "would never apply"),
         (["loss.name=adafocal", "loss.update_schedule=[[1]]"], "loss.update_schedule[0]"),

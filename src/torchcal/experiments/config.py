@@ -473,16 +473,12 @@ class RunConfig(_Section):
                 f"multilabel) outputs, but data.name={self.data.name} is {self.task}: choose one of "
                 f"{list_losses(self.task)}"
             )
-        if lo.update_every and not hasattr(loss, "update"):
-            raise ValueError(
-                f"loss.update_every={lo.update_every} applies only to losses updated from the validation set "
-                f"(adafocal, adadualfocal, calfocal), not {lo.name!r}"
-            )
-        if lo.update_schedule and not hasattr(loss, "update"):
-            raise ValueError(
-                f"loss.update_schedule applies only to losses updated from the validation set "
-                f"(adafocal, adadualfocal, calfocal), not {lo.name!r}"
-            )
+        for key, value in (("update_every", lo.update_every), ("update_schedule", lo.update_schedule)):
+            if value and not hasattr(loss, "update"):
+                raise ValueError(
+                    f"loss.{key}={value} applies only to losses updated from the validation set "
+                    f"(adafocal, adadualfocal, calfocal), not {lo.name!r}"
+                )
         late = [e for e, _ in lo.update_schedule if e >= self.train.epochs]
         if late:
             raise ValueError(
