@@ -91,8 +91,8 @@ def test_every_paper_preset_loads_and_names_real_components():
 
     presets = list_presets()
     # CIFAR; Tiny-ImageNet, 20NG, AG News, FinSen; SST; BERT; CheXNet; ImageNet; Dual Focal Table 10; SVHN;
-    # the margin and penalty losses on CIFAR-10, CIFAR-100 and Tiny-ImageNet
-    assert len(presets) == 72 + 36 + 9 + 4 + 3 + 5 + 12 + 4 + 14 * 3
+    # the margin and penalty losses on CIFAR-10, CIFAR-100 and Tiny-ImageNet; FCL's two moons (CE, FL, FCL)
+    assert len(presets) == 72 + 36 + 9 + 4 + 3 + 5 + 12 + 4 + 14 * 3 + 3
     for name, path in presets.items():
         cfg = load_config(path)
         assert cfg.model.name in list_models(), name
@@ -117,6 +117,9 @@ def test_every_paper_preset_loads_and_names_real_components():
                 32,
             )
             assert cfg.data.ten_crop and cfg.train.select == "best_val_nll" and cfg.train.epochs == 100
+            continue
+        if name.startswith("moons_mlp_"):  # FCL's App. A.11 (decision 191; test_moons.py checks the rest)
+            assert (cfg.optim.name, cfg.train.epochs, cfg.model.width) == ("adam", 500, 10), name
             continue
         if "_bert_" in name:  # fine-tuning: the Hugging Face recipe (decision 75)
             assert cfg.optim.grad_clip_norm == 1.0 and cfg.train.epochs == 10 and cfg.loss.reduction == "mean"

@@ -364,7 +364,7 @@ def gradcam(
 @app.command()
 @_user_errors
 def figures(
-    paths: list[Path] = typer.Argument(..., help="run folders, or folders of runs (a sweep's out)"),
+    paths: list[Path] = typer.Argument(None, help="run folders, or folders of runs (a sweep's out)"),
     out: Path = typer.Option(Path("figures"), "--out", help="output folder (PNG, SVG, figures.json)"),
     only: str = typer.Option("", "--only", help="comma-separated figure names (default: all); see --list"),
     epochs: str = typer.Option("", "--epochs", help="epochs of the per-epoch histograms, e.g. 10,100,200"),
@@ -381,6 +381,8 @@ def figures(
         for name, (caption, needs) in FIGURES.items():
             typer.echo(f"{name}: {caption} [needs {needs or 'any finished run'}]")
         return
+    if not paths:
+        raise UserError("figures needs run folders or folders of runs (a sweep's out); --list lists the figures")
     names = [n.strip() for n in only.split(",") if n.strip()] or list(FIGURES)
     unknown = [n for n in names if n not in FIGURES]
     if unknown:

@@ -46,6 +46,7 @@ from .data.catalog import (
     LAZY_DATASETS,
     MULTILABEL_DATASETS,
     OOD_SETS,
+    POINT_DATASETS,
     SHIFTS,
     TEXT_DATASETS,
     ImageDatasetName,
@@ -61,6 +62,7 @@ __all__ = [
     "ImageNetDataConfig",
     "ChestXray14DataConfig",
     "TextDataConfig",
+    "MoonsDataConfig",
     "ShiftConfig",
     "OODConfig",
     "LoaderConfig",
@@ -238,6 +240,38 @@ class TextDataConfig(_DataBase[TextDatasetName]):
     """tokens per document of the evaluated sets (0: max_len)"""
 
 
+SampleSize = Annotated[int, Field(ge=2)]
+
+
+class MoonsDataConfig(_Section):
+    """scikit-learn's two moons (``make_moons``): 2-D points of two classes, two interleaving half circles with
+    Gaussian noise, the FCL paper's toy data (its App. A.11, Fig. 7). Nothing is read from disk: the
+    training, validation and test sets are drawn on their own from ``seed``, each with as many points of one
+    class as of the other (one more of class 1 when odd)."""
+
+    name: Literal["moons"] = "moons"
+    """the dataset (torchcal list datasets); its kind decides which other keys the section takes"""
+    n_train: SampleSize = 1000
+    """training points"""
+    val_size: SampleSize = 500
+    """validation points"""
+    n_test: SampleSize = 1000
+    """test points"""
+    noise: NonNegative = 0.2
+    """standard deviation of the Gaussian noise added to each coordinate (the paper's noise=0.2)"""
+    seed: Count = 0
+    """seed of the points drawn: the same seed and sizes give the same three sets"""
+    limit_train: Count = 0
+    """0: all training points; n > 0 takes the first n (smoke runs)"""
+    loader: LoaderConfig = Field(default_factory=LoaderConfig)
+    """batch sizes"""
+
+    @property
+    def augment(self) -> bool:
+        """Points take no image augmentation (the training loop asks every dataset)."""
+        return False
+
+
 DataConfig = Annotated[
     Union[  # noqa: UP007 (pydantic's discriminated union)
         ImageDataConfig,
@@ -246,16 +280,18 @@ DataConfig = Annotated[
         ImageNetDataConfig,
         ChestXray14DataConfig,
         TextDataConfig,
+        MoonsDataConfig,
     ],
     Field(discriminator="name"),
 ]
-_DATA_KINDS: dict[str, type[_DataBase[Any]]] = {
+_DATA_KINDS: dict[str, type[_Section]] = {
     **dict.fromkeys(IMAGE_DATASETS, ImageDataConfig),
     "fashion_mnist_attributes": MultilabelImageDataConfig,
     "tiny_imagenet": TinyImageNetDataConfig,
     "imagenet": ImageNetDataConfig,
     "chestxray14": ChestXray14DataConfig,
     **dict.fromkeys(TEXT_DATASETS, TextDataConfig),
+    **dict.fromkeys(POINT_DATASETS, MoonsDataConfig),
 }
 assert set(_DATA_KINDS) == set(DATASETS), "every dataset of the catalog has its settings"
 
@@ -605,7 +641,13 @@ _SCOPES = {
 
 
 def _data_key_message(key: str, name: str, raw_data: dict) -> str | None:
+    if name in POINT_DATASETS and key in ("root", "split_seed", "augment", *_SCOPES):
+        return (f"data.{key} does not apply to data.name={name} (2-D points drawn from data.seed, no files, no "
+                f"images): its keys are {sorted(MoonsDataConfig.model_fields)}")  # fmt: skip
     if key in ("shift", "ood"):
+        if name in POINT_DATASETS:
+            return (f"data.shift and data.ood apply to in-memory image sets, not data.name={name} (2-D points): "
+                    "remove data.shift and data.ood")  # fmt: skip
         if name in TEXT_DATASETS:
             return (f"data.name={name} is a text dataset: it has no shift or OOD sets (they are image sets); "
                     "remove data.shift and data.ood")  # fmt: skip
@@ -737,7 +779,9 @@ def _combine(base: dict, top: dict) -> dict:
     top_data, base_data = top.get("data"), base.get("data")
     if isinstance(top_data, dict) and isinstance(base_data, dict) and "name" in top_data:
         if top_data["name"] != base_data.get("name", "fashion_mnist"):
-            shared = set(_DataBase.model_fields)
+            # the keys every dataset shares that the new kind takes (a set of points has no root or augment)
+            kind = _DATA_KINDS.get(top_data["name"]) if isinstance(top_data["name"], str) else None
+            shared = set(_DataBase.model_fields) & set((kind or _DataBase).model_fields)
             base["data"] = {k: v for k, v in base_data.items() if k in shared}
     return _merge(base, top)
 

@@ -16,6 +16,7 @@ __all__ = [
     "TEXT_DATASETS",
     "MULTILABEL_DATASETS",
     "LAZY_DATASETS",
+    "POINT_DATASETS",
     "FIXED_VALIDATION",
     "SHIFTS",
     "OOD_SETS",
@@ -37,6 +38,7 @@ DATASETS = {
     "sst_binary": "Stanford Sentiment Treebank PTB trees, binary (6,920 / 872 / 1,821 sentences)",
     "sst_fine": "Stanford Sentiment Treebank PTB trees, five classes (8,544 / 1,101 / 2,210 sentences)",
     "tiny_imagenet": "Tiny-ImageNet-200 folders; validation = 50 training images per class, test = val split",
+    "moons": "scikit-learn's two moons: 2-D points of 2 classes, Gaussian noise data.noise, drawn from data.seed",
 }
 # small image sets held in memory: the only ones with a shifted test set and OOD sets
 ImageDatasetName = Literal["fashion_mnist", "digits", "cifar10", "cifar100", "svhn"]
@@ -44,6 +46,8 @@ IMAGE_DATASETS: tuple[str, ...] = get_args(ImageDatasetName)
 MULTILABEL_DATASETS = ("fashion_mnist_attributes", "chestxray14")
 # images decoded per batch: no shift or OOD set (those are small in-memory image sets)
 LAZY_DATASETS = ("chestxray14", "imagenet", "tiny_imagenet")
+# points drawn by a generator (no files): 2-D inputs (N, 2), each split drawn on its own from data.seed
+POINT_DATASETS = ("moons",)
 TextDatasetName = Literal["20newsgroups", "20newsgroups_papers", "ag_news", "finsen", "sst_binary", "sst_fine"]
 TEXT_DATASETS: tuple[str, ...] = get_args(TextDatasetName)
 FIXED_VALIDATION = {  # datasets whose split fixes the validation set (data.val_size and split_seed unused)

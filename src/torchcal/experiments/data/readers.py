@@ -18,6 +18,7 @@ from .catalog import (
     DATASETS,
     FIXED_VALIDATION,
     OOD_SETS,
+    POINT_DATASETS,
     SHIFTS,
     TEXT_DATASETS,
 )
@@ -40,6 +41,7 @@ __all__ = [
     "load_cifar10_c",
     "random_crop_flip",
     "load_tiny_imagenet",
+    "load_moons",
 ]
 
 FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
@@ -332,6 +334,38 @@ def load_tiny_imagenet(root: str | Path, val_per_class: int = 50) -> tuple[Datas
     return to_dataset(tr_x, tr_y), to_dataset(va_x, va_y), to_dataset(te_x, te_y)
 
 
+def load_moons(
+    n_train: int = 1000, n_val: int = 500, n_test: int = 1000, noise: float = 0.2, seed: int = 0
+) -> tuple[Dataset, Dataset, Dataset]:
+    """(train, validation, test) of scikit-learn's two moons (``make_moons``): float32 points of shape (N, 2)
+    and int64 labels 0 (the upper half circle) and 1 (the lower one), Gaussian noise of standard deviation
+    ``noise`` on each coordinate. Each split is drawn on its own, from the random state
+    ``SeedSequence([seed, split])`` (split 0, 1, 2), so it holds ⌊n/2⌋ points of class 0 and ⌈n/2⌉ of class
+    1, and no seed's set is another seed's (decision 191).
+
+    Example:
+        >>> train, val, test = load_moons(10, 4, 6, noise=0.2, seed=0)
+        >>> tuple(train.inputs.shape), train.inputs.dtype, train.targets.tolist().count(1), len(test)
+        ((10, 2), torch.float32, 5, 6)
+    """
+    for name, n in (("n_train", n_train), ("n_val", n_val), ("n_test", n_test)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 2:
+            raise ValueError(f"`{name}` must be an integer >= 2 (a point of each class), got {n!r}")
+    if isinstance(noise, bool) or not isinstance(noise, (int, float)) or not 0 <= noise < float("inf"):
+        raise ValueError(f"`noise` must be a finite number >= 0, got {noise!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"`seed` must be an integer >= 0, got {seed!r}")
+    from sklearn.datasets import make_moons
+
+    out = []
+    for split, n in enumerate((n_train, n_val, n_test)):
+        state = np.random.RandomState(np.random.SeedSequence([seed, split]).generate_state(4))
+        x, y = make_moons(n, noise=float(noise), random_state=state)
+        inputs, labels = np.asarray(x, dtype=np.float32), np.asarray(y, dtype=np.int64)
+        out.append(Dataset(torch.from_numpy(inputs), torch.from_numpy(labels)))
+    return out[0], out[1], out[2]
+
+
 def random_crop_flip(x: torch.Tensor, generator: torch.Generator, padding: int = 4) -> torch.Tensor:
     """RandomCrop(H, padding) + RandomHorizontalFlip on a batch of tensors (on their device), one draw per
     image from ``generator`` (a CPU generator, so the draws are identical on any device)."""
@@ -371,7 +405,9 @@ def load_splits(cfg, tokenizer=None) -> dict[str, Dataset]:
     encoded with a Hugging Face ``tokenizer`` when given (a transformer model), else with their own
     vocabulary."""
     fixed_val: Dataset | None = None  # the validation set of the datasets whose split fixes it
-    if cfg.name in ("fashion_mnist", "fashion_mnist_attributes"):
+    if cfg.name == "moons":  # drawn, not read: the three splits come from the generator
+        train, fixed_val, test = load_moons(cfg.n_train, cfg.val_size, cfg.n_test, cfg.noise, cfg.seed)
+    elif cfg.name in ("fashion_mnist", "fashion_mnist_attributes"):
         train, test = load_fashion_mnist(
             cfg.root or os.environ.get("TORCHCAL_FASHION_MNIST", FASHION_MNIST_DIR)
         )
@@ -426,7 +462,9 @@ def load_splits(cfg, tokenizer=None) -> dict[str, Dataset]:
             f"model.name=transformer needs a text dataset ({', '.join(TEXT_DATASETS)}), not {cfg.name!r}"
         )
     embeddings, vocab_size = train.embeddings, train.vocab_size
-    if cfg.name in FIXED_VALIDATION:
+    if cfg.name in POINT_DATASETS and fixed_val is not None:
+        val = fixed_val  # drawn at data.val_size points
+    elif cfg.name in FIXED_VALIDATION:
         if fixed_val is None:
             raise DatasetError(f"the reader of {cfg.name} gave no validation split")
         val = fixed_val

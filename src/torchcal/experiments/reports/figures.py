@@ -23,7 +23,7 @@ from ..errors import RunError, UserError
 from ..evaluation.evaluate import GROUP_IGNORED_KEYS, label_groups, load_logits
 from ..run_files import atomic_write_bytes, read_metrics
 
-__all__ = ["FIGURES", "Curves", "draw_figures", "find_runs", "g_focal", "run_groups"]
+__all__ = ["FIGURES", "Curves", "draw_figures", "fcl_h", "fcl_h_root", "find_runs", "g_focal", "run_groups"]
 
 # name -> (caption, the key whose data it needs, or None when it needs only what every run saves)
 FIGURES = {
@@ -76,6 +76,16 @@ FIGURES = {
         "AdaFocal Fig. 6: ROC curves of OOD detection by predictive entropy (OOD positive) against the "
         "in-distribution test set, before and after temperature scaling (T minimising validation ECE)",
         "data.ood.sets=[svhn,cifar10_c] (a run evaluated on OOD sets)",
+    ),
+    "fcl-fig5": (
+        "FCL Fig. 5 / Lemma A.3: h(q) = (1 − q)^γ/q − γ (1 − q)^(γ−1) log q − 2λq on (0, 1), strictly "
+        "decreasing with one root (marked), for the (γ, λ) of the FCL runs, else the paper's",
+        None,
+    ),
+    "fcl-fig7": (
+        "FCL Fig. 7 / A.11: decision boundaries on 2-D data: p(class 1) of the first seed's selected model "
+        "over the plane, its 0.5 contour and the test points, one panel per loss (grids in fcl-fig7.json)",
+        "a set of 2-D points, data.name=moons (e.g. configs/moons_mlp_fcl.yaml)",
     ),
 }
 
@@ -482,6 +492,18 @@ def draw_figures(
             save(name, fig, data)
         elif name == "adafocal-fig6":
             finish(name, *_ood_roc_figure(plt, groups), needs)
+        elif name == "fcl-fig5":
+            fig, data = _fcl_fig5(plt, groups)
+            save(name, fig, data)
+        elif name == "fcl-fig7":
+            drawn_fig7 = _fcl_fig7(plt, groups)
+            if drawn_fig7 is None:
+                skipped[name] = needs
+                continue
+            fig, data = drawn_fig7
+            grids = json.dumps(data, indent=1).encode()
+            atomic_write_bytes(out / "fcl-fig7.json", lambda fh, text=grids: fh.write(text))
+            save(name, fig, data)
     index = [{"name": n, "png": f"{n}.png", "svg": f"{n}.svg", "caption": FIGURES[n][0],
               "runs": [str(r) for g in groups for r in g.runs]} for n in written]  # fmt: skip
     text = json.dumps({"figures": index, "skipped": skipped}, indent=2)
@@ -590,3 +612,183 @@ def _ood_roc_figure(plt, groups):
         ax.set(xlabel="false positive rate", ylabel="true positive rate", title=f"in: test set, OOD: {name}")
         ax.legend(fontsize=6, loc="lower right")
     return fig, data, bool(shown)
+# ----------------------------------------------------------------------------- FCL Figs. 5 and 7
+
+# the FCL paper's settings drawn by fcl-fig5 when no FCL run is given: (γ, λ) of its App. A.10 table
+# (CIFAR-10 ResNet-50 and WRN-26-10) and of the decision-boundary experiment (App. A.11)
+FCL_PAPER_SETTINGS = ((4.0, 1.5), (2.0, 0.5), (10.0, 1.5))
+
+
+def fcl_h(q, gamma: float, lambda_: float) -> torch.Tensor:
+    """FCL's h(q) = (1 − q)^γ / q − γ (1 − q)^(γ−1) log q − 2λq = g(q, γ)/q − 2λq (Lemma A.3, Eq. 59 as
+    decision 190 reads it) in float64 on q ∈ (0, 1): minus the derivative of the focal term −(1 − q)^γ log q
+    plus λq², the q-dependent part of the stationarity condition of FCL's conditional risk. It falls strictly
+    from +∞ (q → 0) to −2λ (q → 1; 1 − 2λ at γ = 0) for every γ ≥ 0, λ ≥ 0.
+
+    Example:
+        >>> float(fcl_h(0.5, 0.0, 0.0))  # γ = 0, λ = 0: the cross entropy's 1/q
+        2.0
+    """
+    q = torch.as_tensor(q, dtype=torch.float64)
+    one_minus = 1 - q
+    return one_minus**gamma / q - gamma * one_minus ** (gamma - 1) * torch.log(q) - 2 * lambda_ * q
+
+
+def fcl_h_root(gamma: float, lambda_: float) -> float | None:
+    """The unique root q* ∈ (0, 1) of :func:`fcl_h`, by bisection in float64 down to adjacent floats (h is
+    continuous and strictly decreasing); None when h stays positive (λ = 0, or γ = 0 with λ <= 1/2)."""
+    limit_at_one = (1.0 if gamma == 0 else 0.0) - 2 * lambda_
+    if limit_at_one >= 0:
+        return None
+    lo, hi = 1e-300, 1.0 - 2.0**-53  # h(lo) > 0: its first term is ~1e300; h(hi) < 0 (near its limit)
+    while True:
+        mid = 0.5 * (lo + hi)
+        if mid <= lo or mid >= hi:
+            break
+        if float(fcl_h(mid, gamma, lambda_)) > 0:
+            lo = mid
+        else:
+            hi = mid
+    return lo if abs(float(fcl_h(lo, gamma, lambda_))) <= abs(float(fcl_h(hi, gamma, lambda_))) else hi
+
+
+def _fcl_settings(groups) -> list[tuple[float, float, str]]:
+    """(γ, λ, source) of the groups' FCL runs (their loss's values, defaults included), else the paper's."""
+    from ...losses import FocalCalibrationLoss, create
+
+    found: list[tuple[float, float, str]] = []
+    for g in groups:
+        if g.config.get("loss.name") != "fcl":
+            continue
+        loss = create("fcl", **dict(g.config.get("loss.kwargs") or {}))
+        if not isinstance(loss, FocalCalibrationLoss) or loss.distance != "l2":
+            continue  # the L1 ablation's term has another derivative (2λ(1 − q): constant in q)
+        setting = (float(loss.gamma), float(loss.lambda_))
+        if setting not in [(a, b) for a, b, _ in found]:
+            found.append((*setting, g.label))
+    return found or [(gam, lam, "paper") for gam, lam in FCL_PAPER_SETTINGS]
+
+
+def _fcl_fig5(plt, groups):
+    settings = _fcl_settings(groups)
+    fig, ax = plt.subplots(figsize=(5.2, 3.8))
+    near_zero = torch.logspace(-4, -1, 200, dtype=torch.float64)  # h's steep part, resolved on a log scale
+    q = torch.cat([near_zero, torch.linspace(0.1, 1 - 1e-6, 600, dtype=torch.float64)[1:]])
+    curves = []
+    low = 0.0
+    for i, (gamma, lam, source) in enumerate(settings):
+        h = fcl_h(q, gamma, lam)
+        root = fcl_h_root(gamma, lam)
+        color = f"C{i % 10}"
+        shown = "" if source == "paper" else f", {source}"
+        ax.plot(q.numpy(), h.numpy(), color=color, label=f"γ = {gamma:g}, λ = {lam:g}{shown}")
+        if root is not None:
+            ax.plot([root], [0.0], "o", color=color, markersize=5)
+            ax.annotate(f"q* = {root:.3f}", (root, 0.0), textcoords="offset points", xytext=(4, 6), fontsize=7,
+                        color=color)  # fmt: skip
+        low = min(low, float(h[-1]))
+        curves.append({"gamma": gamma, "lambda": lam, "source": source, "root": root,
+                       "h_at_1": float(h[-1])})  # fmt: skip
+    ax.axhline(0, color="black", linewidth=0.8)
+    ax.set(xlabel="q", ylabel="h(q)", xlim=(0, 1), ylim=(low - 0.5, 10),
+           title="FCL: h(q) = (1−q)^γ/q − γ(1−q)^(γ−1) log q − 2λq")  # fmt: skip
+    ax.title.set_fontsize(9)
+    ax.legend(fontsize=7)
+    return fig, {"curves": curves}
+
+
+def _loss_name(config: dict) -> str:
+    """The loss as a title names it: its registry name and arguments (``fcl (gamma=10, lambda_=1.5)``)."""
+    kwargs = config.get("loss.kwargs") or {}
+    args = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in kwargs.items())
+    return f"{config.get('loss.name')}" + (f" ({args})" if args else "")
+
+
+def _first_seed(group: RunSet) -> Path:
+    import yaml
+
+    def seed(run):
+        try:
+            saved = yaml.safe_load((run / "config.yaml").read_text()) or {}
+            return int((saved.get("train") or {}).get("seed", 0))
+        except (OSError, yaml.YAMLError, TypeError, ValueError, AttributeError):
+            return 0
+
+    return min(group.runs, key=lambda run: (seed(run), str(run)))
+
+
+def _boundary_grid(model, inputs: torch.Tensor, size: int = 150):
+    """A size × size grid over the points' range (10 % margin each side) and p(class 1) of ``model`` on it:
+    (xs, ys, probabilities of shape (size, size), row i at ys[i])."""
+    lo, hi = inputs.double().amin(0), inputs.double().amax(0)
+    pad = 0.1 * (hi - lo)
+    xs = torch.linspace(float(lo[0] - pad[0]), float(hi[0] + pad[0]), size, dtype=torch.float64)
+    ys = torch.linspace(float(lo[1] - pad[1]), float(hi[1] + pad[1]), size, dtype=torch.float64)
+    yy, xx = torch.meshgrid(ys, xs, indexing="ij")
+    points = torch.stack([xx.flatten(), yy.flatten()], 1).to(inputs.dtype)
+    with torch.no_grad():
+        logits = model(points)
+    probs = torch.softmax(logits.double(), 1)[:, 1].reshape(size, size)
+    return xs, ys, probs
+
+
+def _fcl_fig7(plt, groups):
+    """The decision-boundary panels of the groups on 2-D points; None when no group has them. A group of
+    other data is left out with its reason in the data's ``left_out``."""
+    from ...functional import ece
+    from ..data.catalog import POINT_DATASETS
+    from .gradcam import load_run_model
+
+    shown, left_out = [], {}
+    for g in groups:
+        data_name = g.config.get("data.name")
+        if data_name not in POINT_DATASETS:
+            left_out[g.label] = (f"data.name={data_name} is not a set of 2-D points: decision boundaries over the "
+                                 f"plane need {', '.join(POINT_DATASETS)}")  # fmt: skip
+            continue
+        run = _first_seed(g)
+        try:
+            test = load_logits(run)["test"]
+            model, splits = load_run_model(run)
+        except (RunError, OSError) as err:
+            raise UserError(f"{run}: {err}") from None
+        inputs = splits["test"].inputs
+        if not isinstance(inputs, torch.Tensor) or inputs.ndim != 2 or inputs.shape[1] != 2:
+            left_out[g.label] = f"{run}: its test inputs have shape {tuple(inputs.shape)}, not (N, 2)"
+            continue
+        if test["logits"].shape[1] != 2:
+            left_out[g.label] = f"{run}: {test['logits'].shape[1]} classes; the figure draws p(class 1) of two"
+            continue
+        with torch.no_grad():
+            again = model(inputs)
+        # the same float32 network on the same points: equal up to the rounding of a different batch split
+        scale = 1e-4 * (1 + float(test["logits"].abs().max()))
+        if again.shape != test["logits"].shape or not torch.allclose(again, test["logits"], rtol=0, atol=scale):
+            raise UserError(
+                f"{run}: the saved weights do not reproduce its logits.pt on the test points drawn again "
+                f"(data.name={data_name}): the data generator changed since the run; train it again"
+            )
+        xs, ys, probs = _boundary_grid(model, inputs)
+        test_ece = float(ece(test["logits"].double(), test["targets"], from_logits=True))
+        shown.append((g, run, inputs, splits["test"].targets, xs, ys, probs, test_ece))
+    if not shown:
+        return None
+    fig, axes = plt.subplots(1, len(shown), figsize=(4.4 * len(shown) + 0.8, 4.0), squeeze=False)
+    data: dict = {"groups": {}, "left_out": left_out}
+    contours = None
+    for ax, (g, run, inputs, targets, xs, ys, probs, test_ece) in zip(axes[0], shown, strict=True):
+        contours = ax.contourf(xs.numpy(), ys.numpy(), probs.numpy(), levels=[i / 10 for i in range(11)],
+                               cmap="RdBu_r", vmin=0, vmax=1)  # fmt: skip
+        ax.contour(xs.numpy(), ys.numpy(), probs.numpy(), levels=[0.5], colors="black", linewidths=1.2)
+        for k, marker in ((0, "o"), (1, "s")):
+            chosen = targets == k
+            ax.scatter(inputs[chosen, 0].numpy(), inputs[chosen, 1].numpy(), s=6, marker=marker,
+                       c=f"C{3 if k else 0}", edgecolors="white", linewidths=0.3, label=f"class {k}")  # fmt: skip
+        ax.set(xlabel="x₁", ylabel="x₂", title=f"{_loss_name(g.config)}\ntest ECE {100 * test_ece:.2f} %")
+        ax.title.set_fontsize(9)
+        data["groups"][g.label] = {"run": str(run), "loss": _loss_name(g.config), "test_ece": test_ece,
+                                   "xs": xs.tolist(), "ys": ys.tolist(), "p1": probs.tolist()}  # fmt: skip
+    axes[0][0].legend(fontsize=7, loc="lower left")
+    if contours is not None:
+        fig.colorbar(contours, ax=list(axes[0]), label="p(class 1)", shrink=0.9)
+    return fig, data
