@@ -83,7 +83,7 @@ def test_build_extension_reports_the_library_or_the_failure(monkeypatch, cpp_ext
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["figures"], "Missing argument 'paths'"),
+        (["evaluate"], "Missing argument 'run_dirs'"),
         (["train", "--bogus"], "No such option: --bogus"),
         (["nosuch"], "No such command 'nosuch'"),
     ],
