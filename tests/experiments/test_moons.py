@@ -312,7 +312,7 @@ def test_figures_cli_refuses_fig7_on_image_runs(tmp_path):
     lines = result.output.strip().splitlines()
     assert lines[0].startswith("skipped fcl-fig7:") and "data.name=moons" in lines[0]
     assert "no figure could be drawn" in lines[-1] and len(lines) == 2
-    assert not (tmp_path / "f" / "fcl-fig7.png").exists()
+    assert not (tmp_path / "f").exists()  # a refused command writes nothing, not even figures.json
 
 
 def test_fig7_refuses_weights_that_do_not_reproduce_the_saved_logits(runs, tmp_path):

@@ -256,6 +256,7 @@ def draw_figures(
     plt = _pyplot(None)
     written: dict[str, dict] = {}
     skipped: dict[str, str] = {}
+    existed = out.exists()
     out.mkdir(parents=True, exist_ok=True)
 
     def save(name, fig, data):
@@ -504,6 +505,10 @@ def draw_figures(
             grids = json.dumps(data, indent=1).encode()
             atomic_write_bytes(out / "fcl-fig7.json", lambda fh, text=grids: fh.write(text))
             save(name, fig, data)
+    if not written:  # nothing drawn: nothing written (a figure's files are written only with its picture)
+        if not existed:
+            out.rmdir()
+        return written, skipped
     index = [{"name": n, "png": f"{n}.png", "svg": f"{n}.svg", "caption": FIGURES[n][0],
               "runs": [str(r) for g in groups for r in g.runs]} for n in written]  # fmt: skip
     text = json.dumps({"figures": index, "skipped": skipped}, indent=2)
