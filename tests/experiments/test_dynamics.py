@@ -215,11 +215,13 @@ def test_figures_from_the_runs(runs, tmp_path):
     groups = run_groups(find_runs([runs]))
     assert sorted(len(gr.runs) for gr in groups) == [1, 2, 2]
     written, skipped = draw_figures(groups, list(FIGURES), tmp_path / "f")
-    assert set(written) == set(FIGURES) and not skipped
+    # fcl-fig6 needs runs that differ in one loss argument (none here; tests/experiments/test_figures_sweep.py)
+    drawn = [n for n in FIGURES if n != "fcl-fig6"]
+    assert list(written) == drawn and list(skipped) == ["fcl-fig6"]
     index = json.loads((tmp_path / "f" / "figures.json").read_text())
-    assert [f["name"] for f in index["figures"]] == list(FIGURES)
+    assert [f["name"] for f in index["figures"]] == drawn
     assert all((tmp_path / "f" / f"{n}.png").stat().st_size > 0 and (tmp_path / "f" / f"{n}.svg").exists()
-               for n in FIGURES)  # fmt: skip
+               for n in drawn)  # fmt: skip
     ce = next(gr for gr in groups if gr.runs[0].name.startswith("ce-"))
     # focal-fig3: the mean over the two seeds of what each logged, per epoch
     logged = [[r["dynamics"]["outputs"]["nll_wrong"] for r in rows_of(run)] for run in ce.runs]
