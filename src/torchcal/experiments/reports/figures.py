@@ -278,6 +278,8 @@ def draw_figures(
     plt = _pyplot(None)
     written: dict[str, dict] = {}
     skipped: dict[str, str] = {}
+    if "fcl-fig6" in names:
+        sweep_lines(groups, sweep_key)  # an unknown or ambiguous x axis is refused before anything is written
     out.mkdir(parents=True, exist_ok=True)
 
     def save(name, fig, data):
@@ -605,6 +607,14 @@ def loss_arguments(config: dict) -> tuple[str, dict[str, float]]:
     }
 
 
+def _loss_label(config: dict, cls: str, args: dict, skip: str | None = None) -> str:
+    """A loss with its numeric arguments but ``skip`` (and a zero label smoothing): "FCL (γ = 4, λ = 0.5)"."""
+    shown = [f"{_SYMBOLS.get(a, a)} = {v:g}" for a, v in args.items()
+             if a != skip and not (a == "label_smoothing" and v == 0)]  # fmt: skip
+    short = _SHORT_NAMES.get(cls, str(config.get("loss.name")))
+    return f"{short} ({', '.join(shown)})" if shown else short
+
+
 @dataclass
 class SweepLine:
     """A line of fcl-fig6 (run groups that differ only in the swept loss argument, its points) or of fts-fig8
@@ -664,9 +674,7 @@ def sweep_lines(groups: list[RunSet], key: str | None = None) -> tuple[str, list
             json.dumps(g.config, sort_keys=True, default=str) if reference else family(g, cls, args, key)
         )
         if line_id not in lines:
-            others = ", ".join(f"{_SYMBOLS.get(a, a)} = {v:g}" for a, v in args.items() if a != key)
-            short = _SHORT_NAMES.get(cls, str(g.config.get("loss.name")))
-            lines[line_id] = SweepLine(f"{short} ({others})" if others else short, rest(g), reference)
+            lines[line_id] = SweepLine(_loss_label(g.config, cls, args, key), rest(g), reference)
         lines[line_id].points.setdefault(args.get(key), []).extend(g.runs)
     out = list(lines.values())
     label_groups(out)
@@ -844,7 +852,7 @@ def optimal_temperatures(
 
 def _gamma_tr(config: dict) -> tuple[tuple, str, float | None]:
     """fts-fig8's sort key, label and γ_tr of a run group: focal loss's γ, 0 for cross entropy, else the
-    loss's name (no γ_tr)."""
+    loss with its arguments (no γ_tr)."""
     from ...losses import CrossEntropyLoss, FocalLoss
 
     loss = _built_loss(config)
@@ -853,7 +861,7 @@ def _gamma_tr(config: dict) -> tuple[tuple, str, float | None]:
         return (1, loss.gamma, name), f"FL, γ_tr = {loss.gamma:g}", loss.gamma
     if type(loss) is CrossEntropyLoss and not loss.label_smoothing:
         return (0, 0.0, name), "CE, γ_tr = 0", 0.0
-    return (2, 0.0, name), name, None
+    return (2, 0.0, name), _loss_label(config, *loss_arguments(config)), None
 
 
 def _optimal_temperature_figure(plt, groups, out: Path, band: str, gammas_ev, temperatures):
