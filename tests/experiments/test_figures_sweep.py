@@ -218,13 +218,19 @@ def test_fig8_one_line_per_training_loss(runs, tmp_path):
 
 
 def test_cli_draws_both_from_a_sweep_and_refuses_in_one_line(runs, tmp_path):
-    out = tmp_path / "f"
+    out = tmp_path / "rep" / "figures"
     result = runner.invoke(app, ["figures", str(runs / "sweep"), str(runs / "fl"), "--out", str(out),
                                  "--only", "fcl-fig6,fts-fig8", "--gamma-ev", "0,1"])  # fmt: skip
     assert result.exit_code == 0, result.output
     index = json.loads((out / "figures.json").read_text())
     assert [f["name"] for f in index["figures"]] == ["fcl-fig6", "fts-fig8"]
     assert all((out / f"{n}{s}").exists() for n in ("fcl-fig6", "fts-fig8") for s in (".png", ".svg", ".csv"))
+    reported = runner.invoke(
+        app, ["report", *map(str, find_runs([runs / "sweep"])), "--out", str(out.parent)]
+    )
+    assert reported.exit_code == 0, reported.output
+    page = (out.parent / "report.html").read_text()
+    assert '<img src="figures/fcl-fig6.png"' in page and '<img src="figures/fts-fig8.png"' in page
     # one group of runs, nothing varies: fcl-fig6 is skipped with what it needs
     alone = runner.invoke(app, ["figures", str(runs / "fl"), "--out", str(tmp_path / "g"), "--only", "fcl-fig6,fts-fig8",
                                 "--gamma-ev", "0"])  # fmt: skip
