@@ -249,3 +249,18 @@ def test_cli_draws_both_from_a_sweep_and_refuses_in_one_line(runs, tmp_path):
                                   "fcl-fig6,fts-fig8", *args])  # fmt: skip
         assert bad.exit_code == 2 and message in bad.output and len(bad.output.strip().splitlines()) == 1
     assert not (tmp_path / "h").exists()
+
+
+def test_drawing_every_figure_skips_fig6_when_several_arguments_vary(runs, tmp_path):
+    train(load_config(None, [*TINY, "loss.name=fl-1"]), tmp_path / "fl-1")  # γ varies too, beside FCL's λ
+    paths = [str(runs / "sweep"), str(runs / "fl"), str(tmp_path / "fl-1")]
+    result = runner.invoke(app, ["figures", *paths, "--out", str(tmp_path / "all"), "--gamma-ev", "0"])
+    assert result.exit_code == 0, result.output
+    assert "skipped fcl-fig6: the runs vary several loss arguments (gamma, lambda_)" in result.output
+    assert (tmp_path / "all" / "fts-fig8.png").exists() and not (tmp_path / "all" / "fcl-fig6.png").exists()
+    asked = runner.invoke(app, ["figures", *paths, "--out", str(tmp_path / "one"), "--only", "fcl-fig6"])
+    assert asked.exit_code == 2 and "choose the x axis with --sweep-key" in asked.output
+    assert len(asked.output.strip().splitlines()) == 1 and not (tmp_path / "one").exists()
+    chosen = runner.invoke(app, ["figures", *paths, "--out", str(tmp_path / "two"), "--only", "fcl-fig6",
+                                 "--sweep-key", "lambda_"])  # fmt: skip
+    assert chosen.exit_code == 0, chosen.output

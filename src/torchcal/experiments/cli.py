@@ -386,7 +386,7 @@ def figures(
     """The papers' analysis figures from what the runs logged (no training): curves over epochs with bands
     over seeds, histograms, box plots, ROC curves. Turn on train.dynamics when training for the ones that
     need it."""
-    from .reports.figures import FIGURES, draw_figures, find_runs, run_groups
+    from .reports.figures import FIGURES, draw_figures, find_runs, run_groups, sweep_lines
 
     if list_figures:
         for name, (caption, needs) in FIGURES.items():
@@ -416,6 +416,12 @@ def figures(
 
         check_calibrators([calibrator], None)
     groups = run_groups(find_runs(paths))
+    if "fcl-fig6" in names and not only.strip() and not sweep_key.strip():
+        try:  # drawing every figure: runs that vary several loss arguments skip fcl-fig6 only
+            sweep_lines(groups)
+        except UserError as err:
+            names.remove("fcl-fig6")
+            typer.echo(f"skipped {err}")
     written, skipped = draw_figures(groups, names, out, band=band, epochs=chosen, gammas=gamma_values,
                                     sweep_key=sweep_key.strip() or None, calibrator=calibrator,
                                     gammas_ev=gammas_ev)  # fmt: skip

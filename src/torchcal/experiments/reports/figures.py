@@ -607,6 +607,12 @@ def loss_arguments(config: dict) -> tuple[str, dict[str, float]]:
     }
 
 
+def _style(i: int) -> dict:
+    """Colour, line style and marker of line i: the ten default colours, then again with another style."""
+    return {"color": f"C{i % 10}", "linestyle": ("-", "--", ":", "-.")[i // 10 % 4],
+            "marker": ("o", "s", "^", "D")[i // 10 % 4]}  # fmt: skip
+
+
 def _loss_label(config: dict, cls: str, args: dict, skip: str | None = None) -> str:
     """A loss with its numeric arguments but ``skip`` (and a zero label smoothing): "FCL (γ = 4, λ = 0.5)"."""
     shown = [f"{_SYMBOLS.get(a, a)} = {v:g}" for a, v in args.items()
@@ -745,7 +751,8 @@ def _loss_argument_figure(plt, groups, out: Path, band: str, key: str | None, ca
     data: dict = {"key": key, "calibrator": calibrator, "band": band, "lines": {}}
     rows: list[list] = [["line", "reference", key, "metric", "mean", "band", "n", "runs"]]
     for i, line in enumerate(lines):
-        color = f"C{i % 10}"
+        style = _style(i)
+        color = style["color"]
         xs = [None] if line.reference else sorted(x for x in line.points if x is not None)
         counts = [len(line.points[x]) for x in xs]
         n_text = f"n = {min(counts)}" + (f"-{max(counts)}" if max(counts) > min(counts) else "")
@@ -773,7 +780,7 @@ def _loss_argument_figure(plt, groups, out: Path, band: str, key: str | None, ca
                 if max(counts) > 1:
                     ax.axhspan(float(m[0] - b[0]), float(m[0] + b[0]), color=color, alpha=0.12, linewidth=0)
             else:
-                ax.plot(xs, m.numpy(), marker="o", markersize=4, color=color, label=label)
+                ax.plot(xs, m.numpy(), markersize=4, label=label, **style)
                 if max(counts) > 1:
                     ax.fill_between(xs, (m - b).numpy(), (m + b).numpy(), color=color, alpha=0.2, linewidth=0)
         data["lines"][line.label] = entry
@@ -858,10 +865,11 @@ def _gamma_tr(config: dict) -> tuple[tuple, str, float | None]:
     loss = _built_loss(config)
     name = str(config.get("loss.name"))
     if type(loss) is FocalLoss:
-        return (1, loss.gamma, name), f"FL, γ_tr = {loss.gamma:g}", loss.gamma
+        return (1, loss.gamma, name, []), f"FL, γ_tr = {loss.gamma:g}", loss.gamma
     if type(loss) is CrossEntropyLoss and not loss.label_smoothing:
-        return (0, 0.0, name), "CE, γ_tr = 0", 0.0
-    return (2, 0.0, name), _loss_label(config, *loss_arguments(config)), None
+        return (0, 0.0, name, []), "CE, γ_tr = 0", 0.0
+    cls, args = loss_arguments(config)
+    return (2, 0.0, name, sorted(args.items())), _loss_label(config, cls, args), None
 
 
 def _optimal_temperature_figure(plt, groups, out: Path, band: str, gammas_ev, temperatures):
@@ -898,10 +906,9 @@ def _optimal_temperature_figure(plt, groups, out: Path, band: str, gammas_ev, te
         stats = [_mean_band([t[j]["T"] for t in per_run.values()], band) for j in range(len(gammas_ev))]
         mean = [s[0] for s in stats]
         spread = [s[1] for s in stats]
-        color = f"C{i % 10}"
-        ax.plot(
-            gammas_ev, mean, marker="o", markersize=4, color=color, label=f"{line.label} (n={len(g.runs)})"
-        )
+        style = _style(i)
+        color = style["color"]
+        ax.plot(gammas_ev, mean, markersize=4, label=f"{line.label} (n={len(g.runs)})", **style)
         if len(g.runs) > 1:
             ax.fill_between(gammas_ev, [m - s for m, s in zip(mean, spread, strict=True)],
                             [m + s for m, s in zip(mean, spread, strict=True)], color=color, alpha=0.2,
