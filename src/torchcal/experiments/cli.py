@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import math
 import os
 import sys
 import time
@@ -370,12 +371,23 @@ def figures(
     epochs: str = typer.Option("", "--epochs", help="epochs of the per-epoch histograms, e.g. 10,100,200"),
     band: str = typer.Option("std", "--band", help="band over seeds: std or sem (standard error)"),
     gammas: str = typer.Option("1,2,3,5,7", "--gammas", help="γ values of focal-fig4a's g(p, γ) curves"),
+    sweep_key: str = typer.Option(
+        "",
+        "--sweep-key",
+        help="fcl-fig6's x axis, a loss argument (e.g. lambda_); default: the one the runs vary",
+    ),
+    calibrator: str = typer.Option("ts", "--calibrator", help="fcl-fig6's post-calibration columns"),
+    gamma_ev: str = typer.Option(
+        "-0.5,-0.25,0.05,0.25,0.37,0.5,0.75,1,5",
+        "--gamma-ev",
+        help="fts-fig8's γ_ev grid (default: the paper's)",
+    ),
     list_figures: bool = typer.Option(False, "--list", help="list the figures and what each needs, and exit"),
 ):
     """The papers' analysis figures from what the runs logged (no training): curves over epochs with bands
     over seeds, histograms, box plots, ROC curves. Turn on train.dynamics when training for the ones that
     need it."""
-    from .reports.figures import FIGURES, draw_figures, find_runs, run_groups
+    from .reports.figures import FIGURES, draw_figures, find_runs, run_groups, sweep_lines
 
     if list_figures:
         for name, (caption, needs) in FIGURES.items():
@@ -394,8 +406,28 @@ def figures(
         gamma_values = tuple(float(g) for g in gammas.split(",") if g.strip())
     except ValueError:
         raise UserError(f"--epochs must be integers and --gammas numbers, got {epochs!r} and {gammas!r}") from None
+    try:
+        gammas_ev = tuple(float(g) for g in gamma_ev.split(",") if g.strip())
+    except ValueError:
+        gammas_ev = ()
+    if not gammas_ev or not all(math.isfinite(g) and g > -1 for g in gammas_ev):
+        raise UserError(
+            f"--gamma-ev must be comma-separated numbers > -1 (the focal map's range), got {gamma_ev!r}"
+        )
+    if "fcl-fig6" in names:
+        from .evaluation.evaluate import check_calibrators
+
+        check_calibrators([calibrator], None)
     groups = run_groups(find_runs(paths))
-    written, skipped = draw_figures(groups, names, out, band=band, epochs=chosen, gammas=gamma_values)
+    if "fcl-fig6" in names and not only.strip() and not sweep_key.strip():
+        try:  # drawing every figure: runs that vary several loss arguments skip fcl-fig6 only
+            sweep_lines(groups)
+        except UserError as err:
+            names.remove("fcl-fig6")
+            typer.echo(f"skipped {err}")
+    written, skipped = draw_figures(groups, names, out, band=band, epochs=chosen, gammas=gamma_values,
+                                    sweep_key=sweep_key.strip() or None, calibrator=calibrator,
+                                    gammas_ev=gammas_ev)  # fmt: skip
     for name, needs in skipped.items():
         typer.echo(f"skipped {name}: no run logged its data (train with {needs})")
     if not written:

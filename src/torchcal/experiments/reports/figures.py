@@ -18,12 +18,25 @@ from pathlib import Path
 
 import torch
 
+from ...calibrators.temperature import FTS_GAMMA_GRID, FTS_TEMPERATURE_GRID
 from ..config import flatten_config
 from ..errors import RunError, UserError
 from ..evaluation.evaluate import GROUP_IGNORED_KEYS, label_groups, load_logits
 from ..run_files import atomic_write_bytes, read_metrics
 
-__all__ = ["FIGURES", "Curves", "draw_figures", "fcl_h", "fcl_h_root", "find_runs", "g_focal", "run_groups"]
+__all__ = [
+    "FIGURES",
+    "Curves",
+    "draw_figures",
+    "fcl_h",
+    "fcl_h_root",
+    "find_runs",
+    "g_focal",
+    "loss_arguments",
+    "optimal_temperatures",
+    "run_groups",
+    "sweep_lines",
+]
 
 # name -> (caption, the key whose data it needs, or None when it needs only what every run saves)
 FIGURES = {
@@ -86,6 +99,18 @@ FIGURES = {
         "FCL Fig. 7 / A.11: decision boundaries on 2-D data: p(class 1) of the first seed's selected model "
         "over the plane, its 0.5 contour and the test points, one panel per loss (grids in fcl-fig7.json)",
         "a set of 2-D points, data.name=moons (e.g. configs/moons_mlp_fcl.yaml)",
+    ),
+    "fcl-fig6": (
+        "FCL Fig. 6: test NLL, ECE, AdaECE and classwise ECE before and after temperature scaling, and test "
+        "error, against the loss argument the runs vary (λ of FCL; a loss without it, e.g. FL, as a dashed "
+        "reference), values of fcl-fig6.csv",
+        "runs that differ in one loss argument (e.g. a torchcal sweep over loss.kwargs.lambda_)",
+    ),
+    "fts-fig8": (
+        "Focal temperature scaling Fig. 8: the temperature T minimising validation ECE (equal mass, 15 bins) "
+        "of focal temperature scaling at each fixed γ_ev, one line per training loss (γ_tr of focal loss), "
+        "values of fts-fig8.csv",
+        "multiclass runs (their validation logits)",
     ),
 }
 
@@ -247,16 +272,32 @@ def _group_row(group: RunSet, key) -> dict | None:
 
 
 def draw_figures(
-    groups: list[RunSet], names, out: Path, *, band: str = "std", epochs=(), gammas=(1, 2, 3, 5, 7)
+    groups: list[RunSet],
+    names,
+    out: Path,
+    *,
+    band: str = "std",
+    epochs=(),
+    gammas=(1, 2, 3, 5, 7),
+    sweep_key: str | None = None,
+    calibrator: str = "ts",
+    gammas_ev=FTS_GAMMA_GRID,
+    temperatures=FTS_TEMPERATURE_GRID,
 ):
     """Draws each figure of ``names`` that the groups' data allow into ``out``; returns (written, skipped):
-    written maps a figure name to its data (what was plotted), skipped to the key that would log it."""
+    written maps a figure name to its data (what was plotted), skipped to the key that would log it.
+
+    ``sweep_key``: the loss argument on fcl-fig6's x axis (found by itself when the runs vary only one);
+    ``calibrator``: fcl-fig6's "post" calibrator; ``gammas_ev`` and ``temperatures``: fts-fig8's grids (the
+    paper's by default)."""
     from ...plotting import _pyplot, save_figure
 
     plt = _pyplot(None)
     written: dict[str, dict] = {}
     skipped: dict[str, str] = {}
     existed = out.exists()
+    if "fcl-fig6" in names:
+        sweep_lines(groups, sweep_key)  # an unknown or ambiguous x axis is refused before anything is written
     out.mkdir(parents=True, exist_ok=True)
 
     def save(name, fig, data):
@@ -461,6 +502,15 @@ def draw_figures(
                 data[epoch] = {"accuracy": train_bins["accuracy"], "share": share}
             fig.suptitle(f"{g.label}: {run.name}", fontsize=9)
             save(name, fig, data)
+        elif name in ("fcl-fig6", "fts-fig8"):
+            if name == "fcl-fig6":
+                fig, data = _loss_argument_figure(plt, groups, out, band, sweep_key, calibrator)
+            else:
+                fig, data = _optimal_temperature_figure(plt, groups, out, band, gammas_ev, temperatures)
+            if fig is None:
+                skipped[name] = needs
+            else:
+                save(name, fig, data)
         elif name == "fcl-table9":
             fig, axes = plt.subplots(1, len(groups), figsize=(4.6 * len(groups), 4.2), squeeze=False)
             rows_csv = ["run,class,auroc,ece,mce"]
@@ -796,4 +846,365 @@ def _fcl_fig7(plt, groups):
     axes[0][0].legend(fontsize=7, loc="lower left")
     if contours is not None:
         fig.colorbar(contours, ax=list(axes[0]), label="p(class 1)", shrink=0.9)
+    return fig, data
+
+
+# -- fcl-fig6: test metrics against the loss argument a sweep varies; fts-fig8: the optimal T against γ_ev --
+
+_SYMBOLS = {"gamma": "γ", "lambda_": "λ", "alpha": "α", "beta": "β"}
+_SHORT_NAMES = {"FocalLoss": "FL", "FocalCalibrationLoss": "FCL", "CrossEntropyLoss": "CE", "DualFocalLoss": "DFL",
+                "InverseFocalLoss": "IFL", "MMCELoss": "MMCE", "KDEXELoss": "KDE-XE"}  # fmt: skip
+# fcl-fig6's panels: (results key, title, factor of the plotted value); each before and after the calibrator
+FIG6_METRICS = (("nll", "NLL", 1.0), ("ece", "ECE (%)", 100.0), ("adaece", "AdaECE (%)", 100.0),
+                ("classwise_ece", "classwise ECE (%)", 100.0))  # fmt: skip
+
+
+def _built_loss(config: dict):
+    """The loss module a run's (flattened) config builds; None when this library cannot build it."""
+    from ...losses import create
+
+    try:
+        return create(str(config.get("loss.name")), **(config.get("loss.kwargs") or {}))
+    except (ValueError, TypeError):
+        return None
+
+
+def loss_arguments(config: dict) -> tuple[str, dict[str, float]]:
+    """(the loss's class name, its finite numeric arguments) as a run's flattened config builds the loss: the
+    values its name fixes (γ of ``fl-3``) and its defaults included, e.g. ``("FocalCalibrationLoss",
+    {"gamma": 4.0, "lambda_": 0.5})``. A loss this library cannot build gives its name and the numbers of
+    its ``loss.kwargs``."""
+    loss = _built_loss(config)
+    if loss is None:
+        name, values = str(config.get("loss.name")), dict(config.get("loss.kwargs") or {})
+    else:
+        name, values = type(loss).__name__, {a: getattr(loss, a, None) for a in getattr(loss, "_args", ())}
+    return name, {
+        k: float(v)
+        for k, v in values.items()
+        if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+    }
+
+
+def _style(i: int) -> dict:
+    """Colour, line style and marker of line i: the ten default colours, then again with another style."""
+    return {"color": f"C{i % 10}", "linestyle": ("-", "--", ":", "-.")[i // 10 % 4],
+            "marker": ("o", "s", "^", "D")[i // 10 % 4]}  # fmt: skip
+
+
+def _loss_label(config: dict, cls: str, args: dict, skip: str | None = None) -> str:
+    """A loss with its numeric arguments but ``skip`` (and a zero label smoothing): "FCL (γ = 4, λ = 0.5)"."""
+    shown = [f"{_SYMBOLS.get(a, a)} = {v:g}" for a, v in args.items()
+             if a != skip and not (a == "label_smoothing" and v == 0)]  # fmt: skip
+    short = _SHORT_NAMES.get(cls, str(config.get("loss.name")))
+    return f"{short} ({', '.join(shown)})" if shown else short
+
+
+@dataclass
+class SweepLine:
+    """A line of fcl-fig6 (run groups that differ only in the swept loss argument, its points) or of fts-fig8
+    (one run group); a reference line's loss does not take the swept argument (its point is under None)."""
+
+    label: str
+    config: dict  # what its groups share but the loss (for the labels of lines that share a name)
+    reference: bool = False
+    points: dict[float | None, list[Path]] = field(default_factory=dict)
+
+
+def sweep_lines(groups: list[RunSet], key: str | None = None) -> tuple[str, list[SweepLine]] | None:
+    """fcl-fig6's x axis and lines: (the loss argument, the lines). ``key`` names the argument (``lambda_``
+    or ``loss.kwargs.lambda_``); None finds the one numeric loss argument (:func:`loss_arguments`) that
+    takes two or more values among run groups whose configs are otherwise equal, a :class:`UserError` when
+    several do, None when none does. Groups whose loss does not take the argument (FL beside FCL's λ)
+    become reference lines."""
+    built = [(g, *loss_arguments(g.config)) for g in groups]
+
+    def rest(g):
+        return {c: v for c, v in g.config.items() if c not in ("loss.name", "loss.kwargs")}
+
+    def family(g, cls, args, k):  # the line of group g when argument k is on the x axis
+        return json.dumps(
+            [cls, rest(g), {a: v for a, v in args.items() if a != k}], sort_keys=True, default=str
+        )
+
+    def varies(k):
+        values: dict[str, set] = {}
+        for g, cls, args in built:
+            if k in args:
+                values.setdefault(family(g, cls, args, k), set()).add(args[k])
+        return any(len(v) > 1 for v in values.values())
+
+    names = sorted({a for _, _, args in built for a in args})
+    if key is not None:
+        key = key.removeprefix("loss.kwargs.")
+        if key not in names:
+            raise UserError(
+                f"--sweep-key {key}: no run's loss takes it; the runs' numeric loss arguments: "
+                f"{', '.join(names) or 'none'}"
+            )
+    else:
+        varied = [k for k in names if varies(k)]
+        if len(varied) > 1:
+            raise UserError(
+                f"fcl-fig6: the runs vary several loss arguments ({', '.join(varied)}); choose the x axis "
+                f"with --sweep-key (e.g. --sweep-key {varied[0]})"
+            )
+        if not varied:
+            return None
+        key = varied[0]
+    lines: dict[str, SweepLine] = {}
+    for g, cls, args in built:
+        reference = key not in args
+        line_id = (
+            json.dumps(g.config, sort_keys=True, default=str) if reference else family(g, cls, args, key)
+        )
+        if line_id not in lines:
+            lines[line_id] = SweepLine(_loss_label(g.config, cls, args, key), rest(g), reference)
+        lines[line_id].points.setdefault(args.get(key), []).extend(g.runs)
+    out = list(lines.values())
+    label_groups(out)
+    return key, out
+
+
+def _test_metrics(run: Path, calibrator: str) -> tuple[dict, dict]:
+    """A run's test metrics uncalibrated and after ``calibrator``: those of its results.json (what
+    ``torchcal evaluate`` saved and the report shows), else computed by the same functions, without writing
+    to the run."""
+    from ..evaluation.evaluate import _fit_and_score, _uncalibrated, read_results
+
+    try:
+        res = read_results(run)
+        if "uncalibrated" in res and calibrator in res:
+            return res["uncalibrated"]["test"], res[calibrator]["test"]
+        logits = load_logits(run)
+    except RunError as err:
+        raise UserError(f"{run}: {err}") from None
+    return _uncalibrated(run, logits)["uncalibrated"]["test"], _fit_and_score(logits, calibrator)[1]["test"]
+
+
+def _mean_band(values, band: str) -> tuple[float, float]:
+    """Mean and band (± std over the values, or ± its standard error with ``band="sem"``; 0 for one value)."""
+    t = torch.tensor(values, dtype=torch.float64)
+    std = float(t.std()) if len(values) > 1 else 0.0
+    return float(t.mean()), std / math.sqrt(len(values)) if band == "sem" else std
+
+
+def _write_csv(path: Path, rows) -> None:
+    import csv
+    import io
+
+    buf = io.StringIO()
+    csv.writer(buf, lineterminator="\n").writerows(rows)
+    text = buf.getvalue().encode()
+    atomic_write_bytes(path, lambda fh: fh.write(text))
+
+
+def _loss_argument_figure(plt, groups, out: Path, band: str, key: str | None, calibrator: str):
+    """fcl-fig6: (figure, data), or (None, {}) when no loss argument varies. The data hold each line's points
+    in the units of results.json (fractions, NLL in nats): ``lines[label]["metrics"]["ece post"]["mean"]``."""
+    from ..evaluation.evaluate import check_calibrators
+
+    found = sweep_lines(groups, key)
+    if found is None:
+        return None, {}
+    key, lines = found
+    check_calibrators([calibrator], None)
+    pre, post = (
+        ("pre T", "post T") if calibrator.split(":")[0] == "ts" else ("uncalibrated", f"after {calibrator}")
+    )
+    fig, axes = plt.subplots(2, 5, figsize=(17, 6.6))
+    panels = [(axes[row][j], m, when, f"{title}, {words}", scale)
+              for j, (m, title, scale) in enumerate(FIG6_METRICS)
+              for row, (when, words) in enumerate((("pre", pre), ("post", post)))]  # fmt: skip
+    panels.append((axes[0][4], "error", "pre", "test error (%)", 100.0))
+    cache: dict[Path, tuple[dict, dict]] = {}
+
+    def value(run, metric, when):
+        if run not in cache:
+            cache[run] = _test_metrics(run, calibrator)
+        return cache[run][0 if when == "pre" else 1].get(metric)
+
+    symbol = _SYMBOLS.get(key, key)
+    xlabel = f"{symbol} ({key})" if symbol != key else key
+    ticks = sorted({x for line in lines for x in line.points if x is not None})
+    data: dict = {"key": key, "calibrator": calibrator, "band": band, "lines": {}}
+    rows: list[list] = [["line", "reference", key, "metric", "mean", "band", "n", "runs"]]
+    for i, line in enumerate(lines):
+        style = _style(i)
+        color = style["color"]
+        xs = [None] if line.reference else sorted(x for x in line.points if x is not None)
+        counts = [len(line.points[x]) for x in xs]
+        n_text = f"n = {min(counts)}" + (f"-{max(counts)}" if max(counts) > min(counts) else "")
+        entry = {"reference": line.reference, "x": xs, "n": counts, "metrics": {},
+                 "runs": [[str(r) for r in line.points[x]] for x in xs]}  # fmt: skip
+        for ax, metric, when, _, scale in panels:
+            means, bands = [], []
+            for x in xs:
+                values = [value(run, metric, when) for run in line.points[x]]
+                mean, spread = (
+                    _mean_band(values, band) if all(v is not None for v in values) else (math.nan, math.nan)
+                )
+                means.append(mean)
+                bands.append(spread)
+                rows.append([line.label, line.reference, "" if x is None else x, f"{metric} {when}", mean, spread,
+                             len(values), ";".join(map(str, line.points[x]))])  # fmt: skip
+            entry["metrics"][f"{metric} {when}"] = {"mean": means, "band": bands}
+            m, b = (
+                scale * torch.tensor(means, dtype=torch.float64),
+                scale * torch.tensor(bands, dtype=torch.float64),
+            )
+            label = f"{line.label}, {n_text}" + (" (no " + symbol + ": reference)" if line.reference else "")
+            if line.reference:
+                ax.axhline(float(m[0]), color=color, linestyle="--", linewidth=1.2, label=label)
+                if max(counts) > 1:
+                    ax.axhspan(float(m[0] - b[0]), float(m[0] + b[0]), color=color, alpha=0.12, linewidth=0)
+            else:
+                ax.plot(xs, m.numpy(), markersize=4, label=label, **style)
+                if max(counts) > 1:
+                    ax.fill_between(xs, (m - b).numpy(), (m + b).numpy(), color=color, alpha=0.2, linewidth=0)
+        data["lines"][line.label] = entry
+    for ax, _, _, title, _ in panels:
+        ax.set(xlabel=xlabel, title=title)
+        if 1 < len(ticks) <= 12:
+            ax.set_xticks(ticks)
+            ax.tick_params(axis="x", labelsize=7)
+    legend_ax = axes[1][4]
+    legend_ax.axis("off")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    band_text = "± std" if band == "std" else "± standard error"
+    legend_ax.legend(handles, labels, loc="center", fontsize=8, frameon=False,
+                     title=f"mean {band_text} over seeds", title_fontsize=7)  # fmt: skip
+    _write_csv(out / "fcl-fig6.csv", rows)
+    return fig, data
+
+
+def optimal_temperatures(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    gammas_ev=FTS_GAMMA_GRID,
+    temperatures=FTS_TEMPERATURE_GRID,
+    n_bins: int = 15,
+) -> list[dict]:
+    """For each γ_ev of ``gammas_ev``: the temperature of ``temperatures`` minimising the equal-mass ECE
+    (``n_bins`` bins) of focal temperature scaling with γ fixed at γ_ev, ``focal_map_γ(softmax(z / T))``, on
+    (``logits``, ``targets``): the objective :class:`~torchcal.calibrators.FocalTemperatureScaling` minimises
+    (``objective="adaece"``), over the whole (T, γ) grid in float64 with the library's focal map, the first
+    minimiser in the grid's order. Each entry: ``gamma_ev``, ``T``, ``ece`` (the minimum) and ``edge`` (T is
+    an end of the grid: the minimum may lie beyond it).
+
+    Example:
+        >>> import torch
+        >>> g = torch.Generator().manual_seed(0)
+        >>> z = torch.randn(400, 3, generator=g, dtype=torch.float64)
+        >>> y = torch.multinomial(torch.softmax(z, 1), 1, generator=g).squeeze(1)
+        >>> [row["T"] for row in optimal_temperatures(4 * z, y, [0.0], [1.0, 2.0, 3.0, 4.0, 5.0, 6.0])]
+        [4.0]
+    """
+    from ...functional._binning import equal_mass_group_index
+    from ...functional.focal_map import focal_log_map
+
+    z = logits.double()
+    z = z - z.max(dim=1, keepdim=True).values
+    n, k = z.shape
+    dev = z.device
+    pred = z.argmax(dim=1)  # the focal map keeps the argmax for γ > −1: the mapped top label is pred
+    correct = (pred == targets.to(dev)).double()
+    gammas = torch.tensor([float(x) for x in gammas_ev], dtype=torch.float64, device=dev)
+    temps = [float(t) for t in temperatures]
+    n_g = len(gammas)
+    group = equal_mass_group_index(n, n_bins, dev)
+    chunk = max(1, (1 << 21) // (n_g * n * k))  # temperatures per pass: ~2M mapped entries at a time
+    scores = []
+    for s in range(0, len(temps), chunk):
+        t = torch.tensor(temps[s : s + chunk], dtype=torch.float64, device=dev)
+        log_q = torch.log_softmax(z[None] / t[:, None, None], dim=2)  # (Tc, N, K)
+        mapped = focal_log_map(log_q[:, None], gammas[None, :, None, None])  # (Tc, G, N, K)
+        index = pred[None, None, :, None].expand(len(t), n_g, n, 1)
+        conf = mapped.gather(3, index).squeeze(3).exp()  # (Tc, G, N) mapped top-label confidence
+        conf_s, order = torch.sort(conf, dim=2, stable=True)
+        corr_s = correct.expand(len(t), n_g, n).gather(2, order)
+        rows = len(t) * n_g  # equal-mass bin sums of every (T, γ) at once
+        flat = (torch.arange(rows, device=dev)[:, None] * n_bins + group).reshape(-1)
+        sums = torch.zeros(2, rows * n_bins, dtype=torch.float64, device=dev)
+        sums[0].index_add_(0, flat, conf_s.reshape(-1))
+        sums[1].index_add_(0, flat, corr_s.reshape(-1))
+        scores.append((sums[1] - sums[0]).abs().view(len(t), n_g, n_bins).sum(2) / n)
+    table = torch.cat(scores).cpu()  # (T, G)
+    best = torch.argmin(table, dim=0)  # the first minimiser of each column
+    ends = (min(temps), max(temps))
+    return [{"gamma_ev": float(gammas[j]), "T": temps[int(best[j])], "ece": float(table[best[j], j]),
+             "edge": temps[int(best[j])] in ends and ends[0] != ends[1]} for j in range(n_g)]  # fmt: skip
+
+
+def _gamma_tr(config: dict) -> tuple[tuple, str, float | None]:
+    """fts-fig8's sort key, label and γ_tr of a run group: focal loss's γ, 0 for cross entropy, else the
+    loss with its arguments (no γ_tr)."""
+    from ...losses import CrossEntropyLoss, FocalLoss
+
+    loss = _built_loss(config)
+    name = str(config.get("loss.name"))
+    if type(loss) is FocalLoss:
+        return (1, loss.gamma, name, []), f"FL, γ_tr = {loss.gamma:g}", loss.gamma
+    if type(loss) is CrossEntropyLoss and not loss.label_smoothing:
+        return (0, 0.0, name, []), "CE, γ_tr = 0", 0.0
+    cls, args = loss_arguments(config)
+    return (2, 0.0, name, sorted(args.items())), _loss_label(config, cls, args), None
+
+
+def _optimal_temperature_figure(plt, groups, out: Path, band: str, gammas_ev, temperatures):
+    """fts-fig8: (figure, data), or (None, {}) without multiclass runs. The data: per line, γ_tr, the mean
+    and band of T at each γ_ev, and each run's (γ_ev, T, validation ECE, edge) table."""
+    shown = []
+    for g in groups:
+        val = []
+        for run in g.runs:
+            try:
+                val.append(load_logits(run)["val"])
+            except RunError as err:
+                raise UserError(f"{run}: {err}") from None
+        if all(v["targets"].ndim == 1 for v in val):  # multi-label runs have no focal temperature scaling
+            order, label, gamma = _gamma_tr(g.config)
+            shown.append((order, SweepLine(label, g.config), gamma, g, val))
+    if not shown:
+        return None, {}
+    shown.sort(key=lambda s: s[0])
+    label_groups([s[1] for s in shown])
+    gammas_ev = [float(x) for x in gammas_ev]
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    data: dict = {"gammas_ev": gammas_ev, "temperatures": [min(temperatures), max(temperatures), len(temperatures)],
+                  "band": band, "lines": {}}  # fmt: skip
+    rows: list[list] = [["line", "gamma_tr", "run", "gamma_ev", "T", "val_ece", "edge"]]
+    edge_label = "T at an end of its grid (in a seed)"
+    for i, (_, line, gamma, g, val) in enumerate(shown):
+        per_run = {}
+        for run, split in zip(g.runs, val, strict=True):
+            table = optimal_temperatures(split["logits"], split["targets"], gammas_ev, temperatures)
+            per_run[str(run)] = table
+            rows += [[line.label, "" if gamma is None else gamma, run, r["gamma_ev"], r["T"], r["ece"], r["edge"]]
+                     for r in table]  # fmt: skip
+        stats = [_mean_band([t[j]["T"] for t in per_run.values()], band) for j in range(len(gammas_ev))]
+        mean = [s[0] for s in stats]
+        spread = [s[1] for s in stats]
+        style = _style(i)
+        color = style["color"]
+        ax.plot(gammas_ev, mean, markersize=4, label=f"{line.label} (n={len(g.runs)})", **style)
+        if len(g.runs) > 1:
+            ax.fill_between(gammas_ev, [m - s for m, s in zip(mean, spread, strict=True)],
+                            [m + s for m, s in zip(mean, spread, strict=True)], color=color, alpha=0.2,
+                            linewidth=0)  # fmt: skip
+        edges = [j for j in range(len(gammas_ev)) if any(t[j]["edge"] for t in per_run.values())]
+        if edges:
+            ax.plot([gammas_ev[j] for j in edges], [mean[j] for j in edges], linestyle="none", marker="x",
+                    color="black", markersize=7, label=edge_label)  # fmt: skip
+            edge_label = "_nolegend_"
+        data["lines"][line.label] = {"gamma_tr": gamma, "loss": g.config.get("loss.name"),
+                                     "T": {"mean": mean, "band": spread}, "n": len(g.runs), "runs": per_run}  # fmt: skip
+    band_text = "± std" if band == "std" else "± standard error"
+    ax.set(xlabel="γ_ev (focal calibration parameter)",
+           ylabel="optimal T (min. validation ECE, equal mass)", title=f"optimal T against γ_ev (mean {band_text})")  # fmt: skip
+    ax.title.set_fontsize(9)
+    legend_ax = ax
+    if legend_ax.get_legend_handles_labels()[0]:
+        legend_ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), frameon=False)
+    _write_csv(out / "fts-fig8.csv", rows)
     return fig, data
