@@ -87,7 +87,7 @@ def test_paper_sweep_files_load():
     from pathlib import Path
 
     files = sorted(Path(__file__).resolve().parents[2].joinpath("sweeps").glob("*.yaml"))
-    assert len(files) == 9
+    assert len(files) == 11
     sizes = {f.stem: len(expand(load_sweep(f))) for f in files}
     assert sizes == {
         "cifar10_table": 180,
@@ -99,4 +99,6 @@ def test_paper_sweep_files_load():
         "sstbinary_table": 45,
         "20newsgroups_bert_table": 20,
         "imagenet_table": 15,
+        "fcl_fig6_lambda": 18,  # FCL Fig. 6: λ ∈ {0, 0.5, 1, 1.5, 2, 3} × 3 seeds
+        "fts_fig8_gammas": 40,  # focal TS Fig. 8: CE, FL γ ∈ {1, 2, 3, 5, 7}, FLSD-53, AdaFocal × 5 seeds
     }
