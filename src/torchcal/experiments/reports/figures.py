@@ -87,7 +87,7 @@ FIGURES = {
         "FCL Fig. 6: test NLL, ECE, AdaECE and classwise ECE before and after temperature scaling, and test "
         "error, against the loss argument the runs vary (λ of FCL; a loss without it, e.g. FL, as a dashed "
         "reference), values of fcl-fig6.csv",
-        "runs that differ in one loss argument (e.g. a torchcal sweep over loss.kwargs.lambda_)",
+        "a sweep over one loss argument, e.g. torchcal sweep sweeps/fcl_fig6_lambda.yaml",
     ),
     "fts-fig8": (
         "Focal temperature scaling Fig. 8: the temperature T minimising validation ECE (equal mass, 15 bins) "
