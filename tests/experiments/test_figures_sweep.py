@@ -236,7 +236,7 @@ def test_cli_draws_both_from_a_sweep_and_refuses_in_one_line(runs, tmp_path):
                                 "--gamma-ev", "0"])  # fmt: skip
     assert (
         alone.exit_code == 0
-        and "skipped fcl-fig6: no run logged its data (train with runs that differ in one loss argument"
+        and "skipped fcl-fig6: no run logged its data (train with a sweep over one loss argument, e.g. "
         in alone.output
     )
     for args, message in [

@@ -286,6 +286,88 @@ class TemperatureScaling(Calibrator):
         return torch.softmax(logits / self.temperature_, dim=1)
 
 
+class _FocalObjective:
+    """The validation objective of :class:`FocalTemperatureScaling` at one temperature for every γ of
+    ``gammas`` (then of :meth:`use_gammas`): ``objective(t)`` is the (G,) float64 tensor of ``"adaece"``
+    (equal-mass ECE, ``n_bins`` bins) or ``"nll"`` values of focal_map_γ(softmax(logits / t)), computed in
+    the logits' dtype. For each T, the γ-independent parts of the map are computed once and all γ are mapped
+    in one batched tensor operation; the work buffers are reused from one T to the next."""
+
+    def __init__(self, logits: torch.Tensor, targets: torch.Tensor, gammas, objective: str, n_bins: int):
+        n, k = logits.shape
+        self.n, self.k, self.objective, self.n_bins = n, k, objective, n_bins
+        self.dev, self.dtype = logits.device, logits.dtype
+        self.group = equal_mass_group_index(n, n_bins, self.dev)
+        self.targets = targets
+        self.centred = logits - logits.max(dim=1, keepdim=True).values
+        self.pred = self.centred.argmax(dim=1)  # the focal map preserves the argmax for gamma > -1
+        self.correct_pred = (self.pred == targets).double()
+        self.top_mask = torch.nn.functional.one_hot(self.pred, k).bool()
+        # log-probabilities are clamped at floor (q >= ~3e-35 in float32): exp() takes a slow path (10-30x)
+        # whenever its result would be subnormal, and no sum changes by a term that small.
+        self.floor = math.log(torch.finfo(self.dtype).tiny) + 8
+        # (N, K) work buffers as well: fresh multi-megabyte tensors cost page faults on every T.
+        self.log_q, self.q, self.l1, self.a, self.tmp = (
+            torch.empty(n, k, dtype=self.dtype, device=self.dev) for _ in range(5)
+        )
+        self.use_gammas(gammas)
+
+    def use_gammas(self, values) -> None:
+        """The γ values mapped at each T from now on."""
+        self.n_g = len(values)
+        self.g = torch.tensor(values, dtype=self.dtype, device=self.dev)
+        self.g3 = self.g[:, None, None]
+        self.flat_group = (
+            torch.arange(self.n_g, device=self.dev)[:, None] * self.n_bins + self.group
+        ).reshape(-1)
+        # Two (G, N, K) work buffers reused for every T: allocation, not arithmetic, dominates otherwise.
+        self.num = torch.empty(self.n_g, self.n, self.k, dtype=self.dtype, device=self.dev)
+        self.den = torch.empty_like(self.num)
+
+    def __call__(self, t) -> torch.Tensor:  # (G,) objective values at T = t
+        n, n_g, g, g3, floor = self.n, self.n_g, self.g, self.g3, self.floor
+        log_q, q, l1, a, tmp, num, den = self.log_q, self.q, self.l1, self.a, self.tmp, self.num, self.den
+        targets, pred, dev = self.targets, self.pred, self.dev
+        torch.div(self.centred, t, out=log_q)  # row max is 0, so log Σ exp needs no shift
+        true_lq = log_q.gather(1, targets[:, None]).squeeze(1)
+        # The NLL objective uses the exact true-class log-probability below, never a clamped one.
+        log_q.clamp_(min=floor)
+        lse = torch.exp(log_q, out=q).sum(1).log_()
+        log_q.sub_(lse[:, None])
+        true_lq = true_lq - lse
+        top_lq = log_q.gather(1, pred[:, None]).squeeze(1)
+        # Non-top entries (q <= 1/2) in linear space; the top entry is masked to q = tiny (adds ~0).
+        log_q.masked_fill_(self.top_mask, floor).clamp_(min=floor)
+        torch.exp(log_q, out=q)
+        torch.neg(q, out=l1).log1p_()  # log(1 − q)
+        torch.mul(q, log_q, out=a).div_(torch.sub(q, 1, out=tmp))  # a = q (−ln q)/(1 − q)
+        torch.addcmul(log_q, g3, l1, value=-1, out=num).exp_()  # q (1 − q)^−γ
+        torch.mul(g3, a, out=den).add_(1)  # 1 + γ a
+        log_others = num.div_(den).sum(2).log_()
+        # The top entry in log space, with log(1 − q_top) = log Σ of the other classes.
+        l1_top = q.sum(1).log().clamp(min=floor)
+        a_top = _focal_ratio(top_lq, l1_top)
+        log_top = top_lq - g[:, None] * l1_top - torch.log1p(g[:, None] * a_top)  # (G, N)
+        log_total = torch.logaddexp(log_top, log_others)
+        if self.objective == "nll":
+            q_true = true_lq.exp()
+            l1_true = torch.log1p(-q_true.clamp(max=0.5))
+            log_true = (
+                true_lq - g[:, None] * l1_true - torch.log1p(g[:, None] * _focal_ratio(true_lq, l1_true))
+            )
+            log_true = torch.where((targets == pred)[None, :], log_top, log_true)
+            return (log_total - log_true).double().mean(1).cpu()
+        conf = torch.exp(log_top - log_total)
+        conf_s, order = torch.sort(conf, dim=1, stable=True)
+        corr_s = self.correct_pred.expand(n_g, n).gather(1, order)
+        size = n_g * self.n_bins
+        conf_sum = torch.zeros(size, dtype=torch.float64, device=dev)
+        corr_sum = torch.zeros(size, dtype=torch.float64, device=dev)
+        conf_sum.index_add_(0, self.flat_group, conf_s.reshape(-1).double())
+        corr_sum.index_add_(0, self.flat_group, corr_s.reshape(-1))
+        return ((corr_sum - conf_sum).abs().view(n_g, self.n_bins).sum(1) / n).cpu()
+
+
 class FocalTemperatureScaling(Calibrator):
     """Focal temperature scaling: ``focal_map_γ(softmax(z / T))`` (Komisarenko & Kull 2024).
 
@@ -341,75 +423,8 @@ class FocalTemperatureScaling(Calibrator):
         if not gammas or not temps:
             raise ValueError("`gammas` and `temperatures` must each hold at least one value")
         extend = check_bool(self.extend, "extend")
-        n, k = logits.shape
-        dev, dtype = logits.device, logits.dtype
-        group = equal_mass_group_index(n, n_bins, dev)
-        n_g = g = g3 = flat_group = num = den = None
-
-        def use_gammas(values):
-            nonlocal n_g, g, g3, flat_group, num, den
-            n_g = len(values)
-            g = torch.tensor(values, dtype=dtype, device=dev)
-            g3 = g[:, None, None]
-            flat_group = (torch.arange(n_g, device=dev)[:, None] * n_bins + group).reshape(-1)
-            # Two (G, N, K) work buffers reused for every T: allocation, not arithmetic, dominates otherwise.
-            num = torch.empty(n_g, n, k, dtype=dtype, device=dev)
-            den = torch.empty_like(num)
-
-        centred = logits - logits.max(dim=1, keepdim=True).values
-        pred = centred.argmax(dim=1)  # the focal map preserves the argmax for gamma > -1 (see above)
-        correct_pred = (pred == targets).double()
-        top_mask = torch.nn.functional.one_hot(pred, k).bool()
-        # log-probabilities are clamped at floor (q >= ~3e-35 in float32): exp() takes a slow path (10-30x)
-        # whenever its result would be subnormal, and no sum changes by a term that small.
-        floor = math.log(torch.finfo(dtype).tiny) + 8
-        # (N, K) work buffers as well: fresh multi-megabyte tensors cost page faults on every T.
-        log_q, q, l1, a, tmp = (torch.empty(n, k, dtype=dtype, device=dev) for _ in range(5))
-
-        def score_at(t):  # (G,) objective values at T = t
-            assert n_g is not None and g is not None and g3 is not None  # set by use_gammas
-            assert flat_group is not None and num is not None and den is not None
-            torch.div(centred, t, out=log_q)  # row max is 0, so log Σ exp needs no shift
-            true_lq = log_q.gather(1, targets[:, None]).squeeze(1)
-            # The NLL objective uses the exact true-class log-probability below, never a clamped one.
-            log_q.clamp_(min=floor)
-            lse = torch.exp(log_q, out=q).sum(1).log_()
-            log_q.sub_(lse[:, None])
-            true_lq = true_lq - lse
-            top_lq = log_q.gather(1, pred[:, None]).squeeze(1)
-            # Non-top entries (q <= 1/2) in linear space; the top entry is masked to q = tiny (adds ~0).
-            log_q.masked_fill_(top_mask, floor).clamp_(min=floor)
-            torch.exp(log_q, out=q)
-            torch.neg(q, out=l1).log1p_()  # log(1 − q)
-            torch.mul(q, log_q, out=a).div_(torch.sub(q, 1, out=tmp))  # a = q (−ln q)/(1 − q)
-            torch.addcmul(log_q, g3, l1, value=-1, out=num).exp_()  # q (1 − q)^−γ
-            torch.mul(g3, a, out=den).add_(1)  # 1 + γ a
-            log_others = num.div_(den).sum(2).log_()
-            # The top entry in log space, with log(1 − q_top) = log Σ of the other classes.
-            l1_top = q.sum(1).log().clamp(min=floor)
-            a_top = _focal_ratio(top_lq, l1_top)
-            log_top = top_lq - g[:, None] * l1_top - torch.log1p(g[:, None] * a_top)  # (G, N)
-            log_total = torch.logaddexp(log_top, log_others)
-            if self.objective == "nll":
-                q_true = true_lq.exp()
-                l1_true = torch.log1p(-q_true.clamp(max=0.5))
-                log_true = (
-                    true_lq - g[:, None] * l1_true - torch.log1p(g[:, None] * _focal_ratio(true_lq, l1_true))
-                )
-                log_true = torch.where((targets == pred)[None, :], log_top, log_true)
-                return (log_total - log_true).double().mean(1).cpu()
-            conf = torch.exp(log_top - log_total)
-            conf_s, order = torch.sort(conf, dim=1, stable=True)
-            corr_s = correct_pred.expand(n_g, n).gather(1, order)
-            size = n_g * n_bins
-            conf_sum = torch.zeros(size, dtype=torch.float64, device=dev)
-            corr_sum = torch.zeros(size, dtype=torch.float64, device=dev)
-            conf_sum.index_add_(0, flat_group, conf_s.reshape(-1).double())
-            corr_sum.index_add_(0, flat_group, corr_s.reshape(-1))
-            return ((corr_sum - conf_sum).abs().view(n_g, n_bins).sum(1) / n).cpu()
-
         searched_g = list(gammas)
-        use_gammas(searched_g)
+        score_at = _FocalObjective(logits, targets, searched_g, self.objective, n_bins)
         row, t, value, _, searched_t = _search_temperature(score_at, temps, extend)
         while extend:  # γ on an edge of its grid: more γ beyond it, and T searched again for all of them
             best, more = searched_g[row], []
@@ -423,7 +438,7 @@ class FocalTemperatureScaling(Calibrator):
             if not more:
                 break
             searched_g += more
-            use_gammas(searched_g)
+            score_at.use_gammas(searched_g)
             row, t, value, _, searched_t = _search_temperature(score_at, temps, extend)
         self.gamma_, self.temperature_, self.objective_value_ = float(searched_g[row]), float(t), value
         what = f"focal temperature scaling (objective={self.objective!r})"

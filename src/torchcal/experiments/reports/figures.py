@@ -104,7 +104,7 @@ FIGURES = {
         "FCL Fig. 6: test NLL, ECE, AdaECE and classwise ECE before and after temperature scaling, and test "
         "error, against the loss argument the runs vary (λ of FCL; a loss without it, e.g. FL, as a dashed "
         "reference), values of fcl-fig6.csv",
-        "runs that differ in one loss argument (e.g. a torchcal sweep over loss.kwargs.lambda_)",
+        "a sweep over one loss argument, e.g. torchcal sweep sweeps/fcl_fig6_lambda.yaml",
     ),
     "fts-fig8": (
         "Focal temperature scaling Fig. 8: the temperature T minimising validation ECE (equal mass, 15 bins) "
@@ -1087,10 +1087,10 @@ def optimal_temperatures(
 ) -> list[dict]:
     """For each γ_ev of ``gammas_ev``: the temperature of ``temperatures`` minimising the equal-mass ECE
     (``n_bins`` bins) of focal temperature scaling with γ fixed at γ_ev, ``focal_map_γ(softmax(z / T))``, on
-    (``logits``, ``targets``): the objective :class:`~torchcal.calibrators.FocalTemperatureScaling` minimises
-    (``objective="adaece"``), over the whole (T, γ) grid in float64 with the library's focal map, the first
-    minimiser in the grid's order. Each entry: ``gamma_ev``, ``T``, ``ece`` (the minimum) and ``edge`` (T is
-    an end of the grid: the minimum may lie beyond it).
+    (``logits``, ``targets``): the objective :class:`~torchcal.calibrators.FocalTemperatureScaling`
+    minimises (``objective="adaece"``, the same code, in the logits' dtype), every γ_ev at once for each T,
+    the first minimiser in the grid's order. Each entry: ``gamma_ev``, ``T``, ``ece`` (the minimum) and
+    ``edge`` (T is an end of the grid: the minimum may lie beyond it).
 
     Example:
         >>> import torch
@@ -1100,40 +1100,19 @@ def optimal_temperatures(
         >>> [row["T"] for row in optimal_temperatures(4 * z, y, [0.0], [1.0, 2.0, 3.0, 4.0, 5.0, 6.0])]
         [4.0]
     """
-    from ...functional._binning import equal_mass_group_index
-    from ...functional.focal_map import focal_log_map
+    from ..._validation import check_float
+    from ...calibrators.temperature import _FocalObjective
 
-    z = logits.double()
-    z = z - z.max(dim=1, keepdim=True).values
-    n, k = z.shape
-    dev = z.device
-    pred = z.argmax(dim=1)  # the focal map keeps the argmax for γ > −1: the mapped top label is pred
-    correct = (pred == targets.to(dev)).double()
-    gammas = torch.tensor([float(x) for x in gammas_ev], dtype=torch.float64, device=dev)
-    temps = [float(t) for t in temperatures]
-    n_g = len(gammas)
-    group = equal_mass_group_index(n, n_bins, dev)
-    chunk = max(1, (1 << 21) // (n_g * n * k))  # temperatures per pass: ~2M mapped entries at a time
-    scores = []
-    for s in range(0, len(temps), chunk):
-        t = torch.tensor(temps[s : s + chunk], dtype=torch.float64, device=dev)
-        log_q = torch.log_softmax(z[None] / t[:, None, None], dim=2)  # (Tc, N, K)
-        mapped = focal_log_map(log_q[:, None], gammas[None, :, None, None])  # (Tc, G, N, K)
-        index = pred[None, None, :, None].expand(len(t), n_g, n, 1)
-        conf = mapped.gather(3, index).squeeze(3).exp()  # (Tc, G, N) mapped top-label confidence
-        conf_s, order = torch.sort(conf, dim=2, stable=True)
-        corr_s = correct.expand(len(t), n_g, n).gather(2, order)
-        rows = len(t) * n_g  # equal-mass bin sums of every (T, γ) at once
-        flat = (torch.arange(rows, device=dev)[:, None] * n_bins + group).reshape(-1)
-        sums = torch.zeros(2, rows * n_bins, dtype=torch.float64, device=dev)
-        sums[0].index_add_(0, flat, conf_s.reshape(-1))
-        sums[1].index_add_(0, flat, corr_s.reshape(-1))
-        scores.append((sums[1] - sums[0]).abs().view(len(t), n_g, n_bins).sum(2) / n)
-    table = torch.cat(scores).cpu()  # (T, G)
+    gammas = [check_float(x, "gammas_ev", low=-1, low_open=True) for x in gammas_ev]
+    temps = [check_float(t, "temperatures", low=0, low_open=True) for t in temperatures]
+    if not gammas or not temps:
+        raise ValueError("`gammas_ev` and `temperatures` must each hold at least one value")
+    objective = _FocalObjective(logits, targets, gammas, "adaece", n_bins)
+    table = torch.stack([objective(t) for t in temps])  # (T, G)
     best = torch.argmin(table, dim=0)  # the first minimiser of each column
     ends = (min(temps), max(temps))
-    return [{"gamma_ev": float(gammas[j]), "T": temps[int(best[j])], "ece": float(table[best[j], j]),
-             "edge": temps[int(best[j])] in ends and ends[0] != ends[1]} for j in range(n_g)]  # fmt: skip
+    return [{"gamma_ev": gammas[j], "T": temps[int(best[j])], "ece": float(table[best[j], j]),
+             "edge": temps[int(best[j])] in ends and ends[0] != ends[1]} for j in range(len(gammas))]  # fmt: skip
 
 
 def _gamma_tr(config: dict) -> tuple[tuple, str, float | None]:
