@@ -17,35 +17,52 @@ __all__ = ["BetaCalibration", "BinaryBetaCalibration", "fit_beta"]
 BETA_EPS = float(torch.finfo(torch.float32).eps)
 
 
-def _beta_features(log_s, log_1ms):
-    """[ln s, −ln(1 − s)] of s clipped to [eps, 1 − eps], from ln s and ln(1 − s); (..., 2)."""
+def _beta_features(log_s, log_1ms, dim: int = -1):
+    """[ln s, −ln(1 − s)] of s clipped to [eps, 1 − eps], from ln s and ln(1 − s), stacked along ``dim``."""
     lo, hi = math.log(BETA_EPS), math.log1p(-BETA_EPS)
-    return torch.stack([log_s.clamp(lo, hi), -log_1ms.clamp(lo, hi)], dim=-1)
+    return torch.stack([log_s.clamp(lo, hi), -log_1ms.clamp(lo, hi)], dim=dim)
 
 
 def _logistic_newton(x, t, active, max_iter: int):
-    """Unregularised logistic regressions, batched over the leading dimension: x (B, N, 2) features plus an
+    """Unregularised logistic regressions, batched over the leading dimension: x (B, 2, N) features plus an
     intercept, t (B, N) 0/1 targets, ``active`` (B, 2) which features each problem uses (an inactive
     coefficient stays 0). Newton's method with step halving per problem, float64. Returns (B, 3):
-    (coef_1, coef_2, intercept)."""
-    b, n, _ = x.shape
-    design = torch.cat([x * active[:, None, :], torch.ones_like(x[..., :1])], dim=2)  # (B, N, 3)
+    (coef_1, coef_2, intercept).
+
+    The logit s = θ₁x₁ + θ₂x₂ + θ₃ is formed once per trial point (the accepted trial's is reused for the
+    gradient and Hessian), and Σ t·s is linear in θ (tᵀ[x₁, x₂, 1] is computed once), so a Newton step
+    costs one sigmoid, the weighted features and one batched matrix product that gives the gradient and
+    the Hessian together."""
+    b, _, n = x.shape
+    x = x * active[:, :, None]
+    tx = torch.cat([(x @ t[:, :, None])[..., 0], t.sum(1, keepdim=True)], 1) / n  # (B, 3): mean t·[x, 1]
     mask = torch.cat([active, torch.ones_like(active[:, :1])], 1)
     theta = torch.zeros(b, 3, dtype=x.dtype, device=x.device)
 
-    def loss(th):
-        s = (design @ th[:, :, None])[..., 0]
-        return (torch.nn.functional.softplus(s) - t * s).mean(1)
+    def logit(th):
+        return torch.baddbmm(th[:, 2:3, None], th[:, None, :2], x)[:, 0]  # (B, N)
 
-    current = loss(theta)
+    def loss(s, th):  # mean softplus(s) − t·s at θ = th, s = logit(th)
+        return torch.nn.functional.softplus(s).mean(1) - (tx * th).sum(1)
+
+    s = torch.zeros_like(t)  # the logit at θ = 0, where the loss is ln 2
+    current = torch.full_like(t[:, 0], math.log(2.0))
     eye = torch.eye(3, dtype=x.dtype, device=x.device)
+    design = torch.cat([x, torch.ones_like(x[:, :1])], 1)  # (B, 3, N)
+    weighted = torch.empty(b, 4, n, dtype=x.dtype, device=x.device)  # [μ, w x₁, w x₂, w], w = μ(1 − μ)
     for _ in range(max_iter):
-        s = (design @ theta[:, :, None])[..., 0]
         mu = torch.sigmoid(s)
-        grad = (design * (mu - t)[..., None]).mean(1) * mask
-        w = (mu * (1 - mu))[..., None]
-        hess = (design * w).transpose(1, 2) @ design / n
-        hess = hess * (mask[:, :, None] * mask[:, None, :]) + eye * (1 - mask)[:, None, :] + 1e-12 * eye
+        w = mu * (1 - mu)
+        weighted[:, 0] = mu
+        torch.mul(x, w[:, None, :], out=weighted[:, 1:3])
+        weighted[:, 3] = w
+        sums = (design @ weighted.transpose(1, 2)) / n  # (B, 3, 4): mean [x, 1]·μ, then the Hessian
+        grad = (sums[:, :, 0] - tx) * mask
+        hess = (
+            sums[:, :, 1:] * (mask[:, :, None] * mask[:, None, :])
+            + eye * (1 - mask)[:, None, :]
+            + 1e-12 * eye
+        )
         step = torch.linalg.solve(hess, grad[:, :, None])[..., 0]
         decrement = (grad * step).sum(1)  # Newton decrement² of each problem
         active_rows = decrement > 1e-14  # converged problems stop moving
@@ -53,10 +70,11 @@ def _logistic_newton(x, t, active, max_iter: int):
             break
         step = step * active_rows[:, None]
         scale = torch.ones(b, 1, dtype=x.dtype, device=x.device)
-        candidate, value, bad = theta, current, active_rows  # (set again by the loop, which always runs)
+        candidate, value, bad, s_new = theta, current, active_rows, s  # (set again by the loop, which runs)
         for _ in range(30):  # halve the step of the problems whose loss did not decrease enough
             candidate = theta - scale * step
-            value = loss(candidate)
+            s_new = logit(candidate)
+            value = loss(s_new, candidate)
             bad = active_rows & (value > current - 1e-4 * scale[:, 0] * decrement)
             if not bool(bad.any()):
                 break
@@ -65,7 +83,8 @@ def _logistic_newton(x, t, active, max_iter: int):
             keep = bad[:, None]
             candidate = torch.where(keep, theta, candidate)
             value = torch.where(bad, current, value)
-        theta, current = candidate, value
+            s_new = torch.where(keep, s, s_new)
+        theta, current, s = candidate, value, s_new
     return theta
 
 
@@ -81,7 +100,7 @@ def fit_beta(log_s, log_1ms, targets, max_iter: int = 100):
     Returns:
         (B, 3) float64: (a, b, c) with μ(s) = σ(a ln s − b ln(1 − s) + c).
     """
-    x = _beta_features(log_s, log_1ms).double()
+    x = _beta_features(log_s, log_1ms, dim=1).double()  # (B, 2, N)
     t = targets.double()
     active = torch.ones(x.shape[0], 2, dtype=torch.float64, device=x.device)
     theta = _logistic_newton(x, t, active, max_iter)
