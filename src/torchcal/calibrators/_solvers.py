@@ -90,32 +90,36 @@ class DiagModel:
         loss, p = _ce_terms(self.logits(theta), y)
         value = loss.to(theta.dtype)
         grad = hess = None
+        a = f * p if order >= 1 and self.scale != "none" else None
         if order >= 1:
-            r = _residual(p, y)
+            # Σ_i (p_ik − 1[y_i = k]) x_ik as Σ_i p_ik x_ik minus the sums over each class's rows, in
+            # float64 (f ⊙ p is the Hessian's too, and no residual copy is made)
             parts = []
-            if self.scale != "none":
-                gw = (r * f).sum(0) / n
+            if a is not None:
+                fy = f.gather(1, y[:, None])[:, 0].double()
+                label_sums = torch.zeros(k, dtype=torch.float64, device=f.device).index_add_(0, y, fy)
+                gw = (a.sum(0, dtype=torch.float64) - label_sums) / n
                 parts.append(gw.sum(0, keepdim=True) if self.scale == "shared" else gw)
             if self.n_bias:
-                parts.append(r.sum(0)[: self.n_bias] / n)
+                counts = torch.bincount(y, minlength=k).to(torch.float64)
+                parts.append(((p.sum(0, dtype=torch.float64) - counts) / n)[: self.n_bias])
             grad = torch.cat(parts).to(theta.dtype)
         if order >= 2:
             # H over [w (K), b (K)] = diag blocks of mean f²p, fp, p minus the Gram matrix of [f ⊙ p, p]
             # (formed in float32: Newton needs only an approximate Hessian, the gradient stays exact)
-            cols = []
-            a = f * p  # (read only with a scale)
-            if self.scale != "none":
-                cols.append(a)
+            width = (k if a is not None else 0) + (k if self.n_bias else 0)
+            m = torch.empty(n, width, dtype=torch.float32, device=f.device)
+            if a is not None:
+                m[:, :k] = a
             if self.n_bias:
-                cols.append(p)
-            m = torch.cat(cols, 1).float()
+                m[:, width - k :] = p
             big = -(m.T @ m).to(f.dtype) / n
-            if self.scale != "none":
+            if a is not None:
                 big[:k, :k] += torch.diag((a * f).sum(0) / n)
             if self.n_bias:
                 o = k if self.scale != "none" else 0
                 big[o:, o:] += torch.diag(p.sum(0) / n)
-                if self.scale != "none":
+                if a is not None:
                     d_wb = torch.diag(a.sum(0) / n)
                     big[:k, k:] += d_wb
                     big[k:, :k] += d_wb
@@ -336,17 +340,16 @@ def newton(
         decrement = float(-(g @ d))
         if decrement / 2 <= tol:
             return x, float(f), it - 1, True
-        t = 1.0
-        while t > 1e-10:
-            xn = x + t * d
-            fn = fun(xn, 0)[0]
-            if float(fn) <= float(f) - 1e-4 * t * decrement:
-                break
+        # the full step is tried with its gradient and Hessian (it is nearly always accepted, and its
+        # softmax then serves both); shorter steps by value alone
+        t, trial = 1.0, fun(x + d, 2)
+        while not float(trial[0]) <= float(f) - 1e-4 * t * decrement:  # (a NaN value is not accepted)
             t *= 0.5
-        else:
-            return x, float(f), it, abs(decrement) < 1e-8
-        x = xn
-        f, g, h = fun(x, 2)
+            if t <= 1e-10:
+                return x, float(f), it, abs(decrement) < 1e-8
+            trial = fun(x + t * d, 0)
+        x = x + t * d
+        f, g, h = trial if t == 1.0 else fun(x, 2)
     return x, float(f), max_iter, False
 
 
