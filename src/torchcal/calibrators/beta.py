@@ -184,8 +184,10 @@ class BetaCalibration(Calibrator):
     @staticmethod
     def _logs(logits):
         ell = torch.log_softmax(logits.double(), dim=1)
-        # ln(1 − p_k) = ln Σ_{j≠k} p_j, stable for p_k near 1
-        l1 = torch.where(ell > -math.log(2), torch.log(-torch.expm1(ell)), torch.log1p(-torch.exp(ell)))
+        # ln(1 − p_k) by log1p(−p_k), and by ln(−expm1(ln p_k)) (stable for p_k near 1) where p_k > 1/2: only
+        # a row's largest entry can be, so that form is evaluated on the row maxima alone
+        top = ell.amax(1, keepdim=True)
+        l1 = torch.where(ell > -math.log(2), torch.log(-torch.expm1(top)), torch.log1p(-torch.exp(ell)))
         return ell.T, l1.T
 
     def _fit(self, logits, targets):
