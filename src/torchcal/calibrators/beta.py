@@ -23,11 +23,37 @@ def _beta_features(log_s, log_1ms, dim: int = -1):
     return torch.stack([log_s.clamp(lo, hi), -log_1ms.clamp(lo, hi)], dim=dim)
 
 
+#: Newton's early, damped iterations run on every k-th row when N is large (see _logistic_newton)
+WARM_ROWS = 8192
+#: each problem's subsample must hold this many positives and negatives, or the warm start is skipped
+WARM_MIN_EACH = 50
+
+
 def _logistic_newton(x, t, active, max_iter: int):
+    """:func:`_newton_batch` from a warm start when N ≥ 4 · ``WARM_ROWS``: the same regressions, first
+    solved on every (N // ``WARM_ROWS``)-th row to a Newton decrement² of 1e-6 (at most 20 iterations),
+    whose solution lies within sampling error of the full one. The full-data iterations then start in
+    Newton's quadratic phase: 3-4 instead of 9 at 50k rows. The stopping rule on the full data is
+    unchanged, so the result is the full problem's optimum to the same tolerance. It is skipped when a
+    subsample holds fewer than ``WARM_MIN_EACH`` positives or negatives (its optimum could be far off or at
+    infinity)."""
+    n = x.shape[2]
+    theta0 = None
+    if n >= 4 * WARM_ROWS:
+        stride = n // WARM_ROWS
+        ts = t[:, ::stride]
+        pos = ts.sum(1)
+        if bool(((pos >= WARM_MIN_EACH) & (ts.shape[1] - pos >= WARM_MIN_EACH)).all()):
+            theta0 = _newton_batch(x[:, :, ::stride], ts, active, min(max_iter, 20), tol=1e-6)
+    return _newton_batch(x, t, active, max_iter, theta0=theta0)
+
+
+def _newton_batch(x, t, active, max_iter: int, theta0=None, tol: float = 1e-14):
     """Unregularised logistic regressions, batched over the leading dimension: x (B, 2, N) features plus an
     intercept, t (B, N) 0/1 targets, ``active`` (B, 2) which features each problem uses (an inactive
     coefficient stays 0). Newton's method with step halving per problem, float64. Returns (B, 3):
-    (coef_1, coef_2, intercept).
+    (coef_1, coef_2, intercept). Starts at ``theta0`` (default 0); a problem stops moving once its Newton
+    decrement² is at most ``tol``.
 
     The logit s = θ₁x₁ + θ₂x₂ + θ₃ is formed once per trial point (the accepted trial's is reused for the
     gradient and Hessian), and Σ t·s is linear in θ (tᵀ[x₁, x₂, 1] is computed once), so a Newton step
@@ -45,8 +71,13 @@ def _logistic_newton(x, t, active, max_iter: int):
     def loss(s, th):  # mean softplus(s) − t·s at θ = th, s = logit(th)
         return torch.nn.functional.softplus(s).mean(1) - (tx * th).sum(1)
 
-    s = torch.zeros_like(t)  # the logit at θ = 0, where the loss is ln 2
-    current = torch.full_like(t[:, 0], math.log(2.0))
+    if theta0 is None:
+        s = torch.zeros_like(t)  # the logit at θ = 0, where the loss is ln 2
+        current = torch.full_like(t[:, 0], math.log(2.0))
+    else:
+        theta = theta0 * mask
+        s = logit(theta)
+        current = loss(s, theta)
     eye = torch.eye(3, dtype=x.dtype, device=x.device)
     design = torch.cat([x, torch.ones_like(x[:, :1])], 1)  # (B, 3, N)
     weighted = torch.empty(b, 4, n, dtype=x.dtype, device=x.device)  # [μ, w x₁, w x₂, w], w = μ(1 − μ)
@@ -65,7 +96,7 @@ def _logistic_newton(x, t, active, max_iter: int):
         )
         step = torch.linalg.solve(hess, grad[:, :, None])[..., 0]
         decrement = (grad * step).sum(1)  # Newton decrement² of each problem
-        active_rows = decrement > 1e-14  # converged problems stop moving
+        active_rows = decrement > tol  # converged problems stop moving
         if not bool(active_rows.any()):
             break
         step = step * active_rows[:, None]
