@@ -32,8 +32,8 @@ WARM_MIN_EACH = 50
 def _logistic_newton(x, t, active, max_iter: int):
     """:func:`_newton_batch` from a warm start when N ≥ 4 · ``WARM_ROWS``: the same regressions, first
     solved on every (N // ``WARM_ROWS``)-th row to a Newton decrement² of 1e-6 (at most 20 iterations),
-    whose solution lies within sampling error of the full one. The full-data iterations then start in
-    Newton's quadratic phase: 3-4 instead of 9 at 50k rows. The stopping rule on the full data is
+    whose solution lies within sampling error of the full one. The full-data iterations then start near
+    Newton's quadratic phase: 4 steps instead of 8 at 50k rows. The stopping rule on the full data is
     unchanged, so the result is the full problem's optimum to the same tolerance. It is skipped when a
     subsample holds fewer than ``WARM_MIN_EACH`` positives or negatives (its optimum could be far off or at
     infinity)."""
