@@ -98,7 +98,9 @@ def probmetrics_iop(zc, yc, zt):
 
 
 def dirichletcal_diag(zc, yc, zt):
-    from dirichletcal.calib.diagdirichlet import DiagonalDirichletCalibrator
+    from dirichletcal.calib.diagdirichlet import (  # pyright: ignore[reportMissingImports]  (from source)
+        DiagonalDirichletCalibrator,
+    )
 
     cal = DiagonalDirichletCalibrator(reg_lambda=1e-3, reg_mu=1e-3)
     cal.fit(_probs32(zc).astype(np.float64), yc.numpy())
@@ -180,7 +182,7 @@ def cpu_name():
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument(
         "--sizes", default="25000x1000,50000x10", help="NxK of the calibration set, comma-separated"
     )
