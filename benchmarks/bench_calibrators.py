@@ -76,6 +76,37 @@ def probmetrics_ovr_beta(zc, yc, zt):
     return cal.predict_proba(_probs32(zt))
 
 
+def netcal_bbq(zc, yc, zt):
+    """netcal's BBQ on the probabilities, one model per class (one-vs-all), rows divided by their sum."""
+    from netcal.binning import BBQ
+
+    cal = BBQ()
+    cal.fit(_probs32(zc).astype(np.float64), yc.numpy())
+    out = np.clip(np.asarray(cal.transform(_probs32(zt).astype(np.float64)), dtype=np.float64), 1e-30, None)
+    return out / out.sum(1, keepdims=True)
+
+
+def probmetrics_iop(zc, yc, zt):
+    """probmetrics' port of the IOP reference code (its defaults: hidden (150, 150), Adam lr 5e-3, weight
+    decay 5e-4, batch 256, 40 epochs), seeded with torch.manual_seed(0)."""
+    from probmetrics.calibrators.orderpreserving import IntraOrderPreservingCalibrator
+
+    torch.manual_seed(0)
+    cal = IntraOrderPreservingCalibrator()
+    cal.fit(_probs32(zc), yc.numpy())
+    return cal.predict_proba(_probs32(zt))
+
+
+def dirichletcal_diag(zc, yc, zt):
+    from dirichletcal.calib.diagdirichlet import (  # pyright: ignore[reportMissingImports]  (from source)
+        DiagonalDirichletCalibrator,
+    )
+
+    cal = DiagonalDirichletCalibrator(reg_lambda=1e-3, reg_mu=1e-3)
+    cal.fit(_probs32(zc).astype(np.float64), yc.numpy())
+    return cal.predict_proba(_probs32(zt).astype(np.float64))
+
+
 def torchcal(spec):
     def run(zc, yc, zt):
         return create(spec).fit(zc, yc).transform(zt)
@@ -83,7 +114,8 @@ def torchcal(spec):
     return run
 
 
-# method: [(implementation label, callable)], torchcal first; classes up to which it runs
+# method: ([(implementation label, callable[, classes up to which this one runs])], torchcal first; classes up
+# to which the method runs)
 METHODS = {
     "ts": (
         [("torchcal ts", torchcal("ts")), ("probmetrics temp-scaling", probmetrics("temp-scaling"))],
@@ -99,7 +131,18 @@ METHODS = {
         [("torchcal dirichlet", torchcal("dirichlet")), ("probmetrics dircal", probmetrics("dircal"))],
         10,
     ),
+    "dirichlet_diag": (
+        [("torchcal dirichlet_diag", torchcal("dirichlet_diag")), ("dirichletcal diag", dirichletcal_diag)],
+        10,
+    ),
     "beta": ([("torchcal beta", torchcal("beta")), ("probmetrics beta-ovr", probmetrics_ovr_beta)], 100),
+    # netcal's one-vs-all BBQ fits K scored binning ensembles in Python: 100 s of CPU at 5k x 1000 already,
+    # growing with N, so it runs up to K = 100 (a third entry: the classes up to which that one runs)
+    "bbq": ([("torchcal bbq", torchcal("bbq")), ("netcal bbq", netcal_bbq, 100)], 10**9),
+    "iop": ([("torchcal iop", torchcal("iop")), ("probmetrics iop", probmetrics_iop)], 10**9),
+    # no installable peer implements PTS (netcal, probmetrics and torch-uncertainty do not); its 100,000 Adam
+    # steps take minutes at K = 10 and far longer at K = 1000
+    "pts": ([("torchcal pts", torchcal("pts"))], 10),
     "venn_abers": (
         [("torchcal venn_abers", torchcal("venn_abers")), ("probmetrics ivap", probmetrics("ivap"))],
         100,
@@ -107,11 +150,16 @@ METHODS = {
 }
 
 
+# fitted for a fixed number of steps whatever N (PTS: 100,000 Adam steps): a warm-up would cost as much as
+# the run, and the first-call costs it would absorb are negligible against it
+NO_WARMUP = {"pts"}
+
+
 def available(label):
     peer = label.split()[0]
     if peer == "torchcal":
         return True
-    if label == "probmetrics dircal":
+    if label in ("probmetrics dircal", "dirichletcal diag"):
         peer = "dirichletcal"
     try:
         __import__(peer)
@@ -134,7 +182,7 @@ def cpu_name():
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument(
         "--sizes", default="25000x1000,50000x10", help="NxK of the calibration set, comma-separated"
     )
@@ -171,14 +219,15 @@ def main(argv=None):
             if k > k_max:
                 continue
             results = []
-            for label, fn in impls:
-                if not available(label):
+            for label, fn, *limit in impls:
+                if not available(label) or k > (limit[0] if limit else k_max):
                     continue
                 best, nll = float("inf"), float("nan")
                 try:  # warm-up on a slice: imports, JIT compilation (numba) and first-call costs
                     with warnings.catch_warnings():
                         warnings.simplefilter("ignore")
-                        fn(zc[:2000], yc[:2000], zt[:100])
+                        if method not in NO_WARMUP:
+                            fn(zc[:2000], yc[:2000], zt[:100])
                 except Exception:
                     pass
                 for _ in range(args.repeat):

@@ -423,3 +423,69 @@ def test_binary_beta_matches_scipy_and_drops_a_negative_coefficient():
     out = cal.transform(torch.stack([z, z], 1))
     order = torch.argsort(z)
     assert (out[order].diff(dim=0) >= -1e-12).all()
+
+
+def _count_newton_calls(monkeypatch):
+    import torchcal.calibrators.beta as beta_module
+
+    calls = []
+    original = beta_module._newton_batch
+
+    def counting(x, t, active, max_iter, theta0=None, tol=1e-14):
+        calls.append((x.shape[2], theta0 is not None))
+        return original(x, t, active, max_iter, theta0=theta0, tol=tol)
+
+    monkeypatch.setattr(beta_module, "_newton_batch", counting)
+    return beta_module, calls
+
+
+def test_beta_warm_start_reaches_the_cold_start_optimum(monkeypatch):
+    from torchcal.calibrators import BetaCalibration
+
+    logits, targets = synthetic_logits(40000, 4, seed=17, dtype=torch.float64)
+    beta_module, calls = _count_newton_calls(monkeypatch)
+    warm = BetaCalibration().fit(logits, targets).params_
+    # the damped phase on every 4th row (10k rows), then the full data from its solution
+    assert calls[:2] == [(10000, False), (40000, True)]
+    calls.clear()
+    monkeypatch.setattr(beta_module, "WARM_ROWS", 10**9)  # N < 4 · WARM_ROWS: the cold start
+    cold = BetaCalibration().fit(logits, targets).params_
+    assert calls[0] == (40000, False)
+    # both stop at a Newton decrement² ≤ 1e-14, i.e. within 1e-7 of the optimum in the Hessian's norm; the
+    # mean logistic Hessian's smallest eigenvalue here is above 1e-3, so within 3e-6 in each coefficient
+    torch.testing.assert_close(warm, cold, atol=1e-5, rtol=0)
+
+
+def test_beta_warm_start_is_skipped_for_a_rare_class(monkeypatch):
+    from torchcal.calibrators import BetaCalibration
+
+    logits, targets = synthetic_logits(40000, 4, seed=18, dtype=torch.float64)
+    targets = targets.clone()
+    targets[targets == 3] = 0
+    targets[1::400] = 3  # 100 positives, none on the subsample's rows (every 4th from row 0)
+    _, calls = _count_newton_calls(monkeypatch)
+    BetaCalibration().fit(logits, targets)
+    assert calls[0] == (40000, False)
+
+
+def test_lbfgs_stops_where_float32_cannot_show_a_decrease():
+    from torchcal.calibrators import _solvers as S
+
+    center = torch.tensor([0.5, -1.0, 2.0])
+    evaluations = []
+
+    def fun(x, order):  # 5 + ‖x − c‖² / 2 in float32: one ulp of 5 is 4.8e-7
+        evaluations.append(x.clone())
+        d = x - center
+        return 5 + (d * d).sum() / 2, d, None
+
+    # 5e-9 to gain (−gᵀd / 2 on the first, steepest-descent step): below one ulp, so no line search (the
+    # old code spent it and returned the same point); the gradient, 1e-4, is still above gtol
+    start = center + torch.tensor([1e-4, 0.0, 0.0])
+    x, _, n_iter, converged = S.lbfgs(fun, start)
+    assert converged and n_iter == 1 and len(evaluations) == 1 and torch.equal(x, start)
+    # a decrease that float32 resolves is taken: the same solver reaches the minimum
+    evaluations.clear()
+    x, _, _, converged = S.lbfgs(fun, center + 1.0)
+    assert converged and len(evaluations) > 1
+    torch.testing.assert_close(x, center, atol=1e-3, rtol=0)  # √(2 · ulp(5)) ≈ 1e-3: where f stops moving

@@ -9,6 +9,7 @@ The models are affine in their parameters: logits ``o = offset + f ⊙ w + b`` (
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 from collections.abc import Callable
 
@@ -89,32 +90,36 @@ class DiagModel:
         loss, p = _ce_terms(self.logits(theta), y)
         value = loss.to(theta.dtype)
         grad = hess = None
+        a = f * p if order >= 1 and self.scale != "none" else None
         if order >= 1:
-            r = _residual(p, y)
+            # Σ_i (p_ik − 1[y_i = k]) x_ik as Σ_i p_ik x_ik minus the sums over each class's rows, in
+            # float64 (f ⊙ p is the Hessian's too, and no residual copy is made)
             parts = []
-            if self.scale != "none":
-                gw = (r * f).sum(0) / n
+            if a is not None:
+                fy = f.gather(1, y[:, None])[:, 0].double()
+                label_sums = torch.zeros(k, dtype=torch.float64, device=f.device).index_add_(0, y, fy)
+                gw = (a.sum(0, dtype=torch.float64) - label_sums) / n
                 parts.append(gw.sum(0, keepdim=True) if self.scale == "shared" else gw)
             if self.n_bias:
-                parts.append(r.sum(0)[: self.n_bias] / n)
+                counts = torch.bincount(y, minlength=k).to(torch.float64)
+                parts.append(((p.sum(0, dtype=torch.float64) - counts) / n)[: self.n_bias])
             grad = torch.cat(parts).to(theta.dtype)
         if order >= 2:
             # H over [w (K), b (K)] = diag blocks of mean f²p, fp, p minus the Gram matrix of [f ⊙ p, p]
             # (formed in float32: Newton needs only an approximate Hessian, the gradient stays exact)
-            cols = []
-            a = f * p  # (read only with a scale)
-            if self.scale != "none":
-                cols.append(a)
+            width = (k if a is not None else 0) + (k if self.n_bias else 0)
+            m = torch.empty(n, width, dtype=torch.float32, device=f.device)
+            if a is not None:
+                m[:, :k] = a
             if self.n_bias:
-                cols.append(p)
-            m = torch.cat(cols, 1).float()
+                m[:, width - k :] = p
             big = -(m.T @ m).to(f.dtype) / n
-            if self.scale != "none":
+            if a is not None:
                 big[:k, :k] += torch.diag((a * f).sum(0) / n)
             if self.n_bias:
                 o = k if self.scale != "none" else 0
                 big[o:, o:] += torch.diag(p.sum(0) / n)
-                if self.scale != "none":
+                if a is not None:
                     d_wb = torch.diag(a.sum(0) / n)
                     big[:k, k:] += d_wb
                     big[k:, :k] += d_wb
@@ -153,10 +158,11 @@ class DiagModel:
             o.sub_(mx).exp_()
             se = o.sum(1, keepdim=True)
             loss += (mx + se.log()).sum(dtype=torch.float64)
-            if order >= 1:
-                o.div_(se)
-                sum_p += o.sum(0, dtype=torch.float64)
-                sum_pf += torch.mul(o, fc, out=t).sum(0, dtype=torch.float64)
+            if order >= 1:  # Σ_i p_ik and Σ_i p_ik f_ik as products with 1/se: no division pass, and the
+                # block's float32 sums (≤ 64k / K rows) go to float64 as K-vectors, not entry by entry
+                inv = se.reciprocal_()
+                sum_p += (o.T @ inv)[:, 0]
+                sum_pf += (torch.mul(o, fc, out=t).T @ inv)[:, 0]
         fy = f.gather(1, y[:, None])[:, 0]
         loss -= (fy * w[y] + b[y]).sum(dtype=torch.float64)
         value = (loss / n).to(theta.dtype)
@@ -173,15 +179,26 @@ class DiagModel:
             grad = torch.cat(parts).to(theta.dtype)
         return _add_penalty(self.penalty, theta, order, value, grad, None)
 
-    def diag_hessian(self, theta, stride: int = 1):
-        """Diagonal of the Hessian of the cross-entropy part at θ, from every ``stride``-th row (for
-        preconditioning)."""
+    def _sub_probs(self, theta, stride):
+        """(p (1 − p), p, f, n) on every ``stride``-th row, p the softmax probabilities at θ."""
         sub = copy.copy(self)  # the same model on every stride-th row
         sub.f, sub.y = self.f[::stride], self.y[::stride]
         sub.offset = None if self.offset is None else self.offset[::stride]
-        f, n = sub.f, sub.f.shape[0]
         _, p = _ce_terms(sub.logits(theta), sub.y)
-        v = p * (1 - p)
+        return p * (1 - p), p, sub.f, sub.f.shape[0]
+
+    def diag_hessian(self, theta, stride: int = 1):
+        """Diagonal of the Hessian of the cross-entropy part at θ, from every ``stride``-th row (for
+        preconditioning)."""
+        return self._diag_parts(*self._sub_probs(theta, stride), theta)
+
+    def block_hessian(self, theta, stride: int = 1):
+        """(:meth:`diag_hessian`, mean_i p_ik (1 − p_ik) f_ik per class: the Hessian entry coupling w_k and
+        b_k), from one softmax pass."""
+        v, p, f, n = self._sub_probs(theta, stride)
+        return self._diag_parts(v, p, f, n, theta), ((v * f).sum(0) / n).to(theta.dtype)
+
+    def _diag_parts(self, v, p, f, n, theta):
         parts = []
         if self.scale == "class":
             parts.append((v * f * f).sum(0) / n)
@@ -191,15 +208,6 @@ class DiagModel:
         if self.n_bias:
             parts.append(v.sum(0)[: self.n_bias] / n)
         return torch.cat(parts).to(theta.dtype)
-
-    def cross_diag(self, theta, stride: int = 1):
-        """mean_i p_ik (1 − p_ik) f_ik per class: the Hessian entry coupling w_k and b_k."""
-        f, y = self.f[::stride], self.y[::stride]
-        sub = copy.copy(self)
-        sub.f, sub.y = f, y
-        sub.offset = None if self.offset is None else self.offset[::stride]
-        _, p = _ce_terms(sub.logits(theta), y)
-        return ((p * (1 - p) * f).sum(0) / f.shape[0]).to(theta.dtype)
 
 
 def _add_penalty(penalty, theta, order, value, grad, hess):
@@ -332,17 +340,16 @@ def newton(
         decrement = float(-(g @ d))
         if decrement / 2 <= tol:
             return x, float(f), it - 1, True
-        t = 1.0
-        while t > 1e-10:
-            xn = x + t * d
-            fn = fun(xn, 0)[0]
-            if float(fn) <= float(f) - 1e-4 * t * decrement:
-                break
+        # the full step is tried with its gradient and Hessian (it is nearly always accepted, and its
+        # softmax then serves both); shorter steps by value alone
+        t, trial = 1.0, fun(x + d, 2)
+        while not float(trial[0]) <= float(f) - 1e-4 * t * decrement:  # (a NaN value is not accepted)
             t *= 0.5
-        else:
-            return x, float(f), it, abs(decrement) < 1e-8
-        x = xn
-        f, g, h = fun(x, 2)
+            if t <= 1e-10:
+                return x, float(f), it, abs(decrement) < 1e-8
+            trial = fun(x + t * d, 0)
+        x = x + t * d
+        f, g, h = trial if t == 1.0 else fun(x, 2)
     return x, float(f), max_iter, False
 
 
@@ -388,6 +395,11 @@ def lbfgs(
         if gtd > -1e-30:  # not a descent direction (round-off): restart from the gradient
             s_hist, y_hist, rho_hist, h_diag = [], [], [], 1.0
             d, gtd = -g, float(-(g @ g))
+        if -gtd / 2 < _ulp(f, x.dtype):
+            # the best decrease along d (−gᵀd / 2 on the quadratic model) is below one unit in the last
+            # place of f: no step can show Armijo's decrease, and the line search would spend its ~10-25
+            # evaluations to return t = 0 (a zero change, which the ftol test below accepts)
+            return x, float(f), it, True
         t = 1.0  # the variables are scaled by the Hessian's diagonal (see minimize): a unit step is natural
         f_new, g_new, t, _ = _strong_wolfe(obj, x, t, d, float(f), g, gtd, tolerance_change=1e-12, max_ls=25)
         step = t * d
@@ -410,17 +422,26 @@ def lbfgs(
     return x, float(f), max_iter, float(g.abs().max()) <= gtol
 
 
+def _ulp(value, dtype) -> float:
+    """The spacing of ``dtype``'s numbers at ``value``: the resolution of an objective stored in ``dtype``."""
+    return torch.finfo(dtype).eps * 2.0 ** math.floor(math.log2(max(abs(float(value)), 1e-300)))
+
+
 def _preconditioner(model, x0, stride):
     """Linear maps θ = T u, u = T⁻¹ θ and g_u = Tᵀ g with TᵀHT ≈ I. For a per-class scale and bias, T
     inverts the 2×2 Hessian block of (w_k, b_k) (their coupling is strong: both move class k's logit);
     otherwise the diagonal."""
-    d = model.diag_hessian(x0, stride=stride)
+    blocks = isinstance(model, DiagModel) and model.scale == "class" and model.n_bias == model.k
+    c = None  # mean p(1 − p) f per class: the (w_k, b_k) coupling
+    if blocks:
+        d, c = model.block_hessian(x0, stride=stride)
+    else:
+        d = model.diag_hessian(x0, stride=stride)
     if model.penalty is not None:
         d = d + model.penalty(x0, "diag")
     floor = 1e-12 * float(d.max().clamp_min(1e-30))
-    if isinstance(model, DiagModel) and model.scale == "class" and model.n_bias == model.k:
+    if c is not None:
         k = model.k
-        c = model.cross_diag(x0, stride=stride)  # mean p(1 − p) f per class: the (w_k, b_k) coupling
         a, dd = d[:k].clamp_min(floor), d[k:].clamp_min(floor)
         l11 = a.sqrt()
         l21 = c / l11

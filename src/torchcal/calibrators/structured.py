@@ -24,23 +24,30 @@ TAU32 = math.log(torch.finfo(torch.float32).tiny)
 _SOLVERS = ("auto", "newton", "lbfgs")
 
 
-def _ts_mix_fit(logits, targets):
+def _log_probs(logits):
+    """ℓ̂ = max(log_softmax(z), τ32)."""
+    return torch.log_softmax(logits, dim=1).clamp_(min=TAU32)
+
+
+def _ts_mix_fit(lhat, targets):
     """β of probmetrics' ``ts-mix`` pre-step: the root of d NLL(softmax(β ℓ̂))/dβ over β ∈ [e⁻¹⁶, e¹⁶]
-    with ℓ̂ = max(log_softmax(z), τ32)."""
-    lhat = torch.log_softmax(logits, dim=1).clamp_(min=TAU32)
+    for ℓ̂ = :func:`_log_probs` of the logits."""
     with warnings.catch_warnings():  # probmetrics' bisection silently stops at the edge of its interval
         warnings.simplefilter("ignore")
         temperature = fit_temperature_nll(lhat, targets, bounds=(math.exp(-16), math.exp(16)))
     return 1.0 / temperature
 
 
-def _ts_mix_features(logits, beta: float, epsilon: float):
-    """f = max(ln((1 − ε) softmax(β ℓ̂) + ε/K), τ32): un-centred log-probabilities of the mixture."""
+def _ts_mix_features(logits, beta: float, epsilon: float, lhat=None):
+    """f = max(ln((1 − ε) softmax(β ℓ̂) + ε/K), τ32): un-centred log-probabilities of the mixture (``lhat``,
+    ℓ̂ of the logits if given, is overwritten)."""
     k = logits.shape[1]
-    lhat = torch.log_softmax(logits, dim=1).clamp_(min=TAU32)
-    lq = torch.log_softmax(lhat.mul_(beta), dim=1)
-    mixed = torch.logaddexp(lq + math.log1p(-epsilon), torch.full_like(lq[:1], math.log(epsilon / k)))
-    return mixed.clamp_(min=TAU32)
+    t = (_log_probs(logits) if lhat is None else lhat).mul_(beta)
+    # softmax by exp of the row-shifted values, scaled by (1 − ε)/row sum: one log for the mixture (as
+    # exact as ln's rounding, where a log-softmax would round ln q before mixing)
+    q = t.sub_(t.amax(1, keepdim=True)).exp_()
+    q.mul_((1 - epsilon) / q.sum(1, keepdim=True)).add_(epsilon / k)
+    return q.log_().clamp_(min=TAU32)
 
 
 class _Structured(Calibrator):
@@ -55,9 +62,10 @@ class _Structured(Calibrator):
 
     def _features(self, logits, targets):
         n = logits.shape[0]
-        beta = _ts_mix_fit(logits, targets)
+        lhat = _log_probs(logits)
+        beta = _ts_mix_fit(lhat, targets)
         epsilon = 1.0 / (n + 1)
-        return beta, epsilon, _ts_mix_features(logits, beta, epsilon)
+        return beta, epsilon, _ts_mix_features(logits, beta, epsilon, lhat=lhat)
 
     def _finish(self, model, beta, epsilon, theta, n_iter, converged, solver):
         weight, bias = model.split(theta)
