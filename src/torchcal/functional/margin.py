@@ -42,6 +42,7 @@ from ._loss_inputs import (
     reduce_rows,
     smoothed_targets,
 )
+from ._backend import penalised_cross_entropy
 from ._spec import REDUCTIONS
 
 __all__ = [
@@ -249,11 +250,14 @@ def logit_margin_l1_loss(
     check_choice(reduction, "reduction", REDUCTIONS)
     _refuse_weight_and_smoothing("MbLS margin", weight, label_smoothing)
     ignore_index = check_ignore_index(ignore_index)
+    reference_keeps_all = ignored_rows == "reference" and (ignore_index is None or ignore_index < 0)
+    fused = penalised_cross_entropy(logits, targets, "mbls", [a, m], ignore_index, reference_keeps_all, reduction)
+    if fused is not None:
+        return fused
     with torch.autocast(_device_type(logits), enabled=False):
         rows, _, ce = _ce_rows(logits, targets, ignore_index)
         k = rows.logits.shape[1]
         penalty = _TopGapPenalty.apply(rows.logits, 1.0, -m, 1.0 / k, 1.0 / k, 1, True)[0]
-        reference_keeps_all = ignored_rows == "reference" and (ignore_index is None or ignore_index < 0)
         return _reduce_penalised(ce, penalty, a, rows, reduction, None if reference_keeps_all else "rows")
 
 
@@ -383,6 +387,11 @@ def confidence_penalty_loss(
     check_choice(reduction, "reduction", REDUCTIONS)
     _refuse_weight_and_smoothing("confidence penalty", weight, label_smoothing)
     ignore_index = check_ignore_index(ignore_index)
+    fused = penalised_cross_entropy(
+        logits, targets, "confidence-penalty", [b, eps, form == "mbls"], ignore_index, False, reduction
+    )
+    if fused is not None:
+        return fused
     with torch.autocast(_device_type(logits), enabled=False):
         rows, log_p, ce = _ce_rows(logits, targets, ignore_index)
         p = log_p.exp()
@@ -429,6 +438,9 @@ def maxsup_loss(
     check_choice(reduction, "reduction", REDUCTIONS)
     _refuse_weight_and_smoothing("MaxSup", weight, label_smoothing)
     ignore_index = check_ignore_index(ignore_index)
+    fused = penalised_cross_entropy(logits, targets, "maxsup", [a], ignore_index, False, reduction)
+    if fused is not None:
+        return fused
     with torch.autocast(_device_type(logits), enabled=False):
         rows, _, ce = _ce_rows(logits, targets, ignore_index)
         z = rows.logits
@@ -490,6 +502,11 @@ def acls_loss(
     check_choice(reduction, "reduction", REDUCTIONS)
     _refuse_weight_and_smoothing("ACLS regulariser", weight, label_smoothing)
     ignore_index = check_ignore_index(ignore_index)
+    fused = penalised_cross_entropy(
+        logits, targets, "acls", [a, m, lam_pos, lam_neg], ignore_index, ignored_rows == "reference", reduction
+    )
+    if fused is not None:
+        return fused
     with torch.autocast(_device_type(logits), enabled=False):
         rows, _, ce = _ce_rows(logits, targets, ignore_index)
         z = rows.logits

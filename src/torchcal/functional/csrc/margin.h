@@ -1,0 +1,223 @@
+// The per-row arithmetic of torchcal's fused margin losses (torchcal/functional/margin.py): cross entropy
+// plus a row-wise penalty on the logits, value and gradient. Plain C++17 (no torch), included by
+// fused_losses.cpp after true_class.h (whose vectorised max and exp it uses for float32 rows).
+//
+// A row's forward reads it twice (max, then exp(x − max) with the penalty) and keeps per-row statistics
+// (N_STAT float64); the backward reads it again, writes exp(x − max) into the gradient row and turns it into
+// the gradient in a second pass over that row (in cache). No (N, K) array is kept between the two.
+
+#pragma once
+
+#include "true_class.h"
+
+namespace torchcal {
+
+// the losses (the `kind` argument of the operator)
+enum MarginKind { M_MBLS = 0, M_MAXSUP = 1, M_ACLS = 2, M_CP = 3 };
+// columns of the per-row statistics (M, N_STAT) float64: cross entropy, penalty, row max, 1 / Σ exp(x − max),
+// the first index of the max, and the penalty's own number (MbLS: active hinges; ACLS: tied maxima; the
+// confidence penalty: Σ_k p_k f'(p_k), see margin_forward_row)
+enum MarginStat { S_CE, S_PEN, S_MAX, S_INV, S_ARG, S_AUX, N_STAT };
+
+// params of the operator: [coef, then per kind] MbLS [margin]; MaxSup []; ACLS [margin, λ_pos, λ_neg];
+// confidence penalty [eps, form (0 sample, 1 the MbLS repository's)]
+struct MarginSpec {
+  int64_t kind;
+  double coef, margin, lam_pos, lam_neg, eps;
+  bool mbls_form;
+};
+
+inline float max_of(const float* x, int64_t k) { return row_max(x, k); }
+inline double max_of(const double* x, int64_t k) {
+  double m = x[0];
+  for (int64_t j = 1; j < k; ++j) m = m < x[j] ? x[j] : m;
+  return m;
+}
+
+// e_j = exp(x_j − m) into e (unless null), returns Σ e_j (float64)
+inline double exp_row(const float* x, int64_t k, float m, float* e) { return exp_sum_row(x, k, m, e, nullptr); }
+inline double exp_row(const double* x, int64_t k, double m, double* e) {
+  double s = 0.0;
+  for (int64_t j = 0; j < k; ++j) {
+    const double v = std::exp(x[j] - m);
+    if (e != nullptr) e[j] = v;
+    s += v;
+  }
+  return s;
+}
+
+// the first index holding v (the max: torch's max(dim) returns the first on CPU); k − 1 when none equals it
+template <typename T>
+inline int64_t first_index_of(const T* x, int64_t k, T v) {
+  int64_t j = 0;
+  while (j < k - 1 && !(x[j] == v)) ++j;
+  return j;
+}
+
+// The confidence penalty's per-entry terms of probability p: f(p) (its contribution to the penalty's sum)
+// and f'(p). Sample form f(p) = p log(p + eps) (p log p, from log p, when eps = 0); the MbLS form
+// f(p) = p̃ log p̃ with p̃ = clamp(p, 1e-10, 1 − 1e-10), f' = log p̃ + 1 inside the clamp's range and 0 outside.
+template <typename T>
+inline void cp_terms(T p, T log_p, const MarginSpec& s, double& f, double& df) {
+  if (s.mbls_form) {
+    const T lo = static_cast<T>(1e-10), hi = static_cast<T>(1 - 1e-10);
+    const T pc = p < lo ? lo : (p > hi ? hi : p);
+    const T l = std::log(pc);
+    f = static_cast<double>(pc * l);
+    df = (p >= lo && p <= hi) ? static_cast<double>(l) + 1.0 : 0.0;
+  } else if (s.eps == 0) {
+    f = static_cast<double>(p * log_p);
+    df = static_cast<double>(log_p) + 1.0;
+  } else {
+    const T q = p + static_cast<T>(s.eps);
+    const T l = std::log(q);
+    f = static_cast<double>(p * l);
+    df = static_cast<double>(l) + static_cast<double>(p) / static_cast<double>(q);
+  }
+}
+
+// One row's statistics o[0..N_STAT): y is the label, or −1 for a row without one (ignored: no cross
+// entropy). The penalty is computed in the input dtype where the torch path does (the hinge's threshold
+// max − m, the distances, the clamp), its sums in float64.
+template <typename T>
+inline void margin_forward_row(const T* x, int64_t k, int64_t y, const MarginSpec& s, T* scratch, double* o) {
+  const T m = max_of(x, k);
+  const bool cp = s.kind == M_CP;
+  const double sum = exp_row(x, k, m, cp ? scratch : nullptr);
+  const double log_sum = std::log(sum);
+  o[S_CE] = y >= 0 ? (static_cast<double>(m) - static_cast<double>(x[y])) + log_sum : 0.0;
+  o[S_MAX] = static_cast<double>(m);
+  o[S_INV] = 1.0 / sum;
+  const int64_t arg = first_index_of(x, k, m);
+  o[S_ARG] = static_cast<double>(arg);
+  double pen = 0.0, aux = 0.0;
+  if (s.kind == M_MBLS) {
+    const T thr = m + static_cast<T>(-s.margin);
+    double acc = 0.0;
+    int64_t active = 0;
+#pragma omp simd reduction(+ : acc, active)
+    for (int64_t j = 0; j < k; ++j) {
+      const T r = thr - x[j];
+      acc += r > 0 ? static_cast<double>(r) : 0.0;
+      active += r > 0 ? 1 : 0;
+    }
+    pen = acc / static_cast<double>(k);
+    aux = static_cast<double>(active);
+  } else if (s.kind == M_MAXSUP) {
+    double acc = 0.0;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t j = 0; j < k; ++j) acc += static_cast<double>(x[j]);
+    pen = static_cast<double>(m) - acc / static_cast<double>(k);
+  } else if (s.kind == M_ACLS) {
+    const T thr = m + static_cast<T>(-s.margin);
+    double acc = 0.0;
+    int64_t ties = 0;
+#pragma omp simd reduction(+ : acc, ties)
+    for (int64_t j = 0; j < k; ++j) {
+      const T r = thr - x[j];
+      const double rd = r > 0 ? static_cast<double>(r) : 0.0;
+      acc += rd * rd;
+      ties += x[j] == m ? 1 : 0;
+    }
+    const T h = m + static_cast<T>(-s.margin);
+    const double hd = h > 0 ? static_cast<double>(h) : 0.0;
+    pen = s.lam_pos * static_cast<double>(ties) * hd * hd + s.lam_neg * acc / static_cast<double>(k - 1);
+    aux = static_cast<double>(ties);
+  } else {  // M_CP: p = exp(x − m) / Σ (in the input dtype, as torch's exp of log_softmax)
+    const T lse = static_cast<T>(log_sum);
+    double acc = 0.0, acc_d = 0.0;
+    for (int64_t j = 0; j < k; ++j) {
+      const T log_p = (x[j] - m) - lse;
+      const T p = std::exp(log_p);
+      double f, df;
+      cp_terms(p, log_p, s, f, df);
+      acc += f;
+      acc_d += static_cast<double>(p) * df;
+    }
+    pen = s.mbls_form ? acc / static_cast<double>(k) : std::log(static_cast<double>(k)) + acc;
+    aux = s.mbls_form ? acc_d / static_cast<double>(k) : acc_d;
+  }
+  o[S_PEN] = pen;
+  o[S_AUX] = aux;
+}
+
+// The penalty's gradient on entry j, float64, without the max's own share (added at the arg-max entry)
+template <typename T>
+inline double penalty_entry(const T* x, int64_t k, int64_t j, const MarginSpec& s, const double* o, double gpen) {
+  const T m = static_cast<T>(o[S_MAX]);
+  if (s.kind == M_MBLS) {
+    const T r = (m + static_cast<T>(-s.margin)) - x[j];
+    return r > 0 ? -gpen / static_cast<double>(k) : 0.0;
+  }
+  if (s.kind == M_MAXSUP) return -gpen / static_cast<double>(k);
+  if (s.kind == M_ACLS) {
+    const T r = (m + static_cast<T>(-s.margin)) - x[j];
+    return r > 0 ? -gpen * s.lam_neg * 2.0 * static_cast<double>(r) / static_cast<double>(k - 1) : 0.0;
+  }
+  return 0.0;
+}
+
+// The max's share of the penalty's gradient (on the arg-max entry)
+inline double penalty_top(int64_t k, const MarginSpec& s, const double* o, double gpen) {
+  if (s.kind == M_MBLS) return gpen * o[S_AUX] / static_cast<double>(k);
+  if (s.kind == M_MAXSUP) return gpen;
+  if (s.kind == M_ACLS) {
+    const double h = o[S_MAX] - s.margin;
+    return h > 0 ? gpen * s.lam_pos * o[S_AUX] * 2.0 * h : 0.0;
+  }
+  return 0.0;
+}
+
+// One row's gradient into g: gce·(p − onehot(y)) + the penalty's, with gce and gpen the row's incoming
+// gradients of the cross entropy and of the penalty (the latter times coef). The (K,) pass runs in the input
+// dtype (vectorised); the label and arg-max entries are recomputed in float64.
+template <typename T>
+inline void margin_backward_row(const T* x, int64_t k, int64_t y, const MarginSpec& s, const double* o, double gce,
+                                double gpen, T* g) {
+  const T m = static_cast<T>(o[S_MAX]);
+  const double inv = o[S_INV];
+  const int64_t arg = static_cast<int64_t>(o[S_ARG]);
+  exp_row(x, k, m, g);
+  if (s.kind == M_CP) {
+    // p_j (gce + gpen (f'(p_j) − Σ_k p_k f'(p_k))); the sample form's +1 in f' cancels against Σ p_k = 1
+    const T lse = static_cast<T>(std::log(1.0 / inv));
+    const double scale = s.mbls_form ? gpen / static_cast<double>(k) : gpen;
+    for (int64_t j = 0; j < k; ++j) {
+      const T log_p = (x[j] - m) - lse;
+      const T p = std::exp(log_p);
+      double f, df;
+      cp_terms(p, log_p, s, f, df);
+      g[j] = static_cast<T>(static_cast<double>(p) * (gce + scale * df - gpen * o[S_AUX]));
+    }
+    if (y >= 0) g[y] = static_cast<T>(static_cast<double>(g[y]) - gce);
+    return;
+  }
+  const T a = static_cast<T>(gce * inv);
+  if (s.kind == M_MBLS) {
+    const T thr = m + static_cast<T>(-s.margin), c = static_cast<T>(gpen / static_cast<double>(k));
+#pragma omp simd
+    for (int64_t j = 0; j < k; ++j) g[j] = a * g[j] - ((thr - x[j]) > 0 ? c : T(0));
+  } else if (s.kind == M_MAXSUP) {
+    const T c = static_cast<T>(gpen / static_cast<double>(k));
+#pragma omp simd
+    for (int64_t j = 0; j < k; ++j) g[j] = a * g[j] - c;
+  } else {  // M_ACLS
+    const T thr = m + static_cast<T>(-s.margin);
+    const T c = static_cast<T>(gpen * s.lam_neg * 2.0 / static_cast<double>(k - 1));
+#pragma omp simd
+    for (int64_t j = 0; j < k; ++j) {
+      const T r = thr - x[j];
+      g[j] = a * g[j] - (r > 0 ? c * r : T(0));
+    }
+  }
+  const auto entry = [&](int64_t j) {
+    const double p = std::exp(static_cast<double>(x[j]) - static_cast<double>(m)) * inv;
+    double v = gce * (p - (j == y ? 1.0 : 0.0)) + penalty_entry(x, k, j, s, o, gpen);
+    if (j == arg) v += penalty_top(k, s, o, gpen);
+    return static_cast<T>(v);
+  };
+  if (y >= 0) g[y] = entry(y);
+  if (arg != y) g[arg] = entry(arg);
+}
+
+}  // namespace torchcal
