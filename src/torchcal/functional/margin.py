@@ -32,6 +32,7 @@ from typing import Literal
 import torch
 
 from .._validation import check_choice, check_float, check_positive_int
+from ._backend import penalised_cross_entropy
 from ._loss_inputs import (
     IGNORE_INDEX,
     LossRows,
@@ -42,7 +43,6 @@ from ._loss_inputs import (
     reduce_rows,
     smoothed_targets,
 )
-from ._backend import penalised_cross_entropy
 from ._spec import REDUCTIONS
 
 __all__ = [
