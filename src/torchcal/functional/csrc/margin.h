@@ -10,6 +10,8 @@
 
 #include "true_class.h"
 
+#include <type_traits>
+
 namespace torchcal {
 
 // the losses (the `kind` argument of the operator)
@@ -54,25 +56,124 @@ inline int64_t first_index_of(const T* x, int64_t k, T v) {
   return j;
 }
 
-// The confidence penalty's per-entry terms of probability p: f(p) (its contribution to the penalty's sum)
-// and f'(p). Sample form f(p) = p log(p + eps) (p log p, from log p, when eps = 0); the MbLS form
-// f(p) = p̃ log p̃ with p̃ = clamp(p, 1e-10, 1 − 1e-10), f' = log p̃ + 1 inside the clamp's range and 0 outside.
+// log x for positive normal float32 lanes (Cephes' logf: x = 2^e·f with f in [√½, √2), a degree-8
+// polynomial in f − 1, ~1 ulp). The confidence penalty takes logs of p + eps >= 1e-6 and of p clamped to
+// >= 1e-10 only: never zero, negative or subnormal.
+template <int Bytes>
+inline typename Vec<float, Bytes>::type log_positive(typename Vec<float, Bytes>::type x) {
+  using V = typename Vec<float, Bytes>::type;
+  using I = typename Vec<float, Bytes>::int32;
+  I bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  I e = ((bits >> 23) & 0xff) - 126;
+  bits = (bits & 0x007fffff) | 0x3f000000;
+  V f;
+  std::memcpy(&f, &bits, sizeof(f));  // in [0.5, 1)
+  const I small = f < 0.707106781186547524f;
+  e = small ? e - 1 : e;
+  f = small ? f + f - 1.0f : f - 1.0f;
+  const V z = f * f;
+  V y = broadcast<V>(7.0376836292e-2f);
+  y = y * f - 1.1514610310e-1f;
+  y = y * f + 1.1676998740e-1f;
+  y = y * f - 1.2420140846e-1f;
+  y = y * f + 1.4249322787e-1f;
+  y = y * f - 1.6668057665e-1f;
+  y = y * f + 2.0000714765e-1f;
+  y = y * f - 2.4999993993e-1f;
+  y = y * f + 3.3333331174e-1f;
+  y = y * f * z;
+  const V ef = __builtin_convertvector(e, V);
+  y = y + ef * -2.12194440e-4f;
+  y = y - 0.5f * z;
+  return (f + y) + ef * 0.693359375f;
+}
+
+// lanes of a row: float32 vectors of Bytes bytes, or one scalar (Bytes 0)
+template <typename T, int Bytes>
+struct Lanes {
+  using type = typename Vec<T, Bytes>::type;
+};
 template <typename T>
-inline void cp_terms(T p, T log_p, const MarginSpec& s, double& f, double& df) {
-  if (s.mbls_form) {
-    const T lo = static_cast<T>(1e-10), hi = static_cast<T>(1 - 1e-10);
-    const T pc = p < lo ? lo : (p > hi ? hi : p);
-    const T l = std::log(pc);
-    f = static_cast<double>(pc * l);
-    df = (p >= lo && p <= hi) ? static_cast<double>(l) + 1.0 : 0.0;
-  } else if (s.eps == 0) {
-    f = static_cast<double>(p * log_p);
-    df = static_cast<double>(log_p) + 1.0;
+struct Lanes<T, 0> {
+  using type = T;
+};
+
+template <typename V>
+inline V lanes_log(V x) {
+  if constexpr (std::is_floating_point<V>::value) {
+    return std::log(x);
   } else {
-    const T q = p + static_cast<T>(s.eps);
-    const T l = std::log(q);
-    f = static_cast<double>(p * l);
-    df = static_cast<double>(l) + static_cast<double>(p) / static_cast<double>(q);
+    return log_positive<sizeof(V)>(x);
+  }
+}
+
+template <typename V, typename T>
+inline V lanes_load(const T* p) {
+  if constexpr (std::is_floating_point<V>::value) {
+    return *p;
+  } else {
+    return load<V>(p);
+  }
+}
+
+template <typename V, typename T>
+inline void lanes_store(T* p, V v) {
+  if constexpr (std::is_floating_point<V>::value) {
+    *p = v;
+  } else {
+    std::memcpy(p, &v, sizeof(v));
+  }
+}
+
+template <typename V>
+inline double lanes_sum(V v) {
+  if constexpr (std::is_floating_point<V>::value) {
+    return static_cast<double>(v);
+  } else {
+    const auto a = fold<float, sizeof(V)>(v, Add{});
+    return (static_cast<double>(a[0]) + a[1]) + (static_cast<double>(a[2]) + a[3]);
+  }
+}
+
+// fn(j, lanes tag) over a row of k entries: float32 rows on wide vectors (rows of >= 4 of them), 16-byte
+// vectors, then scalars; float64 rows on scalars (the tag's value is the lanes' byte count, 0 for a scalar)
+template <typename T, typename Fn>
+inline void walk_row(int64_t k, const Fn& fn) {
+  int64_t j = 0;
+  if constexpr (std::is_same<T, float>::value) {
+    constexpr int WW = Vec<float, kWideBytes>::width, WN = Vec<float, 16>::width;
+    const int64_t wide = k >= 4 * WW ? k - k % WW : 0;
+    const int64_t narrow = wide + (k - wide) / WN * WN;
+    for (; j < wide; j += WW) fn(j, std::integral_constant<int, kWideBytes>{});
+    for (; j < narrow; j += WN) fn(j, std::integral_constant<int, 16>{});
+  }
+  for (; j < k; ++j) fn(j, std::integral_constant<int, 0>{});
+}
+
+// The confidence penalty's per-entry terms of probability p: f(p) (its contribution to the penalty's sum)
+// and f'(p), in the input dtype as the torch path. Sample form f(p) = p log(p + eps) (p log p, from log p,
+// when eps = 0); the MbLS form f(p) = p̃ log p̃ with p̃ = clamp(p, 1e-10, 1 − 1e-10) (the bounds rounded to
+// the dtype: 1 in float32), f' = log p̃ + 1 inside the clamp's range and 0 outside.
+template <typename T, typename V>
+inline void cp_lanes(V p, V log_p, const MarginSpec& s, V& f, V& df) {
+  const V one = broadcast<V>(T(1));
+  if (s.mbls_form) {
+    const V lo = broadcast<V>(static_cast<T>(1e-10)), hi = broadcast<V>(static_cast<T>(1 - 1e-10));
+    V pc = p < lo ? lo : p;
+    pc = pc > hi ? hi : pc;
+    const V l = lanes_log(pc);
+    const V zero = {};
+    f = pc * l;
+    df = ((p >= lo) & (p <= hi)) ? l + one : zero;
+  } else if (s.eps == 0) {
+    f = p * log_p;
+    df = log_p + one;
+  } else {
+    const V q = p + static_cast<T>(s.eps);
+    const V l = lanes_log(q);
+    f = p * l;
+    df = l + p / q;
   }
 }
 
@@ -123,17 +224,18 @@ inline void margin_forward_row(const T* x, int64_t k, int64_t y, const MarginSpe
     const double hd = h > 0 ? static_cast<double>(h) : 0.0;
     pen = s.lam_pos * static_cast<double>(ties) * hd * hd + s.lam_neg * acc / static_cast<double>(k - 1);
     aux = static_cast<double>(ties);
-  } else {  // M_CP: p = exp(x − m) / Σ (in the input dtype, as torch's exp of log_softmax)
-    const T lse = static_cast<T>(log_sum);
+  } else {  // M_CP: p = exp(x − m) / Σ (scratch holds exp(x − m)), log p = (x − m) − log Σ
+    const T lse = static_cast<T>(log_sum), inv = static_cast<T>(1.0 / sum);
     double acc = 0.0, acc_d = 0.0;
-    for (int64_t j = 0; j < k; ++j) {
-      const T log_p = (x[j] - m) - lse;
-      const T p = std::exp(log_p);
-      double f, df;
-      cp_terms(p, log_p, s, f, df);
-      acc += f;
-      acc_d += static_cast<double>(p) * df;
-    }
+    walk_row<T>(k, [&](int64_t j, auto tag) {
+      using V = typename Lanes<T, decltype(tag)::value>::type;
+      const V p = lanes_load<V>(scratch + j) * inv;
+      const V log_p = (lanes_load<V>(x + j) - m) - lse;
+      V f, df;
+      cp_lanes<T>(p, log_p, s, f, df);
+      acc += lanes_sum(f);
+      acc_d += lanes_sum(p * df);
+    });
     pen = s.mbls_form ? acc / static_cast<double>(k) : std::log(static_cast<double>(k)) + acc;
     aux = s.mbls_form ? acc_d / static_cast<double>(k) : acc_d;
   }
@@ -179,17 +281,25 @@ inline void margin_backward_row(const T* x, int64_t k, int64_t y, const MarginSp
   const int64_t arg = static_cast<int64_t>(o[S_ARG]);
   exp_row(x, k, m, g);
   if (s.kind == M_CP) {
-    // p_j (gce + gpen (f'(p_j) − Σ_k p_k f'(p_k))); the sample form's +1 in f' cancels against Σ p_k = 1
-    const T lse = static_cast<T>(std::log(1.0 / inv));
-    const double scale = s.mbls_form ? gpen / static_cast<double>(k) : gpen;
-    for (int64_t j = 0; j < k; ++j) {
-      const T log_p = (x[j] - m) - lse;
-      const T p = std::exp(log_p);
-      double f, df;
-      cp_terms(p, log_p, s, f, df);
-      g[j] = static_cast<T>(static_cast<double>(p) * (gce + scale * df - gpen * o[S_AUX]));
+    // p_j (gce + gpen (f'(p_j) − Σ_k p_k f'(p_k))) (MbLS form: f'/K); the sample form's +1 in f' cancels
+    // against Σ p_k = 1. g holds exp(x − m): p = g / Σ.
+    const T lse = static_cast<T>(std::log(1.0 / inv)), pinv = static_cast<T>(inv);
+    const T scale = static_cast<T>(s.mbls_form ? gpen / static_cast<double>(k) : gpen);
+    const T base = static_cast<T>(gce - gpen * o[S_AUX]);
+    walk_row<T>(k, [&](int64_t j, auto tag) {
+      using V = typename Lanes<T, decltype(tag)::value>::type;
+      const V p = lanes_load<V>(g + j) * pinv;
+      const V log_p = (lanes_load<V>(x + j) - m) - lse;
+      V f, df;
+      cp_lanes<T>(p, log_p, s, f, df);
+      lanes_store(g + j, p * (base + scale * df));
+    });
+    if (y >= 0) {  // the label entry in float64: p_y (gce + ...) − gce cancels
+      const T py = static_cast<T>(std::exp(static_cast<double>(x[y]) - static_cast<double>(m)) * inv);
+      T f, df;
+      cp_lanes<T>(py, (x[y] - m) - lse, s, f, df);
+      g[y] = static_cast<T>(static_cast<double>(py) * (gce - gpen * o[S_AUX] + static_cast<double>(scale) * df) - gce);
     }
-    if (y >= 0) g[y] = static_cast<T>(static_cast<double>(g[y]) - gce);
     return;
   }
   const T a = static_cast<T>(gce * inv);
