@@ -192,18 +192,19 @@ inline void margin_forward_row(const T* x, int64_t k, int64_t y, const MarginSpe
   const int64_t arg = first_index_of(x, k, m);
   o[S_ARG] = static_cast<double>(arg);
   double pen = 0.0, aux = 0.0;
+  // (the hinges are branch-free lane selects: a branch on a random sign mispredicts every other entry)
   if (s.kind == M_MBLS) {
     const T thr = m + static_cast<T>(-s.margin);
-    double acc = 0.0;
-    int64_t active = 0;
-#pragma omp simd reduction(+ : acc, active)
-    for (int64_t j = 0; j < k; ++j) {
-      const T r = thr - x[j];
-      acc += r > 0 ? static_cast<double>(r) : 0.0;
-      active += r > 0 ? 1 : 0;
-    }
+    double acc = 0.0, active = 0.0;
+    walk_row<T>(k, [&](int64_t j, auto tag) {
+      using V = typename Lanes<T, decltype(tag)::value>::type;
+      const V zero = {}, one = broadcast<V>(T(1));
+      const V r = thr - lanes_load<V>(x + j);
+      acc += lanes_sum(r > zero ? r : zero);
+      active += lanes_sum(r > zero ? one : zero);
+    });
     pen = acc / static_cast<double>(k);
-    aux = static_cast<double>(active);
+    aux = active;
   } else if (s.kind == M_MAXSUP) {
     double acc = 0.0;
 #pragma omp simd reduction(+ : acc)
@@ -211,19 +212,20 @@ inline void margin_forward_row(const T* x, int64_t k, int64_t y, const MarginSpe
     pen = static_cast<double>(m) - acc / static_cast<double>(k);
   } else if (s.kind == M_ACLS) {
     const T thr = m + static_cast<T>(-s.margin);
-    double acc = 0.0;
-    int64_t ties = 0;
-#pragma omp simd reduction(+ : acc, ties)
-    for (int64_t j = 0; j < k; ++j) {
-      const T r = thr - x[j];
-      const double rd = r > 0 ? static_cast<double>(r) : 0.0;
-      acc += rd * rd;
-      ties += x[j] == m ? 1 : 0;
-    }
+    double acc = 0.0, ties = 0.0;
+    walk_row<T>(k, [&](int64_t j, auto tag) {
+      using V = typename Lanes<T, decltype(tag)::value>::type;
+      const V zero = {}, one = broadcast<V>(T(1));
+      const V v = lanes_load<V>(x + j);
+      const V r = thr - v;
+      const V h = r > zero ? r : zero;
+      acc += lanes_sum(h * h);
+      ties += lanes_sum(v == m ? one : zero);
+    });
     const T h = m + static_cast<T>(-s.margin);
     const double hd = h > 0 ? static_cast<double>(h) : 0.0;
-    pen = s.lam_pos * static_cast<double>(ties) * hd * hd + s.lam_neg * acc / static_cast<double>(k - 1);
-    aux = static_cast<double>(ties);
+    pen = s.lam_pos * ties * hd * hd + s.lam_neg * acc / static_cast<double>(k - 1);
+    aux = ties;
   } else {  // M_CP: p = exp(x − m) / Σ (scratch holds exp(x − m)), log p = (x − m) − log Σ
     const T lse = static_cast<T>(log_sum), inv = static_cast<T>(1.0 / sum);
     double acc = 0.0, acc_d = 0.0;
@@ -305,8 +307,12 @@ inline void margin_backward_row(const T* x, int64_t k, int64_t y, const MarginSp
   const T a = static_cast<T>(gce * inv);
   if (s.kind == M_MBLS) {
     const T thr = m + static_cast<T>(-s.margin), c = static_cast<T>(gpen / static_cast<double>(k));
-#pragma omp simd
-    for (int64_t j = 0; j < k; ++j) g[j] = a * g[j] - ((thr - x[j]) > 0 ? c : T(0));
+    walk_row<T>(k, [&](int64_t j, auto tag) {
+      using V = typename Lanes<T, decltype(tag)::value>::type;
+      const V zero = {}, cv = broadcast<V>(c);
+      const V r = thr - lanes_load<V>(x + j);
+      lanes_store(g + j, a * lanes_load<V>(g + j) - (r > zero ? cv : zero));
+    });
   } else if (s.kind == M_MAXSUP) {
     const T c = static_cast<T>(gpen / static_cast<double>(k));
 #pragma omp simd
@@ -314,11 +320,12 @@ inline void margin_backward_row(const T* x, int64_t k, int64_t y, const MarginSp
   } else {  // M_ACLS
     const T thr = m + static_cast<T>(-s.margin);
     const T c = static_cast<T>(gpen * s.lam_neg * 2.0 / static_cast<double>(k - 1));
-#pragma omp simd
-    for (int64_t j = 0; j < k; ++j) {
-      const T r = thr - x[j];
-      g[j] = a * g[j] - (r > 0 ? c * r : T(0));
-    }
+    walk_row<T>(k, [&](int64_t j, auto tag) {
+      using V = typename Lanes<T, decltype(tag)::value>::type;
+      const V zero = {};
+      const V r = thr - lanes_load<V>(x + j);
+      lanes_store(g + j, a * lanes_load<V>(g + j) - c * (r > zero ? r : zero));
+    });
   }
   const auto entry = [&](int64_t j) {
     const double p = std::exp(static_cast<double>(x[j]) - static_cast<double>(m)) * inv;
