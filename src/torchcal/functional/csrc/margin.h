@@ -51,7 +51,9 @@ inline double exp_row(const double* x, int64_t k, double m, double* e) {
 // the first index holding v (the max: torch's max(dim) returns the first on CPU); k − 1 when none equals it
 template <typename T>
 inline int64_t first_index_of(const T* x, int64_t k, T v) {
-  int64_t j = 0;
+  constexpr int WW = Vec<T, kWideBytes>::width, WN = Vec<T, 16>::width;
+  int64_t j = first_vector_with<T, kWideBytes>(x, 0, k - k % WW, v);
+  if (j == k - k % WW) j = first_vector_with<T, 16>(x, j, j + (k - j) / WN * WN, v);
   while (j < k - 1 && !(x[j] == v)) ++j;
   return j;
 }
