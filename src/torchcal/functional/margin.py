@@ -14,7 +14,10 @@ They share the contract of :mod:`torchcal.functional.losses` (decision 73): (N, 
 left out, soft targets (class probabilities of the logits' shape) for the cross-entropy term, reductions
 ``"none" | "mean" | "sum"``, half-precision logits and autocast regions computed in float32. Where the
 released code differs from the paper, the code is the default (SPEC §8; decisions 131-139). The losses do not
-call ``.item()`` or branch on tensor values, so they trace into one ``torch.compile`` graph.
+call ``.item()`` or branch on tensor values, so they trace into one ``torch.compile`` graph. On the CPU, with
+the C++ library built (``torchcal build-extension``), MbLS, ACLS, MaxSup and the confidence penalty run as
+one fused operator for integer labels and float32/float64 logits (decision 200); the code below is the
+reference path and that of every other case.
 
 Only Poly-1 is a function of the target distribution, so only it takes class ``weight`` and
 ``label_smoothing``; MbLS, ACLS, the confidence penalty and MaxSup add a term that does not depend on the
