@@ -39,6 +39,7 @@ __all__ = [
     "top_label_from_logits",
     "sort_with_flags",
     "true_class_loss",
+    "penalised_cross_entropy",
     "use_cpu_kernels",
     "cpu_kernels_available",
 ]
@@ -187,6 +188,48 @@ def true_class_loss(
         if direct:
             return reduce_loss(loss, reduction)
     return loss if direct else reduce_rows(loss, rows, reduction, w)
+
+
+# -- losses: cross entropy plus a row-wise penalty (the margin family) -----------------------------------------
+
+
+def _fast_margin_call(logits, targets, reduction) -> bool:
+    """Whether a margin loss can go to the C++ operator: CPU float32/64 logits (N, K, d1, ...) with N >= 1,
+    K >= 2 and no empty dimension, integer labels of shape (N, d1, ...). Attribute checks only; anything else
+    (soft targets, half precision, another device) takes the caller's torch path."""
+    if type(logits) is not torch.Tensor or type(targets) is not torch.Tensor:
+        return False
+    if not _extension.cpu_extension_available():
+        return False
+    shape = logits.shape
+    return (
+        len(shape) >= 2
+        and shape[1] >= 2
+        and logits.numel() > 0
+        and targets.shape == (shape[0], *shape[2:])
+        and logits.dtype in _FUSED_DTYPES
+        and targets.dtype in _INTEGER_DTYPES
+        and reduction in _extension.REDUCTION_CODES
+        and logits.is_cpu
+        and targets.is_cpu
+    )
+
+
+def penalised_cross_entropy(logits, targets, kind, params, ignore_index, penalty_all_rows, reduction):
+    """Cross entropy plus the penalty ``kind`` of :mod:`torchcal.functional.margin` by the C++ operator
+    (``params`` = [coef, the penalty's numbers]; ``penalty_all_rows``: the penalty also covers rows labelled
+    ``ignore_index``), or None where it does not apply (not built or disabled, soft targets, another dtype or
+    device, a label outside [0, K) that is not ``ignore_index``: the caller's torch path then computes, or
+    raises the named error)."""
+    if not _fast_margin_call(logits, targets, reduction):
+        return None
+    params = [float(p) for p in params]
+    if torch.compiler.is_compiling():  # (no fallback inside a graph: the operator raises on a bad label)
+        return _extension.fused_margin(logits, targets, kind, params, ignore_index, penalty_all_rows, reduction)
+    try:
+        return _extension.fused_margin(logits, targets, kind, params, ignore_index, penalty_all_rows, reduction)
+    except ValueError:
+        return None
 
 
 # -- retired switches ----------------------------------------------------------------------------------------

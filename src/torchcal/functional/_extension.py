@@ -46,7 +46,7 @@ __all__ = ["build_cpu_extension", "cpu_extension_available", "use_cpu_extension"
 _SCAN_DTYPES = (torch.float32, torch.float64)
 
 SOURCE = Path(__file__).with_name("csrc") / "fused_losses.cpp"
-HEADERS = (SOURCE.with_name("true_class.h"), SOURCE.with_name("scan.h"), SOURCE.with_name("sort.h"))
+HEADERS = tuple(SOURCE.with_name(name) for name in ("true_class.h", "scan.h", "sort.h", "margin.h"))
 REDUCTION_CODES = {"none": 0, "mean": 1, "sum": 2}
 PORTABLE_FLAGS = ["-O3", "-fopenmp-simd"]
 
@@ -283,6 +283,21 @@ def fused_true_class(logits, targets, spec: LossSpec, reduction: str) -> torch.T
     return _op("fused_true_class")(logits, targets, params, sample, REDUCTION_CODES[reduction])
 
 
+MARGIN_KINDS = {"mbls": 0, "maxsup": 1, "acls": 2, "confidence-penalty": 3}
+_N_STAT = 6  # columns of the margin operator's per-row statistics (``enum MarginStat`` in csrc/margin.h)
+
+
+def fused_margin(logits, targets, kind: str, params: list[float], ignore_index, penalty_all_rows, reduction):
+    """Cross entropy plus the row-wise penalty ``kind`` (a key of :data:`MARGIN_KINDS`; ``params`` = [coef,
+    then the kind's numbers, csrc/margin.h]) through the C++ operator, for (N, K, d1, ...) CPU float32/64
+    logits and integer labels (which it checks, ValueError). While ``torch.compile`` traces, the pair of plain
+    operators whose fake implementations and autograd formula are registered below."""
+    args = (logits, targets, MARGIN_KINDS[kind], params, ignore_index, penalty_all_rows, REDUCTION_CODES[reduction])
+    if torch.compiler.is_compiling():
+        return torch.ops.torchcal.fused_margin_fwd.default(*args)[0]
+    return _op("fused_margin")(*args)
+
+
 _N_OUT = 6  # columns of the operator's per-sample output (``enum Out`` in csrc/true_class.h)
 
 
@@ -316,6 +331,32 @@ def _register_compile_support() -> None:
         return bwd(grad_loss, probs, targets, out, ctx.brier, ctx.reduction), None, None, None, None, None
 
     torch.library.register_autograd("torchcal::fused_true_class_fwd", backward, setup_context=setup_context)
+
+    if not hasattr(torch.ops.torchcal, "fused_margin_fwd"):
+        return
+
+    @torch.library.register_fake("torchcal::fused_margin_fwd")
+    def _margin_fwd_fake(logits, targets, kind, params, ignore_index, penalty_all_rows, reduction):
+        loss = logits.new_empty(targets.shape if reduction == 0 else ())
+        return loss, logits.new_empty((targets.numel(), _N_STAT), dtype=torch.float64)
+
+    @torch.library.register_fake("torchcal::fused_margin_bwd")
+    def _margin_bwd_fake(grad_loss, logits, targets, stats, kind, params, ignore_index, penalty_all_rows, reduction):
+        return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+    def margin_setup_context(ctx, inputs, output):
+        logits, targets, *options = inputs
+        ctx.save_for_backward(logits, targets, output[1])
+        ctx.options = options
+
+    def margin_backward(ctx, grad_loss, _grad_stats):
+        logits, targets, stats = ctx.saved_tensors
+        grad = torch.ops.torchcal.fused_margin_bwd.default(grad_loss, logits, targets, stats, *ctx.options)
+        return grad, None, None, None, None, None, None
+
+    torch.library.register_autograd(
+        "torchcal::fused_margin_fwd", margin_backward, setup_context=margin_setup_context
+    )
 
 
 def _op(name: str):

@@ -14,7 +14,10 @@ They share the contract of :mod:`torchcal.functional.losses` (decision 73): (N, 
 left out, soft targets (class probabilities of the logits' shape) for the cross-entropy term, reductions
 ``"none" | "mean" | "sum"``, half-precision logits and autocast regions computed in float32. Where the
 released code differs from the paper, the code is the default (SPEC §8; decisions 131-139). The losses do not
-call ``.item()`` or branch on tensor values, so they trace into one ``torch.compile`` graph.
+call ``.item()`` or branch on tensor values, so they trace into one ``torch.compile`` graph. On the CPU, with
+the C++ library built (``torchcal build-extension``), MbLS, ACLS, MaxSup and the confidence penalty run as
+one fused operator for integer labels and float32/float64 logits (decision 200); the code below is the
+reference path and that of every other case.
 
 Only Poly-1 is a function of the target distribution, so only it takes class ``weight`` and
 ``label_smoothing``; MbLS, ACLS, the confidence penalty and MaxSup add a term that does not depend on the
@@ -32,6 +35,7 @@ from typing import Literal
 import torch
 
 from .._validation import check_choice, check_float, check_positive_int
+from ._backend import penalised_cross_entropy
 from ._loss_inputs import (
     IGNORE_INDEX,
     LossRows,
@@ -249,11 +253,14 @@ def logit_margin_l1_loss(
     check_choice(reduction, "reduction", REDUCTIONS)
     _refuse_weight_and_smoothing("MbLS margin", weight, label_smoothing)
     ignore_index = check_ignore_index(ignore_index)
+    reference_keeps_all = ignored_rows == "reference" and (ignore_index is None or ignore_index < 0)
+    fused = penalised_cross_entropy(logits, targets, "mbls", [a, m], ignore_index, reference_keeps_all, reduction)
+    if fused is not None:
+        return fused
     with torch.autocast(_device_type(logits), enabled=False):
         rows, _, ce = _ce_rows(logits, targets, ignore_index)
         k = rows.logits.shape[1]
         penalty = _TopGapPenalty.apply(rows.logits, 1.0, -m, 1.0 / k, 1.0 / k, 1, True)[0]
-        reference_keeps_all = ignored_rows == "reference" and (ignore_index is None or ignore_index < 0)
         return _reduce_penalised(ce, penalty, a, rows, reduction, None if reference_keeps_all else "rows")
 
 
@@ -383,6 +390,11 @@ def confidence_penalty_loss(
     check_choice(reduction, "reduction", REDUCTIONS)
     _refuse_weight_and_smoothing("confidence penalty", weight, label_smoothing)
     ignore_index = check_ignore_index(ignore_index)
+    fused = penalised_cross_entropy(
+        logits, targets, "confidence-penalty", [b, eps, form == "mbls"], ignore_index, False, reduction
+    )
+    if fused is not None:
+        return fused
     with torch.autocast(_device_type(logits), enabled=False):
         rows, log_p, ce = _ce_rows(logits, targets, ignore_index)
         p = log_p.exp()
@@ -429,6 +441,9 @@ def maxsup_loss(
     check_choice(reduction, "reduction", REDUCTIONS)
     _refuse_weight_and_smoothing("MaxSup", weight, label_smoothing)
     ignore_index = check_ignore_index(ignore_index)
+    fused = penalised_cross_entropy(logits, targets, "maxsup", [a], ignore_index, False, reduction)
+    if fused is not None:
+        return fused
     with torch.autocast(_device_type(logits), enabled=False):
         rows, _, ce = _ce_rows(logits, targets, ignore_index)
         z = rows.logits
@@ -490,6 +505,11 @@ def acls_loss(
     check_choice(reduction, "reduction", REDUCTIONS)
     _refuse_weight_and_smoothing("ACLS regulariser", weight, label_smoothing)
     ignore_index = check_ignore_index(ignore_index)
+    fused = penalised_cross_entropy(
+        logits, targets, "acls", [a, m, lam_pos, lam_neg], ignore_index, ignored_rows == "reference", reduction
+    )
+    if fused is not None:
+        return fused
     with torch.autocast(_device_type(logits), enabled=False):
         rows, _, ce = _ce_rows(logits, targets, ignore_index)
         z = rows.logits

@@ -20,6 +20,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
+#include "margin.h"
 #include "scan.h"
 #include "sort.h"
 #include "true_class.h"
@@ -238,6 +239,280 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_true_class_fwd_cpu(
 at::Tensor fused_true_class_bwd_cpu(const at::Tensor& grad_loss, const at::Tensor& probs, const at::Tensor& targets,
                                     const at::Tensor& out, double brier, int64_t reduction) {
   return fused_backward(grad_loss, probs, targets, out, brier, reduction);
+}
+
+
+// -- the margin losses: cross entropy plus a row-wise penalty (margin.h) ------------------------------------
+//
+//   fused_margin(logits, targets, kind, params, ignore_index, penalty_all_rows, reduction) -> loss
+//
+// logits (N, K, d1, ...) float32/float64 CPU (N, K: rows; with spatial dimensions each position is a row,
+// read in place: tiles of positions are transposed through a small per-thread buffer, never the whole
+// tensor); targets (N, d1, ...) integer labels. A label equal to ignore_index (when given) has no cross
+// entropy, and no penalty unless penalty_all_rows; any other label outside [0, K) raises. params: coef, then
+// the kind's (margin.h). reduction 0 = none (the targets' shape), 1 = mean (each term over the rows it
+// covers, as _reduce_penalised), 2 = sum. The backward recomputes exp(x − max) from the logits (saved, as
+// autograd saves an input: no copy) and the per-row statistics, so nothing of size (N, K) is kept.
+
+MarginSpec margin_spec(int64_t kind, at::ArrayRef<double> params) {
+  TORCH_CHECK_VALUE(kind >= M_MBLS && kind <= M_CP, "`kind` must be 0 (MbLS), 1 (MaxSup), 2 (ACLS) or 3 (CP)");
+  const size_t need[] = {2, 1, 4, 3};
+  TORCH_CHECK_VALUE(params.size() == need[kind], "`params` must hold ", need[kind], " numbers for kind ", kind);
+  MarginSpec s{kind, params[0], 0.0, 0.0, 0.0, 0.0, false};
+  if (kind == M_MBLS) s.margin = params[1];
+  if (kind == M_ACLS) {
+    s.margin = params[1];
+    s.lam_pos = params[2];
+    s.lam_neg = params[3];
+  }
+  if (kind == M_CP) {
+    s.eps = params[1];
+    s.mbls_form = params[2] != 0;
+  }
+  return s;
+}
+
+// (N, K, S) sizes of the logits, with the targets' shape checked against them
+struct Layout {
+  int64_t n, k, sp;
+};
+
+Layout margin_layout(const at::Tensor& logits, const at::Tensor& targets) {
+  TORCH_CHECK_VALUE(logits.dim() >= 2, "`logits` must have shape (N, K, d1, ...), got ", logits.sizes());
+  TORCH_CHECK_VALUE(logits.device().is_cpu() && targets.device().is_cpu(), "fused_margin runs on CPU");
+  TORCH_CHECK_VALUE(logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kDouble,
+                    "`logits` must be float32 or float64, got ", logits.scalar_type());
+  bool ok = targets.dim() == logits.dim() - 1 && targets.size(0) == logits.size(0);
+  for (int64_t d = 2; ok && d < logits.dim(); ++d) ok = targets.size(d - 1) == logits.size(d);
+  TORCH_CHECK_VALUE(ok, "`targets` must have the shape of `logits` without its class dimension, got ",
+                    targets.sizes(), " for logits ", logits.sizes());
+  TORCH_CHECK_VALUE(!at::isFloatingType(targets.scalar_type()) && targets.scalar_type() != at::kBool,
+                    "`targets` must hold integer labels");
+  const int64_t n = logits.size(0), k = logits.size(1);
+  TORCH_CHECK_VALUE(n > 0 && k >= 2 && logits.numel() > 0, "`logits` must hold at least one row of >= 2 classes");
+  return {n, k, logits.numel() / (n * k)};
+}
+
+// fn(row, x_row, grad_row) over every row, in parallel: rows of a (N, K) tensor in place; positions of a
+// (N, K, S) tensor through per-thread tiles of up to 64 rows (gathered, and the gradient scattered back)
+template <typename T, typename Fn>
+void over_rows(const T* x, T* grad, const Layout& l, const Fn& fn) {
+  const int64_t k = l.k, sp = l.sp;
+  if (sp == 1) {
+    at::parallel_for(0, l.n, grain_rows(k), [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) fn(i, x + i * k, grad == nullptr ? nullptr : grad + i * k);
+    });
+    return;
+  }
+  const int64_t tile = std::min<int64_t>(64, std::max<int64_t>(8, 16384 / k));
+  const int64_t per_image = (sp + tile - 1) / tile;
+  at::parallel_for(0, l.n * per_image, std::max<int64_t>(1, grain_rows(k) / tile), [&](int64_t begin, int64_t end) {
+    std::vector<T> xb(static_cast<size_t>(tile * k)), gb(grad == nullptr ? 0 : static_cast<size_t>(tile * k));
+    for (int64_t c = begin; c < end; ++c) {
+      const int64_t img = c / per_image, s0 = (c % per_image) * tile, w = std::min(tile, sp - s0);
+      const T* src = x + img * k * sp + s0;
+      for (int64_t j = 0; j < k; ++j)
+        for (int64_t t = 0; t < w; ++t) xb[t * k + j] = src[j * sp + t];
+      for (int64_t t = 0; t < w; ++t)
+        fn(img * sp + s0 + t, xb.data() + t * k, grad == nullptr ? nullptr : gb.data() + t * k);
+      if (grad != nullptr) {
+        T* dst = grad + img * k * sp + s0;
+        for (int64_t j = 0; j < k; ++j)
+          for (int64_t t = 0; t < w; ++t) dst[j * sp + t] = gb[t * k + j];
+      }
+    }
+  });
+}
+
+// The row's label for the cross entropy: y, or −1 when ignored (or outside [0, K): counted in bad)
+inline int64_t margin_label(int64_t y, int64_t k, bool has_ignore, int64_t ignore, int64_t& bad) {
+  if (has_ignore && y == ignore) return -1;
+  if (y < 0 || y >= k) {
+    ++bad;
+    return -1;
+  }
+  return y;
+}
+
+struct MarginForward {
+  at::Tensor loss;   // reduced, or the targets' shape for "none", in the logits' dtype
+  at::Tensor stats;  // (M, N_STAT) float64 per row
+};
+
+MarginForward margin_forward(const at::Tensor& logits, const at::Tensor& targets, int64_t kind,
+                             at::ArrayRef<double> params, c10::optional<int64_t> ignore_index,
+                             bool penalty_all_rows, int64_t reduction) {
+  const Layout l = margin_layout(logits, targets);
+  const MarginSpec s = margin_spec(kind, params);
+  TORCH_CHECK_VALUE(reduction >= 0 && reduction <= 2, "`reduction` must be 0, 1 or 2");
+  const at::Tensor x = logits.contiguous();
+  const at::Tensor t = targets.to(at::kLong).contiguous();
+  const int64_t rows = l.n * l.sp, k = l.k;
+  const bool has_ignore = ignore_index.has_value();
+  const int64_t ignore = ignore_index.value_or(0);
+  at::Tensor stats = at::empty({rows, N_STAT}, x.options().dtype(at::kDouble));
+  const int64_t* tp = t.data_ptr<int64_t>();
+  double* op = stats.data_ptr<double>();
+  std::atomic<int64_t> n_bad{0};
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "fused_margin", [&] {
+    const bool scratch = s.kind == M_CP;
+    over_rows<scalar_t>(x.data_ptr<scalar_t>(), nullptr, l, [&](int64_t i, const scalar_t* row, scalar_t*) {
+      int64_t bad = 0;
+      const int64_t y = margin_label(tp[i], k, has_ignore, ignore, bad);
+      if (bad) n_bad += bad;
+      thread_local std::vector<scalar_t> buffer;
+      if (scratch && static_cast<int64_t>(buffer.size()) < k) buffer.resize(static_cast<size_t>(k));
+      margin_forward_row<scalar_t>(row, k, y, s, scratch ? buffer.data() : nullptr, op + i * N_STAT);
+    });
+  });
+  if (n_bad.load() > 0) {
+    int64_t bad = 0;
+    for (int64_t i = 0; i < rows; ++i) {
+      if (!(has_ignore && tp[i] == ignore) && (tp[i] < 0 || tp[i] >= k)) {
+        bad = tp[i];
+        break;
+      }
+    }
+    TORCH_CHECK_VALUE(false, "`targets` must lie in [0, ", k, "), found label ", bad);
+  }
+  at::Tensor loss;
+  if (reduction == 0) {
+    loss = at::empty(targets.sizes(), logits.options());
+    AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "fused_margin_none", [&] {
+      scalar_t* lp = loss.data_ptr<scalar_t>();
+      for (int64_t i = 0; i < rows; ++i) {
+        const bool keep = !(has_ignore && tp[i] == ignore);
+        const double* o = op + i * N_STAT;
+        lp[i] = static_cast<scalar_t>((keep ? o[S_CE] : 0.0) + s.coef * (keep || penalty_all_rows ? o[S_PEN] : 0.0));
+      }
+    });
+  } else {
+    // summed in row order on one thread: the same value for any thread setting
+    double ce = 0.0, pen = 0.0;
+    int64_t n_ce = 0, n_pen = 0;
+    for (int64_t i = 0; i < rows; ++i) {
+      const bool keep = !(has_ignore && tp[i] == ignore);
+      const double* o = op + i * N_STAT;
+      if (keep) {
+        ce += o[S_CE];
+        ++n_ce;
+      }
+      if (keep || penalty_all_rows) {
+        pen += o[S_PEN];
+        ++n_pen;
+      }
+    }
+    // "mean" with no row kept is 0/0 = NaN, as the torch path
+    const double total = reduction == 2 ? ce + s.coef * pen
+                                        : ce / static_cast<double>(n_ce) + s.coef * (pen / static_cast<double>(n_pen));
+    loss = at::scalar_tensor(total, logits.options());
+  }
+  return {loss, stats};
+}
+
+at::Tensor margin_backward(const at::Tensor& grad_loss, const at::Tensor& logits, const at::Tensor& targets,
+                           const at::Tensor& stats, int64_t kind, at::ArrayRef<double> params,
+                           c10::optional<int64_t> ignore_index, bool penalty_all_rows, int64_t reduction) {
+  const Layout l = margin_layout(logits, targets);
+  const MarginSpec s = margin_spec(kind, params);
+  const at::Tensor x = logits.contiguous();
+  const at::Tensor t = targets.to(at::kLong).contiguous();
+  const int64_t rows = l.n * l.sp, k = l.k;
+  TORCH_CHECK_VALUE(stats.scalar_type() == at::kDouble && stats.is_contiguous() && stats.dim() == 2 &&
+                        stats.size(0) == rows && stats.size(1) == N_STAT,
+                    "`stats` must be the forward's (", rows, ", ", N_STAT, ") float64 statistics");
+  const bool has_ignore = ignore_index.has_value();
+  const int64_t ignore = ignore_index.value_or(0);
+  const int64_t* tp = t.data_ptr<int64_t>();
+  // the incoming gradient per row: a tensor for "none", one number (stride 0) for "mean" / "sum"
+  at::Tensor per_row;
+  double single = 0.0, ce_div = 1.0, pen_div = 1.0;
+  const double* gp = &single;
+  int64_t stride = 0;
+  if (reduction == 0) {
+    per_row = grad_loss.to(at::kDouble).contiguous();
+    TORCH_CHECK_VALUE(per_row.numel() == rows, "`grad_loss` must have one entry per row");
+    gp = per_row.data_ptr<double>();
+    stride = 1;
+  } else {
+    single = grad_loss.item<double>();
+    if (reduction == 1) {
+      int64_t n_ce = 0;
+      for (int64_t i = 0; i < rows; ++i) n_ce += !(has_ignore && tp[i] == ignore);
+      ce_div = static_cast<double>(n_ce);
+      pen_div = penalty_all_rows ? static_cast<double>(rows) : ce_div;
+    }
+  }
+  at::Tensor grad = at::empty(x.sizes(), x.options());
+  const double* op = stats.data_ptr<double>();
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "fused_margin_backward", [&] {
+    over_rows<scalar_t>(x.data_ptr<scalar_t>(), grad.data_ptr<scalar_t>(), l,
+                        [&](int64_t i, const scalar_t* row, scalar_t* g) {
+                          const bool keep = !(has_ignore && tp[i] == ignore);
+                          const double gi = gp[i * stride];
+                          const double gce = keep ? gi / ce_div : 0.0;
+                          const double gpen = keep || penalty_all_rows ? s.coef * gi / pen_div : 0.0;
+                          if (gce == 0.0 && gpen == 0.0) {
+                            std::fill(g, g + k, scalar_t(0));
+                            return;
+                          }
+                          margin_backward_row<scalar_t>(row, k, keep ? tp[i] : -1, s, op + i * N_STAT, gce, gpen, g);
+                        });
+  });
+  return grad;
+}
+
+class FusedMargin : public torch::autograd::Function<FusedMargin> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits, const at::Tensor& targets, int64_t kind,
+                            at::ArrayRef<double> params, c10::optional<int64_t> ignore_index, bool penalty_all_rows,
+                            int64_t reduction) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    MarginForward f = margin_forward(logits, targets, kind, params, ignore_index, penalty_all_rows, reduction);
+    ctx->save_for_backward({logits, targets, f.stats});
+    ctx->saved_data["kind"] = kind;
+    ctx->saved_data["params"] = std::vector<double>(params.begin(), params.end());
+    ctx->saved_data["has_ignore"] = ignore_index.has_value();
+    ctx->saved_data["ignore"] = ignore_index.value_or(0);
+    ctx->saved_data["all"] = penalty_all_rows;
+    ctx->saved_data["reduction"] = reduction;
+    return f.loss;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    TORCH_CHECK(!at::GradMode::is_enabled(),
+                "the fused CPU margin loss is differentiable once only; for higher-order gradients run it with "
+                "torchcal.functional.use_cpu_extension(False)");
+    const auto saved = ctx->get_saved_variables();
+    const std::vector<double> params = ctx->saved_data["params"].toDoubleVector();
+    c10::optional<int64_t> ignore;
+    if (ctx->saved_data["has_ignore"].toBool()) ignore = ctx->saved_data["ignore"].toInt();
+    at::Tensor grad = margin_backward(grads[0], saved[0], saved[1], saved[2], ctx->saved_data["kind"].toInt(), params,
+                                      ignore, ctx->saved_data["all"].toBool(), ctx->saved_data["reduction"].toInt());
+    return {grad, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor fused_margin_cpu(const at::Tensor& logits, const at::Tensor& targets, int64_t kind,
+                            at::ArrayRef<double> params, c10::optional<int64_t> ignore_index, bool penalty_all_rows,
+                            int64_t reduction) {
+  return margin_forward(logits, targets, kind, params, ignore_index, penalty_all_rows, reduction).loss;
+}
+
+at::Tensor fused_margin_autograd(const at::Tensor& logits, const at::Tensor& targets, int64_t kind,
+                                 at::ArrayRef<double> params, c10::optional<int64_t> ignore_index,
+                                 bool penalty_all_rows, int64_t reduction) {
+  return FusedMargin::apply(logits, targets, kind, params, ignore_index, penalty_all_rows, reduction);
+}
+
+// the same loss as two plain operators for torch.compile (as fused_true_class_fwd / _bwd): the forward
+// returns the per-row statistics the backward reads
+std::tuple<at::Tensor, at::Tensor> fused_margin_fwd_cpu(const at::Tensor& logits, const at::Tensor& targets,
+                                                        int64_t kind, at::ArrayRef<double> params,
+                                                        c10::optional<int64_t> ignore_index, bool penalty_all_rows,
+                                                        int64_t reduction) {
+  MarginForward f = margin_forward(logits, targets, kind, params, ignore_index, penalty_all_rows, reduction);
+  return {f.loss, f.stats};
 }
 
 // Calls run(std::integral_constant<int, k>) for 2 <= k <= Max, else run(std::integral_constant<int, 0>)
@@ -493,6 +768,15 @@ TORCH_LIBRARY(torchcal, m) {
   m.def(
       "fused_true_class_bwd(Tensor grad_loss, Tensor probs, Tensor targets, Tensor out, float brier, "
       "int reduction) -> Tensor");
+  m.def(
+      "fused_margin(Tensor logits, Tensor targets, int kind, float[] params, int? ignore_index, "
+      "bool penalty_all_rows, int reduction) -> Tensor");
+  m.def(
+      "fused_margin_fwd(Tensor logits, Tensor targets, int kind, float[] params, int? ignore_index, "
+      "bool penalty_all_rows, int reduction) -> (Tensor, Tensor)");
+  m.def(
+      "fused_margin_bwd(Tensor grad_loss, Tensor logits, Tensor targets, Tensor stats, int kind, float[] params, "
+      "int? ignore_index, bool penalty_all_rows, int reduction) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(torchcal, CPU, m) {
@@ -502,6 +786,12 @@ TORCH_LIBRARY_IMPL(torchcal, CPU, m) {
   m.impl("logits_top_label", logits_top_label_cpu);
   m.impl("fused_true_class_fwd", fused_true_class_fwd_cpu);
   m.impl("fused_true_class_bwd", fused_true_class_bwd_cpu);
+  m.impl("fused_margin", fused_margin_cpu);
+  m.impl("fused_margin_fwd", fused_margin_fwd_cpu);
+  m.impl("fused_margin_bwd", margin_backward);
 }
 
-TORCH_LIBRARY_IMPL(torchcal, AutogradCPU, m) { m.impl("fused_true_class", fused_true_class_autograd); }
+TORCH_LIBRARY_IMPL(torchcal, AutogradCPU, m) {
+  m.impl("fused_true_class", fused_true_class_autograd);
+  m.impl("fused_margin", fused_margin_autograd);
+}

@@ -1,0 +1,301 @@
+"""The C++ operator of the row-wise margin losses (MbLS, MaxSup, ACLS, the confidence penalty;
+torch.ops.torchcal.fused_margin) against the plain torch path and the float64 loop references: values and
+gradients at (N, K) and (N, K, d1, ...), ignored labels, the three reductions, ties in the maximum, the
+label errors, threads, the torch.compile operators and the cases it leaves to the torch path."""
+
+import pytest
+import torch
+
+import torchcal.functional as F
+from tests.test_margin_losses import CASES, batch
+
+pytestmark = pytest.mark.usefixtures("cpp_extension")
+
+FUSED = ("mbls", "acls", "cp", "maxsup")
+FUSED_CASES = [c for c in CASES if c[0].startswith(FUSED)]
+
+# the fused losses with float32-friendly options (margin 3, so that hinges are active at unit-scale logits)
+LOSSES = {
+    "mbls": lambda z, y, **kw: F.logit_margin_l1_loss(z, y, 3.0, 0.5, **kw),
+    "mbls-drop": lambda z, y, **kw: F.logit_margin_l1_loss(z, y, 3.0, 0.5, ignored_rows="drop", **kw),
+    "maxsup": lambda z, y, **kw: F.maxsup_loss(z, y, 0.2, **kw),
+    "acls": lambda z, y, **kw: F.acls_loss(z, y, 0.5, 3.0, lambda_neg=0.3, **kw),
+    "acls-drop": lambda z, y, **kw: F.acls_loss(z, y, 0.5, 3.0, ignored_rows="drop", **kw),
+    "cp": lambda z, y, **kw: F.confidence_penalty_loss(z, y, 0.7, **kw),
+    "cp-exact": lambda z, y, **kw: F.confidence_penalty_loss(z, y, 0.3, eps=0.0, **kw),
+    "cp-mbls": lambda z, y, **kw: F.confidence_penalty_loss(z, y, 0.1, form="mbls", **kw),
+}
+
+
+def _both_paths(fn, z, y, upstream=None):
+    """fn(z, y) and its gradient (of Σ upstream·loss) on the C++ operator and on the plain torch path."""
+    results = []
+    for cpp in (True, False):
+        x = z.detach().clone().requires_grad_(True)
+        with F.use_cpu_extension(cpp):
+            value = fn(x, y)
+            assert ("FusedMargin" in value.grad_fn.name()) == cpp
+            weights = torch.ones_like(value) if upstream is None else upstream(value)
+            (grad,) = torch.autograd.grad((value * weights).sum(), x)
+        results.append((value.detach(), grad))
+    return results
+
+
+@pytest.mark.parametrize("name,fast,ref,options", FUSED_CASES, ids=[c[0] for c in FUSED_CASES])
+@pytest.mark.parametrize("shape", [(9,), (2, 3, 2)], ids=["NK", "NKHW"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_operator_matches_the_float64_loop_reference(name, fast, ref, options, shape, reduction):
+    """float64 through the operator (asserted by its autograd node) against the loop references."""
+    ignore = options.get("ignore_index", -100)
+    z, y = batch(shape, ignore=ignore)
+    za, zb = z.clone().requires_grad_(True), z.clone().requires_grad_(True)
+    got = fast(za, y, reduction=reduction, **options)
+    assert "FusedMargin" in got.grad_fn.name()
+    want = ref(zb, y, reduction=reduction, **options)
+    # float64 on both sides; the loops sum in another order, a few ulps per term
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    upstream = torch.linspace(0.5, 1.5, got.numel(), dtype=torch.float64).reshape(got.shape)
+    (got * upstream).sum().backward()
+    (want * upstream).sum().backward()
+    torch.testing.assert_close(za.grad, zb.grad, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("name,fast,ref,options", FUSED_CASES, ids=[c[0] for c in FUSED_CASES])
+@pytest.mark.parametrize("shape", [(5,), (2, 2, 2)], ids=["NK", "NKHW"])
+def test_gradcheck_float64(name, fast, ref, options, shape):
+    if name.startswith("acls") and not name.startswith("acls-positive"):
+        # ACLS detaches the max in its negative term (released code): its gradient is not the derivative
+        # of its value, so finite differences check only the positive term
+        fast = lambda z, y, **kw: F.acls_loss(z, y, 1.0, 3.0, lambda_neg=0.0, **kw)  # noqa: E731
+    # scale 4: no logit distance within gradcheck's step of the margin, where the hinge has a kink
+    z, y = batch(shape, seed=3, scale=4.0, ignore=options.get("ignore_index", -100))
+    for reduction in ("mean", "none"):
+        x = z.clone().requires_grad_(True)
+        assert "FusedMargin" in fast(x, y, reduction=reduction, **options).grad_fn.name()
+        assert torch.autograd.gradcheck(lambda a, r=reduction: fast(a, y, reduction=r, **options), (x,))
+
+
+def _float32_batch(shape, k, seed, scale=3.0, ignore=-100):
+    g = torch.Generator().manual_seed(seed)
+    z = scale * torch.randn(shape[0], k, *shape[1:], generator=g)
+    y = torch.randint(0, k, (shape[0], *shape[1:]), generator=g)
+    flat = y.view(-1)
+    flat[:: max(2, flat.numel() // 5)] = ignore  # a few ignored positions
+    return z, y
+
+
+# K: short rows on 16-byte vectors, wide spans with 16-byte and scalar tails, 256-entry blocks; the spatial
+# shapes cover tiles of 64, 54 and 8 positions with partial last tiles
+@pytest.mark.parametrize("name", list(LOSSES))
+@pytest.mark.parametrize(
+    "shape,k",
+    [((300,), 3), ((300,), 10), ((64,), 37), ((64,), 100), ((16,), 1027), ((2, 5, 31), 19), ((2, 70), 300),
+     ((1, 3, 3), 2100)],
+)  # fmt: skip
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_float32_operator_equals_the_torch_path(name, shape, k, reduction):
+    """float32 values and gradients of the operator against the torch path. The two sum in different orders
+    and precisions (the operator's per-row sums are float64, torch's float32 over K entries, and the
+    reductions over up to 1000 rows float32 against float64), a few float32 ulps per sum: rtol 1e-5. In the
+    gradient the label entry p − 1 cancels in float32 on the torch path (the operator recomputes it in
+    float64): atol 8 float32 ulps of the largest entry."""
+    z, y = _float32_batch(shape, k, seed=k)
+    upstream = lambda v: torch.linspace(0.5, 1.5, v.numel()).reshape(v.shape)  # noqa: E731
+    (v1, g1), (v2, g2) = _both_paths(lambda a, b: LOSSES[name](a, b, reduction=reduction), z, y, upstream)
+    torch.testing.assert_close(v1, v2, rtol=1e-5, atol=1e-6)
+    atol = 8 * torch.finfo(torch.float32).eps * g2.abs().max().item()
+    torch.testing.assert_close(g1, g2, rtol=1e-5, atol=atol)
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_float32_operator_is_as_close_to_float64_as_the_torch_path(name):
+    """Against the same loss of the float32 inputs in float64, the operator's float32 error is at most the
+    torch path's (plus one float32 ulp of the result): its sums are float64."""
+    z, y = _float32_batch((2000,), 200, seed=7, scale=5.0)
+    with F.use_cpu_extension(False):
+        exact = LOSSES[name](z.double(), y)
+        plain = LOSSES[name](z, y)
+    fused = LOSSES[name](z, y)
+    ulp = torch.finfo(torch.float32).eps * abs(exact.item())
+    assert abs(fused.double() - exact) <= abs(plain.double() - exact) + ulp
+
+
+@pytest.mark.parametrize("name", ["mbls", "maxsup", "acls"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_ties_in_the_maximum_send_the_max_gradient_to_the_first(name, dtype):
+    """Tied maxima: the max's gradient goes to the first of them, as torch's max(dim) on CPU (ACLS counts
+    every tied maximum in its positive term)."""
+    z = torch.tensor(
+        [[5.0, 1.0, 5.0, -2.0], [0.0, 0.0, 0.0, 0.0], [-3.0, 4.0, 4.0, 4.0], [2.0, -9.0, 1.0, 2.0]], dtype=dtype
+    )
+    y = torch.tensor([1, 2, 0, 3])
+    (v1, g1), (v2, g2) = _both_paths(lambda a, b: LOSSES[name](a, b, reduction="none"), z, y)
+    tol = {"rtol": 1e-6, "atol": 1e-7} if dtype == torch.float32 else {"rtol": 1e-12, "atol": 1e-14}
+    torch.testing.assert_close(v1, v2, **tol)
+    torch.testing.assert_close(g1, g2, **tol)
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+@pytest.mark.parametrize("ignore_index", [None, 0, 255])
+def test_ignore_index_forms(name, ignore_index):
+    """ignore_index None (every label counts), a class index (its labels leave the loss) and 255."""
+    z, y = _float32_batch((3, 4, 5), 6, seed=1, ignore=255 if ignore_index == 255 else 0)
+    for reduction in ("mean", "none"):
+        fn = lambda a, b, r=reduction: LOSSES[name](a, b, ignore_index=ignore_index, reduction=r)  # noqa: E731
+        (v1, g1), (v2, g2) = _both_paths(fn, z, y)
+        torch.testing.assert_close(v1, v2, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(g1, g2, rtol=1e-5, atol=1e-7)
+
+
+def test_every_label_ignored_gives_nan_mean_and_zero_gradient_like_the_torch_path():
+    z, y = torch.randn(4, 3), torch.full((4,), -100)
+    for name in ("mbls-drop", "maxsup", "cp"):
+        (v1, g1), (v2, g2) = _both_paths(LOSSES[name], z, y)
+        assert torch.isnan(v1) and torch.isnan(v2)
+        torch.testing.assert_close(g1, g2, equal_nan=True)
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_label_errors_are_the_torch_paths(name):
+    """A label outside [0, K) that is not ignore_index: the operator refuses it and the torch path raises
+    its named error."""
+    z = torch.randn(3, 4)
+    for bad in (torch.tensor([0, 4, 1]), torch.tensor([0, -1, 1])):
+        messages = []
+        for cpp in (True, False):
+            with F.use_cpu_extension(cpp), pytest.raises(ValueError) as info:
+                LOSSES[name](z, bad)
+            messages.append(str(info.value))
+        assert messages[0] == messages[1]
+    with pytest.raises(ValueError, match=r"`targets` must lie in \[0, 4\), found label 4"):
+        torch.ops.torchcal.fused_margin(z, torch.tensor([0, 4, 1]), 0, [0.1, 10.0], None, False, 1)
+
+
+def test_results_do_not_depend_on_the_thread_count():
+    g = torch.Generator().manual_seed(2)
+    cases = [(3 * torch.randn(5000, 64, generator=g), torch.randint(0, 64, (5000,), generator=g)),
+             (3 * torch.randn(2, 19, 40, 50, generator=g), torch.randint(0, 19, (2, 40, 50), generator=g))]  # fmt: skip
+    threads = torch.get_num_threads()
+    for z, y in cases:
+        for name in ("mbls", "acls", "cp"):
+            results = []
+            try:
+                for n_threads in (1, 3):
+                    torch.set_num_threads(n_threads)
+                    x = z.clone().requires_grad_(True)
+                    loss = LOSSES[name](x, y)
+                    loss.backward()
+                    results.append((loss.detach(), x.grad))
+            finally:
+                torch.set_num_threads(threads)
+            assert torch.equal(results[0][0], results[1][0])  # the reduction is summed in row order
+            assert torch.equal(results[0][1], results[1][1])
+
+
+def test_layouts_and_label_dtypes_match_the_torch_path():
+    """Non-contiguous logits (a transposed view, channels-last images) and int32 / uint8 labels."""
+    g = torch.Generator().manual_seed(1)
+    z = (3 * torch.randn(7, 40, generator=g)).t()[:, :7]
+    y = torch.randint(0, 7, (40,), generator=g, dtype=torch.int32)
+    images = (3 * torch.randn(2, 5, 6, 7, generator=g)).to(memory_format=torch.channels_last)
+    labels = torch.randint(0, 5, (2, 6, 7), generator=g, dtype=torch.uint8)
+    for logits, targets in ((z, y), (images, labels)):
+        assert not logits.is_contiguous()
+        for name in ("mbls", "acls", "maxsup", "cp"):
+            (v1, g1), (v2, g2) = _both_paths(lambda a, b, n=name: LOSSES[n](a, b, reduction="none"), logits, targets)
+            torch.testing.assert_close(v1, v2, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(g1, g2, rtol=1e-5, atol=1e-7)
+
+
+def test_what_the_operator_leaves_to_the_torch_path():
+    """Soft targets, half-precision logits (upcast by the torch path) and a disabled extension take the torch
+    path; float32 logits inside an autocast region take the operator unchanged."""
+    z, y = torch.randn(6, 4, requires_grad=True), torch.randint(0, 4, (6,))
+    q = torch.softmax(torch.randn(6, 4), 1)
+    assert "FusedMargin" not in F.logit_margin_l1_loss(z, q).grad_fn.name()
+    assert "FusedMargin" not in F.maxsup_loss(z.detach().bfloat16().requires_grad_(True), y).grad_fn.name()
+    with F.use_cpu_extension(False):
+        assert "FusedMargin" not in F.acls_loss(z, y).grad_fn.name()
+        expected = F.acls_loss(z, y)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = F.acls_loss(z, y)
+    assert "FusedMargin" in loss.grad_fn.name() and loss.dtype == torch.float32
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-7)
+
+
+def test_no_graph_without_gradients_and_extreme_logits():
+    z = torch.tensor([[1e4, -1e4, 0.0], [-1e4, 1e4, 1e4], [0.0, 0.0, 0.0]])
+    y = torch.tensor([1, 2, 0])
+    with torch.no_grad():
+        value = F.logit_margin_l1_loss(z, y)
+    assert not value.requires_grad
+    for name in LOSSES:
+        (v1, g1), (v2, g2) = _both_paths(LOSSES[name], z, y)
+        assert torch.isfinite(v1) and torch.isfinite(g1).all()
+        torch.testing.assert_close(v1, v2, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(g1, g2, rtol=1e-5, atol=1e-7)
+
+
+def test_second_order_gradients_are_refused():
+    z, y = torch.randn(5, 4, dtype=torch.float64, requires_grad=True), torch.tensor([0, 1, 2, 3, 0])
+    for name in ("maxsup", "cp"):
+        with pytest.raises(RuntimeError, match="differentiable once only"):
+            torch.autograd.grad(LOSSES[name](z, y), z, create_graph=True)
+
+
+ARGS = {  # (kind, params, ignore_index, penalty_all_rows) of each operator kind
+    "mbls": (0, [0.1, 3.0], -100, True),
+    "maxsup": (1, [0.2], -100, False),
+    "acls": (2, [0.1, 3.0, 1.0, 0.1], 255, True),
+    "cp": (3, [1.0, 1e-6, 0.0], None, False),
+}
+
+
+@pytest.mark.parametrize("kind", list(ARGS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("reduction", [0, 1, 2])
+def test_the_compile_operators_pass_opcheck(kind, dtype, reduction):
+    """The forward/backward pair that torch.compile traces: schema, fake implementation (shapes, dtypes,
+    strides) and autograd registration checked by torch.library.opcheck, at (N, K) and (N, K, H, W)."""
+    code, params, ignore, every_row = ARGS[kind]
+    for z, y in ((torch.randn(6, 4, dtype=dtype), torch.tensor([0, 1, 2, 3, 0, 1])),
+                 (torch.randn(2, 3, 2, 2, dtype=dtype), torch.randint(0, 3, (2, 2, 2)))):  # fmt: skip
+        args = (z.requires_grad_(True), y, code, params, ignore, every_row, reduction)
+        torch.library.opcheck(torch.ops.torchcal.fused_margin_fwd.default, args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_compile_operators_equal_the_eager_operator(dtype):
+    """Loss and gradient of fused_margin_fwd / _bwd (with their registered autograd formula) are the eager
+    operator's, bit for bit: the same C++ forward and backward."""
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(3, 5, 4, 2, generator=g, dtype=dtype)
+    y = torch.randint(0, 5, (3, 4, 2), generator=g)
+    for code, params, ignore, every_row in ARGS.values():
+        yk = y.clone()
+        if ignore is not None:
+            yk[0, 0, 0] = ignore
+        for reduction in (0, 1, 2):
+            a, b = z.clone().requires_grad_(True), z.clone().requires_grad_(True)
+            eager = torch.ops.torchcal.fused_margin(a, yk, code, params, ignore, every_row, reduction)
+            pair = torch.ops.torchcal.fused_margin_fwd(b, yk, code, params, ignore, every_row, reduction)[0]
+            assert torch.equal(eager.detach(), pair.detach())
+            (ga,) = torch.autograd.grad(eager.sum(), a)
+            (gb,) = torch.autograd.grad(pair.sum(), b)
+            assert torch.equal(ga, gb)
+
+
+@pytest.mark.compile
+def test_compiled_losses_take_the_operator_pair_and_equal_eager():
+    z, y = torch.randn(2, 4, 3, 3), torch.randint(0, 4, (2, 3, 3))
+    y[0, 0, 0] = -100
+    for name in ("mbls", "acls", "maxsup", "cp"):
+        compiled = torch.compile(lambda a, b, n=name: LOSSES[n](a, b), fullgraph=True, backend="aot_eager")
+        a, b = z.clone().requires_grad_(True), z.clone().requires_grad_(True)
+        got = compiled(a, y)
+        want = LOSSES[name](b, y)
+        got.backward()
+        want.backward()
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+
