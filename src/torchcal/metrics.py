@@ -482,7 +482,7 @@ def _row_metrics(rows, n_bins, wanted) -> dict[str, torch.Tensor]:
         hi, lo = CU.extremes_of_sorted(conf_s, corr_s)
         out["ks"], out["kuiper"] = torch.maximum(hi, -lo), hi - lo
     if wanted & {"aurc", "augrc"}:
-        curve = S._curve(conf.double() if rank is None else rank, (~correct).double())
+        curve = S._curve(conf if rank is None else rank, ~correct)
         out["aurc"], out["augrc"] = S.sample_area(curve.risk), S.sample_area(curve.generalized_risk)
     return out
 

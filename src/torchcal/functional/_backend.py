@@ -9,8 +9,9 @@ Two implementations per kernel, one per role (see docs/architecture.md):
   for the scan, a radix sort carrying the correctness, a fused loss with its own autograd node.
 
 Kernels: the metrics' top-label scan (:func:`scan`, which also gives the classwise and per-sample sums), the
-top label straight from logits (:func:`top_label_from_logits`, no probability matrix), the stable sort of confidences with their correctness (:func:`sort_with_flags`), and the p_t-only training loss
-(:func:`true_class_loss`). Public functions call these; no other module asks which backend exists.
+top label straight from logits (:func:`top_label_from_logits`, no probability matrix), the stable sorts of
+confidences with their correctness (:func:`sort_with_flags`, ascending; :func:`sort_descending_with_flags`),
+and the p_t-only training loss (:func:`true_class_loss`). Public functions call these; no other module asks which backend exists.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ __all__ = [
     "scan_checks_labels",
     "top_label_from_logits",
     "sort_with_flags",
+    "sort_descending_with_flags",
     "true_class_loss",
     "use_cpu_kernels",
     "cpu_kernels_available",
@@ -87,6 +89,25 @@ def sort_with_flags(values: torch.Tensor, flags: torch.Tensor) -> tuple[torch.Te
     if flags.dtype == torch.bool and _extension.sort_applies(values):
         return _extension.sort_with_flags(values, flags)
     values_sorted, order = torch.sort(values, stable=True)
+    return values_sorted, flags[order]
+
+
+def sort_descending_with_flags(
+    values: torch.Tensor, flags: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stable descending sort of finite scores ``values`` (ties keep input order) carrying the bool ``flags``
+    along. Non-negative values on CPU take the radix sort of :func:`sort_with_flags` on the reversed input,
+    reversed back: ascending with ties in reversed input order, read backwards, is descending with ties in
+    input order. Otherwise ``torch.sort(descending=True, stable=True)`` and a gather."""
+    if (
+        flags.dtype == torch.bool
+        and _extension.sort_applies(values)
+        and values.numel() > 0
+        and bool(values.amin() >= 0)
+    ):
+        values_sorted, flags_sorted = _extension.sort_with_flags(values.flip(0), flags.flip(0))
+        return values_sorted.flip(0), flags_sorted.flip(0)
+    values_sorted, order = torch.sort(values, descending=True, stable=True)
     return values_sorted, flags[order]
 
 
