@@ -54,17 +54,18 @@ def scan_checks_labels(probs: torch.Tensor) -> bool:
     return _extension.scan_applies(probs)
 
 
-def scan(probs, targets, classwise_bins=None, n_bins=None, threshold=None) -> Scan:
+def scan(probs, targets, classwise_bins=None, n_bins=None, threshold=None, row_bins=False) -> Scan:
     """The top-label scan of validated ``probs`` (N, K) and ``targets`` (N,): confidence, correctness,
     validation statistics and, on request, the equal-width (``n_bins``) and classwise (``classwise_bins``)
-    bin sums and (``threshold``; C++ only, else None) the per-sample sums. C++ for contiguous float32/64 CPU
-    tensors when the library is built; torch otherwise."""
+    bin sums, (``threshold``; C++ only, else None) the per-sample sums and (``row_bins`` with ``n_bins``)
+    each row's equal-width top-label bin. C++ for contiguous float32/64 CPU tensors when the library is
+    built; torch otherwise."""
     if _extension.scan_applies(probs):
-        conf, correct, worst, lowest, nonfinite, top, cw, sum_sq, sums = _extension.top_label_scan(
-            probs, targets, n_bins, classwise_bins, threshold
+        conf, correct, worst, lowest, nonfinite, top, cw, sum_sq, bins, sums = _extension.top_label_scan(
+            probs, targets, n_bins, classwise_bins, threshold, row_bins
         )
         classwise = None if cw is None else _FinishedClasswise(cw)
-        return Scan(conf, correct, (worst, lowest, nonfinite), classwise, top, sum_sq, sums)
+        return Scan(conf, correct, (worst, lowest, nonfinite), classwise, top, sum_sq, sums, bins)
     return torch_scan(probs, targets, classwise_bins, n_bins)
 
 
