@@ -5,7 +5,9 @@ alternate torchcal and the peer:
 
 * AURC and FPR@95TPR against torch-uncertainty (``torch_uncertainty.metrics``: ``AURC``, ``FPR95``);
 * Kuiper and KS against probmetrics (binary-only there: it reads column 1 of any K, so the values differ for
-  K > 2; the timing compares the same work, a sort and two cumulative sums of N values);
+  K > 2; both sort N values and take cumulative sums, but torchcal's top label also reads the whole (N, K)
+  matrix, for each row's maximum and the input checks, where probmetrics reads one column and checks
+  nothing);
 * split-conformal APS, fit on the first half and sets for the second half, against MAPIE 1.6's
   ``SplitConformalClassifier`` (``conformalize`` + ``predict_set``);
 * the streaming update of ``CalibrationMetrics`` with every metric on (the default) against its update
