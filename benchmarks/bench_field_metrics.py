@@ -110,7 +110,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="smaller sizes (smoke run)")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: torch's); names the CSV '-<n>t'"
+    )
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     rows = []
 
     def record(case, n, k, ours_fn, peer_fn, peer):
@@ -203,7 +208,8 @@ def main():
         )
 
     tag = "quick-" if args.quick else ""
-    write_results(rows, f"bench_field_metrics-{tag}{hardware()}", first=("case", "n", "k", "peer"))
+    threads = "" if args.threads is None else f"-{args.threads}t"
+    write_results(rows, f"bench_field_metrics-{tag}{hardware()}{threads}", first=("case", "n", "k", "peer"))
 
 
 if __name__ == "__main__":
