@@ -16,6 +16,7 @@ from tests.reference import field as R
 from torchcal.functional import cumulative as CU
 from torchcal.functional import decomposition as D
 from torchcal.functional import selective as S
+from torchcal.metrics import CalibrationMetrics
 
 TOL = {"atol": 1e-12, "rtol": 0}
 
@@ -262,6 +263,26 @@ def test_selective_matches_reference(score, ties):
         assert (math.isnan(want) and math.isnan(got)) or got == pytest.approx(want, abs=1e-12)
 
 
+@pytest.mark.usefixtures("cpu_backend")  # the radix sort (reversed input, read backwards) and torch.sort
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_selective_order_is_stable_descending_on_both_sort_paths(dtype):
+    # tied confidences keep their input order (ties="sample" depends on it): a float32 or float64 input with
+    # many ties, the curve against the float64 loop reference point by point, exact counts
+    probs, targets = _data(500, 4, seed=21, ties=True, dtype=dtype)
+    pairs = R.top_pairs(probs, targets)
+    cl, errors = [c for c, _ in pairs], [1 - ok for _, ok in pairs]
+    curve = S.risk_coverage_curve(probs, targets)
+    want = R.selective_risks(cl, errors)
+    torch.testing.assert_close(curve.risk, torch.tensor([r for _, r, _ in want], dtype=torch.float64),
+                               rtol=0, atol=1e-15)  # fmt: skip
+    torch.testing.assert_close(curve.threshold, torch.tensor(sorted(cl, reverse=True), dtype=torch.float64))
+    assert float(S.aurc(probs, targets)) == pytest.approx(R.aurc_per_sample(cl, errors), abs=1e-12)
+    assert float(S.augrc(probs, targets)) == pytest.approx(R.aurc_per_sample(cl, errors, True), abs=1e-12)
+    m = CalibrationMetrics(4)
+    m.update(probs, targets)
+    assert float(m.compute("aurc")["aurc"]) == pytest.approx(R.aurc_per_sample(cl, errors), abs=1e-12)
+
+
 def test_confidence_scores_and_explicit_confidence():
     probs, targets = _data(40, 4, seed=12)
     logits = probs.log() + 3.0  # logsumexp = 3: energy and max-logit differ from the probabilities
@@ -327,6 +348,34 @@ def test_ood_matches_reference(seed):
     assert float(S.average_precision(scores, is_ood)) == pytest.approx(
         R.average_precision(scores.tolist(), is_ood.tolist()), abs=1e-12
     )
+
+
+def test_fpr_nearest_rule_matches_reference_at_every_level():
+    # the nearest-recall block is found by two binary searches (the distance to the level falls, then rises):
+    # against the reference's argmin over the reversed blocks, with heavy ties and recall plateaus, at
+    # levels on and between the achievable recalls, 0 and 1 included
+    g = torch.Generator().manual_seed(7)
+    for _ in range(200):
+        n = int(torch.randint(2, 60, (1,), generator=g))
+        scores = torch.randint(0, 7, (n,), generator=g).double() / 6
+        is_ood = torch.randint(0, 2, (n,), generator=g)
+        if not 0 < int(is_ood.sum()) < n:  # (FPR needs both classes)
+            continue
+        for level in (0.0, 0.1, 0.25, 1 / 3, 0.5, 0.95, 0.999, 1.0):
+            want = R.fpr_at_recall(scores, is_ood, level)
+            for labels in (is_ood, is_ood.bool(), is_ood.float()):
+                got = float(S.fpr_at_tpr(scores, labels, tpr=level))
+                assert (math.isnan(want) and math.isnan(got)) or got == pytest.approx(want, abs=1e-15)
+
+
+def test_ood_labels_are_checked_in_every_dtype():
+    scores = torch.tensor([0.3, 0.2, 0.1])
+    for bad in (torch.tensor([0, 2, 1]), torch.tensor([0, -1, 1]), torch.tensor([0.0, 0.5, 1.0])):
+        with pytest.raises(ValueError, match="0/1"):
+            S.fpr_at_tpr(scores, bad)
+        with pytest.raises(ValueError, match="0/1"):
+            S.average_precision(scores, bad)
+    assert math.isnan(float(S.fpr_at_tpr(torch.zeros(0), torch.zeros(0, dtype=torch.long))))
 
 
 def test_average_precision_anchor_vs_sklearn_rule():

@@ -174,6 +174,30 @@ def test_vector_sums_match_a_loop_reference():
 
 
 @pytest.mark.usefixtures("cpu_backend")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_scan_row_bins_are_the_top_label_bins(dtype):
+    # the decompositions group rows by the bins the scan already found (no second binning pass): on both
+    # paths they equal equal_width_index of the confidence, confidences on the edges b/M (rounded into the
+    # dtype) and one ulp either side included
+    from torchcal.functional._binning import equal_width_edges, equal_width_index
+    from torchcal.functional._inputs import scan_inputs
+
+    m = 7
+    edges = equal_width_edges(m, dtype)
+    conf = torch.cat([edges, torch.nextafter(edges, edges + 1), torch.nextafter(edges, edges - 1)])
+    conf = conf.clamp(0.5, 1)  # a top label of two classes is at least 1/2
+    probs = torch.stack([conf, 1 - conf], 1)
+    targets = torch.arange(conf.shape[0]) % 2
+    scan = scan_inputs(probs, targets, False, n_bins=m, row_bins=True)[2]
+    assert scan.bins is not None and scan.bins.dtype == torch.int64
+    torch.testing.assert_close(scan.bins, equal_width_index(scan.conf, m), rtol=0, atol=0)
+    probs, targets = make_probs(301, 5, seed=3, dtype=dtype)
+    scan = scan_inputs(probs, targets, False, n_bins=15, row_bins=True)[2]
+    torch.testing.assert_close(scan.bins, equal_width_index(scan.conf, 15), rtol=0, atol=0)
+    assert torch.equal(torch.bincount(scan.bins, minlength=15).double(), scan.top[0])
+
+
+@pytest.mark.usefixtures("cpu_backend")
 def test_float32_brier_sums_squares_in_float64_on_both_paths():
     # regression: the torch path took the row norm in float32 (relative error ~1e-7 against the C++ scan's
     # float64 squares), which the decompositions' within-group variance inherited

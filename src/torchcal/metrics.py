@@ -299,12 +299,19 @@ def state_views(sums: torch.Tensor, num_classes: int, n_bins: int, decomposition
     return top, cw, sums[3 * m + 2 * km : end], vec
 
 
-def top_bin_vector_sums(probs: torch.Tensor, targets: torch.Tensor, conf: torch.Tensor, n_bins: int):
+def top_bin_vector_sums(
+    probs: torch.Tensor,
+    targets: torch.Tensor,
+    conf: torch.Tensor,
+    n_bins: int,
+    bins: torch.Tensor | None = None,
+):
     """Per equal-width top-label bin (SPEC §3) the float64 K-vectors Σ P_i and Σ onehot(y_i), (2, M, K).
-    A float32 batch is added in chunks of ``_VECTOR_CHUNK`` entries, each upcast once (no (B, K) float64
-    copy)."""
+    ``bins``: each row's bin when the caller has it (the scan's), else from ``conf``. A float32 batch is
+    added in chunks of ``_VECTOR_CHUNK`` entries, each upcast once (no (B, K) float64 copy)."""
     n, k = probs.shape
-    bins = equal_width_index(conf, n_bins)
+    if bins is None:
+        bins = equal_width_index(conf, n_bins)
     out = torch.zeros(2, n_bins, k, dtype=torch.float64, device=probs.device)
     if probs.dtype == torch.float64:
         out[0].index_add_(0, bins, probs)
@@ -312,7 +319,7 @@ def top_bin_vector_sums(probs: torch.Tensor, targets: torch.Tensor, conf: torch.
         rows = max(1, _VECTOR_CHUNK // k)
         for start in range(0, n, rows):
             out[0].index_add_(0, bins[start : start + rows], probs[start : start + rows].double())
-    out[1] = torch.bincount(bins * k + targets, minlength=n_bins * k).view(n_bins, k)
+    out[1] = torch.bincount(torch.add(targets, bins, alpha=k), minlength=n_bins * k).view(n_bins, k)
     return out
 
 
@@ -337,6 +344,7 @@ def batch_state(
         classwise_bins=n_bins,
         n_bins=n_bins,
         threshold=s99_threshold,
+        row_bins=decompositions,
     )
     conf, correct = scan.conf, scan.correct
     sums = torch.zeros(
@@ -359,7 +367,7 @@ def batch_state(
     else:  # 0-d device tensors (no host sync)
         scalars += torch.stack([torch.as_tensor(v, dtype=torch.float64, device=conf.device) for v in batch])
     if vec is not None:  # decompositions
-        vec += top_bin_vector_sums(probs, targets, conf, n_bins)
+        vec += top_bin_vector_sums(probs, targets, conf, n_bins, scan.bins)
     rank = None
     if score in ("max_logit", "energy"):
         rank = S.confidence_score(probs_or_logits, score=score, from_logits=True).to(probs.device)
@@ -482,7 +490,7 @@ def _row_metrics(rows, n_bins, wanted) -> dict[str, torch.Tensor]:
         hi, lo = CU.extremes_of_sorted(conf_s, corr_s)
         out["ks"], out["kuiper"] = torch.maximum(hi, -lo), hi - lo
     if wanted & {"aurc", "augrc"}:
-        curve = S._curve(conf.double() if rank is None else rank, (~correct).double())
+        curve = S._curve(conf if rank is None else rank, ~correct)
         out["aurc"], out["augrc"] = S.sample_area(curve.risk), S.sample_area(curve.generalized_risk)
     return out
 

@@ -9,8 +9,9 @@ Two implementations per kernel, one per role (see docs/architecture.md):
   for the scan, a radix sort carrying the correctness, a fused loss with its own autograd node.
 
 Kernels: the metrics' top-label scan (:func:`scan`, which also gives the classwise and per-sample sums), the
-top label straight from logits (:func:`top_label_from_logits`, no probability matrix), the stable sort of confidences with their correctness (:func:`sort_with_flags`), and the p_t-only training loss
-(:func:`true_class_loss`). Public functions call these; no other module asks which backend exists.
+top label straight from logits (:func:`top_label_from_logits`, no probability matrix), the stable sorts of
+confidences with their correctness (:func:`sort_with_flags`, ascending; :func:`sort_descending_with_flags`),
+and the p_t-only training loss (:func:`true_class_loss`). Public functions call these; no other module asks which backend exists.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ __all__ = [
     "scan_checks_labels",
     "top_label_from_logits",
     "sort_with_flags",
+    "sort_descending_with_flags",
     "true_class_loss",
     "penalised_cross_entropy",
     "use_cpu_kernels",
@@ -53,17 +55,18 @@ def scan_checks_labels(probs: torch.Tensor) -> bool:
     return _extension.scan_applies(probs)
 
 
-def scan(probs, targets, classwise_bins=None, n_bins=None, threshold=None) -> Scan:
+def scan(probs, targets, classwise_bins=None, n_bins=None, threshold=None, row_bins=False) -> Scan:
     """The top-label scan of validated ``probs`` (N, K) and ``targets`` (N,): confidence, correctness,
     validation statistics and, on request, the equal-width (``n_bins``) and classwise (``classwise_bins``)
-    bin sums and (``threshold``; C++ only, else None) the per-sample sums. C++ for contiguous float32/64 CPU
-    tensors when the library is built; torch otherwise."""
+    bin sums, (``threshold``; C++ only, else None) the per-sample sums and (``row_bins`` with ``n_bins``)
+    each row's equal-width top-label bin. C++ for contiguous float32/64 CPU tensors when the library is
+    built; torch otherwise."""
     if _extension.scan_applies(probs):
-        conf, correct, worst, lowest, nonfinite, top, cw, sum_sq, sums = _extension.top_label_scan(
-            probs, targets, n_bins, classwise_bins, threshold
+        conf, correct, worst, lowest, nonfinite, top, cw, sum_sq, bins, sums = _extension.top_label_scan(
+            probs, targets, n_bins, classwise_bins, threshold, row_bins
         )
         classwise = None if cw is None else _FinishedClasswise(cw)
-        return Scan(conf, correct, (worst, lowest, nonfinite), classwise, top, sum_sq, sums)
+        return Scan(conf, correct, (worst, lowest, nonfinite), classwise, top, sum_sq, sums, bins)
     return torch_scan(probs, targets, classwise_bins, n_bins)
 
 
@@ -88,6 +91,25 @@ def sort_with_flags(values: torch.Tensor, flags: torch.Tensor) -> tuple[torch.Te
     if flags.dtype == torch.bool and _extension.sort_applies(values):
         return _extension.sort_with_flags(values, flags)
     values_sorted, order = torch.sort(values, stable=True)
+    return values_sorted, flags[order]
+
+
+def sort_descending_with_flags(
+    values: torch.Tensor, flags: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stable descending sort of finite scores ``values`` (ties keep input order) carrying the bool ``flags``
+    along. Non-negative values on CPU take the radix sort of :func:`sort_with_flags` on the reversed input,
+    reversed back: ascending with ties in reversed input order, read backwards, is descending with ties in
+    input order. Otherwise ``torch.sort(descending=True, stable=True)`` and a gather."""
+    if (
+        flags.dtype == torch.bool
+        and _extension.sort_applies(values)
+        and values.numel() > 0
+        and bool(values.amin() >= 0)
+    ):
+        values_sorted, flags_sorted = _extension.sort_with_flags(values.flip(0), flags.flip(0))
+        return values_sorted.flip(0), flags_sorted.flip(0)
+    values_sorted, order = torch.sort(values, descending=True, stable=True)
     return values_sorted, flags[order]
 
 

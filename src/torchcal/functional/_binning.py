@@ -187,6 +187,8 @@ class Scan(NamedTuple):
     top: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # top-label equal-width (count, conf sum, correct sum) with ``n_bins``, else None
     sum_sq: float | None = None  # Σ_ik p_ik² in float64 (fused path only)
     sums: ScanSums | None = None  # with ``threshold`` (scan_inputs fills them on every path)
+    # each row's top-label bin (N,) int64: the torch path with ``n_bins``, the C++ one on request
+    bins: torch.Tensor | None = None
 
 
 class _FinishedClasswise:
@@ -252,5 +254,8 @@ def torch_scan(
         if tied.numel():
             correct[tied] = probs[tied].argmax(dim=1) == targets[tied]
         stats = row_stats(row_sums, torch.stack(mins).amin())
-    top = None if n_bins is None else bin_sums(equal_width_index(conf, n_bins), n_bins, conf, correct)
-    return Scan(conf, correct, stats, acc, top)
+    bins = top = None
+    if n_bins is not None:
+        bins = equal_width_index(conf, n_bins)
+        top = bin_sums(bins, n_bins, conf, correct)
+    return Scan(conf, correct, stats, acc, top, bins=bins)

@@ -18,6 +18,7 @@ import torch
 
 from .._namespace import only_public as _only_public
 from .._validation import _FROM_LOGITS_ADVICE, as_data, check_choice, check_float, check_logits
+from . import _backend
 from ._field_inputs import field_inputs, top_label, top_label_pairs
 from .calibration import binary_auroc
 
@@ -72,13 +73,14 @@ def _rows(x) -> int:
 
 
 def _confidence_and_errors(probs, targets, confidence, score, from_logits):
-    """(confidence float64 (N,), top-label errors float64 (N,)), validated."""
+    """(confidence (N,) floating point, top-label errors bool (N,)), validated. The confidence keeps the
+    dtype it was computed in (the ranking is the same as its float64 upcast's); the curves are float64."""
     if confidence is None and score == "max_prob":  # one fused pass: validation, confidence, correctness
         conf, correct = top_label_pairs(probs, targets, from_logits)
-        return conf.double(), 1 - correct
+        return conf, correct < 0.5
     probs_in = probs
     probs, targets = field_inputs(probs, targets, from_logits)
-    errors = 1 - top_label(probs, targets)[1]
+    errors = top_label(probs, targets)[1] < 0.5
     if confidence is None:
         if score in ("max_logit", "energy"):
             confidence = confidence_score(probs_in, score=score, from_logits=from_logits)
@@ -107,11 +109,14 @@ class RiskCoverageCurve(NamedTuple):
 
 
 def _curve(confidence, errors) -> RiskCoverageCurve:
+    """The curve of finite ``confidence`` (N,) and bool ``errors`` (N,): a stable descending sort carrying the
+    errors (:func:`torchcal.functional._backend.sort_descending_with_flags`: the radix sort on CPU for
+    non-negative scores), their float64 cumulative count, and the float64 thresholds."""
     n = confidence.shape[0]
-    conf_sorted, order = torch.sort(confidence, descending=True, stable=True)
-    cum = torch.cumsum(errors[order], 0)
+    conf_sorted, errors_sorted = _backend.sort_descending_with_flags(confidence, errors)
+    cum = torch.cumsum(errors_sorted, 0, dtype=torch.float64)
     k = torch.arange(1, n + 1, dtype=torch.float64, device=confidence.device)
-    return RiskCoverageCurve(k / n, cum / k, cum / n, conf_sorted)
+    return RiskCoverageCurve(k / n, cum / k, cum / n, conf_sorted.double())
 
 
 def risk_coverage_curve(
@@ -267,29 +272,38 @@ def coverage_at_risk(
 
 
 def _ood_inputs(scores, is_ood):
+    """(scores, labels as bool): ``is_ood`` must hold only 0 and 1 (checked in one pass: the range of an
+    integer tensor, both values of a floating one; a bool tensor needs no check)."""
     scores = as_data(scores, "scores")
     is_ood = as_data(is_ood, "is_ood")
     if scores.ndim != 1 or not scores.is_floating_point():
         raise ValueError(f"`scores` must be a 1-D floating-point tensor, got shape {tuple(scores.shape)}")
     if is_ood.shape != scores.shape:
         raise ValueError(f"`is_ood` must have shape {tuple(scores.shape)}, got {tuple(is_ood.shape)}")
-    t = is_ood.to(scores.device).double()
-    if not bool(((t == 0) | (t == 1)).all()):
-        raise ValueError("`is_ood` must hold 0/1 (or bool) values")
-    return scores, t
+    labels = is_ood.to(scores.device)
+    if labels.dtype != torch.bool and labels.numel() > 0:
+        if labels.is_floating_point() or labels.is_complex():
+            valid = bool(((labels == 0) | (labels == 1)).all())
+        else:
+            lo, hi = torch.aminmax(labels)
+            valid = bool((lo >= 0) & (hi <= 1))
+        if not valid:
+            raise ValueError("`is_ood` must hold 0/1 (or bool) values")
+    return scores, labels != 0
 
 
-def _threshold_counts(scores, t):
-    """At the end of each tie block of the descending scores the cumulative float64 (TP, FP). Only block
-    ends are read, and they do not depend on the order inside a block, so the sort need not be stable; it
-    runs in the input dtype (upcasting keeps the order and the ties)."""
+def _threshold_counts(scores, positive):
+    """At the end of each tie block of the descending scores the cumulative (TP, FP) counts, float64. Only
+    block ends are read, and they do not depend on the order inside a block, so the sort need not be stable;
+    it runs in the input dtype (upcasting keeps the order and the ties). The bool labels are gathered and
+    counted in int64 (exact), converted once at the block ends."""
     s, order = torch.sort(scores, descending=True)
-    tps_all = torch.cumsum(t[order], 0)
+    tps_all = torch.cumsum(positive[order], 0)
     last = torch.ones_like(s, dtype=torch.bool)
-    last[:-1] = s[1:] != s[:-1]
+    torch.ne(s[1:], s[:-1], out=last[:-1])
     idx = torch.nonzero(last).squeeze(1)
     tps = tps_all[idx]
-    return tps, (idx + 1).double() - tps
+    return tps.double(), (idx + 1 - tps).double()
 
 
 def fpr_at_tpr(scores, is_ood, *, tpr: float = 0.95, rule: str = "nearest") -> torch.Tensor:
@@ -319,10 +333,21 @@ def fpr_at_tpr(scores, is_ood, *, tpr: float = 0.95, rule: str = "nearest") -> t
         )
         return fps[min(j, fps.shape[0] - 1)] / (t.shape[0] - total)
     stop = int(torch.searchsorted(tps, tps[-1]))  # first block reaching every positive
-    recall = torch.cat([(tps[: stop + 1] / total).flip(0), tps.new_ones(1)])
-    fp = torch.cat([fps[: stop + 1].flip(0), fps.new_zeros(1)])
-    j = int(torch.argmin((recall - level).abs()))
-    return fp[j] / (t.shape[0] - total)
+    return fps[_nearest_block(tps[: stop + 1] / total, level)] / (t.shape[0] - total)
+
+
+def _nearest_block(recall: torch.Tensor, level: float) -> int:
+    """The last index j minimising ``|recall_j − level|`` (float64) over a non-decreasing ``recall`` whose last
+    entry is 1 >= level: ties go to the higher recall and, on a plateau, to the later block (the lowest
+    threshold), as ``argmin`` over the reversed blocks does. ``recall − level`` rounds monotonically, so the
+    distance does not increase up to the first block c with recall >= level and does not decrease from c
+    on: the minimum is at c − 1 or at c, and the last block at c's distance closes the run from c."""
+    c = int(torch.searchsorted(recall, recall.new_tensor([level])))
+    above = (recall[c:] - level).abs()  # non-decreasing, above[0] is c's distance
+    j = c + int(torch.searchsorted(above, above[:1], right=True)) - 1
+    if c > 0 and float((recall[c - 1] - level).abs()) < float(above[0]):
+        j = c - 1
+    return j
 
 
 def average_precision(scores, labels) -> torch.Tensor:

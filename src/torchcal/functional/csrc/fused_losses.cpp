@@ -536,18 +536,19 @@ std::vector<double> bin_edges(int64_t m) {
 }
 
 // The metrics' top-label scan (scan.h) over contiguous CPU probabilities (N, K), rows in parallel:
-//   top_label_scan(probs, targets, n_bins, classwise_bins, threshold=None)
-//     -> (conf, correct, top, classwise, stats)
+//   top_label_scan(probs, targets, n_bins, classwise_bins, threshold=None, row_bins=False)
+//     -> (conf, correct, top, classwise, stats, bins)
 // conf (N,) in the input dtype, correct (N,) bool; top (3, n_bins) float64 equal-width (count, conf sum,
 // correct sum); classwise (3, K, classwise_bins) float64 (count, p sum, label count; bin 0 finished from the
 // column totals); stats float64 [largest |row sum − 1|, most negative entry or 0, any non-finite row sum,
 // Σ p², labels outside [0, K), then with a threshold the per-sample sums Σ −log p_y, Σ p_y, correct,
-// confidence >= threshold, those correct (else 0)] (the caller raises on bad labels). n_bins or
+// confidence >= threshold, those correct (else 0)] (the caller raises on bad labels); bins (N,) int64
+// each row's equal-width top-label bin with row_bins and n_bins > 0 (else empty). n_bins or
 // classwise_bins 0: that part is skipped (an empty tensor). The rows are cut into parts that depend on N and K only and the parts' sums are added in
 // order, so the results are the same for any thread count.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> top_label_scan_cpu(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> top_label_scan_cpu(
     const at::Tensor& probs, const at::Tensor& targets, int64_t n_bins, int64_t classwise_bins,
-    c10::optional<double> threshold) {
+    c10::optional<double> threshold, bool row_bins) {
   check_rows(probs, "probs", targets, "top_label_scan");
   TORCH_CHECK_VALUE(n_bins >= 0 && classwise_bins >= 0, "bin counts must be >= 0");
   const at::Tensor p = probs.contiguous();
@@ -570,6 +571,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> top_label
   at::Tensor correct = at::empty({n}, p.options().dtype(at::kBool));
   at::Tensor tops = at::zeros({parts, 3 * m}, f64);
   at::Tensor tables = at::zeros({parts, table}, f64);
+  at::Tensor bins = at::empty({row_bins && m > 0 ? n : 0}, p.options().dtype(at::kLong));
+  int64_t* bp = bins.numel() > 0 ? bins.data_ptr<int64_t>() : nullptr;
   std::vector<ScanStats> stats(static_cast<size_t>(parts));
   const std::vector<double> edges = bin_edges(m), cw_edges = bin_edges(mc);
   AT_DISPATCH_FLOATING_TYPES(p.scalar_type(), "top_label_scan", [&] {
@@ -587,7 +590,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> top_label
           stats[static_cast<size_t>(c)] = scan_rows<scalar_t, decltype(fixed)::value>(
               pp, tp, std::min(n, c * rows), std::min(n, (c + 1) * rows), k, m, edges.data(), mc,
               cw_edges.data(), cp, hp, topp + c * 3 * m, tab, tab + 3 * mc * k, threshold.has_value(),
-              static_cast<scalar_t>(threshold.value_or(1.0)));
+              static_cast<scalar_t>(threshold.value_or(1.0)), bp);
         }
       });
     };
@@ -625,7 +628,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> top_label
   sp[7] = static_cast<double>(total.n_correct);
   sp[8] = static_cast<double>(total.n_confident);
   sp[9] = static_cast<double>(total.n_confident_correct);
-  return {conf, correct, top, classwise, st};
+  return {conf, correct, top, classwise, st, bins};
 }
 
 // The smallest entry of a row (a loop the compiler vectorises; the row is in cache after the maximum)
@@ -758,8 +761,8 @@ TORCH_LIBRARY(torchcal, m) {
       "fused_true_class(Tensor logits, Tensor targets, Tensor params, Tensor? sample_gammas, int reduction) -> "
       "Tensor");
   m.def(
-      "top_label_scan(Tensor probs, Tensor targets, int n_bins, int classwise_bins, float? threshold=None) -> "
-      "(Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "top_label_scan(Tensor probs, Tensor targets, int n_bins, int classwise_bins, float? threshold=None, "
+      "bool row_bins=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("sort_with_flags(Tensor values, Tensor flags) -> (Tensor, Tensor)");
   m.def("logits_top_label(Tensor logits, Tensor targets, int n_bins) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def(

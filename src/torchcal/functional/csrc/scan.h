@@ -147,14 +147,15 @@ struct ScanStats {
 // finished by the caller from the totals (most entries of a long row are in bin 0). With ``sums`` the
 // ScanStats also get the per-sample sums, the confidence compared with ``threshold`` in the input dtype (as
 // torch compares a tensor with a Python number) and −log p_y computed in float64 from p_y clamped below at
-// the dtype's smallest normal number (the torch path's clamp; its log is taken in the input dtype).
+// the dtype's smallest normal number (the torch path's clamp; its log is taken in the input dtype). With
+// ``row_bin`` (and m > 0) each row's equal-width bin is written to row_bin[i].
 // Fixed > 0: the caller guarantees k == Fixed, and every loop over a row has a compile-time length (rows of
 // up to kFixedRows classes: fully unrolled, no loop overhead or tail handling per row).
 template <typename scalar_t, int Fixed = 0>
 ScanStats scan_rows(const scalar_t* p, const int64_t* t, int64_t begin, int64_t end, int64_t k_runtime,
                     int64_t m, const double* edges, int64_t mc, const double* cw_edges, scalar_t* conf,
                     bool* correct, double* top, double* cw, double* col_total, bool sums = false,
-                    scalar_t threshold = scalar_t(1)) {
+                    scalar_t threshold = scalar_t(1), int64_t* row_bin = nullptr) {
   const int64_t k = Fixed > 0 ? Fixed : k_runtime;
   ScanStats st;
   const scalar_t first_edge = below_or_at<scalar_t>(mc > 0 ? cw_edges[1] : 0.0);
@@ -226,7 +227,9 @@ ScanStats scan_rows(const scalar_t* p, const int64_t* t, int64_t begin, int64_t 
     }
     if (m > 0) {
       const double c = static_cast<double>(hi);
-      double* b = top + bin_index(c, m, edges);
+      const int64_t bin = bin_index(c, m, edges);
+      if (row_bin != nullptr) row_bin[i] = bin;
+      double* b = top + bin;
       b[0] += 1.0;
       b[m] += c;
       b[2 * m] += hit;
