@@ -12,7 +12,7 @@ of a case run back to back, in alternating order from round to round, so the mac
 ratio; the CSV keeps the median over rounds.
 
     flock /tmp/torchcal-bench.lock python benchmarks/bench_fused_head.py [--rounds 1] [--device cuda]
-        [--vocab 32000 128000] [--losses ce flsd-53 ...] [--large-losses ce flsd-53 dfl fcl] [--quick]
+        [--vocab 32000 128000] [--losses ce flsd-53 ...] [--large-losses ce flsd-53 dfl fcl] [--quick] [--tag T]
 
 ``--large-losses`` are the losses timed at the largest vocabulary (every loss runs at the others).
 ``--quick`` runs N = 512, hidden 128, V = 4,000 (a smoke run).
@@ -119,6 +119,7 @@ def main():
     parser.add_argument("--losses", nargs="+", default=LOSSES)
     parser.add_argument("--large-losses", nargs="+", default=LARGE_LOSSES)
     parser.add_argument("--quick", action="store_true", help="N = 512, hidden 128, V = 4,000 (smoke run)")
+    parser.add_argument("--tag", default="", help="added to the result file's name (a partial rerun's own file)")
     args = parser.parse_args()
     if args.child:
         loss_name, tokens, width, vocab, path, device = args.child
@@ -130,6 +131,8 @@ def main():
     stem = "bench_fused_head" + ("-quick" if args.quick else "")
     if not args.quick and args.vocab != [32000, 128000]:  # a partial run: its own file
         stem += "-v" + "-".join(map(str, args.vocab))
+    if args.tag:
+        stem += f"-{args.tag}"
     stem += f"-{hardware()}"
     if args.device != "cpu":
         stem += f"-{args.device}"
