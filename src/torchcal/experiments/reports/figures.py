@@ -739,8 +739,9 @@ def _fcl_fig5(plt, groups):
         ax.plot(q.numpy(), h.numpy(), color=color, label=f"γ = {gamma:g}, λ = {lam:g}{shown}")
         if root is not None:
             ax.plot([root], [0.0], "o", color=color, markersize=5)
-            ax.annotate(f"q* = {root:.3f}", (root, 0.0), textcoords="offset points", xytext=(4, 6), fontsize=7,
-                        color=color)  # fmt: skip
+            # labels stacked by curve, so that roots close together stay readable
+            ax.annotate(f"q* = {root:.3f}", (root, 0.0), textcoords="offset points", xytext=(4, 6 + 11 * i),
+                        fontsize=7, color=color)  # fmt: skip
         low = min(low, float(h[-1]))
         curves.append({"gamma": gamma, "lambda": lam, "source": source, "root": root,
                        "h_at_1": float(h[-1])})  # fmt: skip
