@@ -691,7 +691,15 @@ def fcl_h(q, gamma: float, lambda_: float) -> torch.Tensor:
 
 def fcl_h_root(gamma: float, lambda_: float) -> float | None:
     """The unique root q* ∈ (0, 1) of :func:`fcl_h`, by bisection in float64 down to adjacent floats (h is
-    continuous and strictly decreasing); None when h stays positive (λ = 0, or γ = 0 with λ <= 1/2)."""
+    continuous and strictly decreasing); None when h stays positive (λ = 0, or γ = 0 with λ <= 1/2).
+
+    Example:
+        >>> q = fcl_h_root(4.0, 1.5)  # the FCL paper's CIFAR-10 ResNet-50 setting
+        >>> round(q, 4), abs(float(fcl_h(q, 4.0, 1.5))) < 1e-12
+        (0.3932, True)
+        >>> fcl_h_root(0.0, 0.25) is None  # h(q) = 1/q − q/2 > 0 on (0, 1)
+        True
+    """
     limit_at_one = (1.0 if gamma == 0 else 0.0) - 2 * lambda_
     if limit_at_one >= 0:
         return None
@@ -874,7 +882,14 @@ def loss_arguments(config: dict) -> tuple[str, dict[str, float]]:
     """(the loss's class name, its finite numeric arguments) as a run's flattened config builds the loss: the
     values its name fixes (γ of ``fl-3``) and its defaults included, e.g. ``("FocalCalibrationLoss",
     {"gamma": 4.0, "lambda_": 0.5})``. A loss this library cannot build gives its name and the numbers of
-    its ``loss.kwargs``."""
+    its ``loss.kwargs``.
+
+    Example:
+        >>> loss_arguments({"loss.name": "fl-3", "loss.kwargs": {}})
+        ('FocalLoss', {'gamma': 3.0})
+        >>> loss_arguments({"loss.name": "fcl", "loss.kwargs": {"lambda_": 0.5}})
+        ('FocalCalibrationLoss', {'gamma': 4.0, 'lambda_': 0.5})
+    """
     loss = _built_loss(config)
     if loss is None:
         name, values = str(config.get("loss.name")), dict(config.get("loss.kwargs") or {})
@@ -917,7 +932,15 @@ def sweep_lines(groups: list[RunSet], key: str | None = None) -> tuple[str, list
     or ``loss.kwargs.lambda_``); None finds the one numeric loss argument (:func:`loss_arguments`) that
     takes two or more values among run groups whose configs are otherwise equal, a :class:`UserError` when
     several do, None when none does. Groups whose loss does not take the argument (FL beside FCL's λ)
-    become reference lines."""
+    become reference lines.
+
+    Example:
+        >>> fcl = [RunSet(f"fcl {v}", {"loss.name": "fcl", "loss.kwargs": {"lambda_": v}}) for v in (0.5, 1.0)]
+        >>> fl = RunSet("fl", {"loss.name": "fl-3", "loss.kwargs": {}})
+        >>> key, lines = sweep_lines([*fcl, fl])
+        >>> key, [(line.label, line.reference, sorted(line.points, key=str)) for line in lines]
+        ('lambda_', [('FCL (γ = 4)', False, [0.5, 1.0]), ('FL (γ = 3)', True, [None])])
+    """
     built = [(g, *loss_arguments(g.config)) for g in groups]
 
     def rest(g):
