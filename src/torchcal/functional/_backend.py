@@ -254,6 +254,33 @@ def penalised_cross_entropy(logits, targets, kind, params, ignore_index, penalty
         return None
 
 
+def ml1ace_cross_entropy(logits, targets, lam, options, per_image, ignore_index, reduction):
+    """Cross entropy + λ·mL1-ACE of :func:`torchcal.functional.margin.ml1ace_loss` by the C++ operator
+    (``options`` the checked (n_bins, binning, empty_weight, include_background, ignore_empty_classes)), or
+    None where it does not apply (as :func:`penalised_cross_entropy`)."""
+    if not _fast_margin_call(logits, targets, reduction):
+        return None
+    n_bins, binning, empty_weight, include_background, ignore_empty = options
+    soft = binning == "soft"
+    if soft:
+        edges = logits.new_empty(0)
+    else:
+        edges = torch.linspace(0, 1 + _FLOAT32_EPS, n_bins + 1, dtype=logits.dtype)[1:-1]
+    per_image = logits.ndim > 2 if per_image is None else bool(per_image)
+    codes = [int(n_bins), int(soft), 0 if include_background else 1, int(ignore_empty), int(per_image),
+             _extension.REDUCTION_CODES[reduction]]  # fmt: skip
+    params = [float(lam), float(empty_weight)]
+    if torch.compiler.is_compiling():
+        return _extension.fused_ace(logits, targets, edges, params, codes, ignore_index)
+    try:
+        return _extension.fused_ace(logits, targets, edges, params, codes, ignore_index)
+    except ValueError:
+        return None
+
+
+_FLOAT32_EPS = 1.1920928955078125e-07  # the reference's upper bin edge is 1 + float32 eps (margin.py)
+
+
 # -- retired switches ----------------------------------------------------------------------------------------
 
 

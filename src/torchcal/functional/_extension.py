@@ -46,7 +46,7 @@ __all__ = ["build_cpu_extension", "cpu_extension_available", "use_cpu_extension"
 _SCAN_DTYPES = (torch.float32, torch.float64)
 
 SOURCE = Path(__file__).with_name("csrc") / "fused_losses.cpp"
-HEADERS = tuple(SOURCE.with_name(name) for name in ("true_class.h", "scan.h", "sort.h", "margin.h"))
+HEADERS = tuple(SOURCE.with_name(name) for name in ("true_class.h", "scan.h", "sort.h", "margin.h", "ace.h"))
 REDUCTION_CODES = {"none": 0, "mean": 1, "sum": 2}
 PORTABLE_FLAGS = ["-O3", "-fopenmp-simd"]
 
@@ -298,6 +298,26 @@ def fused_margin(logits, targets, kind: str, params: list[float], ignore_index, 
     return _op("fused_margin")(*args)
 
 
+def fused_ace(logits, targets, edges, params: list[float], options: list[int], ignore_index):
+    """Cross entropy + λ·mL1-ACE (:func:`torchcal.functional.margin.ml1ace_loss`) through the C++ operator
+    (csrc/ace.h) for (N, K, d1, ...) CPU float32/64 logits and integer labels (which it checks, ValueError):
+    ``edges`` the hard bins' inner edges in the logits' dtype, ``params`` [λ, empty_weight], ``options``
+    [n_bins, soft, first class, ignore_empty_classes, per_image, reduction code]. While ``torch.compile``
+    traces, the pair of plain operators whose fake implementations and autograd formula are registered
+    below."""
+    if torch.compiler.is_compiling():
+        return torch.ops.torchcal.fused_ace_fwd.default(logits, targets, edges, params, options, ignore_index)[0]
+    return _op("fused_ace")(logits, targets, edges, params, options, ignore_index)
+
+
+def _ace_stats_size(logits, options) -> int:
+    """Length of the ACE operator's float64 statistics (``Spec::stats_size`` in csrc/ace.h)."""
+    n_bins, _, first, _, per_image, _ = options
+    groups = logits.shape[0] if per_image else 1
+    c = logits.shape[1] - first
+    return groups * c * n_bins * 3 + groups * c + groups + 2
+
+
 _N_OUT = 6  # columns of the operator's per-sample output (``enum Out`` in csrc/true_class.h)
 
 
@@ -357,6 +377,30 @@ def _register_compile_support() -> None:
     torch.library.register_autograd(
         "torchcal::fused_margin_fwd", margin_backward, setup_context=margin_setup_context
     )
+
+    if not hasattr(torch.ops.torchcal, "fused_ace_fwd"):
+        return
+
+    @torch.library.register_fake("torchcal::fused_ace_fwd")
+    def _ace_fwd_fake(logits, targets, edges, params, options, ignore_index):
+        loss = logits.new_empty(targets.shape if options[-1] == 0 else ())
+        return loss, logits.new_empty((_ace_stats_size(logits, options),), dtype=torch.float64)
+
+    @torch.library.register_fake("torchcal::fused_ace_bwd")
+    def _ace_bwd_fake(grad_loss, logits, targets, edges, stats, params, options, ignore_index):
+        return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+    def ace_setup_context(ctx, inputs, output):
+        logits, targets, edges, *options = inputs
+        ctx.save_for_backward(logits, targets, edges, output[1])
+        ctx.options = options
+
+    def ace_backward(ctx, grad_loss, _grad_stats):
+        logits, targets, edges, stats = ctx.saved_tensors
+        grad = torch.ops.torchcal.fused_ace_bwd.default(grad_loss, logits, targets, edges, stats, *ctx.options)
+        return grad, None, None, None, None, None
+
+    torch.library.register_autograd("torchcal::fused_ace_fwd", ace_backward, setup_context=ace_setup_context)
 
 
 def _op(name: str):

@@ -35,7 +35,7 @@ from typing import Literal
 import torch
 
 from .._validation import check_choice, check_float, check_positive_int
-from ._backend import penalised_cross_entropy
+from ._backend import ml1ace_cross_entropy, penalised_cross_entropy
 from ._loss_inputs import (
     IGNORE_INDEX,
     LossRows,
@@ -1411,6 +1411,13 @@ def ml1ace_loss(
     options = _check_ace_options(n_bins, binning, empty_weight, include_background, ignore_empty_classes)
     check_choice(reduction, "reduction", REDUCTIONS)
     _refuse_batch_term(_ACE_IS_PER_IMAGE, weight, label_smoothing)
+    from .._validation import check_bool
+
+    if not check_bool(multilabel, "multilabel"):
+        fused = ml1ace_cross_entropy(logits, targets, lam, options, per_image, check_ignore_index(ignore_index),
+                                     reduction)  # fmt: skip
+        if fused is not None:
+            return fused
     with torch.autocast(_device_type(logits), enabled=False):
         p, y, kept, group_of, n_groups, rows = _ace_inputs(
             logits, targets, multilabel, per_image, ignore_index

@@ -21,6 +21,7 @@
 #include <torch/library.h>
 
 #include "margin.h"
+#include "ace.h"
 #include "scan.h"
 #include "sort.h"
 #include "true_class.h"
@@ -780,6 +781,13 @@ TORCH_LIBRARY(torchcal, m) {
   m.def(
       "fused_margin_bwd(Tensor grad_loss, Tensor logits, Tensor targets, Tensor stats, int kind, float[] params, "
       "int? ignore_index, bool penalty_all_rows, int reduction) -> Tensor");
+  m.def("fused_ace(Tensor logits, Tensor targets, Tensor edges, float[] params, int[] options, int? ignore_index) -> Tensor");
+  m.def(
+      "fused_ace_fwd(Tensor logits, Tensor targets, Tensor edges, float[] params, int[] options, int? ignore_index) "
+      "-> (Tensor, Tensor)");
+  m.def(
+      "fused_ace_bwd(Tensor grad_loss, Tensor logits, Tensor targets, Tensor edges, Tensor stats, float[] params, "
+      "int[] options, int? ignore_index) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(torchcal, CPU, m) {
@@ -792,9 +800,13 @@ TORCH_LIBRARY_IMPL(torchcal, CPU, m) {
   m.impl("fused_margin", fused_margin_cpu);
   m.impl("fused_margin_fwd", fused_margin_fwd_cpu);
   m.impl("fused_margin_bwd", margin_backward);
+  m.impl("fused_ace", fused_ace_cpu);
+  m.impl("fused_ace_fwd", fused_ace_fwd_cpu);
+  m.impl("fused_ace_bwd", fused_ace_bwd_cpu);
 }
 
 TORCH_LIBRARY_IMPL(torchcal, AutogradCPU, m) {
   m.impl("fused_true_class", fused_true_class_autograd);
   m.impl("fused_margin", fused_margin_autograd);
+  m.impl("fused_ace", fused_ace_autograd);
 }

@@ -1,0 +1,528 @@
+// mL1-ACE (hard and soft bins) plus cross entropy in one operator (torchcal/functional/margin.py's
+// ml1ace_loss for integer labels of CPU float32/float64 logits; docs/decisions.md 211-213). Included by
+// fused_losses.cpp after true_class.h, whose vectorised row maximum and exponential it uses.
+//
+// Forward: one read of each row (max, exp(x − max), Σ), its cross entropy, and the scatter of every binned
+// class's p into a (group, class, bin) table of (Σ w, Σ w·p, Σ w·y) in float64. Rows are split into
+// chunks fixed by the shape (never by the thread count), each with its own table, summed in chunk order:
+// the value and the gradient do not depend on the number of threads. The backward recomputes p per row,
+// looks up u_ik = ∂ACE/∂p_ik from the table (the bin's sign / count, and for soft bins the membership's
+// derivative) and writes grad z = g_ce (p − e_y) + p ⊙ (u − <u, p>) in the same pass.
+
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <tuple>
+#include <vector>
+
+namespace torchcal {
+namespace ace {
+
+constexpr double kFloat32Eps = 1.1920928955078125e-07;  // the reference's upper bin edge is 1 + float32 eps
+constexpr int64_t kTile = 64;                            // positions of a (N, K, S) tile gathered into rows
+enum Option { O_BINS, O_SOFT, O_FIRST, O_IGNORE_EMPTY, O_PER_IMAGE, O_REDUCTION, N_OPTIONS };
+enum Cell { C_COUNT, C_SUM_P, C_SUM_Y, N_CELL };  // per (group, class, bin)
+
+struct Spec {
+  int64_t n, k, sp;        // logits (N, K, S), S = Π spatial sizes
+  int64_t rows, groups;    // M = N·S rows (positions), G groups (images, or 1 for the pooled batch)
+  int64_t per_group;       // rows of a group (M / G): each group one contiguous block
+  int64_t bins, first, c;  // M bins, first binned class (1 without background), C' = K − first
+  bool soft, ignore_empty;
+  int64_t reduction;  // 0 none, 1 mean, 2 sum
+  double lambda, empty_weight;
+  bool has_ignore;
+  int64_t ignore;
+  int64_t chunks;  // chunks per group, each with its own partial table
+  // the forward's float64 statistics, one flat tensor: tables (G, C', bins, N_CELL), present (G, C'),
+  // kept rows (G), then Σ cross entropy and the cross entropy's row count
+  int64_t table_size() const { return groups * c * bins * N_CELL; }
+  int64_t stats_size() const { return table_size() + groups * c + groups + 2; }
+  // one chunk's partial: its table (C', bins, N_CELL), present (C'), kept rows, Σ cross entropy
+  int64_t part_size() const { return c * bins * N_CELL + c + 2; }
+};
+
+inline Spec make_spec(const at::Tensor& logits, const at::Tensor& targets, at::ArrayRef<double> params,
+                      at::IntArrayRef options, c10::optional<int64_t> ignore_index) {
+  TORCH_CHECK_VALUE(logits.dim() >= 2, "`logits` must have shape (N, K, d1, ...), got ", logits.sizes());
+  TORCH_CHECK_VALUE(logits.device().is_cpu() && targets.device().is_cpu(), "fused_ace runs on CPU");
+  TORCH_CHECK_VALUE(logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kDouble,
+                    "`logits` must be float32 or float64, got ", logits.scalar_type());
+  bool ok = targets.dim() == logits.dim() - 1 && targets.size(0) == logits.size(0);
+  for (int64_t d = 2; ok && d < logits.dim(); ++d) ok = targets.size(d - 1) == logits.size(d);
+  TORCH_CHECK_VALUE(ok, "`targets` must have the shape of `logits` without its class dimension, got ",
+                    targets.sizes(), " for logits ", logits.sizes());
+  TORCH_CHECK_VALUE(!at::isFloatingType(targets.scalar_type()) && targets.scalar_type() != at::kBool,
+                    "`targets` must hold integer labels");
+  TORCH_CHECK_VALUE(params.size() == 2 && options.size() == N_OPTIONS, "fused_ace takes 2 params and ",
+                    static_cast<int>(N_OPTIONS), " options");
+  Spec s{};
+  s.n = logits.size(0);
+  s.k = logits.size(1);
+  TORCH_CHECK_VALUE(s.n > 0 && s.k >= 2 && logits.numel() > 0, "`logits` must hold at least one row of >= 2 classes");
+  s.sp = logits.numel() / (s.n * s.k);
+  s.rows = s.n * s.sp;
+  s.bins = options[O_BINS];
+  s.soft = options[O_SOFT] != 0;
+  s.first = options[O_FIRST];
+  s.ignore_empty = options[O_IGNORE_EMPTY] != 0;
+  s.groups = options[O_PER_IMAGE] != 0 ? s.n : 1;
+  s.reduction = options[O_REDUCTION];
+  TORCH_CHECK_VALUE(s.bins >= 1 && (s.first == 0 || s.first == 1) && s.reduction >= 0 && s.reduction <= 2,
+                    "fused_ace: bad options");
+  s.c = s.k - s.first;
+  s.per_group = s.rows / s.groups;
+  s.lambda = params[0];
+  s.empty_weight = params[1];
+  s.has_ignore = ignore_index.has_value();
+  s.ignore = ignore_index.value_or(0);
+  // chunks of >= 512 rows, at most 16 per group, their partial tables within 8 MiB: fixed by the shape
+  s.chunks = std::max<int64_t>(1, std::min<int64_t>(16, s.per_group / 512));
+  while (s.chunks > 1 && s.groups * s.chunks * s.part_size() * 8 > (int64_t{8} << 20)) --s.chunks;
+  return s;
+}
+
+// the row's label, or −1 when it is ignored (or outside [0, K): counted in bad)
+inline int64_t row_label(const Spec& s, int64_t y, int64_t& bad) {
+  if (s.has_ignore && y == s.ignore) return -1;
+  if (y < 0 || y >= s.k) {
+    ++bad;
+    return -1;
+  }
+  return y;
+}
+
+// max and Σ exp(x − max) of a row, e = exp(x − max) stored; the same arithmetic forward and backward, so
+// that p (and its hard bin) is the same number in both
+inline double exp_sum(const float* x, int64_t k, float& mx, float* e) {
+  mx = row_max(x, k);
+  return exp_sum_row(x, k, mx, e, nullptr);
+}
+inline double exp_sum(const double* x, int64_t k, double& mx, double* e) {
+  mx = x[0];
+  for (int64_t j = 1; j < k; ++j) mx = mx < x[j] ? x[j] : mx;
+  double sum = 0.0;
+  for (int64_t j = 0; j < k; ++j) sum += (e[j] = std::exp(x[j] - mx));
+  return sum;
+}
+
+// hard bin of p: the number of inner edges below p (torch.bucketize, right=False), from a first guess
+template <typename T>
+inline int64_t hard_bin(T p, const T* edges, int64_t bins, double scale) {
+  int64_t b = 0;
+  if (p > T(0)) b = std::min<int64_t>(bins - 1, static_cast<int64_t>(static_cast<double>(p) * scale));
+  while (b > 0 && !(edges[b - 1] < p)) --b;
+  while (b < bins - 1 && edges[b] < p) ++b;
+  return b;
+}
+
+// soft bins: p between the centres of bins l and l + 1 with weight r on l + 1 (the torch path's formula in
+// the input dtype); da = ∂r/∂p (0 where the position is clamped, as torch's clamp)
+template <typename T>
+struct Soft {
+  int64_t l;
+  T r;
+  T da;
+};
+
+template <typename T>
+inline Soft<T> soft_bin(T p, int64_t bins, T scale) {
+  if (bins == 1) return {0, T(0), T(0)};
+  const T raw = p * scale - T(0.5);
+  const T hi = static_cast<T>(bins - 1);
+  const T u = raw < T(0) ? T(0) : (raw > hi ? hi : raw);
+  const T da = raw >= T(0) && raw <= hi ? scale : T(0);
+  T fl = std::floor(u);
+  if (!(fl <= hi - T(1))) fl = hi - T(1);
+  if (!(fl >= T(0))) fl = T(0);  // NaN
+  return {static_cast<int64_t>(fl), u - fl, da};
+}
+
+// fn(row, x_row, grad_row) over rows [m0, m1): rows of a (N, K) tensor in place; positions of a (N, K, S)
+// tensor gathered in tiles of up to 64 rows (the gradient rows scattered back when grad is not null)
+template <typename T, typename Fn>
+void for_rows(const Spec& s, const T* x, T* grad, int64_t m0, int64_t m1, std::vector<T>& xb, std::vector<T>& gb,
+              const Fn& fn) {
+  const int64_t k = s.k, sp = s.sp;
+  if (sp == 1) {
+    for (int64_t m = m0; m < m1; ++m) fn(m, x + m * k, grad == nullptr ? nullptr : grad + m * k);
+    return;
+  }
+  xb.resize(static_cast<size_t>(kTile * k));
+  if (grad != nullptr) gb.resize(static_cast<size_t>(kTile * k));
+  for (int64_t m = m0; m < m1;) {
+    const int64_t img = m / sp, pos = m % sp;
+    const int64_t w = std::min({kTile, m1 - m, sp - pos});
+    const T* src = x + img * k * sp + pos;
+    for (int64_t j = 0; j < k; ++j)
+      for (int64_t t = 0; t < w; ++t) xb[t * k + j] = src[j * sp + t];
+    for (int64_t t = 0; t < w; ++t) fn(m + t, xb.data() + t * k, grad == nullptr ? nullptr : gb.data() + t * k);
+    if (grad != nullptr) {
+      T* dst = grad + img * k * sp + pos;
+      for (int64_t j = 0; j < k; ++j)
+        for (int64_t t = 0; t < w; ++t) dst[j * sp + t] = gb[t * k + j];
+    }
+    m += w;
+  }
+}
+
+inline void raise_bad_label(const Spec& s, const int64_t* tp) {
+  for (int64_t m = 0; m < s.rows; ++m) {
+    if (!(s.has_ignore && tp[m] == s.ignore) && (tp[m] < 0 || tp[m] >= s.k))
+      TORCH_CHECK_VALUE(false, "`targets` must lie in [0, ", s.k, "), found label ", tp[m]);
+  }
+}
+
+// ACE of cell (g, c) from its bins (the unweighted mean of |Σ w p − Σ w y| / Σ w over the occupied bins) and
+// the number of occupied bins
+inline double cell_ace(const Spec& s, const double* tab, int64_t& occupied) {
+  double gap = 0.0;
+  occupied = 0;
+  for (int64_t b = 0; b < s.bins; ++b) {
+    const double* q = tab + b * N_CELL;
+    if (s.soft ? q[C_COUNT] >= s.empty_weight : q[C_COUNT] > 0.0) {
+      gap += std::abs(q[C_SUM_P] - q[C_SUM_Y]) / q[C_COUNT];
+      ++occupied;
+    }
+  }
+  return gap / static_cast<double>(std::max<int64_t>(occupied, 1));
+}
+
+struct Forward {
+  at::Tensor loss;
+  at::Tensor stats;
+};
+
+template <typename T>
+void forward_rows(const Spec& s, const T* x, const int64_t* tp, const T* edges, double* parts, T* ce_rows,
+                  std::atomic<int64_t>& n_bad) {
+  const double hard_scale = static_cast<double>(s.bins) / (1.0 + kFloat32Eps);
+  const T soft_scale = static_cast<T>(static_cast<double>(s.bins) / (1.0 + kFloat32Eps));
+  const int64_t items = s.groups * s.chunks, k = s.k, first = s.first, bins = s.bins;
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<T> xb, gb, e(static_cast<size_t>(k));
+    int64_t bad = 0;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t g = item / s.chunks, r = item % s.chunks;
+      const int64_t m0 = g * s.per_group + s.per_group * r / s.chunks;
+      const int64_t m1 = g * s.per_group + s.per_group * (r + 1) / s.chunks;
+      double* tab = parts + item * s.part_size();
+      double* present = tab + s.c * bins * N_CELL;
+      double& kept = present[s.c];
+      double& ce_sum = present[s.c + 1];
+      for_rows<T>(s, x, nullptr, m0, m1, xb, gb, [&](int64_t m, const T* row, T*) {
+        const int64_t y = row_label(s, tp[m], bad);
+        if (y < 0) {
+          if (ce_rows != nullptr) ce_rows[m] = T(0);
+          return;
+        }
+        T mx;
+        const double sum = exp_sum(row, k, mx, e.data());
+        const double ce = std::log(sum) + static_cast<double>(mx) - static_cast<double>(row[y]);
+        if (ce_rows != nullptr) ce_rows[m] = static_cast<T>(ce);
+        ce_sum += ce;
+        kept += 1.0;
+        const T inv = static_cast<T>(1.0 / sum);
+        if (y >= first) present[y - first] += 1.0;
+        for (int64_t j = first; j < k; ++j) {
+          const T p = e[j] * inv;
+          double* cell = tab + (j - first) * bins * N_CELL;
+          const double yv = j == y ? 1.0 : 0.0;
+          if (!s.soft) {
+            double* q = cell + hard_bin<T>(p, edges, bins, hard_scale) * N_CELL;
+            q[C_COUNT] += 1.0;
+            q[C_SUM_P] += p;
+            q[C_SUM_Y] += yv;
+          } else {
+            const Soft<T> w = soft_bin<T>(p, bins, soft_scale);
+            double* q = cell + w.l * N_CELL;
+            const T wl = T(1) - w.r;
+            q[C_COUNT] += wl;
+            q[C_SUM_P] += static_cast<double>(wl * p);
+            q[C_SUM_Y] += wl * yv;
+            if (bins > 1) {
+              q += N_CELL;
+              q[C_COUNT] += w.r;
+              q[C_SUM_P] += static_cast<double>(w.r * p);
+              q[C_SUM_Y] += w.r * yv;
+            }
+          }
+        }
+      });
+    }
+    if (bad) n_bad += bad;
+  });
+}
+
+// the ACE of each cell (G, C') into ace, from the statistics; returns the number of covered groups
+inline int64_t aces(const Spec& s, const double* st, std::vector<double>& ace, std::vector<int64_t>& occupied) {
+  const double* present = st + s.table_size();
+  const double* kept = present + s.groups * s.c;
+  ace.assign(static_cast<size_t>(s.groups * s.c), 0.0);
+  occupied.assign(static_cast<size_t>(s.groups * s.c), 0);
+  int64_t covered = 0;
+  for (int64_t g = 0; g < s.groups; ++g) {
+    covered += kept[g] > 0.0;
+    for (int64_t c = 0; c < s.c; ++c) {
+      const int64_t i = g * s.c + c;
+      const double a = cell_ace(s, st + i * s.bins * N_CELL, occupied[i]);
+      ace[i] = s.ignore_empty && !(present[i] > 0.0) ? 0.0 : a;
+    }
+  }
+  return covered;
+}
+
+inline Forward forward(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& edges,
+                       at::ArrayRef<double> params, at::IntArrayRef options, c10::optional<int64_t> ignore_index) {
+  const Spec s = make_spec(logits, targets, params, options, ignore_index);
+  const at::Tensor x = logits.contiguous();
+  const at::Tensor t = targets.to(at::kLong).contiguous();
+  const at::Tensor ed = edges.to(logits.scalar_type()).contiguous();
+  TORCH_CHECK_VALUE(s.soft || ed.numel() == s.bins - 1, "`edges` must hold the n_bins - 1 inner edges");
+  const int64_t* tp = t.data_ptr<int64_t>();
+  at::Tensor stats = at::zeros({s.stats_size()}, x.options().dtype(at::kDouble));
+  // one partial per chunk; with one chunk per group the groups' partials are laid out as the statistics
+  at::Tensor parts = at::zeros({s.groups * s.chunks * s.part_size()}, stats.options());
+  at::Tensor loss;
+  at::Tensor ce_rows;
+  if (s.reduction == 0) ce_rows = at::empty(targets.sizes(), logits.options());
+  std::atomic<int64_t> n_bad{0};
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "fused_ace", [&] {
+    forward_rows<scalar_t>(s, x.data_ptr<scalar_t>(), tp, s.soft ? nullptr : ed.data_ptr<scalar_t>(),
+                           parts.data_ptr<double>(), s.reduction == 0 ? ce_rows.data_ptr<scalar_t>() : nullptr, n_bad);
+  });
+  if (n_bad.load() > 0) raise_bad_label(s, tp);
+  // the chunks' partials summed in chunk order into the statistics
+  double* st = stats.data_ptr<double>();
+  const double* pp = parts.data_ptr<double>();
+  const int64_t table = s.c * s.bins * N_CELL;
+  double* present = st + s.table_size();
+  double* kept = present + s.groups * s.c;
+  double* totals = kept + s.groups;
+  for (int64_t g = 0; g < s.groups; ++g) {
+    for (int64_t r = 0; r < s.chunks; ++r) {
+      const double* part = pp + (g * s.chunks + r) * s.part_size();
+      for (int64_t i = 0; i < table; ++i) st[g * table + i] += part[i];
+      for (int64_t c = 0; c < s.c; ++c) present[g * s.c + c] += part[table + c];
+      kept[g] += part[table + s.c];
+      totals[0] += part[table + s.c + 1];
+      totals[1] += part[table + s.c];
+    }
+  }
+  std::vector<double> ace;
+  std::vector<int64_t> occupied;
+  const int64_t covered = aces(s, st, ace, occupied);
+  if (s.reduction == 1) {
+    double sum = 0.0;
+    for (int64_t g = 0; g < s.groups; ++g)
+      if (kept[g] > 0.0)
+        for (int64_t c = 0; c < s.c; ++c) sum += ace[g * s.c + c];
+    // no kept row: 0/0 = NaN, as the torch path
+    const double value =
+        totals[0] / totals[1] + s.lambda * (sum / static_cast<double>(covered * s.c));
+    loss = at::scalar_tensor(value, logits.options());
+  } else {
+    std::vector<double> term(static_cast<size_t>(s.groups));
+    for (int64_t g = 0; g < s.groups; ++g) {
+      double sum = 0.0;
+      for (int64_t c = 0; c < s.c; ++c) sum += ace[g * s.c + c];
+      term[g] = s.lambda * (sum / static_cast<double>(s.c));
+    }
+    if (s.reduction == 0) {
+      loss = ce_rows;
+      AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "fused_ace_none", [&] {
+        scalar_t* lp = loss.data_ptr<scalar_t>();
+        for (int64_t m = 0; m < s.rows; ++m) {
+          if (!(s.has_ignore && tp[m] == s.ignore)) lp[m] += static_cast<scalar_t>(term[m / s.per_group]);
+        }
+      });
+    } else {
+      double value = totals[0];
+      for (int64_t g = 0; g < s.groups; ++g) value += term[g] * kept[g];
+      loss = at::scalar_tensor(value, logits.options());
+    }
+  }
+  return {loss, stats};
+}
+
+inline at::Tensor backward(const at::Tensor& grad_loss, const at::Tensor& logits, const at::Tensor& targets,
+                           const at::Tensor& edges, const at::Tensor& stats, at::ArrayRef<double> params,
+                           at::IntArrayRef options, c10::optional<int64_t> ignore_index) {
+  const Spec s = make_spec(logits, targets, params, options, ignore_index);
+  TORCH_CHECK_VALUE(stats.scalar_type() == at::kDouble && stats.is_contiguous() && stats.numel() == s.stats_size(),
+                    "`stats` must be the forward's float64 statistics");
+  const at::Tensor x = logits.contiguous();
+  const at::Tensor t = targets.to(at::kLong).contiguous();
+  const at::Tensor ed = edges.to(logits.scalar_type()).contiguous();
+  const int64_t* tp = t.data_ptr<int64_t>();
+  const double* st = stats.data_ptr<double>();
+  const double* present = st + s.table_size();
+  const double* kept = present + s.groups * s.c;
+  const double* totals = kept + s.groups;
+  std::vector<double> ace;
+  std::vector<int64_t> occupied;
+  const int64_t covered = aces(s, st, ace, occupied);
+  // the incoming gradient of each row's cross entropy, and of each cell's ACE (coef)
+  at::Tensor per_row;
+  double single = 0.0, ce_div = 1.0;
+  const double* gp = &single;
+  int64_t stride = 0;
+  std::vector<double> coef(static_cast<size_t>(s.groups * s.c), 0.0);
+  if (s.reduction == 0) {
+    per_row = grad_loss.to(at::kDouble).contiguous();
+    TORCH_CHECK_VALUE(per_row.numel() == s.rows, "`grad_loss` must have one entry per row");
+    gp = per_row.data_ptr<double>();
+    stride = 1;
+    std::vector<double> group_sum(static_cast<size_t>(s.groups), 0.0);
+    for (int64_t m = 0; m < s.rows; ++m)
+      if (!(s.has_ignore && tp[m] == s.ignore)) group_sum[m / s.per_group] += gp[m];
+    for (int64_t i = 0; i < s.groups * s.c; ++i)
+      coef[i] = s.lambda * group_sum[i / s.c] / static_cast<double>(s.c);
+  } else {
+    single = grad_loss.item<double>();
+    if (s.reduction == 1) ce_div = totals[1];
+    for (int64_t i = 0; i < s.groups * s.c; ++i) {
+      const double g = kept[i / s.c];
+      if (s.reduction == 1)
+        coef[i] = g > 0.0 ? s.lambda * single / static_cast<double>(covered * s.c) : 0.0;
+      else
+        coef[i] = s.lambda * single * g / static_cast<double>(s.c);
+    }
+  }
+  // per (group, class, bin): P = A·sign(Σ w p − Σ w y)/Σ w and Q = A·gap/Σ w with A = coef / occupied bins,
+  // 0 for an empty bin or a cell that counts 0 (ignore_empty_classes)
+  std::vector<double> pq(static_cast<size_t>(s.groups * s.c * s.bins * 2), 0.0);
+  for (int64_t i = 0; i < s.groups * s.c; ++i) {
+    if (s.ignore_empty && !(present[i] > 0.0)) continue;
+    const double a = coef[i] / static_cast<double>(std::max<int64_t>(occupied[i], 1));
+    for (int64_t b = 0; b < s.bins; ++b) {
+      const double* q = st + (i * s.bins + b) * N_CELL;
+      if (!(s.soft ? q[C_COUNT] >= s.empty_weight : q[C_COUNT] > 0.0)) continue;
+      const double d = q[C_SUM_P] - q[C_SUM_Y];
+      const double sign = d > 0.0 ? 1.0 : (d < 0.0 ? -1.0 : 0.0);
+      pq[(i * s.bins + b) * 2] = a * sign / q[C_COUNT];
+      pq[(i * s.bins + b) * 2 + 1] = a * (std::abs(d) / q[C_COUNT]) / q[C_COUNT];
+    }
+  }
+  at::Tensor grad = at::empty(x.sizes(), x.options());
+  const int64_t k = s.k, first = s.first, bins = s.bins;
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "fused_ace_backward", [&] {
+    using T = scalar_t;
+    const T* edp = s.soft ? nullptr : ed.data_ptr<T>();
+    const double hard_scale = static_cast<double>(bins) / (1.0 + kFloat32Eps);
+    const T soft_scale = static_cast<T>(static_cast<double>(bins) / (1.0 + kFloat32Eps));
+    const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / k);
+    at::parallel_for(0, s.rows, grain, [&](int64_t begin, int64_t end) {
+      std::vector<T> xb, gb, e(static_cast<size_t>(k));
+      std::vector<double> u(static_cast<size_t>(k));
+      for_rows<T>(s, x.data_ptr<T>(), grad.data_ptr<T>(), begin, end, xb, gb, [&](int64_t m, const T* row, T* gr) {
+        const bool keep = !(s.has_ignore && tp[m] == s.ignore);
+        if (!keep) {
+          std::fill(gr, gr + k, T(0));
+          return;
+        }
+        const int64_t y = tp[m];
+        const double gce = gp[m * stride] / ce_div;
+        T mx;
+        const double sum = exp_sum(row, k, mx, e.data());
+        const T inv = static_cast<T>(1.0 / sum);
+        const double* cells = pq.data() + (m / s.per_group) * s.c * bins * 2;
+        double dot = 0.0;
+        for (int64_t j = 0; j < first; ++j) u[j] = 0.0;
+        for (int64_t j = first; j < k; ++j) {
+          const T p = e[j] * inv;
+          const double* cell = cells + (j - first) * bins * 2;
+          double uj;
+          if (!s.soft) {
+            uj = cell[hard_bin<T>(p, edp, bins, hard_scale) * 2];
+          } else {
+            const Soft<T> w = soft_bin<T>(p, bins, soft_scale);
+            const double* q = cell + w.l * 2;
+            const double r = w.r;
+            uj = (1.0 - r) * q[0];
+            if (bins > 1) {
+              const double yv = j == y ? 1.0 : 0.0;
+              uj += r * q[2] + static_cast<double>(w.da) * ((q[2] - q[0]) * (static_cast<double>(p) - yv) - (q[3] - q[1]));
+            }
+          }
+          u[j] = uj;
+          dot += uj * static_cast<double>(p);
+        }
+        for (int64_t j = 0; j < k; ++j) {
+          const double p = static_cast<double>(e[j] * inv);
+          gr[j] = static_cast<T>(gce * (p - (j == y ? 1.0 : 0.0)) + p * (u[j] - dot));
+        }
+      });
+    });
+  });
+  return grad;
+}
+
+class FusedAce : public torch::autograd::Function<FusedAce> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& logits, const at::Tensor& targets,
+                            const at::Tensor& edges, at::ArrayRef<double> params, at::IntArrayRef options,
+                            c10::optional<int64_t> ignore_index) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    Forward f = ace::forward(logits, targets, edges, params, options, ignore_index);
+    ctx->save_for_backward({logits, targets, edges, f.stats});
+    ctx->saved_data["params"] = std::vector<double>(params.begin(), params.end());
+    ctx->saved_data["options"] = std::vector<int64_t>(options.begin(), options.end());
+    ctx->saved_data["has_ignore"] = ignore_index.has_value();
+    ctx->saved_data["ignore"] = ignore_index.value_or(0);
+    return f.loss;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    TORCH_CHECK(!at::GradMode::is_enabled(),
+                "the fused CPU mL1-ACE loss is differentiable once only; for higher-order gradients run it with "
+                "torchcal.functional.use_cpu_extension(False)");
+    const auto saved = ctx->get_saved_variables();
+    const std::vector<double> params = ctx->saved_data["params"].toDoubleVector();
+    const std::vector<int64_t> options = ctx->saved_data["options"].toIntVector();
+    c10::optional<int64_t> ignore;
+    if (ctx->saved_data["has_ignore"].toBool()) ignore = ctx->saved_data["ignore"].toInt();
+    at::Tensor grad = ace::backward(grads[0], saved[0], saved[1], saved[2], saved[3], params, options, ignore);
+    return {grad, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace ace
+
+inline at::Tensor fused_ace_cpu(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& edges,
+                                at::ArrayRef<double> params, at::IntArrayRef options,
+                                c10::optional<int64_t> ignore_index) {
+  return ace::forward(logits, targets, edges, params, options, ignore_index).loss;
+}
+
+inline at::Tensor fused_ace_autograd(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& edges,
+                                     at::ArrayRef<double> params, at::IntArrayRef options,
+                                     c10::optional<int64_t> ignore_index) {
+  return ace::FusedAce::apply(logits, targets, edges, params, options, ignore_index);
+}
+
+// the same loss as two plain operators for torch.compile: the forward returns the statistics the backward reads
+inline std::tuple<at::Tensor, at::Tensor> fused_ace_fwd_cpu(const at::Tensor& logits, const at::Tensor& targets,
+                                                            const at::Tensor& edges, at::ArrayRef<double> params,
+                                                            at::IntArrayRef options,
+                                                            c10::optional<int64_t> ignore_index) {
+  ace::Forward f = ace::forward(logits, targets, edges, params, options, ignore_index);
+  return {f.loss, f.stats};
+}
+
+inline at::Tensor fused_ace_bwd_cpu(const at::Tensor& grad_loss, const at::Tensor& logits, const at::Tensor& targets,
+                                    const at::Tensor& edges, const at::Tensor& stats, at::ArrayRef<double> params,
+                                    at::IntArrayRef options, c10::optional<int64_t> ignore_index) {
+  return ace::backward(grad_loss, logits, targets, edges, stats, params, options, ignore_index);
+}
+
+}  // namespace torchcal
