@@ -315,7 +315,8 @@ def _ace_stats_size(logits, options) -> int:
     n_bins, _, first, _, per_image, _ = options
     groups = logits.shape[0] if per_image else 1
     c = logits.shape[1] - first
-    return groups * c * n_bins * 3 + groups * c + groups + 2
+    rows = logits.numel() // logits.shape[1]
+    return groups * c * n_bins * 3 + groups * c + groups + 2 + rows
 
 
 _N_OUT = 6  # columns of the operator's per-sample output (``enum Out`` in csrc/true_class.h)

@@ -20,6 +20,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <tuple>
 #include <vector>
 
@@ -42,12 +43,15 @@ struct Spec {
   bool has_ignore;
   int64_t ignore;
   int64_t chunks;  // chunks per group, each with its own partial table
-  // the forward's float64 statistics, one flat tensor: tables (G, C', bins, N_CELL), present (G, C'),
-  // kept rows (G), then Σ cross entropy and the cross entropy's row count
+  // the forward's float64 statistics, one flat tensor: tables (G, bins, C', N_CELL), present (G, C'),
+  // kept rows (G), Σ cross entropy and the cross entropy's row count, then each row's max (M; the backward
+  // recomputes p from it)
   int64_t table_size() const { return groups * c * bins * N_CELL; }
-  int64_t stats_size() const { return table_size() + groups * c + groups + 2; }
-  // one chunk's partial: its table (C', bins, N_CELL), present (C'), kept rows, Σ cross entropy
-  int64_t part_size() const { return c * bins * N_CELL + c + 2; }
+  int64_t stats_size() const { return table_size() + groups * c + groups + 2 + rows; }
+  // one chunk's partial: its table (bins, C', N_CELL) of the entries that are not simple (Bins), the simple
+  // entries' count and Σ p per class (2 C', bin 0), present (C'), kept rows, Σ cross entropy. Bin-major: the
+  // scattered entries of one bin are close in memory
+  int64_t part_size() const { return c * bins * N_CELL + 3 * c + 2; }
 };
 
 inline Spec make_spec(const at::Tensor& logits, const at::Tensor& targets, at::ArrayRef<double> params,
@@ -100,51 +104,161 @@ inline int64_t row_label(const Spec& s, int64_t y, int64_t& bad) {
   return y;
 }
 
-// max and Σ exp(x − max) of a row, e = exp(x − max) stored; the same arithmetic forward and backward, so
-// that p (and its hard bin) is the same number in both
-inline double exp_sum(const float* x, int64_t k, float& mx, float* e) {
-  mx = row_max(x, k);
-  return exp_sum_row(x, k, mx, e, nullptr);
-}
-inline double exp_sum(const double* x, int64_t k, double& mx, double* e) {
-  mx = x[0];
+// max of a row; p = exp(x − max)·(1/Σ) into e, returning Σ (float64). The same arithmetic forward and
+// backward (the backward takes the forward's max), so that p, and its hard bin, is the same number in both
+inline float row_max_of(const float* x, int64_t k) { return row_max(x, k); }
+inline double row_max_of(const double* x, int64_t k) {
+  double mx = x[0];
   for (int64_t j = 1; j < k; ++j) mx = mx < x[j] ? x[j] : mx;
+  return mx;
+}
+inline double exp_of(const float* x, int64_t k, float mx, float* e) { return exp_sum_row(x, k, mx, e, nullptr); }
+inline double exp_of(const double* x, int64_t k, double mx, double* e) {
   double sum = 0.0;
   for (int64_t j = 0; j < k; ++j) sum += (e[j] = std::exp(x[j] - mx));
   return sum;
 }
-
-// hard bin of p: the number of inner edges below p (torch.bucketize, right=False), from a first guess
 template <typename T>
-inline int64_t hard_bin(T p, const T* edges, int64_t bins, double scale) {
-  int64_t b = 0;
-  if (p > T(0)) b = std::min<int64_t>(bins - 1, static_cast<int64_t>(static_cast<double>(p) * scale));
-  while (b > 0 && !(edges[b - 1] < p)) --b;
-  while (b < bins - 1 && edges[b] < p) ++b;
-  return b;
+inline double softmax_row(const T* x, int64_t k, T mx, T* e) {
+  const double sum = exp_of(x, k, mx, e);
+  const T inv = static_cast<T>(1.0 / sum);
+  for (int64_t j = 0; j < k; ++j) e[j] *= inv;
+  return sum;
 }
 
-// soft bins: p between the centres of bins l and l + 1 with weight r on l + 1 (the torch path's formula in
-// the input dtype); da = ∂r/∂p (0 where the position is clamped, as torch's clamp)
+// The bins of a row's probabilities. Most of them fall wholly into bin 0 of their class ("simple": p at or
+// below the first inner edge for hard bins, below the first centre for soft bins, where the weight is 1 and
+// its derivative 0): those are found and summed by vectorised loops, and only the others are binned and
+// scattered one by one. Hard: b = the number of inner edges below p (torch.bucketize, right=False), a
+// first guess from p·M/(1 + eps) corrected by comparisons with the edges. Soft: p between the centres of
+// bins l and l + 1 with weight r on l + 1, u = clamp(p·M/(1 + eps) − 1/2, 0, M − 1), l = min(floor(u), M − 2)
+// in the input dtype as the torch path, da = ∂r/∂p (0 where u is clamped, as torch's clamp); one bin: l = 0,
+// r = 0 (every p simple).
 template <typename T>
-struct Soft {
-  int64_t l;
-  T r;
-  T da;
+struct Bins {
+  const T* edges;  // the M − 1 inner edges (hard)
+  int64_t n;
+  bool soft;
+  T scale, first_edge;
+  Bins(const T* e, int64_t bins, bool is_soft) : edges(e), n(bins), soft(is_soft) {
+    scale = static_cast<T>(static_cast<double>(bins) / (1.0 + kFloat32Eps));
+    first_edge = bins > 1 && !soft ? edges[0] : std::numeric_limits<T>::infinity();
+  }
+  // p is simple (wholly in bin 0, no derivative of its weight) unless v = p (hard) or p·M/(1 + eps) (soft,
+  // in the input dtype) exceeds thr: the first inner edge, or the largest number below 1/2 (u >= 0); one
+  // soft bin: every p. NaN is simple (its sums become NaN).
+  double threshold() const {
+    if (!soft) return static_cast<double>(first_edge);
+    if (n == 1) return std::numeric_limits<double>::infinity();
+    return static_cast<double>(std::nextafter(T(0.5), T(0)));
+  }
+  bool simple(T p) const { return !(static_cast<double>(soft ? p * scale : p) > threshold()); }
+  int64_t hard(T p) const {
+    int64_t b = 0;
+    if (p > T(0)) b = std::min<int64_t>(n - 1, static_cast<int64_t>(static_cast<double>(p) * scale));
+    while (b > 0 && !(edges[b - 1] < p)) --b;
+    while (b < n - 1 && edges[b] < p) ++b;
+    return b;
+  }
+  void soft_of(T p, int64_t& l, T& r, T& da) const {
+    if (n == 1) {
+      l = 0, r = T(0), da = T(0);
+      return;
+    }
+    const T raw = p * scale - T(0.5);
+    const T hi = static_cast<T>(n - 1);
+    const T u = raw < T(0) ? T(0) : (raw > hi ? hi : raw);
+    da = raw >= T(0) && raw <= hi ? scale : T(0);
+    T fl = std::floor(u);
+    if (!(fl <= hi - T(1))) fl = hi - T(1);  // (NaN: the last pair)
+    if (!(fl >= T(0))) fl = T(0);
+    l = static_cast<int64_t>(fl);
+    r = u - fl;
+  }
+  // One vectorised pass over a row's count entries p: list[0..m) = the indices of those that are not
+  // simple (returns m) and, with zc / zs, the simple ones' count and Σ p added per class
+  int64_t scan(const T* p, int64_t count, int32_t* list, double* zc, double* zs) const {
+    constexpr int W = Vec<double, kWideBytes>::width;
+    using D = typename Vec<double, kWideBytes>::type;
+    using F = typename Vec<T, W * sizeof(T)>::type;
+    const double thr = threshold();
+    const D thr_d = broadcast<D>(thr), one = broadcast<D>(1.0), zero = {};
+    const F sc = broadcast<F>(scale);
+    int64_t m = 0, j = 0;
+    for (; j + W <= count; j += W) {
+      const F pv = load<F>(p + j);
+      const D v = __builtin_convertvector(soft ? pv * sc : pv, D);
+      uint64_t bits = compare_mask<double, kWideBytes>(v, thr_d);
+      if (zc != nullptr) {
+        const auto other = v > thr_d;
+        const D pd = __builtin_convertvector(pv, D);
+        const D c = load<D>(zc + j) + (other ? zero : one), z = load<D>(zs + j) + (other ? zero : pd);
+        std::memcpy(zc + j, &c, sizeof(D));
+        std::memcpy(zs + j, &z, sizeof(D));
+      }
+      while (bits != 0) {
+        list[m++] = static_cast<int32_t>(j + __builtin_ctzll(bits));
+        bits &= bits - 1;
+      }
+    }
+    for (; j < count; ++j) {
+      const bool other = static_cast<double>(soft ? p[j] * scale : p[j]) > thr;
+      if (zc != nullptr && !other) {
+        zc[j] += 1.0;
+        zs[j] += static_cast<double>(p[j]);
+      }
+      list[m] = static_cast<int32_t>(j);
+      m += other;
+    }
+    return m;
+  }
 };
 
+// Σ_j u_j p_j (float64 lanes) and g_j = a p_j + p_j (u_j − dot) in the input dtype (float64 arithmetic)
 template <typename T>
-inline Soft<T> soft_bin(T p, int64_t bins, T scale) {
-  if (bins == 1) return {0, T(0), T(0)};
-  const T raw = p * scale - T(0.5);
-  const T hi = static_cast<T>(bins - 1);
-  const T u = raw < T(0) ? T(0) : (raw > hi ? hi : raw);
-  const T da = raw >= T(0) && raw <= hi ? scale : T(0);
-  T fl = std::floor(u);
-  if (!(fl <= hi - T(1))) fl = hi - T(1);
-  if (!(fl >= T(0))) fl = T(0);  // NaN
-  return {static_cast<int64_t>(fl), u - fl, da};
+inline double dot_row(const double* u, const T* p, int64_t k) {
+  constexpr int W = Vec<double, kWideBytes>::width;
+  using D = typename Vec<double, kWideBytes>::type;
+  using F = typename Vec<T, W * sizeof(T)>::type;
+  D acc0 = {}, acc1 = {};
+  int64_t j = 0;
+  for (; j + 2 * W <= k; j += 2 * W) {
+    acc0 += load<D>(u + j) * __builtin_convertvector(load<F>(p + j), D);
+    acc1 += load<D>(u + j + W) * __builtin_convertvector(load<F>(p + j + W), D);
+  }
+  acc0 += acc1;
+  double dot = 0.0;
+  for (int l = 0; l < W; ++l) dot += acc0[l];
+  for (; j < k; ++j) dot += u[j] * static_cast<double>(p[j]);
+  return dot;
 }
+
+template <typename T>
+inline void grad_row(const double* u, const T* p, int64_t k, double a, double dot, T* g) {
+  constexpr int W = Vec<double, kWideBytes>::width;
+  using D = typename Vec<double, kWideBytes>::type;
+  using F = typename Vec<T, W * sizeof(T)>::type;
+  const D av = broadcast<D>(a), dv = broadcast<D>(dot);
+  int64_t j = 0;
+  for (; j + W <= k; j += W) {
+    const D pd = __builtin_convertvector(load<F>(p + j), D);
+    const F out = __builtin_convertvector(av * pd + pd * (load<D>(u + j) - dv), F);
+    std::memcpy(g + j, &out, sizeof(F));
+  }
+  for (; j < k; ++j) {
+    const double pj = static_cast<double>(p[j]);
+    g[j] = static_cast<T>(a * pj + pj * (u[j] - dot));
+  }
+}
+
+// per-thread buffers of a row
+template <typename T>
+struct RowBuffers {
+  std::vector<T> xb, gb, e;
+  std::vector<int32_t> list;
+  std::vector<double> u;
+  explicit RowBuffers(int64_t k) : e(static_cast<size_t>(k)), list(static_cast<size_t>(k)), u(static_cast<size_t>(k)) {}
+};
 
 // fn(row, x_row, grad_row) over rows [m0, m1): rows of a (N, K) tensor in place; positions of a (N, K, S)
 // tensor gathered in tiles of up to 64 rows (the gradient rows scattered back when grad is not null)
@@ -181,13 +295,13 @@ inline void raise_bad_label(const Spec& s, const int64_t* tp) {
   }
 }
 
-// ACE of cell (g, c) from its bins (the unweighted mean of |Σ w p − Σ w y| / Σ w over the occupied bins) and
+// ACE of cell (g, c) from its bins (tab: its bin 0, the next bins C'·N_CELL apart) (the unweighted mean of |Σ w p − Σ w y| / Σ w over the occupied bins) and
 // the number of occupied bins
 inline double cell_ace(const Spec& s, const double* tab, int64_t& occupied) {
   double gap = 0.0;
   occupied = 0;
   for (int64_t b = 0; b < s.bins; ++b) {
-    const double* q = tab + b * N_CELL;
+    const double* q = tab + b * s.c * N_CELL;
     if (s.soft ? q[C_COUNT] >= s.empty_weight : q[C_COUNT] > 0.0) {
       gap += std::abs(q[C_SUM_P] - q[C_SUM_Y]) / q[C_COUNT];
       ++occupied;
@@ -202,60 +316,76 @@ struct Forward {
 };
 
 template <typename T>
-void forward_rows(const Spec& s, const T* x, const int64_t* tp, const T* edges, double* parts, T* ce_rows,
-                  std::atomic<int64_t>& n_bad) {
-  const double hard_scale = static_cast<double>(s.bins) / (1.0 + kFloat32Eps);
-  const T soft_scale = static_cast<T>(static_cast<double>(s.bins) / (1.0 + kFloat32Eps));
-  const int64_t items = s.groups * s.chunks, k = s.k, first = s.first, bins = s.bins;
+void forward_rows(const Spec& s, const T* x, const int64_t* tp, const Bins<T>& bins, double* parts, double* row_max,
+                  T* ce_rows, std::atomic<int64_t>& n_bad) {
+  const int64_t items = s.groups * s.chunks, k = s.k, first = s.first, c = s.c;
+  const int64_t stride = c * N_CELL;  // from one bin of a class to the next
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> xb, gb, e(static_cast<size_t>(k));
+    RowBuffers<T> w(k);
     int64_t bad = 0;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t g = item / s.chunks, r = item % s.chunks;
       const int64_t m0 = g * s.per_group + s.per_group * r / s.chunks;
       const int64_t m1 = g * s.per_group + s.per_group * (r + 1) / s.chunks;
       double* tab = parts + item * s.part_size();
-      double* present = tab + s.c * bins * N_CELL;
-      double& kept = present[s.c];
-      double& ce_sum = present[s.c + 1];
-      for_rows<T>(s, x, nullptr, m0, m1, xb, gb, [&](int64_t m, const T* row, T*) {
+      double* zero = tab + c * s.bins * N_CELL;
+      double* present = zero + 2 * c;
+      double& kept = present[c];
+      double& ce_sum = present[c + 1];
+      for_rows<T>(s, x, nullptr, m0, m1, w.xb, w.gb, [&](int64_t m, const T* row, T*) {
         const int64_t y = row_label(s, tp[m], bad);
         if (y < 0) {
           if (ce_rows != nullptr) ce_rows[m] = T(0);
+          row_max[m] = 0.0;
           return;
         }
-        T mx;
-        const double sum = exp_sum(row, k, mx, e.data());
+        const T mx = row_max_of(row, k);
+        row_max[m] = static_cast<double>(mx);
+        const double sum = softmax_row(row, k, mx, w.e.data());
         const double ce = std::log(sum) + static_cast<double>(mx) - static_cast<double>(row[y]);
         if (ce_rows != nullptr) ce_rows[m] = static_cast<T>(ce);
         ce_sum += ce;
         kept += 1.0;
-        const T inv = static_cast<T>(1.0 / sum);
-        if (y >= first) present[y - first] += 1.0;
-        for (int64_t j = first; j < k; ++j) {
-          const T p = e[j] * inv;
-          double* cell = tab + (j - first) * bins * N_CELL;
-          const double yv = j == y ? 1.0 : 0.0;
-          if (!s.soft) {
-            double* q = cell + hard_bin<T>(p, edges, bins, hard_scale) * N_CELL;
+        const T* p = w.e.data() + first;
+        int32_t* list = w.list.data();
+        const int64_t n_other = bins.scan(p, c, list, zero, zero + c);
+        if (!s.soft) {
+          for (int64_t i = 0; i < n_other; ++i) {
+            const int64_t j = list[i];
+            double* q = tab + bins.hard(p[j]) * stride + j * N_CELL;
             q[C_COUNT] += 1.0;
-            q[C_SUM_P] += p;
-            q[C_SUM_Y] += yv;
-          } else {
-            const Soft<T> w = soft_bin<T>(p, bins, soft_scale);
-            double* q = cell + w.l * N_CELL;
-            const T wl = T(1) - w.r;
+            q[C_SUM_P] += p[j];
+          }
+          if (y >= first) {  // the label's class: Σ y of its bin (y = 1 there, 0 in every other class)
+            const T py = p[y - first];
+            tab[(bins.simple(py) ? 0 : bins.hard(py)) * stride + (y - first) * N_CELL + C_SUM_Y] += 1.0;
+          }
+        } else {
+          int64_t l;
+          T r, da;
+          for (int64_t i = 0; i < n_other; ++i) {
+            const int64_t j = list[i];
+            bins.soft_of(p[j], l, r, da);
+            double* q = tab + l * stride + j * N_CELL;
+            const T wl = T(1) - r;
             q[C_COUNT] += wl;
-            q[C_SUM_P] += static_cast<double>(wl * p);
-            q[C_SUM_Y] += wl * yv;
-            if (bins > 1) {
-              q += N_CELL;
-              q[C_COUNT] += w.r;
-              q[C_SUM_P] += static_cast<double>(w.r * p);
-              q[C_SUM_Y] += w.r * yv;
+            q[C_SUM_P] += static_cast<double>(wl * p[j]);
+            q[stride + C_COUNT] += r;
+            q[stride + C_SUM_P] += static_cast<double>(r * p[j]);
+          }
+          if (y >= first) {  // the label's class: Σ w y of its bins (y = 1 there, 0 in every other class)
+            const T py = p[y - first];
+            double* q = tab + (y - first) * N_CELL;
+            if (bins.simple(py)) {
+              q[C_SUM_Y] += 1.0;
+            } else {
+              bins.soft_of(py, l, r, da);
+              q[l * stride + C_SUM_Y] += T(1) - r;
+              q[(l + 1) * stride + C_SUM_Y] += r;
             }
           }
         }
+        if (y >= first) present[y - first] += 1.0;
       });
     }
     if (bad) n_bad += bad;
@@ -273,7 +403,7 @@ inline int64_t aces(const Spec& s, const double* st, std::vector<double>& ace, s
     covered += kept[g] > 0.0;
     for (int64_t c = 0; c < s.c; ++c) {
       const int64_t i = g * s.c + c;
-      const double a = cell_ace(s, st + i * s.bins * N_CELL, occupied[i]);
+      const double a = cell_ace(s, st + (g * s.bins * s.c + c) * N_CELL, occupied[i]);
       ace[i] = s.ignore_empty && !(present[i] > 0.0) ? 0.0 : a;
     }
   }
@@ -287,6 +417,7 @@ inline Forward forward(const at::Tensor& logits, const at::Tensor& targets, cons
   const at::Tensor t = targets.to(at::kLong).contiguous();
   const at::Tensor ed = edges.to(logits.scalar_type()).contiguous();
   TORCH_CHECK_VALUE(s.soft || ed.numel() == s.bins - 1, "`edges` must hold the n_bins - 1 inner edges");
+  double* row_max = nullptr;
   const int64_t* tp = t.data_ptr<int64_t>();
   at::Tensor stats = at::zeros({s.stats_size()}, x.options().dtype(at::kDouble));
   // one partial per chunk; with one chunk per group the groups' partials are laid out as the statistics
@@ -295,9 +426,11 @@ inline Forward forward(const at::Tensor& logits, const at::Tensor& targets, cons
   at::Tensor ce_rows;
   if (s.reduction == 0) ce_rows = at::empty(targets.sizes(), logits.options());
   std::atomic<int64_t> n_bad{0};
+  row_max = stats.data_ptr<double>() + s.stats_size() - s.rows;
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "fused_ace", [&] {
-    forward_rows<scalar_t>(s, x.data_ptr<scalar_t>(), tp, s.soft ? nullptr : ed.data_ptr<scalar_t>(),
-                           parts.data_ptr<double>(), s.reduction == 0 ? ce_rows.data_ptr<scalar_t>() : nullptr, n_bad);
+    const Bins<scalar_t> bins(s.soft ? nullptr : ed.data_ptr<scalar_t>(), s.bins, s.soft);
+    forward_rows<scalar_t>(s, x.data_ptr<scalar_t>(), tp, bins, parts.data_ptr<double>(), row_max,
+                           s.reduction == 0 ? ce_rows.data_ptr<scalar_t>() : nullptr, n_bad);
   });
   if (n_bad.load() > 0) raise_bad_label(s, tp);
   // the chunks' partials summed in chunk order into the statistics
@@ -311,10 +444,16 @@ inline Forward forward(const at::Tensor& logits, const at::Tensor& targets, cons
     for (int64_t r = 0; r < s.chunks; ++r) {
       const double* part = pp + (g * s.chunks + r) * s.part_size();
       for (int64_t i = 0; i < table; ++i) st[g * table + i] += part[i];
-      for (int64_t c = 0; c < s.c; ++c) present[g * s.c + c] += part[table + c];
-      kept[g] += part[table + s.c];
-      totals[0] += part[table + s.c + 1];
-      totals[1] += part[table + s.c];
+      const double* zero = part + table;  // the simple entries: bin 0
+      for (int64_t c = 0; c < s.c; ++c) {
+        st[g * table + c * N_CELL + C_COUNT] += zero[c];
+        st[g * table + c * N_CELL + C_SUM_P] += zero[s.c + c];
+      }
+      const double* rest = zero + 2 * s.c;
+      for (int64_t c = 0; c < s.c; ++c) present[g * s.c + c] += rest[c];
+      kept[g] += rest[s.c];
+      totals[0] += rest[s.c + 1];
+      totals[1] += rest[s.c];
     }
   }
   std::vector<double> ace;
@@ -398,32 +537,32 @@ inline at::Tensor backward(const at::Tensor& grad_loss, const at::Tensor& logits
     }
   }
   // per (group, class, bin): P = A·sign(Σ w p − Σ w y)/Σ w and Q = A·gap/Σ w with A = coef / occupied bins,
-  // 0 for an empty bin or a cell that counts 0 (ignore_empty_classes)
-  std::vector<double> pq(static_cast<size_t>(s.groups * s.c * s.bins * 2), 0.0);
+  // 0 for an empty bin or a cell that counts 0 (ignore_empty_classes); laid out as the table, (G, bins, C')
+  const int64_t cells = s.groups * s.bins * s.c;
+  std::vector<double> pt(static_cast<size_t>(cells), 0.0), qt(static_cast<size_t>(s.soft ? cells : 0), 0.0);
   for (int64_t i = 0; i < s.groups * s.c; ++i) {
     if (s.ignore_empty && !(present[i] > 0.0)) continue;
     const double a = coef[i] / static_cast<double>(std::max<int64_t>(occupied[i], 1));
+    const int64_t g = i / s.c, c = i % s.c;
     for (int64_t b = 0; b < s.bins; ++b) {
-      const double* q = st + (i * s.bins + b) * N_CELL;
+      const int64_t at = (g * s.bins + b) * s.c + c;
+      const double* q = st + at * N_CELL;
       if (!(s.soft ? q[C_COUNT] >= s.empty_weight : q[C_COUNT] > 0.0)) continue;
       const double d = q[C_SUM_P] - q[C_SUM_Y];
-      const double sign = d > 0.0 ? 1.0 : (d < 0.0 ? -1.0 : 0.0);
-      pq[(i * s.bins + b) * 2] = a * sign / q[C_COUNT];
-      pq[(i * s.bins + b) * 2 + 1] = a * (std::abs(d) / q[C_COUNT]) / q[C_COUNT];
+      pt[at] = a * (d > 0.0 ? 1.0 : (d < 0.0 ? -1.0 : 0.0)) / q[C_COUNT];
+      if (s.soft) qt[at] = a * (std::abs(d) / q[C_COUNT]) / q[C_COUNT];
     }
   }
+  const double* row_max = st + s.stats_size() - s.rows;
   at::Tensor grad = at::empty(x.sizes(), x.options());
-  const int64_t k = s.k, first = s.first, bins = s.bins;
+  const int64_t k = s.k, first = s.first, c = s.c;
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "fused_ace_backward", [&] {
     using T = scalar_t;
-    const T* edp = s.soft ? nullptr : ed.data_ptr<T>();
-    const double hard_scale = static_cast<double>(bins) / (1.0 + kFloat32Eps);
-    const T soft_scale = static_cast<T>(static_cast<double>(bins) / (1.0 + kFloat32Eps));
+    const Bins<T> bins(s.soft ? nullptr : ed.data_ptr<T>(), s.bins, s.soft);
     const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / k);
     at::parallel_for(0, s.rows, grain, [&](int64_t begin, int64_t end) {
-      std::vector<T> xb, gb, e(static_cast<size_t>(k));
-      std::vector<double> u(static_cast<size_t>(k));
-      for_rows<T>(s, x.data_ptr<T>(), grad.data_ptr<T>(), begin, end, xb, gb, [&](int64_t m, const T* row, T* gr) {
+      RowBuffers<T> w(k);
+      for_rows<T>(s, x.data_ptr<T>(), grad.data_ptr<T>(), begin, end, w.xb, w.gb, [&](int64_t m, const T* row, T* gr) {
         const bool keep = !(s.has_ignore && tp[m] == s.ignore);
         if (!keep) {
           std::fill(gr, gr + k, T(0));
@@ -431,35 +570,40 @@ inline at::Tensor backward(const at::Tensor& grad_loss, const at::Tensor& logits
         }
         const int64_t y = tp[m];
         const double gce = gp[m * stride] / ce_div;
-        T mx;
-        const double sum = exp_sum(row, k, mx, e.data());
-        const T inv = static_cast<T>(1.0 / sum);
-        const double* cells = pq.data() + (m / s.per_group) * s.c * bins * 2;
-        double dot = 0.0;
-        for (int64_t j = 0; j < first; ++j) u[j] = 0.0;
-        for (int64_t j = first; j < k; ++j) {
-          const T p = e[j] * inv;
-          const double* cell = cells + (j - first) * bins * 2;
-          double uj;
-          if (!s.soft) {
-            uj = cell[hard_bin<T>(p, edp, bins, hard_scale) * 2];
-          } else {
-            const Soft<T> w = soft_bin<T>(p, bins, soft_scale);
-            const double* q = cell + w.l * 2;
-            const double r = w.r;
-            uj = (1.0 - r) * q[0];
-            if (bins > 1) {
-              const double yv = j == y ? 1.0 : 0.0;
-              uj += r * q[2] + static_cast<double>(w.da) * ((q[2] - q[0]) * (static_cast<double>(p) - yv) - (q[3] - q[1]));
-            }
+        softmax_row(row, k, static_cast<T>(row_max[m]), w.e.data());
+        const T* e = w.e.data();
+        const T* p = e + first;
+        const int64_t at = (m / s.per_group) * s.bins * c;
+        const double* pg = pt.data() + at;
+        double* u = w.u.data() + first;
+        for (int64_t j = 0; j < first; ++j) w.u[j] = 0.0;
+        std::memcpy(u, pg, sizeof(double) * c);  // the simple entries: bin 0, weight 1
+        int32_t* list = w.list.data();
+        const int64_t n_other = bins.scan(p, c, list, nullptr, nullptr);
+        if (!s.soft) {
+          for (int64_t i = 0; i < n_other; ++i) {
+            const int64_t j = list[i];
+            u[j] = pg[bins.hard(p[j]) * c + j];
           }
-          u[j] = uj;
-          dot += uj * static_cast<double>(p);
+        } else {
+          // ∂/∂p of Σ_b P_b (w_b p − w_b y) − Q_b w_b… : (1 − r)P_l + r P_{l+1} + r'((P_{l+1} − P_l)(p − y) − (Q_{l+1} − Q_l))
+          const double* qg = qt.data() + at;
+          int64_t l;
+          T r, da;
+          for (int64_t i = 0; i < n_other; ++i) {
+            const int64_t j = list[i];
+            bins.soft_of(p[j], l, r, da);
+            const int64_t i0 = l * c + j, i1 = i0 + c;
+            const double yv = j + first == y ? 1.0 : 0.0;
+            u[j] = (1.0 - r) * pg[i0] + r * pg[i1] +
+                   static_cast<double>(da) * ((pg[i1] - pg[i0]) * (static_cast<double>(p[j]) - yv) - (qg[i1] - qg[i0]));
+          }
         }
-        for (int64_t j = 0; j < k; ++j) {
-          const double p = static_cast<double>(e[j] * inv);
-          gr[j] = static_cast<T>(gce * (p - (j == y ? 1.0 : 0.0)) + p * (u[j] - dot));
-        }
+        const double* uu = w.u.data();
+        const double dot = dot_row<T>(uu, e, k);
+        grad_row<T>(uu, e, k, gce, dot, gr);
+        const double py = static_cast<double>(e[y]);
+        gr[y] = static_cast<T>(gce * (py - 1.0) + py * (uu[y] - dot));
       });
     });
   });
