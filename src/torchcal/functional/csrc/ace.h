@@ -315,6 +315,283 @@ struct Forward {
   at::Tensor stats;
 };
 
+// -- (N, K, S) inputs: tiles of positions, vectorised across positions ------------------------------------
+// Each class of an image is a contiguous plane of S positions: a tile of up to 64 positions is computed class
+// by class with the positions in vector lanes (no transposes; the gradient is written in place). Tiles are
+// fixed by the image (position 64a on), so forward and backward compute every p the same way.
+
+constexpr int64_t kPlane = 64;
+
+template <typename T>
+struct PlaneBuffers {
+  std::vector<T> e, mx, inv;
+  std::vector<double> sum, kd, u, gce, dot, zc, zs;
+  std::vector<int64_t> y;
+  PlaneBuffers(int64_t k, int64_t c)
+      : e(static_cast<size_t>(k * kPlane)), mx(kPlane), inv(kPlane), sum(kPlane), kd(kPlane),
+        u(static_cast<size_t>(k * kPlane)), gce(kPlane), dot(kPlane),
+        zc(static_cast<size_t>(c * Vec<double, kWideBytes>::width)), zs(zc.size()), y(kPlane) {}
+};
+
+// e[t] = exp(x[t] − mx[t]), sum[t] += e[t] for t < w
+inline void exp_lanes(const float* x, const float* mx, float* e, double* sum, int64_t w) {
+  using V = typename Vec<float, kWideBytes>::type;
+  constexpr int L = Vec<float, kWideBytes>::width;
+  int64_t t = 0;
+  for (; t + L <= w; t += L) {
+    const V v = exp_nonpositive<kWideBytes>(load<V>(x + t) - load<V>(mx + t));
+    std::memcpy(e + t, &v, sizeof(V));
+  }
+  for (; t < w; ++t) e[t] = std::exp(x[t] - mx[t]);
+  for (t = 0; t < w; ++t) sum[t] += e[t];
+}
+inline void exp_lanes(const double* x, const double* mx, double* e, double* sum, int64_t w) {
+  for (int64_t t = 0; t < w; ++t) sum[t] += (e[t] = std::exp(x[t] - mx[t]));
+}
+
+// p of the tile's w positions into b.e (class j at j·kPlane); the max computed, or the forward's (saved)
+template <typename T>
+inline void plane_softmax(const T* x, int64_t sp, int64_t k, int64_t w, const double* saved, PlaneBuffers<T>& b) {
+  T* mx = b.mx.data();
+  if (saved != nullptr) {
+    for (int64_t t = 0; t < w; ++t) mx[t] = static_cast<T>(saved[t]);
+  } else {
+    for (int64_t t = 0; t < w; ++t) mx[t] = x[t];
+    for (int64_t j = 1; j < k; ++j) {
+      const T* xj = x + j * sp;
+      for (int64_t t = 0; t < w; ++t) mx[t] = mx[t] < xj[t] ? xj[t] : mx[t];
+    }
+  }
+  double* sum = b.sum.data();
+  std::fill(sum, sum + w, 0.0);
+  T* e = b.e.data();
+  for (int64_t j = 0; j < k; ++j) exp_lanes(x + j * sp, mx, e + j * kPlane, sum, w);
+  T* inv = b.inv.data();
+  for (int64_t t = 0; t < w; ++t) inv[t] = static_cast<T>(1.0 / sum[t]);
+  for (int64_t j = 0; j < k; ++j) {
+    T* ej = e + j * kPlane;
+    for (int64_t t = 0; t < w; ++t) ej[t] *= inv[t];
+  }
+}
+
+// bits of the lanes [t, t + W) of p that are kept and not simple (Bins::scan); with zc / zs (per class and
+// lane) the kept simple lanes' count and p added
+template <typename T>
+inline uint64_t plane_block(const Bins<T>& bins, const T* p, const double* kd, double thr, double* zc, double* zs) {
+  constexpr int W = Vec<double, kWideBytes>::width;
+  using D = typename Vec<double, kWideBytes>::type;
+  using F = typename Vec<T, W * sizeof(T)>::type;
+  const D thr_d = broadcast<D>(thr), half = broadcast<D>(0.5), zero = {};
+  const F pv = load<F>(p);
+  const D v = __builtin_convertvector(bins.soft ? pv * broadcast<F>(bins.scale) : pv, D);
+  const D k = load<D>(kd);
+  if (zc != nullptr) {
+    const auto other = v > thr_d;
+    const D c = load<D>(zc) + (other ? zero : k), z = load<D>(zs) + (other ? zero : __builtin_convertvector(pv, D) * k);
+    std::memcpy(zc, &c, sizeof(D));
+    std::memcpy(zs, &z, sizeof(D));
+  }
+  return compare_mask<double, kWideBytes>(v, thr_d) & compare_mask<double, kWideBytes>(k, half);
+}
+
+template <typename T>
+void forward_planes(const Spec& s, const T* x, const int64_t* tp, const Bins<T>& bins, double* parts,
+                    double* row_max, T* ce_rows, std::atomic<int64_t>& n_bad) {
+  constexpr int W = Vec<double, kWideBytes>::width;
+  const int64_t k = s.k, first = s.first, c = s.c, sp = s.sp;
+  const int64_t stride = c * N_CELL;
+  const int64_t per_image = (sp + kPlane - 1) / kPlane;
+  const int64_t group_tiles = s.groups == 1 ? s.n * per_image : per_image;
+  const double thr = bins.threshold();
+  at::parallel_for(0, s.groups * s.chunks, 1, [&](int64_t begin, int64_t end) {
+    PlaneBuffers<T> b(k, c);
+    int64_t bad = 0;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t g = item / s.chunks, r = item % s.chunks;
+      const int64_t q0 = g * group_tiles + group_tiles * r / s.chunks;
+      const int64_t q1 = g * group_tiles + group_tiles * (r + 1) / s.chunks;
+      double* tab = parts + item * s.part_size();
+      double* zero = tab + c * s.bins * N_CELL;
+      double* present = zero + 2 * c;
+      double& kept = present[c];
+      double& ce_sum = present[c + 1];
+      std::fill(b.zc.begin(), b.zc.end(), 0.0);
+      std::fill(b.zs.begin(), b.zs.end(), 0.0);
+      for (int64_t q = q0; q < q1; ++q) {
+        const int64_t img = q / per_image, pos = (q % per_image) * kPlane, w = std::min(kPlane, sp - pos);
+        const int64_t m0 = img * sp + pos;
+        const T* xt = x + img * k * sp + pos;
+        for (int64_t t = 0; t < w; ++t) {
+          b.y[t] = row_label(s, tp[m0 + t], bad);
+          b.kd[t] = b.y[t] >= 0 ? 1.0 : 0.0;
+        }
+        plane_softmax(xt, sp, k, w, nullptr, b);
+        for (int64_t t = 0; t < w; ++t) {
+          const int64_t y = b.y[t];
+          if (y < 0) {
+            if (ce_rows != nullptr) ce_rows[m0 + t] = T(0);
+            row_max[m0 + t] = 0.0;
+            continue;
+          }
+          row_max[m0 + t] = static_cast<double>(b.mx[t]);
+          const double ce = std::log(b.sum[t]) + static_cast<double>(b.mx[t]) - static_cast<double>(xt[y * sp + t]);
+          if (ce_rows != nullptr) ce_rows[m0 + t] = static_cast<T>(ce);
+          ce_sum += ce;
+          kept += 1.0;
+        }
+        for (int64_t j = first; j < k; ++j) {
+          const int64_t ci = j - first;
+          const T* p = b.e.data() + j * kPlane;
+          double* cell = tab + ci * N_CELL;
+          int64_t t = 0;
+          for (; t + W <= w; t += W) {
+            uint64_t bits = plane_block(bins, p + t, b.kd.data() + t, thr, b.zc.data() + ci * W, b.zs.data() + ci * W);
+            while (bits != 0) {
+              const int64_t tt = t + __builtin_ctzll(bits);
+              bits &= bits - 1;
+              if (!s.soft) {
+                double* cq = cell + bins.hard(p[tt]) * stride;
+                cq[C_COUNT] += 1.0;
+                cq[C_SUM_P] += p[tt];
+              } else {
+                int64_t l;
+                T rr, da;
+                bins.soft_of(p[tt], l, rr, da);
+                double* cq = cell + l * stride;
+                cq[C_COUNT] += T(1) - rr;
+                cq[C_SUM_P] += static_cast<double>((T(1) - rr) * p[tt]);
+                cq[stride + C_COUNT] += rr;
+                cq[stride + C_SUM_P] += static_cast<double>(rr * p[tt]);
+              }
+            }
+          }
+          for (; t < w; ++t) {  // the tail: the same criterion lane by lane
+            if (b.y[t] < 0) continue;
+            if (bins.simple(p[t])) {
+              b.zc[ci * W] += 1.0;
+              b.zs[ci * W] += static_cast<double>(p[t]);
+            } else if (!s.soft) {
+              double* cq = cell + bins.hard(p[t]) * stride;
+              cq[C_COUNT] += 1.0;
+              cq[C_SUM_P] += p[t];
+            } else {
+              int64_t l;
+              T rr, da;
+              bins.soft_of(p[t], l, rr, da);
+              double* cq = cell + l * stride;
+              cq[C_COUNT] += T(1) - rr;
+              cq[C_SUM_P] += static_cast<double>((T(1) - rr) * p[t]);
+              cq[stride + C_COUNT] += rr;
+              cq[stride + C_SUM_P] += static_cast<double>(rr * p[t]);
+            }
+          }
+        }
+        for (int64_t t = 0; t < w; ++t) {  // the label's class: Σ w y of its bins
+          const int64_t y = b.y[t];
+          if (y < first) continue;
+          present[y - first] += 1.0;
+          const T py = b.e[y * kPlane + t];
+          double* cell = tab + (y - first) * N_CELL;
+          if (bins.simple(py)) {
+            cell[C_SUM_Y] += 1.0;
+          } else if (!s.soft) {
+            cell[bins.hard(py) * stride + C_SUM_Y] += 1.0;
+          } else {
+            int64_t l;
+            T rr, da;
+            bins.soft_of(py, l, rr, da);
+            cell[l * stride + C_SUM_Y] += T(1) - rr;
+            cell[(l + 1) * stride + C_SUM_Y] += rr;
+          }
+        }
+      }
+      for (int64_t ci = 0; ci < c; ++ci) {  // the lanes' sums of the simple entries, in lane order
+        for (int l = 0; l < W; ++l) {
+          zero[ci] += b.zc[ci * W + l];
+          zero[c + ci] += b.zs[ci * W + l];
+        }
+      }
+    }
+    if (bad) n_bad += bad;
+  });
+}
+
+// the backward of a tile: u_jt = ∂ACE/∂p (bin 0's P for the simple entries), then the gradient in place
+template <typename T>
+void backward_planes(const Spec& s, const T* x, T* grad, const int64_t* tp, const Bins<T>& bins, const double* pt,
+                     const double* qt, const double* row_max, const double* gp, int64_t gstride, double ce_div) {
+  constexpr int W = Vec<double, kWideBytes>::width;
+  const int64_t k = s.k, first = s.first, c = s.c, sp = s.sp;
+  const int64_t per_image = (sp + kPlane - 1) / kPlane;
+  const double thr = bins.threshold();
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / (k * kPlane));
+  at::parallel_for(0, s.n * per_image, grain, [&](int64_t begin, int64_t end) {
+    PlaneBuffers<T> b(k, c);
+    for (int64_t q = begin; q < end; ++q) {
+      const int64_t img = q / per_image, pos = (q % per_image) * kPlane, w = std::min(kPlane, sp - pos);
+      const int64_t m0 = img * sp + pos;
+      const T* xt = x + img * k * sp + pos;
+      T* gt = grad + img * k * sp + pos;
+      for (int64_t t = 0; t < w; ++t) {
+        const int64_t y = tp[m0 + t];
+        const bool keep = !(s.has_ignore && y == s.ignore);
+        b.y[t] = keep ? y : -1;
+        b.kd[t] = keep ? 1.0 : 0.0;
+        b.gce[t] = keep ? gp[(m0 + t) * gstride] / ce_div : 0.0;
+        b.dot[t] = 0.0;
+      }
+      plane_softmax(xt, sp, k, w, row_max + m0, b);
+      const int64_t at = (s.groups == 1 ? 0 : img) * s.bins * c;
+      const double* pg = pt + at;
+      const double* qg = qt + at;
+      for (int64_t j = 0; j < k; ++j) {
+        double* u = b.u.data() + j * kPlane;
+        const T* p = b.e.data() + j * kPlane;
+        if (j < first) {
+          std::fill(u, u + w, 0.0);
+          continue;
+        }
+        const int64_t ci = j - first;
+        const double p0 = pg[ci];
+        for (int64_t t = 0; t < w; ++t) u[t] = p0 * b.kd[t];
+        int64_t t = 0;
+        auto fix = [&](int64_t tt) {
+          if (!s.soft) {
+            u[tt] = pg[bins.hard(p[tt]) * c + ci];
+            return;
+          }
+          int64_t l;
+          T rr, da;
+          bins.soft_of(p[tt], l, rr, da);
+          const int64_t i0 = l * c + ci, i1 = i0 + c;
+          const double yv = b.y[tt] == j ? 1.0 : 0.0;
+          u[tt] = (1.0 - rr) * pg[i0] + rr * pg[i1] +
+                  static_cast<double>(da) * ((pg[i1] - pg[i0]) * (static_cast<double>(p[tt]) - yv) - (qg[i1] - qg[i0]));
+        };
+        for (; t + W <= w; t += W) {
+          uint64_t bits = plane_block(bins, p + t, b.kd.data() + t, thr, nullptr, nullptr);
+          while (bits != 0) {
+            fix(t + __builtin_ctzll(bits));
+            bits &= bits - 1;
+          }
+        }
+        for (; t < w; ++t)
+          if (b.y[t] >= 0 && !bins.simple(p[t])) fix(t);
+        for (t = 0; t < w; ++t) b.dot[t] += u[t] * static_cast<double>(p[t]);
+      }
+      for (int64_t j = 0; j < k; ++j) {
+        const double* u = b.u.data() + j * kPlane;
+        const T* p = b.e.data() + j * kPlane;
+        T* g = gt + j * sp;
+        for (int64_t t = 0; t < w; ++t) {
+          const double pd = static_cast<double>(p[t]);
+          g[t] = static_cast<T>(b.gce[t] * (pd - (b.y[t] == j ? 1.0 : 0.0)) + pd * (u[t] - b.dot[t]));
+        }
+      }
+    }
+  });
+}
+
 template <typename T>
 void forward_rows(const Spec& s, const T* x, const int64_t* tp, const Bins<T>& bins, double* parts, double* row_max,
                   T* ce_rows, std::atomic<int64_t>& n_bad) {
@@ -429,8 +706,11 @@ inline Forward forward(const at::Tensor& logits, const at::Tensor& targets, cons
   row_max = stats.data_ptr<double>() + s.stats_size() - s.rows;
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "fused_ace", [&] {
     const Bins<scalar_t> bins(s.soft ? nullptr : ed.data_ptr<scalar_t>(), s.bins, s.soft);
-    forward_rows<scalar_t>(s, x.data_ptr<scalar_t>(), tp, bins, parts.data_ptr<double>(), row_max,
-                           s.reduction == 0 ? ce_rows.data_ptr<scalar_t>() : nullptr, n_bad);
+    scalar_t* ce = s.reduction == 0 ? ce_rows.data_ptr<scalar_t>() : nullptr;
+    if (s.sp > 1)
+      forward_planes<scalar_t>(s, x.data_ptr<scalar_t>(), tp, bins, parts.data_ptr<double>(), row_max, ce, n_bad);
+    else
+      forward_rows<scalar_t>(s, x.data_ptr<scalar_t>(), tp, bins, parts.data_ptr<double>(), row_max, ce, n_bad);
   });
   if (n_bad.load() > 0) raise_bad_label(s, tp);
   // the chunks' partials summed in chunk order into the statistics
@@ -559,6 +839,11 @@ inline at::Tensor backward(const at::Tensor& grad_loss, const at::Tensor& logits
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "fused_ace_backward", [&] {
     using T = scalar_t;
     const Bins<T> bins(s.soft ? nullptr : ed.data_ptr<T>(), s.bins, s.soft);
+    if (s.sp > 1) {
+      backward_planes<T>(s, x.data_ptr<T>(), grad.data_ptr<T>(), tp, bins, pt.data(), qt.data(), row_max, gp, stride,
+                         ce_div);
+      return;
+    }
     const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / k);
     at::parallel_for(0, s.rows, grain, [&](int64_t begin, int64_t end) {
       RowBuffers<T> w(k);
