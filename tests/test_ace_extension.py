@@ -1,0 +1,319 @@
+"""The C++ operator of mL1-ACE plus cross entropy (torch.ops.torchcal.fused_ace, csrc/ace.h) against the float64
+loop reference and the plain torch path: values and gradients at (N, K) and (N, K, d1, ...), hard and soft bins,
+every reduction and option, ignored labels, label errors, threads, layouts, the torch.compile operators and the
+cases it leaves to the torch path."""
+
+import pytest
+import torch
+
+import torchcal.functional as F
+from tests.reference import margin as R
+
+pytestmark = pytest.mark.usefixtures("cpp_extension")
+
+OPTIONS = [
+    {},
+    {"binning": "soft"},
+    {"n_bins": 3, "lambda_": 2.5},
+    {"binning": "soft", "n_bins": 6, "include_background": False},
+    {"include_background": False, "ignore_empty_classes": False},
+    {"binning": "soft", "ignore_empty_classes": False, "empty_weight": 0.3},
+    {"per_image": True},
+    {"binning": "soft", "per_image": False},
+    {"n_bins": 1},
+    {"binning": "soft", "n_bins": 1},
+    {"ignore_index": 2},
+    {"binning": "soft", "ignore_index": None},
+]
+IDS = ["-".join(f"{k}={v}" for k, v in o.items()) or "default" for o in OPTIONS]
+
+
+def _batch(shape, k, seed=0, scale=3.0, dtype=torch.float64, ignore=-100):
+    g = torch.Generator().manual_seed(seed)
+    z = (scale * torch.randn(shape[0], k, *shape[1:], generator=g)).to(dtype)
+    y = torch.randint(0, k, (shape[0], *shape[1:]), generator=g)
+    if ignore is not None:
+        flat = y.view(-1)
+        flat[:: max(2, flat.numel() // 5)] = ignore  # a few ignored positions
+    return z, y
+
+
+def _split(options):
+    kw = dict(options)
+    return kw.pop("lambda_", 1.0), kw
+
+
+def _fused(z, y, options, reduction="mean"):
+    lam, kw = _split(options)
+    return F.ml1ace_loss(z, y, lam, reduction=reduction, **kw)
+
+
+def _both_paths(z, y, options, reduction, upstream=None):
+    """The loss and the gradient of Σ upstream·loss on the C++ operator (asserted by its autograd node) and on
+    the plain torch path."""
+    results = []
+    for cpp in (True, False):
+        x = z.detach().clone().requires_grad_(True)
+        with F.use_cpu_extension(cpp):
+            value = _fused(x, y, options, reduction)
+            assert ("FusedAce" in value.grad_fn.name()) == cpp
+            weights = torch.ones_like(value) if upstream is None else upstream(value)
+            (grad,) = torch.autograd.grad((value * weights).sum(), x)
+        results.append((value.detach(), grad))
+    return results
+
+
+def _upstream(v):
+    return torch.linspace(0.5, 1.5, v.numel(), dtype=v.dtype).reshape(v.shape)
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=IDS)
+@pytest.mark.parametrize("shape", [(9,), (2, 3, 2), (2, 9, 11)], ids=["NK", "NKHW", "NKHW99"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_operator_matches_the_float64_loop_reference(options, shape, reduction):
+    """float64 through the operator against the loop reference, value and gradient; (2, 9, 11) has 99
+    positions per image: a full tile's vector blocks and a partial tile."""
+    ignore = options.get("ignore_index", -100)
+    z, y = _batch(shape, 5, seed=len(shape), ignore=ignore if ignore is not None else 0)
+    za, zb = z.clone().requires_grad_(True), z.clone().requires_grad_(True)
+    got = _fused(za, y, options, reduction)
+    assert "FusedAce" in got.grad_fn.name()
+    lam, kw = _split(options)
+    want = R.ml1ace(zb, y, lam, reduction=reduction, **kw)
+    # float64 on both sides; the loops and the operator's float64 sums add in other orders: a few ulps a term
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    (got * _upstream(got)).sum().backward()
+    (want * _upstream(want)).sum().backward()
+    torch.testing.assert_close(za.grad, zb.grad, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("binning", ["hard", "soft"])
+@pytest.mark.parametrize("shape", [(5,), (2, 2, 3)], ids=["NK", "NKHW"])
+def test_gradcheck_float64(binning, shape):
+    """Finite differences: the bins of p (hard) and the soft bins' occupancy are constant within gradcheck's
+    step at these logits (a p within 1e-6 of an edge would make the check meaningless; none is)."""
+    z, y = _batch(shape, 4, seed=3, ignore=None)
+    for reduction in ("mean", "none"):
+        x = z.clone().requires_grad_(True)
+        fn = lambda a, r=reduction: F.ml1ace_loss(a, y, binning=binning, n_bins=5, reduction=r)  # noqa: E731
+        assert "FusedAce" in fn(x).grad_fn.name()
+        assert torch.autograd.gradcheck(fn, (x,))
+
+
+def _edge_distance(z, n_bins):
+    """The smallest distance (in p) of a float64 softmax probability of z to an inner hard-bin edge."""
+    p = torch.softmax(z.double(), 1)
+    edges = torch.linspace(0, 1 + 1.1920928955078125e-07, n_bins + 1, dtype=torch.float64)[1:-1]
+    return (p.reshape(-1, 1) - edges).abs().min().item()
+
+
+# K: short rows (the tail lanes), vector blocks with tails, long rows; (N, K, S) with S below, at and above
+# a tile of 64 positions
+@pytest.mark.parametrize(
+    "shape,k", [((300,), 3), ((300,), 10), ((64,), 37), ((64,), 100), ((16,), 1027), ((2, 5, 31), 19),
+                ((3, 64), 7), ((1, 3, 3), 200)],
+)  # fmt: skip
+@pytest.mark.parametrize("binning", ["hard", "soft"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_float32_operator_equals_the_torch_path(shape, k, binning, reduction):
+    """float32 values and gradients against the torch path. The two compute p with different exponentials
+    (a few float32 ulps apart), so a hard bin could differ for a p within ulps of an edge: the data are
+    checked to keep every p 1e-6 away from the edges. The bins' sums are float64 in the operator and float32
+    in torch (index_add over up to ~1000 entries), the cross entropy's row sums likewise: rtol 1e-5 on the
+    values. The gradient is p ⊙ (u − <u, p>) with u = sign/count per bin, cancelling in float32 on the torch
+    path: atol 16 float32 ulps of its largest entry."""
+    z, y = _batch(shape, k, seed=k, dtype=torch.float32)
+    if binning == "hard":
+        assert _edge_distance(z, 20) > 1e-6
+    (v1, g1), (v2, g2) = _both_paths(z, y, {"binning": binning}, reduction, _upstream)
+    torch.testing.assert_close(v1, v2, rtol=1e-5, atol=1e-6)
+    atol = 16 * torch.finfo(torch.float32).eps * g2.abs().max().item()
+    torch.testing.assert_close(g1, g2, rtol=1e-5, atol=atol)
+
+
+@pytest.mark.parametrize("binning", ["hard", "soft"])
+def test_float32_operator_is_as_close_to_float64_as_the_torch_path(binning):
+    """Against the loss of the float32 inputs in float64, the operator's float32 error is at most the torch
+    path's plus two float32 ulps of the result: its sums are float64."""
+    z, y = _batch((2000,), 50, seed=7, scale=4.0, dtype=torch.float32)
+    assert binning == "soft" or _edge_distance(z, 20) > 1e-7
+    with F.use_cpu_extension(False):
+        exact = F.ml1ace_loss(z.double(), y, binning=binning)
+        plain = F.ml1ace_loss(z, y, binning=binning)
+    fused = F.ml1ace_loss(z, y, binning=binning)
+    ulp = torch.finfo(torch.float32).eps * abs(exact.item())
+    assert abs(fused.double() - exact) <= abs(plain.double() - exact) + 2 * ulp
+
+
+@pytest.mark.parametrize("ignore_index", [None, 0, 255])
+def test_ignore_index_forms(ignore_index):
+    """ignore_index None (every label counts), a class index (its labels leave the loss and the bins) and 255."""
+    z, y = _batch((3, 4, 5), 6, seed=1, dtype=torch.float64, ignore=255 if ignore_index == 255 else 0)
+    for options in ({"ignore_index": ignore_index}, {"ignore_index": ignore_index, "binning": "soft"}):
+        for reduction in ("mean", "none"):
+            (v1, g1), (v2, g2) = _both_paths(z, y, options, reduction)
+            torch.testing.assert_close(v1, v2, rtol=1e-10, atol=1e-12)
+            torch.testing.assert_close(g1, g2, rtol=1e-10, atol=1e-12)
+
+
+def test_every_label_ignored_gives_nan_mean_and_zero_gradient_like_the_torch_path():
+    for z, y in ((torch.randn(4, 3), torch.full((4,), -100)), (torch.randn(2, 3, 4), torch.full((2, 4), -100))):
+        for binning in ("hard", "soft"):
+            (v1, g1), (v2, g2) = _both_paths(z, y, {"binning": binning}, "mean")
+            assert torch.isnan(v1) and torch.isnan(v2)
+            torch.testing.assert_close(g1, g2, equal_nan=True)
+            (v1, g1), (v2, g2) = _both_paths(z, y, {"binning": binning}, "none")
+            torch.testing.assert_close(v1, v2)
+            torch.testing.assert_close(g1, g2)
+
+
+def test_an_image_without_kept_positions_leaves_the_mean():
+    z, y = _batch((3, 4, 4), 5, seed=4)
+    y[1] = -100
+    for binning in ("hard", "soft"):
+        for reduction in ("mean", "sum", "none"):
+            (v1, g1), (v2, g2) = _both_paths(z, y, {"binning": binning}, reduction, _upstream)
+            torch.testing.assert_close(v1, v2, rtol=1e-10, atol=1e-12)
+            torch.testing.assert_close(g1, g2, rtol=1e-10, atol=1e-12)
+
+
+def test_label_errors_are_the_torch_paths():
+    """A label outside [0, K) that is not ignore_index: the operator refuses it and the torch path raises
+    its named error."""
+    z = torch.randn(3, 4)
+    for bad in (torch.tensor([0, 4, 1]), torch.tensor([0, -1, 1])):
+        messages = []
+        for cpp in (True, False):
+            with F.use_cpu_extension(cpp), pytest.raises(ValueError) as info:
+                F.ml1ace_loss(z, bad)
+            messages.append(str(info.value))
+        assert messages[0] == messages[1]
+    edges = torch.linspace(0, 1, 21)[1:-1]
+    with pytest.raises(ValueError, match=r"`targets` must lie in \[0, 4\), found label 4"):
+        torch.ops.torchcal.fused_ace(z, torch.tensor([0, 4, 1]), edges, [1.0, 0.01], [20, 0, 0, 1, 0, 1], None)
+
+
+def test_results_do_not_depend_on_the_thread_count():
+    """The bins are summed in chunks fixed by the shape, in chunk order: the same bits on 1 and 3 threads."""
+    g = torch.Generator().manual_seed(2)
+    cases = [(3 * torch.randn(5000, 64, generator=g), torch.randint(0, 64, (5000,), generator=g)),
+             (3 * torch.randn(2, 19, 40, 50, generator=g), torch.randint(0, 19, (2, 40, 50), generator=g))]  # fmt: skip
+    threads = torch.get_num_threads()
+    for z, y in cases:
+        for binning in ("hard", "soft"):
+            results = []
+            try:
+                for n_threads in (1, 3):
+                    torch.set_num_threads(n_threads)
+                    x = z.clone().requires_grad_(True)
+                    loss = F.ml1ace_loss(x, y, binning=binning)
+                    loss.backward()
+                    results.append((loss.detach(), x.grad))
+            finally:
+                torch.set_num_threads(threads)
+            assert torch.equal(results[0][0], results[1][0])
+            assert torch.equal(results[0][1], results[1][1])
+
+
+def test_layouts_and_label_dtypes_match_the_torch_path():
+    """Non-contiguous logits (a transposed view, channels-last images) and int32 / uint8 labels."""
+    g = torch.Generator().manual_seed(1)
+    z = (3 * torch.randn(7, 40, generator=g, dtype=torch.float64)).t()[:, :7]
+    y = torch.randint(0, 7, (40,), generator=g, dtype=torch.int32)
+    images = (3 * torch.randn(2, 5, 6, 7, generator=g, dtype=torch.float64)).to(memory_format=torch.channels_last)
+    labels = torch.randint(0, 5, (2, 6, 7), generator=g, dtype=torch.uint8)
+    for logits, targets in ((z, y), (images, labels)):
+        assert not logits.is_contiguous()
+        for binning in ("hard", "soft"):
+            (v1, g1), (v2, g2) = _both_paths(logits, targets, {"binning": binning}, "none")
+            torch.testing.assert_close(v1, v2, rtol=1e-10, atol=1e-12)
+            torch.testing.assert_close(g1, g2, rtol=1e-10, atol=1e-12)
+
+
+def test_what_the_operator_leaves_to_the_torch_path():
+    """Soft targets, multi-label outputs, half-precision logits (upcast by the torch path), the penalty alone
+    and a disabled extension take the torch path; float32 logits inside an autocast region take the operator
+    unchanged."""
+    z, y = torch.randn(6, 4, requires_grad=True), torch.randint(0, 4, (6,))
+    q = torch.softmax(torch.randn(6, 4), 1)
+    assert "FusedAce" not in F.ml1ace_loss(z, q).grad_fn.name()
+    assert "FusedAce" not in F.ml1ace_loss(z, (q > 0.3).float(), multilabel=True).grad_fn.name()
+    assert "FusedAce" not in F.ml1ace_loss(z.detach().bfloat16().requires_grad_(True), y).grad_fn.name()
+    assert "FusedAce" not in F.ml1ace_penalty(z, y).grad_fn.name()
+    with F.use_cpu_extension(False):
+        assert "FusedAce" not in F.ml1ace_loss(z, y).grad_fn.name()
+        expected = F.ml1ace_loss(z, y)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = F.ml1ace_loss(z, y)
+    assert "FusedAce" in loss.grad_fn.name() and loss.dtype == torch.float32
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_no_graph_without_gradients_and_extreme_logits():
+    z = torch.tensor([[1e4, -1e4, 0.0], [-1e4, 1e4, 1e4], [0.0, 0.0, 0.0]], dtype=torch.float64)
+    y = torch.tensor([1, 2, 0])
+    with torch.no_grad():
+        assert not F.ml1ace_loss(z, y).requires_grad
+    for binning in ("hard", "soft"):
+        (v1, g1), (v2, g2) = _both_paths(z, y, {"binning": binning}, "mean")
+        assert torch.isfinite(v1) and torch.isfinite(g1).all()
+        torch.testing.assert_close(v1, v2, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(g1, g2, rtol=1e-10, atol=1e-12)
+
+
+def test_second_order_gradients_are_refused():
+    z, y = torch.randn(5, 4, dtype=torch.float64, requires_grad=True), torch.tensor([0, 1, 2, 3, 0])
+    with pytest.raises(RuntimeError, match="differentiable once only"):
+        torch.autograd.grad(F.ml1ace_loss(z, y), z, create_graph=True)
+
+
+def _operator_args(z, y, soft, reduction, per_image=0, first=0):
+    edges = torch.linspace(0, 1 + 1.1920928955078125e-07, 6, dtype=z.dtype)[1:-1]
+    return (z, y, edges, [1.5, 0.01], [5, int(soft), first, 1, per_image, reduction], -100)
+
+
+@pytest.mark.parametrize("soft", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("reduction", [0, 1, 2])
+def test_the_compile_operators_pass_opcheck(soft, dtype, reduction):
+    """The forward/backward pair that torch.compile traces: schema, fake implementation (shapes, dtypes) and
+    autograd registration checked by torch.library.opcheck, at (N, K) and (N, K, H, W)."""
+    for z, y, per_image in ((torch.randn(6, 4, dtype=dtype), torch.tensor([0, 1, 2, 3, 0, 1]), 0),
+                            (torch.randn(2, 3, 2, 2, dtype=dtype), torch.randint(0, 3, (2, 2, 2)), 1)):  # fmt: skip
+        args = _operator_args(z.requires_grad_(True), y, soft, reduction, per_image)
+        torch.library.opcheck(torch.ops.torchcal.fused_ace_fwd.default, args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_compile_operators_equal_the_eager_operator(dtype):
+    """Loss and gradient of fused_ace_fwd / _bwd (with their registered autograd formula) are the eager
+    operator's, bit for bit: the same C++ forward and backward."""
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(3, 5, 4, 2, generator=g, dtype=dtype)
+    y = torch.randint(0, 5, (3, 4, 2), generator=g)
+    y[0, 0, 0] = -100
+    for soft in (False, True):
+        for reduction in (0, 1, 2):
+            a, b = z.clone().requires_grad_(True), z.clone().requires_grad_(True)
+            eager = torch.ops.torchcal.fused_ace(*_operator_args(a, y, soft, reduction, 1, 1))
+            pair = torch.ops.torchcal.fused_ace_fwd(*_operator_args(b, y, soft, reduction, 1, 1))[0]
+            assert torch.equal(eager.detach(), pair.detach())
+            (ga,) = torch.autograd.grad(eager.sum(), a)
+            (gb,) = torch.autograd.grad(pair.sum(), b)
+            assert torch.equal(ga, gb)
+
+
+@pytest.mark.compile
+def test_compiled_loss_takes_the_operator_pair_and_equals_eager():
+    z, y = torch.randn(2, 4, 3, 3), torch.randint(0, 4, (2, 3, 3))
+    y[0, 0, 0] = -100
+    for binning in ("hard", "soft"):
+        fn = lambda a, b, m=binning: F.ml1ace_loss(a, b, binning=m)  # noqa: E731
+        compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+        a, b = z.clone().requires_grad_(True), z.clone().requires_grad_(True)
+        got = compiled(a, y)
+        want = fn(b, y)
+        got.backward()
+        want.backward()
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
