@@ -317,3 +317,21 @@ def test_compiled_loss_takes_the_operator_pair_and_equals_eager():
         want.backward()
         torch.testing.assert_close(got, want, rtol=0, atol=0)
         torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+
+
+def test_soft_weights_are_the_same_number_at_every_use():
+    """The soft bins' r enters the count, Σ w y and the backward at different places of the operator; a
+    multiply-add contracted at one and not another made them differ by an ulp, which a bin of weight 1 − r =
+    0.026 amplified to a 5e-4 error in the gradient (this row; one image per row). With one rounding
+    everywhere, the float32 gradient is within float32 rounding of the float64 one."""
+    z = torch.tensor([[0.7917, -3.6390, -1.9500, -1.6310, 0.6377, -6.3890, -7.6901]])
+    y = torch.tensor([4])
+    fn = lambda a: F.ml1ace_loss(a, y, binning="soft", per_image=True, reduction="none").sum()  # noqa: E731
+    x = z.clone().requires_grad_(True)
+    assert "FusedAce" in F.ml1ace_loss(x, y, binning="soft", per_image=True).grad_fn.name()
+    (got,) = torch.autograd.grad(fn(x), x)
+    with F.use_cpu_extension(False):
+        xd = z.double().requires_grad_(True)
+        (want,) = torch.autograd.grad(fn(xd), xd)
+    # entries up to ~0.6; float32 p and products, a few ulps each
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-6)

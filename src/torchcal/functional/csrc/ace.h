@@ -165,7 +165,9 @@ struct Bins {
       l = 0, r = T(0), da = T(0);
       return;
     }
-    const T raw = p * scale - T(0.5);
+    // one rounding (fused multiply-add) at every call site: the compiler may contract p·scale − 1/2 in one
+    // inlined copy and not in another, and the count, Σ w y and the backward need the same r
+    const T raw = std::fma(p, scale, T(-0.5));
     const T hi = static_cast<T>(n - 1);
     const T u = raw < T(0) ? T(0) : (raw > hi ? hi : raw);
     da = raw >= T(0) && raw <= hi ? scale : T(0);
