@@ -154,10 +154,16 @@ struct Bins {
   }
   bool simple(T p) const { return !(static_cast<double>(soft ? p * scale : p) > threshold()); }
   int64_t hard(T p) const {
-    int64_t b = 0;
-    if (p > T(0)) b = std::min<int64_t>(n - 1, static_cast<int64_t>(static_cast<double>(p) * scale));
-    while (b > 0 && !(edges[b - 1] < p)) --b;
-    while (b < n - 1 && edges[b] < p) ++b;
+    const double f = static_cast<double>(p) * scale;
+    int64_t b = f > 0.0 ? (f < static_cast<double>(n - 1) ? static_cast<int64_t>(f) : n - 1) : 0;
+    // the guess is at most one bin off (float edges within a few ulps of b(1 + eps)/M): one step each way
+    // without branches, and the exact search only where that did not land in the bin
+    b -= b > 0 && !(edges[b - 1] < p);
+    b += b < n - 1 && edges[b] < p;
+    if ((b > 0 && !(edges[b - 1] < p)) || (b < n - 1 && edges[b] < p)) {
+      while (b > 0 && !(edges[b - 1] < p)) --b;
+      while (b < n - 1 && edges[b] < p) ++b;
+    }
     return b;
   }
   void soft_of(T p, int64_t& l, T& r, T& da) const {
