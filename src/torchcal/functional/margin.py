@@ -16,8 +16,8 @@ left out, soft targets (class probabilities of the logits' shape) for the cross-
 released code differs from the paper, the code is the default (SPEC §8; decisions 131-139). The losses do not
 call ``.item()`` or branch on tensor values, so they trace into one ``torch.compile`` graph. On the CPU, with
 the C++ library built (``torchcal build-extension``), MbLS, ACLS, MaxSup and the confidence penalty run as
-one fused operator for integer labels and float32/float64 logits (decision 200); the code below is the
-reference path and that of every other case.
+one fused operator for integer labels and float32/float64 logits (decision 200), and so does
+:func:`ml1ace_loss` (decision 211); the code below is the reference path and that of every other case.
 
 Only Poly-1 is a function of the target distribution, so only it takes class ``weight`` and
 ``label_smoothing``; MbLS, ACLS, the confidence penalty and MaxSup add a term that does not depend on the
@@ -1399,7 +1399,8 @@ def ml1ace_loss(
     + λ·the mean ACE over the (image, class) cells; "none" gives each kept position (each element with
     ``multilabel``) its base loss + λ·the mean over the classes of its image's ACE; "sum" the sum of "none".
     Soft targets (class probabilities) enter both terms. Class ``weight`` and ``label_smoothing`` are refused
-    (the ACE term is a statistic of each image).
+    (the ACE term is a statistic of each image). Integer labels of CPU float32/float64 logits take the C++
+    operator when it is built (decision 211; differentiable once); everything else the torch path.
 
     Example:
         >>> import torch
