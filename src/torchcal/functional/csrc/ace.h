@@ -184,24 +184,22 @@ struct Bins {
     r = u - fl;
   }
   // One vectorised pass over a row's count entries p: list[0..m) = the indices of those that are not
-  // simple (returns m) and, with zc / zs, the simple ones' count and Σ p added per class
-  int64_t scan(const T* p, int64_t count, int32_t* list, double* zc, double* zs) const {
+  // simple (returns m) and, with zs, the simple ones' Σ p added per class (their count is the kept rows'
+  // less the others')
+  int64_t scan(const T* p, int64_t count, int32_t* list, double* zs) const {
     constexpr int W = Vec<double, kWideBytes>::width;
     using D = typename Vec<double, kWideBytes>::type;
     using F = typename Vec<T, W * sizeof(T)>::type;
     const double thr = threshold();
-    const D thr_d = broadcast<D>(thr), one = broadcast<D>(1.0), zero = {};
+    const D thr_d = broadcast<D>(thr), zero = {};
     const F sc = broadcast<F>(scale);
     int64_t m = 0, j = 0;
     for (; j + W <= count; j += W) {
       const F pv = load<F>(p + j);
       const D v = __builtin_convertvector(soft ? pv * sc : pv, D);
       uint64_t bits = compare_mask<double, kWideBytes>(v, thr_d);
-      if (zc != nullptr) {
-        const auto other = v > thr_d;
-        const D pd = __builtin_convertvector(pv, D);
-        const D c = load<D>(zc + j) + (other ? zero : one), z = load<D>(zs + j) + (other ? zero : pd);
-        std::memcpy(zc + j, &c, sizeof(D));
+      if (zs != nullptr) {
+        const D z = load<D>(zs + j) + (v > thr_d ? zero : __builtin_convertvector(pv, D));
         std::memcpy(zs + j, &z, sizeof(D));
       }
       while (bits != 0) {
@@ -211,10 +209,7 @@ struct Bins {
     }
     for (; j < count; ++j) {
       const bool other = static_cast<double>(soft ? p[j] * scale : p[j]) > thr;
-      if (zc != nullptr && !other) {
-        zc[j] += 1.0;
-        zs[j] += static_cast<double>(p[j]);
-      }
+      if (zs != nullptr && !other) zs[j] += static_cast<double>(p[j]);
       list[m] = static_cast<int32_t>(j);
       m += other;
     }
@@ -385,7 +380,7 @@ inline void plane_softmax(const T* x, int64_t sp, int64_t k, int64_t w, const do
 // bits of the lanes [t, t + W) of p that are kept and not simple (Bins::scan); with zc / zs (per class and
 // lane) the kept simple lanes' count and p added
 template <typename T>
-inline uint64_t plane_block(const Bins<T>& bins, const T* p, const double* kd, double thr, double* zc, double* zs) {
+inline uint64_t plane_block(const Bins<T>& bins, const T* p, const double* kd, double thr, double* zs) {
   constexpr int W = Vec<double, kWideBytes>::width;
   using D = typename Vec<double, kWideBytes>::type;
   using F = typename Vec<T, W * sizeof(T)>::type;
@@ -393,10 +388,8 @@ inline uint64_t plane_block(const Bins<T>& bins, const T* p, const double* kd, d
   const F pv = load<F>(p);
   const D v = __builtin_convertvector(bins.soft ? pv * broadcast<F>(bins.scale) : pv, D);
   const D k = load<D>(kd);
-  if (zc != nullptr) {
-    const auto other = v > thr_d;
-    const D c = load<D>(zc) + (other ? zero : k), z = load<D>(zs) + (other ? zero : __builtin_convertvector(pv, D) * k);
-    std::memcpy(zc, &c, sizeof(D));
+  if (zs != nullptr) {
+    const D z = load<D>(zs) + (v > thr_d ? zero : __builtin_convertvector(pv, D) * k);
     std::memcpy(zs, &z, sizeof(D));
   }
   return compare_mask<double, kWideBytes>(v, thr_d) & compare_mask<double, kWideBytes>(k, half);
@@ -453,7 +446,8 @@ void forward_planes(const Spec& s, const T* x, const int64_t* tp, const Bins<T>&
           double* cell = tab + ci * N_CELL;
           int64_t t = 0;
           for (; t + W <= w; t += W) {
-            uint64_t bits = plane_block(bins, p + t, b.kd.data() + t, thr, b.zc.data() + ci * W, b.zs.data() + ci * W);
+            uint64_t bits = plane_block(bins, p + t, b.kd.data() + t, thr, b.zs.data() + ci * W);
+            b.zc[ci * W] += __builtin_popcountll(bits);  // the others: not in bin 0's count
             while (bits != 0) {
               const int64_t tt = t + __builtin_ctzll(bits);
               bits &= bits - 1;
@@ -476,9 +470,11 @@ void forward_planes(const Spec& s, const T* x, const int64_t* tp, const Bins<T>&
           for (; t < w; ++t) {  // the tail: the same criterion lane by lane
             if (b.y[t] < 0) continue;
             if (bins.simple(p[t])) {
-              b.zc[ci * W] += 1.0;
               b.zs[ci * W] += static_cast<double>(p[t]);
-            } else if (!s.soft) {
+              continue;
+            }
+            b.zc[ci * W] += 1.0;
+            if (!s.soft) {
               double* cq = cell + bins.hard(p[t]) * stride;
               cq[C_COUNT] += 1.0;
               cq[C_SUM_P] += p[t];
@@ -513,11 +509,9 @@ void forward_planes(const Spec& s, const T* x, const int64_t* tp, const Bins<T>&
           }
         }
       }
-      for (int64_t ci = 0; ci < c; ++ci) {  // the lanes' sums of the simple entries, in lane order
-        for (int l = 0; l < W; ++l) {
-          zero[ci] += b.zc[ci * W + l];
-          zero[c + ci] += b.zs[ci * W + l];
-        }
+      for (int64_t ci = 0; ci < c; ++ci) {  // the simple entries: the lanes' sums in lane order; their
+        zero[ci] += kept - b.zc[ci * W];  // count is the kept positions' less the others'
+        for (int l = 0; l < W; ++l) zero[c + ci] += b.zs[ci * W + l];
       }
     }
     if (bad) n_bad += bad;
@@ -577,7 +571,7 @@ void backward_planes(const Spec& s, const T* x, T* grad, const int64_t* tp, cons
                   static_cast<double>(da) * ((pg[i1] - pg[i0]) * (static_cast<double>(p[tt]) - yv) - (qg[i1] - qg[i0]));
         };
         for (; t + W <= w; t += W) {
-          uint64_t bits = plane_block(bins, p + t, b.kd.data() + t, thr, nullptr, nullptr);
+          uint64_t bits = plane_block(bins, p + t, b.kd.data() + t, thr, nullptr);
           while (bits != 0) {
             fix(t + __builtin_ctzll(bits));
             bits &= bits - 1;
@@ -633,7 +627,8 @@ void forward_rows(const Spec& s, const T* x, const int64_t* tp, const Bins<T>& b
         kept += 1.0;
         const T* p = w.e.data() + first;
         int32_t* list = w.list.data();
-        const int64_t n_other = bins.scan(p, c, list, zero, zero + c);
+        const int64_t n_other = bins.scan(p, c, list, zero + c);
+        for (int64_t i = 0; i < n_other; ++i) zero[list[i]] -= 1.0;  // bin 0's count: kept rows less these
         if (!s.soft) {
           for (int64_t i = 0; i < n_other; ++i) {
             const int64_t j = list[i];
@@ -672,6 +667,7 @@ void forward_rows(const Spec& s, const T* x, const int64_t* tp, const Bins<T>& b
         }
         if (y >= first) present[y - first] += 1.0;
       });
+      for (int64_t j = 0; j < c; ++j) zero[j] += kept;  // bin 0's count: every kept row but the others
     }
     if (bad) n_bad += bad;
   });
@@ -872,7 +868,7 @@ inline at::Tensor backward(const at::Tensor& grad_loss, const at::Tensor& logits
         for (int64_t j = 0; j < first; ++j) w.u[j] = 0.0;
         std::memcpy(u, pg, sizeof(double) * c);  // the simple entries: bin 0, weight 1
         int32_t* list = w.list.data();
-        const int64_t n_other = bins.scan(p, c, list, nullptr, nullptr);
+        const int64_t n_other = bins.scan(p, c, list, nullptr);
         if (!s.soft) {
           for (int64_t i = 0; i < n_other; ++i) {
             const int64_t j = list[i];
