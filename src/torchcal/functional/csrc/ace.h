@@ -104,8 +104,9 @@ inline int64_t row_label(const Spec& s, int64_t y, int64_t& bad) {
   return y;
 }
 
-// max of a row; p = exp(x − max)·(1/Σ) into e, returning Σ (float64). The same arithmetic forward and
-// backward (the backward takes the forward's max), so that p, and its hard bin, is the same number in both
+// max of a row and e = exp(x − max), returning Σ e (float64); p = e·(1/Σ) follows in Bins::scan. The same
+// arithmetic forward and backward (the backward takes the forward's max), so that p, and its hard bin, is
+// the same number in both
 inline float row_max_of(const float* x, int64_t k) { return row_max(x, k); }
 inline double row_max_of(const double* x, int64_t k) {
   double mx = x[0];
@@ -116,13 +117,6 @@ inline double exp_of(const float* x, int64_t k, float mx, float* e) { return exp
 inline double exp_of(const double* x, int64_t k, double mx, double* e) {
   double sum = 0.0;
   for (int64_t j = 0; j < k; ++j) sum += (e[j] = std::exp(x[j] - mx));
-  return sum;
-}
-template <typename T>
-inline double softmax_row(const T* x, int64_t k, T mx, T* e) {
-  const double sum = exp_of(x, k, mx, e);
-  const T inv = static_cast<T>(1.0 / sum);
-  for (int64_t j = 0; j < k; ++j) e[j] *= inv;
   return sum;
 }
 
@@ -183,59 +177,63 @@ struct Bins {
     l = static_cast<int64_t>(fl);
     r = u - fl;
   }
-  // One vectorised pass over a row's count entries p: list[0..m) = the indices of those that are not
-  // simple (returns m) and, with zs, the simple ones' Σ p added per class (their count is the kept rows'
-  // less the others')
-  int64_t scan(const T* p, int64_t count, int32_t* list, double* zs) const {
+  // One vectorised pass over a row's count entries: p = e·inv written over e (one float multiply, the
+  // rounding of every other use), list[0..m) = the indices of those that are not simple (returns m); with
+  // zs the simple ones' Σ p added per class (their count is the kept rows' less the others'); with pg the
+  // bin-0 gradient row copied into u and *dot = Σ pg·p
+  int64_t scan(T* e, T inv, int64_t count, int32_t* list, double* zs, const double* pg = nullptr,
+               double* u = nullptr, double* dot = nullptr) const {
     constexpr int W = Vec<double, kWideBytes>::width;
     using D = typename Vec<double, kWideBytes>::type;
     using F = typename Vec<T, W * sizeof(T)>::type;
     const double thr = threshold();
     const D thr_d = broadcast<D>(thr), zero = {};
-    const F sc = broadcast<F>(scale);
+    const F sc = broadcast<F>(scale), iv = broadcast<F>(inv);
+    D acc = {};
     int64_t m = 0, j = 0;
     for (; j + W <= count; j += W) {
-      const F pv = load<F>(p + j);
-      const D v = __builtin_convertvector(soft ? pv * sc : pv, D);
+      const F pv = load<F>(e + j) * iv;
+      std::memcpy(e + j, &pv, sizeof(F));
+      const D pd = __builtin_convertvector(pv, D);
+      const D v = soft ? __builtin_convertvector(pv * sc, D) : pd;
       uint64_t bits = compare_mask<double, kWideBytes>(v, thr_d);
       if (zs != nullptr) {
-        const D z = load<D>(zs + j) + (v > thr_d ? zero : __builtin_convertvector(pv, D));
+        const D z = load<D>(zs + j) + (v > thr_d ? zero : pd);
         std::memcpy(zs + j, &z, sizeof(D));
+      }
+      if (pg != nullptr) {
+        const D g = load<D>(pg + j);
+        std::memcpy(u + j, &g, sizeof(D));
+        acc += g * pd;
       }
       while (bits != 0) {
         list[m++] = static_cast<int32_t>(j + __builtin_ctzll(bits));
         bits &= bits - 1;
       }
     }
+    double tail = 0.0;
     for (; j < count; ++j) {
-      const bool other = static_cast<double>(soft ? p[j] * scale : p[j]) > thr;
-      if (zs != nullptr && !other) zs[j] += static_cast<double>(p[j]);
+      const T p = e[j] * inv;
+      e[j] = p;
+      const bool other = static_cast<double>(soft ? p * scale : p) > thr;
+      if (zs != nullptr && !other) zs[j] += static_cast<double>(p);
+      if (pg != nullptr) {
+        u[j] = pg[j];
+        tail += pg[j] * static_cast<double>(p);
+      }
       list[m] = static_cast<int32_t>(j);
       m += other;
+    }
+    if (dot != nullptr) {
+      double sum = 0.0;
+      for (int l = 0; l < W; ++l) sum += acc[l];
+      *dot = sum + tail;
     }
     return m;
   }
 };
 
-// Σ_j u_j p_j (float64 lanes) and g_j = a p_j + p_j (u_j − dot) in the input dtype (float64 arithmetic)
-template <typename T>
-inline double dot_row(const double* u, const T* p, int64_t k) {
-  constexpr int W = Vec<double, kWideBytes>::width;
-  using D = typename Vec<double, kWideBytes>::type;
-  using F = typename Vec<T, W * sizeof(T)>::type;
-  D acc0 = {}, acc1 = {};
-  int64_t j = 0;
-  for (; j + 2 * W <= k; j += 2 * W) {
-    acc0 += load<D>(u + j) * __builtin_convertvector(load<F>(p + j), D);
-    acc1 += load<D>(u + j + W) * __builtin_convertvector(load<F>(p + j + W), D);
-  }
-  acc0 += acc1;
-  double dot = 0.0;
-  for (int l = 0; l < W; ++l) dot += acc0[l];
-  for (; j < k; ++j) dot += u[j] * static_cast<double>(p[j]);
-  return dot;
-}
-
+// g_j = a p_j + p_j (u_j − dot) in the input dtype (float64 arithmetic)
 template <typename T>
 inline void grad_row(const double* u, const T* p, int64_t k, double a, double dot, T* g) {
   constexpr int W = Vec<double, kWideBytes>::width;
@@ -620,14 +618,14 @@ void forward_rows(const Spec& s, const T* x, const int64_t* tp, const Bins<T>& b
         }
         const T mx = row_max_of(row, k);
         row_max[m] = static_cast<double>(mx);
-        const double sum = softmax_row(row, k, mx, w.e.data());
+        const double sum = exp_of(row, k, mx, w.e.data());
         const double ce = std::log(sum) + static_cast<double>(mx) - static_cast<double>(row[y]);
         if (ce_rows != nullptr) ce_rows[m] = static_cast<T>(ce);
         ce_sum += ce;
         kept += 1.0;
-        const T* p = w.e.data() + first;
         int32_t* list = w.list.data();
-        const int64_t n_other = bins.scan(p, c, list, zero + c);
+        const int64_t n_other = bins.scan(w.e.data() + first, static_cast<T>(1.0 / sum), c, list, zero + c);
+        const T* p = w.e.data() + first;  // (now p)
         for (int64_t i = 0; i < n_other; ++i) zero[list[i]] -= 1.0;  // bin 0's count: kept rows less these
         if (!s.soft) {
           for (int64_t i = 0; i < n_other; ++i) {
@@ -859,20 +857,26 @@ inline at::Tensor backward(const at::Tensor& grad_loss, const at::Tensor& logits
         }
         const int64_t y = tp[m];
         const double gce = gp[m * stride] / ce_div;
-        softmax_row(row, k, static_cast<T>(row_max[m]), w.e.data());
-        const T* e = w.e.data();
-        const T* p = e + first;
+        const double sum = exp_of(row, k, static_cast<T>(row_max[m]), w.e.data());
+        const T inv = static_cast<T>(1.0 / sum);
+        T* e = w.e.data();
+        for (int64_t j = 0; j < first; ++j) {
+          e[j] *= inv;
+          w.u[j] = 0.0;
+        }
         const int64_t at = (m / s.per_group) * s.bins * c;
         const double* pg = pt.data() + at;
         double* u = w.u.data() + first;
-        for (int64_t j = 0; j < first; ++j) w.u[j] = 0.0;
-        std::memcpy(u, pg, sizeof(double) * c);  // the simple entries: bin 0, weight 1
         int32_t* list = w.list.data();
-        const int64_t n_other = bins.scan(p, c, list, nullptr);
+        double dot = 0.0;  // Σ u p: bin 0's, corrected below for the others
+        const int64_t n_other = bins.scan(e + first, inv, c, list, nullptr, pg, u, &dot);
+        const T* p = e + first;
         if (!s.soft) {
           for (int64_t i = 0; i < n_other; ++i) {
             const int64_t j = list[i];
-            u[j] = pg[bins.hard(p[j]) * c + j];
+            const double v = pg[bins.hard(p[j]) * c + j];
+            dot += (v - u[j]) * static_cast<double>(p[j]);
+            u[j] = v;
           }
         } else {
           // ∂/∂p of Σ_b P_b (w_b p − w_b y) − Q_b w_b… : (1 − r)P_l + r P_{l+1} + r'((P_{l+1} − P_l)(p − y) − (Q_{l+1} − Q_l))
@@ -884,12 +888,13 @@ inline at::Tensor backward(const at::Tensor& grad_loss, const at::Tensor& logits
             bins.soft_of(p[j], l, r, da);
             const int64_t i0 = l * c + j, i1 = i0 + c;
             const double yv = j + first == y ? 1.0 : 0.0;
-            u[j] = (1.0 - r) * pg[i0] + r * pg[i1] +
-                   static_cast<double>(da) * ((pg[i1] - pg[i0]) * (static_cast<double>(p[j]) - yv) - (qg[i1] - qg[i0]));
+            const double v = (1.0 - r) * pg[i0] + r * pg[i1] +
+                             static_cast<double>(da) * ((pg[i1] - pg[i0]) * (static_cast<double>(p[j]) - yv) - (qg[i1] - qg[i0]));
+            dot += (v - u[j]) * static_cast<double>(p[j]);
+            u[j] = v;
           }
         }
         const double* uu = w.u.data();
-        const double dot = dot_row<T>(uu, e, k);
         grad_row<T>(uu, e, k, gce, dot, gr);
         const double py = static_cast<double>(e[y]);
         gr[y] = static_cast<T>(gce * (py - 1.0) + py * (uu[y] - dot));
