@@ -42,6 +42,7 @@ __all__ = [
     "sort_descending_with_flags",
     "true_class_loss",
     "penalised_cross_entropy",
+    "batch_rows",
     "use_cpu_kernels",
     "cpu_kernels_available",
 ]
@@ -250,6 +251,22 @@ def penalised_cross_entropy(logits, targets, kind, params, ignore_index, penalty
         return _extension.fused_margin(logits, targets, kind, params, ignore_index, penalty_all_rows, reduction)
     try:
         return _extension.fused_margin(logits, targets, kind, params, ignore_index, penalty_all_rows, reduction)
+    except ValueError:
+        return None
+
+
+def batch_rows(logits, targets, ignore_index, reduction, base, gamma, alpha, entropy, colsum):
+    """The per-row numbers of the batch-term losses of :mod:`torchcal.functional.margin` by the C++ operator
+    (:func:`~torchcal.functional._extension.fused_batch_rows`: base loss, r, correctness, entropy, column sums),
+    or None where it does not apply (as :func:`penalised_cross_entropy`: the caller's torch path then computes,
+    or raises the named error for a label outside [0, K))."""
+    if not _fast_margin_call(logits, targets, reduction):
+        return None
+    args = (logits, targets, ignore_index, base, gamma, alpha, entropy, colsum)
+    if torch.compiler.is_compiling():  # (no fallback inside a graph: the operator raises on a bad label)
+        return _extension.fused_batch_rows(*args)
+    try:
+        return _extension.fused_batch_rows(*args)
     except ValueError:
         return None
 

@@ -46,7 +46,7 @@ __all__ = ["build_cpu_extension", "cpu_extension_available", "use_cpu_extension"
 _SCAN_DTYPES = (torch.float32, torch.float64)
 
 SOURCE = Path(__file__).with_name("csrc") / "fused_losses.cpp"
-HEADERS = tuple(SOURCE.with_name(name) for name in ("true_class.h", "scan.h", "sort.h", "margin.h"))
+HEADERS = tuple(SOURCE.with_name(name) for name in ("true_class.h", "scan.h", "sort.h", "margin.h", "batch_terms.h"))
 REDUCTION_CODES = {"none": 0, "mean": 1, "sum": 2}
 PORTABLE_FLAGS = ["-O3", "-fopenmp-simd"]
 
@@ -298,6 +298,51 @@ def fused_margin(logits, targets, kind: str, params: list[float], ignore_index, 
     return _op("fused_margin")(*args)
 
 
+BATCH_BASES = {"nll": 0, "focal": 1, "ls": 2}
+BATCH_ENTROPIES = {None: 0, "avuc": 1, "smoothed": 2}
+_N_BATCH_STAT = 5  # columns of the batch-term operator's saved statistics (``enum BatchStat``, batch_terms.h)
+
+
+class _BatchRows(torch.autograd.Function):
+    """The batch-term operator pair as one differentiable function: (base, r, correct, entropy, column sums)
+    from the logits, the backward in one C++ pass from the saved logits and per-row statistics."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, ignore_index, base, gamma, alpha, entropy, colsum):
+        fwd = torch.ops.torchcal.batch_terms_fwd.default
+        b, r, correct, h, col, saved = fwd(logits, targets, ignore_index, base, gamma, alpha, entropy, colsum)
+        ctx.save_for_backward(logits, targets, saved)
+        ctx.options = (ignore_index, base, gamma, alpha, entropy)
+        ctx.mark_non_differentiable(correct)
+        ctx.set_materialize_grads(False)
+        return b, r, correct, h, col
+
+    @staticmethod
+    def backward(ctx, g_base, g_r, _g_correct, g_h, g_col):  # pyright: ignore[reportIncompatibleMethodOverride]
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "the fused CPU batch-term loss is differentiable once only; for higher-order gradients run it "
+                "with torchcal.functional.use_cpu_extension(False)"
+            )
+        logits, targets, saved = ctx.saved_tensors
+        bwd = torch.ops.torchcal.batch_terms_bwd.default
+        grad = bwd(logits, targets, saved, g_base, g_r, g_h, g_col, *ctx.options)
+        return grad, None, None, None, None, None, None, None
+
+
+def fused_batch_rows(logits, targets, ignore_index, base: str, gamma: float, alpha: float, entropy, colsum: bool):
+    """The per-row numbers of the batch-term losses by the C++ operator (csrc/batch_terms.h), for
+    (N, K, d1, ...) CPU float32/64 logits and integer labels (checked: ValueError): the base loss (M) (0 on
+    ignored rows; ``base`` a key of :data:`BATCH_BASES`), the top-label confidence r (M), the correctness (M,
+    no gradient), the entropy (M) named by ``entropy`` (a key of :data:`BATCH_ENTROPIES`; empty for None) and
+    with ``colsum`` the kept rows' column sums of p (K) (else empty), in the logits' dtype and differentiable
+    once."""
+    return _BatchRows.apply(
+        logits, targets, ignore_index, BATCH_BASES[base], float(gamma), float(alpha), BATCH_ENTROPIES[entropy],
+        bool(colsum),
+    )
+
+
 _N_OUT = 6  # columns of the operator's per-sample output (``enum Out`` in csrc/true_class.h)
 
 
@@ -357,6 +402,31 @@ def _register_compile_support() -> None:
     torch.library.register_autograd(
         "torchcal::fused_margin_fwd", margin_backward, setup_context=margin_setup_context
     )
+
+    _register_batch_terms()
+
+
+def _register_batch_terms() -> None:
+    """Fake implementations of ``batch_terms_fwd`` / ``_bwd`` (output shapes for tracing)."""
+    if not hasattr(torch.ops.torchcal, "batch_terms_fwd"):
+        return
+
+    @torch.library.register_fake("torchcal::batch_terms_fwd")
+    def _fwd_fake(logits, targets, ignore_index, base, gamma, alpha, entropy, colsum):
+        m = targets.numel()
+        vector = logits.new_empty((m,))
+        return (
+            vector,
+            torch.empty_like(vector),
+            torch.empty_like(vector),
+            logits.new_empty((m if entropy else 0,)),
+            logits.new_empty((logits.shape[1] if colsum else 0,)),
+            logits.new_empty((m, _N_BATCH_STAT), dtype=torch.float64),
+        )
+
+    @torch.library.register_fake("torchcal::batch_terms_bwd")
+    def _bwd_fake(logits, targets, saved, g_base, g_r, g_entropy, g_colsum, ignore_index, base, gamma, alpha, entropy):
+        return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
 
 def _op(name: str):

@@ -20,6 +20,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
+#include "batch_terms.h"
 #include "margin.h"
 #include "scan.h"
 #include "sort.h"
@@ -754,6 +755,190 @@ std::tuple<at::Tensor, at::Tensor> sort_with_flags_cpu(const at::Tensor& values,
   return {out_v, out_f};
 }
 
+// -- the batch-term losses: per-row statistics and their gradient (batch_terms.h) ----------------------------
+//
+//   batch_terms_fwd(logits, targets, ignore_index, base, gamma, alpha, entropy, colsum)
+//       -> (base (M), r (M), correct (M), entropy (M or 0), column sums (K or 0), saved (M, N_BSTAT) float64)
+//   batch_terms_bwd(logits, targets, saved, g_base?, g_r?, g_entropy?, g_colsum?, ignore_index, base, gamma,
+//                   alpha, entropy) -> the logits' gradient
+//
+// logits (N, K, d1, ...) float32/float64 CPU read in place (positions of a spatial tensor through per-thread
+// tiles, as over_rows); targets (N, d1, ...) integer labels, M = their count. A label equal to ignore_index
+// has no base loss (0) and adds nothing to the column sums; any other label outside [0, K) raises. The (M)
+// outputs are in the logits' dtype. The column sums are added per fixed block of rows and the blocks in
+// order, so they do not depend on the thread count. The batch terms themselves are computed by the caller
+// (torch, with autograd) from these; the backward takes the gradients of the outputs (None: zero).
+
+BatchSpec batch_spec(int64_t base, double gamma, double alpha, int64_t entropy) {
+  TORCH_CHECK_VALUE(base >= BB_NLL && base <= BB_LS, "`base` must be 0 (NLL), 1 (focal) or 2 (label smoothing)");
+  TORCH_CHECK_VALUE(entropy >= BE_NONE && entropy <= BE_SMOOTH, "`entropy` must be 0 (none), 1 (AvUC) or 2 (S-AvUC)");
+  return {base, gamma, alpha, entropy};
+}
+
+// fn(block, first row, rows, x rows, grad rows) over fixed blocks of rows in parallel: rows of a (N, K) tensor
+// in place, tiles of positions of a (N, K, S) tensor gathered into (and the gradient scattered from)
+// per-thread row-major buffers. The blocks depend on K and S only.
+template <typename T, typename Fn>
+int64_t over_blocks(const T* x, T* grad, const Layout& l, const Fn& fn, bool run = true) {
+  const int64_t k = l.k, sp = l.sp;
+  if (sp == 1) {
+    const int64_t block = grain_rows(k), n_blocks = (l.n + block - 1) / block;
+    if (run) {
+      at::parallel_for(0, n_blocks, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t b = begin; b < end; ++b) {
+          const int64_t r0 = b * block, w = std::min(block, l.n - r0);
+          fn(b, r0, w, x + r0 * k, grad == nullptr ? nullptr : grad + r0 * k);
+        }
+      });
+    }
+    return n_blocks;
+  }
+  const int64_t tile = std::min<int64_t>(64, std::max<int64_t>(8, 16384 / k));
+  const int64_t per_image = (sp + tile - 1) / tile, n_blocks = l.n * per_image;
+  if (!run) return n_blocks;
+  at::parallel_for(0, n_blocks, std::max<int64_t>(1, grain_rows(k) / tile), [&](int64_t begin, int64_t end) {
+    std::vector<T> xb(static_cast<size_t>(tile * k)), gb(grad == nullptr ? 0 : static_cast<size_t>(tile * k));
+    for (int64_t c = begin; c < end; ++c) {
+      const int64_t img = c / per_image, s0 = (c % per_image) * tile, w = std::min(tile, sp - s0);
+      const T* src = x + img * k * sp + s0;
+      for (int64_t j = 0; j < k; ++j)
+        for (int64_t t = 0; t < w; ++t) xb[t * k + j] = src[j * sp + t];
+      fn(c, img * sp + s0, w, xb.data(), grad == nullptr ? nullptr : gb.data());
+      if (grad != nullptr) {
+        T* dst = grad + img * k * sp + s0;
+        for (int64_t j = 0; j < k; ++j)
+          for (int64_t t = 0; t < w; ++t) dst[j * sp + t] = gb[t * k + j];
+      }
+    }
+  });
+  return n_blocks;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_terms_fwd(
+    const at::Tensor& logits, const at::Tensor& targets, c10::optional<int64_t> ignore_index, int64_t base,
+    double gamma, double alpha, int64_t entropy, bool colsum) {
+  const Layout l = margin_layout(logits, targets);
+  const BatchSpec s = batch_spec(base, gamma, alpha, entropy);
+  const at::Tensor x = logits.contiguous();
+  const at::Tensor t = targets.to(at::kLong).contiguous();
+  const int64_t rows = l.n * l.sp, k = l.k;
+  const bool has_ignore = ignore_index.has_value();
+  const int64_t ignore = ignore_index.value_or(0);
+  const auto opts = x.options();
+  at::Tensor out_base = at::empty({rows}, opts), out_r = at::empty({rows}, opts), out_a = at::empty({rows}, opts);
+  at::Tensor out_h = at::empty({entropy != BE_NONE ? rows : 0}, opts);
+  at::Tensor saved = at::empty({rows, N_BSTAT}, opts.dtype(at::kDouble));
+  const int64_t* tp = t.data_ptr<int64_t>();
+  double* op = saved.data_ptr<double>();
+  std::atomic<int64_t> n_bad{0};
+  at::Tensor out_col;
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "batch_terms_fwd", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const int64_t n_blocks = over_blocks<scalar_t>(xp, nullptr, l, [](int64_t, int64_t, int64_t, const scalar_t*, scalar_t*) {}, false);
+    std::vector<double> partial(colsum ? static_cast<size_t>(n_blocks * k) : 0, 0.0);
+    scalar_t* pb = out_base.data_ptr<scalar_t>();
+    scalar_t* pr = out_r.data_ptr<scalar_t>();
+    scalar_t* pa = out_a.data_ptr<scalar_t>();
+    scalar_t* ph = entropy != BE_NONE ? out_h.data_ptr<scalar_t>() : nullptr;
+    over_blocks<scalar_t>(xp, nullptr, l, [&](int64_t b, int64_t r0, int64_t w, const scalar_t* xr, scalar_t*) {
+      std::vector<scalar_t> e(static_cast<size_t>(k));
+      double* col = colsum ? partial.data() + b * k : nullptr;
+      int64_t bad = 0;
+      for (int64_t i = 0; i < w; ++i) {
+        const int64_t row = r0 + i;
+        const int64_t y = margin_label(tp[row], k, has_ignore, ignore, bad);
+        double out[N_BOUT];
+        batch_forward_row<scalar_t>(xr + i * k, k, y, y < 0 ? 0 : y, s, e.data(), col, op + row * N_BSTAT, out);
+        pb[row] = static_cast<scalar_t>(out[BO_BASE]);
+        pr[row] = static_cast<scalar_t>(out[BO_R]);
+        pa[row] = static_cast<scalar_t>(out[BO_CORRECT]);
+        if (ph != nullptr) ph[row] = static_cast<scalar_t>(out[BO_H]);
+      }
+      if (bad) n_bad += bad;
+    });
+    out_col = at::empty({colsum ? k : 0}, opts);
+    if (colsum) {
+      std::vector<double> total(static_cast<size_t>(k), 0.0);
+      for (int64_t b = 0; b < n_blocks; ++b)
+        for (int64_t j = 0; j < k; ++j) total[j] += partial[b * k + j];
+      scalar_t* pc = out_col.data_ptr<scalar_t>();
+      for (int64_t j = 0; j < k; ++j) pc[j] = static_cast<scalar_t>(total[j]);
+    }
+  });
+  if (n_bad.load() > 0) {
+    int64_t bad = 0;
+    for (int64_t i = 0; i < rows; ++i) {
+      if (!(has_ignore && tp[i] == ignore) && (tp[i] < 0 || tp[i] >= k)) {
+        bad = tp[i];
+        break;
+      }
+    }
+    TORCH_CHECK_VALUE(false, "`targets` must lie in [0, ", k, "), found label ", bad);
+  }
+  return {out_base, out_r, out_a, out_h, out_col, saved};
+}
+
+// an incoming (M) gradient as a contiguous float64 pointer, or null (no gradient)
+const double* row_gradient(const c10::optional<at::Tensor>& g, int64_t rows, at::Tensor& keep, const char* name) {
+  if (!g.has_value() || !g->defined()) return nullptr;
+  keep = g->to(at::kDouble).contiguous();
+  TORCH_CHECK_VALUE(keep.numel() == rows, "`", name, "` must have one entry per row");
+  return keep.data_ptr<double>();
+}
+
+at::Tensor batch_terms_bwd(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& saved,
+                           const c10::optional<at::Tensor>& g_base, const c10::optional<at::Tensor>& g_r,
+                           const c10::optional<at::Tensor>& g_entropy, const c10::optional<at::Tensor>& g_colsum,
+                           c10::optional<int64_t> ignore_index, int64_t base, double gamma, double alpha,
+                           int64_t entropy) {
+  const Layout l = margin_layout(logits, targets);
+  const BatchSpec s = batch_spec(base, gamma, alpha, entropy);
+  const at::Tensor x = logits.contiguous();
+  const at::Tensor t = targets.to(at::kLong).contiguous();
+  const int64_t rows = l.n * l.sp, k = l.k;
+  TORCH_CHECK_VALUE(saved.scalar_type() == at::kDouble && saved.is_contiguous() && saved.dim() == 2 &&
+                        saved.size(0) == rows && saved.size(1) == N_BSTAT,
+                    "`saved` must be the forward's (", rows, ", ", N_BSTAT, ") float64 statistics");
+  const bool has_ignore = ignore_index.has_value();
+  const int64_t ignore = ignore_index.value_or(0);
+  const int64_t* tp = t.data_ptr<int64_t>();
+  at::Tensor kb, kr, kh, kc;
+  const double* gb = row_gradient(g_base, rows, kb, "g_base");
+  const double* gr = row_gradient(g_r, rows, kr, "g_r");
+  const double* gh = row_gradient(g_entropy, rows, kh, "g_entropy");
+  const double* gc = nullptr;
+  if (g_colsum.has_value() && g_colsum->defined()) {
+    kc = g_colsum->to(at::kDouble).contiguous();
+    TORCH_CHECK_VALUE(kc.numel() == k, "`g_colsum` must have one entry per class");
+    gc = kc.data_ptr<double>();
+  }
+  at::Tensor grad = at::empty(x.sizes(), x.options());
+  const double* op = saved.data_ptr<double>();
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "batch_terms_bwd", [&] {
+    std::vector<scalar_t> ct(gc != nullptr ? static_cast<size_t>(k) : 0);
+    for (size_t j = 0; j < ct.size(); ++j) ct[j] = static_cast<scalar_t>(gc[j]);
+    over_blocks<scalar_t>(x.data_ptr<scalar_t>(), grad.data_ptr<scalar_t>(), l,
+                          [&](int64_t, int64_t r0, int64_t w, const scalar_t* xr, scalar_t* gr_rows) {
+                            for (int64_t i = 0; i < w; ++i) {
+                              const int64_t row = r0 + i;
+                              const bool keep = !(has_ignore && tp[row] == ignore);
+                              const double b = keep && gb != nullptr ? gb[row] : 0.0;
+                              const double rr = gr != nullptr ? gr[row] : 0.0;
+                              const double hh = gh != nullptr ? gh[row] : 0.0;
+                              const bool col = keep && gc != nullptr;
+                              scalar_t* g = gr_rows + i * k;
+                              if (b == 0.0 && rr == 0.0 && hh == 0.0 && !col) {
+                                std::fill(g, g + k, scalar_t(0));
+                                continue;
+                              }
+                              batch_backward_row<scalar_t>(xr + i * k, k, keep ? tp[row] : -1, s, op + row * N_BSTAT, b,
+                                                           rr, hh, col ? gc : nullptr, col ? ct.data() : nullptr, g);
+                            }
+                          });
+  });
+  return grad;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(torchcal, m) {
@@ -797,4 +982,20 @@ TORCH_LIBRARY_IMPL(torchcal, CPU, m) {
 TORCH_LIBRARY_IMPL(torchcal, AutogradCPU, m) {
   m.impl("fused_true_class", fused_true_class_autograd);
   m.impl("fused_margin", fused_margin_autograd);
+}
+
+// the batch-term operators (batch_terms.h): plain operators with their autograd formula and fake
+// implementations registered from Python (torchcal/functional/_extension.py)
+TORCH_LIBRARY_FRAGMENT(torchcal, m) {
+  m.def(
+      "batch_terms_fwd(Tensor logits, Tensor targets, int? ignore_index, int base, float gamma, float alpha, "
+      "int entropy, bool colsum) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "batch_terms_bwd(Tensor logits, Tensor targets, Tensor saved, Tensor? g_base, Tensor? g_r, Tensor? g_entropy, "
+      "Tensor? g_colsum, int? ignore_index, int base, float gamma, float alpha, int entropy) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(torchcal, CPU, m) {
+  m.impl("batch_terms_fwd", batch_terms_fwd);
+  m.impl("batch_terms_bwd", batch_terms_bwd);
 }

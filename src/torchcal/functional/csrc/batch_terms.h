@@ -1,0 +1,199 @@
+// The per-row arithmetic of torchcal's fused batch-term losses (torchcal/functional/margin.py: MDCA with its
+// three bases, DCA, SB-ECE, AvUC, S-AvUC, ESD). Plain C++17 (no torch), included by fused_losses.cpp after
+// margin.h, whose vectorised row helpers (max, exp, first index, log, lanes) it uses.
+//
+// Each of these losses is a per-row base loss plus a term of the batch that depends on the rows only through
+// a few per-row numbers: the top-label confidence r = max_k p_k = 1 / Σ exp(x − max), the correctness a
+// (arg-max == label, a constant), an entropy H of p and, for MDCA, the column sums Σ_i kept_i p_i (K). The
+// forward computes those per row (the batch term itself is left to torch, on (M,) vectors); the backward
+// takes their gradients and writes the logits' gradient in one read of the row (exp into the gradient row,
+// then a second pass over it in cache), from the logits and O(1) saved numbers per row.
+//
+// With p = softmax(x) and l_y = log p_y, the gradient of row i is
+//   g_base ∂base/∂x + g_r r (e_arg − p) + g_H p ⊙ (S − f') + p ⊙ (c − <c, p>)
+// where −f'_j = ∂H/∂p_j, S = Σ_j p_j f'_j, c the (K) gradient of the column sums (kept rows only), and
+// ∂base/∂x = d(base)/d(l_y)·(e_y − p) (NLL: −1, focal: see batch_forward_row), or p − q for the MDCA
+// repository's label smoothing (q: 1 − α on the label, α/(K − 1) elsewhere).
+
+#pragma once
+
+#include "margin.h"
+
+#include <type_traits>
+
+namespace torchcal {
+
+// the base loss (the `base` argument of the operator) and the entropy asked for (`entropy`)
+enum BatchBase { BB_NLL = 0, BB_FOCAL = 1, BB_LS = 2 };
+enum BatchEntropy { BE_NONE = 0, BE_AVUC = 1, BE_SMOOTH = 2 };
+// columns of the saved per-row statistics (M, N_BSTAT) float64: the row max, 1 / Σ exp(x − max), the first
+// index of the max, d(base)/d(log p_y) (focal), S = Σ_j p_j f'_j (entropy)
+enum BatchStat { BS_MAX, BS_INV, BS_ARG, BS_DBASE, BS_DENT, N_BSTAT };
+// columns of the per-row outputs, before they are written to the (M,) tensors: base, r, a, H
+enum BatchOut { BO_BASE, BO_R, BO_CORRECT, BO_H, N_BOUT };
+
+struct BatchSpec {
+  int64_t base;
+  double gamma, alpha;
+  int64_t entropy;
+};
+
+// The entropy's per-entry terms of probability p, in the input dtype as the torch path: f, with H = −Σ f, and
+// f' = −∂H/∂p. AvUC (the released AvULoss): f = p log(p + 1e-10), f' = log(p + 1e-10) + p / (p + 1e-10).
+// S-AvUC: s = (1 − 1e-5) p + 1e-5/K, f = s log s (so H is the entropy of s, each term counted once per
+// class), f' = (1 − 1e-5) log s (its constant (1 − 1e-5) dropped: Σ_j p_j (S − f'_j) leaves it out exactly).
+// The logs take arguments >= 1e-10 (AvUC) and >= 1e-5/K (S-AvUC): positive and normal in float32.
+template <typename T, typename V>
+inline void entropy_lanes(V p, int64_t entropy, T smooth_a, T smooth_b, V& f, V& df) {
+  if (entropy == BE_AVUC) {
+    const V q = p + static_cast<T>(1e-10);
+    const V l = lanes_log(q);
+    f = p * l;
+    df = l + p / q;
+  } else {
+    const V s = p * smooth_a + smooth_b;
+    const V l = lanes_log(s);
+    f = s * l;
+    df = l * smooth_a;
+  }
+}
+
+// The smoothing's constants in the input dtype (the torch path multiplies a float32 tensor by Python floats)
+template <typename T>
+inline void smoothing_constants(int64_t k, T& a, T& b) {
+  a = static_cast<T>(1 - 1e-5);
+  b = static_cast<T>(1e-5 / static_cast<double>(k));
+}
+
+// One row: y is the label, −1 for an ignored row (no base loss, no column sums); y0 the label the
+// correctness compares with (0 for an ignored row, as the torch path, whose masked label is 0). e: scratch
+// of K entries. col: the block's column sums (K, float64) when asked. o: the saved statistics; out: base, r,
+// a, H. The base loss and r in float64 from the float64 log-sum-exp; the entropy in the input dtype per
+// entry (summed in float64).
+template <typename T>
+inline void batch_forward_row(const T* x, int64_t k, int64_t y, int64_t y0, const BatchSpec& s, T* e, double* col,
+                              double* o, double* out) {
+  const T m = max_of(x, k);
+  const int64_t arg = first_index_of(x, k, m);
+  const bool need_e = s.entropy != BE_NONE || (col != nullptr && y >= 0);
+  const double sum = exp_row(x, k, m, need_e ? e : nullptr);
+  const double inv = 1.0 / sum, lse = std::log(sum);
+  o[BS_MAX] = static_cast<double>(m);
+  o[BS_INV] = inv;
+  o[BS_ARG] = static_cast<double>(arg);
+  double base = 0.0, dbase = 0.0;
+  if (y >= 0) {
+    const double l = (static_cast<double>(x[y]) - static_cast<double>(m)) - lse;
+    if (s.base == BB_NLL) {
+      base = -l;
+      dbase = -1.0;
+    } else if (s.base == BB_FOCAL) {
+      // −u^γ l with u = max(1 − p_y, 0): d/dl = γ u^(γ−1) p_y l − u^γ (no first term at γ = 0)
+      const double u = std::max(0.0, -std::expm1(l));
+      const double w = pow_g(u, s.gamma);
+      base = -w * l;
+      dbase = (s.gamma == 0.0 ? 0.0 : s.gamma * pow_g(u, s.gamma - 1.0) * std::exp(l) * l) - w;
+    } else {  // BB_LS: −(1 − α) l_y − α/(K − 1) Σ_{j≠y} l_j, Σ_j l_j = Σ_j (x_j − m) − K lse
+      double total = 0.0;
+#pragma omp simd reduction(+ : total)
+      for (int64_t j = 0; j < k; ++j) total += static_cast<double>(x[j]) - static_cast<double>(m);
+      const double all = total - static_cast<double>(k) * lse;
+      base = -(1 - s.alpha) * l - s.alpha / static_cast<double>(k - 1) * (all - l);
+    }
+  }
+  o[BS_DBASE] = dbase;
+  double h = 0.0, dent = 0.0;
+  if (s.entropy != BE_NONE) {
+    const T pinv = static_cast<T>(inv);
+    T sa, sb;
+    smoothing_constants<T>(k, sa, sb);
+    double hs = 0.0, ds = 0.0;
+    walk_row<T>(k, [&](int64_t j, auto tag) {
+      using V = typename Lanes<T, decltype(tag)::value>::type;
+      const V p = lanes_load<V>(e + j) * pinv;
+      V f, df;
+      entropy_lanes<T>(p, s.entropy, sa, sb, f, df);
+      hs += lanes_sum(f);
+      ds += lanes_sum(p * df);
+    });
+    h = -hs;
+    dent = ds;
+  }
+  o[BS_DENT] = dent;
+  if (col != nullptr && y >= 0) {
+#pragma omp simd
+    for (int64_t j = 0; j < k; ++j) col[j] += static_cast<double>(e[j]) * inv;
+  }
+  out[BO_BASE] = base;
+  out[BO_R] = inv;  // p at the max: exp(0) / Σ
+  out[BO_CORRECT] = arg == y0 ? 1.0 : 0.0;
+  out[BO_H] = h;
+}
+
+// One row's gradient into g. gb, gr, gh: the row's incoming gradients of the base loss, r and H (gb = 0 for
+// an ignored row); c, ct: the column sums' gradient (float64 and in the input dtype), null when there is
+// none or the row is ignored. The (K) pass runs in the input dtype (vectorised for float32); the label and
+// arg-max entries are recomputed in float64 (p_y − 1 cancels there).
+template <typename T>
+inline void batch_backward_row(const T* x, int64_t k, int64_t y, const BatchSpec& s, const double* o, double gb,
+                               double gr, double gh, const double* c, const T* ct, T* g) {
+  const T m = static_cast<T>(o[BS_MAX]);
+  const double inv = o[BS_INV];
+  const int64_t arg = static_cast<int64_t>(o[BS_ARG]);
+  const double r = inv;
+  exp_row(x, k, m, g);
+  double cp = 0.0;  // <c, p>
+  if (c != nullptr) {
+#pragma omp simd reduction(+ : cp)
+    for (int64_t j = 0; j < k; ++j) cp += c[j] * static_cast<double>(g[j]);
+    cp *= inv;
+  }
+  // grad_j = p_j (coef − gh f'_j + c_j) + off, plus y_extra on the label and gr·r on the arg-max entry
+  double coef = -gr * r + gh * o[BS_DENT] - cp, off = 0.0, y_extra = 0.0;
+  if (y >= 0) {
+    if (s.base == BB_LS) {
+      const double other = s.alpha / static_cast<double>(k - 1);
+      coef += gb;
+      off = -gb * other;
+      y_extra = -gb * (1 - s.alpha) + gb * other;
+    } else {
+      coef -= gb * o[BS_DBASE];
+      y_extra = gb * o[BS_DBASE];
+    }
+  }
+  const bool ent = s.entropy != BE_NONE && gh != 0.0;
+  T sa, sb;
+  smoothing_constants<T>(k, sa, sb);
+  const T pinv = static_cast<T>(inv), coef_t = static_cast<T>(coef), off_t = static_cast<T>(off);
+  const T gh_t = static_cast<T>(gh);
+  walk_row<T>(k, [&](int64_t j, auto tag) {
+    using V = typename Lanes<T, decltype(tag)::value>::type;
+    const V p = lanes_load<V>(g + j) * pinv;
+    V a = broadcast<V>(coef_t);
+    if (ent) {
+      V f, df;
+      entropy_lanes<T>(p, s.entropy, sa, sb, f, df);
+      a = a - gh_t * df;
+    }
+    if (ct != nullptr) a = a + lanes_load<V>(ct + j);
+    lanes_store(g + j, p * a + off_t);
+  });
+  const auto entry = [&](int64_t j) {
+    const double p = std::exp(static_cast<double>(x[j]) - static_cast<double>(m)) * inv;
+    double a = coef;
+    if (ent) {
+      T f, df;
+      entropy_lanes<T>(static_cast<T>(p), s.entropy, sa, sb, f, df);
+      a -= gh * static_cast<double>(df);
+    }
+    if (c != nullptr) a += c[j];
+    double v = p * a + off;
+    if (j == y) v += y_extra;
+    if (j == arg) v += gr * r;
+    return static_cast<T>(v);
+  };
+  if (y >= 0) g[y] = entry(y);
+  if (arg != y) g[arg] = entry(arg);
+}
+
+}  // namespace torchcal
