@@ -197,3 +197,166 @@ inline void batch_backward_row(const T* x, int64_t k, int64_t y, const BatchSpec
 }
 
 }  // namespace torchcal
+
+namespace torchcal {
+
+// -- positions as lanes ------------------------------------------------------------------------------------
+// A (N, K, S) float32 tensor (segmentation: K = 19, S = H·W) keeps each position's K logits S apart: a row
+// gathered entry by entry and walked horizontally costs more than the arithmetic at such K. Here W positions
+// are the W lanes of one vector, class j of lane t at x[j·stride + t]: the max, exp, entropy and gradient are
+// vertical over the classes, with the per-lane results (base loss, r, a, H and the saved statistics) finished
+// lane by lane. Sums over the classes are float32 lanes (the lanes path takes K <= kLaneClasses).
+
+constexpr int64_t kLaneClasses = 256;
+
+template <int Bytes>
+struct PosLanes {
+  using V = typename Vec<float, Bytes>::type;
+  static constexpr int W = Vec<float, Bytes>::width;
+};
+
+// W positions: y[t] the label (−1 ignored), e scratch of K·W floats, col the block's column sums (K, float64)
+// or null, o the saved statistics of lane 0 (lanes N_BSTAT apart), out[t·N_BOUT + c] the outputs. Lanes t >= w
+// are padding (their results are not written).
+template <int Bytes>
+inline void batch_forward_lanes(const float* x, int64_t stride, int64_t k, const int64_t* y, int w,
+                                const BatchSpec& s, float* e, double* col, double* o, double* out) {
+  using V = typename PosLanes<Bytes>::V;
+  constexpr int W = PosLanes<Bytes>::W;
+  V m = load<V>(x), arg = {}, sx = m;
+  for (int64_t j = 1; j < k; ++j) {
+    const V v = load<V>(x + j * stride);
+    const auto gt = v > m;
+    m = gt ? v : m;
+    arg = gt ? broadcast<V>(static_cast<float>(j)) : arg;
+    sx += v;
+  }
+  V sum = {};
+  for (int64_t j = 0; j < k; ++j) {
+    const V ev = exp_nonpositive<Bytes>(load<V>(x + j * stride) - m);
+    std::memcpy(e + j * W, &ev, sizeof(ev));
+    sum += ev;
+  }
+  const V inv = broadcast<V>(1.0f) / sum;
+  const V lse = log_positive<Bytes>(sum);  // sum >= 1
+  V hs = {}, ds = {};
+  if (s.entropy != BE_NONE) {
+    float sa, sb;
+    smoothing_constants<float>(k, sa, sb);
+    for (int64_t j = 0; j < k; ++j) {
+      const V p = load<V>(e + j * W) * inv;
+      V f, df;
+      entropy_lanes<float>(p, s.entropy, sa, sb, f, df);
+      hs += f;
+      ds += p * df;
+    }
+  }
+  if (col != nullptr) {
+    V kept = {};
+    for (int t = 0; t < w; ++t) kept[t] = y[t] >= 0 ? 1.0f : 0.0f;
+    const V scale = inv * kept;
+    for (int64_t j = 0; j < k; ++j) col[j] += lanes_sum(load<V>(e + j * W) * scale);
+  }
+  for (int t = 0; t < w; ++t) {
+    double* ot = o + t * N_BSTAT;
+    double* rt = out + t * N_BOUT;
+    const int64_t a = static_cast<int64_t>(arg[t]);
+    ot[BS_MAX] = static_cast<double>(m[t]);
+    ot[BS_INV] = static_cast<double>(inv[t]);
+    ot[BS_ARG] = static_cast<double>(a);
+    ot[BS_DENT] = static_cast<double>(ds[t]);
+    double base = 0.0, dbase = 0.0;
+    const int64_t yt = y[t];
+    if (yt >= 0) {
+      const double l = static_cast<double>(x[yt * stride + t] - m[t]) - static_cast<double>(lse[t]);
+      if (s.base == BB_NLL) {
+        base = -l;
+        dbase = -1.0;
+      } else if (s.base == BB_FOCAL) {
+        const double u = std::max(0.0, -std::expm1(l));
+        const double pw = pow_g(u, s.gamma);
+        base = -pw * l;
+        dbase = (s.gamma == 0.0 ? 0.0 : s.gamma * pow_g(u, s.gamma - 1.0) * std::exp(l) * l) - pw;
+      } else {
+        const double all = static_cast<double>(sx[t]) - static_cast<double>(k) * static_cast<double>(m[t]) -
+                           static_cast<double>(k) * static_cast<double>(lse[t]);
+        base = -(1 - s.alpha) * l - s.alpha / static_cast<double>(k - 1) * (all - l);
+      }
+    }
+    ot[BS_DBASE] = dbase;
+    rt[BO_BASE] = base;
+    rt[BO_R] = static_cast<double>(inv[t]);
+    rt[BO_CORRECT] = a == (yt < 0 ? 0 : yt) ? 1.0 : 0.0;
+    rt[BO_H] = -static_cast<double>(hs[t]);
+  }
+}
+
+// The gradient of W positions into g (class j of lane t at g[j·stride + t]); gb, gr, gh the lanes' incoming
+// gradients (gb = 0 on ignored lanes) and ct the column sums' gradient in float32 (null: none; it applies
+// to the kept lanes).
+template <int Bytes>
+inline void batch_backward_lanes(const float* x, int64_t stride, int64_t k, const int64_t* y, int w,
+                                 const BatchSpec& s, const double* o, const double* gb, const double* gr,
+                                 const double* gh, const float* ct, float* g) {
+  using V = typename PosLanes<Bytes>::V;
+  V m = {}, inv = {}, argv, yv, coef = {}, off = {}, y_extra = {}, top = {}, ghv = {}, ck = {};
+  argv = broadcast<V>(-1.0f);
+  yv = broadcast<V>(-1.0f);
+  bool ent = false;
+  for (int t = 0; t < w; ++t) {
+    const double* ot = o + t * N_BSTAT;
+    m[t] = static_cast<float>(ot[BS_MAX]);
+    inv[t] = static_cast<float>(ot[BS_INV]);
+    argv[t] = static_cast<float>(ot[BS_ARG]);
+    const double r = ot[BS_INV];
+    double cf = -gr[t] * r + gh[t] * ot[BS_DENT], of = 0.0, ye = 0.0;
+    if (y[t] >= 0) {
+      yv[t] = static_cast<float>(y[t]);
+      if (s.base == BB_LS) {
+        const double other = s.alpha / static_cast<double>(k - 1);
+        cf += gb[t];
+        of = -gb[t] * other;
+        ye = -gb[t] * (1 - s.alpha) + gb[t] * other;
+      } else {
+        cf -= gb[t] * ot[BS_DBASE];
+        ye = gb[t] * ot[BS_DBASE];
+      }
+      ck[t] = ct != nullptr ? 1.0f : 0.0f;
+    }
+    coef[t] = static_cast<float>(cf);
+    off[t] = static_cast<float>(of);
+    y_extra[t] = static_cast<float>(ye);
+    top[t] = static_cast<float>(gr[t] * r);
+    ghv[t] = static_cast<float>(gh[t]);
+    ent = ent || gh[t] != 0.0;
+  }
+  ent = ent && s.entropy != BE_NONE;
+  for (int64_t j = 0; j < k; ++j) {
+    const V ev = exp_nonpositive<Bytes>(load<V>(x + j * stride) - m);
+    std::memcpy(g + j * stride, &ev, sizeof(ev));
+  }
+  if (ct != nullptr) {  // <c, p> of each lane, subtracted from its coefficient
+    V cp = {};
+    for (int64_t j = 0; j < k; ++j) cp += load<V>(g + j * stride) * ct[j];
+    coef -= cp * inv * ck;
+  }
+  float sa, sb;
+  smoothing_constants<float>(k, sa, sb);
+  for (int64_t j = 0; j < k; ++j) {
+    const V p = load<V>(g + j * stride) * inv;
+    V a = coef;
+    if (ent) {
+      V f, df;
+      entropy_lanes<float>(p, s.entropy, sa, sb, f, df);
+      a -= ghv * df;
+    }
+    if (ct != nullptr) a += ck * ct[j];
+    const V jf = broadcast<V>(static_cast<float>(j)), zero = {};
+    V v = p * a + off;
+    v += jf == yv ? y_extra : zero;
+    v += jf == argv ? top : zero;
+    std::memcpy(g + j * stride, &v, sizeof(v));
+  }
+}
+
+}  // namespace torchcal

@@ -814,6 +814,43 @@ int64_t over_blocks(const T* x, T* grad, const Layout& l, const Fn& fn, bool run
   return n_blocks;
 }
 
+// Whether a (N, K, S) float32 tensor takes the positions-as-lanes kernels (batch_terms.h)
+bool positions_as_lanes(const at::Tensor& x, const Layout& l) {
+  return x.scalar_type() == at::kFloat && l.sp >= PosLanes<kWideBytes>::W && l.k <= kLaneClasses;
+}
+
+// fn(block, image, first position, positions, x, stride) over fixed blocks of up to kLaneTile positions of
+// one image, in parallel, W positions at a time: in place (stride S) for whole vectors, the last partial one
+// through a per-thread buffer (stride W, padding lanes 0) that fn may write and ``back`` then copies from.
+constexpr int64_t kLaneTile = 256;
+
+int64_t lane_blocks(const Layout& l) { return l.n * ((l.sp + kLaneTile - 1) / kLaneTile); }
+
+template <typename Fn, typename Back>
+void over_lanes(const float* x, const Layout& l, const Fn& fn, const Back& back) {
+  constexpr int W = PosLanes<kWideBytes>::W;
+  const int64_t k = l.k, sp = l.sp, per_image = (sp + kLaneTile - 1) / kLaneTile;
+  at::parallel_for(0, l.n * per_image, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(static_cast<size_t>(k * W));
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t img = b / per_image, s0 = (b % per_image) * kLaneTile, stop = std::min(sp, s0 + kLaneTile);
+      for (int64_t q = s0; q < stop; q += W) {
+        const int w = static_cast<int>(std::min<int64_t>(W, stop - q));
+        const float* src = x + img * k * sp + q;
+        if (w == W) {
+          fn(b, img * sp + q, w, src, sp, nullptr);
+          continue;
+        }
+        std::fill(buf.begin(), buf.end(), 0.0f);
+        for (int64_t j = 0; j < k; ++j)
+          for (int t = 0; t < w; ++t) buf[j * W + t] = src[j * sp + t];
+        fn(b, img * sp + q, w, buf.data(), int64_t{W}, buf.data());
+        back(img * k * sp + q, w, buf.data());
+      }
+    }
+  });
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_terms_fwd(
     const at::Tensor& logits, const at::Tensor& targets, c10::optional<int64_t> ignore_index, int64_t base,
     double gamma, double alpha, int64_t entropy, bool colsum) {
@@ -832,6 +869,42 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   double* op = saved.data_ptr<double>();
   std::atomic<int64_t> n_bad{0};
   at::Tensor out_col;
+  if (positions_as_lanes(x, l)) {
+    constexpr int W = PosLanes<kWideBytes>::W;
+    const int64_t n_blocks = lane_blocks(l);
+    std::vector<double> partial(colsum ? static_cast<size_t>(n_blocks * k) : 0, 0.0);
+    float* pb = out_base.data_ptr<float>();
+    float* pr = out_r.data_ptr<float>();
+    float* pa = out_a.data_ptr<float>();
+    float* ph = entropy != BE_NONE ? out_h.data_ptr<float>() : nullptr;
+    over_lanes(
+        x.data_ptr<float>(), l,
+        [&](int64_t b, int64_t r0, int w, const float* xs, int64_t stride, float*) {
+          thread_local std::vector<float> e;
+          if (static_cast<int64_t>(e.size()) < k * W) e.resize(static_cast<size_t>(k * W));
+          int64_t y[W], bad = 0;
+          for (int t = 0; t < W; ++t) y[t] = t < w ? margin_label(tp[r0 + t], k, has_ignore, ignore, bad) : -1;
+          if (bad) n_bad += bad;
+          double out[W * N_BOUT];
+          batch_forward_lanes<kWideBytes>(xs, stride, k, y, w, s, e.data(), colsum ? partial.data() + b * k : nullptr,
+                                          op + r0 * N_BSTAT, out);
+          for (int t = 0; t < w; ++t) {
+            pb[r0 + t] = static_cast<float>(out[t * N_BOUT + BO_BASE]);
+            pr[r0 + t] = static_cast<float>(out[t * N_BOUT + BO_R]);
+            pa[r0 + t] = static_cast<float>(out[t * N_BOUT + BO_CORRECT]);
+            if (ph != nullptr) ph[r0 + t] = static_cast<float>(out[t * N_BOUT + BO_H]);
+          }
+        },
+        [](int64_t, int, const float*) {});
+    out_col = at::empty({colsum ? k : 0}, opts);
+    if (colsum) {
+      std::vector<double> total(static_cast<size_t>(k), 0.0);
+      for (int64_t b = 0; b < n_blocks; ++b)
+        for (int64_t j = 0; j < k; ++j) total[j] += partial[b * k + j];
+      float* pc = out_col.data_ptr<float>();
+      for (int64_t j = 0; j < k; ++j) pc[j] = static_cast<float>(total[j]);
+    }
+  } else
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "batch_terms_fwd", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     const int64_t n_blocks = over_blocks<scalar_t>(xp, nullptr, l, [](int64_t, int64_t, int64_t, const scalar_t*, scalar_t*) {}, false);
@@ -914,6 +987,37 @@ at::Tensor batch_terms_bwd(const at::Tensor& logits, const at::Tensor& targets, 
   }
   at::Tensor grad = at::empty(x.sizes(), x.options());
   const double* op = saved.data_ptr<double>();
+  if (positions_as_lanes(x, l)) {
+    constexpr int W = PosLanes<kWideBytes>::W;
+    std::vector<float> ct(gc != nullptr ? static_cast<size_t>(k) : 0);
+    for (size_t j = 0; j < ct.size(); ++j) ct[j] = static_cast<float>(gc[j]);
+    float* gp = grad.data_ptr<float>();
+    const int64_t sp = l.sp;
+    over_lanes(
+        x.data_ptr<float>(), l,
+        [&](int64_t, int64_t r0, int w, const float* xs, int64_t stride, float* buffer) {
+          int64_t y[W];
+          double b[W] = {}, rr[W] = {}, hh[W] = {};
+          for (int t = 0; t < w; ++t) {
+            const int64_t row = r0 + t;
+            const bool keep = !(has_ignore && tp[row] == ignore);
+            y[t] = keep ? tp[row] : -1;
+            b[t] = keep && gb != nullptr ? gb[row] : 0.0;
+            rr[t] = gr != nullptr ? gr[row] : 0.0;
+            hh[t] = gh != nullptr ? gh[row] : 0.0;
+          }
+          for (int t = w; t < W; ++t) y[t] = -1;
+          // in place: the gradient's positions are those of the logits
+          float* g = buffer != nullptr ? buffer : gp + (xs - x.data_ptr<float>());
+          batch_backward_lanes<kWideBytes>(xs, stride, k, y, w, s, op + r0 * N_BSTAT, b, rr, hh,
+                                           gc != nullptr ? ct.data() : nullptr, g);
+        },
+        [&](int64_t offset, int w, const float* buffer) {
+          for (int64_t j = 0; j < k; ++j)
+            for (int t = 0; t < w; ++t) gp[offset + j * sp + t] = buffer[j * W + t];
+        });
+    return grad;
+  }
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "batch_terms_bwd", [&] {
     std::vector<scalar_t> ct(gc != nullptr ? static_cast<size_t>(k) : 0);
     for (size_t j = 0; j < ct.size(); ++j) ct[j] = static_cast<scalar_t>(gc[j]);
