@@ -325,6 +325,10 @@ class _BatchRows(torch.autograd.Function):
                 "with torchcal.functional.use_cpu_extension(False)"
             )
         logits, targets, saved = ctx.saved_tensors
+        _, _, _, _, entropy = ctx.options
+        # (outputs not asked for are empty; torch.compile hands them an empty gradient rather than None)
+        g_h = g_h if entropy else None
+        g_col = g_col if g_col is not None and g_col.numel() else None
         bwd = torch.ops.torchcal.batch_terms_bwd.default
         grad = bwd(logits, targets, saved, g_base, g_r, g_h, g_col, *ctx.options)
         return grad, None, None, None, None, None, None, None

@@ -293,25 +293,29 @@ inline void batch_forward_lanes(const float* x, int64_t stride, int64_t k, const
 
 // The gradient of W positions into g (class j of lane t at g[j·stride + t]); gb, gr, gh the lanes' incoming
 // gradients (gb = 0 on ignored lanes) and ct the column sums' gradient in float32 (null: none; it applies
-// to the kept lanes).
+// to the kept lanes); e scratch of K·W floats.
 template <int Bytes>
 inline void batch_backward_lanes(const float* x, int64_t stride, int64_t k, const int64_t* y, int w,
                                  const BatchSpec& s, const double* o, const double* gb, const double* gr,
-                                 const double* gh, const float* ct, float* g) {
+                                 const double* gh, const float* ct, float* e, float* g) {
   using V = typename PosLanes<Bytes>::V;
-  V m = {}, inv = {}, argv, yv, coef = {}, off = {}, y_extra = {}, top = {}, ghv = {}, ck = {};
-  argv = broadcast<V>(-1.0f);
-  yv = broadcast<V>(-1.0f);
+  constexpr int W = PosLanes<Bytes>::W;
+  // the lanes' numbers gathered in arrays, then loaded as vectors (lane-by-lane vector inserts are slow)
+  alignas(64) float a_m[W] = {}, a_inv[W] = {}, a_arg[W], a_y[W], a_coef[W] = {}, a_off[W] = {}, a_ye[W] = {};
+  alignas(64) float a_top[W] = {}, a_gh[W] = {}, a_ck[W] = {};
   bool ent = false;
-  for (int t = 0; t < w; ++t) {
+  for (int t = 0; t < W; ++t) {
+    a_arg[t] = -1.0f;
+    a_y[t] = -1.0f;
+    if (t >= w) continue;
     const double* ot = o + t * N_BSTAT;
-    m[t] = static_cast<float>(ot[BS_MAX]);
-    inv[t] = static_cast<float>(ot[BS_INV]);
-    argv[t] = static_cast<float>(ot[BS_ARG]);
+    a_m[t] = static_cast<float>(ot[BS_MAX]);
+    a_inv[t] = static_cast<float>(ot[BS_INV]);
+    a_arg[t] = static_cast<float>(ot[BS_ARG]);
     const double r = ot[BS_INV];
     double cf = -gr[t] * r + gh[t] * ot[BS_DENT], of = 0.0, ye = 0.0;
     if (y[t] >= 0) {
-      yv[t] = static_cast<float>(y[t]);
+      a_y[t] = static_cast<float>(y[t]);
       if (s.base == BB_LS) {
         const double other = s.alpha / static_cast<double>(k - 1);
         cf += gb[t];
@@ -321,29 +325,32 @@ inline void batch_backward_lanes(const float* x, int64_t stride, int64_t k, cons
         cf -= gb[t] * ot[BS_DBASE];
         ye = gb[t] * ot[BS_DBASE];
       }
-      ck[t] = ct != nullptr ? 1.0f : 0.0f;
+      a_ck[t] = ct != nullptr ? 1.0f : 0.0f;
     }
-    coef[t] = static_cast<float>(cf);
-    off[t] = static_cast<float>(of);
-    y_extra[t] = static_cast<float>(ye);
-    top[t] = static_cast<float>(gr[t] * r);
-    ghv[t] = static_cast<float>(gh[t]);
+    a_coef[t] = static_cast<float>(cf);
+    a_off[t] = static_cast<float>(of);
+    a_ye[t] = static_cast<float>(ye);
+    a_top[t] = static_cast<float>(gr[t] * r);
+    a_gh[t] = static_cast<float>(gh[t]);
     ent = ent || gh[t] != 0.0;
   }
+  const V m = load<V>(a_m), inv = load<V>(a_inv), argv = load<V>(a_arg), yv = load<V>(a_y), off = load<V>(a_off);
+  const V y_extra = load<V>(a_ye), top = load<V>(a_top), ghv = load<V>(a_gh), ck = load<V>(a_ck);
+  V coef = load<V>(a_coef);
   ent = ent && s.entropy != BE_NONE;
   for (int64_t j = 0; j < k; ++j) {
     const V ev = exp_nonpositive<Bytes>(load<V>(x + j * stride) - m);
-    std::memcpy(g + j * stride, &ev, sizeof(ev));
+    std::memcpy(e + j * W, &ev, sizeof(ev));
   }
   if (ct != nullptr) {  // <c, p> of each lane, subtracted from its coefficient
     V cp = {};
-    for (int64_t j = 0; j < k; ++j) cp += load<V>(g + j * stride) * ct[j];
+    for (int64_t j = 0; j < k; ++j) cp += load<V>(e + j * W) * ct[j];
     coef -= cp * inv * ck;
   }
   float sa, sb;
   smoothing_constants<float>(k, sa, sb);
   for (int64_t j = 0; j < k; ++j) {
-    const V p = load<V>(g + j * stride) * inv;
+    const V p = load<V>(e + j * W) * inv;
     V a = coef;
     if (ent) {
       V f, df;

@@ -819,33 +819,36 @@ bool positions_as_lanes(const at::Tensor& x, const Layout& l) {
   return x.scalar_type() == at::kFloat && l.sp >= PosLanes<kWideBytes>::W && l.k <= kLaneClasses;
 }
 
-// fn(block, image, first position, positions, x, stride) over fixed blocks of up to kLaneTile positions of
-// one image, in parallel, W positions at a time: in place (stride S) for whole vectors, the last partial one
-// through a per-thread buffer (stride W, padding lanes 0) that fn may write and ``back`` then copies from.
+// fn(block, first row, lanes, x, stride, g) over fixed blocks of up to kLaneTile positions of one image, in
+// parallel, W positions at a time. Each block's K runs of positions are copied into a per-thread buffer
+// (stride kLaneTile; the last vector padded with 0): contiguous copies that the prefetchers follow, where the
+// kernels' K strided streams (and as many for the gradient) stall on memory. With ``grad``, fn writes the
+// gradient into a second buffer (the same layout), copied out to ``grad`` after the block.
 constexpr int64_t kLaneTile = 256;
 
 int64_t lane_blocks(const Layout& l) { return l.n * ((l.sp + kLaneTile - 1) / kLaneTile); }
 
-template <typename Fn, typename Back>
-void over_lanes(const float* x, const Layout& l, const Fn& fn, const Back& back) {
+template <typename Fn>
+void over_lanes(const float* x, float* grad, const Layout& l, const Fn& fn) {
   constexpr int W = PosLanes<kWideBytes>::W;
   const int64_t k = l.k, sp = l.sp, per_image = (sp + kLaneTile - 1) / kLaneTile;
   at::parallel_for(0, l.n * per_image, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> buf(static_cast<size_t>(k * W));
+    std::vector<float> xb(static_cast<size_t>(k * kLaneTile)), gb(grad == nullptr ? 0 : xb.size());
     for (int64_t b = begin; b < end; ++b) {
-      const int64_t img = b / per_image, s0 = (b % per_image) * kLaneTile, stop = std::min(sp, s0 + kLaneTile);
-      for (int64_t q = s0; q < stop; q += W) {
-        const int w = static_cast<int>(std::min<int64_t>(W, stop - q));
-        const float* src = x + img * k * sp + q;
-        if (w == W) {
-          fn(b, img * sp + q, w, src, sp, nullptr);
-          continue;
-        }
-        std::fill(buf.begin(), buf.end(), 0.0f);
+      const int64_t img = b / per_image, s0 = (b % per_image) * kLaneTile, w = std::min(sp - s0, kLaneTile);
+      const int64_t padded = (w + W - 1) / W * W;
+      const int64_t offset = img * k * sp + s0;
+      for (int64_t j = 0; j < k; ++j) {
+        std::memcpy(xb.data() + j * kLaneTile, x + offset + j * sp, static_cast<size_t>(w) * sizeof(float));
+        std::fill(xb.data() + j * kLaneTile + w, xb.data() + j * kLaneTile + padded, 0.0f);
+      }
+      for (int64_t q = 0; q < w; q += W) {
+        fn(b, img * sp + s0 + q, static_cast<int>(std::min<int64_t>(W, w - q)), xb.data() + q, kLaneTile,
+           grad == nullptr ? nullptr : gb.data() + q);
+      }
+      if (grad != nullptr) {
         for (int64_t j = 0; j < k; ++j)
-          for (int t = 0; t < w; ++t) buf[j * W + t] = src[j * sp + t];
-        fn(b, img * sp + q, w, buf.data(), int64_t{W}, buf.data());
-        back(img * k * sp + q, w, buf.data());
+          std::memcpy(grad + offset + j * sp, gb.data() + j * kLaneTile, static_cast<size_t>(w) * sizeof(float));
       }
     }
   });
@@ -878,7 +881,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     float* pa = out_a.data_ptr<float>();
     float* ph = entropy != BE_NONE ? out_h.data_ptr<float>() : nullptr;
     over_lanes(
-        x.data_ptr<float>(), l,
+        x.data_ptr<float>(), nullptr, l,
         [&](int64_t b, int64_t r0, int w, const float* xs, int64_t stride, float*) {
           thread_local std::vector<float> e;
           if (static_cast<int64_t>(e.size()) < k * W) e.resize(static_cast<size_t>(k * W));
@@ -894,8 +897,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
             pa[r0 + t] = static_cast<float>(out[t * N_BOUT + BO_CORRECT]);
             if (ph != nullptr) ph[r0 + t] = static_cast<float>(out[t * N_BOUT + BO_H]);
           }
-        },
-        [](int64_t, int, const float*) {});
+        });
     out_col = at::empty({colsum ? k : 0}, opts);
     if (colsum) {
       std::vector<double> total(static_cast<size_t>(k), 0.0);
@@ -991,11 +993,9 @@ at::Tensor batch_terms_bwd(const at::Tensor& logits, const at::Tensor& targets, 
     constexpr int W = PosLanes<kWideBytes>::W;
     std::vector<float> ct(gc != nullptr ? static_cast<size_t>(k) : 0);
     for (size_t j = 0; j < ct.size(); ++j) ct[j] = static_cast<float>(gc[j]);
-    float* gp = grad.data_ptr<float>();
-    const int64_t sp = l.sp;
     over_lanes(
-        x.data_ptr<float>(), l,
-        [&](int64_t, int64_t r0, int w, const float* xs, int64_t stride, float* buffer) {
+        x.data_ptr<float>(), grad.data_ptr<float>(), l,
+        [&](int64_t, int64_t r0, int w, const float* xs, int64_t stride, float* g) {
           int64_t y[W];
           double b[W] = {}, rr[W] = {}, hh[W] = {};
           for (int t = 0; t < w; ++t) {
@@ -1007,20 +1007,27 @@ at::Tensor batch_terms_bwd(const at::Tensor& logits, const at::Tensor& targets, 
             hh[t] = gh != nullptr ? gh[row] : 0.0;
           }
           for (int t = w; t < W; ++t) y[t] = -1;
-          // in place: the gradient's positions are those of the logits
-          float* g = buffer != nullptr ? buffer : gp + (xs - x.data_ptr<float>());
+          thread_local std::vector<float> e;
+          if (static_cast<int64_t>(e.size()) < k * W) e.resize(static_cast<size_t>(k * W));
           batch_backward_lanes<kWideBytes>(xs, stride, k, y, w, s, op + r0 * N_BSTAT, b, rr, hh,
-                                           gc != nullptr ? ct.data() : nullptr, g);
-        },
-        [&](int64_t offset, int w, const float* buffer) {
-          for (int64_t j = 0; j < k; ++j)
-            for (int t = 0; t < w; ++t) gp[offset + j * sp + t] = buffer[j * W + t];
+                                           gc != nullptr ? ct.data() : nullptr, e.data(), g);
         });
     return grad;
   }
+  // ignored rows take the column sums' gradient times 0: nothing, unless it is not finite (every row
+  // ignored: the torch path's kept @ p then passes 0·NaN = NaN on, and so does this)
+  std::vector<double> c0(gc != nullptr ? static_cast<size_t>(k) : 0);
+  bool c_nonfinite = false;
+  for (size_t j = 0; j < c0.size(); ++j) {
+    c0[j] = 0.0 * gc[j];
+    c_nonfinite = c_nonfinite || c0[j] != 0.0;
+  }
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "batch_terms_bwd", [&] {
-    std::vector<scalar_t> ct(gc != nullptr ? static_cast<size_t>(k) : 0);
-    for (size_t j = 0; j < ct.size(); ++j) ct[j] = static_cast<scalar_t>(gc[j]);
+    std::vector<scalar_t> ct(gc != nullptr ? static_cast<size_t>(k) : 0), ct0(ct.size());
+    for (size_t j = 0; j < ct.size(); ++j) {
+      ct[j] = static_cast<scalar_t>(gc[j]);
+      ct0[j] = static_cast<scalar_t>(c0[j]);
+    }
     over_blocks<scalar_t>(x.data_ptr<scalar_t>(), grad.data_ptr<scalar_t>(), l,
                           [&](int64_t, int64_t r0, int64_t w, const scalar_t* xr, scalar_t* gr_rows) {
                             for (int64_t i = 0; i < w; ++i) {
@@ -1029,14 +1036,16 @@ at::Tensor batch_terms_bwd(const at::Tensor& logits, const at::Tensor& targets, 
                               const double b = keep && gb != nullptr ? gb[row] : 0.0;
                               const double rr = gr != nullptr ? gr[row] : 0.0;
                               const double hh = gh != nullptr ? gh[row] : 0.0;
-                              const bool col = keep && gc != nullptr;
+                              const bool col = gc != nullptr && (keep || c_nonfinite);
                               scalar_t* g = gr_rows + i * k;
                               if (b == 0.0 && rr == 0.0 && hh == 0.0 && !col) {
                                 std::fill(g, g + k, scalar_t(0));
                                 continue;
                               }
+                              const double* c = col ? (keep ? gc : c0.data()) : nullptr;
+                              const scalar_t* cs = col ? (keep ? ct.data() : ct0.data()) : nullptr;
                               batch_backward_row<scalar_t>(xr + i * k, k, keep ? tp[row] : -1, s, op + row * N_BSTAT, b,
-                                                           rr, hh, col ? gc : nullptr, col ? ct.data() : nullptr, g);
+                                                           rr, hh, c, cs, g);
                             }
                           });
   });
