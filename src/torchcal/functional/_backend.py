@@ -43,6 +43,7 @@ __all__ = [
     "true_class_loss",
     "penalised_cross_entropy",
     "batch_rows",
+    "sbece_label",
     "use_cpu_kernels",
     "cpu_kernels_available",
 ]
@@ -269,6 +270,26 @@ def batch_rows(logits, targets, ignore_index, reduction, base, gamma, alpha, ent
         return _extension.fused_batch_rows(*args)
     except ValueError:
         return None
+
+
+def sbece_label(conf, correct, kept, n_bins, temperature, sync):
+    """SB-ECE's label-binned term of the (M) vectors by the C++ operator, or None where it does not apply
+    (not built or disabled, another dtype or device, more than 64 bins, or ``sync`` with torch.distributed
+    initialised: the global sums then need the torch path's all-reduces)."""
+    if not (
+        type(conf) is torch.Tensor
+        and conf.dtype in _FUSED_DTYPES
+        and conf.is_cpu
+        and n_bins <= _extension.SBECE_MAX_BINS
+        and _extension.cpu_extension_available()
+    ):
+        return None
+    if sync:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return None
+    return _extension.fused_sbece_label(conf, correct, kept, n_bins, temperature)
 
 
 # -- retired switches ----------------------------------------------------------------------------------------

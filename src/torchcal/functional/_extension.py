@@ -347,6 +347,38 @@ def fused_batch_rows(logits, targets, ignore_index, base: str, gamma: float, alp
     )
 
 
+SBECE_MAX_BINS = 64  # (``kMaxBins`` in fused_losses.cpp)
+
+
+class _SBECELabel(torch.autograd.Function):
+    """SB-ECE's label-binned term of (M) confidences, correctness and kept mask by the C++ operator pair
+    (two passes over the rows forward, one backward; no (M, bins) array); the gradient flows to ``conf``."""
+
+    @staticmethod
+    def forward(ctx, conf, correct, kept, bins, temperature):
+        value, saved = torch.ops.torchcal.sbece_label_fwd.default(conf, correct, kept, bins, temperature)
+        ctx.save_for_backward(conf, correct, kept, saved)
+        ctx.options = (bins, temperature)
+        return value
+
+    @staticmethod
+    def backward(ctx, grad):  # pyright: ignore[reportIncompatibleMethodOverride]
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "the fused CPU SB-ECE term is differentiable once only; for higher-order gradients run it with "
+                "torchcal.functional.use_cpu_extension(False)"
+            )
+        conf, correct, kept, saved = ctx.saved_tensors
+        bwd = torch.ops.torchcal.sbece_label_bwd.default
+        return bwd(grad, conf, correct, kept, saved, *ctx.options), None, None, None, None
+
+
+def fused_sbece_label(conf, correct, kept, bins: int, temperature: float):
+    """sqrt((1/Σ kept) Σ_b Σ_i g_bi (A_b − r_i)²), SB-ECE's label-binned term of CPU float32/64 vectors (decision
+    203), differentiable once in ``conf``."""
+    return _SBECELabel.apply(conf, correct.to(conf.dtype), kept.to(conf.dtype), int(bins), float(temperature))
+
+
 _N_OUT = 6  # columns of the operator's per-sample output (``enum Out`` in csrc/true_class.h)
 
 
@@ -427,6 +459,14 @@ def _register_batch_terms() -> None:
             logits.new_empty((logits.shape[1] if colsum else 0,)),
             logits.new_empty((m, _N_BATCH_STAT), dtype=torch.float64),
         )
+
+    @torch.library.register_fake("torchcal::sbece_label_fwd")
+    def _sbece_fwd_fake(conf, correct, kept, bins, temperature):
+        return conf.new_empty(()), conf.new_empty((3 * bins + 2,), dtype=torch.float64)
+
+    @torch.library.register_fake("torchcal::sbece_label_bwd")
+    def _sbece_bwd_fake(grad, conf, correct, kept, saved, bins, temperature):
+        return torch.empty_like(conf)
 
     @torch.library.register_fake("torchcal::batch_terms_bwd")
     def _bwd_fake(logits, targets, saved, g_base, g_r, g_entropy, g_colsum, ignore_index, base, gamma, alpha, entropy):

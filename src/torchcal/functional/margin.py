@@ -35,7 +35,7 @@ from typing import Literal, NamedTuple
 import torch
 
 from .._validation import check_choice, check_float, check_positive_int
-from ._backend import batch_rows, penalised_cross_entropy
+from ._backend import batch_rows, penalised_cross_entropy, sbece_label
 from ._loss_inputs import (
     IGNORE_INDEX,
     LossRows,
@@ -778,6 +778,10 @@ def _safe_sqrt(value: torch.Tensor) -> torch.Tensor:
 
 def _sbece_term(batch: _Batch, n_bins, temperature, form, sync, group):
     conf, correct, kept = batch.conf, batch.correct, batch.kept
+    if form == "label":
+        fused = sbece_label(conf, correct, kept, n_bins, temperature, sync)
+        if fused is not None:
+            return fused
     centres = (torch.arange(n_bins, dtype=conf.dtype, device=conf.device) + 0.5) / n_bins
     g = torch.softmax(-((conf[:, None] - centres) ** 2) / temperature, 1) * kept[:, None]  # (M rows, bins)
     if form == "label":

@@ -367,3 +367,63 @@ inline void batch_backward_lanes(const float* x, int64_t stride, int64_t k, cons
 }
 
 }  // namespace torchcal
+
+namespace torchcal {
+
+// -- SB-ECE's label-binned term on the (M) confidences -----------------------------------------------------
+// g_ib = kept_i softmax_b(−(r_i − ξ_b)²/T) over the bin centres ξ_b = (b + ½)/B, S_b = Σ_i g_ib,
+// A_b = Σ_i g_ib a_i / S'_b (S'_b = S_b, or 1 for an empty bin), total = Σ_i Σ_b g_ib (A_b − r_i)², the
+// term sqrt(total / Σ_i kept_i) (margin.py's _sbece_term, form "label"). Rows are walked W at a time (float32
+// lanes; float64 one by one); the memberships are recomputed in each pass rather than kept (M·B numbers).
+// The gradient of total with respect to r_i, with G_ib = ∂g_ib/∂r_i and Q_b = 2 Σ_i g_ib (A_b − r_i):
+//   Σ_b G_ib [(A_b − r_i)² + Q_b (a_i − A_b) / S'_b] − 2 Σ_b g_ib (A_b − r_i).
+
+template <typename V>
+inline V lanes_exp_nonpositive(V x) {
+  if constexpr (std::is_floating_point<V>::value) {
+    return std::exp(x);
+  } else {
+    return exp_nonpositive<sizeof(V)>(x);
+  }
+}
+
+// Σ of the lanes in float64 (a scalar as it is)
+template <typename V>
+inline double lanes_sum_any(V v) {
+  if constexpr (std::is_floating_point<V>::value) {
+    return static_cast<double>(v);
+  } else {
+    double s = 0.0;
+    for (int l = 0; l < static_cast<int>(sizeof(V) / sizeof(v[0])); ++l) s += static_cast<double>(v[l]);
+    return s;
+  }
+}
+
+// the memberships of W rows (g[b·W + t]) and, with ds, ∂s_b/∂r = −2(r − ξ_b)/T and Σ_b σ_b ∂s_b/∂r (mean)
+template <typename T, typename V>
+inline void soft_bins(V r, V kept, int64_t bins, T inv_t, T* g, T* ds, V& mean) {
+  constexpr int W = sizeof(V) / sizeof(T);
+  V m = {};
+  for (int64_t b = 0; b < bins; ++b) {
+    const V d = r - static_cast<T>((static_cast<double>(b) + 0.5) / static_cast<double>(bins));
+    const V s = -(d * d) * inv_t;
+    lanes_store(g + b * W, s);
+    if (ds != nullptr) lanes_store(ds + b * W, d * (-2 * inv_t));
+    m = b == 0 ? s : (m < s ? s : m);
+  }
+  V sum = {};
+  for (int64_t b = 0; b < bins; ++b) {
+    const V e = lanes_exp_nonpositive(lanes_load<V>(g + b * W) - m);
+    lanes_store(g + b * W, e);
+    sum += e;
+  }
+  const V scale = kept / sum;
+  mean = V{};
+  for (int64_t b = 0; b < bins; ++b) {
+    const V gb = lanes_load<V>(g + b * W) * scale;
+    lanes_store(g + b * W, gb);
+    if (ds != nullptr) mean += gb * lanes_load<V>(ds + b * W);
+  }
+}
+
+}  // namespace torchcal

@@ -1052,6 +1052,173 @@ at::Tensor batch_terms_bwd(const at::Tensor& logits, const at::Tensor& targets, 
   return grad;
 }
 
+// -- SB-ECE's label-binned term on the (M) confidences (batch_terms.h) --------------------------------------
+//
+//   sbece_label_fwd(conf, correct, kept, bins, temperature) -> (value, saved (3·bins + 2) float64)
+//   sbece_label_bwd(grad, conf, correct, kept, saved, bins, temperature) -> the confidences' gradient
+//
+// conf, correct, kept: (M) float32/float64 CPU vectors of one dtype (correct and kept 0/1). The sums are
+// added per fixed block of rows and the blocks in order (no dependence on the thread count).
+
+constexpr int64_t kBinRows = 2048;
+constexpr int64_t kMaxBins = 64;  // the memberships of W rows live in a stack array
+constexpr int kBinLanes = Vec<float, kWideBytes>::width;
+
+void check_bin_inputs(const at::Tensor& conf, const at::Tensor& correct, const at::Tensor& kept, int64_t bins,
+                      double temperature) {
+  TORCH_CHECK_VALUE(conf.dim() == 1 && correct.sizes() == conf.sizes() && kept.sizes() == conf.sizes(),
+                    "`conf`, `correct` and `kept` must be vectors of one length");
+  TORCH_CHECK_VALUE(conf.device().is_cpu() && (conf.scalar_type() == at::kFloat || conf.scalar_type() == at::kDouble) &&
+                        correct.scalar_type() == conf.scalar_type() && kept.scalar_type() == conf.scalar_type(),
+                    "sbece_label runs on CPU float32/float64 vectors of one dtype");
+  TORCH_CHECK_VALUE(bins >= 1 && bins <= kMaxBins && temperature > 0,
+                    "`bins` must lie in [1, 64] and `temperature` be > 0");
+}
+
+// fn(block, V tag, first row) over the rows in fixed blocks (in parallel), W rows at a time and the rest
+// one by one; returns the number of blocks
+template <typename T, typename Fn>
+int64_t over_bin_rows(int64_t m, const Fn& fn) {
+  const int64_t n_blocks = (m + kBinRows - 1) / kBinRows;
+  at::parallel_for(0, n_blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t r0 = blk * kBinRows, r1 = std::min(m, r0 + kBinRows);
+      int64_t i = r0;
+      if constexpr (std::is_same<T, float>::value) {
+        constexpr int W = Vec<float, kWideBytes>::width;
+        for (; i + W <= r1; i += W) fn(blk, std::integral_constant<int, kWideBytes>{}, i);
+      }
+      for (; i < r1; ++i) fn(blk, std::integral_constant<int, 0>{}, i);
+    }
+  });
+  return n_blocks;
+}
+
+std::tuple<at::Tensor, at::Tensor> sbece_label_fwd(const at::Tensor& conf_in, const at::Tensor& correct_in,
+                                                   const at::Tensor& kept_in, int64_t bins, double temperature) {
+  check_bin_inputs(conf_in, correct_in, kept_in, bins, temperature);
+  const at::Tensor conf = conf_in.contiguous(), correct = correct_in.contiguous(), kept = kept_in.contiguous();
+  const int64_t m = conf.numel(), n_blocks = (m + kBinRows - 1) / kBinRows;
+  at::Tensor saved = at::zeros({3 * bins + 2}, conf.options().dtype(at::kDouble));
+  double* sv = saved.data_ptr<double>();
+  double* mass = sv;
+  double* acc = sv + bins;
+  double* q = sv + 2 * bins;
+  double value = 0.0;
+  AT_DISPATCH_FLOATING_TYPES(conf.scalar_type(), "sbece_label_fwd", [&] {
+    const scalar_t* r = conf.data_ptr<scalar_t>();
+    const scalar_t* a = correct.data_ptr<scalar_t>();
+    const scalar_t* k = kept.data_ptr<scalar_t>();
+    const scalar_t inv_t = static_cast<scalar_t>(1.0 / temperature);
+    std::vector<double> part(static_cast<size_t>(n_blocks * (2 * bins + 1)), 0.0);
+    const int64_t stride = 2 * bins + 1;
+    // pass 1: S_b, Σ_i g_ib a_i and the kept count
+    over_bin_rows<scalar_t>(m, [&](int64_t blk, auto tag, int64_t i) {
+      using V = typename Lanes<scalar_t, decltype(tag)::value>::type;
+      scalar_t g[kMaxBins * kBinLanes];
+      V mean;
+      const V kv = lanes_load<V>(k + i);
+      double* p = part.data() + blk * stride;
+      soft_bins<scalar_t, V>(lanes_load<V>(r + i), kv, bins, inv_t, g, nullptr, mean);
+      constexpr int W = sizeof(V) / sizeof(scalar_t);
+      const V av = lanes_load<V>(a + i);
+      for (int64_t b = 0; b < bins; ++b) {
+        const V gb = lanes_load<V>(g + b * W);
+        p[b] += lanes_sum_any(gb);
+        p[bins + b] += lanes_sum_any(gb * av);
+      }
+      p[2 * bins] += lanes_sum_any(kv);
+    });
+    double count = 0.0;
+    for (int64_t blk = 0; blk < n_blocks; ++blk) {
+      for (int64_t b = 0; b < bins; ++b) {
+        mass[b] += part[blk * stride + b];
+        acc[b] += part[blk * stride + bins + b];
+      }
+      count += part[blk * stride + 2 * bins];
+    }
+    std::vector<scalar_t> acc_t(static_cast<size_t>(bins));
+    for (int64_t b = 0; b < bins; ++b) {
+      acc[b] /= mass[b] > 0 ? mass[b] : 1.0;  // A_b
+      acc_t[b] = static_cast<scalar_t>(acc[b]);
+    }
+    // pass 2: total and Q_b
+    std::fill(part.begin(), part.end(), 0.0);
+    over_bin_rows<scalar_t>(m, [&](int64_t blk, auto tag, int64_t i) {
+      using V = typename Lanes<scalar_t, decltype(tag)::value>::type;
+      constexpr int W = sizeof(V) / sizeof(scalar_t);
+      scalar_t g[kMaxBins * kBinLanes];
+      V mean;
+      const V rv = lanes_load<V>(r + i);
+      soft_bins<scalar_t, V>(rv, lanes_load<V>(k + i), bins, inv_t, g, nullptr, mean);
+      double* p = part.data() + blk * stride;
+      V tot = {};
+      for (int64_t b = 0; b < bins; ++b) {
+        const V gb = lanes_load<V>(g + b * W);
+        const V d = acc_t[b] - rv;
+        tot += gb * d * d;
+        p[b] += 2.0 * lanes_sum_any(gb * d);
+      }
+      p[2 * bins] += lanes_sum_any(tot);
+    });
+    double total = 0.0;
+    for (int64_t blk = 0; blk < n_blocks; ++blk) {
+      for (int64_t b = 0; b < bins; ++b) q[b] += part[blk * stride + b];
+      total += part[blk * stride + 2 * bins];
+    }
+    sv[3 * bins] = total;
+    sv[3 * bins + 1] = count;
+    const double u = std::max(total / count, 0.0);
+    value = u > 0 ? std::sqrt(u) : total / count;  // (NaN with no kept row, as the torch path)
+  });
+  return {at::scalar_tensor(value, conf.options()), saved};
+}
+
+at::Tensor sbece_label_bwd(const at::Tensor& grad, const at::Tensor& conf_in, const at::Tensor& correct_in,
+                           const at::Tensor& kept_in, const at::Tensor& saved, int64_t bins, double temperature) {
+  check_bin_inputs(conf_in, correct_in, kept_in, bins, temperature);
+  TORCH_CHECK_VALUE(saved.scalar_type() == at::kDouble && saved.numel() == 3 * bins + 2,
+                    "`saved` must be the forward's statistics");
+  const at::Tensor conf = conf_in.contiguous(), correct = correct_in.contiguous(), kept = kept_in.contiguous();
+  const at::Tensor sv_t = saved.contiguous();
+  const double* sv = sv_t.data_ptr<double>();
+  const int64_t m = conf.numel();
+  const double total = sv[3 * bins], count = sv[3 * bins + 1], u = total / count;
+  const double f = grad.item<double>() * (u > 0 ? 0.5 / std::sqrt(u) : 1.0) / count;
+  at::Tensor out = at::empty_like(conf);
+  AT_DISPATCH_FLOATING_TYPES(conf.scalar_type(), "sbece_label_bwd", [&] {
+    const scalar_t* r = conf.data_ptr<scalar_t>();
+    const scalar_t* a = correct.data_ptr<scalar_t>();
+    const scalar_t* k = kept.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    const scalar_t inv_t = static_cast<scalar_t>(1.0 / temperature);
+    std::vector<scalar_t> acc(static_cast<size_t>(bins)), qs(static_cast<size_t>(bins));
+    for (int64_t b = 0; b < bins; ++b) {
+      const double mass = sv[b] > 0 ? sv[b] : 1.0;
+      acc[b] = static_cast<scalar_t>(sv[bins + b]);
+      qs[b] = static_cast<scalar_t>(sv[2 * bins + b] / mass);
+    }
+    const scalar_t ft = static_cast<scalar_t>(f);
+    over_bin_rows<scalar_t>(m, [&](int64_t, auto tag, int64_t i) {
+      using V = typename Lanes<scalar_t, decltype(tag)::value>::type;
+      constexpr int W = sizeof(V) / sizeof(scalar_t);
+      scalar_t g[kMaxBins * kBinLanes], ds[kMaxBins * kBinLanes];
+      V mean;
+      const V rv = lanes_load<V>(r + i), av = lanes_load<V>(a + i);
+      soft_bins<scalar_t, V>(rv, lanes_load<V>(k + i), bins, inv_t, g, ds, mean);
+      V d_total = {};
+      for (int64_t b = 0; b < bins; ++b) {
+        const V gb = lanes_load<V>(g + b * W);
+        const V d = acc[b] - rv;
+        const V big_g = gb * (lanes_load<V>(ds + b * W) - mean);
+        d_total += big_g * (d * d + qs[b] * (av - acc[b])) - 2 * gb * d;
+      }
+      lanes_store(o + i, d_total * ft);
+    });
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(torchcal, m) {
@@ -1106,9 +1273,15 @@ TORCH_LIBRARY_FRAGMENT(torchcal, m) {
   m.def(
       "batch_terms_bwd(Tensor logits, Tensor targets, Tensor saved, Tensor? g_base, Tensor? g_r, Tensor? g_entropy, "
       "Tensor? g_colsum, int? ignore_index, int base, float gamma, float alpha, int entropy) -> Tensor");
+  m.def("sbece_label_fwd(Tensor conf, Tensor correct, Tensor kept, int bins, float temperature) -> (Tensor, Tensor)");
+  m.def(
+      "sbece_label_bwd(Tensor grad, Tensor conf, Tensor correct, Tensor kept, Tensor saved, int bins, "
+      "float temperature) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(torchcal, CPU, m) {
   m.impl("batch_terms_fwd", batch_terms_fwd);
   m.impl("batch_terms_bwd", batch_terms_bwd);
+  m.impl("sbece_label_fwd", sbece_label_fwd);
+  m.impl("sbece_label_bwd", sbece_label_bwd);
 }
