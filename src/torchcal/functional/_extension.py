@@ -21,7 +21,9 @@ refuses these flags (Clang without libomp, say), the portable flags ``-O3 -fopen
 Besides the losses the library holds the metrics' top-label scan (``torch.ops.torchcal.top_label_scan``,
 ``csrc/scan.h``): validation, prediction, confidence, equal-width bins, classwise sums and per-sample sums in
 one pass on torch's threads, and the stable radix sort of confidences with their correctness
-(``torch.ops.torchcal.sort_with_flags``, ``csrc/sort.h``) of the equal-mass estimators. ``TORCHCAL_CPP=0`` or
+(``torch.ops.torchcal.sort_with_flags``, ``csrc/sort.h``) of the equal-mass estimators, and the batch-term
+losses' per-row numbers (``batch_terms_fwd`` / ``_bwd``, ``csrc/batch_terms.h``) and SB-ECE's label-binned
+term (``sbece_label_fwd`` / ``_bwd``). ``TORCHCAL_CPP=0`` or
 :func:`use_cpu_extension` turns it off; the torch path then computes everything.
 """
 

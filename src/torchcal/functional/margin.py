@@ -15,9 +15,14 @@ left out, soft targets (class probabilities of the logits' shape) for the cross-
 ``"none" | "mean" | "sum"``, half-precision logits and autocast regions computed in float32. Where the
 released code differs from the paper, the code is the default (SPEC §8; decisions 131-139). The losses do not
 call ``.item()`` or branch on tensor values, so they trace into one ``torch.compile`` graph. On the CPU, with
-the C++ library built (``torchcal build-extension``), MbLS, ACLS, MaxSup and the confidence penalty run as
-one fused operator for integer labels and float32/float64 logits (decision 200); the code below is the
-reference path and that of every other case.
+the C++ library built (``torchcal build-extension``), for integer labels and float32/float64 logits, MbLS,
+ACLS, MaxSup and the confidence penalty run as one fused operator (decision 200), and MDCA (all three
+bases), DCA, SB-ECE, AvUC, S-AvUC and ESD take their per-row numbers (base loss, top-label confidence,
+correctness, entropy, MDCA's column sums) and the logits' gradient from another, with the batch term
+computed in torch on those (M,) vectors (decision 202; SB-ECE's default label-binned term is a C++ operator
+on the confidences too, decision 203). The code below is the reference path and that of every other case
+(soft targets, half precision, other devices, the extension off); CALS, Poly-1 and mL1-ACE have no fused
+path.
 
 Only Poly-1 is a function of the target distribution, so only it takes class ``weight`` and
 ``label_smoothing``; MbLS, ACLS, the confidence penalty and MaxSup add a term that does not depend on the
