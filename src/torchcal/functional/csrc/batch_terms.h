@@ -43,8 +43,9 @@ struct BatchSpec {
 // S-AvUC: s = (1 − 1e-5) p + 1e-5/K, f = s log s (so H is the entropy of s, each term counted once per
 // class), f' = (1 − 1e-5) log s (its constant (1 − 1e-5) dropped: Σ_j p_j (S − f'_j) leaves it out exactly).
 // The logs take arguments >= 1e-10 (AvUC) and >= 1e-5/K (S-AvUC): positive and normal in float32.
+// (flattened: margin.h's log_positive is otherwise called out of line, spilling the vector registers)
 template <typename T, typename V>
-inline void entropy_lanes(V p, int64_t entropy, T smooth_a, T smooth_b, V& f, V& df) {
+__attribute__((flatten)) inline void entropy_lanes(V p, int64_t entropy, T smooth_a, T smooth_b, V& f, V& df) {
   if (entropy == BE_AVUC) {
     const V q = p + static_cast<T>(1e-10);
     const V l = lanes_log(q);
