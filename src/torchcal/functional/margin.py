@@ -1119,18 +1119,23 @@ def _gather_rows(tensors, sync, group):
 
 def _esd_term(conf, correct, kept, sync, group):
     """The U-statistic ESD of the kept rows in O(n log n): with x_j = a_j − r_j, S_i = Σ_{j≠i, r_j<=r_i} x_j
-    and Q_i = Σ_{j≠i, r_j<=r_i} x_j², d_i² = (S_i² − Q_i) / ((n − 1)(n − 2)) and ESD = mean_i d_i²."""
+    and Q_i = Σ_{j≠i, r_j<=r_i} x_j², d_i² = (S_i² − Q_i) / ((n − 1)(n − 2)) and ESD = mean_i d_i². The sum
+    over i does not depend on the order of the rows, so it runs in the sorted order, where the last row with
+    r_j <= r_i is the end of i's run of equal confidences (a reversed running minimum; no binary search)."""
     x = (correct - conf) * kept
     conf, x, kept = _gather_rows([conf, x, kept], sync, group)
     r = conf.detach()
     order = torch.argsort(r)
     r_sorted = r[order]
     x_sorted = x[order]
-    upto = torch.searchsorted(r_sorted, r, right=True) - 1  # the last sorted row with r_j <= r_i (i itself)
-    s = torch.cumsum(x_sorted, 0)[upto] - x
-    q = torch.cumsum(x_sorted * x_sorted, 0)[upto] - x * x
+    m = r_sorted.shape[0]
+    ends = torch.cat([r_sorted[1:] != r_sorted[:-1], torch.ones(1, dtype=torch.bool, device=r.device)])
+    positions = torch.arange(m, device=r.device)
+    upto = torch.where(ends, positions, m).flip(0).cummin(0).values.flip(0)  # (i itself when no tie)
+    s = torch.cumsum(x_sorted, 0)[upto] - x_sorted
+    q = torch.cumsum(x_sorted * x_sorted, 0)[upto] - x_sorted * x_sorted
     n = kept.sum()
-    d2 = (s * s - q) * kept
+    d2 = (s * s - q) * kept[order]
     denom = (n - 1) * (n - 2)
     return torch.where(n >= 3, d2.sum() / (n * denom.clamp(min=1)), d2.new_zeros(()))
 
