@@ -42,6 +42,8 @@ __all__ = [
     "sort_descending_with_flags",
     "true_class_loss",
     "penalised_cross_entropy",
+    "batch_rows",
+    "sbece_label",
     "use_cpu_kernels",
     "cpu_kernels_available",
 ]
@@ -279,6 +281,42 @@ def ml1ace_cross_entropy(logits, targets, lam, options, per_image, ignore_index,
 
 
 _FLOAT32_EPS = 1.1920928955078125e-07  # the reference's upper bin edge is 1 + float32 eps (margin.py)
+
+
+def batch_rows(logits, targets, ignore_index, reduction, base, gamma, alpha, entropy, colsum):
+    """The per-row numbers of the batch-term losses of :mod:`torchcal.functional.margin` by the C++ operator
+    (:func:`~torchcal.functional._extension.fused_batch_rows`: base loss, r, correctness, entropy, column sums),
+    or None where it does not apply (as :func:`penalised_cross_entropy`: the caller's torch path then computes,
+    or raises the named error for a label outside [0, K))."""
+    if not _fast_margin_call(logits, targets, reduction):
+        return None
+    args = (logits, targets, ignore_index, base, gamma, alpha, entropy, colsum)
+    if torch.compiler.is_compiling():  # (no fallback inside a graph: the operator raises on a bad label)
+        return _extension.fused_batch_rows(*args)
+    try:
+        return _extension.fused_batch_rows(*args)
+    except ValueError:
+        return None
+
+
+def sbece_label(conf, correct, kept, n_bins, temperature, sync):
+    """SB-ECE's label-binned term of the (M) vectors by the C++ operator, or None where it does not apply
+    (not built or disabled, another dtype or device, more than 64 bins, or ``sync`` with torch.distributed
+    initialised: the global sums then need the torch path's all-reduces)."""
+    if not (
+        type(conf) is torch.Tensor
+        and conf.dtype in _FUSED_DTYPES
+        and conf.is_cpu
+        and n_bins <= _extension.SBECE_MAX_BINS
+        and _extension.cpu_extension_available()
+    ):
+        return None
+    if sync:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return None
+    return _extension.fused_sbece_label(conf, correct, kept, n_bins, temperature)
 
 
 # -- retired switches ----------------------------------------------------------------------------------------

@@ -21,7 +21,9 @@ refuses these flags (Clang without libomp, say), the portable flags ``-O3 -fopen
 Besides the losses the library holds the metrics' top-label scan (``torch.ops.torchcal.top_label_scan``,
 ``csrc/scan.h``): validation, prediction, confidence, equal-width bins, classwise sums and per-sample sums in
 one pass on torch's threads, and the stable radix sort of confidences with their correctness
-(``torch.ops.torchcal.sort_with_flags``, ``csrc/sort.h``) of the equal-mass estimators. ``TORCHCAL_CPP=0`` or
+(``torch.ops.torchcal.sort_with_flags``, ``csrc/sort.h``) of the equal-mass estimators, and the batch-term
+losses' per-row numbers (``batch_terms_fwd`` / ``_bwd``, ``csrc/batch_terms.h``) and SB-ECE's label-binned
+term (``sbece_label_fwd`` / ``_bwd``). ``TORCHCAL_CPP=0`` or
 :func:`use_cpu_extension` turns it off; the torch path then computes everything.
 """
 
@@ -46,7 +48,9 @@ __all__ = ["build_cpu_extension", "cpu_extension_available", "use_cpu_extension"
 _SCAN_DTYPES = (torch.float32, torch.float64)
 
 SOURCE = Path(__file__).with_name("csrc") / "fused_losses.cpp"
-HEADERS = tuple(SOURCE.with_name(name) for name in ("true_class.h", "scan.h", "sort.h", "margin.h", "ace.h"))
+HEADERS = tuple(
+    SOURCE.with_name(name) for name in ("true_class.h", "scan.h", "sort.h", "margin.h", "ace.h", "batch_terms.h")
+)
 REDUCTION_CODES = {"none": 0, "mean": 1, "sum": 2}
 PORTABLE_FLAGS = ["-O3", "-fopenmp-simd"]
 
@@ -319,6 +323,87 @@ def _ace_stats_size(logits, options) -> int:
     return groups * c * n_bins * 3 + groups * c + groups + 2 + rows
 
 
+BATCH_BASES = {"nll": 0, "focal": 1, "ls": 2}
+BATCH_ENTROPIES = {None: 0, "avuc": 1, "smoothed": 2}
+_N_BATCH_STAT = 5  # columns of the batch-term operator's saved statistics (``enum BatchStat``, batch_terms.h)
+
+
+class _BatchRows(torch.autograd.Function):
+    """The batch-term operator pair as one differentiable function: (base, r, correct, entropy, column sums)
+    from the logits, the backward in one C++ pass from the saved logits and per-row statistics."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, ignore_index, base, gamma, alpha, entropy, colsum):
+        fwd = torch.ops.torchcal.batch_terms_fwd.default
+        b, r, correct, h, col, saved = fwd(logits, targets, ignore_index, base, gamma, alpha, entropy, colsum)
+        ctx.save_for_backward(logits, targets, saved)
+        ctx.options = (ignore_index, base, gamma, alpha, entropy)
+        ctx.mark_non_differentiable(correct)
+        ctx.set_materialize_grads(False)
+        return b, r, correct, h, col
+
+    @staticmethod
+    def backward(ctx, g_base, g_r, _g_correct, g_h, g_col):  # pyright: ignore[reportIncompatibleMethodOverride]
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "the fused CPU batch-term loss is differentiable once only; for higher-order gradients run it "
+                "with torchcal.functional.use_cpu_extension(False)"
+            )
+        logits, targets, saved = ctx.saved_tensors
+        _, _, _, _, entropy = ctx.options
+        # (outputs not asked for are empty; torch.compile hands them an empty gradient rather than None)
+        g_h = g_h if entropy else None
+        g_col = g_col if g_col is not None and g_col.numel() else None
+        bwd = torch.ops.torchcal.batch_terms_bwd.default
+        grad = bwd(logits, targets, saved, g_base, g_r, g_h, g_col, *ctx.options)
+        return grad, None, None, None, None, None, None, None
+
+
+def fused_batch_rows(logits, targets, ignore_index, base: str, gamma: float, alpha: float, entropy, colsum: bool):
+    """The per-row numbers of the batch-term losses by the C++ operator (csrc/batch_terms.h), for
+    (N, K, d1, ...) CPU float32/64 logits and integer labels (checked: ValueError): the base loss (M) (0 on
+    ignored rows; ``base`` a key of :data:`BATCH_BASES`), the top-label confidence r (M), the correctness (M,
+    no gradient), the entropy (M) named by ``entropy`` (a key of :data:`BATCH_ENTROPIES`; empty for None) and
+    with ``colsum`` the kept rows' column sums of p (K) (else empty), in the logits' dtype and differentiable
+    once."""
+    return _BatchRows.apply(
+        logits, targets, ignore_index, BATCH_BASES[base], float(gamma), float(alpha), BATCH_ENTROPIES[entropy],
+        bool(colsum),
+    )
+
+
+SBECE_MAX_BINS = 64  # (``kMaxBins`` in fused_losses.cpp)
+
+
+class _SBECELabel(torch.autograd.Function):
+    """SB-ECE's label-binned term of (M) confidences, correctness and kept mask by the C++ operator pair
+    (two passes over the rows forward, one backward; no (M, bins) array); the gradient flows to ``conf``."""
+
+    @staticmethod
+    def forward(ctx, conf, correct, kept, bins, temperature):
+        value, saved = torch.ops.torchcal.sbece_label_fwd.default(conf, correct, kept, bins, temperature)
+        ctx.save_for_backward(conf, correct, kept, saved)
+        ctx.options = (bins, temperature)
+        return value
+
+    @staticmethod
+    def backward(ctx, grad):  # pyright: ignore[reportIncompatibleMethodOverride]
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "the fused CPU SB-ECE term is differentiable once only; for higher-order gradients run it with "
+                "torchcal.functional.use_cpu_extension(False)"
+            )
+        conf, correct, kept, saved = ctx.saved_tensors
+        bwd = torch.ops.torchcal.sbece_label_bwd.default
+        return bwd(grad, conf, correct, kept, saved, *ctx.options), None, None, None, None
+
+
+def fused_sbece_label(conf, correct, kept, bins: int, temperature: float):
+    """sqrt((1/Σ kept) Σ_b Σ_i g_bi (A_b − r_i)²), SB-ECE's label-binned term of CPU float32/64 vectors (decision
+    203), differentiable once in ``conf``."""
+    return _SBECELabel.apply(conf, correct.to(conf.dtype), kept.to(conf.dtype), int(bins), float(temperature))
+
+
 _N_OUT = 6  # columns of the operator's per-sample output (``enum Out`` in csrc/true_class.h)
 
 
@@ -379,6 +464,8 @@ def _register_compile_support() -> None:
         "torchcal::fused_margin_fwd", margin_backward, setup_context=margin_setup_context
     )
 
+    _register_batch_terms()
+
     if not hasattr(torch.ops.torchcal, "fused_ace_fwd"):
         return
 
@@ -402,6 +489,37 @@ def _register_compile_support() -> None:
         return grad, None, None, None, None, None
 
     torch.library.register_autograd("torchcal::fused_ace_fwd", ace_backward, setup_context=ace_setup_context)
+
+
+def _register_batch_terms() -> None:
+    """Fake implementations of ``batch_terms_fwd`` / ``_bwd`` (output shapes for tracing)."""
+    if not hasattr(torch.ops.torchcal, "batch_terms_fwd"):
+        return
+
+    @torch.library.register_fake("torchcal::batch_terms_fwd")
+    def _fwd_fake(logits, targets, ignore_index, base, gamma, alpha, entropy, colsum):
+        m = targets.numel()
+        vector = logits.new_empty((m,))
+        return (
+            vector,
+            torch.empty_like(vector),
+            torch.empty_like(vector),
+            logits.new_empty((m if entropy else 0,)),
+            logits.new_empty((logits.shape[1] if colsum else 0,)),
+            logits.new_empty((m, _N_BATCH_STAT), dtype=torch.float64),
+        )
+
+    @torch.library.register_fake("torchcal::sbece_label_fwd")
+    def _sbece_fwd_fake(conf, correct, kept, bins, temperature):
+        return conf.new_empty(()), conf.new_empty((3 * bins + 2,), dtype=torch.float64)
+
+    @torch.library.register_fake("torchcal::sbece_label_bwd")
+    def _sbece_bwd_fake(grad, conf, correct, kept, saved, bins, temperature):
+        return torch.empty_like(conf)
+
+    @torch.library.register_fake("torchcal::batch_terms_bwd")
+    def _bwd_fake(logits, targets, saved, g_base, g_r, g_entropy, g_colsum, ignore_index, base, gamma, alpha, entropy):
+        return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
 
 def _op(name: str):

@@ -15,9 +15,14 @@ left out, soft targets (class probabilities of the logits' shape) for the cross-
 ``"none" | "mean" | "sum"``, half-precision logits and autocast regions computed in float32. Where the
 released code differs from the paper, the code is the default (SPEC §8; decisions 131-139). The losses do not
 call ``.item()`` or branch on tensor values, so they trace into one ``torch.compile`` graph. On the CPU, with
-the C++ library built (``torchcal build-extension``), MbLS, ACLS, MaxSup and the confidence penalty run as
-one fused operator for integer labels and float32/float64 logits (decision 200), and so does
-:func:`ml1ace_loss` (decision 211); the code below is the reference path and that of every other case.
+the C++ library built (``torchcal build-extension``), for integer labels and float32/float64 logits, MbLS,
+ACLS, MaxSup and the confidence penalty run as one fused operator (decision 200), and MDCA (all three
+bases), DCA, SB-ECE, AvUC, S-AvUC and ESD take their per-row numbers (base loss, top-label confidence,
+correctness, entropy, MDCA's column sums) and the logits' gradient from another, with the batch term
+computed in torch on those (M,) vectors (decision 202; SB-ECE's default label-binned term is a C++ operator
+on the confidences too, decision 203); :func:`ml1ace_loss` has its own operator (decision 211). The code
+below is the reference path and that of every other case (soft targets, half precision, other devices, the
+extension off).
 
 Only Poly-1 is a function of the target distribution, so only it takes class ``weight`` and
 ``label_smoothing``; MbLS, ACLS, the confidence penalty and MaxSup add a term that does not depend on the
@@ -30,12 +35,12 @@ the reference code, with ``sync=True`` for the global batch.
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 
 from .._validation import check_choice, check_float, check_positive_int
-from ._backend import ml1ace_cross_entropy, penalised_cross_entropy
+from ._backend import batch_rows, ml1ace_cross_entropy, penalised_cross_entropy, sbece_label
 from ._loss_inputs import (
     IGNORE_INDEX,
     LossRows,
@@ -566,6 +571,75 @@ def _with_batch_term(base, rows, reduction, coef, penalty, weight=None):
     return none if reduction == "none" else none.sum()
 
 
+class _Batch(NamedTuple):
+    """What the batch-term losses read of their rows: ``rows`` (:class:`LossRows` whose targets are (M,) labels
+    with ignored ones 0, or soft targets), the per-row ``base`` loss, top-label confidence ``conf`` r_i (with
+    gradient), correctness ``correct`` a_i (a constant), ``kept`` (1.0 / 0.0), ``entropy`` H_i and ``colsum``
+    Σ_i kept_i p_i (K); None where not asked for."""
+
+    rows: LossRows
+    base: torch.Tensor | None
+    conf: torch.Tensor | None
+    correct: torch.Tensor | None
+    kept: torch.Tensor
+    entropy: torch.Tensor | None
+    colsum: torch.Tensor | None
+
+
+def _batch(
+    logits, targets, ignore_index, reduction, soft_refusal=None, *, base="nll", gamma=1.0, alpha=0.0, top=True,
+    entropy=None, colsum=False,
+) -> _Batch:  # fmt: skip
+    """The per-row numbers of a batch-term loss: by the C++ operator where it applies (CPU float32/64 logits,
+    integer labels; decision 202), else by the torch path below, the reference. ``base``: "nll" (cross
+    entropy), "focal" (−(1 − p_t)^γ log p_t), "ls" (the MDCA repository's label smoothing with α) or None;
+    ``entropy``: None, "avuc" (−Σ p log(p + 1e-10)) or "smoothed" (of (1 − 1e-5)p + 1e-5/K). The caller
+    has checked ``ignore_index`` and ``reduction``."""
+    fused = batch_rows(logits, targets, ignore_index, reduction, base or "nll", gamma, alpha, entropy, colsum)
+    if fused is not None:
+        base_loss, conf, correct, h, col = fused
+        shape = tuple(targets.shape)
+        labels = targets.reshape(-1)
+        keep = None
+        if ignore_index is not None:
+            keep = labels != ignore_index
+            labels = labels.masked_fill(~keep, 0)
+        kept = base_loss.new_ones(()).expand(labels.shape) if keep is None else keep.to(base_loss.dtype)
+        rows = LossRows(logits, labels.long(), keep, shape)
+        return _Batch(rows, base_loss if base else None, conf if top else None, correct if top else None, kept,
+                      h if entropy else None, col if colsum else None)  # fmt: skip
+    rows = loss_rows(logits, targets, ignore_index, soft_refusal=soft_refusal)
+    log_p = torch.log_softmax(rows.logits, 1)
+    kept = log_p.new_ones(log_p.shape[0]) if rows.keep is None else rows.keep.to(log_p.dtype)
+    p = log_p.exp() if entropy or colsum or (rows.soft and base == "focal") else None
+    loss = None
+    if base is not None:
+        k = log_p.shape[1]
+        if rows.soft:
+            q = rows.targets
+            factor = 1.0 if base == "nll" else (-torch.expm1(log_p)).clamp(min=0) ** gamma
+            loss = -(q * factor * log_p).sum(1)
+        else:
+            log_pt = log_p.gather(1, rows.targets[:, None])[:, 0]
+            if base == "nll":
+                loss = -log_pt
+            elif base == "focal":
+                loss = -((-torch.expm1(log_pt)).clamp(min=0) ** gamma) * log_pt
+            else:
+                others = log_p.sum(1) - log_pt
+                loss = -(1 - alpha) * log_pt - alpha / (k - 1) * others
+    conf = correct = None
+    if top:
+        conf, correct, _ = _correct_and_kept(rows, log_p)
+    h = None
+    if entropy == "avuc":
+        h = -(p * torch.log(p + 1e-10)).sum(1)
+    elif entropy == "smoothed":
+        smoothed = (1 - 1e-5) * p + 1e-5 / p.shape[1]
+        h = -(smoothed * smoothed.log()).sum(1)
+    return _Batch(rows, loss, conf, correct, kept, h, kept @ p if colsum else None)
+
+
 def mdca_penalty(logits, targets, *, sync: bool = False, group=None, ignore_index: int | None = IGNORE_INDEX):
     r"""The multi-class difference in confidence and accuracy of a batch (Hebbalaguppe et al., CVPR 2022):
     :math:`\frac{1}{K} \sum_k \bigl| \frac{1}{N}\sum_i p_{ik} - \frac{1}{N}\sum_i 1[y_i = k] \bigr|`, the
@@ -584,16 +658,16 @@ def mdca_penalty(logits, targets, *, sync: bool = False, group=None, ignore_inde
         tensor(0.4251)
     """
     with torch.autocast(_device_type(logits), enabled=False):
-        rows = loss_rows(logits, targets, check_ignore_index(ignore_index))
-        return _mdca_rows(rows, torch.softmax(rows.logits, 1), sync, group)
+        batch = _batch(logits, targets, check_ignore_index(ignore_index), "mean", base=None, top=False, colsum=True)
+        return _mdca_term(batch, sync, group)
 
 
-def _mdca_rows(rows, p, sync, group):
-    k = p.shape[1]
-    kept = p.new_ones(p.shape[0]) if rows.keep is None else rows.keep.to(p.dtype)
+def _mdca_term(batch: _Batch, sync, group):
+    rows, kept, colsum = batch.rows, batch.kept, batch.colsum
+    k = colsum.shape[0]
     # the label counts by a scatter of the (N,) mask, not an (N, K) one-hot matrix
     labels = kept @ rows.targets if rows.soft else kept.new_zeros(k).index_add(0, rows.targets, kept)
-    sums = torch.cat([kept @ p, labels, kept.sum()[None]])
+    sums = torch.cat([colsum, labels, kept.sum()[None]])
     sums = _global_sums(sums, sync, group)
     count = sums[-1]
     return ((sums[:k] - sums[k : 2 * k]) / count).abs().mean()
@@ -644,24 +718,9 @@ def mdca_loss(
     ignore_index = check_ignore_index(ignore_index)
     refusal = "the MDCA repository's label smoothing is defined on labels" if base == "ls" else None
     with torch.autocast(_device_type(logits), enabled=False):
-        rows = loss_rows(logits, targets, ignore_index, soft_refusal=refusal)
-        log_p = torch.log_softmax(rows.logits, 1)
-        p = log_p.exp()
-        k = p.shape[1]
-        if rows.soft:
-            q = rows.targets
-            factor = 1.0 if base == "nll" else (-torch.expm1(log_p)).clamp(min=0) ** gamma
-            loss = -(q * factor * log_p).sum(1)
-        else:
-            log_pt = log_p.gather(1, rows.targets[:, None])[:, 0]
-            if base == "nll":
-                loss = -log_pt
-            elif base == "focal":
-                loss = -((-torch.expm1(log_pt)).clamp(min=0) ** gamma) * log_pt
-            else:
-                others = log_p.sum(1) - log_pt
-                loss = -(1 - alpha) * log_pt - alpha / (k - 1) * others
-        return _with_batch_term(loss, rows, reduction, b, _mdca_rows(rows, p, sync, group))
+        batch = _batch(logits, targets, ignore_index, reduction, refusal, base=base, gamma=gamma, alpha=alpha,
+                       top=False, colsum=True)  # fmt: skip
+        return _with_batch_term(batch.base, batch.rows, reduction, b, _mdca_term(batch, sync, group))
 
 
 def dca_loss(
@@ -698,16 +757,14 @@ def dca_loss(
     check_label_smoothing(label_smoothing, _DCA_NEEDS_LABELS)
     ignore_index = check_ignore_index(ignore_index)
     with torch.autocast(_device_type(logits), enabled=False):
-        rows = loss_rows(logits, targets, ignore_index, soft_refusal=_DCA_NEEDS_LABELS)
-        w = check_class_weight(weight, rows.logits)
-        log_p = torch.log_softmax(rows.logits, 1)
-        conf, correct, kept = _correct_and_kept(rows, log_p)
+        batch = _batch(logits, targets, ignore_index, reduction, _DCA_NEEDS_LABELS)
+        conf, correct, kept = batch.conf, batch.correct, batch.kept
+        w = check_class_weight(weight, batch.rows.logits)
         sums = _global_sums(
             torch.stack([(conf * kept).sum(), (correct * kept).sum(), kept.sum()]), sync, group
         )
         penalty = ((sums[0] - sums[1]) / sums[2]).abs()
-        ce = -log_p.gather(1, rows.targets[:, None])[:, 0]
-        return _with_batch_term(ce, rows, reduction, b, penalty, w)
+        return _with_batch_term(batch.base, batch.rows, reduction, b, penalty, w)
 
 
 # -- SB-ECE --------------------------------------------------------------------------------------------------
@@ -724,8 +781,12 @@ def _safe_sqrt(value: torch.Tensor) -> torch.Tensor:
     return torch.where(value > 0, value.clamp(min=torch.finfo(value.dtype).tiny).sqrt(), value)
 
 
-def _sbece_rows(rows, log_p, n_bins, temperature, form, sync, group):
-    conf, correct, kept = _correct_and_kept(rows, log_p)
+def _sbece_term(batch: _Batch, n_bins, temperature, form, sync, group):
+    conf, correct, kept = batch.conf, batch.correct, batch.kept
+    if form == "label":
+        fused = sbece_label(conf, correct, kept, n_bins, temperature, sync)
+        if fused is not None:
+            return fused
     centres = (torch.arange(n_bins, dtype=conf.dtype, device=conf.device) + 0.5) / n_bins
     g = torch.softmax(-((conf[:, None] - centres) ** 2) / temperature, 1) * kept[:, None]  # (M rows, bins)
     if form == "label":
@@ -778,8 +839,8 @@ def sbece_penalty(
     temperature = _number(temperature, "temperature", low=0, low_open=True)
     check_choice(form, "form", {"label", "binned"})
     with torch.autocast(_device_type(logits), enabled=False):
-        rows = loss_rows(logits, targets, check_ignore_index(ignore_index), soft_refusal=_SBECE_NEEDS_LABELS)
-        return _sbece_rows(rows, torch.log_softmax(rows.logits, 1), n_bins, temperature, form, sync, group)
+        batch = _batch(logits, targets, check_ignore_index(ignore_index), "mean", _SBECE_NEEDS_LABELS, base=None)
+        return _sbece_term(batch, n_bins, temperature, form, sync, group)
 
 
 def sbece_loss(
@@ -818,11 +879,9 @@ def sbece_loss(
         raise ValueError(f"`weight` is not accepted: {_SBECE_IS_A_BATCH_TERM}")
     check_label_smoothing(label_smoothing, _SBECE_IS_A_BATCH_TERM)
     with torch.autocast(_device_type(logits), enabled=False):
-        rows = loss_rows(logits, targets, check_ignore_index(ignore_index), soft_refusal=_SBECE_NEEDS_LABELS)
-        log_p = torch.log_softmax(rows.logits, 1)
-        penalty = _sbece_rows(rows, log_p, n_bins, temperature, form, sync, group)
-        ce = -log_p.gather(1, rows.targets[:, None])[:, 0]
-        return _with_batch_term(ce, rows, reduction, lam, penalty)
+        batch = _batch(logits, targets, check_ignore_index(ignore_index), reduction, _SBECE_NEEDS_LABELS)
+        penalty = _sbece_term(batch, n_bins, temperature, form, sync, group)
+        return _with_batch_term(batch.base, batch.rows, reduction, lam, penalty)
 
 
 # -- AvUC and S-AvUC -----------------------------------------------------------------------------------------
@@ -842,28 +901,23 @@ def _correct_and_kept(rows, log_p):
     return top.exp(), correct, kept
 
 
-def _avuc_rows(rows, log_p, threshold, sync, group, statistics=False):
+def _avuc_term(batch: _Batch, threshold, sync, group, statistics=False):
     """AvUC of the rows; with ``statistics``, (AvUC, the detached (Σ H over the correct predictions, their
     count, Σ H over the wrong ones, their count) of the kept rows: the threshold update's sums)."""
-    p = log_p.exp()
-    conf, correct, kept = _correct_and_kept(rows, log_p)
-    entropy = -(p * torch.log(p + 1e-10)).sum(1)
+    conf, correct, kept, entropy = batch.conf, batch.correct, batch.kept, batch.entropy
     entropy_sums = None
     if statistics:
         h = entropy.detach()
         right, wrong_kept = correct * kept, (1 - correct) * kept
         entropy_sums = torch.stack([h @ right, right.sum(), h @ wrong_kept, wrong_kept.sum()])
     t = torch.tanh(entropy)
-    certain = (entropy <= threshold).to(p.dtype)
-    wrong = 1 - correct
-    sums = torch.stack(
-        [
-            (kept * correct * certain * conf * (1 - t)).sum(),  # n_AC
-            (kept * correct * (1 - certain) * conf * t).sum(),  # n_AU
-            (kept * wrong * certain * (1 - conf) * (1 - t)).sum(),  # n_IC
-            (kept * wrong * (1 - certain) * (1 - conf) * t).sum(),  # n_IU
-        ]
-    )
+    certain = (entropy <= threshold).to(entropy.dtype)
+    right = kept * correct
+    # [[n_AC, n_AU], [n_IC, n_IU]] as one (2, M) @ (M, 2) product: (accurate r, inaccurate 1 − r) against
+    # (certain 1 − tanh H, uncertain tanh H), fewer (M,) temporaries than four masked sums
+    weights = torch.stack([right * conf, (kept - right) * (1 - conf)])
+    parts = torch.stack([certain * (1 - t), t - certain * t], 1)
+    sums = (weights @ parts).reshape(4)
     sums = _global_sums(sums, sync, group)
     avu = (sums[0] + sums[3]) / (sums.sum() + 1e-10)
     penalty = -torch.log(avu + 1e-10)
@@ -891,8 +945,9 @@ def avuc_penalty(
         tensor(0.0750)
     """
     with torch.autocast(_device_type(logits), enabled=False):
-        rows = loss_rows(logits, targets, check_ignore_index(ignore_index), soft_refusal=_AVUC_NEEDS_LABELS)
-        return _avuc_rows(rows, torch.log_softmax(rows.logits, 1), _threshold(threshold), sync, group)
+        batch = _batch(logits, targets, check_ignore_index(ignore_index), "mean", _AVUC_NEEDS_LABELS, base=None,
+                       entropy="avuc")  # fmt: skip
+        return _avuc_term(batch, _threshold(threshold), sync, group)
 
 
 def _threshold(threshold):
@@ -940,34 +995,26 @@ def avuc_loss(
     _refuse_batch_term(_AVUC_IS_A_BATCH_TERM, weight, label_smoothing)
     threshold = _threshold(threshold)
     with torch.autocast(_device_type(logits), enabled=False):
-        rows = loss_rows(logits, targets, check_ignore_index(ignore_index), soft_refusal=_AVUC_NEEDS_LABELS)
-        log_p = torch.log_softmax(rows.logits, 1)
-        out = _avuc_rows(rows, log_p, threshold, sync, group, statistics)
+        batch = _batch(logits, targets, check_ignore_index(ignore_index), reduction, _AVUC_NEEDS_LABELS,
+                       entropy="avuc")  # fmt: skip
+        out = _avuc_term(batch, threshold, sync, group, statistics)
         penalty, sums = out if statistics else (out, None)
-        ce = -log_p.gather(1, rows.targets[:, None])[:, 0]
-        loss = _with_batch_term(ce, rows, reduction, b, penalty)
+        loss = _with_batch_term(batch.base, batch.rows, reduction, b, penalty)
         return (loss, sums) if statistics else loss
 
 
-def _savuc_rows(rows, log_p, temperature, kappa, sync, group):
-    p = log_p.exp()
-    k = p.shape[1]
-    _, correct, kept = _correct_and_kept(rows, log_p)
-    smoothed = (1 - 1e-5) * p + 1e-5 / k
-    entropy = -(smoothed * smoothed.log()).sum(1)
-    tiny = torch.finfo(p.dtype).eps
+def _savuc_term(batch: _Batch, k, temperature, kappa, sync, group):
+    correct, kept, entropy = batch.correct, batch.kept, batch.entropy
+    tiny = torch.finfo(entropy.dtype).eps
     e = (entropy / math.log(k)).clamp(tiny, 1 - tiny)  # (1 at a uniform row: its log-odds would be infinite)
     q = torch.sigmoid((torch.log(e / (1 - e)) - math.log(kappa / (1 - kappa))) / temperature)
     t = torch.tanh(entropy)
-    wrong = 1 - correct
-    sums = torch.stack(
-        [
-            (kept * correct * (1 - q) * (1 - t)).sum(),  # n_AC
-            (kept * correct * q * t).sum(),  # n_AU
-            (kept * wrong * (1 - q) * (1 - t)).sum(),  # n_IC
-            (kept * wrong * q * t).sum(),  # n_IU
-        ]
-    )
+    right = kept * correct
+    # [[n_AC, n_AU], [n_IC, n_IU]] as one (2, M) @ (M, 2) product (accurate, inaccurate) against
+    # (certain (1 − q)(1 − tanh H), uncertain q tanh H)
+    weights = torch.stack([right, kept - right])
+    parts = torch.stack([(1 - q) * (1 - t), q * t], 1)
+    sums = (weights @ parts).reshape(4)
     sums = _global_sums(sums, sync, group)
     return torch.log1p((sums[1] + sums[2]) / (sums[0] + sums[3]).clamp(min=1e-5))
 
@@ -996,8 +1043,14 @@ def soft_avuc_penalty(
     temperature = _number(temperature, "temperature", low=0, low_open=True)
     kappa = _kappa(kappa)
     with torch.autocast(_device_type(logits), enabled=False):
-        rows = loss_rows(logits, targets, check_ignore_index(ignore_index), soft_refusal=_AVUC_NEEDS_LABELS)
-        return _savuc_rows(rows, torch.log_softmax(rows.logits, 1), temperature, kappa, sync, group)
+        batch = _batch(logits, targets, check_ignore_index(ignore_index), "mean", _AVUC_NEEDS_LABELS, base=None,
+                       entropy="smoothed")  # fmt: skip
+        return _savuc_term(batch, _classes(logits), temperature, kappa, sync, group)
+
+
+def _classes(logits) -> int:
+    """K of checked logits (N, K, d1, ...)."""
+    return logits.shape[1]
 
 
 def _kappa(kappa):
@@ -1036,11 +1089,10 @@ def soft_avuc_loss(
     check_choice(reduction, "reduction", REDUCTIONS)
     _refuse_batch_term(_AVUC_IS_A_BATCH_TERM.replace("AvUC", "S-AvUC"), weight, label_smoothing)
     with torch.autocast(_device_type(logits), enabled=False):
-        rows = loss_rows(logits, targets, check_ignore_index(ignore_index), soft_refusal=_AVUC_NEEDS_LABELS)
-        log_p = torch.log_softmax(rows.logits, 1)
-        penalty = _savuc_rows(rows, log_p, temperature, kappa, sync, group)
-        ce = -log_p.gather(1, rows.targets[:, None])[:, 0]
-        return _with_batch_term(ce, rows, reduction, b, penalty)
+        batch = _batch(logits, targets, check_ignore_index(ignore_index), reduction, _AVUC_NEEDS_LABELS,
+                       entropy="smoothed")  # fmt: skip
+        penalty = _savuc_term(batch, _classes(logits), temperature, kappa, sync, group)
+        return _with_batch_term(batch.base, batch.rows, reduction, b, penalty)
 
 
 # -- ESD -----------------------------------------------------------------------------------------------------
@@ -1065,21 +1117,25 @@ def _gather_rows(tensors, sync, group):
     return [torch.cat(all_gather(t.contiguous(), group=group)) for t in tensors]
 
 
-def _esd_rows(rows, log_p, sync, group):
+def _esd_term(conf, correct, kept, sync, group):
     """The U-statistic ESD of the kept rows in O(n log n): with x_j = a_j − r_j, S_i = Σ_{j≠i, r_j<=r_i} x_j
-    and Q_i = Σ_{j≠i, r_j<=r_i} x_j², d_i² = (S_i² − Q_i) / ((n − 1)(n − 2)) and ESD = mean_i d_i²."""
-    conf, correct, kept = _correct_and_kept(rows, log_p)
+    and Q_i = Σ_{j≠i, r_j<=r_i} x_j², d_i² = (S_i² − Q_i) / ((n − 1)(n − 2)) and ESD = mean_i d_i². The sum
+    over i does not depend on the order of the rows, so it runs in the sorted order, where the last row with
+    r_j <= r_i is the end of i's run of equal confidences (a reversed running minimum; no binary search)."""
     x = (correct - conf) * kept
     conf, x, kept = _gather_rows([conf, x, kept], sync, group)
     r = conf.detach()
     order = torch.argsort(r)
     r_sorted = r[order]
     x_sorted = x[order]
-    upto = torch.searchsorted(r_sorted, r, right=True) - 1  # the last sorted row with r_j <= r_i (i itself)
-    s = torch.cumsum(x_sorted, 0)[upto] - x
-    q = torch.cumsum(x_sorted * x_sorted, 0)[upto] - x * x
+    m = r_sorted.shape[0]
+    ends = torch.cat([r_sorted[1:] != r_sorted[:-1], torch.ones(1, dtype=torch.bool, device=r.device)])
+    positions = torch.arange(m, device=r.device)
+    upto = torch.where(ends, positions, m).flip(0).cummin(0).values.flip(0)  # (i itself when no tie)
+    s = torch.cumsum(x_sorted, 0)[upto] - x_sorted
+    q = torch.cumsum(x_sorted * x_sorted, 0)[upto] - x_sorted * x_sorted
     n = kept.sum()
-    d2 = (s * s - q) * kept
+    d2 = (s * s - q) * kept[order]
     denom = (n - 1) * (n - 2)
     return torch.where(n >= 3, d2.sum() / (n * denom.clamp(min=1)), d2.new_zeros(()))
 
@@ -1102,8 +1158,8 @@ def esd_penalty(logits, targets, *, sync: bool = False, group=None, ignore_index
         tensor(-0.0341)
     """
     with torch.autocast(_device_type(logits), enabled=False):
-        rows = loss_rows(logits, targets, check_ignore_index(ignore_index), soft_refusal=_ESD_NEEDS_LABELS)
-        return _esd_rows(rows, torch.log_softmax(rows.logits, 1), sync, group)
+        batch = _batch(logits, targets, check_ignore_index(ignore_index), "mean", _ESD_NEEDS_LABELS, base=None)
+        return _esd_term(batch.conf, batch.correct, batch.kept, sync, group)
 
 
 def esd_loss(
@@ -1145,37 +1201,30 @@ def esd_loss(
     _refuse_batch_term(_ESD_IS_A_BATCH_TERM, weight, label_smoothing)
     ignore_index = check_ignore_index(ignore_index)
     with torch.autocast(_device_type(logits), enabled=False):
-        rows = loss_rows(logits, targets, ignore_index, soft_refusal=_ESD_NEEDS_LABELS)
-        log_p = torch.log_softmax(rows.logits, 1)
-        n = logits.shape[0]
+        batch = _batch(logits, targets, ignore_index, reduction, _ESD_NEEDS_LABELS)
+        rows, conf, correct, kept = batch.rows, batch.conf, batch.correct, batch.kept
+        n = rows.shape[0]
         held = math.ceil(holdout * n) if holdout else 0
         if held >= n:
             raise ValueError(f"`holdout` = {holdout} holds out all {n} samples of the batch; nothing is left")
         if held == 0:
-            penalty = _safe_sqrt(_esd_rows(rows, log_p, sync, group))
-            ce = -log_p.gather(1, rows.targets[:, None])[:, 0]
-            return _with_batch_term(ce, rows, reduction, lam, penalty)
-        per_sample = rows.logits.shape[0] // n
-        split = (n - held) * per_sample
-        train, cal = _split_rows(rows, split)
-        penalty = _safe_sqrt(_esd_rows(cal, log_p[split:], sync, group))
-        ce = -log_p[:split].gather(1, train.targets[:, None])[:, 0]
-        out = _with_batch_term(ce, train, reduction, lam, penalty)
+            penalty = _safe_sqrt(_esd_term(conf, correct, kept, sync, group))
+            return _with_batch_term(batch.base, rows, reduction, lam, penalty)
+        split = (n - held) * (kept.shape[0] // n)
+        train = _first_rows(rows, split)
+        penalty = _safe_sqrt(_esd_term(conf[split:], correct[split:], kept[split:], sync, group))
+        out = _with_batch_term(batch.base[:split], train, reduction, lam, penalty)
         if reduction == "none":
             return torch.cat([out, out.new_zeros((held, *out.shape[1:]))])
         return out
 
 
-def _split_rows(rows, split):
-    """The rows before and after ``split`` as two :class:`LossRows` (samples along dimension 0)."""
+def _first_rows(rows, split):
+    """The rows before ``split`` (a whole number of samples along dimension 0) as a :class:`LossRows`."""
     keep = rows.keep
-    n = rows.shape[0]
-    per_sample = rows.logits.shape[0] // n
-    first = type(rows)(rows.logits[:split], rows.targets[:split], None if keep is None else keep[:split],
-                       (split // per_sample, *rows.shape[1:]))  # fmt: skip
-    second = type(rows)(rows.logits[split:], rows.targets[split:], None if keep is None else keep[split:],
-                        (n - split // per_sample, *rows.shape[1:]))  # fmt: skip
-    return first, second
+    per_sample = rows.targets.shape[0] // rows.shape[0]
+    return type(rows)(rows.logits, rows.targets[:split], None if keep is None else keep[:split],
+                      (split // per_sample, *rows.shape[1:]))  # fmt: skip
 
 
 # -- mL1-ACE -------------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
+#include "batch_terms.h"
 #include "margin.h"
 #include "ace.h"
 #include "scan.h"
@@ -755,6 +756,470 @@ std::tuple<at::Tensor, at::Tensor> sort_with_flags_cpu(const at::Tensor& values,
   return {out_v, out_f};
 }
 
+// -- the batch-term losses: per-row statistics and their gradient (batch_terms.h) ----------------------------
+//
+//   batch_terms_fwd(logits, targets, ignore_index, base, gamma, alpha, entropy, colsum)
+//       -> (base (M), r (M), correct (M), entropy (M or 0), column sums (K or 0), saved (M, N_BSTAT) float64)
+//   batch_terms_bwd(logits, targets, saved, g_base?, g_r?, g_entropy?, g_colsum?, ignore_index, base, gamma,
+//                   alpha, entropy) -> the logits' gradient
+//
+// logits (N, K, d1, ...) float32/float64 CPU read in place (positions of a spatial tensor through per-thread
+// tiles, as over_rows); targets (N, d1, ...) integer labels, M = their count. A label equal to ignore_index
+// has no base loss (0) and adds nothing to the column sums; any other label outside [0, K) raises. The (M)
+// outputs are in the logits' dtype. The column sums are added per fixed block of rows and the blocks in
+// order, so they do not depend on the thread count. The batch terms themselves are computed by the caller
+// (torch, with autograd) from these; the backward takes the gradients of the outputs (None: zero).
+
+BatchSpec batch_spec(int64_t base, double gamma, double alpha, int64_t entropy) {
+  TORCH_CHECK_VALUE(base >= BB_NLL && base <= BB_LS, "`base` must be 0 (NLL), 1 (focal) or 2 (label smoothing)");
+  TORCH_CHECK_VALUE(entropy >= BE_NONE && entropy <= BE_SMOOTH, "`entropy` must be 0 (none), 1 (AvUC) or 2 (S-AvUC)");
+  return {base, gamma, alpha, entropy};
+}
+
+// fn(block, first row, rows, x rows, grad rows) over fixed blocks of rows in parallel: rows of a (N, K) tensor
+// in place, tiles of positions of a (N, K, S) tensor gathered into (and the gradient scattered from)
+// per-thread row-major buffers. The blocks depend on K and S only.
+template <typename T, typename Fn>
+int64_t over_blocks(const T* x, T* grad, const Layout& l, const Fn& fn, bool run = true) {
+  const int64_t k = l.k, sp = l.sp;
+  if (sp == 1) {
+    const int64_t block = grain_rows(k), n_blocks = (l.n + block - 1) / block;
+    if (run) {
+      at::parallel_for(0, n_blocks, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t b = begin; b < end; ++b) {
+          const int64_t r0 = b * block, w = std::min(block, l.n - r0);
+          fn(b, r0, w, x + r0 * k, grad == nullptr ? nullptr : grad + r0 * k);
+        }
+      });
+    }
+    return n_blocks;
+  }
+  const int64_t tile = std::min<int64_t>(64, std::max<int64_t>(8, 16384 / k));
+  const int64_t per_image = (sp + tile - 1) / tile, n_blocks = l.n * per_image;
+  if (!run) return n_blocks;
+  at::parallel_for(0, n_blocks, std::max<int64_t>(1, grain_rows(k) / tile), [&](int64_t begin, int64_t end) {
+    std::vector<T> xb(static_cast<size_t>(tile * k)), gb(grad == nullptr ? 0 : static_cast<size_t>(tile * k));
+    for (int64_t c = begin; c < end; ++c) {
+      const int64_t img = c / per_image, s0 = (c % per_image) * tile, w = std::min(tile, sp - s0);
+      const T* src = x + img * k * sp + s0;
+      for (int64_t j = 0; j < k; ++j)
+        for (int64_t t = 0; t < w; ++t) xb[t * k + j] = src[j * sp + t];
+      fn(c, img * sp + s0, w, xb.data(), grad == nullptr ? nullptr : gb.data());
+      if (grad != nullptr) {
+        T* dst = grad + img * k * sp + s0;
+        for (int64_t j = 0; j < k; ++j)
+          for (int64_t t = 0; t < w; ++t) dst[j * sp + t] = gb[t * k + j];
+      }
+    }
+  });
+  return n_blocks;
+}
+
+// Whether a (N, K, S) float32 tensor takes the positions-as-lanes kernels (batch_terms.h)
+bool positions_as_lanes(const at::Tensor& x, const Layout& l) {
+  return x.scalar_type() == at::kFloat && l.sp >= PosLanes<kWideBytes>::W && l.k <= kLaneClasses;
+}
+
+// fn(block, first row, lanes, x, stride, g) over fixed blocks of up to kLaneTile positions of one image, in
+// parallel, W positions at a time. Each block's K runs of positions are copied into a per-thread buffer
+// (stride kLaneTile; the last vector padded with 0): contiguous copies that the prefetchers follow, where the
+// kernels' K strided streams (and as many for the gradient) stall on memory. With ``grad``, fn writes the
+// gradient into a second buffer (the same layout), copied out to ``grad`` after the block.
+constexpr int64_t kLaneTile = 256;
+
+int64_t lane_blocks(const Layout& l) { return l.n * ((l.sp + kLaneTile - 1) / kLaneTile); }
+
+template <typename Fn>
+void over_lanes(const float* x, float* grad, const Layout& l, const Fn& fn) {
+  constexpr int W = PosLanes<kWideBytes>::W;
+  const int64_t k = l.k, sp = l.sp, per_image = (sp + kLaneTile - 1) / kLaneTile;
+  at::parallel_for(0, l.n * per_image, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> xb(static_cast<size_t>(k * kLaneTile)), gb(grad == nullptr ? 0 : xb.size());
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t img = b / per_image, s0 = (b % per_image) * kLaneTile, w = std::min(sp - s0, kLaneTile);
+      const int64_t padded = (w + W - 1) / W * W;
+      const int64_t offset = img * k * sp + s0;
+      for (int64_t j = 0; j < k; ++j) {
+        std::memcpy(xb.data() + j * kLaneTile, x + offset + j * sp, static_cast<size_t>(w) * sizeof(float));
+        std::fill(xb.data() + j * kLaneTile + w, xb.data() + j * kLaneTile + padded, 0.0f);
+      }
+      for (int64_t q = 0; q < w; q += W) {
+        fn(b, img * sp + s0 + q, static_cast<int>(std::min<int64_t>(W, w - q)), xb.data() + q, kLaneTile,
+           grad == nullptr ? nullptr : gb.data() + q);
+      }
+      if (grad != nullptr) {
+        for (int64_t j = 0; j < k; ++j)
+          std::memcpy(grad + offset + j * sp, gb.data() + j * kLaneTile, static_cast<size_t>(w) * sizeof(float));
+      }
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_terms_fwd(
+    const at::Tensor& logits, const at::Tensor& targets, c10::optional<int64_t> ignore_index, int64_t base,
+    double gamma, double alpha, int64_t entropy, bool colsum) {
+  const Layout l = margin_layout(logits, targets);
+  const BatchSpec s = batch_spec(base, gamma, alpha, entropy);
+  const at::Tensor x = logits.contiguous();
+  const at::Tensor t = targets.to(at::kLong).contiguous();
+  const int64_t rows = l.n * l.sp, k = l.k;
+  const bool has_ignore = ignore_index.has_value();
+  const int64_t ignore = ignore_index.value_or(0);
+  const auto opts = x.options();
+  at::Tensor out_base = at::empty({rows}, opts), out_r = at::empty({rows}, opts), out_a = at::empty({rows}, opts);
+  at::Tensor out_h = at::empty({entropy != BE_NONE ? rows : 0}, opts);
+  at::Tensor saved = at::empty({rows, N_BSTAT}, opts.dtype(at::kDouble));
+  const int64_t* tp = t.data_ptr<int64_t>();
+  double* op = saved.data_ptr<double>();
+  std::atomic<int64_t> n_bad{0};
+  at::Tensor out_col;
+  if (positions_as_lanes(x, l)) {
+    constexpr int W = PosLanes<kWideBytes>::W;
+    const int64_t n_blocks = lane_blocks(l);
+    std::vector<double> partial(colsum ? static_cast<size_t>(n_blocks * k) : 0, 0.0);
+    float* pb = out_base.data_ptr<float>();
+    float* pr = out_r.data_ptr<float>();
+    float* pa = out_a.data_ptr<float>();
+    float* ph = entropy != BE_NONE ? out_h.data_ptr<float>() : nullptr;
+    over_lanes(
+        x.data_ptr<float>(), nullptr, l,
+        [&](int64_t b, int64_t r0, int w, const float* xs, int64_t stride, float*) {
+          thread_local std::vector<float> e;
+          if (static_cast<int64_t>(e.size()) < k * W) e.resize(static_cast<size_t>(k * W));
+          int64_t y[W], bad = 0;
+          for (int t = 0; t < W; ++t) y[t] = t < w ? margin_label(tp[r0 + t], k, has_ignore, ignore, bad) : -1;
+          if (bad) n_bad += bad;
+          double out[W * N_BOUT];
+          batch_forward_lanes<kWideBytes>(xs, stride, k, y, w, s, e.data(), colsum ? partial.data() + b * k : nullptr,
+                                          op + r0 * N_BSTAT, out);
+          for (int t = 0; t < w; ++t) {
+            pb[r0 + t] = static_cast<float>(out[t * N_BOUT + BO_BASE]);
+            pr[r0 + t] = static_cast<float>(out[t * N_BOUT + BO_R]);
+            pa[r0 + t] = static_cast<float>(out[t * N_BOUT + BO_CORRECT]);
+            if (ph != nullptr) ph[r0 + t] = static_cast<float>(out[t * N_BOUT + BO_H]);
+          }
+        });
+    out_col = at::empty({colsum ? k : 0}, opts);
+    if (colsum) {
+      std::vector<double> total(static_cast<size_t>(k), 0.0);
+      for (int64_t b = 0; b < n_blocks; ++b)
+        for (int64_t j = 0; j < k; ++j) total[j] += partial[b * k + j];
+      float* pc = out_col.data_ptr<float>();
+      for (int64_t j = 0; j < k; ++j) pc[j] = static_cast<float>(total[j]);
+    }
+  } else
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "batch_terms_fwd", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const int64_t n_blocks = over_blocks<scalar_t>(xp, nullptr, l, [](int64_t, int64_t, int64_t, const scalar_t*, scalar_t*) {}, false);
+    std::vector<double> partial(colsum ? static_cast<size_t>(n_blocks * k) : 0, 0.0);
+    scalar_t* pb = out_base.data_ptr<scalar_t>();
+    scalar_t* pr = out_r.data_ptr<scalar_t>();
+    scalar_t* pa = out_a.data_ptr<scalar_t>();
+    scalar_t* ph = entropy != BE_NONE ? out_h.data_ptr<scalar_t>() : nullptr;
+    over_blocks<scalar_t>(xp, nullptr, l, [&](int64_t b, int64_t r0, int64_t w, const scalar_t* xr, scalar_t*) {
+      std::vector<scalar_t> e(static_cast<size_t>(k));
+      double* col = colsum ? partial.data() + b * k : nullptr;
+      int64_t bad = 0;
+      for (int64_t i = 0; i < w; ++i) {
+        const int64_t row = r0 + i;
+        const int64_t y = margin_label(tp[row], k, has_ignore, ignore, bad);
+        double out[N_BOUT];
+        batch_forward_row<scalar_t>(xr + i * k, k, y, y < 0 ? 0 : y, s, e.data(), col, op + row * N_BSTAT, out);
+        pb[row] = static_cast<scalar_t>(out[BO_BASE]);
+        pr[row] = static_cast<scalar_t>(out[BO_R]);
+        pa[row] = static_cast<scalar_t>(out[BO_CORRECT]);
+        if (ph != nullptr) ph[row] = static_cast<scalar_t>(out[BO_H]);
+      }
+      if (bad) n_bad += bad;
+    });
+    out_col = at::empty({colsum ? k : 0}, opts);
+    if (colsum) {
+      std::vector<double> total(static_cast<size_t>(k), 0.0);
+      for (int64_t b = 0; b < n_blocks; ++b)
+        for (int64_t j = 0; j < k; ++j) total[j] += partial[b * k + j];
+      scalar_t* pc = out_col.data_ptr<scalar_t>();
+      for (int64_t j = 0; j < k; ++j) pc[j] = static_cast<scalar_t>(total[j]);
+    }
+  });
+  if (n_bad.load() > 0) {
+    int64_t bad = 0;
+    for (int64_t i = 0; i < rows; ++i) {
+      if (!(has_ignore && tp[i] == ignore) && (tp[i] < 0 || tp[i] >= k)) {
+        bad = tp[i];
+        break;
+      }
+    }
+    TORCH_CHECK_VALUE(false, "`targets` must lie in [0, ", k, "), found label ", bad);
+  }
+  return {out_base, out_r, out_a, out_h, out_col, saved};
+}
+
+// an incoming (M) gradient as a contiguous float64 pointer, or null (no gradient)
+const double* row_gradient(const c10::optional<at::Tensor>& g, int64_t rows, at::Tensor& keep, const char* name) {
+  if (!g.has_value() || !g->defined()) return nullptr;
+  keep = g->to(at::kDouble).contiguous();
+  TORCH_CHECK_VALUE(keep.numel() == rows, "`", name, "` must have one entry per row");
+  return keep.data_ptr<double>();
+}
+
+at::Tensor batch_terms_bwd(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& saved,
+                           const c10::optional<at::Tensor>& g_base, const c10::optional<at::Tensor>& g_r,
+                           const c10::optional<at::Tensor>& g_entropy, const c10::optional<at::Tensor>& g_colsum,
+                           c10::optional<int64_t> ignore_index, int64_t base, double gamma, double alpha,
+                           int64_t entropy) {
+  const Layout l = margin_layout(logits, targets);
+  const BatchSpec s = batch_spec(base, gamma, alpha, entropy);
+  const at::Tensor x = logits.contiguous();
+  const at::Tensor t = targets.to(at::kLong).contiguous();
+  const int64_t rows = l.n * l.sp, k = l.k;
+  TORCH_CHECK_VALUE(saved.scalar_type() == at::kDouble && saved.is_contiguous() && saved.dim() == 2 &&
+                        saved.size(0) == rows && saved.size(1) == N_BSTAT,
+                    "`saved` must be the forward's (", rows, ", ", N_BSTAT, ") float64 statistics");
+  const bool has_ignore = ignore_index.has_value();
+  const int64_t ignore = ignore_index.value_or(0);
+  const int64_t* tp = t.data_ptr<int64_t>();
+  at::Tensor kb, kr, kh, kc;
+  const double* gb = row_gradient(g_base, rows, kb, "g_base");
+  const double* gr = row_gradient(g_r, rows, kr, "g_r");
+  const double* gh = row_gradient(g_entropy, rows, kh, "g_entropy");
+  const double* gc = nullptr;
+  if (g_colsum.has_value() && g_colsum->defined()) {
+    kc = g_colsum->to(at::kDouble).contiguous();
+    TORCH_CHECK_VALUE(kc.numel() == k, "`g_colsum` must have one entry per class");
+    gc = kc.data_ptr<double>();
+  }
+  at::Tensor grad = at::empty(x.sizes(), x.options());
+  const double* op = saved.data_ptr<double>();
+  if (positions_as_lanes(x, l)) {
+    constexpr int W = PosLanes<kWideBytes>::W;
+    std::vector<float> ct(gc != nullptr ? static_cast<size_t>(k) : 0);
+    for (size_t j = 0; j < ct.size(); ++j) ct[j] = static_cast<float>(gc[j]);
+    over_lanes(
+        x.data_ptr<float>(), grad.data_ptr<float>(), l,
+        [&](int64_t, int64_t r0, int w, const float* xs, int64_t stride, float* g) {
+          int64_t y[W];
+          double b[W] = {}, rr[W] = {}, hh[W] = {};
+          for (int t = 0; t < w; ++t) {
+            const int64_t row = r0 + t;
+            const bool keep = !(has_ignore && tp[row] == ignore);
+            y[t] = keep ? tp[row] : -1;
+            b[t] = keep && gb != nullptr ? gb[row] : 0.0;
+            rr[t] = gr != nullptr ? gr[row] : 0.0;
+            hh[t] = gh != nullptr ? gh[row] : 0.0;
+          }
+          for (int t = w; t < W; ++t) y[t] = -1;
+          thread_local std::vector<float> e;
+          if (static_cast<int64_t>(e.size()) < k * W) e.resize(static_cast<size_t>(k * W));
+          batch_backward_lanes<kWideBytes>(xs, stride, k, y, w, s, op + r0 * N_BSTAT, b, rr, hh,
+                                           gc != nullptr ? ct.data() : nullptr, e.data(), g);
+        });
+    return grad;
+  }
+  // ignored rows take the column sums' gradient times 0: nothing, unless it is not finite (every row
+  // ignored: the torch path's kept @ p then passes 0·NaN = NaN on, and so does this)
+  std::vector<double> c0(gc != nullptr ? static_cast<size_t>(k) : 0);
+  bool c_nonfinite = false;
+  for (size_t j = 0; j < c0.size(); ++j) {
+    c0[j] = 0.0 * gc[j];
+    c_nonfinite = c_nonfinite || c0[j] != 0.0;
+  }
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "batch_terms_bwd", [&] {
+    std::vector<scalar_t> ct(gc != nullptr ? static_cast<size_t>(k) : 0), ct0(ct.size());
+    for (size_t j = 0; j < ct.size(); ++j) {
+      ct[j] = static_cast<scalar_t>(gc[j]);
+      ct0[j] = static_cast<scalar_t>(c0[j]);
+    }
+    over_blocks<scalar_t>(x.data_ptr<scalar_t>(), grad.data_ptr<scalar_t>(), l,
+                          [&](int64_t, int64_t r0, int64_t w, const scalar_t* xr, scalar_t* gr_rows) {
+                            for (int64_t i = 0; i < w; ++i) {
+                              const int64_t row = r0 + i;
+                              const bool keep = !(has_ignore && tp[row] == ignore);
+                              const double b = keep && gb != nullptr ? gb[row] : 0.0;
+                              const double rr = gr != nullptr ? gr[row] : 0.0;
+                              const double hh = gh != nullptr ? gh[row] : 0.0;
+                              const bool col = gc != nullptr && (keep || c_nonfinite);
+                              scalar_t* g = gr_rows + i * k;
+                              if (b == 0.0 && rr == 0.0 && hh == 0.0 && !col) {
+                                std::fill(g, g + k, scalar_t(0));
+                                continue;
+                              }
+                              const double* c = col ? (keep ? gc : c0.data()) : nullptr;
+                              const scalar_t* cs = col ? (keep ? ct.data() : ct0.data()) : nullptr;
+                              batch_backward_row<scalar_t>(xr + i * k, k, keep ? tp[row] : -1, s, op + row * N_BSTAT, b,
+                                                           rr, hh, c, cs, g);
+                            }
+                          });
+  });
+  return grad;
+}
+
+// -- SB-ECE's label-binned term on the (M) confidences (batch_terms.h) --------------------------------------
+//
+//   sbece_label_fwd(conf, correct, kept, bins, temperature) -> (value, saved (3·bins + 2) float64)
+//   sbece_label_bwd(grad, conf, correct, kept, saved, bins, temperature) -> the confidences' gradient
+//
+// conf, correct, kept: (M) float32/float64 CPU vectors of one dtype (correct and kept 0/1). The sums are
+// added per fixed block of rows and the blocks in order (no dependence on the thread count).
+
+constexpr int64_t kBinRows = 2048;
+constexpr int64_t kMaxBins = 64;  // the memberships of W rows live in a stack array
+constexpr int kBinLanes = Vec<float, kWideBytes>::width;
+
+void check_bin_inputs(const at::Tensor& conf, const at::Tensor& correct, const at::Tensor& kept, int64_t bins,
+                      double temperature) {
+  TORCH_CHECK_VALUE(conf.dim() == 1 && correct.sizes() == conf.sizes() && kept.sizes() == conf.sizes(),
+                    "`conf`, `correct` and `kept` must be vectors of one length");
+  TORCH_CHECK_VALUE(conf.device().is_cpu() && (conf.scalar_type() == at::kFloat || conf.scalar_type() == at::kDouble) &&
+                        correct.scalar_type() == conf.scalar_type() && kept.scalar_type() == conf.scalar_type(),
+                    "sbece_label runs on CPU float32/float64 vectors of one dtype");
+  TORCH_CHECK_VALUE(bins >= 1 && bins <= kMaxBins && temperature > 0,
+                    "`bins` must lie in [1, 64] and `temperature` be > 0");
+}
+
+// fn(block, V tag, first row) over the rows in fixed blocks (in parallel), W rows at a time and the rest
+// one by one; returns the number of blocks
+template <typename T, typename Fn>
+int64_t over_bin_rows(int64_t m, const Fn& fn) {
+  const int64_t n_blocks = (m + kBinRows - 1) / kBinRows;
+  at::parallel_for(0, n_blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t r0 = blk * kBinRows, r1 = std::min(m, r0 + kBinRows);
+      int64_t i = r0;
+      if constexpr (std::is_same<T, float>::value) {
+        constexpr int W = Vec<float, kWideBytes>::width;
+        for (; i + W <= r1; i += W) fn(blk, std::integral_constant<int, kWideBytes>{}, i);
+      }
+      for (; i < r1; ++i) fn(blk, std::integral_constant<int, 0>{}, i);
+    }
+  });
+  return n_blocks;
+}
+
+std::tuple<at::Tensor, at::Tensor> sbece_label_fwd(const at::Tensor& conf_in, const at::Tensor& correct_in,
+                                                   const at::Tensor& kept_in, int64_t bins, double temperature) {
+  check_bin_inputs(conf_in, correct_in, kept_in, bins, temperature);
+  const at::Tensor conf = conf_in.contiguous(), correct = correct_in.contiguous(), kept = kept_in.contiguous();
+  const int64_t m = conf.numel(), n_blocks = (m + kBinRows - 1) / kBinRows;
+  at::Tensor saved = at::zeros({3 * bins + 2}, conf.options().dtype(at::kDouble));
+  double* sv = saved.data_ptr<double>();
+  double* mass = sv;
+  double* acc = sv + bins;
+  double* q = sv + 2 * bins;
+  double value = 0.0;
+  AT_DISPATCH_FLOATING_TYPES(conf.scalar_type(), "sbece_label_fwd", [&] {
+    const scalar_t* r = conf.data_ptr<scalar_t>();
+    const scalar_t* a = correct.data_ptr<scalar_t>();
+    const scalar_t* k = kept.data_ptr<scalar_t>();
+    const scalar_t inv_t = static_cast<scalar_t>(1.0 / temperature);
+    std::vector<double> part(static_cast<size_t>(n_blocks * (2 * bins + 1)), 0.0);
+    const int64_t stride = 2 * bins + 1;
+    // pass 1: S_b, Σ_i g_ib a_i and the kept count
+    over_bin_rows<scalar_t>(m, [&](int64_t blk, auto tag, int64_t i) {
+      using V = typename Lanes<scalar_t, decltype(tag)::value>::type;
+      scalar_t g[kMaxBins * kBinLanes];
+      V mean;
+      const V kv = lanes_load<V>(k + i);
+      double* p = part.data() + blk * stride;
+      soft_bins<scalar_t, V>(lanes_load<V>(r + i), kv, bins, inv_t, g, nullptr, mean);
+      constexpr int W = sizeof(V) / sizeof(scalar_t);
+      const V av = lanes_load<V>(a + i);
+      for (int64_t b = 0; b < bins; ++b) {
+        const V gb = lanes_load<V>(g + b * W);
+        p[b] += lanes_sum_any(gb);
+        p[bins + b] += lanes_sum_any(gb * av);
+      }
+      p[2 * bins] += lanes_sum_any(kv);
+    });
+    double count = 0.0;
+    for (int64_t blk = 0; blk < n_blocks; ++blk) {
+      for (int64_t b = 0; b < bins; ++b) {
+        mass[b] += part[blk * stride + b];
+        acc[b] += part[blk * stride + bins + b];
+      }
+      count += part[blk * stride + 2 * bins];
+    }
+    std::vector<scalar_t> acc_t(static_cast<size_t>(bins));
+    for (int64_t b = 0; b < bins; ++b) {
+      acc[b] /= mass[b] > 0 ? mass[b] : 1.0;  // A_b
+      acc_t[b] = static_cast<scalar_t>(acc[b]);
+    }
+    // pass 2: total and Q_b
+    std::fill(part.begin(), part.end(), 0.0);
+    over_bin_rows<scalar_t>(m, [&](int64_t blk, auto tag, int64_t i) {
+      using V = typename Lanes<scalar_t, decltype(tag)::value>::type;
+      constexpr int W = sizeof(V) / sizeof(scalar_t);
+      scalar_t g[kMaxBins * kBinLanes];
+      V mean;
+      const V rv = lanes_load<V>(r + i);
+      soft_bins<scalar_t, V>(rv, lanes_load<V>(k + i), bins, inv_t, g, nullptr, mean);
+      double* p = part.data() + blk * stride;
+      V tot = {};
+      for (int64_t b = 0; b < bins; ++b) {
+        const V gb = lanes_load<V>(g + b * W);
+        const V d = acc_t[b] - rv;
+        tot += gb * d * d;
+        p[b] += 2.0 * lanes_sum_any(gb * d);
+      }
+      p[2 * bins] += lanes_sum_any(tot);
+    });
+    double total = 0.0;
+    for (int64_t blk = 0; blk < n_blocks; ++blk) {
+      for (int64_t b = 0; b < bins; ++b) q[b] += part[blk * stride + b];
+      total += part[blk * stride + 2 * bins];
+    }
+    sv[3 * bins] = total;
+    sv[3 * bins + 1] = count;
+    const double u = std::max(total / count, 0.0);
+    value = u > 0 ? std::sqrt(u) : total / count;  // (NaN with no kept row, as the torch path)
+  });
+  return {at::scalar_tensor(value, conf.options()), saved};
+}
+
+at::Tensor sbece_label_bwd(const at::Tensor& grad, const at::Tensor& conf_in, const at::Tensor& correct_in,
+                           const at::Tensor& kept_in, const at::Tensor& saved, int64_t bins, double temperature) {
+  check_bin_inputs(conf_in, correct_in, kept_in, bins, temperature);
+  TORCH_CHECK_VALUE(saved.scalar_type() == at::kDouble && saved.numel() == 3 * bins + 2,
+                    "`saved` must be the forward's statistics");
+  const at::Tensor conf = conf_in.contiguous(), correct = correct_in.contiguous(), kept = kept_in.contiguous();
+  const at::Tensor sv_t = saved.contiguous();
+  const double* sv = sv_t.data_ptr<double>();
+  const int64_t m = conf.numel();
+  const double total = sv[3 * bins], count = sv[3 * bins + 1], u = total / count;
+  const double f = grad.item<double>() * (u > 0 ? 0.5 / std::sqrt(u) : 1.0) / count;
+  at::Tensor out = at::empty_like(conf);
+  AT_DISPATCH_FLOATING_TYPES(conf.scalar_type(), "sbece_label_bwd", [&] {
+    const scalar_t* r = conf.data_ptr<scalar_t>();
+    const scalar_t* a = correct.data_ptr<scalar_t>();
+    const scalar_t* k = kept.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    const scalar_t inv_t = static_cast<scalar_t>(1.0 / temperature);
+    std::vector<scalar_t> acc(static_cast<size_t>(bins)), qs(static_cast<size_t>(bins));
+    for (int64_t b = 0; b < bins; ++b) {
+      const double mass = sv[b] > 0 ? sv[b] : 1.0;
+      acc[b] = static_cast<scalar_t>(sv[bins + b]);
+      qs[b] = static_cast<scalar_t>(sv[2 * bins + b] / mass);
+    }
+    const scalar_t ft = static_cast<scalar_t>(f);
+    over_bin_rows<scalar_t>(m, [&](int64_t, auto tag, int64_t i) {
+      using V = typename Lanes<scalar_t, decltype(tag)::value>::type;
+      constexpr int W = sizeof(V) / sizeof(scalar_t);
+      scalar_t g[kMaxBins * kBinLanes], ds[kMaxBins * kBinLanes];
+      V mean;
+      const V rv = lanes_load<V>(r + i), av = lanes_load<V>(a + i);
+      soft_bins<scalar_t, V>(rv, lanes_load<V>(k + i), bins, inv_t, g, ds, mean);
+      V d_total = {};
+      for (int64_t b = 0; b < bins; ++b) {
+        const V gb = lanes_load<V>(g + b * W);
+        const V d = acc[b] - rv;
+        const V big_g = gb * (lanes_load<V>(ds + b * W) - mean);
+        d_total += big_g * (d * d + qs[b] * (av - acc[b])) - 2 * gb * d;
+      }
+      lanes_store(o + i, d_total * ft);
+    });
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(torchcal, m) {
@@ -809,4 +1274,26 @@ TORCH_LIBRARY_IMPL(torchcal, AutogradCPU, m) {
   m.impl("fused_true_class", fused_true_class_autograd);
   m.impl("fused_margin", fused_margin_autograd);
   m.impl("fused_ace", fused_ace_autograd);
+}
+
+// the batch-term operators (batch_terms.h): plain operators with their autograd formula and fake
+// implementations registered from Python (torchcal/functional/_extension.py)
+TORCH_LIBRARY_FRAGMENT(torchcal, m) {
+  m.def(
+      "batch_terms_fwd(Tensor logits, Tensor targets, int? ignore_index, int base, float gamma, float alpha, "
+      "int entropy, bool colsum) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "batch_terms_bwd(Tensor logits, Tensor targets, Tensor saved, Tensor? g_base, Tensor? g_r, Tensor? g_entropy, "
+      "Tensor? g_colsum, int? ignore_index, int base, float gamma, float alpha, int entropy) -> Tensor");
+  m.def("sbece_label_fwd(Tensor conf, Tensor correct, Tensor kept, int bins, float temperature) -> (Tensor, Tensor)");
+  m.def(
+      "sbece_label_bwd(Tensor grad, Tensor conf, Tensor correct, Tensor kept, Tensor saved, int bins, "
+      "float temperature) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(torchcal, CPU, m) {
+  m.impl("batch_terms_fwd", batch_terms_fwd);
+  m.impl("batch_terms_bwd", batch_terms_bwd);
+  m.impl("sbece_label_fwd", sbece_label_fwd);
+  m.impl("sbece_label_bwd", sbece_label_bwd);
 }

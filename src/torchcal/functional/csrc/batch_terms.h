@@ -1,0 +1,430 @@
+// The per-row arithmetic of torchcal's fused batch-term losses (torchcal/functional/margin.py: MDCA with its
+// three bases, DCA, SB-ECE, AvUC, S-AvUC, ESD). Plain C++17 (no torch), included by fused_losses.cpp after
+// margin.h, whose vectorised row helpers (max, exp, first index, log, lanes) it uses.
+//
+// Each of these losses is a per-row base loss plus a term of the batch that depends on the rows only through
+// a few per-row numbers: the top-label confidence r = max_k p_k = 1 / Σ exp(x − max), the correctness a
+// (arg-max == label, a constant), an entropy H of p and, for MDCA, the column sums Σ_i kept_i p_i (K). The
+// forward computes those per row (the batch term itself is left to torch, on (M,) vectors); the backward
+// takes their gradients and writes the logits' gradient in one read of the row (exp into the gradient row,
+// then a second pass over it in cache), from the logits and O(1) saved numbers per row.
+//
+// With p = softmax(x) and l_y = log p_y, the gradient of row i is
+//   g_base ∂base/∂x + g_r r (e_arg − p) + g_H p ⊙ (S − f') + p ⊙ (c − <c, p>)
+// where −f'_j = ∂H/∂p_j, S = Σ_j p_j f'_j, c the (K) gradient of the column sums (kept rows only), and
+// ∂base/∂x = d(base)/d(l_y)·(e_y − p) (NLL: −1, focal: see batch_forward_row), or p − q for the MDCA
+// repository's label smoothing (q: 1 − α on the label, α/(K − 1) elsewhere).
+
+#pragma once
+
+#include "margin.h"
+
+#include <type_traits>
+
+namespace torchcal {
+
+// the base loss (the `base` argument of the operator) and the entropy asked for (`entropy`)
+enum BatchBase { BB_NLL = 0, BB_FOCAL = 1, BB_LS = 2 };
+enum BatchEntropy { BE_NONE = 0, BE_AVUC = 1, BE_SMOOTH = 2 };
+// columns of the saved per-row statistics (M, N_BSTAT) float64: the row max, 1 / Σ exp(x − max), the first
+// index of the max, d(base)/d(log p_y) (focal), S = Σ_j p_j f'_j (entropy)
+enum BatchStat { BS_MAX, BS_INV, BS_ARG, BS_DBASE, BS_DENT, N_BSTAT };
+// columns of the per-row outputs, before they are written to the (M,) tensors: base, r, a, H
+enum BatchOut { BO_BASE, BO_R, BO_CORRECT, BO_H, N_BOUT };
+
+struct BatchSpec {
+  int64_t base;
+  double gamma, alpha;
+  int64_t entropy;
+};
+
+// The entropy's per-entry terms of probability p, in the input dtype as the torch path: f, with H = −Σ f, and
+// f' = −∂H/∂p. AvUC (the released AvULoss): f = p log(p + 1e-10), f' = log(p + 1e-10) + p / (p + 1e-10).
+// S-AvUC: s = (1 − 1e-5) p + 1e-5/K, f = s log s (so H is the entropy of s, each term counted once per
+// class), f' = (1 − 1e-5) log s (its constant (1 − 1e-5) dropped: Σ_j p_j (S − f'_j) leaves it out exactly).
+// The logs take arguments >= 1e-10 (AvUC) and >= 1e-5/K (S-AvUC): positive and normal in float32.
+// (flattened: margin.h's log_positive is otherwise called out of line, spilling the vector registers)
+template <typename T, typename V>
+__attribute__((flatten)) inline void entropy_lanes(V p, int64_t entropy, T smooth_a, T smooth_b, V& f, V& df) {
+  if (entropy == BE_AVUC) {
+    const V q = p + static_cast<T>(1e-10);
+    const V l = lanes_log(q);
+    f = p * l;
+    df = l + p / q;
+  } else {
+    const V s = p * smooth_a + smooth_b;
+    const V l = lanes_log(s);
+    f = s * l;
+    df = l * smooth_a;
+  }
+}
+
+// The smoothing's constants in the input dtype (the torch path multiplies a float32 tensor by Python floats)
+template <typename T>
+inline void smoothing_constants(int64_t k, T& a, T& b) {
+  a = static_cast<T>(1 - 1e-5);
+  b = static_cast<T>(1e-5 / static_cast<double>(k));
+}
+
+// One row: y is the label, −1 for an ignored row (no base loss, no column sums); y0 the label the
+// correctness compares with (0 for an ignored row, as the torch path, whose masked label is 0). e: scratch
+// of K entries. col: the block's column sums (K, float64) when asked. o: the saved statistics; out: base, r,
+// a, H. The base loss and r in float64 from the float64 log-sum-exp; the entropy in the input dtype per
+// entry (summed in float64).
+template <typename T>
+inline void batch_forward_row(const T* x, int64_t k, int64_t y, int64_t y0, const BatchSpec& s, T* e, double* col,
+                              double* o, double* out) {
+  const T m = max_of(x, k);
+  const int64_t arg = first_index_of(x, k, m);
+  const bool need_e = s.entropy != BE_NONE || (col != nullptr && y >= 0);
+  const double sum = exp_row(x, k, m, need_e ? e : nullptr);
+  const double inv = 1.0 / sum, lse = std::log(sum);
+  o[BS_MAX] = static_cast<double>(m);
+  o[BS_INV] = inv;
+  o[BS_ARG] = static_cast<double>(arg);
+  double base = 0.0, dbase = 0.0;
+  if (y >= 0) {
+    const double l = (static_cast<double>(x[y]) - static_cast<double>(m)) - lse;
+    if (s.base == BB_NLL) {
+      base = -l;
+      dbase = -1.0;
+    } else if (s.base == BB_FOCAL) {
+      // −u^γ l with u = max(1 − p_y, 0): d/dl = γ u^(γ−1) p_y l − u^γ (no first term at γ = 0)
+      const double u = std::max(0.0, -std::expm1(l));
+      const double w = pow_g(u, s.gamma);
+      base = -w * l;
+      dbase = (s.gamma == 0.0 ? 0.0 : s.gamma * pow_g(u, s.gamma - 1.0) * std::exp(l) * l) - w;
+    } else {  // BB_LS: −(1 − α) l_y − α/(K − 1) Σ_{j≠y} l_j, Σ_j l_j = Σ_j (x_j − m) − K lse
+      double total = 0.0;
+#pragma omp simd reduction(+ : total)
+      for (int64_t j = 0; j < k; ++j) total += static_cast<double>(x[j]) - static_cast<double>(m);
+      const double all = total - static_cast<double>(k) * lse;
+      base = -(1 - s.alpha) * l - s.alpha / static_cast<double>(k - 1) * (all - l);
+    }
+  }
+  o[BS_DBASE] = dbase;
+  double h = 0.0, dent = 0.0;
+  if (s.entropy != BE_NONE) {
+    const T pinv = static_cast<T>(inv);
+    T sa, sb;
+    smoothing_constants<T>(k, sa, sb);
+    double hs = 0.0, ds = 0.0;
+    walk_row<T>(k, [&](int64_t j, auto tag) {
+      using V = typename Lanes<T, decltype(tag)::value>::type;
+      const V p = lanes_load<V>(e + j) * pinv;
+      V f, df;
+      entropy_lanes<T>(p, s.entropy, sa, sb, f, df);
+      hs += lanes_sum(f);
+      ds += lanes_sum(p * df);
+    });
+    h = -hs;
+    dent = ds;
+  }
+  o[BS_DENT] = dent;
+  if (col != nullptr && y >= 0) {
+#pragma omp simd
+    for (int64_t j = 0; j < k; ++j) col[j] += static_cast<double>(e[j]) * inv;
+  }
+  out[BO_BASE] = base;
+  out[BO_R] = inv;  // p at the max: exp(0) / Σ
+  out[BO_CORRECT] = arg == y0 ? 1.0 : 0.0;
+  out[BO_H] = h;
+}
+
+// One row's gradient into g. gb, gr, gh: the row's incoming gradients of the base loss, r and H (gb = 0 for
+// an ignored row); c, ct: the column sums' gradient (float64 and in the input dtype), null when there is
+// none or the row is ignored. The (K) pass runs in the input dtype (vectorised for float32); the label and
+// arg-max entries are recomputed in float64 (p_y − 1 cancels there).
+template <typename T>
+inline void batch_backward_row(const T* x, int64_t k, int64_t y, const BatchSpec& s, const double* o, double gb,
+                               double gr, double gh, const double* c, const T* ct, T* g) {
+  const T m = static_cast<T>(o[BS_MAX]);
+  const double inv = o[BS_INV];
+  const int64_t arg = static_cast<int64_t>(o[BS_ARG]);
+  const double r = inv;
+  exp_row(x, k, m, g);
+  double cp = 0.0;  // <c, p>
+  if (c != nullptr) {
+#pragma omp simd reduction(+ : cp)
+    for (int64_t j = 0; j < k; ++j) cp += c[j] * static_cast<double>(g[j]);
+    cp *= inv;
+  }
+  // grad_j = p_j (coef − gh f'_j + c_j) + off, plus y_extra on the label and gr·r on the arg-max entry
+  double coef = -gr * r + gh * o[BS_DENT] - cp, off = 0.0, y_extra = 0.0;
+  if (y >= 0) {
+    if (s.base == BB_LS) {
+      const double other = s.alpha / static_cast<double>(k - 1);
+      coef += gb;
+      off = -gb * other;
+      y_extra = -gb * (1 - s.alpha) + gb * other;
+    } else {
+      coef -= gb * o[BS_DBASE];
+      y_extra = gb * o[BS_DBASE];
+    }
+  }
+  const bool ent = s.entropy != BE_NONE && gh != 0.0;
+  T sa, sb;
+  smoothing_constants<T>(k, sa, sb);
+  const T pinv = static_cast<T>(inv), coef_t = static_cast<T>(coef), off_t = static_cast<T>(off);
+  const T gh_t = static_cast<T>(gh);
+  walk_row<T>(k, [&](int64_t j, auto tag) {
+    using V = typename Lanes<T, decltype(tag)::value>::type;
+    const V p = lanes_load<V>(g + j) * pinv;
+    V a = broadcast<V>(coef_t);
+    if (ent) {
+      V f, df;
+      entropy_lanes<T>(p, s.entropy, sa, sb, f, df);
+      a = a - gh_t * df;
+    }
+    if (ct != nullptr) a = a + lanes_load<V>(ct + j);
+    lanes_store(g + j, p * a + off_t);
+  });
+  const auto entry = [&](int64_t j) {
+    const double p = std::exp(static_cast<double>(x[j]) - static_cast<double>(m)) * inv;
+    double a = coef;
+    if (ent) {
+      T f, df;
+      entropy_lanes<T>(static_cast<T>(p), s.entropy, sa, sb, f, df);
+      a -= gh * static_cast<double>(df);
+    }
+    if (c != nullptr) a += c[j];
+    double v = p * a + off;
+    if (j == y) v += y_extra;
+    if (j == arg) v += gr * r;
+    return static_cast<T>(v);
+  };
+  if (y >= 0) g[y] = entry(y);
+  if (arg != y) g[arg] = entry(arg);
+}
+
+}  // namespace torchcal
+
+namespace torchcal {
+
+// -- positions as lanes ------------------------------------------------------------------------------------
+// A (N, K, S) float32 tensor (segmentation: K = 19, S = H·W) keeps each position's K logits S apart: a row
+// gathered entry by entry and walked horizontally costs more than the arithmetic at such K. Here W positions
+// are the W lanes of one vector, class j of lane t at x[j·stride + t]: the max, exp, entropy and gradient are
+// vertical over the classes, with the per-lane results (base loss, r, a, H and the saved statistics) finished
+// lane by lane. Sums over the classes are float32 lanes (the lanes path takes K <= kLaneClasses).
+
+constexpr int64_t kLaneClasses = 256;
+
+template <int Bytes>
+struct PosLanes {
+  using V = typename Vec<float, Bytes>::type;
+  static constexpr int W = Vec<float, Bytes>::width;
+};
+
+// W positions: y[t] the label (−1 ignored), e scratch of K·W floats, col the block's column sums (K, float64)
+// or null, o the saved statistics of lane 0 (lanes N_BSTAT apart), out[t·N_BOUT + c] the outputs. Lanes t >= w
+// are padding (their results are not written).
+template <int Bytes>
+inline void batch_forward_lanes(const float* x, int64_t stride, int64_t k, const int64_t* y, int w,
+                                const BatchSpec& s, float* e, double* col, double* o, double* out) {
+  using V = typename PosLanes<Bytes>::V;
+  constexpr int W = PosLanes<Bytes>::W;
+  V m = load<V>(x), arg = {}, sx = m;
+  for (int64_t j = 1; j < k; ++j) {
+    const V v = load<V>(x + j * stride);
+    const auto gt = v > m;
+    m = gt ? v : m;
+    arg = gt ? broadcast<V>(static_cast<float>(j)) : arg;
+    sx += v;
+  }
+  V sum = {};
+  for (int64_t j = 0; j < k; ++j) {
+    const V ev = exp_nonpositive<Bytes>(load<V>(x + j * stride) - m);
+    std::memcpy(e + j * W, &ev, sizeof(ev));
+    sum += ev;
+  }
+  const V inv = broadcast<V>(1.0f) / sum;
+  const V lse = log_positive<Bytes>(sum);  // sum >= 1
+  V hs = {}, ds = {};
+  if (s.entropy != BE_NONE) {
+    float sa, sb;
+    smoothing_constants<float>(k, sa, sb);
+    for (int64_t j = 0; j < k; ++j) {
+      const V p = load<V>(e + j * W) * inv;
+      V f, df;
+      entropy_lanes<float>(p, s.entropy, sa, sb, f, df);
+      hs += f;
+      ds += p * df;
+    }
+  }
+  if (col != nullptr) {
+    V kept = {};
+    for (int t = 0; t < w; ++t) kept[t] = y[t] >= 0 ? 1.0f : 0.0f;
+    const V scale = inv * kept;
+    for (int64_t j = 0; j < k; ++j) col[j] += lanes_sum(load<V>(e + j * W) * scale);
+  }
+  for (int t = 0; t < w; ++t) {
+    double* ot = o + t * N_BSTAT;
+    double* rt = out + t * N_BOUT;
+    const int64_t a = static_cast<int64_t>(arg[t]);
+    ot[BS_MAX] = static_cast<double>(m[t]);
+    ot[BS_INV] = static_cast<double>(inv[t]);
+    ot[BS_ARG] = static_cast<double>(a);
+    ot[BS_DENT] = static_cast<double>(ds[t]);
+    double base = 0.0, dbase = 0.0;
+    const int64_t yt = y[t];
+    if (yt >= 0) {
+      const double l = static_cast<double>(x[yt * stride + t] - m[t]) - static_cast<double>(lse[t]);
+      if (s.base == BB_NLL) {
+        base = -l;
+        dbase = -1.0;
+      } else if (s.base == BB_FOCAL) {
+        const double u = std::max(0.0, -std::expm1(l));
+        const double pw = pow_g(u, s.gamma);
+        base = -pw * l;
+        dbase = (s.gamma == 0.0 ? 0.0 : s.gamma * pow_g(u, s.gamma - 1.0) * std::exp(l) * l) - pw;
+      } else {
+        const double all = static_cast<double>(sx[t]) - static_cast<double>(k) * static_cast<double>(m[t]) -
+                           static_cast<double>(k) * static_cast<double>(lse[t]);
+        base = -(1 - s.alpha) * l - s.alpha / static_cast<double>(k - 1) * (all - l);
+      }
+    }
+    ot[BS_DBASE] = dbase;
+    rt[BO_BASE] = base;
+    rt[BO_R] = static_cast<double>(inv[t]);
+    rt[BO_CORRECT] = a == (yt < 0 ? 0 : yt) ? 1.0 : 0.0;
+    rt[BO_H] = -static_cast<double>(hs[t]);
+  }
+}
+
+// The gradient of W positions into g (class j of lane t at g[j·stride + t]); gb, gr, gh the lanes' incoming
+// gradients (gb = 0 on ignored lanes) and ct the column sums' gradient in float32 (null: none; it applies
+// to the kept lanes); e scratch of K·W floats.
+template <int Bytes>
+inline void batch_backward_lanes(const float* x, int64_t stride, int64_t k, const int64_t* y, int w,
+                                 const BatchSpec& s, const double* o, const double* gb, const double* gr,
+                                 const double* gh, const float* ct, float* e, float* g) {
+  using V = typename PosLanes<Bytes>::V;
+  constexpr int W = PosLanes<Bytes>::W;
+  // the lanes' numbers gathered in arrays, then loaded as vectors (lane-by-lane vector inserts are slow)
+  alignas(64) float a_m[W] = {}, a_inv[W] = {}, a_arg[W], a_y[W], a_coef[W] = {}, a_off[W] = {}, a_ye[W] = {};
+  alignas(64) float a_top[W] = {}, a_gh[W] = {}, a_ck[W] = {};
+  bool ent = false;
+  for (int t = 0; t < W; ++t) {
+    a_arg[t] = -1.0f;
+    a_y[t] = -1.0f;
+    if (t >= w) continue;
+    const double* ot = o + t * N_BSTAT;
+    a_m[t] = static_cast<float>(ot[BS_MAX]);
+    a_inv[t] = static_cast<float>(ot[BS_INV]);
+    a_arg[t] = static_cast<float>(ot[BS_ARG]);
+    const double r = ot[BS_INV];
+    double cf = -gr[t] * r + gh[t] * ot[BS_DENT], of = 0.0, ye = 0.0;
+    if (y[t] >= 0) {
+      a_y[t] = static_cast<float>(y[t]);
+      if (s.base == BB_LS) {
+        const double other = s.alpha / static_cast<double>(k - 1);
+        cf += gb[t];
+        of = -gb[t] * other;
+        ye = -gb[t] * (1 - s.alpha) + gb[t] * other;
+      } else {
+        cf -= gb[t] * ot[BS_DBASE];
+        ye = gb[t] * ot[BS_DBASE];
+      }
+      a_ck[t] = ct != nullptr ? 1.0f : 0.0f;
+    }
+    a_coef[t] = static_cast<float>(cf);
+    a_off[t] = static_cast<float>(of);
+    a_ye[t] = static_cast<float>(ye);
+    a_top[t] = static_cast<float>(gr[t] * r);
+    a_gh[t] = static_cast<float>(gh[t]);
+    ent = ent || gh[t] != 0.0;
+  }
+  const V m = load<V>(a_m), inv = load<V>(a_inv), argv = load<V>(a_arg), yv = load<V>(a_y), off = load<V>(a_off);
+  const V y_extra = load<V>(a_ye), top = load<V>(a_top), ghv = load<V>(a_gh), ck = load<V>(a_ck);
+  V coef = load<V>(a_coef);
+  ent = ent && s.entropy != BE_NONE;
+  for (int64_t j = 0; j < k; ++j) {
+    const V ev = exp_nonpositive<Bytes>(load<V>(x + j * stride) - m);
+    std::memcpy(e + j * W, &ev, sizeof(ev));
+  }
+  if (ct != nullptr) {  // <c, p> of each lane, subtracted from its coefficient
+    V cp = {};
+    for (int64_t j = 0; j < k; ++j) cp += load<V>(e + j * W) * ct[j];
+    coef -= cp * inv * ck;
+  }
+  float sa, sb;
+  smoothing_constants<float>(k, sa, sb);
+  for (int64_t j = 0; j < k; ++j) {
+    const V p = load<V>(e + j * W) * inv;
+    V a = coef;
+    if (ent) {
+      V f, df;
+      entropy_lanes<float>(p, s.entropy, sa, sb, f, df);
+      a -= ghv * df;
+    }
+    if (ct != nullptr) a += ck * ct[j];
+    const V jf = broadcast<V>(static_cast<float>(j)), zero = {};
+    V v = p * a + off;
+    v += jf == yv ? y_extra : zero;
+    v += jf == argv ? top : zero;
+    std::memcpy(g + j * stride, &v, sizeof(v));
+  }
+}
+
+}  // namespace torchcal
+
+namespace torchcal {
+
+// -- SB-ECE's label-binned term on the (M) confidences -----------------------------------------------------
+// g_ib = kept_i softmax_b(−(r_i − ξ_b)²/T) over the bin centres ξ_b = (b + ½)/B, S_b = Σ_i g_ib,
+// A_b = Σ_i g_ib a_i / S'_b (S'_b = S_b, or 1 for an empty bin), total = Σ_i Σ_b g_ib (A_b − r_i)², the
+// term sqrt(total / Σ_i kept_i) (margin.py's _sbece_term, form "label"). Rows are walked W at a time (float32
+// lanes; float64 one by one); the memberships are recomputed in each pass rather than kept (M·B numbers).
+// The gradient of total with respect to r_i, with G_ib = ∂g_ib/∂r_i and Q_b = 2 Σ_i g_ib (A_b − r_i):
+//   Σ_b G_ib [(A_b − r_i)² + Q_b (a_i − A_b) / S'_b] − 2 Σ_b g_ib (A_b − r_i).
+
+template <typename V>
+inline V lanes_exp_nonpositive(V x) {
+  if constexpr (std::is_floating_point<V>::value) {
+    return std::exp(x);
+  } else {
+    return exp_nonpositive<sizeof(V)>(x);
+  }
+}
+
+// Σ of the lanes in float64 (a scalar as it is)
+template <typename V>
+inline double lanes_sum_any(V v) {
+  if constexpr (std::is_floating_point<V>::value) {
+    return static_cast<double>(v);
+  } else {
+    double s = 0.0;
+    for (int l = 0; l < static_cast<int>(sizeof(V) / sizeof(v[0])); ++l) s += static_cast<double>(v[l]);
+    return s;
+  }
+}
+
+// the memberships of W rows (g[b·W + t]) and, with ds, ∂s_b/∂r = −2(r − ξ_b)/T and Σ_b σ_b ∂s_b/∂r (mean)
+template <typename T, typename V>
+inline void soft_bins(V r, V kept, int64_t bins, T inv_t, T* g, T* ds, V& mean) {
+  constexpr int W = sizeof(V) / sizeof(T);
+  V m = {};
+  for (int64_t b = 0; b < bins; ++b) {
+    const V d = r - static_cast<T>((static_cast<double>(b) + 0.5) / static_cast<double>(bins));
+    const V s = -(d * d) * inv_t;
+    lanes_store(g + b * W, s);
+    if (ds != nullptr) lanes_store(ds + b * W, d * (-2 * inv_t));
+    m = b == 0 ? s : (m < s ? s : m);
+  }
+  V sum = {};
+  for (int64_t b = 0; b < bins; ++b) {
+    const V e = lanes_exp_nonpositive(lanes_load<V>(g + b * W) - m);
+    lanes_store(g + b * W, e);
+    sum += e;
+  }
+  const V scale = kept / sum;
+  mean = V{};
+  for (int64_t b = 0; b < bins; ++b) {
+    const V gb = lanes_load<V>(g + b * W) * scale;
+    lanes_store(g + b * W, gb);
+    if (ds != nullptr) mean += gb * lanes_load<V>(ds + b * W);
+  }
+}
+
+}  // namespace torchcal

@@ -1,0 +1,246 @@
+"""The C++ operator of the batch-term losses (MDCA with its three bases, DCA, SB-ECE, AvUC, S-AvUC, ESD;
+torch.ops.torchcal.batch_terms_fwd / _bwd, decision 202) against the plain torch path: values and gradients
+at (N, K) and (N, K, d1, ...) (positions as vector lanes for float32), ignored labels, the three reductions,
+ties in the maximum, the label errors, threads, the loss options that read its outputs (AvUC's statistics,
+ESD's hold-out), a numerical gradient check and torch.compile."""
+
+import pytest
+import torch
+
+import torchcal.functional as F
+from torchcal.functional import _extension
+from torchcal.losses import AvUCLoss
+
+pytestmark = pytest.mark.usefixtures("cpp_extension")
+
+# each loss with options that make every part of its term active at unit-scale logits (SB-ECE's bins a
+# little wider than the default T = 0.01, so that the memberships are not all 0 or 1)
+LOSSES = {
+    "mdca": lambda z, y, **kw: F.mdca_loss(z, y, 0.7, **kw),
+    "focal-mdca": lambda z, y, **kw: F.mdca_loss(z, y, 0.7, base="focal", gamma=2.0, **kw),
+    "focal-mdca-g0.5": lambda z, y, **kw: F.mdca_loss(z, y, 1.0, base="focal", gamma=0.5, **kw),
+    "ls-mdca": lambda z, y, **kw: F.mdca_loss(z, y, 1.0, base="ls", smoothing=0.2, **kw),
+    "dca": lambda z, y, **kw: F.dca_loss(z, y, 3.0, **kw),
+    "sb-ece": lambda z, y, **kw: F.sbece_loss(z, y, 2.0, temperature=0.05, **kw),
+    "sb-ece-binned": lambda z, y, **kw: F.sbece_loss(z, y, 2.0, temperature=0.05, form="binned", **kw),
+    "avuc": lambda z, y, **kw: F.avuc_loss(z, y, 3.0, threshold=1.0, **kw),
+    "s-avuc": lambda z, y, **kw: F.soft_avuc_loss(z, y, 1.0, temperature=0.3, kappa=0.4, **kw),
+    "esd": lambda z, y, **kw: F.esd_loss(z, y, 4.0, **kw),
+    "esd-holdout": lambda z, y, **kw: F.esd_loss(z, y, 4.0, holdout=0.34, **kw),
+}
+
+# Tolerances. float64: both paths evaluate the same float64 formulas, the operator from a float64
+# log-sum-exp per row and the torch path from log_softmax, so they differ by rounding only (a few ulp per
+# row, summed over <= 200 rows). float32: the operator computes each row's numbers in float64 (or in float32
+# lanes for spatial inputs) and rounds once, while the torch path rounds after every float32 operation;
+# the difference is a few float32 ulp of each per-row number, which the batch terms average, and the
+# gradients, compared against their largest entry, carry the same relative error times the condition of
+# the batch term (the softmax memberships of SB-ECE with T = 0.05 amplify it ~10x).
+TOL = {torch.float64: (1e-11, 1e-12, 1e-10), torch.float32: (2e-6, 2e-6, 5e-5)}
+
+
+def _both_paths(fn, z, y, upstream=None):
+    """fn(z, y) and its gradient (of Σ upstream·loss) with the C++ operator and on the plain torch path,
+    checking that each path ran (the operator's autograd node is in the graph or not)."""
+    results = []
+    for cpp in (True, False):
+        x = z.detach().clone().requires_grad_(True)
+        with F.use_cpu_extension(cpp):
+            calls = _count_calls()
+            value = fn(x, y)
+            assert (calls() > 0) == cpp
+            weights = torch.ones_like(value) if upstream is None else upstream(value)
+            (grad,) = torch.autograd.grad((value * weights).sum(), x)
+        results.append((value.detach(), grad))
+    return results
+
+
+def _count_calls():
+    """A counter of the operator's calls from now on (the forward of _BatchRows)."""
+    start = _CALLS[0]
+    return lambda: _CALLS[0] - start
+
+
+_CALLS = [0]
+
+
+@pytest.fixture(autouse=True)
+def _count_operator_calls(monkeypatch):
+    """Counts the operator's forward calls during each test of this module (patched for the test only: a
+    counter in the traced forward would make torch.compile retrace elsewhere)."""
+    forward = _extension._BatchRows.forward
+
+    def counted(ctx, *args):
+        _CALLS[0] += 1
+        return forward(ctx, *args)
+
+    monkeypatch.setattr(_extension._BatchRows, "forward", staticmethod(counted))
+
+
+def _close(got, want, dtype, grad=False):
+    rtol, atol, grad_tol = TOL[dtype]
+    if grad:  # against the gradient's scale: the entries of a row differ by orders of magnitude
+        scale = float(want.abs().max()) + 1e-30
+        torch.testing.assert_close(got / scale, want / scale, rtol=0, atol=grad_tol)
+    else:
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol, equal_nan=True)
+
+
+def _inputs(shape, dtype, seed=0, ignore=True):
+    g = torch.Generator().manual_seed(seed)
+    z = (2 * torch.randn(shape, generator=g, dtype=torch.float64)).to(dtype)
+    y = torch.randint(0, shape[1], (shape[0], *shape[2:]), generator=g)
+    if ignore:
+        y.view(-1)[::5] = -100
+    return z, y
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("shape", [(48, 7), (6, 130), (3, 5, 7, 5), (2, 19, 37)], ids=str)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_operator_equals_the_torch_path(name, dtype, shape, reduction):
+    z, y = _inputs(shape, dtype)
+    fn = LOSSES[name]
+    upstream = None
+    if reduction == "none":  # the same weights on both paths
+        upstream = lambda v: torch.randn(v.shape, generator=torch.Generator().manual_seed(1), dtype=v.dtype)  # noqa: E731
+    (va, ga), (vb, gb) = _both_paths(lambda a, b: fn(a, b, reduction=reduction), z, y, upstream)
+    _close(va, vb, dtype)
+    _close(ga, gb, dtype, grad=True)
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_numerical_gradient_of_the_operator(name):
+    """The analytic backward against finite differences (float64; (N, K) and positions)."""
+    for shape in [(7, 4), (2, 3, 4)]:
+        z, y = _inputs(shape, torch.float64, seed=3, ignore=False)
+        y.view(-1)[1] = -100
+        x = z.clone().requires_grad_(True)
+        torch.autograd.gradcheck(lambda a, b=y: LOSSES[name](a, b, reduction="sum"), (x,), eps=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("shape", [(6, 5), (2, 5, 20)], ids=str)
+def test_ties_in_the_maximum_predict_the_first_class(dtype, shape):
+    """Rows whose maximum is tied: the prediction (correctness) and r's gradient go to the first of them,
+    as torch's max(dim) on CPU."""
+    z = torch.zeros(shape, dtype=dtype)
+    z[:, 1] = 2.0
+    z[:, 3] = 2.0
+    y = torch.full((shape[0], *shape[2:]), 3)
+    y.view(-1)[::2] = 1
+    for name in ("dca", "avuc", "esd", "sb-ece"):
+        (va, ga), (vb, gb) = _both_paths(lambda a, b, n=name: LOSSES[n](a, b), z, y)
+        _close(va, vb, dtype)
+        _close(ga, gb, dtype, grad=True)
+
+
+def test_label_errors_are_the_torch_paths():
+    z = torch.randn(4, 3)
+    for labels in ([0, 3, 1, 2], [0, -1, 1, 2], [0, -100, 1, 7]):
+        y = torch.tensor(labels)
+        messages = []
+        for cpp in (True, False):
+            with F.use_cpu_extension(cpp), pytest.raises(ValueError) as err:
+                F.mdca_loss(z, y)
+            messages.append(str(err.value))
+        assert messages[0] == messages[1]
+        assert "targets" in messages[0]
+    with pytest.raises(ValueError, match="lie in"):
+        torch.ops.torchcal.batch_terms_fwd(z, torch.tensor([0, 3, 1, 2]), -100, 0, 1.0, 0.0, 0, False)
+
+
+def test_every_label_ignored_is_the_torch_paths():
+    z = torch.randn(5, 4)
+    y = torch.full((5,), -100)
+    for name in ("mdca", "dca", "avuc", "esd"):
+        (va, ga), (vb, gb) = _both_paths(lambda a, b, n=name: LOSSES[n](a, b), z, y)
+        torch.testing.assert_close(va, vb, equal_nan=True, rtol=0, atol=0)
+        torch.testing.assert_close(ga, gb, equal_nan=True, rtol=1e-6, atol=1e-7)
+
+
+def test_results_do_not_depend_on_the_thread_count():
+    """The column sums are added per fixed block of rows and the blocks in order: bitwise the same for
+    any thread count."""
+    z, y = _inputs((3000, 40), torch.float32)
+    zs, ys = _inputs((3, 19, 40, 40), torch.float32)
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            out = []
+            for a, b in ((z, y), (zs, ys)):
+                x = a.clone().requires_grad_(True)
+                value = F.mdca_loss(x, b, base="ls")
+                value.backward()
+                out += [value.detach(), x.grad]
+            results.append(out)
+    finally:
+        torch.set_num_threads(before)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_avuc_statistics_and_threshold_state_are_the_torch_paths():
+    z, y = _inputs((40, 6), torch.float32)
+    sums = []
+    for cpp in (True, False):
+        with F.use_cpu_extension(cpp):
+            module = AvUCLoss(threshold=0.8)
+            module(z.clone().requires_grad_(True), y).backward()
+            module.update()
+            sums.append((module.threshold.clone(), module(z, y).detach()))
+    torch.testing.assert_close(sums[0][0], sums[1][0], rtol=1e-6, atol=0)
+    torch.testing.assert_close(sums[0][1], sums[1][1], rtol=2e-6, atol=2e-6)
+
+
+def test_second_order_gradients_are_refused():
+    x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(RuntimeError, match="differentiable once only"):
+        torch.autograd.grad(F.avuc_loss(x, torch.tensor([0, 1, 2, 3, 0])), x, create_graph=True)
+
+
+def test_what_the_operator_leaves_to_the_torch_path():
+    """Soft targets, half precision and extension off take the torch path (no operator call)."""
+    z = torch.randn(6, 4)
+    calls = _count_calls()
+    F.mdca_loss(z, torch.softmax(torch.randn(6, 4), 1))
+    F.dca_loss(z.half(), torch.randint(0, 4, (6,)))
+    with F.use_cpu_extension(False):
+        F.avuc_loss(z, torch.randint(0, 4, (6,)))
+    assert calls() == 0
+    F.avuc_loss(z, torch.randint(0, 4, (6,)))
+    assert calls() == 1
+
+
+@pytest.mark.compile
+def test_compiled_losses_take_the_operator_and_equal_eager():
+    z, y = torch.randn(2, 4, 3, 3), torch.randint(0, 4, (2, 3, 3))
+    y[0, 0, 0] = -100
+    for name in ("mdca", "avuc"):
+        compiled = torch.compile(lambda a, b, n=name: LOSSES[n](a, b), fullgraph=True, backend="aot_eager")
+        a, b = z.clone().requires_grad_(True), z.clone().requires_grad_(True)
+        calls = _count_calls()
+        got = compiled(a, y)
+        assert calls() > 0  # traced through the operator
+        want = LOSSES[name](b, y)
+        got.backward()
+        want.backward()
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-7)
+
+
+def test_layouts_and_label_dtypes_match_the_torch_path():
+    """Non-contiguous logits (a transposed view, channels-last images) and int32 / uint8 labels."""
+    g = torch.Generator().manual_seed(1)
+    z = (3 * torch.randn(7, 40, generator=g)).t()[:, :7]
+    y = torch.randint(0, 7, (40,), generator=g, dtype=torch.int32)
+    images = (3 * torch.randn(2, 5, 6, 7, generator=g)).to(memory_format=torch.channels_last)
+    labels = torch.randint(0, 5, (2, 6, 7), generator=g, dtype=torch.uint8)
+    for name in ("mdca", "avuc", "sb-ece"):
+        for logits, targets in ((z, y), (images, labels)):
+            (va, ga), (vb, gb) = _both_paths(lambda a, b, n=name: LOSSES[n](a, b), logits, targets)
+            _close(va, vb, torch.float32)
+            _close(ga, gb, torch.float32, grad=True)
