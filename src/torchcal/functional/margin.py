@@ -78,6 +78,7 @@ _PENALTY_IS_NOT_PER_CLASS = (
     "poly1_cross_entropy or cross_entropy for weighted or smoothed targets"
 )
 MBLS_SCHEDULES = ("", "add", "multiply", "step")
+_FUSED = (torch.float32, torch.float64)  # the logits' dtypes of the C++ operator
 
 
 def _number(value, name, low=None, high=None, low_open=False):
@@ -331,6 +332,12 @@ def poly1_cross_entropy(
     smoothing = check_label_smoothing(label_smoothing)
     check_choice(reduction, "reduction", REDUCTIONS)
     ignore_index = check_ignore_index(ignore_index)
+    if not smoothing and type(logits) is torch.Tensor and logits.ndim >= 2 and logits.dtype in _FUSED:
+        # integer labels without smoothing: CE + ε(1 − p_y), weighted by w_y, through the C++ operator
+        w = None if weight is None else check_class_weight(weight, logits)
+        fused = penalised_cross_entropy(logits, targets, "poly1", [eps], ignore_index, False, reduction, w, False)
+        if fused is not None:
+            return fused[0]
     with torch.autocast(_device_type(logits), enabled=False):
         rows = loss_rows(logits, targets, ignore_index)
         w = check_class_weight(weight, rows.logits)
@@ -1482,6 +1489,31 @@ def _cals_penalty(z, lam, rho, margin, normalize, kept=None, lambda_min=0.0, lam
     return penalty, torch.cat([raw[:k], h_sums, count[None]])
 
 
+def _fused_cals(logits, targets, lambdas, rhos, m, normalize, ignored_rows, ignore_index, reduction, statistics):
+    """CALS through the C++ operator: (loss, statistics or an empty tensor), or None where it does not apply
+    (see penalised_cross_entropy; λ or ρ not CPU tensors of shape (K,) without gradient: the torch path then
+    computes, or raises the named error). The per-class numbers a = ρ/s, b = λ − am, w = 1/(2ρK) and λ²w are
+    those of :func:`_cals_penalty`, in the logits' dtype."""
+    if type(logits) is not torch.Tensor or logits.ndim < 2:
+        return None
+    k = logits.shape[1]
+    for value in (lambdas, rhos):
+        if type(value) is not torch.Tensor or value.shape != (k,) or value.requires_grad or not value.is_cpu:
+            return None
+    lam, rho = lambdas.to(logits.dtype), rhos.to(logits.dtype)
+    s = m if normalize else 1.0
+    a = rho / s
+    w = 1 / (2 * rho * k)
+    lo, hi = statistics if statistics is not None else (0.0, 0.0)
+    fused = penalised_cross_entropy(
+        logits, targets, "cals", [1.0, s, lo, hi, m], ignore_index, ignored_rows == "reference", reduction,
+        torch.stack([a, lam - a * m, w, lam * lam * w]), statistics is not None,
+    )  # fmt: skip
+    if fused is None or statistics is None:
+        return fused
+    return fused[0], fused[1].to(logits.dtype)
+
+
 def cals_loss(
     logits,
     targets,
@@ -1527,6 +1559,10 @@ def cals_loss(
         raise ValueError(f"`weight` is not accepted: {_CALS_PENALTY_IS_NOT_PER_CLASS}")
     check_label_smoothing(label_smoothing, _CALS_PENALTY_IS_NOT_PER_CLASS)
     ignore_index = check_ignore_index(ignore_index)
+    fused = _fused_cals(logits, targets, lambdas, rhos, m, normalize, ignored_rows, ignore_index, reduction,
+                        statistics)  # fmt: skip
+    if fused is not None:
+        return fused[0] if statistics is None else fused
     with torch.autocast(_device_type(logits), enabled=False):
         rows, _, ce = _ce_rows(logits, targets, ignore_index)
         z = rows.logits

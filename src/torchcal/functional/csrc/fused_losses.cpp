@@ -257,7 +257,7 @@ at::Tensor fused_true_class_bwd_cpu(const at::Tensor& grad_loss, const at::Tenso
 MarginSpec margin_spec(int64_t kind, at::ArrayRef<double> params) {
   TORCH_CHECK_VALUE(kind >= M_MBLS && kind <= M_POLY1,
                     "`kind` must be 0 (MbLS), 1 (MaxSup), 2 (ACLS), 3 (CP), 4 (CALS) or 5 (Poly-1)");
-  const size_t need[] = {2, 1, 4, 3, 4, 1};
+  const size_t need[] = {2, 1, 4, 3, 5, 1};
   TORCH_CHECK_VALUE(params.size() == need[kind], "`params` must hold ", need[kind], " numbers for kind ", kind);
   MarginSpec s{kind, params[0], 0.0, 0.0, 0.0, 0.0, false};
   if (kind == M_MBLS) s.margin = params[1];
@@ -274,6 +274,7 @@ MarginSpec margin_spec(int64_t kind, at::ArrayRef<double> params) {
     s.scale = params[1];
     s.lo = params[2];
     s.hi = params[3];
+    s.margin = params[4];
   }
   return s;
 }
@@ -449,6 +450,8 @@ MarginForward margin_forward(const at::Tensor& logits, const at::Tensor& targets
     double* out = sums.data_ptr<double>();
     for (int64_t c = 0; c < parts; ++c)
       for (int64_t j = 0; j < 2 * k + 1; ++j) out[j] += part_sums[static_cast<size_t>(c * (2 * k + 1) + j)];
+    // Σ_i h_ik = (Σ_i (max_i − x_ik) − m·count) / s
+    for (int64_t j = k; j < 2 * k; ++j) out[j] = (out[j] - s.margin * out[2 * k]) / s.scale;
   }
   if (n_bad.load() > 0) {
     int64_t bad = 0;
@@ -616,8 +619,9 @@ std::tuple<at::Tensor, at::Tensor> fused_margin_fwd_cpu(const at::Tensor& logits
 //                      sums) -> (loss, sums)
 //
 // As fused_margin, with class_params (margin.h: CALS (4, K), Poly-1 (K,) or None) and, for CALS with sums,
-// the training statistics (2K + 1) float64 of the kept rows: Σ clamp(r_k, λ_min, λ_max), Σ (max − x_k), the
-// row count (else an empty tensor). The statistics are not differentiable.
+// the training statistics (2K + 1) float64 of the kept rows (cals_statistics): per class Σ clamp(r_k, λ_min,
+// λ_max) and Σ h_k = (Σ (max − x_k) − m·count)/s, then the row count (else an empty tensor). They are not
+// differentiable.
 
 class FusedMarginClass : public torch::autograd::Function<FusedMarginClass> {
  public:

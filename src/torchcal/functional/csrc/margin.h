@@ -22,7 +22,7 @@ enum MarginKind { M_MBLS = 0, M_MAXSUP = 1, M_ACLS = 2, M_CP = 3, M_CALS = 4, M_
 enum MarginStat { S_CE, S_PEN, S_MAX, S_INV, S_ARG, S_AUX, N_STAT };
 
 // params of the operator: [coef, then per kind] MbLS [margin]; MaxSup []; ACLS [margin, λ_pos, λ_neg];
-// confidence penalty [eps, form (0 sample, 1 the MbLS repository's)]; CALS [s, λ_min, λ_max]; Poly-1 []
+// confidence penalty [eps, form (0 sample, 1 the MbLS repository's)]; CALS [s, λ_min, λ_max, margin]; Poly-1 []
 // (coef = ε). class_params (the logits' dtype): CALS (4, K) rows a, b, w, c (see cals_row); Poly-1 the
 // class weights (K) or none.
 struct MarginSpec {
@@ -250,35 +250,53 @@ inline void cp_lanes(V p, V log_p, double eps, V& f, V& df) {
 // as _TopGapPenalty), pen = Σ_k w_k r_k² − Σ_k c_k (w = 1/(2ρK), c = λ²w: s.offset) and aux = Σ_k r_k (the
 // arg-max entry's gradient), sums in float64. With sums (a kept row): sums[k'] += clamp(r_k, λ_min, λ_max)
 // (clamped in the dtype) and sums[K + k'] += m − x_k (float64), the training statistics of cals_statistics.
-template <typename T>
-inline void cals_row(const T* x, int64_t k, T m, const MarginSpec& s, double* sums, double& pen, double& aux) {
+// dst[0..lanes) += v (float lanes widened to float64), and dst[..] += base − v
+template <typename V>
+inline void lanes_add_to(double* dst, V v, double base, bool minus) {
+  if constexpr (std::is_floating_point<V>::value) {
+    *dst += minus ? base - static_cast<double>(v) : static_cast<double>(v);
+  } else {
+    typedef double D __attribute__((vector_size(sizeof(V) * 2)));
+    D d = __builtin_convertvector(v, D);
+    if (minus) d = base - d;
+    D cur;
+    std::memcpy(&cur, dst, sizeof(D));
+    cur += d;
+    std::memcpy(dst, &cur, sizeof(D));
+  }
+}
+
+template <typename T, bool WithSums>
+inline void cals_lanes(const T* x, int64_t k, T m, const MarginSpec& s, double* sums, double& acc, double& total) {
   const T* a = static_cast<const T*>(s.cls);
   const T* b = a + k;
   const T* w = b + k;
+  const T lo = static_cast<T>(s.lo), hi = static_cast<T>(s.hi);
+  const double md = static_cast<double>(m);
+  sum2_row<T>(k, [&](int64_t j, auto tag, auto& sq, auto& rr) {
+    using V = typename Lanes<T, decltype(tag)::value>::type;
+    const V zero = {};
+    const V v = lanes_load<V>(x + j);
+    V r = (m - v) * lanes_load<V>(a + j) + lanes_load<V>(b + j);
+    r = r > zero ? r : zero;
+    sq = r * r * lanes_load<V>(w + j);
+    rr = r;
+    if constexpr (WithSums) {
+      V c = r < lo ? broadcast<V>(lo) : r;
+      c = c > hi ? broadcast<V>(hi) : c;
+      lanes_add_to(sums + j, c, 0.0, false);
+      lanes_add_to(sums + k + j, v, md, true);
+    }
+  }, acc, total);
+}
+
+template <typename T>
+inline void cals_row(const T* x, int64_t k, T m, const MarginSpec& s, double* sums, double& pen, double& aux) {
   double acc = 0.0, total = 0.0;
   if (sums == nullptr) {
-#pragma omp simd reduction(+ : acc, total)
-    for (int64_t j = 0; j < k; ++j) {
-      T r = (m - x[j]) * a[j] + b[j];
-      r = r > T(0) ? r : T(0);
-      acc += static_cast<double>(r * r * w[j]);
-      total += static_cast<double>(r);
-    }
+    cals_lanes<T, false>(x, k, m, s, sums, acc, total);
   } else {
-    const T lo = static_cast<T>(s.lo), hi = static_cast<T>(s.hi);
-    const double md = static_cast<double>(m);
-    double* clamped = sums;
-    double* gaps = sums + k;
-#pragma omp simd reduction(+ : acc, total)
-    for (int64_t j = 0; j < k; ++j) {
-      T r = (m - x[j]) * a[j] + b[j];
-      r = r > T(0) ? r : T(0);
-      acc += static_cast<double>(r * r * w[j]);
-      total += static_cast<double>(r);
-      const T c = r < lo ? lo : r > hi ? hi : r;
-      clamped[j] += static_cast<double>(c);
-      gaps[j] += md - static_cast<double>(x[j]);
-    }
+    cals_lanes<T, true>(x, k, m, s, sums, acc, total);
   }
   pen = acc - s.offset;
   aux = total;
@@ -458,12 +476,13 @@ inline void margin_backward_row(const T* x, int64_t k, int64_t y, const MarginSp
     const T* ca = static_cast<const T*>(s.cls);
     const T* cb = ca + k;
     const T c = static_cast<T>(gpen / (static_cast<double>(k) * s.scale));
-#pragma omp simd
-    for (int64_t j = 0; j < k; ++j) {
-      T r = (m - x[j]) * ca[j] + cb[j];
-      r = r > T(0) ? r : T(0);
-      g[j] = a * g[j] - c * r;
-    }
+    walk_row<T>(k, [&](int64_t j, auto tag) {
+      using V = typename Lanes<T, decltype(tag)::value>::type;
+      const V zero = {};
+      V r = (m - lanes_load<V>(x + j)) * lanes_load<V>(ca + j) + lanes_load<V>(cb + j);
+      r = r > zero ? r : zero;
+      lanes_store(g + j, a * lanes_load<V>(g + j) - c * r);
+    });
   } else {  // M_ACLS
     const T thr = m + static_cast<T>(-s.margin);
     const T c = static_cast<T>(gpen * s.lam_neg * 2.0 / static_cast<double>(k - 1));
