@@ -15,9 +15,11 @@ left out, soft targets (class probabilities of the logits' shape) for the cross-
 ``"none" | "mean" | "sum"``, half-precision logits and autocast regions computed in float32. Where the
 released code differs from the paper, the code is the default (SPEC §8; decisions 131-139). The losses do not
 call ``.item()`` or branch on tensor values, so they trace into one ``torch.compile`` graph. On the CPU, with
-the C++ library built (``torchcal build-extension``), MbLS, ACLS, MaxSup and the confidence penalty run as
-one fused operator for integer labels and float32/float64 logits (decision 200); the code below is the
-reference path and that of every other case.
+the C++ library built (``torchcal build-extension``), MbLS, ACLS, MaxSup, the confidence penalty, CALS (its
+training statistics included) and Poly-1 (without label smoothing; class weights included) run as one fused
+operator for integer labels and float32/float64 logits (decisions 200, 206-208); the code below is the
+reference path and that of every other case (soft targets, half precision, other devices, Poly-1's label
+smoothing, and the batch-level penalties MDCA, DCA, SB-ECE, AvUC, S-AvUC, ESD and mL1-ACE).
 
 Only Poly-1 is a function of the target distribution, so only it takes class ``weight`` and
 ``label_smoothing``; MbLS, ACLS, the confidence penalty and MaxSup add a term that does not depend on the
