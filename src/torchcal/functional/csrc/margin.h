@@ -40,8 +40,7 @@ inline double max_of(const double* x, int64_t k) {
   return m;
 }
 
-// e_j = exp(x_j − m) into e (unless null), returns Σ e_j (float64)
-inline double exp_row(const float* x, int64_t k, float m, float* e) { return exp_sum_row(x, k, m, e, nullptr); }
+// e_j = exp(x_j − m) into e (unless null), returns Σ e_j (float64); float32 rows: exp_row below
 inline double exp_row(const double* x, int64_t k, double m, double* e) {
   double s = 0.0;
   for (int64_t j = 0; j < k; ++j) {
@@ -132,12 +131,25 @@ inline void lanes_store(T* p, V v) {
   }
 }
 
+// Σ of the lanes in fold's order (halves added down to 4 lanes, those in float64), from lane subscripts:
+// fold's memcpy of halves made the caller's accumulator addressable, kept on the stack through its loop
 template <typename V>
 inline double lanes_sum(V v) {
   if constexpr (std::is_floating_point<V>::value) {
     return static_cast<double>(v);
   } else {
-    const auto a = fold<float, sizeof(V)>(v, Add{});
+    constexpr int n = sizeof(V) / sizeof(float);
+    static_assert(n == 4 || n == 8 || n == 16, "float32 lanes of 16, 32 or 64 bytes");
+    float a[4];
+    for (int i = 0; i < 4; ++i) {
+      if constexpr (n == 16) {
+        a[i] = (v[i] + v[i + 8]) + (v[i + 4] + v[i + 12]);
+      } else if constexpr (n == 8) {
+        a[i] = v[i] + v[i + 4];
+      } else {
+        a[i] = v[i];
+      }
+    }
     return (static_cast<double>(a[0]) + a[1]) + (static_cast<double>(a[2]) + a[3]);
   }
 }
@@ -200,10 +212,11 @@ inline void sum2_row(int64_t k, const Fn& fn, double& sa, double& sb) {
   }
 }
 
-// e_j = exp(x_j − m) into e, returns Σ e_j: exp_row's lanes, blocks and sums (the same numbers), its lane
-// accumulators kept in registers (the confidence penalty's rows, whose exp is a third of their time)
-inline double exp_store_row(const double* x, int64_t k, double m, double* e) { return exp_row(x, k, m, e); }
-inline double exp_store_row(const float* x, int64_t k, float m, float* e) {
+// e_j = exp(x_j − m) into e (unless null), returns Σ e_j: the lanes, blocks and sums of the focal family's
+// exp_sum_row (the same numbers), with the lane accumulators held in registers (exp_sum_row's, inlined
+// here, lived on the stack: a store and a load per vector on the sum's dependency chain)
+template <bool Store>
+inline double exp_row_lanes(const float* x, int64_t k, float m, float* e) {
   double sum = 0.0, unused = 0.0;
   sum2_row<float>(k, [&](int64_t j, auto tag, auto& v, auto& zero) {
     using V = typename Lanes<float, decltype(tag)::value>::type;
@@ -213,9 +226,13 @@ inline double exp_store_row(const float* x, int64_t k, float m, float* e) {
       v = exp_nonpositive<sizeof(V)>(lanes_load<V>(x + j) - m);
     }
     zero = V{};
-    lanes_store(e + j, v);
+    if constexpr (Store) lanes_store(e + j, v);
   }, sum, unused);
   return sum;
+}
+
+inline double exp_row(const float* x, int64_t k, float m, float* e) {
+  return e == nullptr ? exp_row_lanes<false>(x, k, m, e) : exp_row_lanes<true>(x, k, m, e);
 }
 
 // The confidence penalty's forms (template arguments of its row loops: no per-vector branch on the form)
@@ -329,7 +346,7 @@ inline void margin_forward_row(const T* x, int64_t k, int64_t y, const MarginSpe
                                double* sums = nullptr) {
   const T m = max_of(x, k);
   const bool cp = s.kind == M_CP;
-  const double sum = cp ? exp_store_row(x, k, m, scratch) : exp_row(x, k, m, nullptr);
+  const double sum = exp_row(x, k, m, cp ? scratch : nullptr);
   const double log_sum = std::log(sum);
   o[S_CE] = y >= 0 ? (static_cast<double>(m) - static_cast<double>(x[y])) + log_sum : 0.0;
   o[S_MAX] = static_cast<double>(m);
@@ -440,11 +457,7 @@ inline void margin_backward_row(const T* x, int64_t k, int64_t y, const MarginSp
   const T m = static_cast<T>(o[S_MAX]);
   const double inv = o[S_INV];
   const int64_t arg = static_cast<int64_t>(o[S_ARG]);
-  if (s.kind == M_CP) {
-    exp_store_row(x, k, m, g);
-  } else {
-    exp_row(x, k, m, g);
-  }
+  exp_row(x, k, m, g);
   if (s.kind == M_CP) {
     // p_j (gce + gpen (f'(p_j) − Σ_k p_k f'(p_k))) (MbLS form: f'/K); the sample form's +1 in f' cancels
     // against Σ p_k = 1. g holds exp(x − m): p = g / Σ.
