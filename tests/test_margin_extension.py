@@ -450,6 +450,29 @@ def test_what_the_per_class_kinds_leave_to_the_torch_path():
         F.cals_loss(z, y, lam[:3], rho[:3])
 
 
+def test_cals_multipliers_changed_in_place_are_seen():
+    """λ and ρ changed in place between calls (also through ``.data``, which no version counter follows), a
+    new K, and float32 after float64 logits: each call equals the torch path with the values it was given."""
+    g = torch.Generator().manual_seed(3)
+    z, y = torch.randn(20, 5, generator=g, dtype=torch.float64), torch.randint(0, 5, (20,), generator=g)
+    lam, rho = _cals_params(5)
+
+    def check(logits, lam, rho):
+        got = F.cals_loss(logits, y, lam, rho, 3.0)
+        with F.use_cpu_extension(False):
+            want = F.cals_loss(logits, y, lam, rho, 3.0)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+    check(z, lam, rho)
+    lam.data.mul_(3.0)
+    check(z, lam, rho)
+    rho[2] = 7.0
+    check(z, lam, rho)
+    check(z.float(), lam, rho)
+    z6 = torch.randn(20, 6, generator=g, dtype=torch.float64)
+    check(z6, *_cals_params(6))
+
+
 CLASS_ARGS = {  # (kind, params, class_params of K = 4 classes, ignore_index, penalty_all_rows, sums)
     "cals": (4, [1.0, 3.0, 1e-3, 1.5, 3.0], lambda dt: torch.rand(4, 4, dtype=dt), -100, True, True),
     "cals-drop": (4, [1.0, 1.0, 0.0, 0.0, 2.0], lambda dt: torch.rand(4, 4, dtype=dt), 255, False, False),

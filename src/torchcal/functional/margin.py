@@ -1491,22 +1491,21 @@ def _cals_penalty(z, lam, rho, margin, normalize, kept=None, lambda_min=0.0, lam
     return penalty, torch.cat([raw[:k], h_sums, count[None]])
 
 
-# the last per-class numbers of _cals_class_params: (λ, ρ, their version counters, (dtype, m, s), numbers)
+# the last per-class numbers of _cals_class_params: (copies of λ and ρ, (dtype, m, s), the numbers)
 _CALS_LAST: list = [None]
 
 
 def _cals_class_params(lambdas, rhos, dtype, m, s):
     """CALS's (4, K) per-class numbers a = ρ/s, b = λ − am, w = 1/(2ρK), λ²w in ``dtype`` (as
-    :func:`_cals_penalty` computes them). The last ones are kept with λ and ρ themselves (no id reuse) and
-    their version counters, which every in-place change (the module's update) advances: a training step with
-    unchanged multipliers costs no tensor operation here (ten small ones, about a tenth of cross entropy's
-    time at 4096 × 100)."""
-    caching = not torch.compiler.is_compiling() and not (lambdas.is_inference() or rhos.is_inference())
+    :func:`_cals_penalty` computes them). The last ones are kept with copies of the λ and ρ they came from
+    and reused while λ and ρ equal them (two comparisons for ten small tensor operations, about a tenth of
+    cross entropy's time at 4096 × 100; a comparison of values, which no in-place change escapes)."""
+    caching = not torch.compiler.is_compiling()
     key = (dtype, m, s)
     last = _CALS_LAST[0]
     if caching and last is not None:
-        lam0, rho0, versions, key0, params = last
-        if lam0 is lambdas and rho0 is rhos and key0 == key and versions == (lambdas._version, rhos._version):
+        lam0, rho0, key0, params = last
+        if key0 == key and torch.equal(lam0, lambdas) and torch.equal(rho0, rhos):
             return params
     k = lambdas.shape[0]
     lam, rho = lambdas.to(dtype), rhos.to(dtype)
@@ -1514,7 +1513,7 @@ def _cals_class_params(lambdas, rhos, dtype, m, s):
     w = 1 / (2 * rho * k)
     params = torch.stack([a, lam - a * m, w, lam * lam * w])
     if caching:
-        _CALS_LAST[0] = (lambdas, rhos, (lambdas._version, rhos._version), key, params)
+        _CALS_LAST[0] = (lambdas.clone(), rhos.clone(), key, params)
     return params
 
 
