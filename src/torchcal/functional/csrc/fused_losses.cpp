@@ -377,6 +377,7 @@ struct MarginForward {
   at::Tensor loss;   // reduced, or the targets' shape for "none", in the logits' dtype
   at::Tensor stats;  // (M, N_STAT) float64 per row
   at::Tensor sums;   // CALS's statistics (2K + 1) float64 when asked for, else empty
+  at::Tensor df;     // the confidence penalty's f'(p) (M, K) in the logits' dtype when kept, else undefined
 };
 
 // The CALS statistics' parts: a fixed split of the rows (depending on N, K and the positions only), each
@@ -406,7 +407,7 @@ void over_row_parts(const T* x, const Layout& l, int64_t parts, const Fn& fn) {
 MarginForward margin_forward(const at::Tensor& logits, const at::Tensor& targets, int64_t kind,
                              at::ArrayRef<double> params, c10::optional<int64_t> ignore_index,
                              bool penalty_all_rows, int64_t reduction, at::Tensor class_params = at::Tensor(),
-                             bool want_sums = false) {
+                             bool want_sums = false, bool keep_df = false) {
   const Layout l = margin_layout(logits, targets);
   MarginSpec s = margin_spec(kind, params);
   margin_class_params(s, class_params, logits);
@@ -423,8 +424,11 @@ MarginForward margin_forward(const at::Tensor& logits, const at::Tensor& targets
   std::atomic<int64_t> n_bad{0};
   const int64_t parts = want_sums ? cals_parts(l) : 0;
   std::vector<double> part_sums(static_cast<size_t>(parts * (2 * k + 1)), 0.0);
+  at::Tensor df;
+  if (keep_df && s.kind == M_CP) df = at::empty({rows, k}, x.options());
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "fused_margin", [&] {
     const bool scratch = s.kind == M_CP;
+    scalar_t* dfp = df.defined() ? df.data_ptr<scalar_t>() : nullptr;
     const auto row_fn = [&](int64_t i, const scalar_t* row, double* sums) {
       int64_t bad = 0;
       const int64_t y = margin_label(tp[i], k, has_ignore, ignore, bad);
@@ -433,7 +437,7 @@ MarginForward margin_forward(const at::Tensor& logits, const at::Tensor& targets
       if (scratch && static_cast<int64_t>(buffer.size()) < k) buffer.resize(static_cast<size_t>(k));
       const bool kept = sums != nullptr && !(has_ignore && tp[i] == ignore);
       margin_forward_row<scalar_t>(row, k, y, s, scratch ? buffer.data() : nullptr, op + i * N_STAT,
-                                   kept ? sums : nullptr);
+                                   kept ? sums : nullptr, dfp == nullptr ? nullptr : dfp + i * k);
       if (kept) sums[2 * k] += 1.0;
     };
     if (want_sums) {
@@ -497,13 +501,13 @@ MarginForward margin_forward(const at::Tensor& logits, const at::Tensor& targets
     const double total = reduction == 2 ? ce + s.coef * pen : ce / n_ce + s.coef * (pen / n_pen);
     loss = at::scalar_tensor(total, logits.options());
   }
-  return {loss, stats, sums};
+  return {loss, stats, sums, df};
 }
 
 at::Tensor margin_backward(const at::Tensor& grad_loss, const at::Tensor& logits, const at::Tensor& targets,
                            const at::Tensor& stats, int64_t kind, at::ArrayRef<double> params,
                            c10::optional<int64_t> ignore_index, bool penalty_all_rows, int64_t reduction,
-                           at::Tensor class_params = at::Tensor()) {
+                           at::Tensor class_params = at::Tensor(), const at::Tensor& kept_df = at::Tensor()) {
   const Layout l = margin_layout(logits, targets);
   MarginSpec s = margin_spec(kind, params);
   margin_class_params(s, class_params, logits);
@@ -543,7 +547,11 @@ at::Tensor margin_backward(const at::Tensor& grad_loss, const at::Tensor& logits
   }
   at::Tensor grad = at::empty(x.sizes(), x.options());
   const double* op = stats.data_ptr<double>();
+  TORCH_CHECK_VALUE(!kept_df.defined() || (kept_df.is_contiguous() && kept_df.numel() == rows * k &&
+                                            kept_df.scalar_type() == x.scalar_type()),
+                    "`kept_df` must be the forward's (", rows, ", ", k, ") array");
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "fused_margin_backward", [&] {
+    const scalar_t* dfp = kept_df.defined() ? kept_df.data_ptr<scalar_t>() : nullptr;
     over_rows<scalar_t>(x.data_ptr<scalar_t>(), grad.data_ptr<scalar_t>(), l,
                         [&](int64_t i, const scalar_t* row, scalar_t* g) {
                           const bool keep = !(has_ignore && tp[i] == ignore);
@@ -554,7 +562,8 @@ at::Tensor margin_backward(const at::Tensor& grad_loss, const at::Tensor& logits
                             std::fill(g, g + k, scalar_t(0));
                             return;
                           }
-                          margin_backward_row<scalar_t>(row, k, keep ? tp[i] : -1, s, op + i * N_STAT, gce, gpen, g);
+                          margin_backward_row<scalar_t>(row, k, keep ? tp[i] : -1, s, op + i * N_STAT, gce, gpen, g,
+                                                        dfp == nullptr ? nullptr : dfp + i * k);
                         });
   });
   return grad;
@@ -564,10 +573,12 @@ class FusedMargin : public torch::autograd::Function<FusedMargin> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits, const at::Tensor& targets, int64_t kind,
                             at::ArrayRef<double> params, c10::optional<int64_t> ignore_index, bool penalty_all_rows,
-                            int64_t reduction) {
+                            int64_t reduction, bool keep_df) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    MarginForward f = margin_forward(logits, targets, kind, params, ignore_index, penalty_all_rows, reduction);
-    ctx->save_for_backward({logits, targets, f.stats});
+    // (keep_df: a backward will run, and the confidence penalty keeps f'(p) for it: decision 208)
+    MarginForward f = margin_forward(logits, targets, kind, params, ignore_index, penalty_all_rows, reduction,
+                                     at::Tensor(), false, keep_df);
+    ctx->save_for_backward({logits, targets, f.stats, f.df});
     ctx->saved_data["kind"] = kind;
     ctx->saved_data["params"] = std::vector<double>(params.begin(), params.end());
     ctx->saved_data["has_ignore"] = ignore_index.has_value();
@@ -586,8 +597,9 @@ class FusedMargin : public torch::autograd::Function<FusedMargin> {
     c10::optional<int64_t> ignore;
     if (ctx->saved_data["has_ignore"].toBool()) ignore = ctx->saved_data["ignore"].toInt();
     at::Tensor grad = margin_backward(grads[0], saved[0], saved[1], saved[2], ctx->saved_data["kind"].toInt(), params,
-                                      ignore, ctx->saved_data["all"].toBool(), ctx->saved_data["reduction"].toInt());
-    return {grad, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+                                      ignore, ctx->saved_data["all"].toBool(), ctx->saved_data["reduction"].toInt(),
+                                      at::Tensor(), saved[3]);
+    return {grad, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -600,7 +612,8 @@ at::Tensor fused_margin_cpu(const at::Tensor& logits, const at::Tensor& targets,
 at::Tensor fused_margin_autograd(const at::Tensor& logits, const at::Tensor& targets, int64_t kind,
                                  at::ArrayRef<double> params, c10::optional<int64_t> ignore_index,
                                  bool penalty_all_rows, int64_t reduction) {
-  return FusedMargin::apply(logits, targets, kind, params, ignore_index, penalty_all_rows, reduction);
+  const bool keep_df = at::GradMode::is_enabled() && logits.requires_grad();
+  return FusedMargin::apply(logits, targets, kind, params, ignore_index, penalty_all_rows, reduction, keep_df);
 }
 
 // the same loss as two plain operators for torch.compile (as fused_true_class_fwd / _bwd): the forward

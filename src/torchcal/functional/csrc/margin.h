@@ -4,7 +4,8 @@
 //
 // A row's forward reads it twice (max, then exp(x − max) with the penalty) and keeps per-row statistics
 // (N_STAT float64); the backward reads it again, writes exp(x − max) into the gradient row and turns it into
-// the gradient in a second pass over that row (in cache). No (N, K) array is kept between the two.
+// the gradient in a second pass over that row (in cache). No (N, K) array is kept between the two, except
+// the confidence penalty's f'(p) on the eager path (keep_df: its logs and division are not repeated).
 
 #pragma once
 
@@ -343,7 +344,7 @@ inline void cals_row(const T* x, int64_t k, T m, const MarginSpec& s, double* su
 // (cals_row), or null.
 template <typename T>
 inline void margin_forward_row(const T* x, int64_t k, int64_t y, const MarginSpec& s, T* scratch, double* o,
-                               double* sums = nullptr) {
+                               double* sums = nullptr, T* keep_df = nullptr) {
   const T m = max_of(x, k);
   const bool cp = s.kind == M_CP;
   const double sum = exp_row(x, k, m, cp ? scratch : nullptr);
@@ -405,6 +406,7 @@ inline void margin_forward_row(const T* x, int64_t k, int64_t y, const MarginSpe
         V df;
         cp_lanes<T, decltype(form)::value>(p, log_p, s.eps, f, df);
         pdf = p * df;
+        if (keep_df != nullptr) lanes_store(keep_df + j, df);
       }, acc, acc_d);
     });
     pen = s.mbls_form ? acc / static_cast<double>(k) : std::log(static_cast<double>(k)) + acc;
@@ -453,7 +455,7 @@ inline double penalty_top(int64_t k, const MarginSpec& s, const double* o, doubl
 // dtype (vectorised); the label and arg-max entries are recomputed in float64.
 template <typename T>
 inline void margin_backward_row(const T* x, int64_t k, int64_t y, const MarginSpec& s, const double* o, double gce,
-                                double gpen, T* g) {
+                                double gpen, T* g, const T* kept_df = nullptr) {
   const T m = static_cast<T>(o[S_MAX]);
   const double inv = o[S_INV];
   const int64_t arg = static_cast<int64_t>(o[S_ARG]);
@@ -469,10 +471,14 @@ inline void margin_backward_row(const T* x, int64_t k, int64_t y, const MarginSp
       walk_row<T>(k, [&](int64_t j, auto tag) {
         using V = typename Lanes<T, decltype(tag)::value>::type;
         const V p = lanes_load<V>(g + j) * pinv;
-        V log_p = {};
-        if constexpr (F == CP_EXACT) log_p = (lanes_load<V>(x + j) - m) - lse;
         V f, df;
-        cp_lanes<T, F>(p, log_p, s.eps, f, df);
+        if (kept_df != nullptr) {  // f'(p) kept by the forward: no log or division here
+          df = lanes_load<V>(kept_df + j);
+        } else {
+          V log_p = {};
+          if constexpr (F == CP_EXACT) log_p = (lanes_load<V>(x + j) - m) - lse;
+          cp_lanes<T, F>(p, log_p, s.eps, f, df);
+        }
         lanes_store(g + j, p * (base + scale * df));
       });
       if (y >= 0) {  // the label entry in float64: p_y (gce + ...) − gce cancels
