@@ -1,18 +1,38 @@
-"""The C++ operator of the row-wise margin losses (MbLS, MaxSup, ACLS, the confidence penalty;
-torch.ops.torchcal.fused_margin) against the plain torch path and the float64 loop references: values and
-gradients at (N, K) and (N, K, d1, ...), ignored labels, the three reductions, ties in the maximum, the
-label errors, threads, the torch.compile operators and the cases it leaves to the torch path."""
+"""The C++ operator of the row-wise margin losses (MbLS, MaxSup, ACLS, the confidence penalty, CALS and
+Poly-1; torch.ops.torchcal.fused_margin and fused_margin_class) against the plain torch path and the float64
+loop references: values and gradients at (N, K) and (N, K, d1, ...), ignored labels, the three reductions,
+ties in the maximum, CALS's training statistics and multiplier update, Poly-1's class weights, the label
+errors, threads, the torch.compile operators and the cases it leaves to the torch path."""
 
 import pytest
 import torch
 
 import torchcal.functional as F
 from tests.test_margin_losses import CASES, batch
+from torchcal.losses import CALSLoss
 
 pytestmark = pytest.mark.usefixtures("cpp_extension")
 
-FUSED = ("mbls", "acls", "cp", "maxsup")
+FUSED = ("mbls", "acls", "cp", "maxsup", "cals", "poly1")
 FUSED_CASES = [c for c in CASES if c[0].startswith(FUSED)]
+EPS32 = torch.finfo(torch.float32).eps
+
+
+def _cals_params(k, seed=5):
+    """λ (K,) in [0, 2) with one flat class (1e-6) and ρ (K,) in [1, 4): float64, as CALSLoss holds them."""
+    g = torch.Generator().manual_seed(seed)
+    lam = 2 * torch.rand(k, generator=g, dtype=torch.float64)
+    lam[0] = 1e-6
+    return lam, 1 + 3 * torch.rand(k, generator=g, dtype=torch.float64)
+
+
+def _cals(z, y, margin=3.0, **kw):
+    lam, rho = _cals_params(z.shape[1])
+    return F.cals_loss(z, y, lam, rho, margin, **kw)
+
+
+def _class_weight(z):
+    return torch.linspace(0.25, 2.0, z.shape[1], dtype=z.dtype)
 
 # the fused losses with float32-friendly options (margin 3, so that hinges are active at unit-scale logits)
 LOSSES = {
@@ -24,6 +44,11 @@ LOSSES = {
     "cp": lambda z, y, **kw: F.confidence_penalty_loss(z, y, 0.7, **kw),
     "cp-exact": lambda z, y, **kw: F.confidence_penalty_loss(z, y, 0.3, eps=0.0, **kw),
     "cp-mbls": lambda z, y, **kw: F.confidence_penalty_loss(z, y, 0.1, form="mbls", **kw),
+    "cals": _cals,
+    "cals-drop-raw": lambda z, y, **kw: _cals(z, y, 2.0, normalize=False, ignored_rows="drop", **kw),
+    "poly1": lambda z, y, **kw: F.poly1_cross_entropy(z, y, 2.0, **kw),
+    "poly1-neg": lambda z, y, **kw: F.poly1_cross_entropy(z, y, -0.5, **kw),
+    "poly1-weight": lambda z, y, **kw: F.poly1_cross_entropy(z, y, 1.0, weight=_class_weight(z), **kw),
 }
 
 
@@ -120,7 +145,7 @@ def test_float32_operator_is_as_close_to_float64_as_the_torch_path(name):
     assert abs(fused.double() - exact) <= abs(plain.double() - exact) + ulp
 
 
-@pytest.mark.parametrize("name", ["mbls", "maxsup", "acls"])
+@pytest.mark.parametrize("name", ["mbls", "maxsup", "acls", "cals", "poly1"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_ties_in_the_maximum_send_the_max_gradient_to_the_first(name, dtype):
     """Tied maxima: the max's gradient goes to the first of them, as torch's max(dim) on CPU (ACLS counts
@@ -177,7 +202,7 @@ def test_results_do_not_depend_on_the_thread_count():
              (3 * torch.randn(2, 19, 40, 50, generator=g), torch.randint(0, 19, (2, 40, 50), generator=g))]  # fmt: skip
     threads = torch.get_num_threads()
     for z, y in cases:
-        for name in ("mbls", "acls", "cp"):
+        for name in ("mbls", "acls", "cp", "cals", "poly1-weight"):
             results = []
             try:
                 for n_threads in (1, 3):
@@ -238,7 +263,7 @@ def test_no_graph_without_gradients_and_extreme_logits():
 
 def test_second_order_gradients_are_refused():
     z, y = torch.randn(5, 4, dtype=torch.float64, requires_grad=True), torch.tensor([0, 1, 2, 3, 0])
-    for name in ("maxsup", "cp"):
+    for name in ("maxsup", "cp", "cals", "poly1"):
         with pytest.raises(RuntimeError, match="differentiable once only"):
             torch.autograd.grad(LOSSES[name](z, y), z, create_graph=True)
 
@@ -299,3 +324,232 @@ def test_compiled_losses_take_the_operator_pair_and_equal_eager():
         torch.testing.assert_close(got, want, rtol=0, atol=0)
         torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
 
+
+
+# -- CALS's training statistics and update, Poly-1's class weights, the per-class operator -------------------
+
+
+def _cals_sums(z, y, cpp, **kw):
+    """cals_loss's (loss, gradient, statistics) with statistics=(1e-3, 1.5) on one path."""
+    x = z.detach().clone().requires_grad_(True)
+    with F.use_cpu_extension(cpp):
+        loss, sums = _cals(x, y, statistics=(1e-3, 1.5), **kw)
+        assert ("FusedMargin" in loss.grad_fn.name()) == cpp
+        (grad,) = torch.autograd.grad(loss, x)
+    return loss.detach(), grad, sums
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape,k", [((300,), 7), ((64,), 100), ((2, 5, 31), 19)])
+@pytest.mark.parametrize("ignored_rows", ["reference", "drop"])
+def test_cals_statistics_from_the_operator_equal_the_torch_paths(dtype, shape, k, ignored_rows):
+    """The sums of cals_statistics that the operator returns from its forward (kept positions only, the
+    λ clamp in the dtype) against the torch path's. Both compute each r_ik in the dtype alike; the torch path
+    sums over the rows in the dtype (a float32 matrix product: up to M·eps relative of the sum of |terms|
+    for M positions), the operator in float64 and rounds once: rtol M·eps of the dtype. Σ h is summed from
+    max − z in float64 on the operator, from Σ max and Σ z on the torch path: the same bound."""
+    z, y = _float32_batch(shape, k, seed=k)
+    z = z.to(dtype)
+    (v1, g1, s1), (v2, g2, s2) = (_cals_sums(z, y, cpp, ignored_rows=ignored_rows) for cpp in (True, False))
+    assert s1.dtype == s2.dtype == dtype and s1.shape == (2 * k + 1,)
+    rows = y.numel()
+    eps = torch.finfo(dtype).eps
+    scale = torch.cat([s2[:-1].abs(), s2[-1:]])  # the count is exact on both
+    assert s1[-1] == (y != -100).sum()
+    assert ((s1 - s2).abs() <= rows * eps * scale + eps).all()
+    torch.testing.assert_close(v1, v2, rtol=1e-5 if dtype == torch.float32 else 1e-12, atol=0)
+    atol = 8 * eps * g2.abs().max().item()
+    torch.testing.assert_close(g1, g2, rtol=1e-5 if dtype == torch.float32 else 1e-12, atol=atol)
+
+
+def test_cals_statistics_do_not_depend_on_the_thread_count():
+    """The statistics are summed in parts fixed by the shape, the parts in order: bit-equal for 1 and 3
+    threads, at (N, K) and (N, K, H, W)."""
+    g = torch.Generator().manual_seed(4)
+    cases = [(3 * torch.randn(5000, 64, generator=g), torch.randint(0, 64, (5000,), generator=g)),
+             (3 * torch.randn(3, 19, 40, 50, generator=g), torch.randint(0, 19, (3, 40, 50), generator=g))]  # fmt: skip
+    threads = torch.get_num_threads()
+    for z, y in cases:
+        results = []
+        try:
+            for n_threads in (1, 3):
+                torch.set_num_threads(n_threads)
+                results.append(_cals_sums(z, y, True))
+        finally:
+            torch.set_num_threads(threads)
+        for a, b in zip(*results):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cals_module_update_is_the_torch_paths(dtype):
+    """CALSLoss trained for a few steps on each path (its statistics accumulated from the operator's forward)
+    holds the same λ, ρ and constraint means after its updates; the validation update (update(logits))
+    too. float64: the two differ by summation order (1e-12 relative); float32: the sums carry the float32
+    bound of the test above and λ is their mean (rtol 1e-5)."""
+    g = torch.Generator().manual_seed(9)
+    batches = [(25 * torch.randn(200, 10, generator=g, dtype=dtype), torch.randint(0, 10, (200,), generator=g))
+               for _ in range(3)]  # fmt: skip
+    modules = []
+    for cpp in (True, False):
+        loss_fn = CALSLoss(margin=10.0, rho_step=2, ignore_index=3)
+        with F.use_cpu_extension(cpp):
+            for epoch in range(4):
+                for z, y in batches:
+                    x = z.clone().requires_grad_(True)
+                    loss_fn(x + epoch, y).backward()
+                loss_fn.update(metrics={})
+            loss_fn.update(batches[0][0], batches[0][1])
+        modules.append(loss_fn)
+    tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-12, "atol": 1e-12}
+    assert int(modules[0].updates) == int(modules[1].updates) == 5
+    for name in ("lambdas", "rhos", "previous_constraint"):
+        torch.testing.assert_close(getattr(modules[0], name), getattr(modules[1], name), **tol)
+    assert (modules[0].rhos > 1).any()  # the ρ update happened
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("ignore_index", [-100, 2])
+def test_poly1_class_weights_through_the_operator(reduction, ignore_index):
+    """Poly-1 with class weights: each row's loss times w_y, "mean" over Σ w_y of the kept rows (float64
+    against the loop reference, float32 against the torch path); a weight of zero everywhere kept is NaN
+    for "mean" on both."""
+    from tests.reference import margin as R
+
+    z, y = batch((6, 3, 2), ignore=ignore_index)
+    w = torch.tensor([0.5, 1.0, 2.0, 1.5], dtype=torch.float64)
+    za, zb = z.clone().requires_grad_(True), z.clone().requires_grad_(True)
+    got = F.poly1_cross_entropy(za, y, 2.0, weight=w, ignore_index=ignore_index, reduction=reduction)
+    assert "FusedMargin" in got.grad_fn.name()
+    want = R.poly1(zb, y, 2.0, weight=w, ignore_index=ignore_index, reduction=reduction)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)  # float64 both: summation order only
+    upstream = torch.linspace(0.5, 1.5, got.numel(), dtype=torch.float64).reshape(got.shape)
+    (got * upstream).sum().backward()
+    (want * upstream).sum().backward()
+    torch.testing.assert_close(za.grad, zb.grad, rtol=1e-10, atol=1e-12)
+    zeros = torch.zeros(4)
+    (v1, g1), (v2, g2) = _both_paths(lambda a, b: F.poly1_cross_entropy(a, b, weight=zeros), z.float(), y)
+    assert torch.isnan(v1) and torch.isnan(v2)
+
+
+def test_what_the_per_class_kinds_leave_to_the_torch_path():
+    """Poly-1 with label smoothing or soft targets, a weight that requires a gradient, and CALS with λ or ρ
+    as lists or with a gradient take the torch path (and give the same numbers)."""
+    z, y = torch.randn(6, 4, requires_grad=True), torch.randint(0, 4, (6,))
+    q = torch.softmax(torch.randn(6, 4), 1)
+    w = torch.rand(4, requires_grad=True)
+    lam, rho = _cals_params(4)
+    assert "FusedMargin" not in F.poly1_cross_entropy(z, y, label_smoothing=0.1).grad_fn.name()
+    assert "FusedMargin" not in F.poly1_cross_entropy(z, q).grad_fn.name()
+    assert "FusedMargin" not in F.poly1_cross_entropy(z, y, weight=w).grad_fn.name()
+    assert "FusedMargin" not in F.cals_loss(z, y, lam.tolist(), rho.tolist()).grad_fn.name()
+    assert "FusedMargin" not in F.cals_loss(z, y, lam.clone().requires_grad_(True), rho).grad_fn.name()
+    assert "FusedMargin" in F.cals_loss(z, y, lam, rho).grad_fn.name()
+    torch.testing.assert_close(F.cals_loss(z, y, lam.tolist(), rho.tolist()), F.cals_loss(z, y, lam, rho))
+    with pytest.raises(ValueError, match="one per class"):
+        F.cals_loss(z, y, lam[:3], rho[:3])
+
+
+def test_cals_multipliers_changed_in_place_are_seen():
+    """λ and ρ changed in place between calls (also through ``.data``, which no version counter follows), a
+    new K, and float32 after float64 logits: each call equals the torch path with the values it was given."""
+    g = torch.Generator().manual_seed(3)
+    z, y = torch.randn(20, 5, generator=g, dtype=torch.float64), torch.randint(0, 5, (20,), generator=g)
+    lam, rho = _cals_params(5)
+
+    def check(logits, lam, rho):
+        got = F.cals_loss(logits, y, lam, rho, 3.0)
+        with F.use_cpu_extension(False):
+            want = F.cals_loss(logits, y, lam, rho, 3.0)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+    check(z, lam, rho)
+    lam.data.mul_(3.0)
+    check(z, lam, rho)
+    rho[2] = 7.0
+    check(z, lam, rho)
+    check(z.float(), lam, rho)
+    z6 = torch.randn(20, 6, generator=g, dtype=torch.float64)
+    check(z6, *_cals_params(6))
+
+
+CLASS_ARGS = {  # (kind, params, class_params of K = 4 classes, ignore_index, penalty_all_rows, sums)
+    "cals": (4, [1.0, 3.0, 1e-3, 1.5, 3.0], lambda dt: torch.rand(4, 4, dtype=dt), -100, True, True),
+    "cals-drop": (4, [1.0, 1.0, 0.0, 0.0, 2.0], lambda dt: torch.rand(4, 4, dtype=dt), 255, False, False),
+    "poly1": (5, [2.0], lambda dt: None, None, False, False),
+    "poly1-weight": (5, [-0.5], lambda dt: torch.rand(4, dtype=dt), -100, False, False),
+}
+
+
+@pytest.mark.parametrize("kind", list(CLASS_ARGS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("reduction", [0, 1, 2])
+def test_the_per_class_compile_operators_pass_opcheck(kind, dtype, reduction):
+    code, params, cls, ignore, every_row, sums = CLASS_ARGS[kind]
+    for z, y in ((torch.randn(6, 4, dtype=dtype), torch.tensor([0, 1, 2, 3, 0, 1])),
+                 (torch.randn(2, 4, 2, 2, dtype=dtype), torch.randint(0, 4, (2, 2, 2)))):  # fmt: skip
+        args = (z.requires_grad_(True), y, code, params, cls(dtype), ignore, every_row, reduction, sums)
+        torch.library.opcheck(torch.ops.torchcal.fused_margin_class_fwd.default, args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_per_class_compile_operators_equal_the_eager_operator(dtype):
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(3, 4, 4, 2, generator=g, dtype=dtype)
+    y = torch.randint(0, 4, (3, 4, 2), generator=g)
+    for code, params, cls, ignore, every_row, sums in CLASS_ARGS.values():
+        c = cls(dtype)
+        yk = y.clone()
+        if ignore is not None:
+            yk[0, 0, 0] = ignore
+        for reduction in (0, 1, 2):
+            a, b = z.clone().requires_grad_(True), z.clone().requires_grad_(True)
+            args = (yk, code, params, c, ignore, every_row, reduction, sums)
+            eager, eager_sums = torch.ops.torchcal.fused_margin_class(a, *args)
+            pair, pair_sums, _ = torch.ops.torchcal.fused_margin_class_fwd(b, *args)
+            assert torch.equal(eager.detach(), pair.detach()) and torch.equal(eager_sums, pair_sums)
+            assert eager_sums.numel() == (9 if sums else 0) and not eager_sums.requires_grad
+            (ga,) = torch.autograd.grad(eager.sum(), a)
+            (gb,) = torch.autograd.grad(pair.sum(), b)
+            assert torch.equal(ga, gb)
+
+
+def test_the_per_class_operator_checks_its_inputs():
+    z, y = torch.randn(3, 4), torch.tensor([0, 1, 2])
+    op = torch.ops.torchcal.fused_margin_class
+    with pytest.raises(ValueError, match=r"`class_params` must hold 4 x 4 numbers"):
+        op(z, y, 4, [1.0, 3.0, 0.0, 0.0, 3.0], None, None, False, 1, False)
+    with pytest.raises(ValueError, match=r"`class_params` must hold 1 x 4 numbers of the logits' dtype"):
+        op(z, y, 5, [1.0], torch.ones(4, dtype=torch.float64), None, False, 1, False)
+    with pytest.raises(ValueError, match="only CALS"):
+        op(z, y, 5, [1.0], None, None, False, 1, True)
+    with pytest.raises(ValueError, match="not taken by kind 0"):
+        op(z, y, 0, [0.1, 3.0], torch.ones(4), None, False, 1, False)
+    with pytest.raises(ValueError, match=r"`targets` must lie in \[0, 4\), found label 7"):
+        op(z, torch.tensor([0, 7, 1]), 5, [1.0], None, None, False, 1, False)
+
+
+@pytest.mark.compile
+def test_compiled_per_class_losses_take_the_operator_pair_and_equal_eager():
+    z, y = torch.randn(2, 4, 3, 3), torch.randint(0, 4, (2, 3, 3))
+    y[0, 0, 0] = -100
+    lam, rho = _cals_params(4)
+    losses = {
+        "cals": lambda a, b: F.cals_loss(a, b, lam, rho, 3.0, statistics=(1e-3, 1.5)),
+        "poly1": lambda a, b: (F.poly1_cross_entropy(a, b, 2.0), None),
+        "poly1-weight": lambda a, b: (F.poly1_cross_entropy(a, b, 2.0, weight=torch.rand(4)), None),
+    }
+    for fn in losses.values():
+        torch.manual_seed(0)
+        compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+        a, b = z.clone().requires_grad_(True), z.clone().requires_grad_(True)
+        got, got_sums = compiled(a, y)
+        torch.manual_seed(0)
+        want, want_sums = fn(b, y)
+        assert "FusedMargin" in want.grad_fn.name()
+        got.backward()
+        want.backward()
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+        if want_sums is not None:
+            torch.testing.assert_close(got_sums, want_sums, rtol=0, atol=0)

@@ -239,19 +239,32 @@ def _fast_margin_call(logits, targets, reduction) -> bool:
     )
 
 
-def penalised_cross_entropy(logits, targets, kind, params, ignore_index, penalty_all_rows, reduction):
+def penalised_cross_entropy(
+    logits, targets, kind, params, ignore_index, penalty_all_rows, reduction, class_params=None, sums=None
+):
     """Cross entropy plus the penalty ``kind`` of :mod:`torchcal.functional.margin` by the C++ operator
     (``params`` = [coef, the penalty's numbers]; ``penalty_all_rows``: the penalty also covers rows labelled
     ``ignore_index``), or None where it does not apply (not built or disabled, soft targets, another dtype or
     device, a label outside [0, K) that is not ``ignore_index``: the caller's torch path then computes, or
-    raises the named error)."""
+    raises the named error). The kinds with per-class numbers (CALS, Poly-1) take ``class_params`` (logits'
+    dtype, csrc/margin.h) and ``sums`` (a bool: CALS's statistics); they return (loss, statistics)."""
     if not _fast_margin_call(logits, targets, reduction):
         return None
     params = [float(p) for p in params]
+    if sums is None:
+        call = _extension.fused_margin
+        args = (logits, targets, kind, params, ignore_index, penalty_all_rows, reduction)
+    else:
+        if class_params is not None and (
+            type(class_params) is not torch.Tensor or class_params.requires_grad or not class_params.is_cpu
+        ):
+            return None  # (a differentiable weight: the torch path carries its gradient)
+        call = _extension.fused_margin_class
+        args = (logits, targets, kind, params, class_params, ignore_index, penalty_all_rows, reduction, sums)
     if torch.compiler.is_compiling():  # (no fallback inside a graph: the operator raises on a bad label)
-        return _extension.fused_margin(logits, targets, kind, params, ignore_index, penalty_all_rows, reduction)
+        return call(*args)
     try:
-        return _extension.fused_margin(logits, targets, kind, params, ignore_index, penalty_all_rows, reduction)
+        return call(*args)
     except ValueError:
         return None
 

@@ -287,7 +287,7 @@ def fused_true_class(logits, targets, spec: LossSpec, reduction: str) -> torch.T
     return _op("fused_true_class")(logits, targets, params, sample, REDUCTION_CODES[reduction])
 
 
-MARGIN_KINDS = {"mbls": 0, "maxsup": 1, "acls": 2, "confidence-penalty": 3}
+MARGIN_KINDS = {"mbls": 0, "maxsup": 1, "acls": 2, "confidence-penalty": 3, "cals": 4, "poly1": 5}
 _N_STAT = 6  # columns of the margin operator's per-row statistics (``enum MarginStat`` in csrc/margin.h)
 
 
@@ -404,6 +404,20 @@ def fused_sbece_label(conf, correct, kept, bins: int, temperature: float):
     return _SBECELabel.apply(conf, correct.to(conf.dtype), kept.to(conf.dtype), int(bins), float(temperature))
 
 
+def fused_margin_class(
+    logits, targets, kind: str, params: list[float], class_params, ignore_index, penalty_all_rows, reduction,
+    sums: bool,
+):
+    """:func:`fused_margin` for the kinds with per-class numbers (``class_params``, csrc/margin.h: CALS's
+    (4, K) a, b, w, c; Poly-1's class weights (K,) or None); returns (loss, CALS's statistics (2K + 1) float64
+    with ``sums``, else an empty tensor)."""
+    args = (logits, targets, MARGIN_KINDS[kind], params, class_params, ignore_index, penalty_all_rows,
+            REDUCTION_CODES[reduction], sums)  # fmt: skip
+    if torch.compiler.is_compiling():
+        return torch.ops.torchcal.fused_margin_class_fwd.default(*args)[:2]
+    return _op("fused_margin_class")(*args)
+
+
 _N_OUT = 6  # columns of the operator's per-sample output (``enum Out`` in csrc/true_class.h)
 
 
@@ -489,6 +503,37 @@ def _register_compile_support() -> None:
         return grad, None, None, None, None, None
 
     torch.library.register_autograd("torchcal::fused_ace_fwd", ace_backward, setup_context=ace_setup_context)
+
+    if not hasattr(torch.ops.torchcal, "fused_margin_class_fwd"):
+        return
+
+    @torch.library.register_fake("torchcal::fused_margin_class_fwd")
+    def _class_fwd_fake(logits, targets, kind, params, class_params, ignore_index, penalty_all_rows, reduction, sums):
+        loss = logits.new_empty(targets.shape if reduction == 0 else ())
+        n_sums = 2 * logits.shape[1] + 1 if sums else 0
+        stats = logits.new_empty((targets.numel(), _N_STAT), dtype=torch.float64)
+        return loss, logits.new_empty((n_sums,), dtype=torch.float64), stats
+
+    @torch.library.register_fake("torchcal::fused_margin_class_bwd")
+    def _class_bwd_fake(grad_loss, logits, targets, stats, kind, params, class_params, ignore_index,
+                        penalty_all_rows, reduction):  # fmt: skip
+        return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+    def class_setup_context(ctx, inputs, output):
+        logits, targets, kind, params, class_params, *options = inputs
+        ctx.save_for_backward(logits, targets, output[2], class_params)
+        ctx.kind, ctx.params, ctx.options = kind, params, options[:3]
+        ctx.mark_non_differentiable(output[1], output[2])
+
+    def class_backward(ctx, grad_loss, _grad_sums, _grad_stats):
+        logits, targets, stats, class_params = ctx.saved_tensors
+        bwd = torch.ops.torchcal.fused_margin_class_bwd.default
+        grad = bwd(grad_loss, logits, targets, stats, ctx.kind, ctx.params, class_params, *ctx.options)
+        return grad, None, None, None, None, None, None, None, None
+
+    torch.library.register_autograd(
+        "torchcal::fused_margin_class_fwd", class_backward, setup_context=class_setup_context
+    )
 
 
 def _register_batch_terms() -> None:

@@ -16,13 +16,14 @@ left out, soft targets (class probabilities of the logits' shape) for the cross-
 released code differs from the paper, the code is the default (SPEC §8; decisions 131-139). The losses do not
 call ``.item()`` or branch on tensor values, so they trace into one ``torch.compile`` graph. On the CPU, with
 the C++ library built (``torchcal build-extension``), for integer labels and float32/float64 logits, MbLS,
-ACLS, MaxSup and the confidence penalty run as one fused operator (decision 200), and MDCA (all three
+ACLS, MaxSup, the confidence penalty, CALS (its training statistics included) and Poly-1 (without label
+smoothing; class weights included) run as one fused operator (decisions 200, 206-208); MDCA (all three
 bases), DCA, SB-ECE, AvUC, S-AvUC and ESD take their per-row numbers (base loss, top-label confidence,
 correctness, entropy, MDCA's column sums) and the logits' gradient from another, with the batch term
 computed in torch on those (M,) vectors (decision 202; SB-ECE's default label-binned term is a C++ operator
 on the confidences too, decision 203); :func:`ml1ace_loss` has its own operator (decision 211). The code
-below is the reference path and that of every other case (soft targets, half precision, other devices, the
-extension off).
+below is the reference path and that of every other case (soft targets, half precision, other devices,
+Poly-1's label smoothing, the extension off).
 
 Only Poly-1 is a function of the target distribution, so only it takes class ``weight`` and
 ``label_smoothing``; MbLS, ACLS, the confidence penalty and MaxSup add a term that does not depend on the
@@ -83,6 +84,7 @@ _PENALTY_IS_NOT_PER_CLASS = (
     "poly1_cross_entropy or cross_entropy for weighted or smoothed targets"
 )
 MBLS_SCHEDULES = ("", "add", "multiply", "step")
+_FUSED = (torch.float32, torch.float64)  # the logits' dtypes of the C++ operator
 
 
 def _number(value, name, low=None, high=None, low_open=False):
@@ -336,6 +338,12 @@ def poly1_cross_entropy(
     smoothing = check_label_smoothing(label_smoothing)
     check_choice(reduction, "reduction", REDUCTIONS)
     ignore_index = check_ignore_index(ignore_index)
+    if not smoothing and type(logits) is torch.Tensor and logits.ndim >= 2 and logits.dtype in _FUSED:
+        # integer labels without smoothing: CE + ε(1 − p_y), weighted by w_y, through the C++ operator
+        w = None if weight is None else check_class_weight(weight, logits)
+        fused = penalised_cross_entropy(logits, targets, "poly1", [eps], ignore_index, False, reduction, w, False)
+        if fused is not None:
+            return fused[0]
     with torch.autocast(_device_type(logits), enabled=False):
         rows = loss_rows(logits, targets, ignore_index)
         w = check_class_weight(weight, rows.logits)
@@ -1539,6 +1547,54 @@ def _cals_penalty(z, lam, rho, margin, normalize, kept=None, lambda_min=0.0, lam
     return penalty, torch.cat([raw[:k], h_sums, count[None]])
 
 
+# the last per-class numbers of _cals_class_params: (copies of λ and ρ, (dtype, m, s), the numbers)
+_CALS_LAST: list = [None]
+
+
+def _cals_class_params(lambdas, rhos, dtype, m, s):
+    """CALS's (4, K) per-class numbers a = ρ/s, b = λ − am, w = 1/(2ρK), λ²w in ``dtype`` (as
+    :func:`_cals_penalty` computes them). The last ones are kept with copies of the λ and ρ they came from
+    and reused while λ and ρ equal them (two comparisons for ten small tensor operations, about a tenth of
+    cross entropy's time at 4096 × 100; a comparison of values, which no in-place change escapes)."""
+    caching = not torch.compiler.is_compiling()
+    key = (dtype, m, s)
+    last = _CALS_LAST[0]
+    if caching and last is not None:
+        lam0, rho0, key0, params = last
+        if key0 == key and torch.equal(lam0, lambdas) and torch.equal(rho0, rhos):
+            return params
+    k = lambdas.shape[0]
+    lam, rho = lambdas.to(dtype), rhos.to(dtype)
+    a = rho / s
+    w = 1 / (2 * rho * k)
+    params = torch.stack([a, lam - a * m, w, lam * lam * w])
+    if caching:
+        _CALS_LAST[0] = (lambdas.clone(), rhos.clone(), key, params)
+    return params
+
+
+def _fused_cals(logits, targets, lambdas, rhos, m, normalize, ignored_rows, ignore_index, reduction, statistics):
+    """CALS through the C++ operator: (loss, statistics or an empty tensor), or None where it does not apply
+    (see penalised_cross_entropy; λ or ρ not CPU tensors of shape (K,) without gradient: the torch path then
+    computes, or raises the named error). The per-class numbers a = ρ/s, b = λ − am, w = 1/(2ρK) and λ²w are
+    those of :func:`_cals_penalty`, in the logits' dtype."""
+    if type(logits) is not torch.Tensor or logits.ndim < 2:
+        return None
+    k = logits.shape[1]
+    for value in (lambdas, rhos):
+        if type(value) is not torch.Tensor or value.shape != (k,) or value.requires_grad or not value.is_cpu:
+            return None
+    s = m if normalize else 1.0
+    lo, hi = statistics if statistics is not None else (0.0, 0.0)
+    fused = penalised_cross_entropy(
+        logits, targets, "cals", [1.0, s, lo, hi, m], ignore_index, ignored_rows == "reference", reduction,
+        _cals_class_params(lambdas, rhos, logits.dtype, m, s), statistics is not None,
+    )  # fmt: skip
+    if fused is None or statistics is None:
+        return fused
+    return fused[0], fused[1].to(logits.dtype)
+
+
 def cals_loss(
     logits,
     targets,
@@ -1584,6 +1640,10 @@ def cals_loss(
         raise ValueError(f"`weight` is not accepted: {_CALS_PENALTY_IS_NOT_PER_CLASS}")
     check_label_smoothing(label_smoothing, _CALS_PENALTY_IS_NOT_PER_CLASS)
     ignore_index = check_ignore_index(ignore_index)
+    fused = _fused_cals(logits, targets, lambdas, rhos, m, normalize, ignored_rows, ignore_index, reduction,
+                        statistics)  # fmt: skip
+    if fused is not None:
+        return fused[0] if statistics is None else fused
     with torch.autocast(_device_type(logits), enabled=False):
         rows, _, ce = _ce_rows(logits, targets, ignore_index)
         z = rows.logits

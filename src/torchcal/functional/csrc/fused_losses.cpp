@@ -257,8 +257,9 @@ at::Tensor fused_true_class_bwd_cpu(const at::Tensor& grad_loss, const at::Tenso
 // autograd saves an input: no copy) and the per-row statistics, so nothing of size (N, K) is kept.
 
 MarginSpec margin_spec(int64_t kind, at::ArrayRef<double> params) {
-  TORCH_CHECK_VALUE(kind >= M_MBLS && kind <= M_CP, "`kind` must be 0 (MbLS), 1 (MaxSup), 2 (ACLS) or 3 (CP)");
-  const size_t need[] = {2, 1, 4, 3};
+  TORCH_CHECK_VALUE(kind >= M_MBLS && kind <= M_POLY1,
+                    "`kind` must be 0 (MbLS), 1 (MaxSup), 2 (ACLS), 3 (CP), 4 (CALS) or 5 (Poly-1)");
+  const size_t need[] = {2, 1, 4, 3, 5, 1};
   TORCH_CHECK_VALUE(params.size() == need[kind], "`params` must hold ", need[kind], " numbers for kind ", kind);
   MarginSpec s{kind, params[0], 0.0, 0.0, 0.0, 0.0, false};
   if (kind == M_MBLS) s.margin = params[1];
@@ -271,7 +272,45 @@ MarginSpec margin_spec(int64_t kind, at::ArrayRef<double> params) {
     s.eps = params[1];
     s.mbls_form = params[2] != 0;
   }
+  if (kind == M_CALS) {
+    s.scale = params[1];
+    s.lo = params[2];
+    s.hi = params[3];
+    s.margin = params[4];
+  }
   return s;
+}
+
+// The per-class numbers of CALS ((4, K): a, b, w, c; Σ c into s.offset) and Poly-1 (class weights (K,) or
+// none) checked against the logits, their data put in s; class_params is contiguous on return
+void margin_class_params(MarginSpec& s, at::Tensor& class_params, const at::Tensor& logits) {
+  const int64_t k = logits.size(1);
+  const bool given = class_params.defined();
+  if (s.kind == M_CALS || (s.kind == M_POLY1 && given)) {
+    const int64_t rows = s.kind == M_CALS ? 4 : 1;
+    TORCH_CHECK_VALUE(given && class_params.numel() == rows * k && class_params.device().is_cpu() &&
+                          class_params.scalar_type() == logits.scalar_type(),
+                      "`class_params` must hold ", rows, " x ", k, " numbers of the logits' dtype on CPU");
+    class_params = class_params.contiguous();
+    s.cls = class_params.data_ptr();
+    if (s.kind == M_CALS) {
+      AT_DISPATCH_FLOATING_TYPES(class_params.scalar_type(), "margin_class_params", [&] {
+        const scalar_t* c = class_params.data_ptr<scalar_t>() + 3 * k;
+        double total = 0.0;
+        for (int64_t j = 0; j < k; ++j) total += static_cast<double>(c[j]);
+        s.offset = total;
+      });
+    }
+  } else {
+    TORCH_CHECK_VALUE(!given, "`class_params` is not taken by kind ", s.kind);
+  }
+}
+
+// Poly-1's row weight w[y] (1 without class weights or for another kind); y a checked label
+inline double margin_row_weight(const MarginSpec& s, const at::Tensor& class_params, int64_t y) {
+  if (s.kind != M_POLY1 || s.cls == nullptr) return 1.0;
+  return class_params.scalar_type() == at::kFloat ? static_cast<double>(static_cast<const float*>(s.cls)[y])
+                                                  : static_cast<const double*>(s.cls)[y];
 }
 
 // (N, K, S) sizes of the logits, with the targets' shape checked against them
@@ -339,13 +378,42 @@ inline int64_t margin_label(int64_t y, int64_t k, bool has_ignore, int64_t ignor
 struct MarginForward {
   at::Tensor loss;   // reduced, or the targets' shape for "none", in the logits' dtype
   at::Tensor stats;  // (M, N_STAT) float64 per row
+  at::Tensor sums;   // CALS's statistics (2K + 1) float64 when asked for, else empty
+  at::Tensor df;     // the confidence penalty's f'(p) (M, K) in the logits' dtype when kept, else undefined
 };
+
+// The CALS statistics' parts: a fixed split of the rows (depending on N, K and the positions only), each
+// part's rows accumulated in order and the parts added in order, so the sums do not depend on the thread
+// count. (N, K) rows: up to 64 parts of >= 2^14 entries; (N, K, d1, ...): one part per image.
+int64_t cals_parts(const Layout& l) {
+  return l.sp == 1 ? std::max<int64_t>(1, std::min<int64_t>({64, l.n * l.k >> 14, l.n})) : l.n;
+}
+
+// fn(part, row, x_row) over every row, the parts in parallel and each part's rows in order (over_rows on the
+// part's own rows, nested: it runs them on the calling thread)
+template <typename T, typename Fn>
+void over_row_parts(const T* x, const Layout& l, int64_t parts, const Fn& fn) {
+  const int64_t per = l.sp == 1 ? (l.n + parts - 1) / parts : 1;
+  at::parallel_for(0, parts, 1, [&](int64_t first, int64_t last) {
+    for (int64_t c = first; c < last; ++c) {
+      const int64_t r0 = std::min(l.n, c * per), r1 = std::min(l.n, (c + 1) * per);
+      if (r0 >= r1) continue;
+      const Layout part{r1 - r0, l.k, l.sp};
+      over_rows<T>(x + r0 * l.k * l.sp, nullptr, part, [&](int64_t i, const T* row, T*) {
+        fn(c, r0 * l.sp + i, row);
+      });
+    }
+  });
+}
 
 MarginForward margin_forward(const at::Tensor& logits, const at::Tensor& targets, int64_t kind,
                              at::ArrayRef<double> params, c10::optional<int64_t> ignore_index,
-                             bool penalty_all_rows, int64_t reduction) {
+                             bool penalty_all_rows, int64_t reduction, at::Tensor class_params = at::Tensor(),
+                             bool want_sums = false, bool keep_df = false) {
   const Layout l = margin_layout(logits, targets);
-  const MarginSpec s = margin_spec(kind, params);
+  MarginSpec s = margin_spec(kind, params);
+  margin_class_params(s, class_params, logits);
+  TORCH_CHECK_VALUE(!want_sums || kind == M_CALS, "only CALS (kind 4) returns statistics");
   TORCH_CHECK_VALUE(reduction >= 0 && reduction <= 2, "`reduction` must be 0, 1 or 2");
   const at::Tensor x = logits.contiguous();
   const at::Tensor t = targets.to(at::kLong).contiguous();
@@ -356,17 +424,41 @@ MarginForward margin_forward(const at::Tensor& logits, const at::Tensor& targets
   const int64_t* tp = t.data_ptr<int64_t>();
   double* op = stats.data_ptr<double>();
   std::atomic<int64_t> n_bad{0};
+  const int64_t parts = want_sums ? cals_parts(l) : 0;
+  std::vector<double> part_sums(static_cast<size_t>(parts * (2 * k + 1)), 0.0);
+  at::Tensor df;
+  if (keep_df && s.kind == M_CP) df = at::empty({rows, k}, x.options());
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "fused_margin", [&] {
     const bool scratch = s.kind == M_CP;
-    over_rows<scalar_t>(x.data_ptr<scalar_t>(), nullptr, l, [&](int64_t i, const scalar_t* row, scalar_t*) {
+    scalar_t* dfp = df.defined() ? df.data_ptr<scalar_t>() : nullptr;
+    const auto row_fn = [&](int64_t i, const scalar_t* row, double* sums) {
       int64_t bad = 0;
       const int64_t y = margin_label(tp[i], k, has_ignore, ignore, bad);
       if (bad) n_bad += bad;
       thread_local std::vector<scalar_t> buffer;
       if (scratch && static_cast<int64_t>(buffer.size()) < k) buffer.resize(static_cast<size_t>(k));
-      margin_forward_row<scalar_t>(row, k, y, s, scratch ? buffer.data() : nullptr, op + i * N_STAT);
-    });
+      const bool kept = sums != nullptr && !(has_ignore && tp[i] == ignore);
+      margin_forward_row<scalar_t>(row, k, y, s, scratch ? buffer.data() : nullptr, op + i * N_STAT,
+                                   kept ? sums : nullptr, dfp == nullptr ? nullptr : dfp + i * k);
+      if (kept) sums[2 * k] += 1.0;
+    };
+    if (want_sums) {
+      over_row_parts<scalar_t>(x.data_ptr<scalar_t>(), l, parts, [&](int64_t c, int64_t i, const scalar_t* row) {
+        row_fn(i, row, part_sums.data() + c * (2 * k + 1));
+      });
+    } else {
+      over_rows<scalar_t>(x.data_ptr<scalar_t>(), nullptr, l,
+                          [&](int64_t i, const scalar_t* row, scalar_t*) { row_fn(i, row, nullptr); });
+    }
   });
+  at::Tensor sums = at::zeros({want_sums ? 2 * k + 1 : 0}, x.options().dtype(at::kDouble));
+  if (want_sums) {
+    double* out = sums.data_ptr<double>();
+    for (int64_t c = 0; c < parts; ++c)
+      for (int64_t j = 0; j < 2 * k + 1; ++j) out[j] += part_sums[static_cast<size_t>(c * (2 * k + 1) + j)];
+    // Σ_i h_ik = (Σ_i (max_i − x_ik) − m·count) / s
+    for (int64_t j = k; j < 2 * k; ++j) out[j] = (out[j] - s.margin * out[2 * k]) / s.scale;
+  }
   if (n_bad.load() > 0) {
     int64_t bad = 0;
     for (int64_t i = 0; i < rows; ++i) {
@@ -385,38 +477,42 @@ MarginForward margin_forward(const at::Tensor& logits, const at::Tensor& targets
       for (int64_t i = 0; i < rows; ++i) {
         const bool keep = !(has_ignore && tp[i] == ignore);
         const double* o = op + i * N_STAT;
-        lp[i] = static_cast<scalar_t>((keep ? o[S_CE] : 0.0) + s.coef * (keep || penalty_all_rows ? o[S_PEN] : 0.0));
+        const double w = keep ? margin_row_weight(s, class_params, tp[i]) : 1.0;
+        lp[i] = static_cast<scalar_t>(
+            w * ((keep ? o[S_CE] : 0.0) + s.coef * (keep || penalty_all_rows ? o[S_PEN] : 0.0)));
       }
     });
   } else {
     // summed in row order on one thread: the same value for any thread setting
-    double ce = 0.0, pen = 0.0;
-    int64_t n_ce = 0, n_pen = 0;
+    // (Poly-1's class weights: each row's terms times w[y], "mean" over Σ w[y] of the kept rows)
+    double ce = 0.0, pen = 0.0, n_ce = 0.0, n_pen = 0.0;
     for (int64_t i = 0; i < rows; ++i) {
       const bool keep = !(has_ignore && tp[i] == ignore);
       const double* o = op + i * N_STAT;
+      const double w = keep ? margin_row_weight(s, class_params, tp[i]) : 1.0;
       if (keep) {
-        ce += o[S_CE];
-        ++n_ce;
+        ce += w * o[S_CE];
+        n_ce += w;
       }
       if (keep || penalty_all_rows) {
-        pen += o[S_PEN];
-        ++n_pen;
+        pen += w * o[S_PEN];
+        n_pen += w;
       }
     }
     // "mean" with no row kept is 0/0 = NaN, as the torch path
-    const double total = reduction == 2 ? ce + s.coef * pen
-                                        : ce / static_cast<double>(n_ce) + s.coef * (pen / static_cast<double>(n_pen));
+    const double total = reduction == 2 ? ce + s.coef * pen : ce / n_ce + s.coef * (pen / n_pen);
     loss = at::scalar_tensor(total, logits.options());
   }
-  return {loss, stats};
+  return {loss, stats, sums, df};
 }
 
 at::Tensor margin_backward(const at::Tensor& grad_loss, const at::Tensor& logits, const at::Tensor& targets,
                            const at::Tensor& stats, int64_t kind, at::ArrayRef<double> params,
-                           c10::optional<int64_t> ignore_index, bool penalty_all_rows, int64_t reduction) {
+                           c10::optional<int64_t> ignore_index, bool penalty_all_rows, int64_t reduction,
+                           at::Tensor class_params = at::Tensor(), const at::Tensor& kept_df = at::Tensor()) {
   const Layout l = margin_layout(logits, targets);
-  const MarginSpec s = margin_spec(kind, params);
+  MarginSpec s = margin_spec(kind, params);
+  margin_class_params(s, class_params, logits);
   const at::Tensor x = logits.contiguous();
   const at::Tensor t = targets.to(at::kLong).contiguous();
   const int64_t rows = l.n * l.sp, k = l.k;
@@ -439,26 +535,37 @@ at::Tensor margin_backward(const at::Tensor& grad_loss, const at::Tensor& logits
   } else {
     single = grad_loss.item<double>();
     if (reduction == 1) {
-      int64_t n_ce = 0;
-      for (int64_t i = 0; i < rows; ++i) n_ce += !(has_ignore && tp[i] == ignore);
-      ce_div = static_cast<double>(n_ce);
-      pen_div = penalty_all_rows ? static_cast<double>(rows) : ce_div;
+      double n_ce = 0.0, n_other = 0.0;
+      for (int64_t i = 0; i < rows; ++i) {
+        if (has_ignore && tp[i] == ignore) {
+          n_other += 1.0;
+        } else {
+          n_ce += margin_row_weight(s, class_params, tp[i]);
+        }
+      }
+      ce_div = n_ce;
+      pen_div = penalty_all_rows ? n_ce + n_other : ce_div;
     }
   }
   at::Tensor grad = at::empty(x.sizes(), x.options());
   const double* op = stats.data_ptr<double>();
+  TORCH_CHECK_VALUE(!kept_df.defined() || (kept_df.is_contiguous() && kept_df.numel() == rows * k &&
+                                            kept_df.scalar_type() == x.scalar_type()),
+                    "`kept_df` must be the forward's (", rows, ", ", k, ") array");
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "fused_margin_backward", [&] {
+    const scalar_t* dfp = kept_df.defined() ? kept_df.data_ptr<scalar_t>() : nullptr;
     over_rows<scalar_t>(x.data_ptr<scalar_t>(), grad.data_ptr<scalar_t>(), l,
                         [&](int64_t i, const scalar_t* row, scalar_t* g) {
                           const bool keep = !(has_ignore && tp[i] == ignore);
-                          const double gi = gp[i * stride];
+                          const double gi = gp[i * stride] * (keep ? margin_row_weight(s, class_params, tp[i]) : 1.0);
                           const double gce = keep ? gi / ce_div : 0.0;
                           const double gpen = keep || penalty_all_rows ? s.coef * gi / pen_div : 0.0;
                           if (gce == 0.0 && gpen == 0.0) {
                             std::fill(g, g + k, scalar_t(0));
                             return;
                           }
-                          margin_backward_row<scalar_t>(row, k, keep ? tp[i] : -1, s, op + i * N_STAT, gce, gpen, g);
+                          margin_backward_row<scalar_t>(row, k, keep ? tp[i] : -1, s, op + i * N_STAT, gce, gpen, g,
+                                                        dfp == nullptr ? nullptr : dfp + i * k);
                         });
   });
   return grad;
@@ -468,10 +575,12 @@ class FusedMargin : public torch::autograd::Function<FusedMargin> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits, const at::Tensor& targets, int64_t kind,
                             at::ArrayRef<double> params, c10::optional<int64_t> ignore_index, bool penalty_all_rows,
-                            int64_t reduction) {
+                            int64_t reduction, bool keep_df) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    MarginForward f = margin_forward(logits, targets, kind, params, ignore_index, penalty_all_rows, reduction);
-    ctx->save_for_backward({logits, targets, f.stats});
+    // (keep_df: a backward will run, and the confidence penalty keeps f'(p) for it: decision 208)
+    MarginForward f = margin_forward(logits, targets, kind, params, ignore_index, penalty_all_rows, reduction,
+                                     at::Tensor(), false, keep_df);
+    ctx->save_for_backward({logits, targets, f.stats, f.df});
     ctx->saved_data["kind"] = kind;
     ctx->saved_data["params"] = std::vector<double>(params.begin(), params.end());
     ctx->saved_data["has_ignore"] = ignore_index.has_value();
@@ -490,8 +599,9 @@ class FusedMargin : public torch::autograd::Function<FusedMargin> {
     c10::optional<int64_t> ignore;
     if (ctx->saved_data["has_ignore"].toBool()) ignore = ctx->saved_data["ignore"].toInt();
     at::Tensor grad = margin_backward(grads[0], saved[0], saved[1], saved[2], ctx->saved_data["kind"].toInt(), params,
-                                      ignore, ctx->saved_data["all"].toBool(), ctx->saved_data["reduction"].toInt());
-    return {grad, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+                                      ignore, ctx->saved_data["all"].toBool(), ctx->saved_data["reduction"].toInt(),
+                                      at::Tensor(), saved[3]);
+    return {grad, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -504,7 +614,8 @@ at::Tensor fused_margin_cpu(const at::Tensor& logits, const at::Tensor& targets,
 at::Tensor fused_margin_autograd(const at::Tensor& logits, const at::Tensor& targets, int64_t kind,
                                  at::ArrayRef<double> params, c10::optional<int64_t> ignore_index,
                                  bool penalty_all_rows, int64_t reduction) {
-  return FusedMargin::apply(logits, targets, kind, params, ignore_index, penalty_all_rows, reduction);
+  const bool keep_df = at::GradMode::is_enabled() && logits.requires_grad();
+  return FusedMargin::apply(logits, targets, kind, params, ignore_index, penalty_all_rows, reduction, keep_df);
 }
 
 // the same loss as two plain operators for torch.compile (as fused_true_class_fwd / _bwd): the forward
@@ -515,6 +626,96 @@ std::tuple<at::Tensor, at::Tensor> fused_margin_fwd_cpu(const at::Tensor& logits
                                                         int64_t reduction) {
   MarginForward f = margin_forward(logits, targets, kind, params, ignore_index, penalty_all_rows, reduction);
   return {f.loss, f.stats};
+}
+
+// -- the margin losses with per-class numbers (CALS, Poly-1's class weights) -------------------------------
+//
+//   fused_margin_class(logits, targets, kind, params, class_params, ignore_index, penalty_all_rows, reduction,
+//                      sums) -> (loss, sums)
+//
+// As fused_margin, with class_params (margin.h: CALS (4, K), Poly-1 (K,) or None) and, for CALS with sums,
+// the training statistics (2K + 1) float64 of the kept rows (cals_statistics): per class Σ clamp(r_k, λ_min,
+// λ_max) and Σ h_k = (Σ (max − x_k) − m·count)/s, then the row count (else an empty tensor). They are not
+// differentiable.
+
+class FusedMarginClass : public torch::autograd::Function<FusedMarginClass> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& logits, const at::Tensor& targets,
+                               int64_t kind, at::ArrayRef<double> params,
+                               const c10::optional<at::Tensor>& class_params, c10::optional<int64_t> ignore_index,
+                               bool penalty_all_rows, int64_t reduction, bool sums) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    const at::Tensor cls = class_params.value_or(at::Tensor());
+    MarginForward f = margin_forward(logits, targets, kind, params, ignore_index, penalty_all_rows, reduction, cls, sums);
+    ctx->save_for_backward({logits, targets, f.stats, cls});
+    ctx->mark_non_differentiable({f.sums});
+    ctx->saved_data["kind"] = kind;
+    ctx->saved_data["params"] = std::vector<double>(params.begin(), params.end());
+    ctx->saved_data["has_ignore"] = ignore_index.has_value();
+    ctx->saved_data["ignore"] = ignore_index.value_or(0);
+    ctx->saved_data["all"] = penalty_all_rows;
+    ctx->saved_data["reduction"] = reduction;
+    return {f.loss, f.sums};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    TORCH_CHECK(!at::GradMode::is_enabled(),
+                "the fused CPU margin loss is differentiable once only; for higher-order gradients run it with "
+                "torchcal.functional.use_cpu_extension(False)");
+    const auto saved = ctx->get_saved_variables();
+    const std::vector<double> params = ctx->saved_data["params"].toDoubleVector();
+    c10::optional<int64_t> ignore;
+    if (ctx->saved_data["has_ignore"].toBool()) ignore = ctx->saved_data["ignore"].toInt();
+    at::Tensor grad = margin_backward(grads[0], saved[0], saved[1], saved[2], ctx->saved_data["kind"].toInt(), params,
+                                      ignore, ctx->saved_data["all"].toBool(), ctx->saved_data["reduction"].toInt(),
+                                      saved[3]);
+    return {grad,         at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor> fused_margin_class_cpu(const at::Tensor& logits, const at::Tensor& targets,
+                                                          int64_t kind, at::ArrayRef<double> params,
+                                                          const c10::optional<at::Tensor>& class_params,
+                                                          c10::optional<int64_t> ignore_index, bool penalty_all_rows,
+                                                          int64_t reduction, bool sums) {
+  MarginForward f = margin_forward(logits, targets, kind, params, ignore_index, penalty_all_rows, reduction,
+                                   class_params.value_or(at::Tensor()), sums);
+  return {f.loss, f.sums};
+}
+
+std::tuple<at::Tensor, at::Tensor> fused_margin_class_autograd(const at::Tensor& logits, const at::Tensor& targets,
+                                                               int64_t kind, at::ArrayRef<double> params,
+                                                               const c10::optional<at::Tensor>& class_params,
+                                                               c10::optional<int64_t> ignore_index,
+                                                               bool penalty_all_rows, int64_t reduction, bool sums) {
+  variable_list out = FusedMarginClass::apply(logits, targets, kind, params, class_params, ignore_index,
+                                              penalty_all_rows, reduction, sums);
+  return {out[0], out[1]};
+}
+
+// the compile pair (as fused_margin_fwd / _bwd): the forward also returns the per-row statistics
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_margin_class_fwd_cpu(
+    const at::Tensor& logits, const at::Tensor& targets, int64_t kind, at::ArrayRef<double> params,
+    const c10::optional<at::Tensor>& class_params, c10::optional<int64_t> ignore_index, bool penalty_all_rows,
+    int64_t reduction, bool sums) {
+  MarginForward f = margin_forward(logits, targets, kind, params, ignore_index, penalty_all_rows, reduction,
+                                   class_params.value_or(at::Tensor()), sums);
+  return {f.loss, f.sums, f.stats};
+}
+
+at::Tensor fused_margin_class_bwd_cpu(const at::Tensor& grad_loss, const at::Tensor& logits, const at::Tensor& targets,
+                                      const at::Tensor& stats, int64_t kind, at::ArrayRef<double> params,
+                                      const c10::optional<at::Tensor>& class_params,
+                                      c10::optional<int64_t> ignore_index, bool penalty_all_rows, int64_t reduction) {
+  return margin_backward(grad_loss, logits, targets, stats, kind, params, ignore_index, penalty_all_rows, reduction,
+                         class_params.value_or(at::Tensor()));
+}
+
+at::Tensor fused_margin_bwd_cpu(const at::Tensor& grad_loss, const at::Tensor& logits, const at::Tensor& targets,
+                                const at::Tensor& stats, int64_t kind, at::ArrayRef<double> params,
+                                c10::optional<int64_t> ignore_index, bool penalty_all_rows, int64_t reduction) {
+  return margin_backward(grad_loss, logits, targets, stats, kind, params, ignore_index, penalty_all_rows, reduction);
 }
 
 // Calls run(std::integral_constant<int, k>) for 2 <= k <= Max, else run(std::integral_constant<int, 0>)
@@ -1253,6 +1454,15 @@ TORCH_LIBRARY(torchcal, m) {
   m.def(
       "fused_ace_bwd(Tensor grad_loss, Tensor logits, Tensor targets, Tensor edges, Tensor stats, float[] params, "
       "int[] options, int? ignore_index) -> Tensor");
+  m.def(
+      "fused_margin_class(Tensor logits, Tensor targets, int kind, float[] params, Tensor? class_params, "
+      "int? ignore_index, bool penalty_all_rows, int reduction, bool sums) -> (Tensor, Tensor)");
+  m.def(
+      "fused_margin_class_fwd(Tensor logits, Tensor targets, int kind, float[] params, Tensor? class_params, "
+      "int? ignore_index, bool penalty_all_rows, int reduction, bool sums) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "fused_margin_class_bwd(Tensor grad_loss, Tensor logits, Tensor targets, Tensor stats, int kind, "
+      "float[] params, Tensor? class_params, int? ignore_index, bool penalty_all_rows, int reduction) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(torchcal, CPU, m) {
@@ -1264,7 +1474,10 @@ TORCH_LIBRARY_IMPL(torchcal, CPU, m) {
   m.impl("fused_true_class_bwd", fused_true_class_bwd_cpu);
   m.impl("fused_margin", fused_margin_cpu);
   m.impl("fused_margin_fwd", fused_margin_fwd_cpu);
-  m.impl("fused_margin_bwd", margin_backward);
+  m.impl("fused_margin_bwd", fused_margin_bwd_cpu);
+  m.impl("fused_margin_class", fused_margin_class_cpu);
+  m.impl("fused_margin_class_fwd", fused_margin_class_fwd_cpu);
+  m.impl("fused_margin_class_bwd", fused_margin_class_bwd_cpu);
   m.impl("fused_ace", fused_ace_cpu);
   m.impl("fused_ace_fwd", fused_ace_fwd_cpu);
   m.impl("fused_ace_bwd", fused_ace_bwd_cpu);
@@ -1274,6 +1487,7 @@ TORCH_LIBRARY_IMPL(torchcal, AutogradCPU, m) {
   m.impl("fused_true_class", fused_true_class_autograd);
   m.impl("fused_margin", fused_margin_autograd);
   m.impl("fused_ace", fused_ace_autograd);
+  m.impl("fused_margin_class", fused_margin_class_autograd);
 }
 
 // the batch-term operators (batch_terms.h): plain operators with their autograd formula and fake
