@@ -46,7 +46,7 @@ __all__ = ["build_cpu_extension", "cpu_extension_available", "use_cpu_extension"
 _SCAN_DTYPES = (torch.float32, torch.float64)
 
 SOURCE = Path(__file__).with_name("csrc") / "fused_losses.cpp"
-HEADERS = tuple(SOURCE.with_name(name) for name in ("true_class.h", "scan.h", "sort.h", "margin.h"))
+HEADERS = tuple(SOURCE.with_name(name) for name in ("true_class.h", "scan.h", "sort.h", "margin.h", "margin_lanes.h"))
 REDUCTION_CODES = {"none": 0, "mean": 1, "sum": 2}
 PORTABLE_FLAGS = ["-O3", "-fopenmp-simd"]
 

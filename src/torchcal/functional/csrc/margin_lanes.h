@@ -1,0 +1,245 @@
+// The margin losses (margin.h) on (N, K, d1, ...) logits read in place, one position per vector lane: a block
+// of W positions (W = the wide vector's width: 16 float32, 8 float64 lanes with AVX-512) is walked class by
+// class (stride: the positions per image), so every step is a contiguous load and the max, exp-sum, arg-max,
+// label logit and the kind's terms are lane-wise, with no horizontal reduction and no transpose. The
+// arithmetic is margin_forward_row / margin_backward_row's, lane by lane: the same dtype for each quantity,
+// the per-class sums in input-dtype lanes over blocks of 256 classes and float64 across blocks, per-row
+// float64 finishing (log Σ, 1/Σ, the cross entropy, the penalty's sums), the label and arg-max entries of the
+// gradient recomputed in float64. A block that runs past the image's last position (its tail) is copied into
+// a padded tile first. Plain C++17 (no torch), included by fused_losses.cpp after margin.h.
+
+#pragma once
+
+#include "margin.h"
+
+#include <vector>
+
+namespace torchcal {
+
+// whether the lane path computes this kind (others take the tile path of over_rows)
+inline bool margin_lanes_kind(int64_t kind) {
+  return kind == M_MBLS || kind == M_MAXSUP || kind == M_ACLS || kind == M_CP;
+}
+
+template <typename T>
+struct MarginLanes {
+  static constexpr int Bytes = kWideBytes;
+  using V = typename Vec<T, Bytes>::type;
+  static constexpr int W = Vec<T, Bytes>::width;
+  typedef double D __attribute__((vector_size(W * sizeof(double))));  // W float64 lanes (the sums)
+};
+
+// e^x (x <= 0) per lane: the row path's vectorised expf for float32; std::exp per lane for float64
+template <typename T, typename V>
+inline V lanes_exp(V x) {
+  if constexpr (std::is_same<T, float>::value) {
+    return exp_nonpositive<sizeof(V)>(x);
+  } else {
+    V r;
+    for (int l = 0; l < static_cast<int>(sizeof(V) / sizeof(T)); ++l) r[l] = std::exp(x[l]);
+    return r;
+  }
+}
+
+// cp_lanes on W lanes: vectorised for float32 (its logf), lane by lane (std::log) for float64
+template <typename T, typename V>
+inline void cp_lanes_of(V p, V log_p, const MarginSpec& s, V& f, V& df) {
+  if constexpr (std::is_same<T, float>::value) {
+    cp_lanes<T>(p, log_p, s, f, df);
+  } else {
+    for (int l = 0; l < static_cast<int>(sizeof(V) / sizeof(T)); ++l) {
+      T fl, dfl;
+      cp_lanes<T>(p[l], log_p[l], s, fl, dfl);
+      f[l] = fl;
+      df[l] = dfl;
+    }
+  }
+}
+
+template <typename D, typename V>
+inline D widen(V v) {
+  return __builtin_convertvector(v, D);
+}
+
+// The statistics of the W positions at x (class j of lane l at x[j * stride + l]) into o + l * N_STAT, with
+// labels y[l] (−1: no cross entropy). e: scratch of k * W entries (the confidence penalty's exp(x − max)).
+template <typename T>
+void margin_forward_lanes(const T* x, int64_t stride, int64_t k, const T* y, const MarginSpec& s, T* e, double* o) {
+  using L = MarginLanes<T>;
+  using V = typename L::V;
+  using D = typename L::D;
+  constexpr int W = L::W;
+  // pass 1: the max, its first index (a strict compare keeps the first), the label's logit
+  const V yv = load<V>(y);
+  V m = load<V>(x), arg = {}, xy = {};
+  xy = yv == T(0) ? m : xy;
+  for (int64_t j = 1; j < k; ++j) {
+    const V v = load<V>(x + j * stride), jv = broadcast<V>(static_cast<T>(j));
+    const auto gt = m < v;
+    m = gt ? v : m;
+    arg = gt ? jv : arg;
+    xy = yv == jv ? v : xy;
+  }
+  // pass 2: Σ exp(x − m) and the kind's sums (a: hinges / Σx / h² / f; b: active hinges / ties / p f')
+  const V zero = {}, one = broadcast<V>(T(1));
+  const V thr = m + static_cast<T>(-s.margin);
+  D sum = {}, a = {}, b = {};
+  for (int64_t j0 = 0; j0 < k; j0 += 256) {
+    const int64_t j1 = std::min<int64_t>(k, j0 + 256);
+    V es = {}, as = {}, bs = {};
+    for (int64_t j = j0; j < j1; ++j) {
+      const V v = load<V>(x + j * stride);
+      const V ev = lanes_exp<T>(v - m);
+      es += ev;
+      if (s.kind == M_MBLS) {
+        const V r = thr - v;
+        as += r > zero ? r : zero;
+        bs += r > zero ? one : zero;
+      } else if (s.kind == M_MAXSUP) {
+        a += widen<D>(v);  // float64 per class, as the row path
+      } else if (s.kind == M_ACLS) {
+        const V r = thr - v;
+        const V h = r > zero ? r : zero;
+        as += h * h;
+        bs += v == m ? one : zero;
+      } else {
+        std::memcpy(e + j * W, &ev, sizeof(V));
+      }
+    }
+    sum += widen<D>(es);
+    if (s.kind == M_MBLS || s.kind == M_ACLS) {
+      a += widen<D>(as);
+      b += widen<D>(bs);
+    }
+  }
+  // per lane in float64: log Σ, 1/Σ, the cross entropy
+  V lse = {}, inv = {};
+  for (int l = 0; l < W; ++l) {
+    const double log_sum = std::log(sum[l]);
+    lse[l] = static_cast<T>(log_sum);
+    inv[l] = static_cast<T>(1.0 / sum[l]);
+    double* ol = o + l * N_STAT;
+    ol[S_CE] = y[l] >= 0 ? (static_cast<double>(m[l]) - static_cast<double>(xy[l])) + log_sum : 0.0;
+    ol[S_MAX] = static_cast<double>(m[l]);
+    ol[S_INV] = 1.0 / sum[l];
+    ol[S_ARG] = static_cast<double>(arg[l]);
+  }
+  if (s.kind == M_CP) {  // pass 3: p = exp(x − m) / Σ, log p = (x − m) − log Σ, the terms f and p f'
+    for (int64_t j0 = 0; j0 < k; j0 += 256) {
+      const int64_t j1 = std::min<int64_t>(k, j0 + 256);
+      V as = {}, bs = {};
+      for (int64_t j = j0; j < j1; ++j) {
+        const V p = load<V>(e + j * W) * inv;
+        const V log_p = (load<V>(x + j * stride) - m) - lse;
+        V f, df;
+        cp_lanes_of<T>(p, log_p, s, f, df);
+        as += f;
+        bs += p * df;
+      }
+      a += widen<D>(as);
+      b += widen<D>(bs);
+    }
+  }
+  const double kd = static_cast<double>(k);
+  for (int l = 0; l < W; ++l) {
+    double* ol = o + l * N_STAT;
+    double pen = 0.0, aux = 0.0;
+    if (s.kind == M_MBLS) {
+      pen = a[l] / kd;
+      aux = b[l];
+    } else if (s.kind == M_MAXSUP) {
+      pen = static_cast<double>(m[l]) - a[l] / kd;
+    } else if (s.kind == M_ACLS) {
+      const T h = m[l] + static_cast<T>(-s.margin);
+      const double hd = h > 0 ? static_cast<double>(h) : 0.0;
+      pen = s.lam_pos * b[l] * hd * hd + s.lam_neg * a[l] / (kd - 1.0);
+      aux = b[l];
+    } else {
+      pen = s.mbls_form ? a[l] / kd : std::log(kd) + a[l];
+      aux = s.mbls_form ? b[l] / kd : b[l];
+    }
+    ol[S_PEN] = pen;
+    ol[S_AUX] = aux;
+  }
+}
+
+// The gradient of the W positions at x into g (same layout): per lane the statistics o + l * N_STAT, the
+// label y[l] (−1: none) and the incoming gradients gce[l], gpen[l] of the cross entropy and of the penalty
+// (times coef); a lane with both 0 gets a zero gradient.
+template <typename T>
+void margin_backward_lanes(const T* x, int64_t stride, int64_t k, const T* y, const MarginSpec& s, const double* o,
+                           const double* gce, const double* gpen, T* g) {
+  using L = MarginLanes<T>;
+  using V = typename L::V;
+  constexpr int W = L::W;
+  const double kd = static_cast<double>(k);
+  // per-lane constants in the input dtype, as margin_backward_row's
+  V m = {}, live = {}, a = {}, c = {}, lse = {}, pinv = {}, scale = {}, base = {};
+  for (int l = 0; l < W; ++l) {
+    const double* ol = o + l * N_STAT;
+    m[l] = static_cast<T>(ol[S_MAX]);
+    live[l] = gce[l] != 0.0 || gpen[l] != 0.0 ? T(1) : T(0);
+    a[l] = static_cast<T>(gce[l] * ol[S_INV]);
+    if (s.kind == M_MBLS || s.kind == M_MAXSUP) c[l] = static_cast<T>(gpen[l] / kd);
+    if (s.kind == M_ACLS) c[l] = static_cast<T>(gpen[l] * s.lam_neg * 2.0 / (kd - 1.0));
+    if (s.kind == M_CP) {
+      lse[l] = static_cast<T>(std::log(1.0 / ol[S_INV]));
+      pinv[l] = static_cast<T>(ol[S_INV]);
+      scale[l] = static_cast<T>(s.mbls_form ? gpen[l] / kd : gpen[l]);
+      base[l] = static_cast<T>(gce[l] - gpen[l] * ol[S_AUX]);
+    }
+  }
+  const V zero = {}, thr = m + static_cast<T>(-s.margin);
+  for (int64_t j = 0; j < k; ++j) {
+    const V v = load<V>(x + j * stride);
+    const V ev = lanes_exp<T>(v - m);
+    V gv;
+    if (s.kind == M_MBLS) {
+      const V r = thr - v;
+      gv = a * ev - (r > zero ? c : zero);
+    } else if (s.kind == M_MAXSUP) {
+      gv = a * ev - c;
+    } else if (s.kind == M_ACLS) {
+      const V r = thr - v;
+      gv = a * ev - c * (r > zero ? r : zero);
+    } else {
+      const V p = ev * pinv;
+      const V log_p = (v - m) - lse;
+      V f, df;
+      cp_lanes_of<T>(p, log_p, s, f, df);
+      gv = p * (base + scale * df);
+    }
+    gv = live != zero ? gv : zero;
+    std::memcpy(g + j * stride, &gv, sizeof(V));
+  }
+  // the label and arg-max entries in float64 (margin_backward_row's)
+  for (int l = 0; l < W; ++l) {
+    if (live[l] == T(0)) continue;
+    const double* ol = o + l * N_STAT;
+    const int64_t yl = static_cast<int64_t>(y[l]), arg = static_cast<int64_t>(ol[S_ARG]);
+    const T ml = m[l];
+    const double md = static_cast<double>(ml), inv = ol[S_INV];
+    if (s.kind == M_CP) {
+      if (yl >= 0) {
+        const T xyl = x[yl * stride + l];
+        const T py = static_cast<T>(std::exp(static_cast<double>(xyl) - md) * inv);
+        T f, df;
+        cp_lanes<T>(py, (xyl - ml) - lse[l], s, f, df);
+        g[yl * stride + l] = static_cast<T>(
+            static_cast<double>(py) * (gce[l] - gpen[l] * ol[S_AUX] + static_cast<double>(scale[l]) * df) - gce[l]);
+      }
+      continue;
+    }
+    const auto entry = [&](int64_t j) {
+      const T xj = x[j * stride + l];
+      const double p = std::exp(static_cast<double>(xj) - md) * inv;
+      double v = gce[l] * (p - (j == yl ? 1.0 : 0.0)) + penalty_entry(&xj, k, 0, s, ol, gpen[l]);
+      if (j == arg) v += penalty_top(k, s, ol, gpen[l]);
+      return static_cast<T>(v);
+    };
+    if (yl >= 0) g[yl * stride + l] = entry(yl);
+    if (arg != yl) g[arg * stride + l] = entry(arg);
+  }
+}
+
+}  // namespace torchcal
