@@ -165,80 +165,88 @@ void margin_forward_lanes(const T* x, int64_t stride, int64_t k, const T* y, con
 
 // The gradient of the W positions at x into g (same layout): per lane the statistics o + l * N_STAT, the
 // label y[l] (−1: none) and the incoming gradients gce[l], gpen[l] of the cross entropy and of the penalty
-// (times coef); a lane with both 0 gets a zero gradient.
+// (times coef); a lane with both 0 gets a zero gradient. One pass over the classes in the input dtype, as
+// margin_backward_row's, with the arg-max's share of the penalty added on its entry. The label entry, where
+// the cross entropy's p − 1 cancels, is finished per lane in float64 from 1 − p_y = Σ_{j≠y} exp(x_j − m)/Σ
+// (summed in the pass like Σ in the forward), not from p_y.
 template <typename T>
 void margin_backward_lanes(const T* x, int64_t stride, int64_t k, const T* y, const MarginSpec& s, const double* o,
                            const double* gce, const double* gpen, T* g) {
   using L = MarginLanes<T>;
   using V = typename L::V;
+  using D = typename L::D;
   constexpr int W = L::W;
   const double kd = static_cast<double>(k);
+  const bool cp = s.kind == M_CP;
   // per-lane constants in the input dtype, as margin_backward_row's
-  V m = {}, live = {}, a = {}, c = {}, lse = {}, pinv = {}, scale = {}, base = {};
+  V m = {}, live = {}, a = {}, c = {}, lse = {}, pinv = {}, scale = {}, base = {}, top = {}, arg = {};
+  double top_d[W];
   for (int l = 0; l < W; ++l) {
     const double* ol = o + l * N_STAT;
     m[l] = static_cast<T>(ol[S_MAX]);
     live[l] = gce[l] != 0.0 || gpen[l] != 0.0 ? T(1) : T(0);
     a[l] = static_cast<T>(gce[l] * ol[S_INV]);
+    arg[l] = static_cast<T>(ol[S_ARG]);
+    top_d[l] = cp ? 0.0 : penalty_top(k, s, ol, gpen[l]);
+    top[l] = static_cast<T>(top_d[l]);
     if (s.kind == M_MBLS || s.kind == M_MAXSUP) c[l] = static_cast<T>(gpen[l] / kd);
     if (s.kind == M_ACLS) c[l] = static_cast<T>(gpen[l] * s.lam_neg * 2.0 / (kd - 1.0));
-    if (s.kind == M_CP) {
+    if (cp) {
       lse[l] = static_cast<T>(std::log(1.0 / ol[S_INV]));
       pinv[l] = static_cast<T>(ol[S_INV]);
       scale[l] = static_cast<T>(s.mbls_form ? gpen[l] / kd : gpen[l]);
       base[l] = static_cast<T>(gce[l] - gpen[l] * ol[S_AUX]);
     }
   }
-  const V zero = {}, thr = m + static_cast<T>(-s.margin);
-  for (int64_t j = 0; j < k; ++j) {
-    const V v = load<V>(x + j * stride);
-    const V ev = lanes_exp<T>(v - m);
-    V gv;
-    if (s.kind == M_MBLS) {
-      const V r = thr - v;
-      gv = a * ev - (r > zero ? c : zero);
-    } else if (s.kind == M_MAXSUP) {
-      gv = a * ev - c;
-    } else if (s.kind == M_ACLS) {
-      const V r = thr - v;
-      gv = a * ev - c * (r > zero ? r : zero);
-    } else {
-      const V p = ev * pinv;
-      const V log_p = (v - m) - lse;
-      V f, df;
-      cp_lanes_of<T>(p, log_p, s, f, df);
-      gv = p * (base + scale * df);
-    }
-    gv = live != zero ? gv : zero;
-    std::memcpy(g + j * stride, &gv, sizeof(V));
-  }
-  // the label and arg-max entries in float64 (margin_backward_row's)
-  for (int l = 0; l < W; ++l) {
-    if (live[l] == T(0)) continue;
-    const double* ol = o + l * N_STAT;
-    const int64_t yl = static_cast<int64_t>(y[l]), arg = static_cast<int64_t>(ol[S_ARG]);
-    const T ml = m[l];
-    const double md = static_cast<double>(ml), inv = ol[S_INV];
-    if (s.kind == M_CP) {
-      if (yl >= 0) {
-        const T xyl = x[yl * stride + l];
-        const T py = static_cast<T>(std::exp(static_cast<double>(xyl) - md) * inv);
-        T f, df;
-        cp_lanes<T>(py, (xyl - ml) - lse[l], s, f, df);
-        g[yl * stride + l] = static_cast<T>(
-            static_cast<double>(py) * (gce[l] - gpen[l] * ol[S_AUX] + static_cast<double>(scale[l]) * df) - gce[l]);
+  const V yv = load<V>(y), zero = {}, thr = m + static_cast<T>(-s.margin);
+  V pen_y = {}, p_y = {}, df_y = {};  // at the label: the penalty's share (CP: p and f'(p))
+  D others = {};                      // Σ_{j≠y} exp(x_j − m)
+  for (int64_t j0 = 0; j0 < k; j0 += 256) {
+    const int64_t j1 = std::min<int64_t>(k, j0 + 256);
+    V os = {};
+    for (int64_t j = j0; j < j1; ++j) {
+      const V v = load<V>(x + j * stride), jv = broadcast<V>(static_cast<T>(j));
+      const V ev = lanes_exp<T>(v - m);
+      const auto at_y = yv == jv;
+      os += at_y ? zero : ev;
+      V gv;
+      if (cp) {
+        const V p = ev * pinv;
+        const V log_p = (v - m) - lse;
+        V f, df;
+        cp_lanes_of<T>(p, log_p, s, f, df);
+        gv = p * (base + scale * df);
+        p_y = at_y ? p : p_y;
+        df_y = at_y ? df : df_y;
+      } else {
+        V pen;
+        if (s.kind == M_MBLS) {
+          pen = thr - v > zero ? c : zero;
+        } else if (s.kind == M_MAXSUP) {
+          pen = c;
+        } else {  // M_ACLS
+          const V r = thr - v;
+          pen = c * (r > zero ? r : zero);
+        }
+        gv = (a * ev - pen) + (arg == jv ? top : zero);
+        pen_y = at_y ? pen : pen_y;
       }
-      continue;
+      gv = live != zero ? gv : zero;
+      std::memcpy(g + j * stride, &gv, sizeof(V));
     }
-    const auto entry = [&](int64_t j) {
-      const T xj = x[j * stride + l];
-      const double p = std::exp(static_cast<double>(xj) - md) * inv;
-      double v = gce[l] * (p - (j == yl ? 1.0 : 0.0)) + penalty_entry(&xj, k, 0, s, ol, gpen[l]);
-      if (j == arg) v += penalty_top(k, s, ol, gpen[l]);
-      return static_cast<T>(v);
-    };
-    if (yl >= 0) g[yl * stride + l] = entry(yl);
-    if (arg != yl) g[arg * stride + l] = entry(arg);
+    others += widen<D>(os);
+  }
+  for (int l = 0; l < W; ++l) {
+    if (live[l] == T(0) || y[l] < 0) continue;
+    const double* ol = o + l * N_STAT;
+    const double ce = -gce[l] * ol[S_INV] * others[l];  // gce (p_y − 1)
+    double v;
+    if (cp) {  // p_y (gce − gpen Σ p f' + scale f'(p_y)) − gce, as margin_backward_row's
+      v = ce + static_cast<double>(p_y[l]) * (static_cast<double>(scale[l]) * df_y[l] - gpen[l] * ol[S_AUX]);
+    } else {
+      v = ce - static_cast<double>(pen_y[l]) + (y[l] == arg[l] ? top_d[l] : 0.0);
+    }
+    g[static_cast<int64_t>(y[l]) * stride + l] = static_cast<T>(v);
   }
 }
 
