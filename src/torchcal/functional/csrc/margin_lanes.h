@@ -21,6 +21,10 @@ inline bool margin_lanes_kind(int64_t kind) {
   return kind == M_MBLS || kind == M_MAXSUP || kind == M_ACLS || kind == M_CP;
 }
 
+// how far ahead of a block (in entries along a class's positions) its class rows are prefetched: K rows at
+// a stride of the image's positions are more streams than the hardware prefetcher follows
+constexpr int64_t kAhead = 256;
+
 template <typename T>
 struct MarginLanes {
   static constexpr int Bytes = kWideBytes;
@@ -61,6 +65,30 @@ inline D widen(V v) {
   return __builtin_convertvector(v, D);
 }
 
+// log x on float64 lanes of x >= 1 (the rows' Σ exp(x − max); NaN and +inf pass through), where the row path
+// calls std::log per row: x = 2^e·f with f in [√½, √2), log f = 2 atanh(s) with s = (f − 1)/(f + 1),
+// |s| <= 0.172, by its series to s^25 (truncated below 1e-20 relative), e·log 2 in two parts: ~1 ulp
+template <typename D>
+inline D log_lanes(D x) {
+  using I = decltype(x < x);
+  I bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  I e = ((bits >> 52) & 0x7ff) - 1022;
+  bits = (bits & 0x000fffffffffffff) | 0x3fe0000000000000;
+  D f;
+  std::memcpy(&f, &bits, sizeof(f));  // in [0.5, 1)
+  const I small = f < 0.70710678118654752440;
+  e = small ? e - 1 : e;
+  f = small ? f + f : f;
+  const D t = (f - 1.0) / (f + 1.0), z = t * t;
+  D p = broadcast<D>(1.0 / 25.0);
+  for (int n = 23; n >= 1; n -= 2) p = p * z + 1.0 / n;  // Σ z^i / (2i + 1)
+  const D ef = __builtin_convertvector(e, D);
+  const D r = (ef * -2.1219444005469058277e-4 + 2.0 * t * p) + ef * 0.693359375;
+  const D inf = broadcast<D>(std::numeric_limits<double>::infinity());
+  return x == x && x != inf ? r : x;
+}
+
 // The statistics of the W positions at x (class j of lane l at x[j * stride + l]) into o + l * N_STAT, with
 // labels y[l] (−1: no cross entropy). e: scratch of k * W entries (the confidence penalty's exp(x − max)).
 template <typename T>
@@ -73,7 +101,9 @@ void margin_forward_lanes(const T* x, int64_t stride, int64_t k, const T* y, con
   const V yv = load<V>(y);
   V m = load<V>(x), arg = {}, xy = {};
   xy = yv == T(0) ? m : xy;
+  __builtin_prefetch(x + kAhead);
   for (int64_t j = 1; j < k; ++j) {
+    __builtin_prefetch(x + j * stride + kAhead);
     const V v = load<V>(x + j * stride), jv = broadcast<V>(static_cast<T>(j));
     const auto gt = m < v;
     m = gt ? v : m;
@@ -112,16 +142,15 @@ void margin_forward_lanes(const T* x, int64_t stride, int64_t k, const T* y, con
       b += widen<D>(bs);
     }
   }
-  // per lane in float64: log Σ, 1/Σ, the cross entropy
-  V lse = {}, inv = {};
+  // in float64 lanes: log Σ, 1/Σ, the cross entropy
+  const D log_sum = log_lanes(sum), inv_d = 1.0 / sum, zero_d = {};
+  const D ce = widen<D>(yv) >= 0.0 ? (widen<D>(m) - widen<D>(xy)) + log_sum : zero_d;
+  const V lse = __builtin_convertvector(log_sum, V), inv = __builtin_convertvector(inv_d, V);
   for (int l = 0; l < W; ++l) {
-    const double log_sum = std::log(sum[l]);
-    lse[l] = static_cast<T>(log_sum);
-    inv[l] = static_cast<T>(1.0 / sum[l]);
     double* ol = o + l * N_STAT;
-    ol[S_CE] = y[l] >= 0 ? (static_cast<double>(m[l]) - static_cast<double>(xy[l])) + log_sum : 0.0;
+    ol[S_CE] = ce[l];
     ol[S_MAX] = static_cast<double>(m[l]);
-    ol[S_INV] = 1.0 / sum[l];
+    ol[S_INV] = inv_d[l];
     ol[S_ARG] = static_cast<double>(arg[l]);
   }
   if (s.kind == M_CP) {  // pass 3: p = exp(x − m) / Σ, log p = (x − m) − log Σ, the terms f and p f'
@@ -140,7 +169,7 @@ void margin_forward_lanes(const T* x, int64_t stride, int64_t k, const T* y, con
       b += widen<D>(bs);
     }
   }
-  const double kd = static_cast<double>(k);
+  const double kd = static_cast<double>(k), log_k = std::log(kd);
   for (int l = 0; l < W; ++l) {
     double* ol = o + l * N_STAT;
     double pen = 0.0, aux = 0.0;
@@ -155,7 +184,7 @@ void margin_forward_lanes(const T* x, int64_t stride, int64_t k, const T* y, con
       pen = s.lam_pos * b[l] * hd * hd + s.lam_neg * a[l] / (kd - 1.0);
       aux = b[l];
     } else {
-      pen = s.mbls_form ? a[l] / kd : std::log(kd) + a[l];
+      pen = s.mbls_form ? a[l] / kd : log_k + a[l];
       aux = s.mbls_form ? b[l] / kd : b[l];
     }
     ol[S_PEN] = pen;
@@ -178,25 +207,30 @@ void margin_backward_lanes(const T* x, int64_t stride, int64_t k, const T* y, co
   constexpr int W = L::W;
   const double kd = static_cast<double>(k);
   const bool cp = s.kind == M_CP;
-  // per-lane constants in the input dtype, as margin_backward_row's
-  V m = {}, live = {}, a = {}, c = {}, lse = {}, pinv = {}, scale = {}, base = {}, top = {}, arg = {};
-  double top_d[W];
+  // per-lane constants in the input dtype, as margin_backward_row's (computed in float64 lanes)
+  D m_d, inv_d, arg_d, aux_d, top_d, gce_d, gpen_d;
+  std::memcpy(&gce_d, gce, sizeof(D));
+  std::memcpy(&gpen_d, gpen, sizeof(D));
   for (int l = 0; l < W; ++l) {
     const double* ol = o + l * N_STAT;
-    m[l] = static_cast<T>(ol[S_MAX]);
-    live[l] = gce[l] != 0.0 || gpen[l] != 0.0 ? T(1) : T(0);
-    a[l] = static_cast<T>(gce[l] * ol[S_INV]);
-    arg[l] = static_cast<T>(ol[S_ARG]);
+    m_d[l] = ol[S_MAX];
+    inv_d[l] = ol[S_INV];
+    arg_d[l] = ol[S_ARG];
+    aux_d[l] = ol[S_AUX];
     top_d[l] = cp ? 0.0 : penalty_top(k, s, ol, gpen[l]);
-    top[l] = static_cast<T>(top_d[l]);
-    if (s.kind == M_MBLS || s.kind == M_MAXSUP) c[l] = static_cast<T>(gpen[l] / kd);
-    if (s.kind == M_ACLS) c[l] = static_cast<T>(gpen[l] * s.lam_neg * 2.0 / (kd - 1.0));
-    if (cp) {
-      lse[l] = static_cast<T>(std::log(1.0 / ol[S_INV]));
-      pinv[l] = static_cast<T>(ol[S_INV]);
-      scale[l] = static_cast<T>(s.mbls_form ? gpen[l] / kd : gpen[l]);
-      base[l] = static_cast<T>(gce[l] - gpen[l] * ol[S_AUX]);
-    }
+  }
+  const auto lanes = [](D v) { return __builtin_convertvector(v, V); };
+  const D one_d = broadcast<D>(1.0), zero_d = {};
+  const V m = lanes(m_d), a = lanes(gce_d * inv_d), arg = lanes(arg_d), top = lanes(top_d);
+  const V live = lanes(gce_d != 0.0 || gpen_d != 0.0 ? one_d : zero_d);
+  V c = {}, lse = {}, pinv = {}, scale = {}, base = {};
+  if (s.kind == M_MBLS || s.kind == M_MAXSUP) c = lanes(gpen_d / kd);
+  if (s.kind == M_ACLS) c = lanes(gpen_d * s.lam_neg * 2.0 / (kd - 1.0));
+  if (cp) {
+    lse = lanes(log_lanes(1.0 / inv_d));
+    pinv = lanes(inv_d);
+    scale = lanes(s.mbls_form ? gpen_d / kd : gpen_d);
+    base = lanes(gce_d - gpen_d * aux_d);
   }
   const V yv = load<V>(y), zero = {}, thr = m + static_cast<T>(-s.margin);
   V pen_y = {}, p_y = {}, df_y = {};  // at the label: the penalty's share (CP: p and f'(p))
@@ -205,6 +239,8 @@ void margin_backward_lanes(const T* x, int64_t stride, int64_t k, const T* y, co
     const int64_t j1 = std::min<int64_t>(k, j0 + 256);
     V os = {};
     for (int64_t j = j0; j < j1; ++j) {
+      __builtin_prefetch(x + j * stride + kAhead);
+      __builtin_prefetch(g + j * stride + kAhead, 1);
       const V v = load<V>(x + j * stride), jv = broadcast<V>(static_cast<T>(j));
       const V ev = lanes_exp<T>(v - m);
       const auto at_y = yv == jv;
