@@ -91,8 +91,12 @@ inline D log_lanes(D x) {
 
 // The statistics of the W positions at x (class j of lane l at x[j * stride + l]) into o + l * N_STAT, with
 // labels y[l] (−1: no cross entropy). e: scratch of k * W entries (the confidence penalty's exp(x − max)).
+// Both lane kernels are flattened (every call inlined into them): the helpers they share with the row kernels
+// (cp_lanes, the vectorised logf) then keep those as their one caller, and GCC keeps inlining them there
+// (called out of line, the confidence penalty's rows are 5-10% slower).
 template <typename T>
-void margin_forward_lanes(const T* x, int64_t stride, int64_t k, const T* y, const MarginSpec& s, T* e, double* o) {
+__attribute__((flatten)) void margin_forward_lanes(const T* x, int64_t stride, int64_t k, const T* y,
+                                                  const MarginSpec& s, T* e, double* o) {
   using L = MarginLanes<T>;
   using V = typename L::V;
   using D = typename L::D;
@@ -199,8 +203,9 @@ void margin_forward_lanes(const T* x, int64_t stride, int64_t k, const T* y, con
 // the cross entropy's p − 1 cancels, is finished per lane in float64 from 1 − p_y = Σ_{j≠y} exp(x_j − m)/Σ
 // (summed in the pass like Σ in the forward), not from p_y.
 template <typename T>
-void margin_backward_lanes(const T* x, int64_t stride, int64_t k, const T* y, const MarginSpec& s, const double* o,
-                           const double* gce, const double* gpen, T* g) {
+__attribute__((flatten)) void margin_backward_lanes(const T* x, int64_t stride, int64_t k, const T* y,
+                                                   const MarginSpec& s, const double* o, const double* gce,
+                                                   const double* gpen, T* g) {
   using L = MarginLanes<T>;
   using V = typename L::V;
   using D = typename L::D;
