@@ -145,6 +145,88 @@ def test_float32_operator_is_as_close_to_float64_as_the_torch_path(name):
     assert abs(fused.double() - exact) <= abs(plain.double() - exact) + ulp
 
 
+# (N, K, d1, ...) logits with at least one vector's width of positions per image (16 float32 lanes with
+# AVX-512, fewer elsewhere) take the lane path (one position per vector lane); these shapes cover images of a
+# whole number of blocks (16 x 16), partial last blocks (7 x 5 = 35, 37 positions) and d1 only (N, K, L)
+SPATIAL = [(4, 19, 7, 5), (3, 19, 37), (2, 10, 16, 16), (2, 300, 3, 6)]
+
+
+def _row_path(fn, z, y, reduction, upstream):
+    """fn on the positions as rows: (N·S, K) logits, the (N, K, S) layout's value and gradient back."""
+    k = z.shape[1]
+    rows = z.movedim(1, -1).reshape(-1, k).contiguous().requires_grad_(True)
+    value = fn(rows, y.reshape(-1), reduction=reduction)
+    weights = upstream(value.reshape(y.shape)).reshape(value.shape) if reduction == "none" else upstream(value)
+    (grad,) = torch.autograd.grad((value * weights).sum(), rows)
+    shape = (z.shape[0], *z.shape[2:], k)
+    return value.detach().reshape(y.shape if reduction == "none" else ()), grad.reshape(shape).movedim(-1, 1)
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+@pytest.mark.parametrize("shape", SPATIAL, ids=["x".join(map(str, s)) for s in SPATIAL])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_spatial_lanes_equal_the_torch_path_and_the_row_path(name, shape, dtype, reduction):
+    """The lane path against the torch path and against the operator's row path on the same positions as
+    (N·S, K) rows, in value and gradient, with ignored positions (the -drop losses leave their penalty out).
+    The lane path does the row path's arithmetic; what differs is float32 summation order (per-class sums in
+    input-dtype lanes: a sum of n <= K terms is within (n − 1)·u·Σ|terms| on either path, u = 2⁻²⁴) and the
+    row path's scalar exp on the last K mod 4 entries of a row against the vectorised one (1 ulp each): the
+    statistics agree to about 2(K + 4)·u relative, carried into the values and p = exp(x − max)/Σ. float64:
+    the same bound with u = 2⁻⁵³. Against the torch path the float32 bounds of
+    test_float32_operator_equals_the_torch_path (torch's float32 sums and its float32 p − 1 at the label)."""
+    z, y = _float32_batch((shape[0], *shape[2:]), shape[1], seed=shape[1])
+    z = z.to(dtype)
+    fn = LOSSES[name]
+    upstream = lambda v: torch.linspace(0.5, 1.5, v.numel(), dtype=dtype).reshape(v.shape)  # noqa: E731
+    (v1, g1), (v2, g2) = _both_paths(lambda a, b: fn(a, b, reduction=reduction), z, y, upstream)
+    v3, g3 = _row_path(fn, z, y, reduction, upstream)
+    eps = torch.finfo(dtype).eps
+    if dtype == torch.float32:
+        torch.testing.assert_close(v1, v2, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(g1, g2, rtol=1e-5, atol=8 * eps * g2.abs().max().item())
+    else:
+        torch.testing.assert_close(v1, v2, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(g1, g2, rtol=1e-10, atol=1e-14)
+    rtol = (shape[1] + 4) * eps  # 2(K + 4)·u, eps = 2u
+    # entries that cancel (a·p − c, p − 1 recomputed in float64 on both paths) keep an absolute error of
+    # that relative size of the gradient's largest entry
+    torch.testing.assert_close(v1, v3, rtol=rtol, atol=rtol * v3.abs().max().item())
+    torch.testing.assert_close(g1, g3, rtol=rtol, atol=rtol * g3.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_spatial_lanes_ties_non_contiguous_inputs_and_label_errors(dtype):
+    """Small integer logits (ties at the max in most positions: the max's gradient goes to the first, as
+    torch's max(dim)), a transposed view and channels-last images on the lane path, against the torch path;
+    a bad label at any position raises the torch path's error."""
+    g = torch.Generator().manual_seed(5)
+    ties = torch.randint(-2, 3, (2, 5, 6, 7), generator=g).to(dtype)
+    labels = torch.randint(0, 5, (2, 6, 7), generator=g)
+    labels[0, 1, 2] = -100
+    transposed = (3 * torch.randn(2, 5, 7, 6, generator=g, dtype=dtype)).transpose(2, 3)
+    channels_last = (3 * torch.randn(2, 5, 6, 7, generator=g, dtype=dtype)).to(memory_format=torch.channels_last)
+    # float32: a gradient entry is a few rounded terms (p times the row's factor, the hinge's share, the
+    # max's share) on either path: a few ulps of the largest entry. float64: a few ulps.
+    eps = torch.finfo(dtype).eps
+    for logits in (ties, transposed, channels_last):
+        for name in LOSSES:
+            for reduction in ("none", "mean"):
+                fn = lambda a, b, n=name, r=reduction: LOSSES[n](a, b, reduction=r)  # noqa: E731
+                (v1, g1), (v2, g2) = _both_paths(fn, logits, labels)
+                torch.testing.assert_close(v1, v2, rtol=8 * eps, atol=8 * eps * v2.abs().max().item())
+                torch.testing.assert_close(g1, g2, rtol=8 * eps, atol=8 * eps * g2.abs().max().item())
+    bad = labels.clone()
+    bad[1, 5, 6] = 5
+    for name in LOSSES:
+        messages = []
+        for cpp in (True, False):
+            with F.use_cpu_extension(cpp), pytest.raises(ValueError) as info:
+                LOSSES[name](ties, bad)
+            messages.append(str(info.value))
+        assert messages[0] == messages[1]
+
+
 @pytest.mark.parametrize("name", ["mbls", "maxsup", "acls", "cals", "poly1"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_ties_in_the_maximum_send_the_max_gradient_to_the_first(name, dtype):
@@ -284,7 +366,8 @@ def test_the_compile_operators_pass_opcheck(kind, dtype, reduction):
     strides) and autograd registration checked by torch.library.opcheck, at (N, K) and (N, K, H, W)."""
     code, params, ignore, every_row = ARGS[kind]
     for z, y in ((torch.randn(6, 4, dtype=dtype), torch.tensor([0, 1, 2, 3, 0, 1])),
-                 (torch.randn(2, 3, 2, 2, dtype=dtype), torch.randint(0, 3, (2, 2, 2)))):  # fmt: skip
+                 (torch.randn(2, 3, 2, 2, dtype=dtype), torch.randint(0, 3, (2, 2, 2))),
+                 (torch.randn(2, 3, 4, 5, dtype=dtype), torch.randint(0, 3, (2, 4, 5)))):  # fmt: skip
         args = (z.requires_grad_(True), y, code, params, ignore, every_row, reduction)
         torch.library.opcheck(torch.ops.torchcal.fused_margin_fwd.default, args)
 
@@ -294,8 +377,8 @@ def test_the_compile_operators_equal_the_eager_operator(dtype):
     """Loss and gradient of fused_margin_fwd / _bwd (with their registered autograd formula) are the eager
     operator's, bit for bit: the same C++ forward and backward."""
     g = torch.Generator().manual_seed(0)
-    z = torch.randn(3, 5, 4, 2, generator=g, dtype=dtype)
-    y = torch.randint(0, 5, (3, 4, 2), generator=g)
+    z = torch.randn(3, 5, 4, 5, generator=g, dtype=dtype)  # 20 positions: the lane path
+    y = torch.randint(0, 5, (3, 4, 5), generator=g)
     for code, params, ignore, every_row in ARGS.values():
         yk = y.clone()
         if ignore is not None:
@@ -312,7 +395,7 @@ def test_the_compile_operators_equal_the_eager_operator(dtype):
 
 @pytest.mark.compile
 def test_compiled_losses_take_the_operator_pair_and_equal_eager():
-    z, y = torch.randn(2, 4, 3, 3), torch.randint(0, 4, (2, 3, 3))
+    z, y = torch.randn(2, 4, 5, 5), torch.randint(0, 4, (2, 5, 5))  # 25 positions: the lane path
     y[0, 0, 0] = -100
     for name in ("mbls", "acls", "maxsup", "cp"):
         compiled = torch.compile(lambda a, b, n=name: LOSSES[n](a, b), fullgraph=True, backend="aot_eager")

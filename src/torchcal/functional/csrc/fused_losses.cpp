@@ -23,6 +23,7 @@
 #include "batch_terms.h"
 #include "margin.h"
 #include "ace.h"
+#include "margin_lanes.h"
 #include "scan.h"
 #include "sort.h"
 #include "true_class.h"
@@ -375,6 +376,98 @@ inline int64_t margin_label(int64_t y, int64_t k, bool has_ignore, int64_t ignor
   return y;
 }
 
+// Whether (N, K, S) logits take the lane path of margin_lanes.h: positions along the vector lanes, for the
+// kinds it computes, at least one full block of positions per image (fewer: mostly padding, the tile path
+// of over_rows is faster) and class indices exact in the input dtype
+template <typename T>
+bool margin_by_lanes(const Layout& l, const MarginSpec& s) {
+  return l.sp >= MarginLanes<T>::W && margin_lanes_kind(s.kind) && l.k < (int64_t{1} << 24);
+}
+
+// the blocks of W positions in parallel: fn(image, first position, positions in the block (W but in an
+// image's last block), a per-thread tile of K * W entries)
+template <typename T, typename Fn>
+void over_lane_blocks(const Layout& l, const Fn& fn) {
+  constexpr int W = MarginLanes<T>::W;
+  const int64_t per_image = (l.sp + W - 1) / W;
+  at::parallel_for(0, l.n * per_image, std::max<int64_t>(1, grain_rows(l.k) / W), [&](int64_t begin, int64_t end) {
+    std::vector<T> tile;
+    for (int64_t c = begin; c < end; ++c) {
+      const int64_t s0 = (c % per_image) * W;
+      fn(c / per_image, s0, std::min<int64_t>(W, l.sp - s0), tile);
+    }
+  });
+}
+
+// The forward statistics of (N, K, S) logits by lanes into op; returns the number of labels outside [0, K)
+template <typename T>
+int64_t margin_forward_by_lanes(const T* x, const Layout& l, const MarginSpec& s, const int64_t* tp, bool has_ignore,
+                                int64_t ignore, double* op) {
+  constexpr int W = MarginLanes<T>::W;
+  const int64_t k = l.k, sp = l.sp;
+  std::atomic<int64_t> n_bad{0};
+  over_lane_blocks<T>(l, [&](int64_t img, int64_t s0, int64_t w, std::vector<T>& tile) {
+    thread_local std::vector<T> e;
+    if (s.kind == M_CP && static_cast<int64_t>(e.size()) < k * W) e.resize(static_cast<size_t>(k * W));
+    const int64_t row0 = img * sp + s0;
+    int64_t bad = 0;
+    alignas(64) T y[W];
+    for (int t = 0; t < W; ++t) {
+      y[t] = t < w ? static_cast<T>(margin_label(tp[row0 + t], k, has_ignore, ignore, bad)) : T(-1);
+    }
+    if (bad) n_bad += bad;
+    const T* src = x + img * k * sp + s0;
+    if (w == W) {
+      margin_forward_lanes<T>(src, sp, k, y, s, e.data(), op + row0 * N_STAT);
+      return;
+    }
+    // the image's last, partial block: its positions copied into a tile padded with zeros
+    tile.assign(static_cast<size_t>(k * W), T(0));
+    for (int64_t j = 0; j < k; ++j)
+      for (int64_t t = 0; t < w; ++t) tile[j * W + t] = src[j * sp + t];
+    double o[W * N_STAT];
+    margin_forward_lanes<T>(tile.data(), W, k, y, s, e.data(), o);
+    std::copy(o, o + w * N_STAT, op + row0 * N_STAT);
+  });
+  return n_bad.load();
+}
+
+// The gradient of (N, K, S) logits by lanes into grad: row i's label tp[i] (kept when keep(i)) and incoming
+// gradients grads(i, gce, gpen)
+template <typename T, typename Grads>
+void margin_backward_by_lanes(const T* x, T* grad, const Layout& l, const MarginSpec& s, const int64_t* tp,
+                              const double* op, const Grads& grads) {
+  constexpr int W = MarginLanes<T>::W;
+  const int64_t k = l.k, sp = l.sp;
+  over_lane_blocks<T>(l, [&](int64_t img, int64_t s0, int64_t w, std::vector<T>& tile) {
+    const int64_t row0 = img * sp + s0;
+    alignas(64) T y[W];
+    double gce[W], gpen[W];
+    for (int t = 0; t < W; ++t) {
+      y[t] = T(-1);
+      gce[t] = gpen[t] = 0.0;
+      if (t < w && grads(row0 + t, gce[t], gpen[t])) y[t] = static_cast<T>(tp[row0 + t]);
+    }
+    const T* src = x + img * k * sp + s0;
+    T* dst = grad + img * k * sp + s0;
+    if (w == W) {
+      margin_backward_lanes<T>(src, sp, k, y, s, op + row0 * N_STAT, gce, gpen, dst);
+      return;
+    }
+    // the last, partial block through a tile (the padding's lanes have no gradient and are not written back)
+    tile.assign(static_cast<size_t>(2 * k * W), T(0));
+    for (int64_t j = 0; j < k; ++j)
+      for (int64_t t = 0; t < w; ++t) tile[j * W + t] = src[j * sp + t];
+    double o[W * N_STAT] = {};
+    std::copy(op + row0 * N_STAT, op + (row0 + w) * N_STAT, o);
+    for (int64_t t = w; t < W; ++t) o[t * N_STAT + S_INV] = 1.0;
+    T* g = tile.data() + k * W;
+    margin_backward_lanes<T>(tile.data(), W, k, y, s, o, gce, gpen, g);
+    for (int64_t j = 0; j < k; ++j)
+      for (int64_t t = 0; t < w; ++t) dst[j * sp + t] = g[j * W + t];
+  });
+}
+
 struct MarginForward {
   at::Tensor loss;   // reduced, or the targets' shape for "none", in the logits' dtype
   at::Tensor stats;  // (M, N_STAT) float64 per row
@@ -426,9 +519,15 @@ MarginForward margin_forward(const at::Tensor& logits, const at::Tensor& targets
   std::atomic<int64_t> n_bad{0};
   const int64_t parts = want_sums ? cals_parts(l) : 0;
   std::vector<double> part_sums(static_cast<size_t>(parts * (2 * k + 1)), 0.0);
+  // (the lane path recomputes f'(p) in its backward: nothing to keep)
+  const bool lanes = x.scalar_type() == at::kFloat ? margin_by_lanes<float>(l, s) : margin_by_lanes<double>(l, s);
   at::Tensor df;
-  if (keep_df && s.kind == M_CP) df = at::empty({rows, k}, x.options());
+  if (keep_df && s.kind == M_CP && !lanes) df = at::empty({rows, k}, x.options());
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "fused_margin", [&] {
+    if (lanes) {
+      n_bad += margin_forward_by_lanes<scalar_t>(x.data_ptr<scalar_t>(), l, s, tp, has_ignore, ignore, op);
+      return;
+    }
     const bool scratch = s.kind == M_CP;
     scalar_t* dfp = df.defined() ? df.data_ptr<scalar_t>() : nullptr;
     const auto row_fn = [&](int64_t i, const scalar_t* row, double* sums) {
@@ -553,6 +652,18 @@ at::Tensor margin_backward(const at::Tensor& grad_loss, const at::Tensor& logits
                                             kept_df.scalar_type() == x.scalar_type()),
                     "`kept_df` must be the forward's (", rows, ", ", k, ") array");
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "fused_margin_backward", [&] {
+    if (margin_by_lanes<scalar_t>(l, s)) {
+      // whether row i has a label (its cross entropy kept), with its incoming gradients
+      const auto grads = [&](int64_t i, double& gce, double& gpen) {
+        const bool keep = !(has_ignore && tp[i] == ignore);
+        const double gi = gp[i * stride];
+        gce = keep ? gi / ce_div : 0.0;
+        gpen = keep || penalty_all_rows ? s.coef * gi / pen_div : 0.0;
+        return keep;
+      };
+      margin_backward_by_lanes<scalar_t>(x.data_ptr<scalar_t>(), grad.data_ptr<scalar_t>(), l, s, tp, op, grads);
+      return;
+    }
     const scalar_t* dfp = kept_df.defined() ? kept_df.data_ptr<scalar_t>() : nullptr;
     over_rows<scalar_t>(x.data_ptr<scalar_t>(), grad.data_ptr<scalar_t>(), l,
                         [&](int64_t i, const scalar_t* row, scalar_t* g) {
