@@ -227,11 +227,11 @@ def _iop_train(x, targets, layers, invariant, lr, weight_decay, batch, epochs, g
     batch's loss."""
     n, k = x.shape
     dtype, device = x.dtype, x.device
-    s = torch.sort(x, dim=1, descending=True, stable=True).values
-    inputs = s if invariant else x
-    # ascending gaps: column l − 1 is a_l − a_(l−1) of the ascending a = flip(s), l = 1 … K − 1
-    up = (s[:, :-1] - s[:, 1:]).flip(1).contiguous()
-    del s
+    # the rows sorted ascending, a = flip(sort(x, descending)); the network reads them through its first
+    # kernel with the columns reversed (the same products as on the descending s, summed in another order)
+    ascending = torch.sort(x, dim=1, descending=True, stable=True).values.flip(1)
+    if invariant:
+        layers = [(layers[0][0].flip(1), layers[0][1]), *layers[1:]]
     # the label's ascending rank: K − 1 minus the number of classes above it
     target_up = (k - 1) - (x > x.gather(1, targets[:, None])).sum(1)
     # the parameters (and their gradients and moments) as views of flat buffers, layer by layer (w, b)
@@ -254,9 +254,10 @@ def _iop_train(x, targets, layers, invariant, lr, weight_decay, batch, epochs, g
     exp_avg, exp_avg_sq, work = torch.zeros_like(flat), torch.zeros_like(flat), torch.empty_like(flat)
     beta1, beta2, eps = 0.9, 0.999, 1e-8
     # per-batch buffers (allocating them at every step costs more than the arithmetic at K = 1000)
-    acts_buf = [torch.empty(batch, inputs.shape[1], dtype=dtype, device=device)]
+    acts_buf = [torch.empty(batch, k, dtype=dtype, device=device)]
     acts_buf += [torch.empty(batch, w.shape[0], dtype=dtype, device=device) for w in weights[:-1]]
     back_buf = [torch.empty(batch, w.shape[0], dtype=dtype, device=device) for w in weights[:-1]]
+    asc_buf = acts_buf[0] if invariant else torch.empty(batch, k, dtype=dtype, device=device)
     gaps_buf, m_buf, d_buf, sig_buf = (torch.empty(batch, k - 1, dtype=dtype, device=device) for _ in "1234")
     terms_buf = torch.zeros(batch, k, dtype=dtype, device=device)  # column 0 stays 0
     o_buf, p_buf = (torch.empty(batch, k, dtype=dtype, device=device) for _ in "12")
@@ -270,8 +271,10 @@ def _iop_train(x, targets, layers, invariant, lr, weight_decay, batch, epochs, g
         for start in range(0, n, batch):
             rows = perm[start : start + batch]
             b = min(batch, n - start)
-            acts = [torch.index_select(inputs, 0, rows, out=acts_buf[0][:b])]
-            gaps = torch.index_select(up, 0, rows, out=gaps_buf[:b])
+            asc = torch.index_select(ascending, 0, rows, out=asc_buf[:b])
+            acts = [asc if invariant else torch.index_select(x, 0, rows, out=acts_buf[0][:b])]
+            # column l − 1: the gap a_l − a_(l−1), l = 1 … K − 1
+            gaps = torch.sub(asc[:, 1:], asc[:, :-1], out=gaps_buf[:b])
             label = torch.index_select(target_up, 0, rows, out=label_buf[:b])
             for w, bias, buf in zip(weights[:-1], biases[:-1], acts_buf[1:]):
                 acts.append(torch.addmm(bias, acts[-1], w.t(), out=buf[:b]).clamp_min_(0))
@@ -302,7 +305,10 @@ def _iop_train(x, targets, layers, invariant, lr, weight_decay, batch, epochs, g
             step_size = lr / (1 - beta1**step)
             denom = torch.sqrt(exp_avg_sq, out=work).div_((1 - beta2**step) ** 0.5).add_(eps)
             flat.addcdiv_(exp_avg, denom, value=-step_size)
-    return [w.clone() for w in weights], [bias.clone() for bias in biases], float(loss)
+    weights = [w.clone() for w in weights]
+    if invariant:
+        weights[0] = weights[0].flip(1)
+    return weights, [bias.clone() for bias in biases], float(loss)
 
 
 class IntraOrderPreserving(Calibrator):
