@@ -232,6 +232,11 @@ def _iop_train(x, targets, layers, invariant, lr, weight_decay, batch, epochs, g
     ascending = torch.sort(x, dim=1, descending=True, stable=True).values.flip(1)
     if invariant:
         layers = [(layers[0][0].flip(1), layers[0][1]), *layers[1:]]
+    # a first layer that is not the last is kept as its transpose (in, out): with few inputs (K = 10) the
+    # product for its gradient, inputsᵀ · d, is several times faster into that layout
+    first_t = len(layers) > 1
+    if first_t:
+        layers = [(layers[0][0].t().contiguous(), layers[0][1]), *layers[1:]]
     # the label's ascending rank: K − 1 minus the number of classes above it
     target_up = (k - 1) - (x > x.gather(1, targets[:, None])).sum(1)
     # the parameters (and their gradients and moments) as views of flat buffers, layer by layer (w, b)
@@ -255,15 +260,17 @@ def _iop_train(x, targets, layers, invariant, lr, weight_decay, batch, epochs, g
     beta1, beta2, eps = 0.9, 0.999, 1e-8
     # per-batch buffers (allocating them at every step costs more than the arithmetic at K = 1000)
     acts_buf = [torch.empty(batch, k, dtype=dtype, device=device)]
-    acts_buf += [torch.empty(batch, w.shape[0], dtype=dtype, device=device) for w in weights[:-1]]
-    back_buf = [torch.empty(batch, w.shape[0], dtype=dtype, device=device) for w in weights[:-1]]
+    acts_buf += [torch.empty(batch, len(bias), dtype=dtype, device=device) for bias in biases[:-1]]
+    back_buf = [torch.empty(batch, len(bias), dtype=dtype, device=device) for bias in biases[:-1]]
     asc_buf = acts_buf[0] if invariant else torch.empty(batch, k, dtype=dtype, device=device)
-    gaps_buf, m_buf, d_buf, sig_buf = (torch.empty(batch, k - 1, dtype=dtype, device=device) for _ in "1234")
+    gaps_buf, m_buf, d_buf, sig_buf, sp_buf = (
+        torch.empty(batch, k - 1, dtype=dtype, device=device) for _ in "12345"
+    )
     terms_buf = torch.zeros(batch, k, dtype=dtype, device=device)  # column 0 stays 0
     o_buf, p_buf = (torch.empty(batch, k, dtype=dtype, device=device) for _ in "12")
     label_buf = torch.empty(batch, dtype=target_up.dtype, device=device)
     rows_all, minus_one = torch.arange(batch, device=device), torch.tensor(-1.0, dtype=dtype, device=device)
-    softplus, softmax = torch.ops.aten.softplus.out, torch.ops.aten._softmax.out
+    softplus = torch.ops.aten.softplus.out
     relu_backward = torch.ops.aten.threshold_backward.grad_input
     step, loss = 0, torch.tensor(float("nan"))
     for epoch in range(epochs):
@@ -276,14 +283,18 @@ def _iop_train(x, targets, layers, invariant, lr, weight_decay, batch, epochs, g
             # column l − 1: the gap a_l − a_(l−1), l = 1 … K − 1
             gaps = torch.sub(asc[:, 1:], asc[:, :-1], out=gaps_buf[:b])
             label = torch.index_select(target_up, 0, rows, out=label_buf[:b])
-            for w, bias, buf in zip(weights[:-1], biases[:-1], acts_buf[1:]):
-                acts.append(torch.addmm(bias, acts[-1], w.t(), out=buf[:b]).clamp_min_(0))
+            for i, (w, bias, buf) in enumerate(zip(weights[:-1], biases[:-1], acts_buf[1:])):
+                acts.append(torch.addmm(bias, acts[-1], w if i == 0 else w.t(), out=buf[:b]).clamp_min_(0))
             m = torch.addmm(last_b, acts[-1], last_w.t(), out=m_buf[:b])
-            softplus(m, 1, 20, out=terms_buf[:b, 1:]).mul_(gaps)
+            # (softplus into a contiguous buffer: into the strided columns it takes a slower loop)
+            torch.mul(softplus(m, 1, 20, out=sp_buf[:b]), gaps, out=terms_buf[:b, 1:])
             o = torch.cumsum(terms_buf[:b], 1, out=o_buf[:b])
             if epoch == epochs - 1 and start + batch >= n:
                 loss = torch.nn.functional.cross_entropy(o, label)
-            p = softmax(o, 1, False, out=p_buf[:b])
+            # softmax: o is non-decreasing along the row (a cumulative sum of terms >= 0), so its maximum is
+            # the last column; exp(o − max) / Σ as torch's softmax computes it, without the search for the max
+            p = torch.sub(o, o[:, -1:], out=p_buf[:b]).exp_()
+            p.div_(p.sum(1, keepdim=True))
             p.index_put_((rows_all[:b], label), minus_one, accumulate=True)
             # d loss / d m_l = −(1/b) Σ_(i<l) (p − onehot)_i · gap_l · softplus'(m_l), l = 1 … K − 1
             d = torch.cumsum(p[:, :-1], 1, out=d_buf[:b])
@@ -294,7 +305,10 @@ def _iop_train(x, targets, layers, invariant, lr, weight_decay, batch, epochs, g
             for i in range(len(weights) - 2, -1, -1):
                 d = torch.mm(d, w_above, out=back_buf[i][:b])
                 d = relu_backward(d, acts[i + 1], 0, grad_input=d)
-                torch.mm(d.t(), acts[i], out=grad_w[i])
+                if i == 0:
+                    torch.mm(acts[0].t(), d, out=grad_w[0])
+                else:
+                    torch.mm(d.t(), acts[i], out=grad_w[i])
                 torch.sum(d, 0, out=grad_b[i])
                 w_above = weights[i]
             # torch.optim.Adam's single-tensor update (coupled L2), on the flat buffers
@@ -306,6 +320,8 @@ def _iop_train(x, targets, layers, invariant, lr, weight_decay, batch, epochs, g
             denom = torch.sqrt(exp_avg_sq, out=work).div_((1 - beta2**step) ** 0.5).add_(eps)
             flat.addcdiv_(exp_avg, denom, value=-step_size)
     weights = [w.clone() for w in weights]
+    if first_t:
+        weights[0] = weights[0].t().contiguous()
     if invariant:
         weights[0] = weights[0].flip(1)
     return weights, [bias.clone() for bias in biases], float(loss)
