@@ -340,7 +340,9 @@ class IntraOrderPreserving(Calibrator):
     cross-entropy, Adam with learning rate ``lr`` and torch's L2 ``weight_decay``, batches of
     ``batch_size`` rows (all rows when N ≤ ``batch_size``), shuffled every epoch, ``epochs`` epochs, torch's
     default ``nn.Linear`` initialisation; with ``seed`` for the initialisation and the shuffling (the
-    reference is unseeded).
+    reference is unseeded). The training step is written out rather than taped by autograd (each row
+    sorted once, the gradient formed by hand, Adam on one flat buffer; docs/decisions.md, decision 214):
+    it computes what autograd and ``torch.optim.Adam`` compute, in another order of the same arithmetic.
 
     The fitted network is ``weights_`` and ``biases_`` (lists of tensors, torch's ``(out, in)`` layout).
 
