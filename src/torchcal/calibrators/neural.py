@@ -212,6 +212,121 @@ def _torch_linear_init(fan_in, fan_out, dtype, device, generator):
     return w, b
 
 
+def _iop_train(x, targets, layers, invariant, lr, weight_decay, batch, epochs, generator):
+    """Train IOP's network as ``torch.optim.Adam`` on the autograd graph of :func:`iop_logits` and mean
+    cross entropy would (decision 214), on log-probabilities ``x`` (N, K) from the initial ``layers`` [(W,
+    b), …]: ``epochs`` epochs of a seeded permutation cut into batches of ``batch`` rows, torch's coupled L2
+    and its single-tensor Adam update, element for element, on one flat buffer of all the weights and
+    biases. The forward and backward passes are written out, into buffers allocated once. Each row is
+    sorted once, not at every step. The calibrated logits are built in ascending order, where they are a
+    plain cumulative sum [0, c_1, …, c_(K−1)] with c_l = Σ_(i≤l) softplus(m_i) · (a_i − a_(i−1)) over the
+    ascending a, and cross entropy takes the label's ascending rank (it does not depend on the order of the
+    classes; among tied entries the logits are equal, so any of the tied ranks gives the same loss and
+    gradient). The gradient of that sum, the suffix sums of p − onehot, is computed as −cumsum(p −
+    onehot), equal because a row of p − onehot sums to 0. Returns the weights, the biases and the last
+    batch's loss."""
+    n, k = x.shape
+    dtype, device = x.dtype, x.device
+    # the rows sorted ascending, a = flip(sort(x, descending)); the network reads them through its first
+    # kernel with the columns reversed (the same products as on the descending s, summed in another order)
+    ascending = torch.sort(x, dim=1, descending=True, stable=True).values.flip(1)
+    if invariant:
+        layers = [(layers[0][0].flip(1), layers[0][1]), *layers[1:]]
+    # a first layer that is not the last is kept as its transpose (in, out): with few inputs (K = 10) the
+    # product for its gradient, inputsᵀ · d, is several times faster into that layout
+    first_t = len(layers) > 1
+    if first_t:
+        layers = [(layers[0][0].t().contiguous(), layers[0][1]), *layers[1:]]
+    # the label's ascending rank: K − 1 minus the number of classes above it
+    target_up = (k - 1) - (x > x.gather(1, targets[:, None])).sum(1)
+    # the parameters (and their gradients and moments) as views of flat buffers, layer by layer (w, b)
+    shapes = [t.shape for layer in layers for t in layer]
+    flat = torch.cat([t.reshape(-1) for layer in layers for t in layer])
+    grad = torch.zeros_like(flat)
+
+    def views(buffer):
+        out, at = [], 0
+        for shape in shapes:
+            size = math.prod(shape)
+            out.append(buffer[at : at + size].view(shape))
+            at += size
+        return out[0::2], out[1::2]
+
+    weights, biases = views(flat)
+    grad_w, grad_b = views(grad)
+    # m_0 of the network is unused (the reference sets it to 0): the last layer's row 0 gets no gradient
+    last_w, last_b, last_gw, last_gb = weights[-1][1:], biases[-1][1:], grad_w[-1][1:], grad_b[-1][1:]
+    exp_avg, exp_avg_sq, work = torch.zeros_like(flat), torch.zeros_like(flat), torch.empty_like(flat)
+    beta1, beta2, eps = 0.9, 0.999, 1e-8
+    # per-batch buffers (allocating them at every step costs more than the arithmetic at K = 1000)
+    acts_buf = [torch.empty(batch, k, dtype=dtype, device=device)]
+    acts_buf += [torch.empty(batch, len(bias), dtype=dtype, device=device) for bias in biases[:-1]]
+    back_buf = [torch.empty(batch, len(bias), dtype=dtype, device=device) for bias in biases[:-1]]
+    asc_buf = acts_buf[0] if invariant else torch.empty(batch, k, dtype=dtype, device=device)
+    gaps_buf, m_buf, d_buf, sig_buf, sp_buf = (
+        torch.empty(batch, k - 1, dtype=dtype, device=device) for _ in "12345"
+    )
+    terms_buf = torch.zeros(batch, k, dtype=dtype, device=device)  # column 0 stays 0
+    o_buf, p_buf = (torch.empty(batch, k, dtype=dtype, device=device) for _ in "12")
+    label_buf = torch.empty(batch, dtype=target_up.dtype, device=device)
+    rows_all, minus_one = torch.arange(batch, device=device), torch.tensor(-1.0, dtype=dtype, device=device)
+    softplus = torch.ops.aten.softplus.out
+    relu_backward = torch.ops.aten.threshold_backward.grad_input
+    step, loss = 0, torch.tensor(float("nan"))
+    for epoch in range(epochs):
+        perm = torch.randperm(n, generator=generator, device=device)
+        for start in range(0, n, batch):
+            rows = perm[start : start + batch]
+            b = min(batch, n - start)
+            asc = torch.index_select(ascending, 0, rows, out=asc_buf[:b])
+            acts = [asc if invariant else torch.index_select(x, 0, rows, out=acts_buf[0][:b])]
+            # column l − 1: the gap a_l − a_(l−1), l = 1 … K − 1
+            gaps = torch.sub(asc[:, 1:], asc[:, :-1], out=gaps_buf[:b])
+            label = torch.index_select(target_up, 0, rows, out=label_buf[:b])
+            for i, (w, bias, buf) in enumerate(zip(weights[:-1], biases[:-1], acts_buf[1:])):
+                acts.append(torch.addmm(bias, acts[-1], w if i == 0 else w.t(), out=buf[:b]).clamp_min_(0))
+            m = torch.addmm(last_b, acts[-1], last_w.t(), out=m_buf[:b])
+            # (softplus into a contiguous buffer: into the strided columns it takes a slower loop)
+            torch.mul(softplus(m, 1, 20, out=sp_buf[:b]), gaps, out=terms_buf[:b, 1:])
+            o = torch.cumsum(terms_buf[:b], 1, out=o_buf[:b])
+            if epoch == epochs - 1 and start + batch >= n:
+                loss = torch.nn.functional.cross_entropy(o, label)
+            # softmax: o is non-decreasing along the row (a cumulative sum of terms >= 0), so its maximum is
+            # the last column; exp(o − max) / Σ as torch's softmax computes it, without the search for the max
+            p = torch.sub(o, o[:, -1:], out=p_buf[:b]).exp_()
+            p.div_(p.sum(1, keepdim=True))
+            p.index_put_((rows_all[:b], label), minus_one, accumulate=True)
+            # d loss / d m_l = −(1/b) Σ_(i<l) (p − onehot)_i · gap_l · softplus'(m_l), l = 1 … K − 1
+            d = torch.cumsum(p[:, :-1], 1, out=d_buf[:b])
+            d.mul_(torch.sigmoid(m, out=sig_buf[:b]).mul_(gaps)).mul_(-1.0 / b)
+            torch.mm(d.t(), acts[-1], out=last_gw)
+            torch.sum(d, 0, out=last_gb)
+            w_above = last_w
+            for i in range(len(weights) - 2, -1, -1):
+                d = torch.mm(d, w_above, out=back_buf[i][:b])
+                d = relu_backward(d, acts[i + 1], 0, grad_input=d)
+                if i == 0:
+                    torch.mm(acts[0].t(), d, out=grad_w[0])
+                else:
+                    torch.mm(d.t(), acts[i], out=grad_w[i])
+                torch.sum(d, 0, out=grad_b[i])
+                w_above = weights[i]
+            # torch.optim.Adam's single-tensor update (coupled L2), on the flat buffers
+            step += 1
+            g = torch.add(grad, flat, alpha=weight_decay, out=work) if weight_decay != 0 else grad
+            exp_avg.lerp_(g, 1 - beta1)
+            exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            step_size = lr / (1 - beta1**step)
+            denom = torch.sqrt(exp_avg_sq, out=work).div_((1 - beta2**step) ** 0.5).add_(eps)
+            flat.addcdiv_(exp_avg, denom, value=-step_size)
+    weights = [w.clone() for w in weights]
+    if first_t:
+        weights[0] = weights[0].t().contiguous()
+    if invariant:
+        weights[0] = weights[0].flip(1)
+    return weights, [bias.clone() for bias in biases], float(loss)
+
+
 class IntraOrderPreserving(Calibrator):
     """Intra order-preserving calibration (IOP, Rahimi et al. 2020), the order-invariant variant: calibrated
     logits o = :func:`iop_logits` of x = ln max(softmax(z), 1e-15), where an MLP of the sorted x
@@ -225,7 +340,9 @@ class IntraOrderPreserving(Calibrator):
     cross-entropy, Adam with learning rate ``lr`` and torch's L2 ``weight_decay``, batches of
     ``batch_size`` rows (all rows when N ≤ ``batch_size``), shuffled every epoch, ``epochs`` epochs, torch's
     default ``nn.Linear`` initialisation; with ``seed`` for the initialisation and the shuffling (the
-    reference is unseeded).
+    reference is unseeded). The training step is written out rather than taped by autograd (each row
+    sorted once, the gradient formed by hand, Adam on one flat buffer; docs/decisions.md, decision 214):
+    it computes what autograd and ``torch.optim.Adam`` compute, in another order of the same arithmetic.
 
     The fitted network is ``weights_`` and ``biases_`` (lists of tensors, torch's ``(out, in)`` layout).
 
@@ -282,22 +399,14 @@ class IntraOrderPreserving(Calibrator):
         seed = check_positive_int(self.seed, "seed", minimum=0)
         x = self._features(logits.detach())
         n, k = x.shape
-        dtype, device = x.dtype, x.device
-        g = _generator(seed, device)
+        g = _generator(seed, x.device)
         widths = (k, *sizes, k)
-        layers = [_torch_linear_init(a, b, dtype, device, g) for a, b in zip(widths[:-1], widths[1:])]
-        weights = [w.requires_grad_() for w, _ in layers]
-        biases = [b.requires_grad_() for _, b in layers]
-        batch = min(batch_size, n)
-        steps = epochs * math.ceil(n / batch)
-
-        def loss_fn(rows):
-            o = iop_logits(x[rows], weights, biases, self.invariant)
-            return torch.nn.functional.cross_entropy(o, targets[rows])
-
-        loss = _adam(loss_fn, weights + biases, n, batch, steps, lr, decay, g)
-        self.weights_ = [w.detach() for w in weights]
-        self.biases_ = [b.detach() for b in biases]
+        layers = [_torch_linear_init(a, b, x.dtype, x.device, g) for a, b in zip(widths[:-1], widths[1:])]
+        weights, biases, loss = _iop_train(
+            x, targets, layers, self.invariant, lr, decay, min(batch_size, n), epochs, g
+        )
+        self.weights_ = weights
+        self.biases_ = biases
         self.loss_ = float(loss)
 
     def transform_logits(self, logits) -> torch.Tensor:
