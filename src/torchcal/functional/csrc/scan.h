@@ -114,6 +114,14 @@ struct ClasswiseAdd {
   }
 };
 
+// dst[j] += row[j] in float64 for the k entries of a row (the per-bin vector sums of the decompositions:
+// the row is still in cache from the statistics' pass, so this is a second read of L1 only)
+template <typename T>
+__attribute__((always_inline)) inline void add_row(double* dst, const T* row, int64_t k) {
+#pragma omp simd
+  for (int64_t j = 0; j < k; ++j) dst[j] += static_cast<double>(row[j]);
+}
+
 // validation statistics of a part of the rows
 struct ScanStats {
   double worst = 0.0;   // largest |Σ_j p_ij − 1|
@@ -148,14 +156,16 @@ struct ScanStats {
 // ScanStats also get the per-sample sums, the confidence compared with ``threshold`` in the input dtype (as
 // torch compares a tensor with a Python number) and −log p_y computed in float64 from p_y clamped below at
 // the dtype's smallest normal number (the torch path's clamp; its log is taken in the input dtype). With
-// ``row_bin`` (and m > 0) each row's equal-width bin is written to row_bin[i].
+// ``row_bin`` (and m > 0) each row's equal-width bin is written to row_bin[i]. With ``vec`` (and m > 0) the
+// row is added to its bin's K-vector of probability sums vec[bin·K + j] and 1 to its bin's label count
+// vec[(m + bin)·K + y] (the decompositions' 2·m·K per-bin vector sums, float64).
 // Fixed > 0: the caller guarantees k == Fixed, and every loop over a row has a compile-time length (rows of
 // up to kFixedRows classes: fully unrolled, no loop overhead or tail handling per row).
 template <typename scalar_t, int Fixed = 0>
 ScanStats scan_rows(const scalar_t* p, const int64_t* t, int64_t begin, int64_t end, int64_t k_runtime,
                     int64_t m, const double* edges, int64_t mc, const double* cw_edges, scalar_t* conf,
                     bool* correct, double* top, double* cw, double* col_total, bool sums = false,
-                    scalar_t threshold = scalar_t(1), int64_t* row_bin = nullptr) {
+                    scalar_t threshold = scalar_t(1), int64_t* row_bin = nullptr, double* vec = nullptr) {
   const int64_t k = Fixed > 0 ? Fixed : k_runtime;
   ScanStats st;
   const scalar_t first_edge = below_or_at<scalar_t>(mc > 0 ? cw_edges[1] : 0.0);
@@ -229,6 +239,10 @@ ScanStats scan_rows(const scalar_t* p, const int64_t* t, int64_t begin, int64_t 
       const double c = static_cast<double>(hi);
       const int64_t bin = bin_index(c, m, edges);
       if (row_bin != nullptr) row_bin[i] = bin;
+      if (vec != nullptr) {
+        add_row(vec + bin * k, row, k);
+        vec[(m + bin) * k + y] += 1.0;
+      }
       double* b = top + bin;
       b[0] += 1.0;
       b[m] += c;
