@@ -367,8 +367,10 @@ def batch_state(
     else:  # 0-d device tensors (no host sync)
         scalars += torch.stack([torch.as_tensor(v, dtype=torch.float64, device=conf.device) for v in batch])
     if vec is not None:  # decompositions: from the C++ scan's pass, else by torch ops on the scan's bins
-        vec += scan.vectors if scan.vectors is not None else top_bin_vector_sums(
-            probs, targets, conf, n_bins, scan.bins
+        vec += (
+            scan.vectors
+            if scan.vectors is not None
+            else top_bin_vector_sums(probs, targets, conf, n_bins, scan.bins)
         )
     rank = None
     if score in ("max_logit", "energy"):

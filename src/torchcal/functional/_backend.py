@@ -66,7 +66,9 @@ def scan(
     torch otherwise (whose scan always gives each row's bin with ``n_bins``)."""
     if _extension.scan_applies(probs):
         conf, correct, worst, lowest, nonfinite, top, cw, sum_sq, bins, sums, vectors = (
-            _extension.top_label_scan(probs, targets, n_bins, classwise_bins, threshold, row_bins, bin_vectors)
+            _extension.top_label_scan(
+                probs, targets, n_bins, classwise_bins, threshold, row_bins, bin_vectors
+            )
         )
         classwise = None if cw is None else _FinishedClasswise(cw)
         return Scan(conf, correct, (worst, lowest, nonfinite), classwise, top, sum_sq, sums, bins, vectors)

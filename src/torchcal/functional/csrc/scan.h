@@ -86,7 +86,8 @@ inline void stats_span(const T* row, int64_t j, int64_t stop, double& s, double&
   const auto fs = fold<double, DB>(ds[0] + ds[1], Add{}), fsq = fold<double, DB>(dsq[0] + dsq[1], Add{});
   s += fs[0] + fs[1];
   sq += fsq[0] + fsq[1];
-  const auto fh = fold<T, Bytes>(Max{}(vhi[0], vhi[1]), Max{}), fl = fold<T, Bytes>(Min{}(vlo[0], vlo[1]), Min{});
+  const auto fh = fold<T, Bytes>(Max{}(vhi[0], vhi[1]), Max{});
+  const auto fl = fold<T, Bytes>(Min{}(vlo[0], vlo[1]), Min{});
   for (int l = 0; l < Vec<T, 16>::width; ++l) {
     hi = Max{}(hi, fh[l]);
     lo = Min{}(lo, fl[l]);
