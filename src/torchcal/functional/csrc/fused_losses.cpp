@@ -579,7 +579,9 @@ top_label_scan_cpu(const at::Tensor& probs, const at::Tensor& targets, int64_t n
   at::Tensor tables = at::zeros({parts, table}, f64);
   at::Tensor bins = at::empty({row_bins && m > 0 ? n : 0}, p.options().dtype(at::kLong));
   int64_t* bp = bins.numel() > 0 ? bins.data_ptr<int64_t>() : nullptr;
-  at::Tensor part_vectors = at::zeros({vec_size > 0 ? parts : 0, vec_size}, f64);
+  // (each part zeroes its own vector sums in the parallel loop: no parallel region of its own, and the
+  // table is in the cache of the thread that fills it)
+  at::Tensor part_vectors = at::empty({vec_size > 0 ? parts : 0, vec_size}, f64);
   double* vp = vec_size > 0 ? part_vectors.data_ptr<double>() : nullptr;
   std::vector<ScanStats> stats(static_cast<size_t>(parts));
   const std::vector<double> edges = bin_edges(m), cw_edges = bin_edges(mc);
@@ -595,6 +597,7 @@ top_label_scan_cpu(const at::Tensor& probs, const at::Tensor& targets, int64_t n
       at::parallel_for(0, parts, 1, [&](int64_t first, int64_t last) {
         for (int64_t c = first; c < last; ++c) {
           double* tab = tabp + c * table;
+          if (vp != nullptr) std::fill(vp + c * vec_size, vp + (c + 1) * vec_size, 0.0);
           stats[static_cast<size_t>(c)] = scan_rows<scalar_t, decltype(fixed)::value>(
               pp, tp, std::min(n, c * rows), std::min(n, (c + 1) * rows), k, m, edges.data(), mc,
               cw_edges.data(), cp, hp, topp + c * 3 * m, tab, tab + 3 * mc * k, threshold.has_value(),
