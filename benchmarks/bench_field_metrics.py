@@ -4,10 +4,15 @@ On the same inputs at (50k, 1000) and (1M, 10) (``--quick``: (10k, 100) and (100
 alternate torchcal and the peer:
 
 * AURC and FPR@95TPR against torch-uncertainty (``torch_uncertainty.metrics``: ``AURC``, ``FPR95``);
-* Kuiper and KS against probmetrics (binary-only there: it reads column 1 of any K, so the values differ for
-  K > 2; both sort N values and take cumulative sums, but torchcal's top label also reads the whole (N, K)
-  matrix, for each row's maximum and the input checks, where probmetrics reads one column and checks
-  nothing);
+* Kuiper and KS against probmetrics, whose ``KuiperCalibrationMetric`` and ``KolmogorovSmirnovCalibrationMetric``
+  are binary: they sort column 1 of the probabilities and take cumulative sums of it and of the labels *as
+  numbers* (0..K-1), so for K > 2 they compute another quantity than torchcal's top-label KS (a read of one
+  column of (N, K), no input checks). Three rows each: ``ks`` / ``kuiper``, probmetrics called as it is on
+  (probs, targets) (a different quantity for K > 2, kept for the record); ``ks_top_label`` /
+  ``kuiper_top_label``, probmetrics given the top-label reduction ([1 - conf, conf], 1[argmax = y]) by
+  ``probs.max(1)`` inside its timing: the same quantity (the CSV's ``abs_diff`` is |ours - peer|, float32
+  cumulative sums on their side); ``ks_floor``, torchcal's KS against one ``amax`` over the rows, the least
+  any top-label KS can cost (one read of the matrix);
 * split-conformal APS, fit on the first half and sets for the second half, against MAPIE 1.6's
   ``SplitConformalClassifier`` (``conformalize`` + ``predict_set``);
 * the streaming update of ``CalibrationMetrics`` with every metric on (the default) against its update
@@ -113,12 +118,21 @@ def main():
     parser.add_argument(
         "--threads", type=int, default=None, help="torch threads (default: torch's); names the CSV '-<n>t'"
     )
+    parser.add_argument(
+        "--cases",
+        default=None,
+        help="comma-separated cases to run (e.g. ks,update_all_metrics; default: all)",
+    )
+    parser.add_argument("--tag", default="", help="a word in the CSV's name (keeps scratch runs apart)")
     args = parser.parse_args()
+    cases = None if args.cases is None else set(args.cases.split(","))
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     rows = []
 
-    def record(case, n, k, ours_fn, peer_fn, peer):
+    def record(case, n, k, ours_fn, peer_fn, peer, same_value=False):
+        if cases is not None and case not in cases:
+            return
         if peer_fn is None:
             rows.append({"case": case, "n": n, "k": k, "peer": peer, "ours_s": float("nan")})
             print(f"{case} {n}x{k}: {peer} not installed, skipped", flush=True)
@@ -127,6 +141,8 @@ def main():
         ratio = float(np.median(ratios))
         rows.append({"case": case, "n": n, "k": k, "peer": peer, "ours_s": ours, "peer_s": base,
                      "ratio_median": ratio, "ratio_min": min(ratios), "ratio_max": max(ratios)})  # fmt: skip
+        if same_value:  # both compute the same number: how far apart they are
+            rows[-1]["abs_diff"] = abs(float(ours_fn()) - float(peer_fn()))
         print(f"{case} {n}x{k}: ours {ours * 1e3:.1f} ms, {peer} {base * 1e3:.1f} ms, ratio {ratio:.2f} "
               f"[{min(ratios):.2f}, {max(ratios):.2f}]", flush=True)  # fmt: skip
 
@@ -162,9 +178,19 @@ def main():
             "torch-uncertainty",
         )
 
-        # Kuiper / KS (probmetrics on its binary path)
+        # Kuiper / KS: probmetrics as it is (column 1, another quantity for K > 2), then given the top-label
+        # reduction (the same quantity), then torchcal's KS against one read of the matrix
         def pm_metric(cls):
             return lambda: cls().compute_from_labels_probs(targets, probs)
+
+        def pm_top_label(cls):
+            def run():
+                top, pred = probs.max(1)
+                return cls().compute_from_labels_probs(
+                    (pred == targets).long(), torch.stack([1 - top, top], 1)
+                )
+
+            return run
 
         for name, ours_fn, idx in (
             ("kuiper", F.kuiper_calibration_error, 1),
@@ -176,8 +202,20 @@ def main():
                 k,
                 lambda f=ours_fn: f(probs, targets),
                 pm_metric(pm[idx]) if pm else None,
-                "probmetrics",
+                "probmetrics (column 1)",
             )
+            record(
+                f"{name}_top_label",
+                n,
+                k,
+                lambda f=ours_fn: f(probs, targets),
+                pm_top_label(pm[idx]) if pm else None,
+                "probmetrics (top-label reduction)",
+                same_value=True,
+            )
+        record(
+            "ks_floor", n, k, lambda: F.ks_calibration_error(probs, targets), lambda: probs.amax(1), "amax(1)"
+        )
 
         # split-conformal APS: fit on the first half, sets for the second
         cal, test = slice(0, half), slice(half, n)
@@ -207,7 +245,7 @@ def main():
             "CalibrationMetrics(decompositions=False)",
         )
 
-    tag = "quick-" if args.quick else ""
+    tag = ("quick-" if args.quick else "") + (f"{args.tag}-" if args.tag else "")
     threads = "" if args.threads is None else f"-{args.threads}t"
     write_results(rows, f"bench_field_metrics-{tag}{hardware()}{threads}", first=("case", "n", "k", "peer"))
 

@@ -389,7 +389,7 @@ def test_scan_sums_match_their_definitions(dtype):
     probs[5] = 0.0  # a true class of probability 0 costs −log(tiny of the dtype)
     probs[5, (int(targets[5]) + 1) % 7] = 1.0
     threshold = 0.9
-    *_, sums = _extension.top_label_scan(probs, targets, 15, None, threshold)
+    *_, sums, _vectors = _extension.top_label_scan(probs, targets, 15, None, threshold)
     p64 = probs.double()
     p_true = p64[torch.arange(2000), targets]
     tiny = torch.finfo(dtype).tiny
@@ -411,14 +411,14 @@ def test_scan_sums_compare_the_confidence_in_the_input_dtype():
     probs = torch.tensor([[0.3, 0.7], [0.7, 0.3]], dtype=torch.float32)
     assert float(probs[0, 1]) < 0.7
     threshold = 0.7
-    *_, sums = _extension.top_label_scan(probs, torch.tensor([1, 0]), None, None, threshold)
+    *_, sums, _vectors = _extension.top_label_scan(probs, torch.tensor([1, 0]), None, None, threshold)
     assert int((probs.max(1).values >= threshold).sum()) == 2
     assert sums.confident == 2 and sums.confident_correct == 2
 
 
 def test_no_sums_without_a_threshold():
     probs = torch.tensor([[0.25, 0.75]])
-    *_, sums = _extension.top_label_scan(probs, torch.tensor([1]), 15, 15)
+    *_, sums, _vectors = _extension.top_label_scan(probs, torch.tensor([1]), 15, 15)
     assert sums is None
 
 

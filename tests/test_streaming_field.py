@@ -173,6 +173,27 @@ def test_vector_sums_match_a_loop_reference():
     torch.testing.assert_close(got, want, rtol=0, atol=1e-13)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("k", [2, 10, 16, 17, 33, 300])  # the scan's fixed-length, masked and long rows
+def test_scan_vector_sums_equal_the_torch_ones(cpp_extension, dtype, k):
+    # the C++ scan adds each row to its bin's vector in the same pass; the torch reference bins the
+    # confidences and index_adds the upcast rows: the same float64 terms in another order, so a few ulps
+    # of sums of up to 3001 terms of at most 1 (the label counts are integers: exact); 3001 rows make
+    # several parts of the scan for K >= 16, summed in part order
+    from torchcal.functional import use_cpu_extension
+    from torchcal.functional._inputs import scan_inputs
+
+    probs, targets = make_probs(3001, k, seed=k, dtype=dtype)
+    with use_cpu_extension(True):
+        scan = scan_inputs(probs, targets, False, n_bins=15, bin_vectors=True)[2]
+    assert scan.vectors is not None and scan.vectors.shape == (2, 15, k)
+    want = M.top_bin_vector_sums(probs, targets, probs.amax(1), 15)
+    torch.testing.assert_close(scan.vectors[0], want[0], rtol=0, atol=1e-12)
+    assert torch.equal(scan.vectors[1], want[1])
+    with use_cpu_extension(False):  # the torch path leaves them to top_bin_vector_sums
+        assert scan_inputs(probs, targets, False, n_bins=15, bin_vectors=True)[2].vectors is None
+
+
 @pytest.mark.usefixtures("cpu_backend")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_scan_row_bins_are_the_top_label_bins(dtype):

@@ -344,7 +344,7 @@ def batch_state(
         classwise_bins=n_bins,
         n_bins=n_bins,
         threshold=s99_threshold,
-        row_bins=decompositions,
+        bin_vectors=decompositions,
     )
     conf, correct = scan.conf, scan.correct
     sums = torch.zeros(
@@ -366,8 +366,12 @@ def batch_state(
         scalars += torch.tensor(batch, dtype=torch.float64, device=conf.device)
     else:  # 0-d device tensors (no host sync)
         scalars += torch.stack([torch.as_tensor(v, dtype=torch.float64, device=conf.device) for v in batch])
-    if vec is not None:  # decompositions
-        vec += top_bin_vector_sums(probs, targets, conf, n_bins, scan.bins)
+    if vec is not None:  # decompositions: from the C++ scan's pass, else by torch ops on the scan's bins
+        vec += (
+            scan.vectors
+            if scan.vectors is not None
+            else top_bin_vector_sums(probs, targets, conf, n_bins, scan.bins)
+        )
     rank = None
     if score in ("max_logit", "energy"):
         rank = S.confidence_score(probs_or_logits, score=score, from_logits=True).to(probs.device)

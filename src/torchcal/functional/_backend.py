@@ -57,18 +57,23 @@ def scan_checks_labels(probs: torch.Tensor) -> bool:
     return _extension.scan_applies(probs)
 
 
-def scan(probs, targets, classwise_bins=None, n_bins=None, threshold=None, row_bins=False) -> Scan:
+def scan(
+    probs, targets, classwise_bins=None, n_bins=None, threshold=None, row_bins=False, bin_vectors=False
+) -> Scan:
     """The top-label scan of validated ``probs`` (N, K) and ``targets`` (N,): confidence, correctness,
     validation statistics and, on request, the equal-width (``n_bins``) and classwise (``classwise_bins``)
     bin sums, (``threshold``; C++ only, else None) the per-sample sums and (``row_bins`` with ``n_bins``)
-    each row's equal-width top-label bin. C++ for contiguous float32/64 CPU tensors when the library is
-    built; torch otherwise."""
+    each row's equal-width top-label bin, (``bin_vectors`` with ``n_bins``; C++ only, else None) the per-bin
+    vector sums of the decompositions. C++ for contiguous float32/64 CPU tensors when the library is built;
+    torch otherwise (whose scan always gives each row's bin with ``n_bins``)."""
     if _extension.scan_applies(probs):
-        conf, correct, worst, lowest, nonfinite, top, cw, sum_sq, bins, sums = _extension.top_label_scan(
-            probs, targets, n_bins, classwise_bins, threshold, row_bins
+        conf, correct, worst, lowest, nonfinite, top, cw, sum_sq, bins, sums, vectors = (
+            _extension.top_label_scan(
+                probs, targets, n_bins, classwise_bins, threshold, row_bins, bin_vectors
+            )
         )
         classwise = None if cw is None else _FinishedClasswise(cw)
-        return Scan(conf, correct, (worst, lowest, nonfinite), classwise, top, sum_sq, sums, bins)
+        return Scan(conf, correct, (worst, lowest, nonfinite), classwise, top, sum_sq, sums, bins, vectors)
     return torch_scan(probs, targets, classwise_bins, n_bins)
 
 

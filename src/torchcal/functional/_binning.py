@@ -189,6 +189,8 @@ class Scan(NamedTuple):
     sums: ScanSums | None = None  # with ``threshold`` (scan_inputs fills them on every path)
     # each row's top-label bin (N,) int64: the torch path with ``n_bins``, the C++ one on request
     bins: torch.Tensor | None = None
+    # per top-label bin Σ P_i and Σ onehot(y_i), float64 (2, n_bins, K): the C++ scan on request, else None
+    vectors: torch.Tensor | None = None
 
 
 class _FinishedClasswise:

@@ -587,19 +587,29 @@ def scan_applies(probs: torch.Tensor) -> bool:
     )
 
 
-def top_label_scan(probs, targets, n_bins=None, classwise_bins=None, threshold=None, row_bins=False):
+def top_label_scan(
+    probs, targets, n_bins=None, classwise_bins=None, threshold=None, row_bins=False, bin_vectors=False
+):
     """One pass over contiguous CPU ``probs`` (N, K) and integer ``targets`` (N,) (the pass checks their range)
     on torch's threads, summed in an order that does not depend on the thread count.
 
-    Returns ``(conf, correct, worst, lowest, nonfinite, top, classwise, sum_sq, bins, sums)``: top-label
+    Returns ``(conf, correct, worst, lowest, nonfinite, top, classwise, sum_sq, bins, sums, vectors)``: top-label
     confidence (in the input dtype) and correctness (bool); the largest |row sum − 1|, the most negative entry
     (0.0 if none) and whether any row sum is not finite; the top-label equal-width (count, conf sum, correct
     sum) float64 tensors of shape (n_bins,) (None without ``n_bins``); the classwise (count, p sum, [y = k]
     sum), each (K, classwise_bins) float64 (None without ``classwise_bins``); Σ_ik p_ik² in float64; with
     ``row_bins`` and ``n_bins`` each row's top-label bin, int64 (N,) (else None); with a ``threshold`` the
-    per-sample sums (:class:`~torchcal.functional._binning.ScanSums`, else None)."""
-    conf, correct, top, cw, stats, bins = _op("top_label_scan")(
-        probs.detach(), targets.detach(), n_bins or 0, classwise_bins or 0, threshold, bool(row_bins)
+    per-sample sums (:class:`~torchcal.functional._binning.ScanSums`, else None); with ``bin_vectors`` and
+    ``n_bins`` the per-bin K-vectors Σ P_i and Σ onehot(y_i), float64 (2, n_bins, K), of the decompositions
+    (:func:`torchcal.metrics.top_bin_vector_sums`, here in the same pass; else None)."""
+    conf, correct, top, cw, stats, bins, vectors = _op("top_label_scan")(
+        probs.detach(),
+        targets.detach(),
+        n_bins or 0,
+        classwise_bins or 0,
+        threshold,
+        bool(row_bins),
+        bool(bin_vectors),
     )
     worst, lowest, nonfinite, sum_sq, n_bad, *sums = stats.tolist()
     if n_bad:
@@ -615,6 +625,7 @@ def top_label_scan(probs, targets, n_bins=None, classwise_bins=None, threshold=N
         sum_sq,
         bins if row_bins and n_bins else None,
         None if threshold is None else ScanSums(*sums),
+        vectors if bin_vectors and n_bins else None,
     )
 
 

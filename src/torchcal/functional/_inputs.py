@@ -81,14 +81,16 @@ def scan_inputs(
     n_bins=None,
     threshold=None,
     row_bins: bool = False,
+    bin_vectors: bool = False,
 ):
     """Validated (probs, targets, scan): validation, the top-label statistics and (with ``classwise_bins`` /
-    ``n_bins`` / ``threshold`` / ``row_bins``) the classwise and top-label bin sums, the per-sample sums and
-    each row's top-label bin share one pass over ``probs`` (:func:`torchcal.functional._backend.scan`)."""
+    ``n_bins`` / ``threshold`` / ``row_bins`` / ``bin_vectors``) the classwise and top-label bin sums, the
+    per-sample sums, each row's top-label bin and the per-bin vector sums share one pass over ``probs``
+    (:func:`torchcal.functional._backend.scan`)."""
     probs, targets, tol = _scores_and_targets(
         probs, targets, from_logits, name, num_classes, check_values=False, fused_scan=True
     )
-    scan = _backend.scan(probs, targets, classwise_bins, n_bins, threshold, row_bins)
+    scan = _backend.scan(probs, targets, classwise_bins, n_bins, threshold, row_bins, bin_vectors)
     if not from_logits:
         check_prob_stats(scan.stats, name, tol, probs.shape[1])
     if threshold is not None and scan.sums is None:  # the paths whose pass does not sum them

@@ -850,19 +850,21 @@ std::vector<double> bin_edges(int64_t m) {
 }
 
 // The metrics' top-label scan (scan.h) over contiguous CPU probabilities (N, K), rows in parallel:
-//   top_label_scan(probs, targets, n_bins, classwise_bins, threshold=None, row_bins=False)
-//     -> (conf, correct, top, classwise, stats, bins)
+//   top_label_scan(probs, targets, n_bins, classwise_bins, threshold=None, row_bins=False, bin_vectors=False)
+//     -> (conf, correct, top, classwise, stats, bins, vectors)
 // conf (N,) in the input dtype, correct (N,) bool; top (3, n_bins) float64 equal-width (count, conf sum,
 // correct sum); classwise (3, K, classwise_bins) float64 (count, p sum, label count; bin 0 finished from the
 // column totals); stats float64 [largest |row sum − 1|, most negative entry or 0, any non-finite row sum,
 // Σ p², labels outside [0, K), then with a threshold the per-sample sums Σ −log p_y, Σ p_y, correct,
 // confidence >= threshold, those correct (else 0)] (the caller raises on bad labels); bins (N,) int64
-// each row's equal-width top-label bin with row_bins and n_bins > 0 (else empty). n_bins or
-// classwise_bins 0: that part is skipped (an empty tensor). The rows are cut into parts that depend on N and K only and the parts' sums are added in
-// order, so the results are the same for any thread count.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> top_label_scan_cpu(
-    const at::Tensor& probs, const at::Tensor& targets, int64_t n_bins, int64_t classwise_bins,
-    c10::optional<double> threshold, bool row_bins) {
+// each row's equal-width top-label bin with row_bins and n_bins > 0 (else empty); vectors (2, n_bins, K)
+// float64 with bin_vectors and n_bins > 0 (else empty): per top-label bin Σ p_i and Σ onehot(y_i). n_bins
+// or classwise_bins 0: that part is skipped (an empty tensor). The rows are cut into parts that depend on
+// the shapes and the requested sums only, and the parts' sums are added in order, so the results are the
+// same for any thread count.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+top_label_scan_cpu(const at::Tensor& probs, const at::Tensor& targets, int64_t n_bins, int64_t classwise_bins,
+                   c10::optional<double> threshold, bool row_bins, bool bin_vectors) {
   check_rows(probs, "probs", targets, "top_label_scan");
   TORCH_CHECK_VALUE(n_bins >= 0 && classwise_bins >= 0, "bin counts must be >= 0");
   const at::Tensor p = probs.contiguous();
@@ -873,13 +875,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   // about 8 MB of per-part classwise tables (at least 2 parts; 50k x 1000 had made 64 tables of 368 KB,
   // each allocated, zeroed and summed on every call)
   const int64_t table = mc > 0 ? (3 * mc + 1) * k : 0;
+  const int64_t vec_size = bin_vectors && m > 0 ? 2 * m * k : 0;  // per-part vector sums, counted with them
+  const int64_t per_part = table + vec_size;
   int64_t parts = std::min<int64_t>({64, std::max<int64_t>(1, n * k >> 14), n});
-  if (table > 0) parts = std::min<int64_t>(parts, std::max<int64_t>(2, (int64_t{1} << 20) / table));
+  if (per_part > 0) parts = std::min<int64_t>(parts, std::max<int64_t>(2, (int64_t{1} << 20) / per_part));
   // and tables that together hold at most an eighth as many numbers as the input: a 256 x 1000 batch had
   // made 15 tables of 46000 float64 (5.5 MB, zeroed and summed) for 1 MB of probabilities (10k x 100 with
   // classwise sums: 1.6-1.8 -> 1.4 ms; 2000 x 1000: 1.9-3.2 -> 1.5 ms)
-  if (table > 0) parts = std::min<int64_t>(parts, std::max<int64_t>(1, n * k / (8 * table)));
+  if (per_part > 0) parts = std::min<int64_t>(parts, std::max<int64_t>(1, n * k / (8 * per_part)));
   parts = std::max<int64_t>(parts, 1);
+  // a multiple of 4 from 4 parts on, so 2 or 4 threads get equal shares (13 parts had split 7/6 on 2)
+  if (parts >= 4) parts -= parts % 4;
   const int64_t rows = (n + parts - 1) / std::max<int64_t>(parts, 1);
   at::Tensor conf = at::empty({n}, p.options());
   at::Tensor correct = at::empty({n}, p.options().dtype(at::kBool));
@@ -887,6 +893,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   at::Tensor tables = at::zeros({parts, table}, f64);
   at::Tensor bins = at::empty({row_bins && m > 0 ? n : 0}, p.options().dtype(at::kLong));
   int64_t* bp = bins.numel() > 0 ? bins.data_ptr<int64_t>() : nullptr;
+  // (each part zeroes its own vector sums in the parallel loop: no parallel region of its own, and the
+  // table is in the cache of the thread that fills it)
+  at::Tensor part_vectors = at::empty({vec_size > 0 ? parts : 0, vec_size}, f64);
+  double* vp = vec_size > 0 ? part_vectors.data_ptr<double>() : nullptr;
   std::vector<ScanStats> stats(static_cast<size_t>(parts));
   const std::vector<double> edges = bin_edges(m), cw_edges = bin_edges(mc);
   AT_DISPATCH_FLOATING_TYPES(p.scalar_type(), "top_label_scan", [&] {
@@ -901,10 +911,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
       at::parallel_for(0, parts, 1, [&](int64_t first, int64_t last) {
         for (int64_t c = first; c < last; ++c) {
           double* tab = tabp + c * table;
+          if (vp != nullptr) std::fill(vp + c * vec_size, vp + (c + 1) * vec_size, 0.0);
           stats[static_cast<size_t>(c)] = scan_rows<scalar_t, decltype(fixed)::value>(
               pp, tp, std::min(n, c * rows), std::min(n, (c + 1) * rows), k, m, edges.data(), mc,
               cw_edges.data(), cp, hp, topp + c * 3 * m, tab, tab + 3 * mc * k, threshold.has_value(),
-              static_cast<scalar_t>(threshold.value_or(1.0)), bp);
+              static_cast<scalar_t>(threshold.value_or(1.0)), bp,
+              vp == nullptr ? nullptr : vp + c * vec_size);
         }
       });
     };
@@ -942,7 +954,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   sp[7] = static_cast<double>(total.n_correct);
   sp[8] = static_cast<double>(total.n_confident);
   sp[9] = static_cast<double>(total.n_confident_correct);
-  return {conf, correct, top, classwise, st, bins};
+  at::Tensor vectors = at::zeros({vec_size > 0 ? 2 : 0, m, k}, f64);
+  if (vec_size > 0) {  // the parts' sums added in part order
+    double* out = vectors.data_ptr<double>();
+    for (int64_t c = 0; c < parts; ++c) {
+      const double* part = vp + c * vec_size;
+      for (int64_t e = 0; e < vec_size; ++e) out[e] += part[e];
+    }
+  }
+  return {conf, correct, top, classwise, st, bins, vectors};
 }
 
 // The smallest entry of a row (a loop the compiler vectorises; the row is in cache after the maximum)
@@ -1540,7 +1560,8 @@ TORCH_LIBRARY(torchcal, m) {
       "Tensor");
   m.def(
       "top_label_scan(Tensor probs, Tensor targets, int n_bins, int classwise_bins, float? threshold=None, "
-      "bool row_bins=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "bool row_bins=False, bool bin_vectors=False) -> "
+      "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("sort_with_flags(Tensor values, Tensor flags) -> (Tensor, Tensor)");
   m.def("logits_top_label(Tensor logits, Tensor targets, int n_bins) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def(
