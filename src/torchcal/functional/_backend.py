@@ -257,19 +257,25 @@ def penalised_cross_entropy(
         return None
     params = [float(p) for p in params]
     if sums is None:
-        call = _extension.fused_margin
-        args = (logits, targets, kind, params, ignore_index, penalty_all_rows, reduction)
+
+        def call():
+            return _extension.fused_margin(logits, targets, kind, params, ignore_index, penalty_all_rows, reduction)
+
     else:
         if class_params is not None and (
             type(class_params) is not torch.Tensor or class_params.requires_grad or not class_params.is_cpu
         ):
             return None  # (a differentiable weight: the torch path carries its gradient)
-        call = _extension.fused_margin_class
-        args = (logits, targets, kind, params, class_params, ignore_index, penalty_all_rows, reduction, sums)
+
+        def call():
+            return _extension.fused_margin_class(
+                logits, targets, kind, params, class_params, ignore_index, penalty_all_rows, reduction, sums
+            )
+
     if torch.compiler.is_compiling():  # (no fallback inside a graph: the operator raises on a bad label)
-        return call(*args)
+        return call()
     try:
-        return call(*args)
+        return call()
     except ValueError:
         return None
 

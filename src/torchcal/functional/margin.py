@@ -594,9 +594,15 @@ class _Batch(NamedTuple):
     colsum: torch.Tensor | None
 
 
+def _given(value: torch.Tensor | None) -> torch.Tensor:
+    """A per-row number of :class:`_Batch` that the loss asked :func:`_batch` for (so never None)."""
+    assert value is not None
+    return value
+
+
 def _batch(
-    logits, targets, ignore_index, reduction, soft_refusal=None, *, base="nll", gamma=1.0, alpha=0.0, top=True,
-    entropy=None, colsum=False,
+    logits, targets, ignore_index, reduction, soft_refusal=None, *, base: str | None = "nll", gamma=1.0,
+    alpha=0.0, top=True, entropy=None, colsum=False,
 ) -> _Batch:  # fmt: skip
     """The per-row numbers of a batch-term loss: by the C++ operator where it applies (CPU float32/64 logits,
     integer labels; decision 202), else by the torch path below, the reference. ``base``: "nll" (cross
@@ -641,11 +647,11 @@ def _batch(
         conf, correct, _ = _correct_and_kept(rows, log_p)
     h = None
     if entropy == "avuc":
-        h = -(p * torch.log(p + 1e-10)).sum(1)
+        h = -(_given(p) * torch.log(_given(p) + 1e-10)).sum(1)
     elif entropy == "smoothed":
-        smoothed = (1 - 1e-5) * p + 1e-5 / p.shape[1]
+        smoothed = (1 - 1e-5) * _given(p) + 1e-5 / log_p.shape[1]
         h = -(smoothed * smoothed.log()).sum(1)
-    return _Batch(rows, loss, conf, correct, kept, h, kept @ p if colsum else None)
+    return _Batch(rows, loss, conf, correct, kept, h, kept @ _given(p) if colsum else None)
 
 
 def mdca_penalty(logits, targets, *, sync: bool = False, group=None, ignore_index: int | None = IGNORE_INDEX):
@@ -671,7 +677,7 @@ def mdca_penalty(logits, targets, *, sync: bool = False, group=None, ignore_inde
 
 
 def _mdca_term(batch: _Batch, sync, group):
-    rows, kept, colsum = batch.rows, batch.kept, batch.colsum
+    rows, kept, colsum = batch.rows, batch.kept, _given(batch.colsum)
     k = colsum.shape[0]
     # the label counts by a scatter of the (N,) mask, not an (N, K) one-hot matrix
     labels = kept @ rows.targets if rows.soft else kept.new_zeros(k).index_add(0, rows.targets, kept)
@@ -728,7 +734,7 @@ def mdca_loss(
     with torch.autocast(_device_type(logits), enabled=False):
         batch = _batch(logits, targets, ignore_index, reduction, refusal, base=base, gamma=gamma, alpha=alpha,
                        top=False, colsum=True)  # fmt: skip
-        return _with_batch_term(batch.base, batch.rows, reduction, b, _mdca_term(batch, sync, group))
+        return _with_batch_term(_given(batch.base), batch.rows, reduction, b, _mdca_term(batch, sync, group))
 
 
 def dca_loss(
@@ -766,13 +772,13 @@ def dca_loss(
     ignore_index = check_ignore_index(ignore_index)
     with torch.autocast(_device_type(logits), enabled=False):
         batch = _batch(logits, targets, ignore_index, reduction, _DCA_NEEDS_LABELS)
-        conf, correct, kept = batch.conf, batch.correct, batch.kept
+        conf, correct, kept = _given(batch.conf), _given(batch.correct), batch.kept
         w = check_class_weight(weight, batch.rows.logits)
         sums = _global_sums(
             torch.stack([(conf * kept).sum(), (correct * kept).sum(), kept.sum()]), sync, group
         )
         penalty = ((sums[0] - sums[1]) / sums[2]).abs()
-        return _with_batch_term(batch.base, batch.rows, reduction, b, penalty, w)
+        return _with_batch_term(_given(batch.base), batch.rows, reduction, b, penalty, w)
 
 
 # -- SB-ECE --------------------------------------------------------------------------------------------------
@@ -790,7 +796,7 @@ def _safe_sqrt(value: torch.Tensor) -> torch.Tensor:
 
 
 def _sbece_term(batch: _Batch, n_bins, temperature, form, sync, group):
-    conf, correct, kept = batch.conf, batch.correct, batch.kept
+    conf, correct, kept = _given(batch.conf), _given(batch.correct), batch.kept
     if form == "label":
         fused = sbece_label(conf, correct, kept, n_bins, temperature, sync)
         if fused is not None:
@@ -889,7 +895,7 @@ def sbece_loss(
     with torch.autocast(_device_type(logits), enabled=False):
         batch = _batch(logits, targets, check_ignore_index(ignore_index), reduction, _SBECE_NEEDS_LABELS)
         penalty = _sbece_term(batch, n_bins, temperature, form, sync, group)
-        return _with_batch_term(batch.base, batch.rows, reduction, lam, penalty)
+        return _with_batch_term(_given(batch.base), batch.rows, reduction, lam, penalty)
 
 
 # -- AvUC and S-AvUC -----------------------------------------------------------------------------------------
@@ -912,7 +918,7 @@ def _correct_and_kept(rows, log_p):
 def _avuc_term(batch: _Batch, threshold, sync, group, statistics=False):
     """AvUC of the rows; with ``statistics``, (AvUC, the detached (Σ H over the correct predictions, their
     count, Σ H over the wrong ones, their count) of the kept rows: the threshold update's sums)."""
-    conf, correct, kept, entropy = batch.conf, batch.correct, batch.kept, batch.entropy
+    conf, correct, kept, entropy = _given(batch.conf), _given(batch.correct), batch.kept, _given(batch.entropy)
     entropy_sums = None
     if statistics:
         h = entropy.detach()
@@ -1007,12 +1013,12 @@ def avuc_loss(
                        entropy="avuc")  # fmt: skip
         out = _avuc_term(batch, threshold, sync, group, statistics)
         penalty, sums = out if statistics else (out, None)
-        loss = _with_batch_term(batch.base, batch.rows, reduction, b, penalty)
+        loss = _with_batch_term(_given(batch.base), batch.rows, reduction, b, penalty)
         return (loss, sums) if statistics else loss
 
 
 def _savuc_term(batch: _Batch, k, temperature, kappa, sync, group):
-    correct, kept, entropy = batch.correct, batch.kept, batch.entropy
+    correct, kept, entropy = _given(batch.correct), batch.kept, _given(batch.entropy)
     tiny = torch.finfo(entropy.dtype).eps
     e = (entropy / math.log(k)).clamp(tiny, 1 - tiny)  # (1 at a uniform row: its log-odds would be infinite)
     q = torch.sigmoid((torch.log(e / (1 - e)) - math.log(kappa / (1 - kappa))) / temperature)
@@ -1100,7 +1106,7 @@ def soft_avuc_loss(
         batch = _batch(logits, targets, check_ignore_index(ignore_index), reduction, _AVUC_NEEDS_LABELS,
                        entropy="smoothed")  # fmt: skip
         penalty = _savuc_term(batch, _classes(logits), temperature, kappa, sync, group)
-        return _with_batch_term(batch.base, batch.rows, reduction, b, penalty)
+        return _with_batch_term(_given(batch.base), batch.rows, reduction, b, penalty)
 
 
 # -- ESD -----------------------------------------------------------------------------------------------------
@@ -1167,7 +1173,7 @@ def esd_penalty(logits, targets, *, sync: bool = False, group=None, ignore_index
     """
     with torch.autocast(_device_type(logits), enabled=False):
         batch = _batch(logits, targets, check_ignore_index(ignore_index), "mean", _ESD_NEEDS_LABELS, base=None)
-        return _esd_term(batch.conf, batch.correct, batch.kept, sync, group)
+        return _esd_term(_given(batch.conf), _given(batch.correct), batch.kept, sync, group)
 
 
 def esd_loss(
@@ -1210,18 +1216,18 @@ def esd_loss(
     ignore_index = check_ignore_index(ignore_index)
     with torch.autocast(_device_type(logits), enabled=False):
         batch = _batch(logits, targets, ignore_index, reduction, _ESD_NEEDS_LABELS)
-        rows, conf, correct, kept = batch.rows, batch.conf, batch.correct, batch.kept
+        rows, conf, correct, kept = batch.rows, _given(batch.conf), _given(batch.correct), batch.kept
         n = rows.shape[0]
         held = math.ceil(holdout * n) if holdout else 0
         if held >= n:
             raise ValueError(f"`holdout` = {holdout} holds out all {n} samples of the batch; nothing is left")
         if held == 0:
             penalty = _safe_sqrt(_esd_term(conf, correct, kept, sync, group))
-            return _with_batch_term(batch.base, rows, reduction, lam, penalty)
+            return _with_batch_term(_given(batch.base), rows, reduction, lam, penalty)
         split = (n - held) * (kept.shape[0] // n)
         train = _first_rows(rows, split)
         penalty = _safe_sqrt(_esd_term(conf[split:], correct[split:], kept[split:], sync, group))
-        out = _with_batch_term(batch.base[:split], train, reduction, lam, penalty)
+        out = _with_batch_term(_given(batch.base)[:split], train, reduction, lam, penalty)
         if reduction == "none":
             return torch.cat([out, out.new_zeros((held, *out.shape[1:]))])
         return out
