@@ -519,8 +519,10 @@ MarginForward margin_forward(const at::Tensor& logits, const at::Tensor& targets
   std::atomic<int64_t> n_bad{0};
   const int64_t parts = want_sums ? cals_parts(l) : 0;
   std::vector<double> part_sums(static_cast<size_t>(parts * (2 * k + 1)), 0.0);
-  // (the lane path recomputes f'(p) in its backward: nothing to keep)
-  const bool lanes = x.scalar_type() == at::kFloat ? margin_by_lanes<float>(l, s) : margin_by_lanes<double>(l, s);
+  // (the lane path recomputes f'(p) in its backward: nothing to keep; CALS's statistics, summed per part in
+  // row order, take the tile path)
+  const bool lanes = !want_sums &&
+                     (x.scalar_type() == at::kFloat ? margin_by_lanes<float>(l, s) : margin_by_lanes<double>(l, s));
   at::Tensor df;
   if (keep_df && s.kind == M_CP && !lanes) df = at::empty({rows, k}, x.options());
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "fused_margin", [&] {
@@ -656,7 +658,7 @@ at::Tensor margin_backward(const at::Tensor& grad_loss, const at::Tensor& logits
       // whether row i has a label (its cross entropy kept), with its incoming gradients
       const auto grads = [&](int64_t i, double& gce, double& gpen) {
         const bool keep = !(has_ignore && tp[i] == ignore);
-        const double gi = gp[i * stride];
+        const double gi = gp[i * stride] * (keep ? margin_row_weight(s, class_params, tp[i]) : 1.0);
         gce = keep ? gi / ce_div : 0.0;
         gpen = keep || penalty_all_rows ? s.coef * gi / pen_div : 0.0;
         return keep;
