@@ -106,12 +106,15 @@ inline D log_lanes(D x) {
 
 // The statistics of the W positions at x (class j of lane l at x[j * stride + l]) into o + l * N_STAT, with
 // labels y[l] (−1: no cross entropy). e: scratch of k * W entries (the confidence penalty's exp(x − max)).
+// sums (CALS, or null): the training statistics of the lanes with a label added into sums[0..2K], as
+// cals_row's, entry by entry in lane order (each entry's additions in the positions' order: the blocks of an
+// image taken in order, the sums are those of the image's rows in row order).
 // Both lane kernels are flattened (every call inlined into them): the helpers they share with the row kernels
 // (cp_lanes, the vectorised logf) then keep those as their one caller, and GCC keeps inlining them there
 // (called out of line, the confidence penalty's rows are 5-10% slower).
 template <typename T>
 __attribute__((flatten)) void margin_forward_lanes(const T* x, int64_t stride, int64_t k, const T* y,
-                                                  const MarginSpec& s, T* e, double* o) {
+                                                  const MarginSpec& s, T* e, double* o, double* sums = nullptr) {
   using L = MarginLanes<T>;
   using V = typename L::V;
   using D = typename L::D;
@@ -158,6 +161,16 @@ __attribute__((flatten)) void margin_forward_lanes(const T* x, int64_t stride, i
         r = r > zero ? r : zero;
         as += r * r * broadcast<V>(cls[2 * k + j]);
         bs += r;
+        if (sums != nullptr) {  // clamp(r, λ_min, λ_max) in the dtype, max − x in float64
+          const T lo = static_cast<T>(s.lo), hi = static_cast<T>(s.hi);
+          V c = r < lo ? broadcast<V>(lo) : r;
+          c = c > hi ? broadcast<V>(hi) : c;
+          for (int l = 0; l < W; ++l) {
+            if (yv[l] < T(0)) continue;
+            sums[j] += static_cast<double>(c[l]);
+            sums[k + j] += static_cast<double>(m[l]) - static_cast<double>(v[l]);
+          }
+        }
       } else if (s.kind == M_CP) {
         std::memcpy(e + j * W, &ev, sizeof(V));
       }
@@ -194,6 +207,9 @@ __attribute__((flatten)) void margin_forward_lanes(const T* x, int64_t stride, i
       a += widen<D>(as);
       b += widen<D>(bs);
     }
+  }
+  if (sums != nullptr) {
+    for (int l = 0; l < W; ++l) sums[2 * k] += yv[l] >= T(0) ? 1.0 : 0.0;
   }
   const double kd = static_cast<double>(k), log_k = std::log(kd);
   for (int l = 0; l < W; ++l) {
