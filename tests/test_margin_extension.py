@@ -146,8 +146,9 @@ def test_float32_operator_is_as_close_to_float64_as_the_torch_path(name):
 
 
 # (N, K, d1, ...) logits with at least one vector's width of positions per image (16 float32 lanes with
-# AVX-512, fewer elsewhere) take the lane path (one position per vector lane); these shapes cover images of a
-# whole number of blocks (16 x 16), partial last blocks (7 x 5 = 35, 37 positions) and d1 only (N, K, L)
+# AVX-512, fewer elsewhere) take the lane path (one position per vector lane; every fused kind); these
+# shapes cover images of a whole number of blocks (16 x 16), partial last blocks (7 x 5 = 35, 37 positions)
+# and d1 only (N, K, L)
 SPATIAL = [(4, 19, 7, 5), (3, 19, 37), (2, 10, 16, 16), (2, 300, 3, 6)]
 
 
@@ -193,6 +194,26 @@ def test_spatial_lanes_equal_the_torch_path_and_the_row_path(name, shape, dtype,
     # that relative size of the gradient's largest entry
     torch.testing.assert_close(v1, v3, rtol=rtol, atol=rtol * v3.abs().max().item())
     torch.testing.assert_close(g1, g3, rtol=rtol, atol=rtol * g3.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", SPATIAL, ids=["x".join(map(str, s)) for s in SPATIAL])
+def test_spatial_cals_with_and_without_statistics_agree(dtype, shape):
+    """CALS's forward with the training statistics runs the lane kernel of the forward without (the sums
+    added beside it): the same loss and gradient, bit for bit. (The statistics themselves are checked
+    against the torch path and across thread counts below.)"""
+    z, y = _float32_batch((shape[0], *shape[2:]), shape[1], seed=shape[1])
+    z = z.to(dtype)
+    results = []
+    for statistics in (None, (1e-3, 1.5)):
+        x = z.clone().requires_grad_(True)
+        out = _cals(x, y, statistics=statistics)
+        loss = out if statistics is None else out[0]
+        assert "FusedMargin" in loss.grad_fn.name()
+        (grad,) = torch.autograd.grad(loss, x)
+        results.append((loss.detach(), grad))
+    (v1, g1), (v2, g2) = results
+    assert torch.equal(v1, v2) and torch.equal(g1, g2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -385,11 +385,20 @@ bool margin_by_lanes(const Layout& l, const MarginSpec& s) {
 }
 
 // the blocks of W positions in parallel: fn(image, first position, positions in the block (W but in an
-// image's last block), a per-thread tile of K * W entries)
+// image's last block), a per-thread tile of K * W entries); by_image: the images in parallel, each image's
+// blocks in order on one thread
 template <typename T, typename Fn>
-void over_lane_blocks(const Layout& l, const Fn& fn) {
+void over_lane_blocks(const Layout& l, const Fn& fn, bool by_image = false) {
   constexpr int W = MarginLanes<T>::W;
   const int64_t per_image = (l.sp + W - 1) / W;
+  if (by_image) {
+    at::parallel_for(0, l.n, 1, [&](int64_t begin, int64_t end) {
+      std::vector<T> tile;
+      for (int64_t img = begin; img < end; ++img)
+        for (int64_t s0 = 0; s0 < l.sp; s0 += W) fn(img, s0, std::min<int64_t>(W, l.sp - s0), tile);
+    });
+    return;
+  }
   at::parallel_for(0, l.n * per_image, std::max<int64_t>(1, grain_rows(l.k) / W), [&](int64_t begin, int64_t end) {
     std::vector<T> tile;
     for (int64_t c = begin; c < end; ++c) {
@@ -399,10 +408,12 @@ void over_lane_blocks(const Layout& l, const Fn& fn) {
   });
 }
 
-// The forward statistics of (N, K, S) logits by lanes into op; returns the number of labels outside [0, K)
+// The forward statistics of (N, K, S) logits by lanes into op; returns the number of labels outside [0, K).
+// part_sums (CALS's training statistics, or null): image i's into part_sums + i (2K + 1), its positions in
+// order (the parts of cals_parts, summed as the tile path sums them)
 template <typename T>
 int64_t margin_forward_by_lanes(const T* x, const Layout& l, const MarginSpec& s, const int64_t* tp, bool has_ignore,
-                                int64_t ignore, double* op) {
+                                int64_t ignore, double* op, double* part_sums = nullptr) {
   constexpr int W = MarginLanes<T>::W;
   const int64_t k = l.k, sp = l.sp;
   std::atomic<int64_t> n_bad{0};
@@ -417,8 +428,9 @@ int64_t margin_forward_by_lanes(const T* x, const Layout& l, const MarginSpec& s
     }
     if (bad) n_bad += bad;
     const T* src = x + img * k * sp + s0;
+    double* sums = part_sums == nullptr ? nullptr : part_sums + img * (2 * k + 1);
     if (w == W) {
-      margin_forward_lanes<T>(src, sp, k, y, s, e.data(), op + row0 * N_STAT);
+      margin_forward_lanes<T>(src, sp, k, y, s, e.data(), op + row0 * N_STAT, sums);
       return;
     }
     // the image's last, partial block: its positions copied into a tile padded with zeros
@@ -426,9 +438,9 @@ int64_t margin_forward_by_lanes(const T* x, const Layout& l, const MarginSpec& s
     for (int64_t j = 0; j < k; ++j)
       for (int64_t t = 0; t < w; ++t) tile[j * W + t] = src[j * sp + t];
     double o[W * N_STAT];
-    margin_forward_lanes<T>(tile.data(), W, k, y, s, e.data(), o);
+    margin_forward_lanes<T>(tile.data(), W, k, y, s, e.data(), o, sums);
     std::copy(o, o + w * N_STAT, op + row0 * N_STAT);
-  });
+  }, part_sums != nullptr);
   return n_bad.load();
 }
 
@@ -519,13 +531,15 @@ MarginForward margin_forward(const at::Tensor& logits, const at::Tensor& targets
   std::atomic<int64_t> n_bad{0};
   const int64_t parts = want_sums ? cals_parts(l) : 0;
   std::vector<double> part_sums(static_cast<size_t>(parts * (2 * k + 1)), 0.0);
-  // (the lane path recomputes f'(p) in its backward: nothing to keep)
+  // (the lane path recomputes f'(p) in its backward: nothing to keep; CALS's statistics: one part per image
+  // on either path, its positions in order)
   const bool lanes = x.scalar_type() == at::kFloat ? margin_by_lanes<float>(l, s) : margin_by_lanes<double>(l, s);
   at::Tensor df;
   if (keep_df && s.kind == M_CP && !lanes) df = at::empty({rows, k}, x.options());
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "fused_margin", [&] {
     if (lanes) {
-      n_bad += margin_forward_by_lanes<scalar_t>(x.data_ptr<scalar_t>(), l, s, tp, has_ignore, ignore, op);
+      n_bad += margin_forward_by_lanes<scalar_t>(x.data_ptr<scalar_t>(), l, s, tp, has_ignore, ignore, op,
+                                                 want_sums ? part_sums.data() : nullptr);
       return;
     }
     const bool scratch = s.kind == M_CP;
@@ -656,7 +670,7 @@ at::Tensor margin_backward(const at::Tensor& grad_loss, const at::Tensor& logits
       // whether row i has a label (its cross entropy kept), with its incoming gradients
       const auto grads = [&](int64_t i, double& gce, double& gpen) {
         const bool keep = !(has_ignore && tp[i] == ignore);
-        const double gi = gp[i * stride];
+        const double gi = gp[i * stride] * (keep ? margin_row_weight(s, class_params, tp[i]) : 1.0);
         gce = keep ? gi / ce_div : 0.0;
         gpen = keep || penalty_all_rows ? s.coef * gi / pen_div : 0.0;
         return keep;

@@ -18,7 +18,7 @@ namespace torchcal {
 
 // whether the lane path computes this kind (others take the tile path of over_rows)
 inline bool margin_lanes_kind(int64_t kind) {
-  return kind == M_MBLS || kind == M_MAXSUP || kind == M_ACLS || kind == M_CP;
+  return kind == M_MBLS || kind == M_MAXSUP || kind == M_ACLS || kind == M_CP || kind == M_CALS || kind == M_POLY1;
 }
 
 // how far ahead of a block (in entries along a class's positions) its class rows are prefetched: K rows at
@@ -106,12 +106,15 @@ inline D log_lanes(D x) {
 
 // The statistics of the W positions at x (class j of lane l at x[j * stride + l]) into o + l * N_STAT, with
 // labels y[l] (−1: no cross entropy). e: scratch of k * W entries (the confidence penalty's exp(x − max)).
+// sums (CALS, or null): the training statistics of the lanes with a label added into sums[0..2K], as
+// cals_row's, entry by entry in lane order (each entry's additions in the positions' order: the blocks of an
+// image taken in order, the sums are those of the image's rows in row order).
 // Both lane kernels are flattened (every call inlined into them): the helpers they share with the row kernels
 // (cp_lanes, the vectorised logf) then keep those as their one caller, and GCC keeps inlining them there
 // (called out of line, the confidence penalty's rows are 5-10% slower).
 template <typename T>
 __attribute__((flatten)) void margin_forward_lanes(const T* x, int64_t stride, int64_t k, const T* y,
-                                                  const MarginSpec& s, T* e, double* o) {
+                                                  const MarginSpec& s, T* e, double* o, double* sums = nullptr) {
   using L = MarginLanes<T>;
   using V = typename L::V;
   using D = typename L::D;
@@ -129,9 +132,11 @@ __attribute__((flatten)) void margin_forward_lanes(const T* x, int64_t stride, i
     arg = gt ? jv : arg;
     xy = yv == jv ? v : xy;
   }
-  // pass 2: Σ exp(x − m) and the kind's sums (a: hinges / Σx / h² / f; b: active hinges / ties / p f')
+  // pass 2: Σ exp(x − m) and the kind's sums (a: hinges / Σx / h² / f / w r²; b: active hinges / ties / p f' /
+  // r; Poly-1 needs only the cross entropy)
   const V zero = {}, one = broadcast<V>(T(1));
   const V thr = m + static_cast<T>(-s.margin);
+  const T* cls = static_cast<const T*>(s.cls);  // CALS: rows a, b, w of class_params
   D sum = {}, a = {}, b = {};
   for (int64_t j0 = 0; j0 < k; j0 += 256) {
     const int64_t j1 = std::min<int64_t>(k, j0 + 256);
@@ -151,12 +156,27 @@ __attribute__((flatten)) void margin_forward_lanes(const T* x, int64_t stride, i
         const V h = r > zero ? r : zero;
         as += h * h;
         bs += v == m ? one : zero;
-      } else {
+      } else if (s.kind == M_CALS) {  // r = relu(a_j (m − x) + b_j), w_j r² (cals_row's, in the dtype)
+        V r = (m - v) * broadcast<V>(cls[j]) + broadcast<V>(cls[k + j]);
+        r = r > zero ? r : zero;
+        as += r * r * broadcast<V>(cls[2 * k + j]);
+        bs += r;
+        if (sums != nullptr) {  // clamp(r, λ_min, λ_max) in the dtype, max − x in float64
+          const T lo = static_cast<T>(s.lo), hi = static_cast<T>(s.hi);
+          V c = r < lo ? broadcast<V>(lo) : r;
+          c = c > hi ? broadcast<V>(hi) : c;
+          for (int l = 0; l < W; ++l) {
+            if (yv[l] < T(0)) continue;
+            sums[j] += static_cast<double>(c[l]);
+            sums[k + j] += static_cast<double>(m[l]) - static_cast<double>(v[l]);
+          }
+        }
+      } else if (s.kind == M_CP) {
         std::memcpy(e + j * W, &ev, sizeof(V));
       }
     }
     sum += widen<D>(es);
-    if (s.kind == M_MBLS || s.kind == M_ACLS) {
+    if (s.kind == M_MBLS || s.kind == M_ACLS || s.kind == M_CALS) {
       a += widen<D>(as);
       b += widen<D>(bs);
     }
@@ -188,6 +208,9 @@ __attribute__((flatten)) void margin_forward_lanes(const T* x, int64_t stride, i
       b += widen<D>(bs);
     }
   }
+  if (sums != nullptr) {
+    for (int l = 0; l < W; ++l) sums[2 * k] += yv[l] >= T(0) ? 1.0 : 0.0;
+  }
   const double kd = static_cast<double>(k), log_k = std::log(kd);
   for (int l = 0; l < W; ++l) {
     double* ol = o + l * N_STAT;
@@ -202,6 +225,12 @@ __attribute__((flatten)) void margin_forward_lanes(const T* x, int64_t stride, i
       const double hd = h > 0 ? static_cast<double>(h) : 0.0;
       pen = s.lam_pos * b[l] * hd * hd + s.lam_neg * a[l] / (kd - 1.0);
       aux = b[l];
+    } else if (s.kind == M_CALS) {
+      pen = a[l] - s.offset;
+      aux = b[l];
+    } else if (s.kind == M_POLY1) {  // ε(1 − p_y) = −expm1(−ce), p_y = exp(−ce), as margin_forward_row's
+      pen = y[l] >= 0 ? -std::expm1(-ce[l]) : 0.0;
+      aux = y[l] >= 0 ? std::exp(-ce[l]) : 0.0;
     } else {
       pen = s.mbls_form ? a[l] / kd : log_k + a[l];
       aux = s.mbls_form ? b[l] / kd : b[l];
@@ -226,7 +255,8 @@ __attribute__((flatten)) void margin_backward_lanes(const T* x, int64_t stride, 
   using D = typename L::D;
   constexpr int W = L::W;
   const double kd = static_cast<double>(k);
-  const bool cp = s.kind == M_CP;
+  const bool cp = s.kind == M_CP, poly = s.kind == M_POLY1;
+  const T* cls = static_cast<const T*>(s.cls);
   // per-lane constants in the input dtype, as margin_backward_row's (computed in float64 lanes)
   D m_d, inv_d, arg_d, aux_d, top_d, gce_d, gpen_d;
   std::memcpy(&gce_d, gce, sizeof(D));
@@ -241,11 +271,15 @@ __attribute__((flatten)) void margin_backward_lanes(const T* x, int64_t stride, 
   }
   const auto lanes = [](D v) { return __builtin_convertvector(v, V); };
   const D one_d = broadcast<D>(1.0), zero_d = {};
-  const V m = lanes(m_d), a = lanes(gce_d * inv_d), arg = lanes(arg_d), top = lanes(top_d);
+  // the cross entropy's factor on p − onehot(y): gce, Poly-1's gce + gpen p_y (ε(1 − p_y)'s gradient is
+  // −ε p_y (onehot − p))
+  const D cy_d = poly ? gce_d + gpen_d * aux_d : gce_d;
+  const V m = lanes(m_d), a = lanes(cy_d * inv_d), arg = lanes(arg_d), top = lanes(top_d);
   const V live = lanes(gce_d != 0.0 || gpen_d != 0.0 ? one_d : zero_d);
   V c = {}, lse = {}, pinv = {}, scale = {}, base = {};
   if (s.kind == M_MBLS || s.kind == M_MAXSUP) c = lanes(gpen_d / kd);
   if (s.kind == M_ACLS) c = lanes(gpen_d * s.lam_neg * 2.0 / (kd - 1.0));
+  if (s.kind == M_CALS) c = lanes(gpen_d / (kd * s.scale));
   if (cp) {
     lse = lanes(log_lanes(1.0 / inv_d));
     pinv = lanes(inv_d);
@@ -280,6 +314,11 @@ __attribute__((flatten)) void margin_backward_lanes(const T* x, int64_t stride, 
           pen = thr - v > zero ? c : zero;
         } else if (s.kind == M_MAXSUP) {
           pen = c;
+        } else if (s.kind == M_CALS) {
+          V r = (m - v) * broadcast<V>(cls[j]) + broadcast<V>(cls[k + j]);
+          pen = c * (r > zero ? r : zero);
+        } else if (poly) {
+          pen = zero;
         } else {  // M_ACLS
           const V r = thr - v;
           pen = c * (r > zero ? r : zero);
@@ -295,7 +334,7 @@ __attribute__((flatten)) void margin_backward_lanes(const T* x, int64_t stride, 
   for (int l = 0; l < W; ++l) {
     if (live[l] == T(0) || y[l] < 0) continue;
     const double* ol = o + l * N_STAT;
-    const double ce = -gce[l] * ol[S_INV] * others[l];  // gce (p_y − 1)
+    const double ce = -cy_d[l] * ol[S_INV] * others[l];  // gce (p_y − 1) (Poly-1: gce + gpen p_y)
     double v;
     if (cp) {  // p_y (gce − gpen Σ p f' + scale f'(p_y)) − gce, as margin_backward_row's
       v = ce + static_cast<double>(p_y[l]) * (static_cast<double>(scale[l]) * df_y[l] - gpen[l] * ol[S_AUX]);
