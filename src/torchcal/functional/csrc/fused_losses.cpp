@@ -696,6 +696,31 @@ at::Tensor margin_backward(const at::Tensor& grad_loss, const at::Tensor& logits
   return grad;
 }
 
+// The options a fused margin autograd node keeps for its backward, and that backward from them (saved:
+// logits, targets, the per-row statistics, then the node's own tensors)
+void save_margin_options(AutogradContext* ctx, int64_t kind, at::ArrayRef<double> params,
+                         c10::optional<int64_t> ignore_index, bool penalty_all_rows, int64_t reduction) {
+  ctx->saved_data["kind"] = kind;
+  ctx->saved_data["params"] = std::vector<double>(params.begin(), params.end());
+  ctx->saved_data["has_ignore"] = ignore_index.has_value();
+  ctx->saved_data["ignore"] = ignore_index.value_or(0);
+  ctx->saved_data["all"] = penalty_all_rows;
+  ctx->saved_data["reduction"] = reduction;
+}
+
+at::Tensor margin_backward_saved(AutogradContext* ctx, const at::Tensor& grad_loss, const variable_list& saved,
+                                 const at::Tensor& class_params, const at::Tensor& kept_df = at::Tensor()) {
+  TORCH_CHECK(!at::GradMode::is_enabled(),
+              "the fused CPU margin loss is differentiable once only; for higher-order gradients run it with "
+              "torchcal.functional.use_cpu_extension(False)");
+  const std::vector<double> params = ctx->saved_data["params"].toDoubleVector();
+  c10::optional<int64_t> ignore;
+  if (ctx->saved_data["has_ignore"].toBool()) ignore = ctx->saved_data["ignore"].toInt();
+  return margin_backward(grad_loss, saved[0], saved[1], saved[2], ctx->saved_data["kind"].toInt(), params, ignore,
+                         ctx->saved_data["all"].toBool(), ctx->saved_data["reduction"].toInt(), class_params,
+                         kept_df);
+}
+
 class FusedMargin : public torch::autograd::Function<FusedMargin> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits, const at::Tensor& targets, int64_t kind,
@@ -706,26 +731,13 @@ class FusedMargin : public torch::autograd::Function<FusedMargin> {
     MarginForward f = margin_forward(logits, targets, kind, params, ignore_index, penalty_all_rows, reduction,
                                      at::Tensor(), false, keep_df);
     ctx->save_for_backward({logits, targets, f.stats, f.df});
-    ctx->saved_data["kind"] = kind;
-    ctx->saved_data["params"] = std::vector<double>(params.begin(), params.end());
-    ctx->saved_data["has_ignore"] = ignore_index.has_value();
-    ctx->saved_data["ignore"] = ignore_index.value_or(0);
-    ctx->saved_data["all"] = penalty_all_rows;
-    ctx->saved_data["reduction"] = reduction;
+    save_margin_options(ctx, kind, params, ignore_index, penalty_all_rows, reduction);
     return f.loss;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    TORCH_CHECK(!at::GradMode::is_enabled(),
-                "the fused CPU margin loss is differentiable once only; for higher-order gradients run it with "
-                "torchcal.functional.use_cpu_extension(False)");
     const auto saved = ctx->get_saved_variables();
-    const std::vector<double> params = ctx->saved_data["params"].toDoubleVector();
-    c10::optional<int64_t> ignore;
-    if (ctx->saved_data["has_ignore"].toBool()) ignore = ctx->saved_data["ignore"].toInt();
-    at::Tensor grad = margin_backward(grads[0], saved[0], saved[1], saved[2], ctx->saved_data["kind"].toInt(), params,
-                                      ignore, ctx->saved_data["all"].toBool(), ctx->saved_data["reduction"].toInt(),
-                                      at::Tensor(), saved[3]);
+    at::Tensor grad = margin_backward_saved(ctx, grads[0], saved, at::Tensor(), saved[3]);
     return {grad, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
@@ -774,26 +786,13 @@ class FusedMarginClass : public torch::autograd::Function<FusedMarginClass> {
     MarginForward f = margin_forward(logits, targets, kind, params, ignore_index, penalty_all_rows, reduction, cls, sums);
     ctx->save_for_backward({logits, targets, f.stats, cls});
     ctx->mark_non_differentiable({f.sums});
-    ctx->saved_data["kind"] = kind;
-    ctx->saved_data["params"] = std::vector<double>(params.begin(), params.end());
-    ctx->saved_data["has_ignore"] = ignore_index.has_value();
-    ctx->saved_data["ignore"] = ignore_index.value_or(0);
-    ctx->saved_data["all"] = penalty_all_rows;
-    ctx->saved_data["reduction"] = reduction;
+    save_margin_options(ctx, kind, params, ignore_index, penalty_all_rows, reduction);
     return {f.loss, f.sums};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    TORCH_CHECK(!at::GradMode::is_enabled(),
-                "the fused CPU margin loss is differentiable once only; for higher-order gradients run it with "
-                "torchcal.functional.use_cpu_extension(False)");
     const auto saved = ctx->get_saved_variables();
-    const std::vector<double> params = ctx->saved_data["params"].toDoubleVector();
-    c10::optional<int64_t> ignore;
-    if (ctx->saved_data["has_ignore"].toBool()) ignore = ctx->saved_data["ignore"].toInt();
-    at::Tensor grad = margin_backward(grads[0], saved[0], saved[1], saved[2], ctx->saved_data["kind"].toInt(), params,
-                                      ignore, ctx->saved_data["all"].toBool(), ctx->saved_data["reduction"].toInt(),
-                                      saved[3]);
+    at::Tensor grad = margin_backward_saved(ctx, grads[0], saved, saved[3]);
     return {grad,         at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
             at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
