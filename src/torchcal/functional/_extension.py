@@ -50,7 +50,7 @@ _SCAN_DTYPES = (torch.float32, torch.float64)
 SOURCE = Path(__file__).with_name("csrc") / "fused_losses.cpp"
 HEADERS = tuple(
     SOURCE.with_name(name)
-    for name in ("true_class.h", "scan.h", "sort.h", "margin.h", "margin_lanes.h", "ace.h", "batch_terms.h")
+    for name in ("true_class.h", "scan.h", "sort.h", "layout.h", "margin.h", "margin_lanes.h", "ace.h", "batch_terms.h")
 )
 REDUCTION_CODES = {"none": 0, "mean": 1, "sum": 2}
 PORTABLE_FLAGS = ["-O3", "-fopenmp-simd"]

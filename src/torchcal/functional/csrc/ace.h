@@ -16,6 +16,8 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include "layout.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -56,23 +58,13 @@ struct Spec {
 
 inline Spec make_spec(const at::Tensor& logits, const at::Tensor& targets, at::ArrayRef<double> params,
                       at::IntArrayRef options, c10::optional<int64_t> ignore_index) {
-  TORCH_CHECK_VALUE(logits.dim() >= 2, "`logits` must have shape (N, K, d1, ...), got ", logits.sizes());
-  TORCH_CHECK_VALUE(logits.device().is_cpu() && targets.device().is_cpu(), "fused_ace runs on CPU");
-  TORCH_CHECK_VALUE(logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kDouble,
-                    "`logits` must be float32 or float64, got ", logits.scalar_type());
-  bool ok = targets.dim() == logits.dim() - 1 && targets.size(0) == logits.size(0);
-  for (int64_t d = 2; ok && d < logits.dim(); ++d) ok = targets.size(d - 1) == logits.size(d);
-  TORCH_CHECK_VALUE(ok, "`targets` must have the shape of `logits` without its class dimension, got ",
-                    targets.sizes(), " for logits ", logits.sizes());
-  TORCH_CHECK_VALUE(!at::isFloatingType(targets.scalar_type()) && targets.scalar_type() != at::kBool,
-                    "`targets` must hold integer labels");
+  const Layout l = loss_layout(logits, targets, "fused_ace");
   TORCH_CHECK_VALUE(params.size() == 2 && options.size() == N_OPTIONS, "fused_ace takes 2 params and ",
                     static_cast<int>(N_OPTIONS), " options");
   Spec s{};
-  s.n = logits.size(0);
-  s.k = logits.size(1);
-  TORCH_CHECK_VALUE(s.n > 0 && s.k >= 2 && logits.numel() > 0, "`logits` must hold at least one row of >= 2 classes");
-  s.sp = logits.numel() / (s.n * s.k);
+  s.n = l.n;
+  s.k = l.k;
+  s.sp = l.sp;
   s.rows = s.n * s.sp;
   s.bins = options[O_BINS];
   s.soft = options[O_SOFT] != 0;

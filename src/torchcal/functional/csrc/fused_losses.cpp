@@ -21,6 +21,7 @@
 #include <torch/library.h>
 
 #include "batch_terms.h"
+#include "layout.h"
 #include "margin.h"
 #include "ace.h"
 #include "margin_lanes.h"
@@ -315,24 +316,8 @@ inline double margin_row_weight(const MarginSpec& s, const at::Tensor& class_par
 }
 
 // (N, K, S) sizes of the logits, with the targets' shape checked against them
-struct Layout {
-  int64_t n, k, sp;
-};
-
 Layout margin_layout(const at::Tensor& logits, const at::Tensor& targets) {
-  TORCH_CHECK_VALUE(logits.dim() >= 2, "`logits` must have shape (N, K, d1, ...), got ", logits.sizes());
-  TORCH_CHECK_VALUE(logits.device().is_cpu() && targets.device().is_cpu(), "fused_margin runs on CPU");
-  TORCH_CHECK_VALUE(logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kDouble,
-                    "`logits` must be float32 or float64, got ", logits.scalar_type());
-  bool ok = targets.dim() == logits.dim() - 1 && targets.size(0) == logits.size(0);
-  for (int64_t d = 2; ok && d < logits.dim(); ++d) ok = targets.size(d - 1) == logits.size(d);
-  TORCH_CHECK_VALUE(ok, "`targets` must have the shape of `logits` without its class dimension, got ",
-                    targets.sizes(), " for logits ", logits.sizes());
-  TORCH_CHECK_VALUE(!at::isFloatingType(targets.scalar_type()) && targets.scalar_type() != at::kBool,
-                    "`targets` must hold integer labels");
-  const int64_t n = logits.size(0), k = logits.size(1);
-  TORCH_CHECK_VALUE(n > 0 && k >= 2 && logits.numel() > 0, "`logits` must hold at least one row of >= 2 classes");
-  return {n, k, logits.numel() / (n * k)};
+  return loss_layout(logits, targets, "fused_margin");
 }
 
 // fn(row, x_row, grad_row) over every row, in parallel: rows of a (N, K) tensor in place; positions of a

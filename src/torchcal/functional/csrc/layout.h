@@ -1,0 +1,35 @@
+// The (N, K, d1, ...) logits and (N, d1, ...) integer labels that torchcal's fused loss operators take, checked
+// once for all of them (margin, batch-term and mL1-ACE operators): their sizes as N images of S positions of K
+// classes.
+
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <cstdint>
+
+namespace torchcal {
+
+struct Layout {
+  int64_t n, k, sp;
+};
+
+// `op` names the operator in the device error
+inline Layout loss_layout(const at::Tensor& logits, const at::Tensor& targets, const char* op) {
+  TORCH_CHECK_VALUE(logits.dim() >= 2, "`logits` must have shape (N, K, d1, ...), got ", logits.sizes());
+  TORCH_CHECK_VALUE(logits.device().is_cpu() && targets.device().is_cpu(), op, " runs on CPU");
+  TORCH_CHECK_VALUE(logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kDouble,
+                    "`logits` must be float32 or float64, got ", logits.scalar_type());
+  bool ok = targets.dim() == logits.dim() - 1 && targets.size(0) == logits.size(0);
+  for (int64_t d = 2; ok && d < logits.dim(); ++d) ok = targets.size(d - 1) == logits.size(d);
+  TORCH_CHECK_VALUE(ok, "`targets` must have the shape of `logits` without its class dimension, got ",
+                    targets.sizes(), " for logits ", logits.sizes());
+  TORCH_CHECK_VALUE(!at::isFloatingType(targets.scalar_type()) && targets.scalar_type() != at::kBool,
+                    "`targets` must hold integer labels");
+  const int64_t n = logits.size(0), k = logits.size(1);
+  TORCH_CHECK_VALUE(n > 0 && k >= 2 && logits.numel() > 0, "`logits` must hold at least one row of >= 2 classes");
+  return {n, k, logits.numel() / (n * k)};
+}
+
+}  // namespace torchcal
