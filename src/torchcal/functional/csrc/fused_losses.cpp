@@ -1593,6 +1593,18 @@ TORCH_LIBRARY(torchcal, m) {
   m.def(
       "fused_margin_class_bwd(Tensor grad_loss, Tensor logits, Tensor targets, Tensor stats, int kind, "
       "float[] params, Tensor? class_params, int? ignore_index, bool penalty_all_rows, int reduction) -> Tensor");
+  // the batch-term operators (batch_terms.h): autograd formula and fake implementations registered from
+  // Python (torchcal/functional/_extension.py)
+  m.def(
+      "batch_terms_fwd(Tensor logits, Tensor targets, int? ignore_index, int base, float gamma, float alpha, "
+      "int entropy, bool colsum) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "batch_terms_bwd(Tensor logits, Tensor targets, Tensor saved, Tensor? g_base, Tensor? g_r, Tensor? g_entropy, "
+      "Tensor? g_colsum, int? ignore_index, int base, float gamma, float alpha, int entropy) -> Tensor");
+  m.def("sbece_label_fwd(Tensor conf, Tensor correct, Tensor kept, int bins, float temperature) -> (Tensor, Tensor)");
+  m.def(
+      "sbece_label_bwd(Tensor grad, Tensor conf, Tensor correct, Tensor kept, Tensor saved, int bins, "
+      "float temperature) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(torchcal, CPU, m) {
@@ -1611,6 +1623,10 @@ TORCH_LIBRARY_IMPL(torchcal, CPU, m) {
   m.impl("fused_ace", fused_ace_cpu);
   m.impl("fused_ace_fwd", fused_ace_fwd_cpu);
   m.impl("fused_ace_bwd", fused_ace_bwd_cpu);
+  m.impl("batch_terms_fwd", batch_terms_fwd);
+  m.impl("batch_terms_bwd", batch_terms_bwd);
+  m.impl("sbece_label_fwd", sbece_label_fwd);
+  m.impl("sbece_label_bwd", sbece_label_bwd);
 }
 
 TORCH_LIBRARY_IMPL(torchcal, AutogradCPU, m) {
@@ -1618,26 +1634,4 @@ TORCH_LIBRARY_IMPL(torchcal, AutogradCPU, m) {
   m.impl("fused_margin", fused_margin_autograd);
   m.impl("fused_ace", fused_ace_autograd);
   m.impl("fused_margin_class", fused_margin_class_autograd);
-}
-
-// the batch-term operators (batch_terms.h): plain operators with their autograd formula and fake
-// implementations registered from Python (torchcal/functional/_extension.py)
-TORCH_LIBRARY_FRAGMENT(torchcal, m) {
-  m.def(
-      "batch_terms_fwd(Tensor logits, Tensor targets, int? ignore_index, int base, float gamma, float alpha, "
-      "int entropy, bool colsum) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
-  m.def(
-      "batch_terms_bwd(Tensor logits, Tensor targets, Tensor saved, Tensor? g_base, Tensor? g_r, Tensor? g_entropy, "
-      "Tensor? g_colsum, int? ignore_index, int base, float gamma, float alpha, int entropy) -> Tensor");
-  m.def("sbece_label_fwd(Tensor conf, Tensor correct, Tensor kept, int bins, float temperature) -> (Tensor, Tensor)");
-  m.def(
-      "sbece_label_bwd(Tensor grad, Tensor conf, Tensor correct, Tensor kept, Tensor saved, int bins, "
-      "float temperature) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(torchcal, CPU, m) {
-  m.impl("batch_terms_fwd", batch_terms_fwd);
-  m.impl("batch_terms_bwd", batch_terms_bwd);
-  m.impl("sbece_label_fwd", sbece_label_fwd);
-  m.impl("sbece_label_bwd", sbece_label_bwd);
 }
