@@ -66,15 +66,22 @@ _CALLS = [0]
 
 @pytest.fixture(autouse=True)
 def _count_operator_calls(monkeypatch):
-    """Counts the operator's forward calls during each test of this module (patched for the test only: a
-    counter in the traced forward would make torch.compile retrace elsewhere)."""
+    """Counts the operator's forward calls during each test of this module, of the per-row operator alone
+    (_BatchRows) and of the whole-loss node (fused_batch_loss), patched for the test only: a counter in the
+    traced forward would make torch.compile retrace elsewhere."""
     forward = _extension._BatchRows.forward
+    whole = _extension.fused_batch_loss
 
     def counted(ctx, *args):
         _CALLS[0] += 1
         return forward(ctx, *args)
 
+    def counted_whole(*args):
+        _CALLS[0] += 1
+        return whole(*args)
+
     monkeypatch.setattr(_extension._BatchRows, "forward", staticmethod(counted))
+    monkeypatch.setattr(_extension, "fused_batch_loss", counted_whole)
 
 
 def _close(got, want, dtype, grad=False):
@@ -198,8 +205,10 @@ def test_avuc_statistics_and_threshold_state_are_the_torch_paths():
 
 def test_second_order_gradients_are_refused():
     x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    loss = F.avuc_loss(x, torch.tensor([0, 1, 2, 3, 0]))
+    assert isinstance(loss, torch.Tensor)
     with pytest.raises(RuntimeError, match="differentiable once only"):
-        torch.autograd.grad(F.avuc_loss(x, torch.tensor([0, 1, 2, 3, 0])), x, create_graph=True)
+        torch.autograd.grad(loss, x, create_graph=True)
 
 
 def test_what_the_operator_leaves_to_the_torch_path():
@@ -244,3 +253,57 @@ def test_layouts_and_label_dtypes_match_the_torch_path():
             (va, ga), (vb, gb) = _both_paths(lambda a, b, n=name: LOSSES[n](a, b), logits, targets)
             _close(va, vb, torch.float32)
             _close(ga, gb, torch.float32, grad=True)
+
+
+def test_eager_losses_run_as_one_node_without_the_row_function():
+    """In eager mode every loss of LOSSES but SB-ECE's binned form is one call of the whole-loss node
+    (fused_batch_loss, decision 217), not the per-row function plus torch terms; the binned form, class
+    weights and a batch with no kept row stay on the per-row function / torch path."""
+    z, y = _inputs((40, 6), torch.float32)
+    whole, rows = [0], [0]
+    node, function = _extension.fused_batch_loss, _extension._BatchRows.apply
+
+    def count(counter, fn):
+        def counted(*args):
+            counter[0] += 1
+            return fn(*args)
+
+        return counted
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_extension, "fused_batch_loss", count(whole, node))
+        mp.setattr(_extension._BatchRows, "apply", count(rows, function))
+        for name, fn in LOSSES.items():
+            whole[0] = rows[0] = 0
+            fn(z, y)
+            binned = name == "sb-ece-binned"
+            assert (whole[0], rows[0]) == ((0, 1) if binned else (1, 0)), name
+        whole[0] = rows[0] = 0
+        F.dca_loss(z, y, weight=torch.rand(6))
+        F.avuc_loss(z, torch.full_like(y, -100))
+        assert whole[0] == 1 and rows[0] == 2  # (the empty batch: the node's answer is not taken)
+
+
+@pytest.mark.parametrize("name", ["mdca", "dca", "sb-ece", "avuc", "s-avuc", "esd", "esd-holdout"])
+def test_batch_scale_float32_is_near_the_float64_torch_path(name):
+    """At 4096 rows (ESD's radix sort moves every digit; confidences tie between rows) the float32 node is
+    compared with the float64 torch path: the node rounds each per-row number to float32 once and sums in
+    float64, so both differ from the float64 truth by a few float32 ulp of each row's numbers (relative
+    ~1e-6 after averaging; the gradient against its largest entry ~1e-5, SB-ECE's memberships amplifying)."""
+    g = torch.Generator().manual_seed(7)
+    z = 2 * torch.randn(4096, 10, generator=g, dtype=torch.float64)
+    z[:64] = z[64:128]  # 64 pairs of equal rows: equal confidences
+    y = torch.randint(0, 10, (4096,), generator=g)
+    y[::9] = -100
+    x32 = z.float().requires_grad_(True)
+    value = LOSSES[name](x32, y)
+    value.backward()
+    x64 = z.clone().requires_grad_(True)
+    with F.use_cpu_extension(False):
+        want = LOSSES[name](x64, y)
+    want.backward()
+    torch.testing.assert_close(value.double(), want.detach(), rtol=1e-5, atol=1e-6)
+    got, ref = x32.grad, x64.grad
+    assert got is not None and ref is not None
+    scale = float(ref.abs().max())
+    torch.testing.assert_close(got.double() / scale, ref / scale, rtol=0, atol=5e-5)

@@ -43,6 +43,7 @@ __all__ = [
     "true_class_loss",
     "penalised_cross_entropy",
     "batch_rows",
+    "batch_loss",
     "sbece_label",
     "use_cpu_kernels",
     "cpu_kernels_available",
@@ -323,6 +324,41 @@ def batch_rows(logits, targets, ignore_index, reduction, base, gamma, alpha, ent
         return None
 
 
+def _synced(sync) -> bool:
+    """Whether ``sync`` asks for the global batch and torch.distributed is initialised (the torch path's
+    all-reduces then run)."""
+    if not sync:
+        return False
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def batch_loss(
+    logits, targets, ignore_index, reduction, term, params, *, base="nll", gamma=1.0, alpha=0.0, sync=False, held=0
+) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
+    """A whole batch-term loss of :mod:`torchcal.functional.margin` (MDCA, DCA, SB-ECE's label form, AvUC,
+    S-AvUC, ESD) as one C++ autograd node (:func:`~torchcal.functional._extension.fused_batch_loss`), with
+    ``held`` samples (along dimension 0) held out for ESD's term; returns (loss, AvUC's four sums in the
+    logits' dtype), or None where it does not apply: no operator, the inputs of :func:`_fast_margin_call`,
+    while torch.compile traces (the traced loss takes :func:`batch_rows` and the torch terms), ``sync`` with
+    torch.distributed initialised, a label outside [0, K) (the caller's torch path raises the named error)
+    or a base or term with no row (the torch path's 0/0 limits)."""
+    if torch.compiler.is_compiling() or not _fast_margin_call(logits, targets, reduction) or _synced(sync):
+        return None
+    rows = targets.numel()
+    split = (logits.shape[0] - held) * (rows // logits.shape[0]) if held else rows
+    try:
+        loss, stats = _extension.fused_batch_loss(
+            logits, targets, ignore_index, base, gamma, alpha, term, params, reduction, split
+        )
+    except ValueError:
+        return None
+    if stats[4]:
+        return None
+    return loss, stats[:4].to(logits.dtype)
+
+
 def sbece_label(conf, correct, kept, n_bins, temperature, sync):
     """SB-ECE's label-binned term of the (M) vectors by the C++ operator, or None where it does not apply
     (not built or disabled, another dtype or device, more than 64 bins, or ``sync`` with torch.distributed
@@ -335,11 +371,8 @@ def sbece_label(conf, correct, kept, n_bins, temperature, sync):
         and _extension.cpu_extension_available()
     ):
         return None
-    if sync:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return None
+    if _synced(sync):
+        return None
     return _extension.fused_sbece_label(conf, correct, kept, n_bins, temperature)
 
 

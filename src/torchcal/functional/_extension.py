@@ -373,6 +373,24 @@ def fused_batch_rows(logits, targets, ignore_index, base: str, gamma: float, alp
     )
 
 
+BATCH_TERMS = {"mdca": 0, "dca": 1, "sb-ece": 2, "avuc": 3, "s-avuc": 4, "esd": 5}
+
+
+def fused_batch_loss(
+    logits, targets, ignore_index, base: str, gamma: float, alpha: float, term: str, params: list[float],
+    reduction: str, split: int,
+):  # fmt: skip
+    """A whole batch-term loss as one C++ autograd node (``fused_batch_loss``, decision 217): the per-row
+    operator, the term ``term`` (a key of :data:`BATCH_TERMS`) with ``params`` (coef, then the term's) and the
+    reduction; ``split`` the first row of ESD's held-out part (the number of rows: none). Returns (loss,
+    stats (5) float64: AvUC's four sums, then 1 where the base or the term has no row). Eager only (no fake
+    implementation: a traced loss takes :func:`fused_batch_rows`); differentiable once."""
+    return _op("fused_batch_loss")(
+        logits, targets, ignore_index, BATCH_BASES[base], float(gamma), float(alpha), BATCH_TERMS[term], params,
+        REDUCTION_CODES[reduction], int(split),
+    )
+
+
 SBECE_MAX_BINS = 64  # (``kMaxBins`` in fused_losses.cpp)
 
 

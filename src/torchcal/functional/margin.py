@@ -41,7 +41,7 @@ from typing import Literal, NamedTuple
 import torch
 
 from .._validation import check_choice, check_float, check_positive_int
-from ._backend import batch_rows, ml1ace_cross_entropy, penalised_cross_entropy, sbece_label
+from ._backend import batch_loss, batch_rows, ml1ace_cross_entropy, penalised_cross_entropy, sbece_label
 from ._loss_inputs import (
     IGNORE_INDEX,
     LossRows,
@@ -732,6 +732,10 @@ def mdca_loss(
     ignore_index = check_ignore_index(ignore_index)
     refusal = "the MDCA repository's label smoothing is defined on labels" if base == "ls" else None
     with torch.autocast(_device_type(logits), enabled=False):
+        fused = batch_loss(logits, targets, ignore_index, reduction, "mdca", [b], base=base, gamma=gamma, alpha=alpha,
+                           sync=sync)  # fmt: skip
+        if fused is not None:
+            return fused[0]
         batch = _batch(logits, targets, ignore_index, reduction, refusal, base=base, gamma=gamma, alpha=alpha,
                        top=False, colsum=True)  # fmt: skip
         return _with_batch_term(_given(batch.base), batch.rows, reduction, b, _mdca_term(batch, sync, group))
@@ -771,6 +775,9 @@ def dca_loss(
     check_label_smoothing(label_smoothing, _DCA_NEEDS_LABELS)
     ignore_index = check_ignore_index(ignore_index)
     with torch.autocast(_device_type(logits), enabled=False):
+        fused = None if weight is not None else batch_loss(logits, targets, ignore_index, reduction, "dca", [b], sync=sync)
+        if fused is not None:
+            return fused[0]
         batch = _batch(logits, targets, ignore_index, reduction, _DCA_NEEDS_LABELS)
         conf, correct, kept = _given(batch.conf), _given(batch.correct), batch.kept
         w = check_class_weight(weight, batch.rows.logits)
@@ -892,8 +899,14 @@ def sbece_loss(
     if weight is not None:
         raise ValueError(f"`weight` is not accepted: {_SBECE_IS_A_BATCH_TERM}")
     check_label_smoothing(label_smoothing, _SBECE_IS_A_BATCH_TERM)
+    ignore_index = check_ignore_index(ignore_index)
     with torch.autocast(_device_type(logits), enabled=False):
-        batch = _batch(logits, targets, check_ignore_index(ignore_index), reduction, _SBECE_NEEDS_LABELS)
+        if form == "label":
+            params = [lam, n_bins, temperature]
+            fused = batch_loss(logits, targets, ignore_index, reduction, "sb-ece", params, sync=sync)
+            if fused is not None:
+                return fused[0]
+        batch = _batch(logits, targets, ignore_index, reduction, _SBECE_NEEDS_LABELS)
         penalty = _sbece_term(batch, n_bins, temperature, form, sync, group)
         return _with_batch_term(_given(batch.base), batch.rows, reduction, lam, penalty)
 
@@ -1008,9 +1021,13 @@ def avuc_loss(
     check_choice(reduction, "reduction", REDUCTIONS)
     _refuse_batch_term(_AVUC_IS_A_BATCH_TERM, weight, label_smoothing)
     threshold = _threshold(threshold)
+    ignore_index = check_ignore_index(ignore_index)
     with torch.autocast(_device_type(logits), enabled=False):
-        batch = _batch(logits, targets, check_ignore_index(ignore_index), reduction, _AVUC_NEEDS_LABELS,
-                       entropy="avuc")  # fmt: skip
+        fused = batch_loss(logits, targets, ignore_index, reduction, "avuc", [b, float(threshold)], sync=sync)
+        if fused is not None:
+            loss, sums = fused
+            return (loss, sums) if statistics else loss
+        batch = _batch(logits, targets, ignore_index, reduction, _AVUC_NEEDS_LABELS, entropy="avuc")
         out = _avuc_term(batch, threshold, sync, group, statistics)
         penalty, sums = out if statistics else (out, None)
         loss = _with_batch_term(_given(batch.base), batch.rows, reduction, b, penalty)
@@ -1102,9 +1119,12 @@ def soft_avuc_loss(
     kappa = _kappa(kappa)
     check_choice(reduction, "reduction", REDUCTIONS)
     _refuse_batch_term(_AVUC_IS_A_BATCH_TERM.replace("AvUC", "S-AvUC"), weight, label_smoothing)
+    ignore_index = check_ignore_index(ignore_index)
     with torch.autocast(_device_type(logits), enabled=False):
-        batch = _batch(logits, targets, check_ignore_index(ignore_index), reduction, _AVUC_NEEDS_LABELS,
-                       entropy="smoothed")  # fmt: skip
+        fused = batch_loss(logits, targets, ignore_index, reduction, "s-avuc", [b, temperature, kappa], sync=sync)
+        if fused is not None:
+            return fused[0]
+        batch = _batch(logits, targets, ignore_index, reduction, _AVUC_NEEDS_LABELS, entropy="smoothed")
         penalty = _savuc_term(batch, _classes(logits), temperature, kappa, sync, group)
         return _with_batch_term(_given(batch.base), batch.rows, reduction, b, penalty)
 
@@ -1215,6 +1235,12 @@ def esd_loss(
     _refuse_batch_term(_ESD_IS_A_BATCH_TERM, weight, label_smoothing)
     ignore_index = check_ignore_index(ignore_index)
     with torch.autocast(_device_type(logits), enabled=False):
+        samples = logits.shape[0] if isinstance(logits, torch.Tensor) and logits.dim() >= 2 else 0
+        held = math.ceil(holdout * samples) if holdout else 0
+        if held < samples:
+            fused = batch_loss(logits, targets, ignore_index, reduction, "esd", [lam], sync=sync, held=held)
+            if fused is not None:
+                return fused[0]
         batch = _batch(logits, targets, ignore_index, reduction, _ESD_NEEDS_LABELS)
         rows, conf, correct, kept = batch.rows, _given(batch.conf), _given(batch.correct), batch.kept
         n = rows.shape[0]

@@ -18,8 +18,12 @@
 #pragma once
 
 #include "margin.h"
+#include "sort.h"
 
+#include <algorithm>
+#include <limits>
 #include <type_traits>
+#include <vector>
 
 namespace torchcal {
 
@@ -425,6 +429,209 @@ inline void soft_bins(V r, V kept, int64_t bins, T inv_t, T* g, T* ds, V& mean) 
     lanes_store(g + b * W, gb);
     if (ds != nullptr) mean += gb * lanes_load<V>(ds + b * W);
   }
+}
+
+}  // namespace torchcal
+
+namespace torchcal {
+
+// -- the batch terms on the (M) per-row numbers ------------------------------------------------------------
+// The terms of margin.py (_mdca_term, the DCA penalty, _avuc_term, _savuc_term, _esd_term) evaluated in
+// float64 from the operator's per-row outputs (in the input dtype T) over the rows with in[i] != 0 (kept,
+// and in ESD's held-out part when it has one), each with its derivative with respect to those outputs
+// (dr, dh: M entries, 0 outside; dcol: K), so that the whole loss is one autograd node. A comparison the
+// torch path makes in T (AvUC's H <= threshold) is made in T here too; |·| has the derivative sign(·)
+// (0 at 0), as torch's abs.
+
+enum BatchTerm { BT_MDCA = 0, BT_DCA = 1, BT_SBECE = 2, BT_AVUC = 3, BT_SAVUC = 4, BT_ESD = 5 };
+
+inline double sign_of(double v) { return v > 0 ? 1.0 : (v < 0 ? -1.0 : 0.0); }
+
+// MDCA: (1/K) Σ_k |(col_k − lab_k) / n|, col the kept rows' column sums of p, lab their label counts
+inline double mdca_term(int64_t k, const double* col, const double* lab, double n, double* dcol) {
+  double total = 0.0;
+  for (int64_t j = 0; j < k; ++j) {
+    const double d = (col[j] - lab[j]) / n;
+    total += std::abs(d);
+    dcol[j] = sign_of(d) / (static_cast<double>(k) * n);
+  }
+  return total / static_cast<double>(k);
+}
+
+// DCA: |Σ r − Σ a| / n over the rows in
+template <typename T>
+double dca_term(int64_t m, const T* r, const T* a, const uint8_t* in, double* dr) {
+  double sr = 0.0, sa = 0.0, n = 0.0;
+  for (int64_t i = 0; i < m; ++i) {
+    if (!in[i]) continue;
+    sr += static_cast<double>(r[i]);
+    sa += static_cast<double>(a[i]);
+    n += 1.0;
+  }
+  const double d = (sr - sa) / n, g = sign_of(d) / n;
+  for (int64_t i = 0; i < m; ++i) dr[i] = in[i] ? g : 0.0;
+  return std::abs(d);
+}
+
+// AvUC (the released AvULoss): the four counts n_AC, n_AU, n_IC, n_IU (accurate rows weighted by r,
+// inaccurate by 1 − r, certain (H <= threshold) by 1 − tanh H, uncertain by tanh H), the term
+// −log(AvU + 1e-10) with AvU = (n_AC + n_IU) / (Σ counts + 1e-10); stats: Σ H and the count of the accurate
+// rows, then of the inaccurate ones (the threshold update's sums)
+template <typename T>
+double avuc_term(int64_t m, const T* r, const T* a, const T* h, const uint8_t* in, T threshold, double* dr, double* dh,
+                 double* stats) {
+  double s[4] = {0.0, 0.0, 0.0, 0.0};
+  for (int c = 0; c < 4; ++c) stats[c] = 0.0;
+  for (int64_t i = 0; i < m; ++i) {
+    if (!in[i]) continue;
+    const double hi = static_cast<double>(h[i]), t = std::tanh(hi), ri = static_cast<double>(r[i]);
+    const bool certain = h[i] <= threshold;
+    const double p1 = certain ? 1.0 - t : 0.0, p2 = certain ? 0.0 : t;
+    if (a[i] != T(0)) {
+      s[0] += ri * p1;
+      s[1] += ri * p2;
+      stats[0] += hi;
+      stats[1] += 1.0;
+    } else {
+      s[2] += (1.0 - ri) * p1;
+      s[3] += (1.0 - ri) * p2;
+      stats[2] += hi;
+      stats[3] += 1.0;
+    }
+  }
+  const double good = s[0] + s[3], total = s[0] + s[1] + s[2] + s[3] + 1e-10, avu = good / total;
+  const double d_avu = -1.0 / (avu + 1e-10);
+  const double g_good = d_avu * (1.0 / total - good / (total * total)), g_bad = d_avu * (-good / (total * total));
+  for (int64_t i = 0; i < m; ++i) {
+    if (!in[i]) {
+      dr[i] = dh[i] = 0.0;
+      continue;
+    }
+    const double t = std::tanh(static_cast<double>(h[i])), ri = static_cast<double>(r[i]);
+    const bool certain = h[i] <= threshold;
+    const double p1 = certain ? 1.0 - t : 0.0, p2 = certain ? 0.0 : t;
+    const double dp1 = certain ? -1.0 : 0.0, dp2 = certain ? 0.0 : 1.0;  // d/d tanh H
+    double dt;
+    if (a[i] != T(0)) {  // n_AC (g_good) and n_AU (g_bad), weighted by r
+      dr[i] = g_good * p1 + g_bad * p2;
+      dt = ri * (g_good * dp1 + g_bad * dp2);
+    } else {  // n_IC (g_bad) and n_IU (g_good), weighted by 1 − r
+      dr[i] = -(g_bad * p1 + g_good * p2);
+      dt = (1.0 - ri) * (g_bad * dp1 + g_good * dp2);
+    }
+    dh[i] = dt * (1.0 - t * t);
+  }
+  return -std::log(avu + 1e-10);
+}
+
+// S-AvUC (uncertainty-baselines' get_soft_avuc_loss): e = clamp(H / log K, ε, 1 − ε) (ε the machine epsilon
+// of T), q = σ((logit e − logit κ) / temperature), the counts with accurate / inaccurate rows against
+// certain (1 − q)(1 − tanh H) / uncertain q tanh H, and log(1 + (n_AU + n_IC) / max(n_AC + n_IU, 1e-5))
+template <typename T>
+double savuc_term(int64_t m, const T* a, const T* h, const uint8_t* in, int64_t k, double temperature, double kappa,
+                  double* dh) {
+  const double eps = static_cast<double>(std::numeric_limits<T>::epsilon());
+  const double log_k = std::log(static_cast<double>(k)), logit_kappa = std::log(kappa / (1.0 - kappa));
+  const auto soft = [&](double hi, double& e, bool& inside, double& q) {
+    const double e0 = hi / log_k;
+    inside = e0 >= eps && e0 <= 1.0 - eps;
+    e = std::min(std::max(e0, eps), 1.0 - eps);
+    q = 1.0 / (1.0 + std::exp(-(std::log(e / (1.0 - e)) - logit_kappa) / temperature));
+  };
+  double good = 0.0, bad = 0.0;  // n_AC + n_IU, n_AU + n_IC
+  for (int64_t i = 0; i < m; ++i) {
+    if (!in[i]) continue;
+    const double hi = static_cast<double>(h[i]), t = std::tanh(hi);
+    double e, q;
+    bool inside;
+    soft(hi, e, inside, q);
+    const double certain = (1.0 - q) * (1.0 - t), uncertain = q * t;
+    if (a[i] != T(0)) {
+      good += certain;
+      bad += uncertain;
+    } else {
+      bad += certain;
+      good += uncertain;
+    }
+  }
+  const double denom = std::max(good, 1e-5), g_bad = 1.0 / (denom + bad);
+  const double g_good = good >= 1e-5 ? -bad / (denom * (denom + bad)) : 0.0;
+  for (int64_t i = 0; i < m; ++i) {
+    if (!in[i]) {
+      dh[i] = 0.0;
+      continue;
+    }
+    const double hi = static_cast<double>(h[i]), t = std::tanh(hi);
+    double e, q;
+    bool inside;
+    soft(hi, e, inside, q);
+    // certain (1 − q)(1 − t) counts to g_c, uncertain q t to g_u
+    const double g_c = a[i] != T(0) ? g_good : g_bad, g_u = a[i] != T(0) ? g_bad : g_good;
+    const double dq = -g_c * (1.0 - t) + g_u * t, dt = -g_c * (1.0 - q) + g_u * q;
+    const double de = inside ? 1.0 / log_k : 0.0;
+    dh[i] = dt * (1.0 - t * t) + dq * q * (1.0 - q) / temperature / (e * (1.0 - e)) * de;
+  }
+  return std::log1p(bad / denom);
+}
+
+// ESD, the U-statistic of margin.py's _esd_term, over the rows in (n of them, sorted by r): with
+// x_j = a_j − r_j, S_i = Σ_{j≠i, r_j<=r_i} x_j, Q_i the same sum of x_j², ESD = Σ_i (S_i² − Q_i) / (n(n − 1)(n − 2))
+// (0 when n < 3). Its derivative in x_j sums over the rows i ≠ j with r_i >= r_j, those from the start of
+// j's run of equal confidences on: (2/D)(U − S_j − x_j (c − 1)) with U the sum of S_i and c their number.
+// float32 confidences are sorted as (bits << 32 | row) words by radix, float64 by std::sort.
+template <typename T>
+double esd_term(int64_t m, const T* r, const T* a, const uint8_t* in, double* dr) {
+  std::vector<int64_t> order;
+  order.reserve(static_cast<size_t>(m));
+  if constexpr (std::is_same<T, float>::value) {
+    std::vector<uint64_t> words, tmp;
+    words.reserve(static_cast<size_t>(m));
+    for (int64_t i = 0; i < m; ++i) {
+      if (!in[i]) continue;
+      uint32_t bits;
+      std::memcpy(&bits, r + i, sizeof(bits));
+      words.push_back((static_cast<uint64_t>(bits) << 32) | static_cast<uint64_t>(i));
+    }
+    radix_sort_upper_words(words, tmp);
+    for (const uint64_t w : words) order.push_back(static_cast<int64_t>(w & 0xFFFFFFFFu));
+  } else {
+    for (int64_t i = 0; i < m; ++i)
+      if (in[i]) order.push_back(i);
+    std::sort(order.begin(), order.end(), [r](int64_t p, int64_t q) { return r[p] < r[q]; });
+  }
+  std::fill(dr, dr + m, 0.0);
+  const int64_t n = static_cast<int64_t>(order.size());
+  if (n < 3) return 0.0;
+  std::vector<double> x(static_cast<size_t>(n)), s(static_cast<size_t>(n));
+  std::vector<int64_t> start(static_cast<size_t>(n));
+  for (int64_t q = 0; q < n; ++q) {
+    const int64_t i = order[q];
+    x[q] = static_cast<double>(a[i]) - static_cast<double>(r[i]);
+  }
+  double total = 0.0, prefix = 0.0, prefix2 = 0.0;
+  for (int64_t q0 = 0; q0 < n;) {  // one run of equal confidences [q0, q1)
+    int64_t q1 = q0 + 1;
+    while (q1 < n && r[order[q1]] == r[order[q0]]) ++q1;
+    for (int64_t q = q0; q < q1; ++q) {
+      prefix += x[q];
+      prefix2 += x[q] * x[q];
+    }
+    for (int64_t q = q0; q < q1; ++q) {
+      s[q] = prefix - x[q];
+      total += s[q] * s[q] - (prefix2 - x[q] * x[q]);
+      start[q] = q0;
+    }
+    q0 = q1;
+  }
+  const double nd = static_cast<double>(n), denom = nd * (nd - 1.0) * (nd - 2.0);
+  std::vector<double> suffix(static_cast<size_t>(n + 1), 0.0);
+  for (int64_t q = n - 1; q >= 0; --q) suffix[q] = suffix[q + 1] + s[q];
+  for (int64_t q = 0; q < n; ++q) {
+    const int64_t b = start[q];
+    const double dx = 2.0 / denom * (suffix[b] - s[q] - x[q] * static_cast<double>(n - b - 1));
+    dr[order[q]] = -dx;  // x = a − r
+  }
+  return total / denom;
 }
 
 }  // namespace torchcal

@@ -1550,6 +1550,196 @@ at::Tensor sbece_label_bwd(const at::Tensor& grad, const at::Tensor& conf_in, co
   return out;
 }
 
+// -- the batch-term losses whole: the per-row operator, the batch term and the reduction in one node --------
+//
+//   fused_batch_loss(logits, targets, ignore_index, base, gamma, alpha, term, params, reduction, split)
+//       -> (loss, stats (5) float64)
+//
+// The loss of margin.py's mdca_loss, dca_loss, sbece_loss (label form), avuc_loss, soft_avuc_loss and
+// esd_loss as one autograd node (decision 217): batch_terms_fwd's per-row numbers, the term (batch_terms.h,
+// float64; SB-ECE by sbece_label_fwd / _bwd) with its derivatives with respect to them, and the reduction;
+// the backward scales those derivatives by the incoming gradient and runs batch_terms_bwd once. term: a
+// BatchTerm; params: coef, then SB-ECE's bins and temperature, AvUC's threshold, S-AvUC's temperature and
+// κ. split: the first row of ESD's held-out part (M: none); the base loss covers the kept rows before it,
+// the term those from it on (all kept rows without a held-out part). reduction as fused_margin ("mean": the
+// base's mean over its rows + coef·term; "sum": the sum of "none", each covered row's base + coef·term).
+// stats: AvUC's Σ H and count of the accurate kept rows, then of the inaccurate ones; the fifth number is 1
+// when the base or the term has no row, whose limits (0/0) the caller leaves to the torch path.
+
+struct BatchLossForward {
+  at::Tensor loss, stats, saved, gb, gr, gh, gc;
+};
+
+int64_t term_entropy(int64_t term) { return term == BT_AVUC ? BE_AVUC : (term == BT_SAVUC ? BE_SMOOTH : BE_NONE); }
+
+BatchLossForward batch_loss_forward(const at::Tensor& logits, const at::Tensor& targets,
+                                    c10::optional<int64_t> ignore_index, int64_t base, double gamma, double alpha,
+                                    int64_t term, at::ArrayRef<double> params, int64_t reduction, int64_t split) {
+  TORCH_CHECK_VALUE(term >= BT_MDCA && term <= BT_ESD, "`term` must be 0 (MDCA), 1 (DCA), 2 (SB-ECE), 3 (AvUC), ",
+                    "4 (S-AvUC) or 5 (ESD)");
+  const size_t need[] = {1, 1, 3, 2, 3, 1};
+  TORCH_CHECK_VALUE(params.size() == need[term], "`params` must hold ", need[term], " numbers for term ", term);
+  TORCH_CHECK_VALUE(reduction >= 0 && reduction <= 2, "`reduction` must be 0 (none), 1 (mean) or 2 (sum)");
+  const int64_t entropy = term_entropy(term);
+  at::Tensor b, r, a, h, col, saved;
+  std::tie(b, r, a, h, col, saved) =
+      batch_terms_fwd(logits, targets, ignore_index, base, gamma, alpha, entropy, term == BT_MDCA);
+  const int64_t m = b.numel(), k = logits.size(1);
+  TORCH_CHECK_VALUE(split >= 1 && split <= m, "`split` must lie in [1, ", m, "]");
+  const at::Tensor t = targets.to(at::kLong).contiguous();
+  const int64_t* tp = t.data_ptr<int64_t>();
+  const bool has_ignore = ignore_index.has_value();
+  const int64_t ignore = ignore_index.value_or(0);
+  std::vector<uint8_t> in_base(static_cast<size_t>(m)), in_term(static_cast<size_t>(m));
+  double nb = 0.0, nt = 0.0;
+  for (int64_t i = 0; i < m; ++i) {
+    const bool keep = !(has_ignore && tp[i] == ignore);
+    in_base[i] = keep && i < split;
+    in_term[i] = keep && (split == m || i >= split);
+    nb += in_base[i];
+    nt += in_term[i];
+  }
+  const auto dbl = logits.options().dtype(at::kDouble);
+  BatchLossForward f;
+  f.saved = saved;
+  f.stats = at::zeros({5}, dbl);
+  double* st = f.stats.data_ptr<double>();
+  const bool rows_r = term == BT_DCA || term == BT_SBECE || term == BT_AVUC || term == BT_ESD;
+  f.gb = at::empty({m}, dbl);
+  f.gr = rows_r ? at::empty({m}, dbl) : at::Tensor();
+  f.gh = entropy != BE_NONE ? at::empty({m}, dbl) : at::Tensor();
+  f.gc = term == BT_MDCA ? at::empty({k}, dbl) : at::Tensor();
+  if (nb == 0.0 || nt == 0.0) {
+    st[4] = 1.0;
+    f.loss = reduction == 0 ? at::zeros(targets.sizes(), logits.options()) : at::zeros({}, logits.options());
+    return f;
+  }
+  const double coef = params[0];
+  double pen = 0.0;
+  if (term == BT_SBECE) {
+    const at::Tensor kept = at::from_blob(in_term.data(), {m}, at::kByte).to(r.scalar_type());
+    const auto bins = static_cast<int64_t>(params[1]);
+    at::Tensor value, sv;
+    std::tie(value, sv) = sbece_label_fwd(r, a, kept, bins, params[2]);
+    pen = value.item<double>();
+    f.gr.copy_(sbece_label_bwd(at::ones({}, dbl), r, a, kept, sv, bins, params[2]));
+  } else {
+    AT_DISPATCH_FLOATING_TYPES(r.scalar_type(), "fused_batch_loss", [&] {
+      const scalar_t* rp = r.data_ptr<scalar_t>();
+      const scalar_t* ap = a.data_ptr<scalar_t>();
+      const uint8_t* in = in_term.data();
+      if (term == BT_MDCA) {
+        std::vector<double> c(static_cast<size_t>(k)), lab(static_cast<size_t>(k), 0.0);
+        const scalar_t* cp = col.data_ptr<scalar_t>();
+        for (int64_t j = 0; j < k; ++j) c[j] = static_cast<double>(cp[j]);
+        for (int64_t i = 0; i < m; ++i)
+          if (in[i]) lab[tp[i]] += 1.0;
+        pen = mdca_term(k, c.data(), lab.data(), nt, f.gc.data_ptr<double>());
+      } else if (term == BT_DCA) {
+        pen = dca_term<scalar_t>(m, rp, ap, in, f.gr.data_ptr<double>());
+      } else if (term == BT_AVUC) {
+        pen = avuc_term<scalar_t>(m, rp, ap, h.data_ptr<scalar_t>(), in, static_cast<scalar_t>(params[1]),
+                                  f.gr.data_ptr<double>(), f.gh.data_ptr<double>(), st);
+      } else if (term == BT_SAVUC) {
+        pen = savuc_term<scalar_t>(m, ap, h.data_ptr<scalar_t>(), in, k, params[1], params[2], f.gh.data_ptr<double>());
+      } else {  // ESD: λ·sqrt(max(ESD, 0)), the sqrt's derivative 0 where ESD <= 0
+        const double esd = esd_term<scalar_t>(m, rp, ap, in, f.gr.data_ptr<double>());
+        pen = esd > 0 ? std::sqrt(esd) : 0.0;
+        f.gr.mul_(esd > 0 ? 0.5 / pen : 0.0);
+      }
+    });
+  }
+  const double scale = reduction == 2 ? coef * nb : coef;
+  for (at::Tensor* g : {&f.gr, &f.gh, &f.gc})
+    if (g->defined()) g->mul_(scale);
+  double* gbp = f.gb.data_ptr<double>();
+  for (int64_t i = 0; i < m; ++i) gbp[i] = reduction == 1 ? in_base[i] / nb : in_base[i];
+  const at::Tensor bd = b.to(at::kDouble);
+  const double* bp = bd.data_ptr<double>();
+  if (reduction == 0) {
+    at::Tensor out = at::empty({m}, dbl);
+    double* o = out.data_ptr<double>();
+    for (int64_t i = 0; i < m; ++i) o[i] = in_base[i] ? bp[i] + coef * pen : 0.0;
+    f.loss = out.to(logits.scalar_type()).reshape(targets.sizes());
+  } else {
+    double total = 0.0;
+    for (int64_t i = 0; i < m; ++i) total += in_base[i] ? bp[i] : 0.0;
+    const double value = reduction == 1 ? total / nb + coef * pen : total + nb * coef * pen;
+    f.loss = at::scalar_tensor(value, logits.options());
+  }
+  return f;
+}
+
+at::Tensor batch_loss_backward(const at::Tensor& grad, const variable_list& saved, c10::optional<int64_t> ignore_index,
+                               int64_t base, double gamma, double alpha, int64_t term, int64_t reduction) {
+  TORCH_CHECK(!at::GradMode::is_enabled(),
+              "the fused CPU batch-term loss is differentiable once only; for higher-order gradients run it with "
+              "torchcal.functional.use_cpu_extension(False)");
+  const at::Tensor &gb = saved[3], &gr = saved[4], &gh = saved[5], &gc = saved[6];
+  at::Tensor b;
+  double s;
+  if (reduction == 0) {  // every covered row carries coef·term: its gradient is the sum of theirs
+    b = grad.to(at::kDouble).reshape({-1}) * gb;
+    s = b.sum().item<double>();
+  } else {
+    s = grad.item<double>();
+    b = gb * s;
+  }
+  const auto scaled = [s](const at::Tensor& g) { return g.defined() ? c10::optional<at::Tensor>(g * s) : c10::nullopt; };
+  return batch_terms_bwd(saved[0], saved[1], saved[2], b, scaled(gr), scaled(gh), scaled(gc), ignore_index, base,
+                         gamma, alpha, term_entropy(term));
+}
+
+class FusedBatchLoss : public torch::autograd::Function<FusedBatchLoss> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& logits, const at::Tensor& targets,
+                               c10::optional<int64_t> ignore_index, int64_t base, double gamma, double alpha,
+                               int64_t term, at::ArrayRef<double> params, int64_t reduction, int64_t split) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    BatchLossForward f =
+        batch_loss_forward(logits, targets, ignore_index, base, gamma, alpha, term, params, reduction, split);
+    ctx->save_for_backward({logits, targets, f.saved, f.gb, f.gr, f.gh, f.gc});
+    ctx->mark_non_differentiable({f.stats});
+    ctx->saved_data["has_ignore"] = ignore_index.has_value();
+    ctx->saved_data["ignore"] = ignore_index.value_or(0);
+    ctx->saved_data["base"] = base;
+    ctx->saved_data["gamma"] = gamma;
+    ctx->saved_data["alpha"] = alpha;
+    ctx->saved_data["term"] = term;
+    ctx->saved_data["reduction"] = reduction;
+    return {f.loss, f.stats};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    c10::optional<int64_t> ignore;
+    if (ctx->saved_data["has_ignore"].toBool()) ignore = ctx->saved_data["ignore"].toInt();
+    at::Tensor grad = batch_loss_backward(grads[0], ctx->get_saved_variables(), ignore, ctx->saved_data["base"].toInt(),
+                                          ctx->saved_data["gamma"].toDouble(), ctx->saved_data["alpha"].toDouble(),
+                                          ctx->saved_data["term"].toInt(), ctx->saved_data["reduction"].toInt());
+    variable_list out(10);
+    out[0] = grad;
+    return out;
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor> fused_batch_loss_cpu(const at::Tensor& logits, const at::Tensor& targets,
+                                                        c10::optional<int64_t> ignore_index, int64_t base, double gamma,
+                                                        double alpha, int64_t term, at::ArrayRef<double> params,
+                                                        int64_t reduction, int64_t split) {
+  BatchLossForward f =
+      batch_loss_forward(logits, targets, ignore_index, base, gamma, alpha, term, params, reduction, split);
+  return {f.loss, f.stats};
+}
+
+std::tuple<at::Tensor, at::Tensor> fused_batch_loss_autograd(const at::Tensor& logits, const at::Tensor& targets,
+                                                             c10::optional<int64_t> ignore_index, int64_t base,
+                                                             double gamma, double alpha, int64_t term,
+                                                             at::ArrayRef<double> params, int64_t reduction,
+                                                             int64_t split) {
+  auto out = FusedBatchLoss::apply(logits, targets, ignore_index, base, gamma, alpha, term, params, reduction, split);
+  return {out[0], out[1]};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(torchcal, m) {
@@ -1605,6 +1795,9 @@ TORCH_LIBRARY(torchcal, m) {
   m.def(
       "sbece_label_bwd(Tensor grad, Tensor conf, Tensor correct, Tensor kept, Tensor saved, int bins, "
       "float temperature) -> Tensor");
+  m.def(
+      "fused_batch_loss(Tensor logits, Tensor targets, int? ignore_index, int base, float gamma, float alpha, "
+      "int term, float[] params, int reduction, int split) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(torchcal, CPU, m) {
@@ -1627,6 +1820,7 @@ TORCH_LIBRARY_IMPL(torchcal, CPU, m) {
   m.impl("batch_terms_bwd", batch_terms_bwd);
   m.impl("sbece_label_fwd", sbece_label_fwd);
   m.impl("sbece_label_bwd", sbece_label_bwd);
+  m.impl("fused_batch_loss", fused_batch_loss_cpu);
 }
 
 TORCH_LIBRARY_IMPL(torchcal, AutogradCPU, m) {
@@ -1634,4 +1828,5 @@ TORCH_LIBRARY_IMPL(torchcal, AutogradCPU, m) {
   m.impl("fused_margin", fused_margin_autograd);
   m.impl("fused_ace", fused_ace_autograd);
   m.impl("fused_margin_class", fused_margin_class_autograd);
+  m.impl("fused_batch_loss", fused_batch_loss_autograd);
 }

@@ -131,3 +131,33 @@ int64_t radix_sort_with_flags(const T* values, const bool* flags, int64_t n, T* 
 }
 
 }  // namespace torchcal
+
+namespace torchcal {
+
+// Sorts 64-bit words by their upper 32 bits, stably (an LSD radix sort of three 11-bit digits, skipping a
+// digit on which every word agrees): the batch-term losses sort (confidence bits << 32 | row) words, the
+// row riding below the key. tmp is scratch; the sorted words end in w.
+inline void radix_sort_upper_words(std::vector<uint64_t>& w, std::vector<uint64_t>& tmp) {
+  constexpr int kBits = 11, kBuckets = 1 << kBits, kDigits = 3;
+  const int64_t n = static_cast<int64_t>(w.size());
+  if (n < 2) return;
+  tmp.resize(w.size());
+  std::vector<int64_t> counts(static_cast<size_t>(kDigits) * kBuckets, 0);
+  for (const uint64_t v : w)
+    for (int d = 0; d < kDigits; ++d) ++counts[d * kBuckets + ((v >> (32 + d * kBits)) & (kBuckets - 1))];
+  for (int d = 0; d < kDigits; ++d) {
+    int64_t* h = counts.data() + d * kBuckets;
+    if (std::any_of(h, h + kBuckets, [n](int64_t c) { return c == n; })) continue;  // one bucket: no move
+    int64_t at = 0;
+    for (int b = 0; b < kBuckets; ++b) {
+      const int64_t c = h[b];
+      h[b] = at;
+      at += c;
+    }
+    const int shift = 32 + d * kBits;
+    for (const uint64_t v : w) tmp[static_cast<size_t>(h[(v >> shift) & (kBuckets - 1)]++)] = v;
+    w.swap(tmp);
+  }
+}
+
+}  // namespace torchcal
