@@ -113,14 +113,13 @@ inline void batch_forward_row(const T* x, int64_t k, int64_t y, int64_t y0, cons
     T sa, sb;
     smoothing_constants<T>(k, sa, sb);
     double hs = 0.0, ds = 0.0;
-    walk_row<T>(k, [&](int64_t j, auto tag) {
+    sum2_row<T>(k, [&](int64_t j, auto tag, auto& f, auto& pdf) {
       using V = typename Lanes<T, decltype(tag)::value>::type;
       const V p = lanes_load<V>(e + j) * pinv;
-      V f, df;
+      V df;
       entropy_lanes<T>(p, s.entropy, sa, sb, f, df);
-      hs += lanes_sum(f);
-      ds += lanes_sum(p * df);
-    });
+      pdf = p * df;
+    }, hs, ds);
     h = -hs;
     dent = ds;
   }

@@ -1145,39 +1145,59 @@ int64_t over_blocks(const T* x, T* grad, const Layout& l, const Fn& fn, bool run
   return n_blocks;
 }
 
-// Whether a (N, K, S) float32 tensor takes the positions-as-lanes kernels (batch_terms.h)
+// Whether a float32 tensor takes the positions-as-lanes kernels (batch_terms.h): (N, K, S) with at least a
+// vector of positions per image, or (N, K) rows of at most kRowLaneClasses classes, gathered W rows to a
+// vector (a short row walked on its own is mostly scalar tails and per-row work: at K = 10 the row path's
+// time was ~4 scalar exps per row)
+constexpr int64_t kRowLaneClasses = 32;
+
 bool positions_as_lanes(const at::Tensor& x, const Layout& l) {
-  return x.scalar_type() == at::kFloat && l.sp >= PosLanes<kWideBytes>::W && l.k <= kLaneClasses;
+  return x.scalar_type() == at::kFloat && l.k <= kLaneClasses &&
+         (l.sp >= PosLanes<kWideBytes>::W || (l.sp == 1 && l.k <= kRowLaneClasses));
 }
 
 // fn(block, first row, lanes, x, stride, g) over fixed blocks of up to kLaneTile positions of one image, in
 // parallel, W positions at a time. Each block's K runs of positions are copied into a per-thread buffer
 // (stride kLaneTile; the last vector padded with 0): contiguous copies that the prefetchers follow, where the
-// kernels' K strided streams (and as many for the gradient) stall on memory. With ``grad``, fn writes the
-// gradient into a second buffer (the same layout), copied out to ``grad`` after the block.
+// kernels' K strided streams (and as many for the gradient) stall on memory; (N, K) rows (S = 1) are one
+// image of N positions, each block's rows transposed into the buffer. With ``grad``, fn writes the gradient
+// into a second buffer (the same layout), copied (transposed) out to ``grad`` after the block.
 constexpr int64_t kLaneTile = 256;
 
-int64_t lane_blocks(const Layout& l) { return l.n * ((l.sp + kLaneTile - 1) / kLaneTile); }
+int64_t lane_blocks(const Layout& l) {
+  return l.sp == 1 ? (l.n + kLaneTile - 1) / kLaneTile : l.n * ((l.sp + kLaneTile - 1) / kLaneTile);
+}
 
 template <typename Fn>
 void over_lanes(const float* x, float* grad, const Layout& l, const Fn& fn) {
   constexpr int W = PosLanes<kWideBytes>::W;
-  const int64_t k = l.k, sp = l.sp, per_image = (sp + kLaneTile - 1) / kLaneTile;
-  at::parallel_for(0, l.n * per_image, 1, [&](int64_t begin, int64_t end) {
+  const bool rows = l.sp == 1;
+  const int64_t k = l.k, sp = rows ? l.n : l.sp, per_image = (sp + kLaneTile - 1) / kLaneTile;
+  at::parallel_for(0, lane_blocks(l), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> xb(static_cast<size_t>(k * kLaneTile)), gb(grad == nullptr ? 0 : xb.size());
     for (int64_t b = begin; b < end; ++b) {
       const int64_t img = b / per_image, s0 = (b % per_image) * kLaneTile, w = std::min(sp - s0, kLaneTile);
       const int64_t padded = (w + W - 1) / W * W;
       const int64_t offset = img * k * sp + s0;
+      if (rows) {
+        const float* src = x + s0 * k;
+        for (int64_t t = 0; t < w; ++t)
+          for (int64_t j = 0; j < k; ++j) xb[j * kLaneTile + t] = src[t * k + j];
+      }
       for (int64_t j = 0; j < k; ++j) {
-        std::memcpy(xb.data() + j * kLaneTile, x + offset + j * sp, static_cast<size_t>(w) * sizeof(float));
+        if (!rows)
+          std::memcpy(xb.data() + j * kLaneTile, x + offset + j * sp, static_cast<size_t>(w) * sizeof(float));
         std::fill(xb.data() + j * kLaneTile + w, xb.data() + j * kLaneTile + padded, 0.0f);
       }
       for (int64_t q = 0; q < w; q += W) {
         fn(b, img * sp + s0 + q, static_cast<int>(std::min<int64_t>(W, w - q)), xb.data() + q, kLaneTile,
            grad == nullptr ? nullptr : gb.data() + q);
       }
-      if (grad != nullptr) {
+      if (grad != nullptr && rows) {
+        float* dst = grad + s0 * k;
+        for (int64_t t = 0; t < w; ++t)
+          for (int64_t j = 0; j < k; ++j) dst[t * k + j] = gb[j * kLaneTile + t];
+      } else if (grad != nullptr) {
         for (int64_t j = 0; j < k; ++j)
           std::memcpy(grad + offset + j * sp, gb.data() + j * kLaneTile, static_cast<size_t>(w) * sizeof(float));
       }
