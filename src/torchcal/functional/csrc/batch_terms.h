@@ -75,9 +75,10 @@ inline void smoothing_constants(int64_t k, T& a, T& b) {
 // of K entries. col: the block's column sums (K, float64) when asked. o: the saved statistics; out: base, r,
 // a, H. The base loss and r in float64 from the float64 log-sum-exp; the entropy in the input dtype per
 // entry (summed in float64).
+// df: the row's f' (K entries, kept for the backward: the whole-loss node) or null.
 template <typename T>
 inline void batch_forward_row(const T* x, int64_t k, int64_t y, int64_t y0, const BatchSpec& s, T* e, double* col,
-                              double* o, double* out) {
+                              double* o, double* out, T* df_row = nullptr) {
   const T m = max_of(x, k);
   const int64_t arg = first_index_of(x, k, m);
   const bool need_e = s.entropy != BE_NONE || (col != nullptr && y >= 0);
@@ -119,6 +120,7 @@ inline void batch_forward_row(const T* x, int64_t k, int64_t y, int64_t y0, cons
       V df;
       entropy_lanes<T>(p, s.entropy, sa, sb, f, df);
       pdf = p * df;
+      if (df_row != nullptr) lanes_store(df_row + j, df);
     }, hs, ds);
     h = -hs;
     dent = ds;
@@ -138,9 +140,10 @@ inline void batch_forward_row(const T* x, int64_t k, int64_t y, int64_t y0, cons
 // an ignored row); c, ct: the column sums' gradient (float64 and in the input dtype), null when there is
 // none or the row is ignored. The (K) pass runs in the input dtype (vectorised for float32); the label and
 // arg-max entries are recomputed in float64 (p_y − 1 cancels there).
+// df_row: the forward's f' of the row (then no log is taken here) or null.
 template <typename T>
 inline void batch_backward_row(const T* x, int64_t k, int64_t y, const BatchSpec& s, const double* o, double gb,
-                               double gr, double gh, const double* c, const T* ct, T* g) {
+                               double gr, double gh, const double* c, const T* ct, T* g, const T* df_row = nullptr) {
   const T m = static_cast<T>(o[BS_MAX]);
   const double inv = o[BS_INV];
   const int64_t arg = static_cast<int64_t>(o[BS_ARG]);
@@ -174,7 +177,9 @@ inline void batch_backward_row(const T* x, int64_t k, int64_t y, const BatchSpec
     using V = typename Lanes<T, decltype(tag)::value>::type;
     const V p = lanes_load<V>(g + j) * pinv;
     V a = broadcast<V>(coef_t);
-    if (ent) {
+    if (ent && df_row != nullptr) {
+      a = a - gh_t * lanes_load<V>(df_row + j);
+    } else if (ent) {
       V f, df;
       entropy_lanes<T>(p, s.entropy, sa, sb, f, df);
       a = a - gh_t * df;
@@ -185,7 +190,9 @@ inline void batch_backward_row(const T* x, int64_t k, int64_t y, const BatchSpec
   const auto entry = [&](int64_t j) {
     const double p = std::exp(static_cast<double>(x[j]) - static_cast<double>(m)) * inv;
     double a = coef;
-    if (ent) {
+    if (ent && df_row != nullptr) {
+      a -= gh * static_cast<double>(df_row[j]);
+    } else if (ent) {
       T f, df;
       entropy_lanes<T>(static_cast<T>(p), s.entropy, sa, sb, f, df);
       a -= gh * static_cast<double>(df);
@@ -222,9 +229,11 @@ struct PosLanes {
 // W positions: y[t] the label (−1 ignored), e scratch of K·W floats, col the block's column sums (K, float64)
 // or null, o the saved statistics of lane 0 (lanes N_BSTAT apart), out[t·N_BOUT + c] the outputs. Lanes t >= w
 // are padding (their results are not written).
+// dfo: where f' is kept (class j of lane t at dfo[j·stride + t]) or null.
 template <int Bytes>
 inline void batch_forward_lanes(const float* x, int64_t stride, int64_t k, const int64_t* y, int w,
-                                const BatchSpec& s, float* e, double* col, double* o, double* out) {
+                                const BatchSpec& s, float* e, double* col, double* o, double* out,
+                                float* dfo = nullptr) {
   using V = typename PosLanes<Bytes>::V;
   constexpr int W = PosLanes<Bytes>::W;
   V m = load<V>(x), arg = {}, sx = m;
@@ -253,6 +262,7 @@ inline void batch_forward_lanes(const float* x, int64_t stride, int64_t k, const
       entropy_lanes<float>(p, s.entropy, sa, sb, f, df);
       hs += f;
       ds += p * df;
+      if (dfo != nullptr) std::memcpy(dfo + j * stride, &df, sizeof(df));
     }
   }
   if (col != nullptr) {
@@ -297,11 +307,11 @@ inline void batch_forward_lanes(const float* x, int64_t stride, int64_t k, const
 
 // The gradient of W positions into g (class j of lane t at g[j·stride + t]); gb, gr, gh the lanes' incoming
 // gradients (gb = 0 on ignored lanes) and ct the column sums' gradient in float32 (null: none; it applies
-// to the kept lanes); e scratch of K·W floats.
+// to the kept lanes); e scratch of K·W floats; dfi the forward's f' in g's layout (then no log is taken) or null.
 template <int Bytes>
 inline void batch_backward_lanes(const float* x, int64_t stride, int64_t k, const int64_t* y, int w,
                                  const BatchSpec& s, const double* o, const double* gb, const double* gr,
-                                 const double* gh, const float* ct, float* e, float* g) {
+                                 const double* gh, const float* ct, float* e, float* g, const float* dfi = nullptr) {
   using V = typename PosLanes<Bytes>::V;
   constexpr int W = PosLanes<Bytes>::W;
   // the lanes' numbers gathered in arrays, then loaded as vectors (lane-by-lane vector inserts are slow)
@@ -356,7 +366,9 @@ inline void batch_backward_lanes(const float* x, int64_t stride, int64_t k, cons
   for (int64_t j = 0; j < k; ++j) {
     const V p = load<V>(e + j * W) * inv;
     V a = coef;
-    if (ent) {
+    if (ent && dfi != nullptr) {
+      a -= ghv * load<V>(dfi + j * stride);
+    } else if (ent) {
       V f, df;
       entropy_lanes<float>(p, s.entropy, sa, sb, f, df);
       a -= ghv * df;
@@ -472,104 +484,133 @@ double dca_term(int64_t m, const T* r, const T* a, const uint8_t* in, double* dr
   return std::abs(d);
 }
 
+// fn(c, begin, end) over fixed blocks of kTermRows rows, in parallel (parallel(count, f) calls f(c) for every
+// c in [0, count), possibly at once); per-block sums added in block order do not depend on the thread count
+constexpr int64_t kTermRows = 4096;
+
+template <typename Parallel, typename Fn>
+int64_t over_term_blocks(int64_t m, const Parallel& parallel, const Fn& fn) {
+  const int64_t blocks = (m + kTermRows - 1) / kTermRows;
+  parallel(blocks, [&](int64_t c) { fn(c, c * kTermRows, std::min(m, (c + 1) * kTermRows)); });
+  return blocks;
+}
+
 // AvUC (the released AvULoss): the four counts n_AC, n_AU, n_IC, n_IU (accurate rows weighted by r,
 // inaccurate by 1 − r, certain (H <= threshold) by 1 − tanh H, uncertain by tanh H), the term
 // −log(AvU + 1e-10) with AvU = (n_AC + n_IU) / (Σ counts + 1e-10); stats: Σ H and the count of the accurate
-// rows, then of the inaccurate ones (the threshold update's sums)
-template <typename T>
+// rows, then of the inaccurate ones (the threshold update's sums). tanh H is taken once per row (kept in dh
+// between the passes).
+template <typename T, typename Parallel>
 double avuc_term(int64_t m, const T* r, const T* a, const T* h, const uint8_t* in, T threshold, double* dr, double* dh,
-                 double* stats) {
-  double s[4] = {0.0, 0.0, 0.0, 0.0};
-  for (int c = 0; c < 4; ++c) stats[c] = 0.0;
-  for (int64_t i = 0; i < m; ++i) {
-    if (!in[i]) continue;
-    const double hi = static_cast<double>(h[i]), t = std::tanh(hi), ri = static_cast<double>(r[i]);
-    const bool certain = h[i] <= threshold;
-    const double p1 = certain ? 1.0 - t : 0.0, p2 = certain ? 0.0 : t;
-    if (a[i] != T(0)) {
-      s[0] += ri * p1;
-      s[1] += ri * p2;
-      stats[0] += hi;
-      stats[1] += 1.0;
-    } else {
-      s[2] += (1.0 - ri) * p1;
-      s[3] += (1.0 - ri) * p2;
-      stats[2] += hi;
-      stats[3] += 1.0;
+                 double* stats, const Parallel& parallel) {
+  std::vector<double> part(static_cast<size_t>((m + kTermRows - 1) / kTermRows) * 8, 0.0);
+  const int64_t blocks = over_term_blocks(m, parallel, [&](int64_t c, int64_t begin, int64_t end) {
+    double* s = part.data() + c * 8;  // the four counts, then the statistics
+    for (int64_t i = begin; i < end; ++i) {
+      if (!in[i]) continue;
+      const double hi = static_cast<double>(h[i]), t = std::tanh(hi), ri = static_cast<double>(r[i]);
+      dh[i] = t;
+      const bool certain = h[i] <= threshold;
+      const double p1 = certain ? 1.0 - t : 0.0, p2 = certain ? 0.0 : t;
+      if (a[i] != T(0)) {
+        s[0] += ri * p1;
+        s[1] += ri * p2;
+        s[4] += hi;
+        s[5] += 1.0;
+      } else {
+        s[2] += (1.0 - ri) * p1;
+        s[3] += (1.0 - ri) * p2;
+        s[6] += hi;
+        s[7] += 1.0;
+      }
     }
-  }
+  });
+  double s[8] = {};
+  for (int64_t c = 0; c < blocks; ++c)
+    for (int v = 0; v < 8; ++v) s[v] += part[c * 8 + v];
+  for (int v = 0; v < 4; ++v) stats[v] = s[4 + v];
   const double good = s[0] + s[3], total = s[0] + s[1] + s[2] + s[3] + 1e-10, avu = good / total;
   const double d_avu = -1.0 / (avu + 1e-10);
   const double g_good = d_avu * (1.0 / total - good / (total * total)), g_bad = d_avu * (-good / (total * total));
-  for (int64_t i = 0; i < m; ++i) {
-    if (!in[i]) {
-      dr[i] = dh[i] = 0.0;
-      continue;
+  over_term_blocks(m, parallel, [&](int64_t, int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      if (!in[i]) {
+        dr[i] = dh[i] = 0.0;
+        continue;
+      }
+      const double t = dh[i], ri = static_cast<double>(r[i]);
+      const bool certain = h[i] <= threshold;
+      const double p1 = certain ? 1.0 - t : 0.0, p2 = certain ? 0.0 : t;
+      const double dp1 = certain ? -1.0 : 0.0, dp2 = certain ? 0.0 : 1.0;  // d/d tanh H
+      double dt;
+      if (a[i] != T(0)) {  // n_AC (g_good) and n_AU (g_bad), weighted by r
+        dr[i] = g_good * p1 + g_bad * p2;
+        dt = ri * (g_good * dp1 + g_bad * dp2);
+      } else {  // n_IC (g_bad) and n_IU (g_good), weighted by 1 − r
+        dr[i] = -(g_bad * p1 + g_good * p2);
+        dt = (1.0 - ri) * (g_bad * dp1 + g_good * dp2);
+      }
+      dh[i] = dt * (1.0 - t * t);
     }
-    const double t = std::tanh(static_cast<double>(h[i])), ri = static_cast<double>(r[i]);
-    const bool certain = h[i] <= threshold;
-    const double p1 = certain ? 1.0 - t : 0.0, p2 = certain ? 0.0 : t;
-    const double dp1 = certain ? -1.0 : 0.0, dp2 = certain ? 0.0 : 1.0;  // d/d tanh H
-    double dt;
-    if (a[i] != T(0)) {  // n_AC (g_good) and n_AU (g_bad), weighted by r
-      dr[i] = g_good * p1 + g_bad * p2;
-      dt = ri * (g_good * dp1 + g_bad * dp2);
-    } else {  // n_IC (g_bad) and n_IU (g_good), weighted by 1 − r
-      dr[i] = -(g_bad * p1 + g_good * p2);
-      dt = (1.0 - ri) * (g_bad * dp1 + g_good * dp2);
-    }
-    dh[i] = dt * (1.0 - t * t);
-  }
+  });
   return -std::log(avu + 1e-10);
 }
 
 // S-AvUC (uncertainty-baselines' get_soft_avuc_loss): e = clamp(H / log K, ε, 1 − ε) (ε the machine epsilon
 // of T), q = σ((logit e − logit κ) / temperature), the counts with accurate / inaccurate rows against
-// certain (1 − q)(1 − tanh H) / uncertain q tanh H, and log(1 + (n_AU + n_IC) / max(n_AC + n_IU, 1e-5))
-template <typename T>
+// certain (1 − q)(1 − tanh H) / uncertain q tanh H, and log(1 + (n_AU + n_IC) / max(n_AC + n_IU, 1e-5)).
+// tanh H and q are taken once per row (kept in dh and q between the passes).
+template <typename T, typename Parallel>
 double savuc_term(int64_t m, const T* a, const T* h, const uint8_t* in, int64_t k, double temperature, double kappa,
-                  double* dh) {
+                  double* dh, const Parallel& parallel) {
   const double eps = static_cast<double>(std::numeric_limits<T>::epsilon());
   const double log_k = std::log(static_cast<double>(k)), logit_kappa = std::log(kappa / (1.0 - kappa));
-  const auto soft = [&](double hi, double& e, bool& inside, double& q) {
-    const double e0 = hi / log_k;
-    inside = e0 >= eps && e0 <= 1.0 - eps;
-    e = std::min(std::max(e0, eps), 1.0 - eps);
-    q = 1.0 / (1.0 + std::exp(-(std::log(e / (1.0 - e)) - logit_kappa) / temperature));
-  };
-  double good = 0.0, bad = 0.0;  // n_AC + n_IU, n_AU + n_IC
-  for (int64_t i = 0; i < m; ++i) {
-    if (!in[i]) continue;
-    const double hi = static_cast<double>(h[i]), t = std::tanh(hi);
-    double e, q;
-    bool inside;
-    soft(hi, e, inside, q);
-    const double certain = (1.0 - q) * (1.0 - t), uncertain = q * t;
-    if (a[i] != T(0)) {
-      good += certain;
-      bad += uncertain;
-    } else {
-      bad += certain;
-      good += uncertain;
+  std::vector<double> qs(static_cast<size_t>(m));
+  std::vector<double> part(static_cast<size_t>((m + kTermRows - 1) / kTermRows) * 2, 0.0);
+  const int64_t blocks = over_term_blocks(m, parallel, [&](int64_t c, int64_t begin, int64_t end) {
+    double good = 0.0, bad = 0.0;  // n_AC + n_IU, n_AU + n_IC
+    for (int64_t i = begin; i < end; ++i) {
+      if (!in[i]) continue;
+      const double hi = static_cast<double>(h[i]), t = std::tanh(hi);
+      const double e = std::min(std::max(hi / log_k, eps), 1.0 - eps);
+      const double q = 1.0 / (1.0 + std::exp(-(std::log(e / (1.0 - e)) - logit_kappa) / temperature));
+      dh[i] = t;
+      qs[i] = q;
+      const double certain = (1.0 - q) * (1.0 - t), uncertain = q * t;
+      if (a[i] != T(0)) {
+        good += certain;
+        bad += uncertain;
+      } else {
+        bad += certain;
+        good += uncertain;
+      }
     }
+    part[c * 2] = good;
+    part[c * 2 + 1] = bad;
+  });
+  double good = 0.0, bad = 0.0;
+  for (int64_t c = 0; c < blocks; ++c) {
+    good += part[c * 2];
+    bad += part[c * 2 + 1];
   }
   const double denom = std::max(good, 1e-5), g_bad = 1.0 / (denom + bad);
   const double g_good = good >= 1e-5 ? -bad / (denom * (denom + bad)) : 0.0;
-  for (int64_t i = 0; i < m; ++i) {
-    if (!in[i]) {
-      dh[i] = 0.0;
-      continue;
+  over_term_blocks(m, parallel, [&](int64_t, int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      if (!in[i]) {
+        dh[i] = 0.0;
+        continue;
+      }
+      const double t = dh[i], q = qs[i], e0 = static_cast<double>(h[i]) / log_k;
+      const bool inside = e0 >= eps && e0 <= 1.0 - eps;
+      const double e = std::min(std::max(e0, eps), 1.0 - eps);
+      // certain (1 − q)(1 − t) counts to g_c, uncertain q t to g_u
+      const double g_c = a[i] != T(0) ? g_good : g_bad, g_u = a[i] != T(0) ? g_bad : g_good;
+      const double dq = -g_c * (1.0 - t) + g_u * t, dt = -g_c * (1.0 - q) + g_u * q;
+      const double de = inside ? 1.0 / log_k : 0.0;
+      dh[i] = dt * (1.0 - t * t) + dq * q * (1.0 - q) / temperature / (e * (1.0 - e)) * de;
     }
-    const double hi = static_cast<double>(h[i]), t = std::tanh(hi);
-    double e, q;
-    bool inside;
-    soft(hi, e, inside, q);
-    // certain (1 − q)(1 − t) counts to g_c, uncertain q t to g_u
-    const double g_c = a[i] != T(0) ? g_good : g_bad, g_u = a[i] != T(0) ? g_bad : g_good;
-    const double dq = -g_c * (1.0 - t) + g_u * t, dt = -g_c * (1.0 - q) + g_u * q;
-    const double de = inside ? 1.0 / log_k : 0.0;
-    dh[i] = dt * (1.0 - t * t) + dq * q * (1.0 - q) / temperature / (e * (1.0 - e)) * de;
-  }
+  });
   return std::log1p(bad / denom);
 }
 

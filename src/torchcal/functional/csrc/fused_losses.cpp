@@ -1161,7 +1161,8 @@ bool positions_as_lanes(const at::Tensor& x, const Layout& l) {
 // (stride kLaneTile; the last vector padded with 0): contiguous copies that the prefetchers follow, where the
 // kernels' K strided streams (and as many for the gradient) stall on memory; (N, K) rows (S = 1) are one
 // image of N positions, each block's rows transposed into the buffer. With ``grad``, fn writes the gradient
-// into a second buffer (the same layout), copied (transposed) out to ``grad`` after the block.
+// into a second buffer (the same layout), copied (transposed) out to ``grad`` after the block; ``x2`` (a
+// second input of the logits' layout, or null) is copied in as x is, and fn's last argument.
 constexpr int64_t kLaneTile = 256;
 
 int64_t lane_blocks(const Layout& l) {
@@ -1169,29 +1170,33 @@ int64_t lane_blocks(const Layout& l) {
 }
 
 template <typename Fn>
-void over_lanes(const float* x, float* grad, const Layout& l, const Fn& fn) {
+void over_lanes(const float* x, float* grad, const Layout& l, const Fn& fn, const float* x2 = nullptr) {
   constexpr int W = PosLanes<kWideBytes>::W;
   const bool rows = l.sp == 1;
   const int64_t k = l.k, sp = rows ? l.n : l.sp, per_image = (sp + kLaneTile - 1) / kLaneTile;
   at::parallel_for(0, lane_blocks(l), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> xb(static_cast<size_t>(k * kLaneTile)), gb(grad == nullptr ? 0 : xb.size());
+    std::vector<float> xb2(x2 == nullptr ? 0 : xb.size());
     for (int64_t b = begin; b < end; ++b) {
       const int64_t img = b / per_image, s0 = (b % per_image) * kLaneTile, w = std::min(sp - s0, kLaneTile);
       const int64_t padded = (w + W - 1) / W * W;
       const int64_t offset = img * k * sp + s0;
-      if (rows) {
-        const float* src = x + s0 * k;
-        for (int64_t t = 0; t < w; ++t)
-          for (int64_t j = 0; j < k; ++j) xb[j * kLaneTile + t] = src[t * k + j];
-      }
-      for (int64_t j = 0; j < k; ++j) {
-        if (!rows)
-          std::memcpy(xb.data() + j * kLaneTile, x + offset + j * sp, static_cast<size_t>(w) * sizeof(float));
-        std::fill(xb.data() + j * kLaneTile + w, xb.data() + j * kLaneTile + padded, 0.0f);
+      for (const auto& [in, buf] : {std::make_pair(x, &xb), std::make_pair(x2, &xb2)}) {
+        if (in == nullptr) continue;
+        if (rows) {
+          const float* src = in + s0 * k;
+          for (int64_t t = 0; t < w; ++t)
+            for (int64_t j = 0; j < k; ++j) (*buf)[j * kLaneTile + t] = src[t * k + j];
+        }
+        for (int64_t j = 0; j < k; ++j) {
+          if (!rows)
+            std::memcpy(buf->data() + j * kLaneTile, in + offset + j * sp, static_cast<size_t>(w) * sizeof(float));
+          std::fill(buf->data() + j * kLaneTile + w, buf->data() + j * kLaneTile + padded, 0.0f);
+        }
       }
       for (int64_t q = 0; q < w; q += W) {
         fn(b, img * sp + s0 + q, static_cast<int>(std::min<int64_t>(W, w - q)), xb.data() + q, kLaneTile,
-           grad == nullptr ? nullptr : gb.data() + q);
+           grad == nullptr ? nullptr : gb.data() + q, x2 == nullptr ? nullptr : xb2.data() + q);
       }
       if (grad != nullptr && rows) {
         float* dst = grad + s0 * k;
@@ -1205,9 +1210,15 @@ void over_lanes(const float* x, float* grad, const Layout& l, const Fn& fn) {
   });
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_terms_fwd(
+// Whether the entropy's f' can be kept between forward and backward (the whole-loss node): the layouts whose
+// rows or lanes are read in place or through over_lanes (not the spatial tiles of over_blocks)
+bool keeps_df(const at::Tensor& x, const Layout& l) { return positions_as_lanes(x, l) || l.sp == 1; }
+
+// batch_terms_fwd, and with df_out (where keeps_df and an entropy is asked for) f' of every entry in the
+// logits' layout, which batch_terms_backward then reads instead of taking its logs again
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_terms_forward(
     const at::Tensor& logits, const at::Tensor& targets, c10::optional<int64_t> ignore_index, int64_t base,
-    double gamma, double alpha, int64_t entropy, bool colsum) {
+    double gamma, double alpha, int64_t entropy, bool colsum, at::Tensor* df_out) {
   const Layout l = margin_layout(logits, targets);
   const BatchSpec s = batch_spec(base, gamma, alpha, entropy);
   const at::Tensor x = logits.contiguous();
@@ -1223,6 +1234,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   double* op = saved.data_ptr<double>();
   std::atomic<int64_t> n_bad{0};
   at::Tensor out_col;
+  at::Tensor df;
+  if (df_out != nullptr && entropy != BE_NONE && keeps_df(x, l)) {
+    df = at::empty(x.sizes(), x.options());
+    *df_out = df;
+  }
   if (positions_as_lanes(x, l)) {
     constexpr int W = PosLanes<kWideBytes>::W;
     const int64_t n_blocks = lane_blocks(l);
@@ -1232,8 +1248,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     float* pa = out_a.data_ptr<float>();
     float* ph = entropy != BE_NONE ? out_h.data_ptr<float>() : nullptr;
     over_lanes(
-        x.data_ptr<float>(), nullptr, l,
-        [&](int64_t b, int64_t r0, int w, const float* xs, int64_t stride, float*) {
+        x.data_ptr<float>(), df.defined() ? df.data_ptr<float>() : nullptr, l,
+        [&](int64_t b, int64_t r0, int w, const float* xs, int64_t stride, float* dfo, const float*) {
           thread_local std::vector<float> e;
           if (static_cast<int64_t>(e.size()) < k * W) e.resize(static_cast<size_t>(k * W));
           int64_t y[W], bad = 0;
@@ -1241,7 +1257,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
           if (bad) n_bad += bad;
           double out[W * N_BOUT];
           batch_forward_lanes<kWideBytes>(xs, stride, k, y, w, s, e.data(), colsum ? partial.data() + b * k : nullptr,
-                                          op + r0 * N_BSTAT, out);
+                                          op + r0 * N_BSTAT, out, dfo);
           for (int t = 0; t < w; ++t) {
             pb[r0 + t] = static_cast<float>(out[t * N_BOUT + BO_BASE]);
             pr[r0 + t] = static_cast<float>(out[t * N_BOUT + BO_R]);
@@ -1274,7 +1290,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
         const int64_t row = r0 + i;
         const int64_t y = margin_label(tp[row], k, has_ignore, ignore, bad);
         double out[N_BOUT];
-        batch_forward_row<scalar_t>(xr + i * k, k, y, y < 0 ? 0 : y, s, e.data(), col, op + row * N_BSTAT, out);
+        batch_forward_row<scalar_t>(xr + i * k, k, y, y < 0 ? 0 : y, s, e.data(), col, op + row * N_BSTAT, out,
+                                    df.defined() ? df.data_ptr<scalar_t>() + row * k : nullptr);
         pb[row] = static_cast<scalar_t>(out[BO_BASE]);
         pr[row] = static_cast<scalar_t>(out[BO_R]);
         pa[row] = static_cast<scalar_t>(out[BO_CORRECT]);
@@ -1304,6 +1321,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   return {out_base, out_r, out_a, out_h, out_col, saved};
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_terms_fwd(
+    const at::Tensor& logits, const at::Tensor& targets, c10::optional<int64_t> ignore_index, int64_t base,
+    double gamma, double alpha, int64_t entropy, bool colsum) {
+  return batch_terms_forward(logits, targets, ignore_index, base, gamma, alpha, entropy, colsum, nullptr);
+}
+
 // an incoming (M) gradient as a contiguous float64 pointer, or null (no gradient)
 const double* row_gradient(const c10::optional<at::Tensor>& g, int64_t rows, at::Tensor& keep, const char* name) {
   if (!g.has_value() || !g->defined()) return nullptr;
@@ -1312,11 +1335,12 @@ const double* row_gradient(const c10::optional<at::Tensor>& g, int64_t rows, at:
   return keep.data_ptr<double>();
 }
 
-at::Tensor batch_terms_bwd(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& saved,
-                           const c10::optional<at::Tensor>& g_base, const c10::optional<at::Tensor>& g_r,
-                           const c10::optional<at::Tensor>& g_entropy, const c10::optional<at::Tensor>& g_colsum,
-                           c10::optional<int64_t> ignore_index, int64_t base, double gamma, double alpha,
-                           int64_t entropy) {
+// batch_terms_bwd, reading f' from df (batch_terms_forward's, or undefined: the logs are taken again)
+at::Tensor batch_terms_backward(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& saved,
+                                const c10::optional<at::Tensor>& g_base, const c10::optional<at::Tensor>& g_r,
+                                const c10::optional<at::Tensor>& g_entropy, const c10::optional<at::Tensor>& g_colsum,
+                                c10::optional<int64_t> ignore_index, int64_t base, double gamma, double alpha,
+                                int64_t entropy, const at::Tensor& df) {
   const Layout l = margin_layout(logits, targets);
   const BatchSpec s = batch_spec(base, gamma, alpha, entropy);
   const at::Tensor x = logits.contiguous();
@@ -1346,7 +1370,7 @@ at::Tensor batch_terms_bwd(const at::Tensor& logits, const at::Tensor& targets, 
     for (size_t j = 0; j < ct.size(); ++j) ct[j] = static_cast<float>(gc[j]);
     over_lanes(
         x.data_ptr<float>(), grad.data_ptr<float>(), l,
-        [&](int64_t, int64_t r0, int w, const float* xs, int64_t stride, float* g) {
+        [&](int64_t, int64_t r0, int w, const float* xs, int64_t stride, float* g, const float* dfi) {
           int64_t y[W];
           double b[W] = {}, rr[W] = {}, hh[W] = {};
           for (int t = 0; t < w; ++t) {
@@ -1361,8 +1385,9 @@ at::Tensor batch_terms_bwd(const at::Tensor& logits, const at::Tensor& targets, 
           thread_local std::vector<float> e;
           if (static_cast<int64_t>(e.size()) < k * W) e.resize(static_cast<size_t>(k * W));
           batch_backward_lanes<kWideBytes>(xs, stride, k, y, w, s, op + r0 * N_BSTAT, b, rr, hh,
-                                           gc != nullptr ? ct.data() : nullptr, e.data(), g);
-        });
+                                           gc != nullptr ? ct.data() : nullptr, e.data(), g, dfi);
+        },
+        df.defined() ? df.data_ptr<float>() : nullptr);
     return grad;
   }
   // ignored rows take the column sums' gradient times 0: nothing, unless it is not finite (every row
@@ -1396,11 +1421,21 @@ at::Tensor batch_terms_bwd(const at::Tensor& logits, const at::Tensor& targets, 
                               const double* c = col ? (keep ? gc : c0.data()) : nullptr;
                               const scalar_t* cs = col ? (keep ? ct.data() : ct0.data()) : nullptr;
                               batch_backward_row<scalar_t>(xr + i * k, k, keep ? tp[row] : -1, s, op + row * N_BSTAT, b,
-                                                           rr, hh, c, cs, g);
+                                                           rr, hh, c, cs, g,
+                                                           df.defined() ? df.data_ptr<scalar_t>() + row * k : nullptr);
                             }
                           });
   });
   return grad;
+}
+
+at::Tensor batch_terms_bwd(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& saved,
+                           const c10::optional<at::Tensor>& g_base, const c10::optional<at::Tensor>& g_r,
+                           const c10::optional<at::Tensor>& g_entropy, const c10::optional<at::Tensor>& g_colsum,
+                           c10::optional<int64_t> ignore_index, int64_t base, double gamma, double alpha,
+                           int64_t entropy) {
+  return batch_terms_backward(logits, targets, saved, g_base, g_r, g_entropy, g_colsum, ignore_index, base, gamma,
+                              alpha, entropy, at::Tensor());
 }
 
 // -- SB-ECE's label-binned term on the (M) confidences (batch_terms.h) --------------------------------------
@@ -1587,23 +1622,24 @@ at::Tensor sbece_label_bwd(const at::Tensor& grad, const at::Tensor& conf_in, co
 // when the base or the term has no row, whose limits (0/0) the caller leaves to the torch path.
 
 struct BatchLossForward {
-  at::Tensor loss, stats, saved, gb, gr, gh, gc;
+  at::Tensor loss, stats, saved, gb, gr, gh, gc, df;
 };
 
 int64_t term_entropy(int64_t term) { return term == BT_AVUC ? BE_AVUC : (term == BT_SAVUC ? BE_SMOOTH : BE_NONE); }
 
 BatchLossForward batch_loss_forward(const at::Tensor& logits, const at::Tensor& targets,
                                     c10::optional<int64_t> ignore_index, int64_t base, double gamma, double alpha,
-                                    int64_t term, at::ArrayRef<double> params, int64_t reduction, int64_t split) {
+                                    int64_t term, at::ArrayRef<double> params, int64_t reduction, int64_t split,
+                                    bool keep_df = false) {
   TORCH_CHECK_VALUE(term >= BT_MDCA && term <= BT_ESD, "`term` must be 0 (MDCA), 1 (DCA), 2 (SB-ECE), 3 (AvUC), ",
                     "4 (S-AvUC) or 5 (ESD)");
   const size_t need[] = {1, 1, 3, 2, 3, 1};
   TORCH_CHECK_VALUE(params.size() == need[term], "`params` must hold ", need[term], " numbers for term ", term);
   TORCH_CHECK_VALUE(reduction >= 0 && reduction <= 2, "`reduction` must be 0 (none), 1 (mean) or 2 (sum)");
   const int64_t entropy = term_entropy(term);
-  at::Tensor b, r, a, h, col, saved;
-  std::tie(b, r, a, h, col, saved) =
-      batch_terms_fwd(logits, targets, ignore_index, base, gamma, alpha, entropy, term == BT_MDCA);
+  at::Tensor b, r, a, h, col, saved, df;
+  std::tie(b, r, a, h, col, saved) = batch_terms_forward(logits, targets, ignore_index, base, gamma, alpha, entropy,
+                                                         term == BT_MDCA, keep_df ? &df : nullptr);
   const int64_t m = b.numel(), k = logits.size(1);
   TORCH_CHECK_VALUE(split >= 1 && split <= m, "`split` must lie in [1, ", m, "]");
   const at::Tensor t = targets.to(at::kLong).contiguous();
@@ -1622,6 +1658,7 @@ BatchLossForward batch_loss_forward(const at::Tensor& logits, const at::Tensor& 
   const auto dbl = logits.options().dtype(at::kDouble);
   BatchLossForward f;
   f.saved = saved;
+  f.df = df;
   f.stats = at::zeros({5}, dbl);
   double* st = f.stats.data_ptr<double>();
   const bool rows_r = term == BT_DCA || term == BT_SBECE || term == BT_AVUC || term == BT_ESD;
@@ -1644,6 +1681,11 @@ BatchLossForward batch_loss_forward(const at::Tensor& logits, const at::Tensor& 
     pen = value.item<double>();
     f.gr.copy_(sbece_label_bwd(at::ones({}, dbl), r, a, kept, sv, bins, params[2]));
   } else {
+    const auto parallel = [](int64_t count, const auto& fn) {
+      at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t c = begin; c < end; ++c) fn(c);
+      });
+    };
     AT_DISPATCH_FLOATING_TYPES(r.scalar_type(), "fused_batch_loss", [&] {
       const scalar_t* rp = r.data_ptr<scalar_t>();
       const scalar_t* ap = a.data_ptr<scalar_t>();
@@ -1659,9 +1701,10 @@ BatchLossForward batch_loss_forward(const at::Tensor& logits, const at::Tensor& 
         pen = dca_term<scalar_t>(m, rp, ap, in, f.gr.data_ptr<double>());
       } else if (term == BT_AVUC) {
         pen = avuc_term<scalar_t>(m, rp, ap, h.data_ptr<scalar_t>(), in, static_cast<scalar_t>(params[1]),
-                                  f.gr.data_ptr<double>(), f.gh.data_ptr<double>(), st);
+                                  f.gr.data_ptr<double>(), f.gh.data_ptr<double>(), st, parallel);
       } else if (term == BT_SAVUC) {
-        pen = savuc_term<scalar_t>(m, ap, h.data_ptr<scalar_t>(), in, k, params[1], params[2], f.gh.data_ptr<double>());
+        pen = savuc_term<scalar_t>(m, ap, h.data_ptr<scalar_t>(), in, k, params[1], params[2], f.gh.data_ptr<double>(),
+                                   parallel);
       } else {  // ESD: λ·sqrt(max(ESD, 0)), the sqrt's derivative 0 where ESD <= 0
         const double esd = esd_term<scalar_t>(m, rp, ap, in, f.gr.data_ptr<double>());
         pen = esd > 0 ? std::sqrt(esd) : 0.0;
@@ -1706,19 +1749,22 @@ at::Tensor batch_loss_backward(const at::Tensor& grad, const variable_list& save
     b = gb * s;
   }
   const auto scaled = [s](const at::Tensor& g) { return g.defined() ? c10::optional<at::Tensor>(g * s) : c10::nullopt; };
-  return batch_terms_bwd(saved[0], saved[1], saved[2], b, scaled(gr), scaled(gh), scaled(gc), ignore_index, base,
-                         gamma, alpha, term_entropy(term));
+  return batch_terms_backward(saved[0], saved[1], saved[2], b, scaled(gr), scaled(gh), scaled(gc), ignore_index,
+                              base, gamma, alpha, term_entropy(term), saved[7]);
 }
 
 class FusedBatchLoss : public torch::autograd::Function<FusedBatchLoss> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& logits, const at::Tensor& targets,
                                c10::optional<int64_t> ignore_index, int64_t base, double gamma, double alpha,
-                               int64_t term, at::ArrayRef<double> params, int64_t reduction, int64_t split) {
+                               int64_t term, at::ArrayRef<double> params, int64_t reduction, int64_t split,
+                               bool keep_df) {
     at::AutoDispatchBelowADInplaceOrView guard;
+    // (keep_df: a backward will run, for which f' of the entropy is kept, one tensor of the logits' size, so
+    // that its logs are not taken twice)
     BatchLossForward f =
-        batch_loss_forward(logits, targets, ignore_index, base, gamma, alpha, term, params, reduction, split);
-    ctx->save_for_backward({logits, targets, f.saved, f.gb, f.gr, f.gh, f.gc});
+        batch_loss_forward(logits, targets, ignore_index, base, gamma, alpha, term, params, reduction, split, keep_df);
+    ctx->save_for_backward({logits, targets, f.saved, f.gb, f.gr, f.gh, f.gc, f.df});
     ctx->mark_non_differentiable({f.stats});
     ctx->saved_data["has_ignore"] = ignore_index.has_value();
     ctx->saved_data["ignore"] = ignore_index.value_or(0);
@@ -1736,7 +1782,7 @@ class FusedBatchLoss : public torch::autograd::Function<FusedBatchLoss> {
     at::Tensor grad = batch_loss_backward(grads[0], ctx->get_saved_variables(), ignore, ctx->saved_data["base"].toInt(),
                                           ctx->saved_data["gamma"].toDouble(), ctx->saved_data["alpha"].toDouble(),
                                           ctx->saved_data["term"].toInt(), ctx->saved_data["reduction"].toInt());
-    variable_list out(10);
+    variable_list out(11);
     out[0] = grad;
     return out;
   }
@@ -1756,7 +1802,9 @@ std::tuple<at::Tensor, at::Tensor> fused_batch_loss_autograd(const at::Tensor& l
                                                              double gamma, double alpha, int64_t term,
                                                              at::ArrayRef<double> params, int64_t reduction,
                                                              int64_t split) {
-  auto out = FusedBatchLoss::apply(logits, targets, ignore_index, base, gamma, alpha, term, params, reduction, split);
+  const bool keep_df = at::GradMode::is_enabled() && logits.requires_grad();
+  auto out =
+      FusedBatchLoss::apply(logits, targets, ignore_index, base, gamma, alpha, term, params, reduction, split, keep_df);
   return {out[0], out[1]};
 }
 
