@@ -47,10 +47,11 @@ def timed(fn, repeats):
     return statistics.median(times), q3 - q1
 
 
-def paired(fn, base_fn, rounds, steps=None, sync=lambda: None):
+def paired(fn, base_fn, rounds, steps=None, sync=lambda: None, with_best=False):
     """(median time of fn, median time of base_fn, [fn time / base_fn time per round]): rounds alternate the
     two, each timing ``steps`` calls (by default as many as take ~20 ms), so that a ratio is not the VM's
-    drift between two blocks. ``sync`` waits for queued device work (CUDA)."""
+    drift between two blocks. ``sync`` waits for queued device work (CUDA). ``with_best`` adds a fourth
+    element, (the fastest round of fn, the fastest round of base_fn)."""
     fn()
     base_fn()
     if steps is None:
@@ -67,11 +68,14 @@ def paired(fn, base_fn, rounds, steps=None, sync=lambda: None):
         return (time.perf_counter() - start) / steps
 
     pairs = [(per_call(base_fn), per_call(fn)) for _ in range(rounds)]
-    return (
+    out = (
         statistics.median(p[1] for p in pairs),
         statistics.median(p[0] for p in pairs),
         [p[1] / p[0] for p in pairs],
     )
+    if with_best:
+        return (*out, (min(p[1] for p in pairs), min(p[0] for p in pairs)))
+    return out
 
 
 def peak_allocation(fn):
