@@ -307,3 +307,32 @@ def test_batch_scale_float32_is_near_the_float64_torch_path(name):
     assert got is not None and ref is not None
     scale = float(ref.abs().max())
     torch.testing.assert_close(got.double() / scale, ref / scale, rtol=0, atol=5e-5)
+
+
+def test_the_penalties_sqrt_has_zero_gradient_at_and_below_zero():
+    """SB-ECE's and ESD's sqrt (margin._safe_sqrt) passes no gradient where its argument is <= 0 (its
+    derivative there would be infinite), above 0 that of sqrt."""
+    from torchcal.functional.margin import _safe_sqrt
+
+    v = torch.tensor([-1.0, 0.0, 4.0], dtype=torch.float64, requires_grad=True)
+    out = _safe_sqrt(v)
+    out.sum().backward()
+    assert out.tolist() == [0.0, 0.0, 2.0]
+    assert v.grad is not None and v.grad.tolist() == [0.0, 0.0, 0.25]
+
+
+def test_the_node_flags_a_batch_with_no_row_and_takes_a_threshold_tensor():
+    """The whole-loss node answers NaN with a zero gradient (and flags it) when the base or the term has no
+    kept row, and takes a 0-d threshold tensor as the torch path does."""
+    z = torch.randn(6, 4, requires_grad=True)
+    y = torch.full((6,), -100)
+    loss, stats = torch.ops.torchcal.fused_batch_loss(z, y, -100, 0, 1.0, 0.0, 3, [3.0, 1.0], 1, 6)
+    assert stats[4] == 1 and torch.isnan(loss)
+    loss.backward()
+    assert z.grad is not None and torch.equal(z.grad, torch.zeros_like(z))
+    y = torch.tensor([0, 1, 2, 3, 0, 1])
+    threshold = torch.tensor(0.9, dtype=torch.float64)
+    got = F.avuc_loss(z.detach(), y, threshold=threshold)
+    with F.use_cpu_extension(False):
+        want = F.avuc_loss(z.detach(), y, threshold=threshold)
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)

@@ -348,6 +348,7 @@ def batch_loss(
         return None
     rows = targets.numel()
     split = (logits.shape[0] - held) * (rows // logits.shape[0]) if held else rows
+    params = [float(p) for p in params]  # (a 0-d threshold tensor read here, once the operator applies)
     try:
         loss, stats = _extension.fused_batch_loss(
             logits, targets, ignore_index, base, gamma, alpha, term, params, reduction, split

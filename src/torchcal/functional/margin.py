@@ -797,9 +797,8 @@ _SBECE_IS_A_BATCH_TERM = (
 
 
 def _safe_sqrt(value: torch.Tensor) -> torch.Tensor:
-    """sqrt(max(value, 0)) with a zero (not infinite) gradient at 0."""
-    value = value.clamp(min=0)
-    return torch.where(value > 0, value.clamp(min=torch.finfo(value.dtype).tiny).sqrt(), value)
+    """sqrt(max(value, 0)) with a zero (not infinite) gradient at and below 0."""
+    return torch.where(value > 0, value.clamp(min=torch.finfo(value.dtype).tiny).sqrt(), value.new_zeros(()))
 
 
 def _sbece_term(batch: _Batch, n_bins, temperature, form, sync, group):
@@ -1023,7 +1022,7 @@ def avuc_loss(
     threshold = _threshold(threshold)
     ignore_index = check_ignore_index(ignore_index)
     with torch.autocast(_device_type(logits), enabled=False):
-        fused = batch_loss(logits, targets, ignore_index, reduction, "avuc", [b, float(threshold)], sync=sync)
+        fused = batch_loss(logits, targets, ignore_index, reduction, "avuc", [b, threshold], sync=sync)
         if fused is not None:
             loss, sums = fused
             return (loss, sums) if statistics else loss

@@ -403,18 +403,6 @@ inline V lanes_exp_nonpositive(V x) {
   }
 }
 
-// Σ of the lanes in float64 (a scalar as it is)
-template <typename V>
-inline double lanes_sum_any(V v) {
-  if constexpr (std::is_floating_point<V>::value) {
-    return static_cast<double>(v);
-  } else {
-    double s = 0.0;
-    for (int l = 0; l < static_cast<int>(sizeof(V) / sizeof(v[0])); ++l) s += static_cast<double>(v[l]);
-    return s;
-  }
-}
-
 // the memberships of W rows (g[b·W + t]) and, with ds, ∂s_b/∂r = −2(r − ξ_b)/T and Σ_b σ_b ∂s_b/∂r (mean)
 template <typename T, typename V>
 inline void soft_bins(V r, V kept, int64_t bins, T inv_t, T* g, T* ds, V& mean) {
@@ -618,12 +606,15 @@ double savuc_term(int64_t m, const T* a, const T* h, const uint8_t* in, int64_t 
 // x_j = a_j − r_j, S_i = Σ_{j≠i, r_j<=r_i} x_j, Q_i the same sum of x_j², ESD = Σ_i (S_i² − Q_i) / (n(n − 1)(n − 2))
 // (0 when n < 3). Its derivative in x_j sums over the rows i ≠ j with r_i >= r_j, those from the start of
 // j's run of equal confidences on: (2/D)(U − S_j − x_j (c − 1)) with U the sum of S_i and c their number.
-// float32 confidences are sorted as (bits << 32 | row) words by radix, float64 by std::sort.
+// float32 confidences are sorted as (bits << 32 | row) words by radix, float64 (and batches of 2^32 rows or
+// more) by std::sort.
 template <typename T>
 double esd_term(int64_t m, const T* r, const T* a, const uint8_t* in, double* dr) {
   std::vector<int64_t> order;
   order.reserve(static_cast<size_t>(m));
-  if constexpr (std::is_same<T, float>::value) {
+  bool radix = false;
+  if constexpr (std::is_same<T, float>::value) radix = m <= int64_t{0xFFFFFFFF};  // (the row in 32 bits)
+  if (radix) {
     std::vector<uint64_t> words, tmp;
     words.reserve(static_cast<size_t>(m));
     for (int64_t i = 0; i < m; ++i) {
@@ -637,7 +628,10 @@ double esd_term(int64_t m, const T* r, const T* a, const uint8_t* in, double* dr
   } else {
     for (int64_t i = 0; i < m; ++i)
       if (in[i]) order.push_back(i);
-    std::sort(order.begin(), order.end(), [r](int64_t p, int64_t q) { return r[p] < r[q]; });
+    // (NaN last: a strict weak order, as the radix sort's bit order puts NaN above every number)
+    std::sort(order.begin(), order.end(), [r](int64_t p, int64_t q) {
+      return !std::isnan(r[p]) && (std::isnan(r[q]) || r[p] < r[q]);
+    });
   }
   std::fill(dr, dr + m, 0.0);
   const int64_t n = static_cast<int64_t>(order.size());

@@ -1480,6 +1480,18 @@ int64_t over_bin_rows(int64_t m, const Fn& fn) {
   return n_blocks;
 }
 
+// dst[l] += v[l] for the lanes of v (one lane for a scalar): per-lane float64 partial sums, added across
+// lanes once per block (a horizontal sum per vector and bin had cost more than the memberships' exps)
+template <typename V>
+inline void add_lanes(double* dst, V v) {
+  if constexpr (std::is_floating_point<V>::value) {
+    dst[0] += static_cast<double>(v);
+  } else {
+#pragma omp simd
+    for (int l = 0; l < static_cast<int>(sizeof(V) / sizeof(v[0])); ++l) dst[l] += static_cast<double>(v[l]);
+  }
+}
+
 std::tuple<at::Tensor, at::Tensor> sbece_label_fwd(const at::Tensor& conf_in, const at::Tensor& correct_in,
                                                    const at::Tensor& kept_in, int64_t bins, double temperature) {
   check_bin_inputs(conf_in, correct_in, kept_in, bins, temperature);
@@ -1496,8 +1508,15 @@ std::tuple<at::Tensor, at::Tensor> sbece_label_fwd(const at::Tensor& conf_in, co
     const scalar_t* a = correct.data_ptr<scalar_t>();
     const scalar_t* k = kept.data_ptr<scalar_t>();
     const scalar_t inv_t = static_cast<scalar_t>(1.0 / temperature);
-    std::vector<double> part(static_cast<size_t>(n_blocks * (2 * bins + 1)), 0.0);
-    const int64_t stride = 2 * bins + 1;
+    // per block: (2·bins + 1) sums of kBinLanes per-lane partials each
+    constexpr int64_t L = kBinLanes;
+    const int64_t stride = (2 * bins + 1) * L;
+    std::vector<double> part(static_cast<size_t>(n_blocks * stride), 0.0);
+    const auto block_sum = [&](int64_t blk, int64_t c) {
+      double t = 0.0;
+      for (int64_t l = 0; l < L; ++l) t += part[blk * stride + c * L + l];
+      return t;
+    };
     // pass 1: S_b, Σ_i g_ib a_i and the kept count
     over_bin_rows<scalar_t>(m, [&](int64_t blk, auto tag, int64_t i) {
       using V = typename Lanes<scalar_t, decltype(tag)::value>::type;
@@ -1510,18 +1529,18 @@ std::tuple<at::Tensor, at::Tensor> sbece_label_fwd(const at::Tensor& conf_in, co
       const V av = lanes_load<V>(a + i);
       for (int64_t b = 0; b < bins; ++b) {
         const V gb = lanes_load<V>(g + b * W);
-        p[b] += lanes_sum_any(gb);
-        p[bins + b] += lanes_sum_any(gb * av);
+        add_lanes(p + b * L, gb);
+        add_lanes(p + (bins + b) * L, gb * av);
       }
-      p[2 * bins] += lanes_sum_any(kv);
+      add_lanes(p + 2 * bins * L, kv);
     });
     double count = 0.0;
     for (int64_t blk = 0; blk < n_blocks; ++blk) {
       for (int64_t b = 0; b < bins; ++b) {
-        mass[b] += part[blk * stride + b];
-        acc[b] += part[blk * stride + bins + b];
+        mass[b] += block_sum(blk, b);
+        acc[b] += block_sum(blk, bins + b);
       }
-      count += part[blk * stride + 2 * bins];
+      count += block_sum(blk, 2 * bins);
     }
     std::vector<scalar_t> acc_t(static_cast<size_t>(bins));
     for (int64_t b = 0; b < bins; ++b) {
@@ -1543,14 +1562,14 @@ std::tuple<at::Tensor, at::Tensor> sbece_label_fwd(const at::Tensor& conf_in, co
         const V gb = lanes_load<V>(g + b * W);
         const V d = acc_t[b] - rv;
         tot += gb * d * d;
-        p[b] += 2.0 * lanes_sum_any(gb * d);
+        add_lanes(p + b * L, gb * d);
       }
-      p[2 * bins] += lanes_sum_any(tot);
+      add_lanes(p + 2 * bins * L, tot);
     });
     double total = 0.0;
     for (int64_t blk = 0; blk < n_blocks; ++blk) {
-      for (int64_t b = 0; b < bins; ++b) q[b] += part[blk * stride + b];
-      total += part[blk * stride + 2 * bins];
+      for (int64_t b = 0; b < bins; ++b) q[b] += 2.0 * block_sum(blk, b);
+      total += block_sum(blk, 2 * bins);
     }
     sv[3 * bins] = total;
     sv[3 * bins + 1] = count;
@@ -1570,7 +1589,7 @@ at::Tensor sbece_label_bwd(const at::Tensor& grad, const at::Tensor& conf_in, co
   const double* sv = sv_t.data_ptr<double>();
   const int64_t m = conf.numel();
   const double total = sv[3 * bins], count = sv[3 * bins + 1], u = total / count;
-  const double f = grad.item<double>() * (u > 0 ? 0.5 / std::sqrt(u) : 1.0) / count;
+  const double f = grad.item<double>() * (u > 0 ? 0.5 / std::sqrt(u) : 0.0) / count;  // (_safe_sqrt: 0 at 0)
   at::Tensor out = at::empty_like(conf);
   AT_DISPATCH_FLOATING_TYPES(conf.scalar_type(), "sbece_label_bwd", [&] {
     const scalar_t* r = conf.data_ptr<scalar_t>();
@@ -1662,13 +1681,14 @@ BatchLossForward batch_loss_forward(const at::Tensor& logits, const at::Tensor& 
   f.stats = at::zeros({5}, dbl);
   double* st = f.stats.data_ptr<double>();
   const bool rows_r = term == BT_DCA || term == BT_SBECE || term == BT_AVUC || term == BT_ESD;
-  f.gb = at::empty({m}, dbl);
-  f.gr = rows_r ? at::empty({m}, dbl) : at::Tensor();
-  f.gh = entropy != BE_NONE ? at::empty({m}, dbl) : at::Tensor();
-  f.gc = term == BT_MDCA ? at::empty({k}, dbl) : at::Tensor();
-  if (nb == 0.0 || nt == 0.0) {
+  f.gb = at::zeros({m}, dbl);
+  f.gr = rows_r ? at::zeros({m}, dbl) : at::Tensor();
+  f.gh = entropy != BE_NONE ? at::zeros({m}, dbl) : at::Tensor();
+  f.gc = term == BT_MDCA ? at::zeros({k}, dbl) : at::Tensor();
+  if (nb == 0.0 || nt == 0.0) {  // (NaN and no gradient: the caller takes the torch path's limits)
     st[4] = 1.0;
-    f.loss = reduction == 0 ? at::zeros(targets.sizes(), logits.options()) : at::zeros({}, logits.options());
+    const double nan = std::numeric_limits<double>::quiet_NaN();
+    f.loss = reduction == 0 ? at::full(targets.sizes(), nan, logits.options()) : at::full({}, nan, logits.options());
     return f;
   }
   const double coef = params[0];
@@ -1705,7 +1725,7 @@ BatchLossForward batch_loss_forward(const at::Tensor& logits, const at::Tensor& 
       } else if (term == BT_SAVUC) {
         pen = savuc_term<scalar_t>(m, ap, h.data_ptr<scalar_t>(), in, k, params[1], params[2], f.gh.data_ptr<double>(),
                                    parallel);
-      } else {  // ESD: λ·sqrt(max(ESD, 0)), the sqrt's derivative 0 where ESD <= 0
+      } else {  // ESD: λ·sqrt(max(ESD, 0)), the sqrt's derivative 0 where ESD <= 0 (_safe_sqrt)
         const double esd = esd_term<scalar_t>(m, rp, ap, in, f.gr.data_ptr<double>());
         pen = esd > 0 ? std::sqrt(esd) : 0.0;
         f.gr.mul_(esd > 0 ? 0.5 / pen : 0.0);
