@@ -606,14 +606,16 @@ double savuc_term(int64_t m, const T* a, const T* h, const uint8_t* in, int64_t 
 // x_j = a_j − r_j, S_i = Σ_{j≠i, r_j<=r_i} x_j, Q_i the same sum of x_j², ESD = Σ_i (S_i² − Q_i) / (n(n − 1)(n − 2))
 // (0 when n < 3). Its derivative in x_j sums over the rows i ≠ j with r_i >= r_j, those from the start of
 // j's run of equal confidences on: (2/D)(U − S_j − x_j (c − 1)) with U the sum of S_i and c their number.
-// float32 confidences are sorted as (bits << 32 | row) words by radix, float64 (and batches of 2^32 rows or
-// more) by std::sort.
+// float32 confidences are sorted as (bits << 32 | row << 1 | a) words by radix, and the passes after the sort
+// read the words in order (no gather of r and a by row); float64 (and batches of 2^31 rows or more) by
+// std::sort of the rows.
 template <typename T>
 double esd_term(int64_t m, const T* r, const T* a, const uint8_t* in, double* dr) {
-  std::vector<int64_t> order;
-  order.reserve(static_cast<size_t>(m));
+  std::vector<int64_t> order;  // the kept rows in ascending r
+  std::vector<double> x;       // x of each, in that order
+  std::vector<uint8_t> same;   // whether its r equals the previous one's
   bool radix = false;
-  if constexpr (std::is_same<T, float>::value) radix = m <= int64_t{0xFFFFFFFF};  // (the row in 32 bits)
+  if constexpr (std::is_same<T, float>::value) radix = m < (int64_t{1} << 31);  // (row << 1 in 32 bits)
   if (radix) {
     std::vector<uint64_t> words, tmp;
     words.reserve(static_cast<size_t>(m));
@@ -621,10 +623,23 @@ double esd_term(int64_t m, const T* r, const T* a, const uint8_t* in, double* dr
       if (!in[i]) continue;
       uint32_t bits;
       std::memcpy(&bits, r + i, sizeof(bits));
-      words.push_back((static_cast<uint64_t>(bits) << 32) | static_cast<uint64_t>(i));
+      words.push_back((static_cast<uint64_t>(bits) << 32) | (static_cast<uint64_t>(i) << 1) |
+                      static_cast<uint64_t>(a[i] != T(0)));
     }
     radix_sort_upper_words(words, tmp);
-    for (const uint64_t w : words) order.push_back(static_cast<int64_t>(w & 0xFFFFFFFFu));
+    const size_t n = words.size();
+    order.resize(n);
+    x.resize(n);
+    same.resize(n);
+    for (size_t q = 0; q < n; ++q) {
+      const uint64_t w = words[q];
+      const uint32_t bits = static_cast<uint32_t>(w >> 32);
+      float rq;
+      std::memcpy(&rq, &bits, sizeof(rq));
+      order[q] = static_cast<int64_t>((w & 0xFFFFFFFFu) >> 1);
+      x[q] = static_cast<double>(w & 1) - static_cast<double>(rq);
+      same[q] = q > 0 && (words[q - 1] >> 32) == bits && !std::isnan(rq);  // (equal bits: equal r; NaN never)
+    }
   } else {
     for (int64_t i = 0; i < m; ++i)
       if (in[i]) order.push_back(i);
@@ -632,20 +647,24 @@ double esd_term(int64_t m, const T* r, const T* a, const uint8_t* in, double* dr
     std::sort(order.begin(), order.end(), [r](int64_t p, int64_t q) {
       return !std::isnan(r[p]) && (std::isnan(r[q]) || r[p] < r[q]);
     });
+    const size_t n = order.size();
+    x.resize(n);
+    same.resize(n);
+    for (size_t q = 0; q < n; ++q) {
+      const int64_t i = order[q];
+      x[q] = static_cast<double>(a[i]) - static_cast<double>(r[i]);
+      same[q] = q > 0 && r[order[q - 1]] == r[i];
+    }
   }
   std::fill(dr, dr + m, 0.0);
   const int64_t n = static_cast<int64_t>(order.size());
   if (n < 3) return 0.0;
-  std::vector<double> x(static_cast<size_t>(n)), s(static_cast<size_t>(n));
+  std::vector<double> s(static_cast<size_t>(n));
   std::vector<int64_t> start(static_cast<size_t>(n));
-  for (int64_t q = 0; q < n; ++q) {
-    const int64_t i = order[q];
-    x[q] = static_cast<double>(a[i]) - static_cast<double>(r[i]);
-  }
   double total = 0.0, prefix = 0.0, prefix2 = 0.0;
   for (int64_t q0 = 0; q0 < n;) {  // one run of equal confidences [q0, q1)
     int64_t q1 = q0 + 1;
-    while (q1 < n && r[order[q1]] == r[order[q0]]) ++q1;
+    while (q1 < n && same[q1]) ++q1;
     for (int64_t q = q0; q < q1; ++q) {
       prefix += x[q];
       prefix2 += x[q] * x[q];
