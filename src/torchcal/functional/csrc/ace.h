@@ -281,13 +281,6 @@ void for_rows(const Spec& s, const T* x, T* grad, int64_t m0, int64_t m1, std::v
   }
 }
 
-inline void raise_bad_label(const Spec& s, const int64_t* tp) {
-  for (int64_t m = 0; m < s.rows; ++m) {
-    if (!(s.has_ignore && tp[m] == s.ignore) && (tp[m] < 0 || tp[m] >= s.k))
-      TORCH_CHECK_VALUE(false, "`targets` must lie in [0, ", s.k, "), found label ", tp[m]);
-  }
-}
-
 // ACE of cell (g, c) from its bins (tab: its bin 0, the next bins C'·N_CELL apart) (the unweighted mean of |Σ w p − Σ w y| / Σ w over the occupied bins) and
 // the number of occupied bins
 inline double cell_ace(const Spec& s, const double* tab, int64_t& occupied) {
@@ -706,7 +699,7 @@ inline Forward forward(const at::Tensor& logits, const at::Tensor& targets, cons
     else
       forward_rows<scalar_t>(s, x.data_ptr<scalar_t>(), tp, bins, parts.data_ptr<double>(), row_max, ce, n_bad);
   });
-  if (n_bad.load() > 0) raise_bad_label(s, tp);
+  if (n_bad.load() > 0) raise_bad_label(tp, s.rows, s.k, s.has_ignore, s.ignore);
   // the chunks' partials summed in chunk order into the statistics
   double* st = stats.data_ptr<double>();
   const double* pp = parts.data_ptr<double>();

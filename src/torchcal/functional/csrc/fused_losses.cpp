@@ -132,16 +132,7 @@ Forward fused_forward(const at::Tensor& logits, const at::Tensor& targets, const
       });
     }
   }
-  if (n_bad.load() > 0) {
-    int64_t bad = 0;
-    for (int64_t i = 0; i < n; ++i) {
-      if (tp[i] < 0 || tp[i] >= k) {
-        bad = tp[i];
-        break;
-      }
-    }
-    TORCH_CHECK_VALUE(false, "`targets` must lie in [0, ", k, "), found label ", bad);
-  }
+  if (n_bad.load() > 0) raise_bad_label(tp, n, k, false, 0);
   at::Tensor loss;
   if (reduction == 0) {
     loss = at::empty({n}, logits.options());
@@ -557,16 +548,7 @@ MarginForward margin_forward(const at::Tensor& logits, const at::Tensor& targets
     // Σ_i h_ik = (Σ_i (max_i − x_ik) − m·count) / s
     for (int64_t j = k; j < 2 * k; ++j) out[j] = (out[j] - s.margin * out[2 * k]) / s.scale;
   }
-  if (n_bad.load() > 0) {
-    int64_t bad = 0;
-    for (int64_t i = 0; i < rows; ++i) {
-      if (!(has_ignore && tp[i] == ignore) && (tp[i] < 0 || tp[i] >= k)) {
-        bad = tp[i];
-        break;
-      }
-    }
-    TORCH_CHECK_VALUE(false, "`targets` must lie in [0, ", k, "), found label ", bad);
-  }
+  if (n_bad.load() > 0) raise_bad_label(tp, rows, k, has_ignore, ignore);
   at::Tensor loss;
   if (reduction == 0) {
     loss = at::empty(targets.sizes(), logits.options());
@@ -1308,16 +1290,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
       for (int64_t j = 0; j < k; ++j) pc[j] = static_cast<scalar_t>(total[j]);
     }
   });
-  if (n_bad.load() > 0) {
-    int64_t bad = 0;
-    for (int64_t i = 0; i < rows; ++i) {
-      if (!(has_ignore && tp[i] == ignore) && (tp[i] < 0 || tp[i] >= k)) {
-        bad = tp[i];
-        break;
-      }
-    }
-    TORCH_CHECK_VALUE(false, "`targets` must lie in [0, ", k, "), found label ", bad);
-  }
+  if (n_bad.load() > 0) raise_bad_label(tp, rows, k, has_ignore, ignore);
   return {out_base, out_r, out_a, out_h, out_col, saved};
 }
 

@@ -32,4 +32,13 @@ inline Layout loss_layout(const at::Tensor& logits, const at::Tensor& targets, c
   return {n, k, logits.numel() / (n * k)};
 }
 
+// The error for the first of `rows` labels outside [0, K) that is not `ignore` (when has_ignore), raised by an
+// operator whose pass counted one; returns when there is none
+inline void raise_bad_label(const int64_t* tp, int64_t rows, int64_t k, bool has_ignore, int64_t ignore) {
+  for (int64_t i = 0; i < rows; ++i) {
+    if (!(has_ignore && tp[i] == ignore) && (tp[i] < 0 || tp[i] >= k))
+      TORCH_CHECK_VALUE(false, "`targets` must lie in [0, ", k, "), found label ", tp[i]);
+  }
+}
+
 }  // namespace torchcal
