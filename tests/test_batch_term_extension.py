@@ -284,16 +284,18 @@ def test_eager_losses_run_as_one_node_without_the_row_function():
         assert whole[0] == 1 and rows[0] == 2  # (the empty batch: the node's answer is not taken)
 
 
-@pytest.mark.parametrize("name", ["mdca", "dca", "sb-ece", "avuc", "s-avuc", "esd", "esd-holdout"])
-def test_batch_scale_float32_is_near_the_float64_torch_path(name):
+@pytest.mark.parametrize("name", ["mdca", "focal-mdca", "ls-mdca", "dca", "sb-ece", "avuc", "s-avuc", "esd", "esd-holdout"])
+@pytest.mark.parametrize("classes", [10, 100])
+def test_batch_scale_float32_is_near_the_float64_torch_path(name, classes):
     """At 4096 rows (ESD's radix sort moves every digit; confidences tie between rows) the float32 node is
     compared with the float64 torch path: the node rounds each per-row number to float32 once and sums in
     float64, so both differ from the float64 truth by a few float32 ulp of each row's numbers (relative
-    ~1e-6 after averaging; the gradient against its largest entry ~1e-5, SB-ECE's memberships amplifying)."""
+    ~1e-6 after averaging; the gradient against its largest entry ~1e-5, SB-ECE's memberships amplifying).
+    K = 10 takes the lane kernels, K = 100 the rows with the exps kept for the backward."""
     g = torch.Generator().manual_seed(7)
-    z = 2 * torch.randn(4096, 10, generator=g, dtype=torch.float64)
+    z = 2 * torch.randn(4096, classes, generator=g, dtype=torch.float64)
     z[:64] = z[64:128]  # 64 pairs of equal rows: equal confidences
-    y = torch.randint(0, 10, (4096,), generator=g)
+    y = torch.randint(0, classes, (4096,), generator=g)
     y[::9] = -100
     x32 = z.float().requires_grad_(True)
     value = LOSSES[name](x32, y)

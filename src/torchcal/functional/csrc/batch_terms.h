@@ -75,13 +75,14 @@ inline void smoothing_constants(int64_t k, T& a, T& b) {
 // of K entries. col: the block's column sums (K, float64) when asked. o: the saved statistics; out: base, r,
 // a, H. The base loss and r in float64 from the float64 log-sum-exp; the entropy in the input dtype per
 // entry (summed in float64).
-// df: the row's f' (K entries, kept for the backward: the whole-loss node) or null.
+// df: the row's f' (K entries, kept for the backward: the whole-loss node) or null. keep_e: e is the row of the
+// kept exps (the whole-loss node's, which its backward reads in place of taking the exps again), always written.
 template <typename T>
 inline void batch_forward_row(const T* x, int64_t k, int64_t y, int64_t y0, const BatchSpec& s, T* e, double* col,
-                              double* o, double* out, T* df_row = nullptr) {
+                              double* o, double* out, T* df_row = nullptr, bool keep_e = false) {
   const T m = max_of(x, k);
   const int64_t arg = first_index_of(x, k, m);
-  const bool need_e = s.entropy != BE_NONE || (col != nullptr && y >= 0);
+  const bool need_e = keep_e || s.entropy != BE_NONE || (col != nullptr && y >= 0);
   const double sum = exp_row(x, k, m, need_e ? e : nullptr);
   const double inv = 1.0 / sum, lse = std::log(sum);
   o[BS_MAX] = static_cast<double>(m);
@@ -94,15 +95,21 @@ inline void batch_forward_row(const T* x, int64_t k, int64_t y, int64_t y0, cons
       base = -l;
       dbase = -1.0;
     } else if (s.base == BB_FOCAL) {
-      // −u^γ l with u = max(1 − p_y, 0): d/dl = γ u^(γ−1) p_y l − u^γ (no first term at γ = 0)
-      const double u = std::max(0.0, -std::expm1(l));
+      // −u^γ l with u = max(1 − p_y, 0): d/dl = γ u^(γ−1) p_y l − u^γ (no first term at γ = 0). u = (Σ − e_y)/Σ
+      // in float64, as exact as −expm1(l) from the same Σ (whose rounding bounds both; glibc's expm1 cost
+      // a quarter of the forward)
+      const double ey = std::exp(static_cast<double>(x[y]) - static_cast<double>(m));
+      const double u = std::max(0.0, (sum - ey) * inv);
       const double w = pow_g(u, s.gamma);
       base = -w * l;
-      dbase = (s.gamma == 0.0 ? 0.0 : s.gamma * pow_g(u, s.gamma - 1.0) * std::exp(l) * l) - w;
+      dbase = (s.gamma == 0.0 ? 0.0 : s.gamma * pow_g(u, s.gamma - 1.0) * (ey * inv) * l) - w;
     } else {  // BB_LS: −(1 − α) l_y − α/(K − 1) Σ_{j≠y} l_j, Σ_j l_j = Σ_j (x_j − m) − K lse
-      double total = 0.0;
-#pragma omp simd reduction(+ : total)
-      for (int64_t j = 0; j < k; ++j) total += static_cast<double>(x[j]) - static_cast<double>(m);
+      double total = 0.0, unused = 0.0;  // (in the input dtype's lanes: a float64 chain per row was slower)
+      sum2_row<T>(k, [&](int64_t j, auto tag, auto& v, auto& zero) {
+        using V = typename Lanes<T, decltype(tag)::value>::type;
+        v = lanes_load<V>(x + j) - m;
+        zero = V{};
+      }, total, unused);
       const double all = total - static_cast<double>(k) * lse;
       base = -(1 - s.alpha) * l - s.alpha / static_cast<double>(k - 1) * (all - l);
     }
@@ -140,19 +147,26 @@ inline void batch_forward_row(const T* x, int64_t k, int64_t y, int64_t y0, cons
 // an ignored row); c, ct: the column sums' gradient (float64 and in the input dtype), null when there is
 // none or the row is ignored. The (K) pass runs in the input dtype (vectorised for float32); the label and
 // arg-max entries are recomputed in float64 (p_y − 1 cancels there).
-// df_row: the forward's f' of the row (then no log is taken here) or null.
+// df_row: the forward's f' of the row (then no log is taken here) or null; e_row: the forward's exps of the row
+// (batch_forward_row's keep_e; then no exp is taken here) or null.
 template <typename T>
 inline void batch_backward_row(const T* x, int64_t k, int64_t y, const BatchSpec& s, const double* o, double gb,
-                               double gr, double gh, const double* c, const T* ct, T* g, const T* df_row = nullptr) {
+                               double gr, double gh, const double* c, const T* ct, T* g, const T* df_row = nullptr,
+                               const T* e_row = nullptr) {
   const T m = static_cast<T>(o[BS_MAX]);
   const double inv = o[BS_INV];
   const int64_t arg = static_cast<int64_t>(o[BS_ARG]);
   const double r = inv;
-  exp_row(x, k, m, g);
-  double cp = 0.0;  // <c, p>
+  if (e_row == nullptr) exp_row(x, k, m, g);
+  const T* ev = e_row != nullptr ? e_row : g;
+  double cp = 0.0;  // <c, p>, in the input dtype's lanes (a float64 chain per row cost as much as the exps)
   if (c != nullptr) {
-#pragma omp simd reduction(+ : cp)
-    for (int64_t j = 0; j < k; ++j) cp += c[j] * static_cast<double>(g[j]);
+    double unused = 0.0;
+    sum2_row<T>(k, [&](int64_t j, auto tag, auto& v, auto& zero) {
+      using V = typename Lanes<T, decltype(tag)::value>::type;
+      v = lanes_load<V>(ct + j) * lanes_load<V>(ev + j);
+      zero = V{};
+    }, cp, unused);
     cp *= inv;
   }
   // grad_j = p_j (coef − gh f'_j + c_j) + off, plus y_extra on the label and gr·r on the arg-max entry
@@ -175,7 +189,7 @@ inline void batch_backward_row(const T* x, int64_t k, int64_t y, const BatchSpec
   const T gh_t = static_cast<T>(gh);
   walk_row<T>(k, [&](int64_t j, auto tag) {
     using V = typename Lanes<T, decltype(tag)::value>::type;
-    const V p = lanes_load<V>(g + j) * pinv;
+    const V p = lanes_load<V>(ev + j) * pinv;
     V a = broadcast<V>(coef_t);
     if (ent && df_row != nullptr) {
       a = a - gh_t * lanes_load<V>(df_row + j);
@@ -287,10 +301,12 @@ inline void batch_forward_lanes(const float* x, int64_t stride, int64_t k, const
         base = -l;
         dbase = -1.0;
       } else if (s.base == BB_FOCAL) {
-        const double u = std::max(0.0, -std::expm1(l));
+        // (u = (Σ − e_y)/Σ from the lane's own exps, as batch_forward_row: no expm1 and exp per lane)
+        const double ey = static_cast<double>(e[yt * W + t]), total = static_cast<double>(sum[t]);
+        const double u = std::max(0.0, (total - ey) / total);
         const double pw = pow_g(u, s.gamma);
         base = -pw * l;
-        dbase = (s.gamma == 0.0 ? 0.0 : s.gamma * pow_g(u, s.gamma - 1.0) * std::exp(l) * l) - pw;
+        dbase = (s.gamma == 0.0 ? 0.0 : s.gamma * pow_g(u, s.gamma - 1.0) * (ey / total) * l) - pw;
       } else {
         const double all = static_cast<double>(sx[t]) - static_cast<double>(k) * static_cast<double>(m[t]) -
                            static_cast<double>(k) * static_cast<double>(lse[t]);

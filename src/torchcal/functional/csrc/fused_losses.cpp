@@ -1196,11 +1196,17 @@ void over_lanes(const float* x, float* grad, const Layout& l, const Fn& fn, cons
 // rows or lanes are read in place or through over_lanes (not the spatial tiles of over_blocks)
 bool keeps_df(const at::Tensor& x, const Layout& l) { return positions_as_lanes(x, l) || l.sp == 1; }
 
+// Whether the row exps can be kept between forward and backward (the whole-loss node): the rows read in place
+// (the lanes' backward takes its exps in the same pass as its transposed reads, and a spatial tensor's extra
+// array of its size costs more in first-touch page faults than its exps)
+bool keeps_e(const at::Tensor& x, const Layout& l) { return !positions_as_lanes(x, l) && l.sp == 1; }
+
 // batch_terms_fwd, and with df_out (where keeps_df and an entropy is asked for) f' of every entry in the
-// logits' layout, which batch_terms_backward then reads instead of taking its logs again
+// logits' layout, which batch_terms_backward then reads instead of taking its logs again; with e_out (where
+// keeps_e) the exps exp(x − max) of every entry, which it reads instead of taking its exps again
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_terms_forward(
     const at::Tensor& logits, const at::Tensor& targets, c10::optional<int64_t> ignore_index, int64_t base,
-    double gamma, double alpha, int64_t entropy, bool colsum, at::Tensor* df_out) {
+    double gamma, double alpha, int64_t entropy, bool colsum, at::Tensor* df_out, at::Tensor* e_out = nullptr) {
   const Layout l = margin_layout(logits, targets);
   const BatchSpec s = batch_spec(base, gamma, alpha, entropy);
   const at::Tensor x = logits.contiguous();
@@ -1220,6 +1226,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   if (df_out != nullptr && entropy != BE_NONE && keeps_df(x, l)) {
     df = at::empty(x.sizes(), x.options());
     *df_out = df;
+  }
+  at::Tensor ex;
+  if (e_out != nullptr && keeps_e(x, l)) {
+    ex = at::empty(x.sizes(), x.options());
+    *e_out = ex;
   }
   if (positions_as_lanes(x, l)) {
     constexpr int W = PosLanes<kWideBytes>::W;
@@ -1264,16 +1275,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     scalar_t* pr = out_r.data_ptr<scalar_t>();
     scalar_t* pa = out_a.data_ptr<scalar_t>();
     scalar_t* ph = entropy != BE_NONE ? out_h.data_ptr<scalar_t>() : nullptr;
+    scalar_t* dfp = df.defined() ? df.data_ptr<scalar_t>() : nullptr;
+    scalar_t* exp_ = ex.defined() ? ex.data_ptr<scalar_t>() : nullptr;
     over_blocks<scalar_t>(xp, nullptr, l, [&](int64_t b, int64_t r0, int64_t w, const scalar_t* xr, scalar_t*) {
-      std::vector<scalar_t> e(static_cast<size_t>(k));
+      std::vector<scalar_t> e(exp_ != nullptr ? 0 : static_cast<size_t>(k));
       double* col = colsum ? partial.data() + b * k : nullptr;
       int64_t bad = 0;
       for (int64_t i = 0; i < w; ++i) {
         const int64_t row = r0 + i;
         const int64_t y = margin_label(tp[row], k, has_ignore, ignore, bad);
         double out[N_BOUT];
-        batch_forward_row<scalar_t>(xr + i * k, k, y, y < 0 ? 0 : y, s, e.data(), col, op + row * N_BSTAT, out,
-                                    df.defined() ? df.data_ptr<scalar_t>() + row * k : nullptr);
+        batch_forward_row<scalar_t>(xr + i * k, k, y, y < 0 ? 0 : y, s,
+                                    exp_ != nullptr ? exp_ + row * k : e.data(), col, op + row * N_BSTAT, out,
+                                    dfp != nullptr ? dfp + row * k : nullptr, exp_ != nullptr);
         pb[row] = static_cast<scalar_t>(out[BO_BASE]);
         pr[row] = static_cast<scalar_t>(out[BO_R]);
         pa[row] = static_cast<scalar_t>(out[BO_CORRECT]);
@@ -1308,12 +1322,13 @@ const double* row_gradient(const c10::optional<at::Tensor>& g, int64_t rows, at:
   return keep.data_ptr<double>();
 }
 
-// batch_terms_bwd, reading f' from df (batch_terms_forward's, or undefined: the logs are taken again)
+// batch_terms_bwd, reading f' from df and the exps from ex (batch_terms_forward's, or undefined: the logs
+// and exps are taken again)
 at::Tensor batch_terms_backward(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& saved,
                                 const c10::optional<at::Tensor>& g_base, const c10::optional<at::Tensor>& g_r,
                                 const c10::optional<at::Tensor>& g_entropy, const c10::optional<at::Tensor>& g_colsum,
                                 c10::optional<int64_t> ignore_index, int64_t base, double gamma, double alpha,
-                                int64_t entropy, const at::Tensor& df) {
+                                int64_t entropy, const at::Tensor& df, const at::Tensor& ex = at::Tensor()) {
   const Layout l = margin_layout(logits, targets);
   const BatchSpec s = batch_spec(base, gamma, alpha, entropy);
   const at::Tensor x = logits.contiguous();
@@ -1377,6 +1392,8 @@ at::Tensor batch_terms_backward(const at::Tensor& logits, const at::Tensor& targ
       ct[j] = static_cast<scalar_t>(gc[j]);
       ct0[j] = static_cast<scalar_t>(c0[j]);
     }
+    const scalar_t* dfp = df.defined() ? df.data_ptr<scalar_t>() : nullptr;
+    const scalar_t* exp_ = ex.defined() ? ex.data_ptr<scalar_t>() : nullptr;
     over_blocks<scalar_t>(x.data_ptr<scalar_t>(), grad.data_ptr<scalar_t>(), l,
                           [&](int64_t, int64_t r0, int64_t w, const scalar_t* xr, scalar_t* gr_rows) {
                             for (int64_t i = 0; i < w; ++i) {
@@ -1395,7 +1412,8 @@ at::Tensor batch_terms_backward(const at::Tensor& logits, const at::Tensor& targ
                               const scalar_t* cs = col ? (keep ? ct.data() : ct0.data()) : nullptr;
                               batch_backward_row<scalar_t>(xr + i * k, k, keep ? tp[row] : -1, s, op + row * N_BSTAT, b,
                                                            rr, hh, c, cs, g,
-                                                           df.defined() ? df.data_ptr<scalar_t>() + row * k : nullptr);
+                                                           dfp != nullptr ? dfp + row * k : nullptr,
+                                                           exp_ != nullptr ? exp_ + row * k : nullptr);
                             }
                           });
   });
@@ -1614,7 +1632,7 @@ at::Tensor sbece_label_bwd(const at::Tensor& grad, const at::Tensor& conf_in, co
 // when the base or the term has no row, whose limits (0/0) the caller leaves to the torch path.
 
 struct BatchLossForward {
-  at::Tensor loss, stats, saved, gb, gr, gh, gc, df;
+  at::Tensor loss, stats, saved, gb, gr, gh, gc, df, ex;
 };
 
 int64_t term_entropy(int64_t term) { return term == BT_AVUC ? BE_AVUC : (term == BT_SAVUC ? BE_SMOOTH : BE_NONE); }
@@ -1629,9 +1647,10 @@ BatchLossForward batch_loss_forward(const at::Tensor& logits, const at::Tensor& 
   TORCH_CHECK_VALUE(params.size() == need[term], "`params` must hold ", need[term], " numbers for term ", term);
   TORCH_CHECK_VALUE(reduction >= 0 && reduction <= 2, "`reduction` must be 0 (none), 1 (mean) or 2 (sum)");
   const int64_t entropy = term_entropy(term);
-  at::Tensor b, r, a, h, col, saved, df;
+  at::Tensor b, r, a, h, col, saved, df, ex;
   std::tie(b, r, a, h, col, saved) = batch_terms_forward(logits, targets, ignore_index, base, gamma, alpha, entropy,
-                                                         term == BT_MDCA, keep_df ? &df : nullptr);
+                                                         term == BT_MDCA, keep_df ? &df : nullptr,
+                                                         keep_df ? &ex : nullptr);
   const int64_t m = b.numel(), k = logits.size(1);
   TORCH_CHECK_VALUE(split >= 1 && split <= m, "`split` must lie in [1, ", m, "]");
   const at::Tensor t = targets.to(at::kLong).contiguous();
@@ -1651,6 +1670,7 @@ BatchLossForward batch_loss_forward(const at::Tensor& logits, const at::Tensor& 
   BatchLossForward f;
   f.saved = saved;
   f.df = df;
+  f.ex = ex;
   f.stats = at::zeros({5}, dbl);
   double* st = f.stats.data_ptr<double>();
   const bool rows_r = term == BT_DCA || term == BT_SBECE || term == BT_AVUC || term == BT_ESD;
@@ -1743,7 +1763,7 @@ at::Tensor batch_loss_backward(const at::Tensor& grad, const variable_list& save
   }
   const auto scaled = [s](const at::Tensor& g) { return g.defined() ? c10::optional<at::Tensor>(g * s) : c10::nullopt; };
   return batch_terms_backward(saved[0], saved[1], saved[2], b, scaled(gr), scaled(gh), scaled(gc), ignore_index,
-                              base, gamma, alpha, term_entropy(term), saved[7]);
+                              base, gamma, alpha, term_entropy(term), saved[7], saved[8]);
 }
 
 class FusedBatchLoss : public torch::autograd::Function<FusedBatchLoss> {
@@ -1753,11 +1773,11 @@ class FusedBatchLoss : public torch::autograd::Function<FusedBatchLoss> {
                                int64_t term, at::ArrayRef<double> params, int64_t reduction, int64_t split,
                                bool keep_df) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    // (keep_df: a backward will run, for which f' of the entropy is kept, one tensor of the logits' size, so
-    // that its logs are not taken twice)
+    // (keep_df: a backward will run, for which f' of the entropy and the rows' exps are kept, each one tensor
+    // of the logits' size, so that the logs and exps are not taken twice)
     BatchLossForward f =
         batch_loss_forward(logits, targets, ignore_index, base, gamma, alpha, term, params, reduction, split, keep_df);
-    ctx->save_for_backward({logits, targets, f.saved, f.gb, f.gr, f.gh, f.gc, f.df});
+    ctx->save_for_backward({logits, targets, f.saved, f.gb, f.gr, f.gh, f.gc, f.df, f.ex});
     ctx->mark_non_differentiable({f.stats});
     ctx->saved_data["has_ignore"] = ignore_index.has_value();
     ctx->saved_data["ignore"] = ignore_index.value_or(0);

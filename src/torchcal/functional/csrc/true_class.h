@@ -155,14 +155,16 @@ inline uint64_t compare_mask(typename Vec<T, Bytes>::type v, typename Vec<T, Byt
   return mask;
 }
 
-// the first index in [j, stop) (stop − j a multiple of W) of a vector holding ``value``, or stop
+// the first index in [j, stop) (stop − j a multiple of W) holding ``value``, or stop: vector by vector, then
+// the lowest set bit of the first vector's mask (a scalar walk within the vector mispredicts its exit)
 template <typename T, int Bytes>
 inline int64_t first_vector_with(const T* row, int64_t j, int64_t stop, T value) {
   using V = typename Vec<T, Bytes>::type;
   constexpr int W = Vec<T, Bytes>::width;
   const V b = broadcast<V>(value);
   for (; j < stop; j += W) {
-    if (compare_mask<T, Bytes, true>(load<V>(row + j), b) != 0) return j;
+    const uint64_t mask = compare_mask<T, Bytes, true>(load<V>(row + j), b);
+    if (mask != 0) return j + __builtin_ctzll(mask);
   }
   return stop;
 }
