@@ -47,10 +47,22 @@ struct BatchSpec {
 // S-AvUC: s = (1 − 1e-5) p + 1e-5/K, f = s log s (so H is the entropy of s, each term counted once per
 // class), f' = (1 − 1e-5) log s (its constant (1 − 1e-5) dropped: Σ_j p_j (S − f'_j) leaves it out exactly).
 // The logs take arguments >= 1e-10 (AvUC) and >= 1e-5/K (S-AvUC): positive and normal in float32.
+// float32 AvUC takes no log per entry (decision 221): from lp = log p = x − max − lse (the row's log-sum-exp),
+// f = p·max(lp, log 1e-10) and f' = max(lp, log 1e-10) + 1. Against the released form each differs by at most
+// 2e-10 once multiplied by p (as f' always is: S = Σ p f', the gradient p (… − g_H f')), over the row at most
+// K·2e-10: below float32's resolution of every sum and gradient entry it enters. (log(p + 1e-10) − log p <=
+// 1e-10/p, 1 − p/(p + 1e-10) <= 1e-10/p, and below p = 1e-10 both forms are within 2 of each other.)
 // (flattened: margin.h's log_positive is otherwise called out of line, spilling the vector registers)
+constexpr float kAvucLogFloor = -23.025850929940457f;  // log 1e-10
+
 template <typename T, typename V>
-__attribute__((flatten)) inline void entropy_lanes(V p, int64_t entropy, T smooth_a, T smooth_b, V& f, V& df) {
-  if (entropy == BE_AVUC) {
+__attribute__((flatten)) inline void entropy_lanes(V p, V lp, int64_t entropy, T smooth_a, T smooth_b, V& f, V& df) {
+  if (std::is_same<T, float>::value && entropy == BE_AVUC) {
+    const V floor = V{} + kAvucLogFloor;
+    const V l = lp > floor ? lp : floor;
+    f = p * l;
+    df = l + static_cast<T>(1);
+  } else if (entropy == BE_AVUC) {
     const V q = p + static_cast<T>(1e-10);
     const V l = lanes_log(q);
     f = p * l;
@@ -117,7 +129,7 @@ inline void batch_forward_row(const T* x, int64_t k, int64_t y, int64_t y0, cons
   o[BS_DBASE] = dbase;
   double h = 0.0, dent = 0.0;
   if (s.entropy != BE_NONE) {
-    const T pinv = static_cast<T>(inv);
+    const T pinv = static_cast<T>(inv), lse_t = static_cast<T>(lse);
     T sa, sb;
     smoothing_constants<T>(k, sa, sb);
     double hs = 0.0, ds = 0.0;
@@ -125,7 +137,7 @@ inline void batch_forward_row(const T* x, int64_t k, int64_t y, int64_t y0, cons
       using V = typename Lanes<T, decltype(tag)::value>::type;
       const V p = lanes_load<V>(e + j) * pinv;
       V df;
-      entropy_lanes<T>(p, s.entropy, sa, sb, f, df);
+      entropy_lanes<T>(p, (lanes_load<V>(x + j) - m) - lse_t, s.entropy, sa, sb, f, df);
       pdf = p * df;
       if (df_row != nullptr) lanes_store(df_row + j, df);
     }, hs, ds);
@@ -185,6 +197,8 @@ inline void batch_backward_row(const T* x, int64_t k, int64_t y, const BatchSpec
   const bool ent = s.entropy != BE_NONE && gh != 0.0;
   T sa, sb;
   smoothing_constants<T>(k, sa, sb);
+  const double lse = ent && df_row == nullptr ? -std::log(inv) : 0.0;  // (log p for float32 AvUC's f')
+  const T lse_t = static_cast<T>(lse);
   const T pinv = static_cast<T>(inv), coef_t = static_cast<T>(coef), off_t = static_cast<T>(off);
   const T gh_t = static_cast<T>(gh);
   walk_row<T>(k, [&](int64_t j, auto tag) {
@@ -195,7 +209,7 @@ inline void batch_backward_row(const T* x, int64_t k, int64_t y, const BatchSpec
       a = a - gh_t * lanes_load<V>(df_row + j);
     } else if (ent) {
       V f, df;
-      entropy_lanes<T>(p, s.entropy, sa, sb, f, df);
+      entropy_lanes<T>(p, (lanes_load<V>(x + j) - m) - lse_t, s.entropy, sa, sb, f, df);
       a = a - gh_t * df;
     }
     if (ct != nullptr) a = a + lanes_load<V>(ct + j);
@@ -208,7 +222,8 @@ inline void batch_backward_row(const T* x, int64_t k, int64_t y, const BatchSpec
       a -= gh * static_cast<double>(df_row[j]);
     } else if (ent) {
       T f, df;
-      entropy_lanes<T>(static_cast<T>(p), s.entropy, sa, sb, f, df);
+      entropy_lanes<T>(static_cast<T>(p), static_cast<T>((static_cast<double>(x[j]) - static_cast<double>(m)) - lse),
+                       s.entropy, sa, sb, f, df);
       a -= gh * static_cast<double>(df);
     }
     if (c != nullptr) a += c[j];
@@ -273,7 +288,7 @@ inline void batch_forward_lanes(const float* x, int64_t stride, int64_t k, const
     for (int64_t j = 0; j < k; ++j) {
       const V p = load<V>(e + j * W) * inv;
       V f, df;
-      entropy_lanes<float>(p, s.entropy, sa, sb, f, df);
+      entropy_lanes<float>(p, (load<V>(x + j * stride) - m) - lse, s.entropy, sa, sb, f, df);
       hs += f;
       ds += p * df;
       if (dfo != nullptr) std::memcpy(dfo + j * stride, &df, sizeof(df));
@@ -379,6 +394,7 @@ inline void batch_backward_lanes(const float* x, int64_t stride, int64_t k, cons
   }
   float sa, sb;
   smoothing_constants<float>(k, sa, sb);
+  const V lse = ent && dfi == nullptr ? V{} - log_positive<Bytes>(inv) : V{};  // (inv in [1/K, 1]: normal)
   for (int64_t j = 0; j < k; ++j) {
     const V p = load<V>(e + j * W) * inv;
     V a = coef;
@@ -386,7 +402,7 @@ inline void batch_backward_lanes(const float* x, int64_t stride, int64_t k, cons
       a -= ghv * load<V>(dfi + j * stride);
     } else if (ent) {
       V f, df;
-      entropy_lanes<float>(p, s.entropy, sa, sb, f, df);
+      entropy_lanes<float>(p, (load<V>(x + j * stride) - m) - lse, s.entropy, sa, sb, f, df);
       a -= ghv * df;
     }
     if (ct != nullptr) a += ck * ct[j];

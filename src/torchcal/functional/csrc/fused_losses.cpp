@@ -1223,7 +1223,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   std::atomic<int64_t> n_bad{0};
   at::Tensor out_col;
   at::Tensor df;
-  if (df_out != nullptr && entropy != BE_NONE && keeps_df(x, l)) {
+  // (float32 AvUC's f' is two lane operations from the logits and the row's log-sum-exp: not kept, decision 221)
+  const bool cheap_df = entropy == BE_AVUC && x.scalar_type() == at::kFloat;
+  if (df_out != nullptr && entropy != BE_NONE && !cheap_df && keeps_df(x, l)) {
     df = at::empty(x.sizes(), x.options());
     *df_out = df;
   }
