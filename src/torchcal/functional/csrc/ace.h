@@ -139,7 +139,7 @@ struct Bins {
     return static_cast<double>(std::nextafter(T(0.5), T(0)));
   }
   bool simple(T p) const { return !(static_cast<double>(soft ? p * scale : p) > threshold()); }
-  int64_t hard(T p) const {
+  __attribute__((always_inline)) int64_t hard(T p) const {
     const double f = static_cast<double>(p) * scale;
     int64_t b = f > 0.0 ? (f < static_cast<double>(n - 1) ? static_cast<int64_t>(f) : n - 1) : 0;
     // the guess is at most one bin off (float edges within a few ulps of b(1 + eps)/M): one step each way
@@ -173,8 +173,9 @@ struct Bins {
   // rounding of every other use), list[0..m) = the indices of those that are not simple (returns m); with
   // zs the simple ones' Σ p added per class (their count is the kept rows' less the others'); with pg the
   // bin-0 gradient row copied into u and *dot = Σ pg·p
+  // (with ``given``, e already holds p: it is read, not scaled or written)
   int64_t scan(T* e, T inv, int64_t count, int32_t* list, double* zs, const double* pg = nullptr,
-               double* u = nullptr, double* dot = nullptr) const {
+               double* u = nullptr, double* dot = nullptr, bool given = false) const {
     constexpr int W = Vec<double, kWideBytes>::width;
     using D = typename Vec<double, kWideBytes>::type;
     using F = typename Vec<T, W * sizeof(T)>::type;
@@ -184,8 +185,8 @@ struct Bins {
     D acc = {};
     int64_t m = 0, j = 0;
     for (; j + W <= count; j += W) {
-      const F pv = load<F>(e + j) * iv;
-      std::memcpy(e + j, &pv, sizeof(F));
+      const F pv = given ? load<F>(e + j) : load<F>(e + j) * iv;
+      if (!given) std::memcpy(e + j, &pv, sizeof(F));
       const D pd = __builtin_convertvector(pv, D);
       const D v = soft ? __builtin_convertvector(pv * sc, D) : pd;
       uint64_t bits = compare_mask<double, kWideBytes>(v, thr_d);
@@ -205,8 +206,8 @@ struct Bins {
     }
     double tail = 0.0;
     for (; j < count; ++j) {
-      const T p = e[j] * inv;
-      e[j] = p;
+      const T p = given ? e[j] : e[j] * inv;
+      if (!given) e[j] = p;
       const bool other = static_cast<double>(soft ? p * scale : p) > thr;
       if (zs != nullptr && !other) zs[j] += static_cast<double>(p);
       if (pg != nullptr) {
@@ -299,6 +300,7 @@ inline double cell_ace(const Spec& s, const double* tab, int64_t& occupied) {
 struct Forward {
   at::Tensor loss;
   at::Tensor stats;
+  at::Tensor probs;  // every kept row's p ((N, K) inputs, when asked: the whole-loss node's backward reads it)
 };
 
 // -- (N, K, S) inputs: tiles of positions, vectorised across positions ------------------------------------
@@ -577,9 +579,11 @@ void backward_planes(const Spec& s, const T* x, T* grad, const int64_t* tp, cons
   });
 }
 
+// probs: where every kept row's p is written (the whole-loss node's backward then reads it instead of taking
+// its exps again: decision 222) or null
 template <typename T>
 void forward_rows(const Spec& s, const T* x, const int64_t* tp, const Bins<T>& bins, double* parts, double* row_max,
-                  T* ce_rows, std::atomic<int64_t>& n_bad) {
+                  T* ce_rows, std::atomic<int64_t>& n_bad, T* probs = nullptr) {
   const int64_t items = s.groups * s.chunks, k = s.k, first = s.first, c = s.c;
   const int64_t stride = c * N_CELL;  // from one bin of a class to the next
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
@@ -603,14 +607,18 @@ void forward_rows(const Spec& s, const T* x, const int64_t* tp, const Bins<T>& b
         }
         const T mx = row_max_of(row, k);
         row_max[m] = static_cast<double>(mx);
-        const double sum = exp_of(row, k, mx, w.e.data());
+        T* e = probs != nullptr ? probs + m * k : w.e.data();
+        const double sum = exp_of(row, k, mx, e);
         const double ce = std::log(sum) + static_cast<double>(mx) - static_cast<double>(row[y]);
         if (ce_rows != nullptr) ce_rows[m] = static_cast<T>(ce);
         ce_sum += ce;
         kept += 1.0;
         int32_t* list = w.list.data();
-        const int64_t n_other = bins.scan(w.e.data() + first, static_cast<T>(1.0 / sum), c, list, zero + c);
-        const T* p = w.e.data() + first;  // (now p)
+        const T inv = static_cast<T>(1.0 / sum);
+        if (probs != nullptr)
+          for (int64_t j = 0; j < first; ++j) e[j] *= inv;  // (the unbinned background's p too)
+        const int64_t n_other = bins.scan(e + first, inv, c, list, zero + c);
+        const T* p = e + first;  // (now p)
         for (int64_t i = 0; i < n_other; ++i) zero[list[i]] -= 1.0;  // bin 0's count: kept rows less these
         if (!s.soft) {
           for (int64_t i = 0; i < n_other; ++i) {
@@ -675,7 +683,8 @@ inline int64_t aces(const Spec& s, const double* st, std::vector<double>& ace, s
 }
 
 inline Forward forward(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& edges,
-                       at::ArrayRef<double> params, at::IntArrayRef options, c10::optional<int64_t> ignore_index) {
+                       at::ArrayRef<double> params, at::IntArrayRef options, c10::optional<int64_t> ignore_index,
+                       bool keep_probs = false) {
   const Spec s = make_spec(logits, targets, params, options, ignore_index);
   const at::Tensor x = logits.contiguous();
   const at::Tensor t = targets.to(at::kLong).contiguous();
@@ -691,13 +700,18 @@ inline Forward forward(const at::Tensor& logits, const at::Tensor& targets, cons
   if (s.reduction == 0) ce_rows = at::empty(targets.sizes(), logits.options());
   std::atomic<int64_t> n_bad{0};
   row_max = stats.data_ptr<double>() + s.stats_size() - s.rows;
+  // (the planes of (N, K, S) inputs take their exps again in the backward: an array of the logits' size costs
+  // more there in first-touch page faults than the exps, as the batch-term node's lanes, decision 220)
+  at::Tensor probs;
+  if (keep_probs && s.sp == 1) probs = at::empty(x.sizes(), x.options());
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "fused_ace", [&] {
     const Bins<scalar_t> bins(s.soft ? nullptr : ed.data_ptr<scalar_t>(), s.bins, s.soft);
     scalar_t* ce = s.reduction == 0 ? ce_rows.data_ptr<scalar_t>() : nullptr;
     if (s.sp > 1)
       forward_planes<scalar_t>(s, x.data_ptr<scalar_t>(), tp, bins, parts.data_ptr<double>(), row_max, ce, n_bad);
     else
-      forward_rows<scalar_t>(s, x.data_ptr<scalar_t>(), tp, bins, parts.data_ptr<double>(), row_max, ce, n_bad);
+      forward_rows<scalar_t>(s, x.data_ptr<scalar_t>(), tp, bins, parts.data_ptr<double>(), row_max, ce, n_bad,
+                             probs.defined() ? probs.data_ptr<scalar_t>() : nullptr);
   });
   if (n_bad.load() > 0) raise_bad_label(tp, s.rows, s.k, s.has_ignore, s.ignore);
   // the chunks' partials summed in chunk order into the statistics
@@ -756,12 +770,14 @@ inline Forward forward(const at::Tensor& logits, const at::Tensor& targets, cons
       loss = at::scalar_tensor(value, logits.options());
     }
   }
-  return {loss, stats};
+  return {loss, stats, probs};
 }
 
+// probs: the forward's kept p (keep_probs) or undefined (the exps are taken again)
 inline at::Tensor backward(const at::Tensor& grad_loss, const at::Tensor& logits, const at::Tensor& targets,
                            const at::Tensor& edges, const at::Tensor& stats, at::ArrayRef<double> params,
-                           at::IntArrayRef options, c10::optional<int64_t> ignore_index) {
+                           at::IntArrayRef options, c10::optional<int64_t> ignore_index,
+                           const at::Tensor& probs = at::Tensor()) {
   const Spec s = make_spec(logits, targets, params, options, ignore_index);
   TORCH_CHECK_VALUE(stats.scalar_type() == at::kDouble && stats.is_contiguous() && stats.numel() == s.stats_size(),
                     "`stats` must be the forward's float64 statistics");
@@ -832,6 +848,7 @@ inline at::Tensor backward(const at::Tensor& grad_loss, const at::Tensor& logits
       return;
     }
     const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / k);
+    T* kept_p = probs.defined() ? probs.data_ptr<T>() : nullptr;
     at::parallel_for(0, s.rows, grain, [&](int64_t begin, int64_t end) {
       RowBuffers<T> w(k);
       for_rows<T>(s, x.data_ptr<T>(), grad.data_ptr<T>(), begin, end, w.xb, w.gb, [&](int64_t m, const T* row, T* gr) {
@@ -842,11 +859,11 @@ inline at::Tensor backward(const at::Tensor& grad_loss, const at::Tensor& logits
         }
         const int64_t y = tp[m];
         const double gce = gp[m * stride] / ce_div;
-        const double sum = exp_of(row, k, static_cast<T>(row_max[m]), w.e.data());
-        const T inv = static_cast<T>(1.0 / sum);
-        T* e = w.e.data();
+        const bool given = kept_p != nullptr;
+        T* e = given ? kept_p + m * k : w.e.data();
+        const T inv = given ? T(1) : static_cast<T>(1.0 / exp_of(row, k, static_cast<T>(row_max[m]), e));
         for (int64_t j = 0; j < first; ++j) {
-          e[j] *= inv;
+          if (!given) e[j] *= inv;
           w.u[j] = 0.0;
         }
         const int64_t at = (m / s.per_group) * s.bins * c;
@@ -854,7 +871,7 @@ inline at::Tensor backward(const at::Tensor& grad_loss, const at::Tensor& logits
         double* u = w.u.data() + first;
         int32_t* list = w.list.data();
         double dot = 0.0;  // Σ u p: bin 0's, corrected below for the others
-        const int64_t n_other = bins.scan(e + first, inv, c, list, nullptr, pg, u, &dot);
+        const int64_t n_other = bins.scan(e + first, inv, c, list, nullptr, pg, u, &dot, given);
         const T* p = e + first;
         if (!s.soft) {
           for (int64_t i = 0; i < n_other; ++i) {
@@ -893,10 +910,12 @@ class FusedAce : public torch::autograd::Function<FusedAce> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& logits, const at::Tensor& targets,
                             const at::Tensor& edges, at::ArrayRef<double> params, at::IntArrayRef options,
-                            c10::optional<int64_t> ignore_index) {
+                            c10::optional<int64_t> ignore_index, bool keep) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    Forward f = ace::forward(logits, targets, edges, params, options, ignore_index);
-    ctx->save_for_backward({logits, targets, edges, f.stats});
+    // (keep: a backward will run, for which the rows' p are kept, one array of the logits' size, as cross
+    // entropy keeps its log-probabilities)
+    Forward f = ace::forward(logits, targets, edges, params, options, ignore_index, keep);
+    ctx->save_for_backward({logits, targets, edges, f.stats, f.probs});
     ctx->saved_data["params"] = std::vector<double>(params.begin(), params.end());
     ctx->saved_data["options"] = std::vector<int64_t>(options.begin(), options.end());
     ctx->saved_data["has_ignore"] = ignore_index.has_value();
@@ -914,8 +933,8 @@ class FusedAce : public torch::autograd::Function<FusedAce> {
     const std::vector<int64_t> options = ctx->saved_data["options"].toIntVector();
     c10::optional<int64_t> ignore;
     if (ctx->saved_data["has_ignore"].toBool()) ignore = ctx->saved_data["ignore"].toInt();
-    at::Tensor grad = ace::backward(grads[0], saved[0], saved[1], saved[2], saved[3], params, options, ignore);
-    return {grad, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    at::Tensor grad = ace::backward(grads[0], saved[0], saved[1], saved[2], saved[3], params, options, ignore, saved[4]);
+    return {grad, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -930,7 +949,8 @@ inline at::Tensor fused_ace_cpu(const at::Tensor& logits, const at::Tensor& targ
 inline at::Tensor fused_ace_autograd(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& edges,
                                      at::ArrayRef<double> params, at::IntArrayRef options,
                                      c10::optional<int64_t> ignore_index) {
-  return ace::FusedAce::apply(logits, targets, edges, params, options, ignore_index);
+  const bool keep = at::GradMode::is_enabled() && logits.requires_grad();
+  return ace::FusedAce::apply(logits, targets, edges, params, options, ignore_index, keep);
 }
 
 // the same loss as two plain operators for torch.compile: the forward returns the statistics the backward reads
