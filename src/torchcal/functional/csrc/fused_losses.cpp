@@ -461,6 +461,7 @@ struct MarginForward {
   at::Tensor stats;  // (M, N_STAT) float64 per row
   at::Tensor sums;   // CALS's statistics (2K + 1) float64 when asked for, else empty
   at::Tensor df;     // the confidence penalty's f'(p) (M, K) in the logits' dtype when kept, else undefined
+  at::Tensor ex;     // the rows' exps (M, K) when kept (the row path of the autograd nodes), else undefined
 };
 
 // The CALS statistics' parts: a fixed split of the rows (depending on N, K and the positions only), each
@@ -490,7 +491,7 @@ void over_row_parts(const T* x, const Layout& l, int64_t parts, const Fn& fn) {
 MarginForward margin_forward(const at::Tensor& logits, const at::Tensor& targets, int64_t kind,
                              at::ArrayRef<double> params, c10::optional<int64_t> ignore_index,
                              bool penalty_all_rows, int64_t reduction, at::Tensor class_params = at::Tensor(),
-                             bool want_sums = false, bool keep_df = false) {
+                             bool want_sums = false, bool keep_df = false, bool keep_e = false) {
   const Layout l = margin_layout(logits, targets);
   MarginSpec s = margin_spec(kind, params);
   margin_class_params(s, class_params, logits);
@@ -512,6 +513,9 @@ MarginForward margin_forward(const at::Tensor& logits, const at::Tensor& targets
   const bool lanes = x.scalar_type() == at::kFloat ? margin_by_lanes<float>(l, s) : margin_by_lanes<double>(l, s);
   at::Tensor df;
   if (keep_df && s.kind == M_CP && !lanes) df = at::empty({rows, k}, x.options());
+  // (the row path's exps, kept for the backward of the autograd nodes: decision 220)
+  at::Tensor ex;
+  if (keep_e && !lanes && l.sp == 1) ex = at::empty({rows, k}, x.options());
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "fused_margin", [&] {
     if (lanes) {
       n_bad += margin_forward_by_lanes<scalar_t>(x.data_ptr<scalar_t>(), l, s, tp, has_ignore, ignore, op,
@@ -520,6 +524,7 @@ MarginForward margin_forward(const at::Tensor& logits, const at::Tensor& targets
     }
     const bool scratch = s.kind == M_CP;
     scalar_t* dfp = df.defined() ? df.data_ptr<scalar_t>() : nullptr;
+    scalar_t* exp_ = ex.defined() ? ex.data_ptr<scalar_t>() : nullptr;
     const auto row_fn = [&](int64_t i, const scalar_t* row, double* sums) {
       int64_t bad = 0;
       const int64_t y = margin_label(tp[i], k, has_ignore, ignore, bad);
@@ -528,7 +533,8 @@ MarginForward margin_forward(const at::Tensor& logits, const at::Tensor& targets
       if (scratch && static_cast<int64_t>(buffer.size()) < k) buffer.resize(static_cast<size_t>(k));
       const bool kept = sums != nullptr && !(has_ignore && tp[i] == ignore);
       margin_forward_row<scalar_t>(row, k, y, s, scratch ? buffer.data() : nullptr, op + i * N_STAT,
-                                   kept ? sums : nullptr, dfp == nullptr ? nullptr : dfp + i * k);
+                                   kept ? sums : nullptr, dfp == nullptr ? nullptr : dfp + i * k,
+                                   exp_ == nullptr ? nullptr : exp_ + i * k);
       if (kept) sums[2 * k] += 1.0;
     };
     if (want_sums) {
@@ -583,13 +589,14 @@ MarginForward margin_forward(const at::Tensor& logits, const at::Tensor& targets
     const double total = reduction == 2 ? ce + s.coef * pen : ce / n_ce + s.coef * (pen / n_pen);
     loss = at::scalar_tensor(total, logits.options());
   }
-  return {loss, stats, sums, df};
+  return {loss, stats, sums, df, ex};
 }
 
 at::Tensor margin_backward(const at::Tensor& grad_loss, const at::Tensor& logits, const at::Tensor& targets,
                            const at::Tensor& stats, int64_t kind, at::ArrayRef<double> params,
                            c10::optional<int64_t> ignore_index, bool penalty_all_rows, int64_t reduction,
-                           at::Tensor class_params = at::Tensor(), const at::Tensor& kept_df = at::Tensor()) {
+                           at::Tensor class_params = at::Tensor(), const at::Tensor& kept_df = at::Tensor(),
+                           const at::Tensor& kept_e = at::Tensor()) {
   const Layout l = margin_layout(logits, targets);
   MarginSpec s = margin_spec(kind, params);
   margin_class_params(s, class_params, logits);
@@ -646,6 +653,7 @@ at::Tensor margin_backward(const at::Tensor& grad_loss, const at::Tensor& logits
       return;
     }
     const scalar_t* dfp = kept_df.defined() ? kept_df.data_ptr<scalar_t>() : nullptr;
+    const scalar_t* exp_ = kept_e.defined() && l.sp == 1 ? kept_e.data_ptr<scalar_t>() : nullptr;
     over_rows<scalar_t>(x.data_ptr<scalar_t>(), grad.data_ptr<scalar_t>(), l,
                         [&](int64_t i, const scalar_t* row, scalar_t* g) {
                           const bool keep = !(has_ignore && tp[i] == ignore);
@@ -657,7 +665,8 @@ at::Tensor margin_backward(const at::Tensor& grad_loss, const at::Tensor& logits
                             return;
                           }
                           margin_backward_row<scalar_t>(row, k, keep ? tp[i] : -1, s, op + i * N_STAT, gce, gpen, g,
-                                                        dfp == nullptr ? nullptr : dfp + i * k);
+                                                        dfp == nullptr ? nullptr : dfp + i * k,
+                                                        exp_ == nullptr ? nullptr : exp_ + i * k);
                         });
   });
   return grad;
@@ -676,7 +685,8 @@ void save_margin_options(AutogradContext* ctx, int64_t kind, at::ArrayRef<double
 }
 
 at::Tensor margin_backward_saved(AutogradContext* ctx, const at::Tensor& grad_loss, const variable_list& saved,
-                                 const at::Tensor& class_params, const at::Tensor& kept_df = at::Tensor()) {
+                                 const at::Tensor& class_params, const at::Tensor& kept_df = at::Tensor(),
+                                 const at::Tensor& kept_e = at::Tensor()) {
   TORCH_CHECK(!at::GradMode::is_enabled(),
               "the fused CPU margin loss is differentiable once only; for higher-order gradients run it with "
               "torchcal.functional.use_cpu_extension(False)");
@@ -685,7 +695,7 @@ at::Tensor margin_backward_saved(AutogradContext* ctx, const at::Tensor& grad_lo
   if (ctx->saved_data["has_ignore"].toBool()) ignore = ctx->saved_data["ignore"].toInt();
   return margin_backward(grad_loss, saved[0], saved[1], saved[2], ctx->saved_data["kind"].toInt(), params, ignore,
                          ctx->saved_data["all"].toBool(), ctx->saved_data["reduction"].toInt(), class_params,
-                         kept_df);
+                         kept_df, kept_e);
 }
 
 class FusedMargin : public torch::autograd::Function<FusedMargin> {
@@ -694,17 +704,18 @@ class FusedMargin : public torch::autograd::Function<FusedMargin> {
                             at::ArrayRef<double> params, c10::optional<int64_t> ignore_index, bool penalty_all_rows,
                             int64_t reduction, bool keep_df) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    // (keep_df: a backward will run, and the confidence penalty keeps f'(p) for it: decision 208)
+    // (keep_df: a backward will run, and the confidence penalty keeps f'(p) for it (decision 208), every kind
+    // its rows' exps (decision 220))
     MarginForward f = margin_forward(logits, targets, kind, params, ignore_index, penalty_all_rows, reduction,
-                                     at::Tensor(), false, keep_df);
-    ctx->save_for_backward({logits, targets, f.stats, f.df});
+                                     at::Tensor(), false, keep_df, keep_df);
+    ctx->save_for_backward({logits, targets, f.stats, f.df, f.ex});
     save_margin_options(ctx, kind, params, ignore_index, penalty_all_rows, reduction);
     return f.loss;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    at::Tensor grad = margin_backward_saved(ctx, grads[0], saved, at::Tensor(), saved[3]);
+    at::Tensor grad = margin_backward_saved(ctx, grads[0], saved, at::Tensor(), saved[3], saved[4]);
     return {grad, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
@@ -747,11 +758,13 @@ class FusedMarginClass : public torch::autograd::Function<FusedMarginClass> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& logits, const at::Tensor& targets,
                                int64_t kind, at::ArrayRef<double> params,
                                const c10::optional<at::Tensor>& class_params, c10::optional<int64_t> ignore_index,
-                               bool penalty_all_rows, int64_t reduction, bool sums) {
+                               bool penalty_all_rows, int64_t reduction, bool sums, bool keep_e) {
     at::AutoDispatchBelowADInplaceOrView guard;
     const at::Tensor cls = class_params.value_or(at::Tensor());
-    MarginForward f = margin_forward(logits, targets, kind, params, ignore_index, penalty_all_rows, reduction, cls, sums);
-    ctx->save_for_backward({logits, targets, f.stats, cls});
+    // (keep_e: a backward will run, for which the rows' exps are kept: decision 220)
+    MarginForward f =
+        margin_forward(logits, targets, kind, params, ignore_index, penalty_all_rows, reduction, cls, sums, false, keep_e);
+    ctx->save_for_backward({logits, targets, f.stats, cls, f.ex});
     ctx->mark_non_differentiable({f.sums});
     save_margin_options(ctx, kind, params, ignore_index, penalty_all_rows, reduction);
     return {f.loss, f.sums};
@@ -759,9 +772,9 @@ class FusedMarginClass : public torch::autograd::Function<FusedMarginClass> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    at::Tensor grad = margin_backward_saved(ctx, grads[0], saved, saved[3]);
+    at::Tensor grad = margin_backward_saved(ctx, grads[0], saved, saved[3], at::Tensor(), saved[4]);
     return {grad,         at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
-            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -780,8 +793,9 @@ std::tuple<at::Tensor, at::Tensor> fused_margin_class_autograd(const at::Tensor&
                                                                const c10::optional<at::Tensor>& class_params,
                                                                c10::optional<int64_t> ignore_index,
                                                                bool penalty_all_rows, int64_t reduction, bool sums) {
+  const bool keep_e = at::GradMode::is_enabled() && logits.requires_grad();
   variable_list out = FusedMarginClass::apply(logits, targets, kind, params, class_params, ignore_index,
-                                              penalty_all_rows, reduction, sums);
+                                              penalty_all_rows, reduction, sums, keep_e);
   return {out[0], out[1]};
 }
 

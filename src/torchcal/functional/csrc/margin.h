@@ -342,12 +342,15 @@ inline void cals_row(const T* x, int64_t k, T m, const MarginSpec& s, double* su
 // entropy). The penalty is computed in the input dtype where the torch path does (the hinge's threshold
 // max − m, the distances, the clamp), its sums in float64. sums: CALS's per-class statistics of a kept row
 // (cals_row), or null.
+// keep_e: where the row's exps are written for the backward (the whole-loss node, decision 220; then also the
+// confidence penalty's scratch) or null.
 template <typename T>
 inline void margin_forward_row(const T* x, int64_t k, int64_t y, const MarginSpec& s, T* scratch, double* o,
-                               double* sums = nullptr, T* keep_df = nullptr) {
+                               double* sums = nullptr, T* keep_df = nullptr, T* keep_e = nullptr) {
   const T m = max_of(x, k);
   const bool cp = s.kind == M_CP;
-  const double sum = exp_row(x, k, m, cp ? scratch : nullptr);
+  if (keep_e != nullptr) scratch = keep_e;
+  const double sum = exp_row(x, k, m, cp || keep_e != nullptr ? scratch : nullptr);
   const double log_sum = std::log(sum);
   o[S_CE] = y >= 0 ? (static_cast<double>(m) - static_cast<double>(x[y])) + log_sum : 0.0;
   o[S_MAX] = static_cast<double>(m);
@@ -453,13 +456,15 @@ inline double penalty_top(int64_t k, const MarginSpec& s, const double* o, doubl
 // One row's gradient into g: gce·(p − onehot(y)) + the penalty's, with gce and gpen the row's incoming
 // gradients of the cross entropy and of the penalty (the latter times coef). The (K,) pass runs in the input
 // dtype (vectorised); the label and arg-max entries are recomputed in float64.
+// kept_e: the forward's exps of the row (keep_e; then no exp is taken here) or null
 template <typename T>
 inline void margin_backward_row(const T* x, int64_t k, int64_t y, const MarginSpec& s, const double* o, double gce,
-                                double gpen, T* g, const T* kept_df = nullptr) {
+                                double gpen, T* g, const T* kept_df = nullptr, const T* kept_e = nullptr) {
   const T m = static_cast<T>(o[S_MAX]);
   const double inv = o[S_INV];
   const int64_t arg = static_cast<int64_t>(o[S_ARG]);
-  exp_row(x, k, m, g);
+  if (kept_e == nullptr) exp_row(x, k, m, g);
+  const T* ev = kept_e != nullptr ? kept_e : g;  // exp(x − m)
   if (s.kind == M_CP) {
     // p_j (gce + gpen (f'(p_j) − Σ_k p_k f'(p_k))) (MbLS form: f'/K); the sample form's +1 in f' cancels
     // against Σ p_k = 1. g holds exp(x − m): p = g / Σ.
@@ -470,7 +475,7 @@ inline void margin_backward_row(const T* x, int64_t k, int64_t y, const MarginSp
       constexpr int F = decltype(form)::value;
       walk_row<T>(k, [&](int64_t j, auto tag) {
         using V = typename Lanes<T, decltype(tag)::value>::type;
-        const V p = lanes_load<V>(g + j) * pinv;
+        const V p = lanes_load<V>(ev + j) * pinv;
         V f, df;
         if (kept_df != nullptr) {  // f'(p) kept by the forward: no log or division here
           df = lanes_load<V>(kept_df + j);
@@ -496,7 +501,7 @@ inline void margin_backward_row(const T* x, int64_t k, int64_t y, const MarginSp
     const double c = gce + gpen * o[S_AUX];
     const T a = static_cast<T>(c * inv);
 #pragma omp simd
-    for (int64_t j = 0; j < k; ++j) g[j] = a * g[j];
+    for (int64_t j = 0; j < k; ++j) g[j] = a * ev[j];
     if (y >= 0) g[y] = static_cast<T>(c * (std::exp(static_cast<double>(x[y]) - static_cast<double>(m)) * inv - 1.0));
     return;
   }
@@ -507,12 +512,12 @@ inline void margin_backward_row(const T* x, int64_t k, int64_t y, const MarginSp
       using V = typename Lanes<T, decltype(tag)::value>::type;
       const V zero = {}, cv = broadcast<V>(c);
       const V r = thr - lanes_load<V>(x + j);
-      lanes_store(g + j, a * lanes_load<V>(g + j) - (r > zero ? cv : zero));
+      lanes_store(g + j, a * lanes_load<V>(ev + j) - (r > zero ? cv : zero));
     });
   } else if (s.kind == M_MAXSUP) {
     const T c = static_cast<T>(gpen / static_cast<double>(k));
 #pragma omp simd
-    for (int64_t j = 0; j < k; ++j) g[j] = a * g[j] - c;
+    for (int64_t j = 0; j < k; ++j) g[j] = a * ev[j] - c;
   } else if (s.kind == M_CALS) {
     const T* ca = static_cast<const T*>(s.cls);
     const T* cb = ca + k;
@@ -522,7 +527,7 @@ inline void margin_backward_row(const T* x, int64_t k, int64_t y, const MarginSp
       const V zero = {};
       V r = (m - lanes_load<V>(x + j)) * lanes_load<V>(ca + j) + lanes_load<V>(cb + j);
       r = r > zero ? r : zero;
-      lanes_store(g + j, a * lanes_load<V>(g + j) - c * r);
+      lanes_store(g + j, a * lanes_load<V>(ev + j) - c * r);
     });
   } else {  // M_ACLS
     const T thr = m + static_cast<T>(-s.margin);
@@ -531,7 +536,7 @@ inline void margin_backward_row(const T* x, int64_t k, int64_t y, const MarginSp
       using V = typename Lanes<T, decltype(tag)::value>::type;
       const V zero = {};
       const V r = thr - lanes_load<V>(x + j);
-      lanes_store(g + j, a * lanes_load<V>(g + j) - c * (r > zero ? r : zero));
+      lanes_store(g + j, a * lanes_load<V>(ev + j) - c * (r > zero ? r : zero));
     });
   }
   const auto entry = [&](int64_t j) {
