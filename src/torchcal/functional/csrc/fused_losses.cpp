@@ -385,17 +385,28 @@ void over_lane_blocks(const Layout& l, const Fn& fn, bool by_image = false) {
 }
 
 // The forward statistics of (N, K, S) logits by lanes into op; returns the number of labels outside [0, K).
-// part_sums (CALS's training statistics, or null): image i's into part_sums + i (2K + 1), its positions in
-// order (the parts of cals_parts, summed as the tile path sums them)
+// part_sums (CALS's training statistics, or null): image i's into part_sums + i (2K + 1) (the parts of
+// cals_parts); each image's blocks in order on one thread add into per-lane float64 sums, which its last block
+// adds into the part in lane order (a scalar float64 chain per lane and class had cost more than the pass)
 template <typename T>
 int64_t margin_forward_by_lanes(const T* x, const Layout& l, const MarginSpec& s, const int64_t* tp, bool has_ignore,
                                 int64_t ignore, double* op, double* part_sums = nullptr) {
   constexpr int W = MarginLanes<T>::W;
   const int64_t k = l.k, sp = l.sp;
   std::atomic<int64_t> n_bad{0};
+  using D = typename MarginLanes<T>::D;
   over_lane_blocks<T>(l, [&](int64_t img, int64_t s0, int64_t w, std::vector<T>& tile) {
     thread_local std::vector<T> e;
     if (s.kind == M_CP && static_cast<int64_t>(e.size()) < k * W) e.resize(static_cast<size_t>(k * W));
+    thread_local std::vector<D> lanes;
+    if (part_sums != nullptr && s0 == 0) lanes.assign(static_cast<size_t>(2 * k + 1), D{});
+    D* ls = part_sums == nullptr ? nullptr : lanes.data();
+    const auto flush = [&] {  // after the image's last block
+      if (part_sums == nullptr || s0 + W < sp) return;
+      double* sums = part_sums + img * (2 * k + 1);
+      for (int64_t i = 0; i < 2 * k + 1; ++i)
+        for (int t = 0; t < W; ++t) sums[i] += lanes[i][t];
+    };
     const int64_t row0 = img * sp + s0;
     int64_t bad = 0;
     alignas(64) T y[W];
@@ -404,9 +415,9 @@ int64_t margin_forward_by_lanes(const T* x, const Layout& l, const MarginSpec& s
     }
     if (bad) n_bad += bad;
     const T* src = x + img * k * sp + s0;
-    double* sums = part_sums == nullptr ? nullptr : part_sums + img * (2 * k + 1);
     if (w == W) {
-      margin_forward_lanes<T>(src, sp, k, y, s, e.data(), op + row0 * N_STAT, sums);
+      margin_forward_lanes<T>(src, sp, k, y, s, e.data(), op + row0 * N_STAT, ls);
+      flush();
       return;
     }
     // the image's last, partial block: its positions copied into a tile padded with zeros
@@ -414,8 +425,9 @@ int64_t margin_forward_by_lanes(const T* x, const Layout& l, const MarginSpec& s
     for (int64_t j = 0; j < k; ++j)
       for (int64_t t = 0; t < w; ++t) tile[j * W + t] = src[j * sp + t];
     double o[W * N_STAT];
-    margin_forward_lanes<T>(tile.data(), W, k, y, s, e.data(), o, sums);
+    margin_forward_lanes<T>(tile.data(), W, k, y, s, e.data(), o, ls);
     std::copy(o, o + w * N_STAT, op + row0 * N_STAT);
+    flush();
   }, part_sums != nullptr);
   return n_bad.load();
 }

@@ -114,7 +114,8 @@ inline D log_lanes(D x) {
 // (called out of line, the confidence penalty's rows are 5-10% slower).
 template <typename T>
 __attribute__((flatten)) void margin_forward_lanes(const T* x, int64_t stride, int64_t k, const T* y,
-                                                  const MarginSpec& s, T* e, double* o, double* sums = nullptr) {
+                                                  const MarginSpec& s, T* e, double* o,
+                                                  typename MarginLanes<T>::D* sums = nullptr) {
   using L = MarginLanes<T>;
   using V = typename L::V;
   using D = typename L::D;
@@ -161,15 +162,14 @@ __attribute__((flatten)) void margin_forward_lanes(const T* x, int64_t stride, i
         r = r > zero ? r : zero;
         as += r * r * broadcast<V>(cls[2 * k + j]);
         bs += r;
-        if (sums != nullptr) {  // clamp(r, λ_min, λ_max) in the dtype, max − x in float64
+        if (sums != nullptr) {  // clamp(r, λ_min, λ_max) in the dtype, max − x in float64, kept lanes only
           const T lo = static_cast<T>(s.lo), hi = static_cast<T>(s.hi);
           V c = r < lo ? broadcast<V>(lo) : r;
           c = c > hi ? broadcast<V>(hi) : c;
-          for (int l = 0; l < W; ++l) {
-            if (yv[l] < T(0)) continue;
-            sums[j] += static_cast<double>(c[l]);
-            sums[k + j] += static_cast<double>(m[l]) - static_cast<double>(v[l]);
-          }
+          const D kept = widen<D>(yv), zero_d = {};
+          const D cd = widen<D>(c), diff = widen<D>(m) - widen<D>(v);
+          sums[j] += kept >= 0.0 ? cd : zero_d;
+          sums[k + j] += kept >= 0.0 ? diff : zero_d;
         }
       } else if (s.kind == M_CP) {
         std::memcpy(e + j * W, &ev, sizeof(V));
@@ -209,7 +209,8 @@ __attribute__((flatten)) void margin_forward_lanes(const T* x, int64_t stride, i
     }
   }
   if (sums != nullptr) {
-    for (int l = 0; l < W; ++l) sums[2 * k] += yv[l] >= T(0) ? 1.0 : 0.0;
+    const D kept = widen<D>(yv), zero_d = {}, one_d = zero_d + 1.0;
+    sums[2 * k] += kept >= 0.0 ? one_d : zero_d;
   }
   const double kd = static_cast<double>(k), log_k = std::log(kd);
   for (int l = 0; l < W; ++l) {
