@@ -284,7 +284,9 @@ def test_eager_losses_run_as_one_node_without_the_row_function():
         assert whole[0] == 1 and rows[0] == 2  # (the empty batch: the node's answer is not taken)
 
 
-@pytest.mark.parametrize("name", ["mdca", "focal-mdca", "ls-mdca", "dca", "sb-ece", "avuc", "s-avuc", "esd", "esd-holdout"])
+@pytest.mark.parametrize(
+    "name", ["mdca", "focal-mdca", "ls-mdca", "dca", "sb-ece", "avuc", "s-avuc", "esd", "esd-holdout"]
+)
 @pytest.mark.parametrize("classes", [10, 100])
 def test_batch_scale_float32_is_near_the_float64_torch_path(name, classes):
     """At 4096 rows (ESD's radix sort moves every digit; confidences tie between rows) the float32 node is
@@ -307,6 +309,37 @@ def test_batch_scale_float32_is_near_the_float64_torch_path(name, classes):
     torch.testing.assert_close(value.double(), want.detach(), rtol=1e-5, atol=1e-6)
     got, ref = x32.grad, x64.grad
     assert got is not None and ref is not None
+    scale = float(ref.abs().max())
+    torch.testing.assert_close(got.double() / scale, ref / scale, rtol=0, atol=5e-5)
+
+
+@pytest.mark.parametrize("name", ["focal-mdca", "avuc"])
+@pytest.mark.parametrize("classes", [10, 100])
+def test_extreme_rows_float32_are_near_the_float64_torch_path(name, classes):
+    """The float32 shortcuts of decisions 220-221 at their edges: rows with probabilities far below 1e-10
+    (AvUC's log floor, spread 80), a -inf logit off the label (p = 0 exactly), and near-certain rows whose
+    1 − p_y is ~1e-8 (the focal base's (Σ − e_y)/Σ). Against the float64 torch path with the tolerances of
+    the batch-scale test: the value to 1e-5 relative, the gradient to 5e-5 of its largest entry."""
+    g = torch.Generator().manual_seed(11)
+    z = 2 * torch.randn(64, classes, generator=g, dtype=torch.float64)
+    y = torch.randint(0, classes, (64,), generator=g)
+    z[:16] += 80 * torch.rand(16, classes, generator=g, dtype=torch.float64)  # spread 80: p down to e^-80
+    z[16:24, 1] = -torch.inf
+    y[16:24] = 0
+    z[24:32] = 0.0
+    z[24:32, 3] = 20.0  # p_y = 1 − ~(K − 1)e^-20
+    y[24:32] = 3
+    x32 = z.float().requires_grad_(True)
+    value = LOSSES[name](x32, y)
+    value.backward()
+    x64 = z.clone().requires_grad_(True)
+    with F.use_cpu_extension(False):
+        want = LOSSES[name](x64, y)
+    want.backward()
+    torch.testing.assert_close(value.double(), want.detach(), rtol=1e-5, atol=1e-6)
+    got, ref = x32.grad, x64.grad
+    assert got is not None and ref is not None
+    assert torch.isfinite(got).all()
     scale = float(ref.abs().max())
     torch.testing.assert_close(got.double() / scale, ref / scale, rtol=0, atol=5e-5)
 

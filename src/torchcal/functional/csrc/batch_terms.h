@@ -394,7 +394,8 @@ inline void batch_backward_lanes(const float* x, int64_t stride, int64_t k, cons
   }
   float sa, sb;
   smoothing_constants<float>(k, sa, sb);
-  const V lse = ent && dfi == nullptr ? V{} - log_positive<Bytes>(inv) : V{};  // (inv in [1/K, 1]: normal)
+  // (inv in [1/K, 1]: normal; a padded lane's 0 gives a result that is never written)
+  const V lse = ent && dfi == nullptr ? V{} - log_positive<Bytes>(inv) : V{};
   for (int64_t j = 0; j < k; ++j) {
     const V p = load<V>(e + j * W) * inv;
     V a = coef;
