@@ -340,10 +340,10 @@ def batch_loss(
     """A whole batch-term loss of :mod:`torchcal.functional.margin` (MDCA, DCA, SB-ECE's label form, AvUC,
     S-AvUC, ESD) as one C++ autograd node (:func:`~torchcal.functional._extension.fused_batch_loss`), with
     ``held`` samples (along dimension 0) held out for ESD's term; returns (loss, the node's five float64
-    numbers: AvUC's four sums, then the empty-batch flag), or None where it does not apply: no operator, the inputs of :func:`_fast_margin_call`,
-    while torch.compile traces (the traced loss takes :func:`batch_rows` and the torch terms), ``sync`` with
-    torch.distributed initialised, a label outside [0, K) (the caller's torch path raises the named error)
-    or a base or term with no row (the torch path's 0/0 limits)."""
+    numbers: AvUC's four sums, then the empty-batch flag), or None where it does not apply: no operator, the
+    inputs of :func:`_fast_margin_call`, while torch.compile traces (the traced loss takes :func:`batch_rows`
+    and the torch terms), ``sync`` with torch.distributed initialised, a label outside [0, K) (the caller's
+    torch path raises the named error) or a base or term with no row (the torch path's 0/0 limits)."""
     if torch.compiler.is_compiling() or not _fast_margin_call(logits, targets, reduction) or _synced(sync):
         return None
     rows = targets.numel()
