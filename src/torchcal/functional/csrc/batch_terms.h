@@ -463,6 +463,19 @@ inline void soft_bins(V r, V kept, int64_t bins, T inv_t, T* g, T* ds, V& mean) 
   }
 }
 
+// soft_bins' ds and mean from memberships g it computed before (for W rows at r)
+template <typename T, typename V>
+inline void bin_slopes(V r, int64_t bins, T inv_t, const T* g, T* ds, V& mean) {
+  constexpr int W = sizeof(V) / sizeof(T);
+  mean = V{};
+  for (int64_t b = 0; b < bins; ++b) {
+    const V d = r - static_cast<T>((static_cast<double>(b) + 0.5) / static_cast<double>(bins));
+    const V slope = d * (-2 * inv_t);
+    lanes_store(ds + b * W, slope);
+    mean += lanes_load<V>(g + b * W) * slope;
+  }
+}
+
 }  // namespace torchcal
 
 namespace torchcal {

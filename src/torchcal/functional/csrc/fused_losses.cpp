@@ -1511,12 +1511,17 @@ inline void add_lanes(double* dst, V v) {
   }
 }
 
-std::tuple<at::Tensor, at::Tensor> sbece_label_fwd(const at::Tensor& conf_in, const at::Tensor& correct_in,
-                                                   const at::Tensor& kept_in, int64_t bins, double temperature) {
+// cache: where given, (M·bins) entries of the input dtype into which pass 1 writes the memberships (the W rows
+// of a vector at row·bins, as soft_bins lays them out), which pass 2 and sbece_label_backward then read
+// instead of taking their exps again (the whole-loss node's; the separate operators recompute them)
+std::tuple<at::Tensor, at::Tensor> sbece_label_forward(const at::Tensor& conf_in, const at::Tensor& correct_in,
+                                                       const at::Tensor& kept_in, int64_t bins, double temperature,
+                                                       at::Tensor* cache = nullptr) {
   check_bin_inputs(conf_in, correct_in, kept_in, bins, temperature);
   const at::Tensor conf = conf_in.contiguous(), correct = correct_in.contiguous(), kept = kept_in.contiguous();
   const int64_t m = conf.numel(), n_blocks = (m + kBinRows - 1) / kBinRows;
   at::Tensor saved = at::zeros({3 * bins + 2}, conf.options().dtype(at::kDouble));
+  if (cache != nullptr) *cache = at::empty({m * bins}, conf.options());
   double* sv = saved.data_ptr<double>();
   double* mass = sv;
   double* acc = sv + bins;
@@ -1527,6 +1532,7 @@ std::tuple<at::Tensor, at::Tensor> sbece_label_fwd(const at::Tensor& conf_in, co
     const scalar_t* a = correct.data_ptr<scalar_t>();
     const scalar_t* k = kept.data_ptr<scalar_t>();
     const scalar_t inv_t = static_cast<scalar_t>(1.0 / temperature);
+    scalar_t* gc = cache != nullptr ? cache->data_ptr<scalar_t>() : nullptr;
     // per block: (2·bins + 1) sums of kBinLanes per-lane partials each
     constexpr int64_t L = kBinLanes;
     const int64_t stride = (2 * bins + 1) * L;
@@ -1539,7 +1545,8 @@ std::tuple<at::Tensor, at::Tensor> sbece_label_fwd(const at::Tensor& conf_in, co
     // pass 1: S_b, Σ_i g_ib a_i and the kept count
     over_bin_rows<scalar_t>(m, [&](int64_t blk, auto tag, int64_t i) {
       using V = typename Lanes<scalar_t, decltype(tag)::value>::type;
-      scalar_t g[kMaxBins * kBinLanes];
+      scalar_t own[kMaxBins * kBinLanes];
+      scalar_t* g = gc != nullptr ? gc + i * bins : own;
       V mean;
       const V kv = lanes_load<V>(k + i);
       double* p = part.data() + blk * stride;
@@ -1571,10 +1578,14 @@ std::tuple<at::Tensor, at::Tensor> sbece_label_fwd(const at::Tensor& conf_in, co
     over_bin_rows<scalar_t>(m, [&](int64_t blk, auto tag, int64_t i) {
       using V = typename Lanes<scalar_t, decltype(tag)::value>::type;
       constexpr int W = sizeof(V) / sizeof(scalar_t);
-      scalar_t g[kMaxBins * kBinLanes];
+      scalar_t own[kMaxBins * kBinLanes];
+      const scalar_t* g = own;
       V mean;
       const V rv = lanes_load<V>(r + i);
-      soft_bins<scalar_t, V>(rv, lanes_load<V>(k + i), bins, inv_t, g, nullptr, mean);
+      if (gc != nullptr)
+        g = gc + i * bins;
+      else
+        soft_bins<scalar_t, V>(rv, lanes_load<V>(k + i), bins, inv_t, own, nullptr, mean);
       double* p = part.data() + blk * stride;
       V tot = {};
       for (int64_t b = 0; b < bins; ++b) {
@@ -1598,8 +1609,15 @@ std::tuple<at::Tensor, at::Tensor> sbece_label_fwd(const at::Tensor& conf_in, co
   return {at::scalar_tensor(value, conf.options()), saved};
 }
 
-at::Tensor sbece_label_bwd(const at::Tensor& grad, const at::Tensor& conf_in, const at::Tensor& correct_in,
-                           const at::Tensor& kept_in, const at::Tensor& saved, int64_t bins, double temperature) {
+std::tuple<at::Tensor, at::Tensor> sbece_label_fwd(const at::Tensor& conf, const at::Tensor& correct,
+                                                   const at::Tensor& kept, int64_t bins, double temperature) {
+  return sbece_label_forward(conf, correct, kept, bins, temperature);
+}
+
+// cache: sbece_label_forward's memberships, or undefined (then they are recomputed)
+at::Tensor sbece_label_backward(const at::Tensor& grad, const at::Tensor& conf_in, const at::Tensor& correct_in,
+                                const at::Tensor& kept_in, const at::Tensor& saved, int64_t bins, double temperature,
+                                const at::Tensor& cache = at::Tensor()) {
   check_bin_inputs(conf_in, correct_in, kept_in, bins, temperature);
   TORCH_CHECK_VALUE(saved.scalar_type() == at::kDouble && saved.numel() == 3 * bins + 2,
                     "`saved` must be the forward's statistics");
@@ -1623,13 +1641,20 @@ at::Tensor sbece_label_bwd(const at::Tensor& grad, const at::Tensor& conf_in, co
       qs[b] = static_cast<scalar_t>(sv[2 * bins + b] / mass);
     }
     const scalar_t ft = static_cast<scalar_t>(f);
+    const scalar_t* gc = cache.defined() ? cache.data_ptr<scalar_t>() : nullptr;
     over_bin_rows<scalar_t>(m, [&](int64_t, auto tag, int64_t i) {
       using V = typename Lanes<scalar_t, decltype(tag)::value>::type;
       constexpr int W = sizeof(V) / sizeof(scalar_t);
-      scalar_t g[kMaxBins * kBinLanes], ds[kMaxBins * kBinLanes];
+      scalar_t own[kMaxBins * kBinLanes], ds[kMaxBins * kBinLanes];
+      const scalar_t* g = own;
       V mean;
       const V rv = lanes_load<V>(r + i), av = lanes_load<V>(a + i);
-      soft_bins<scalar_t, V>(rv, lanes_load<V>(k + i), bins, inv_t, g, ds, mean);
+      if (gc != nullptr) {
+        g = gc + i * bins;
+        bin_slopes<scalar_t, V>(rv, bins, inv_t, g, ds, mean);
+      } else {
+        soft_bins<scalar_t, V>(rv, lanes_load<V>(k + i), bins, inv_t, own, ds, mean);
+      }
       V d_total = {};
       for (int64_t b = 0; b < bins; ++b) {
         const V gb = lanes_load<V>(g + b * W);
@@ -1641,6 +1666,11 @@ at::Tensor sbece_label_bwd(const at::Tensor& grad, const at::Tensor& conf_in, co
     });
   });
   return out;
+}
+
+at::Tensor sbece_label_bwd(const at::Tensor& grad, const at::Tensor& conf, const at::Tensor& correct,
+                           const at::Tensor& kept, const at::Tensor& saved, int64_t bins, double temperature) {
+  return sbece_label_backward(grad, conf, correct, kept, saved, bins, temperature);
 }
 
 // -- the batch-term losses whole: the per-row operator, the batch term and the reduction in one node --------
@@ -1718,9 +1748,10 @@ BatchLossForward batch_loss_forward(const at::Tensor& logits, const at::Tensor& 
     const at::Tensor kept = at::from_blob(in_term.data(), {m}, at::kByte).to(r.scalar_type());
     const auto bins = static_cast<int64_t>(params[1]);
     at::Tensor value, sv;
-    std::tie(value, sv) = sbece_label_fwd(r, a, kept, bins, params[2]);
+    at::Tensor memberships;  // (pass 1's, read by pass 2 and the backward: one exp per row and bin)
+    std::tie(value, sv) = sbece_label_forward(r, a, kept, bins, params[2], &memberships);
     pen = value.item<double>();
-    f.gr.copy_(sbece_label_bwd(at::ones({}, dbl), r, a, kept, sv, bins, params[2]));
+    f.gr.copy_(sbece_label_backward(at::ones({}, dbl), r, a, kept, sv, bins, params[2], memberships));
   } else {
     const auto parallel = [](int64_t count, const auto& fn) {
       at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
