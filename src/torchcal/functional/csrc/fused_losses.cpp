@@ -1222,6 +1222,12 @@ void over_lanes(const float* x, float* grad, const Layout& l, const Fn& fn, cons
 // rows or lanes are read in place or through over_lanes (not the spatial tiles of over_blocks)
 bool keeps_df(const at::Tensor& x, const Layout& l) { return positions_as_lanes(x, l) || l.sp == 1; }
 
+// targets as a contiguous int64 tensor (itself when it is one: no dispatched call)
+at::Tensor as_long(const at::Tensor& targets) {
+  return targets.scalar_type() == at::kLong && targets.is_contiguous() ? targets
+                                                                       : targets.to(at::kLong).contiguous();
+}
+
 // Whether the row exps can be kept between forward and backward (the whole-loss node): the rows read in place
 // (the lanes' backward takes its exps in the same pass as its transposed reads, and a spatial tensor's extra
 // array of its size costs more in first-touch page faults than its exps)
@@ -1236,7 +1242,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   const Layout l = margin_layout(logits, targets);
   const BatchSpec s = batch_spec(base, gamma, alpha, entropy);
   const at::Tensor x = logits.contiguous();
-  const at::Tensor t = targets.to(at::kLong).contiguous();
+  const at::Tensor t = as_long(targets);
   const int64_t rows = l.n * l.sp, k = l.k;
   const bool has_ignore = ignore_index.has_value();
   const int64_t ignore = ignore_index.value_or(0);
@@ -1350,17 +1356,23 @@ const double* row_gradient(const c10::optional<at::Tensor>& g, int64_t rows, at:
   return keep.data_ptr<double>();
 }
 
-// batch_terms_bwd, reading f' from df and the exps from ex (batch_terms_forward's, or undefined: the logs
-// and exps are taken again)
-at::Tensor batch_terms_backward(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& saved,
-                                const c10::optional<at::Tensor>& g_base, const c10::optional<at::Tensor>& g_r,
-                                const c10::optional<at::Tensor>& g_entropy, const c10::optional<at::Tensor>& g_colsum,
-                                c10::optional<int64_t> ignore_index, int64_t base, double gamma, double alpha,
-                                int64_t entropy, const at::Tensor& df, const at::Tensor& ex = at::Tensor()) {
+// The incoming gradients of the per-row outputs as float64 pointers (null: none): the base's, r's and the
+// entropy's (M each) and the column sums' (K)
+struct RowGrads {
+  const double *gb = nullptr, *gr = nullptr, *gh = nullptr, *gc = nullptr;
+  double base_scale = 1.0, scale = 1.0;  // (the base's gradients times base_scale, the others times scale)
+};
+
+// batch_terms_bwd on the gradients g, reading f' from df and the exps from ex (batch_terms_forward's, or
+// undefined: the logs and exps are taken again)
+at::Tensor batch_terms_backward_rows(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& saved,
+                                     const RowGrads& in, c10::optional<int64_t> ignore_index, int64_t base,
+                                     double gamma, double alpha, int64_t entropy, const at::Tensor& df,
+                                     const at::Tensor& ex) {
   const Layout l = margin_layout(logits, targets);
   const BatchSpec s = batch_spec(base, gamma, alpha, entropy);
   const at::Tensor x = logits.contiguous();
-  const at::Tensor t = targets.to(at::kLong).contiguous();
+  const at::Tensor t = as_long(targets);
   const int64_t rows = l.n * l.sp, k = l.k;
   TORCH_CHECK_VALUE(saved.scalar_type() == at::kDouble && saved.is_contiguous() && saved.dim() == 2 &&
                         saved.size(0) == rows && saved.size(1) == N_BSTAT,
@@ -1368,16 +1380,10 @@ at::Tensor batch_terms_backward(const at::Tensor& logits, const at::Tensor& targ
   const bool has_ignore = ignore_index.has_value();
   const int64_t ignore = ignore_index.value_or(0);
   const int64_t* tp = t.data_ptr<int64_t>();
-  at::Tensor kb, kr, kh, kc;
-  const double* gb = row_gradient(g_base, rows, kb, "g_base");
-  const double* gr = row_gradient(g_r, rows, kr, "g_r");
-  const double* gh = row_gradient(g_entropy, rows, kh, "g_entropy");
-  const double* gc = nullptr;
-  if (g_colsum.has_value() && g_colsum->defined()) {
-    kc = g_colsum->to(at::kDouble).contiguous();
-    TORCH_CHECK_VALUE(kc.numel() == k, "`g_colsum` must have one entry per class");
-    gc = kc.data_ptr<double>();
-  }
+  const double *gb = in.gb, *gr = in.gr, *gh = in.gh, scale = in.scale, base_scale = in.base_scale;
+  std::vector<double> scaled_c(in.gc != nullptr ? static_cast<size_t>(k) : 0);
+  for (int64_t j = 0; j < static_cast<int64_t>(scaled_c.size()); ++j) scaled_c[j] = in.gc[j] * scale;
+  const double* gc = in.gc != nullptr ? scaled_c.data() : nullptr;
   at::Tensor grad = at::empty(x.sizes(), x.options());
   const double* op = saved.data_ptr<double>();
   if (positions_as_lanes(x, l)) {
@@ -1393,9 +1399,9 @@ at::Tensor batch_terms_backward(const at::Tensor& logits, const at::Tensor& targ
             const int64_t row = r0 + t;
             const bool keep = !(has_ignore && tp[row] == ignore);
             y[t] = keep ? tp[row] : -1;
-            b[t] = keep && gb != nullptr ? gb[row] : 0.0;
-            rr[t] = gr != nullptr ? gr[row] : 0.0;
-            hh[t] = gh != nullptr ? gh[row] : 0.0;
+            b[t] = keep && gb != nullptr ? gb[row] * base_scale : 0.0;
+            rr[t] = gr != nullptr ? gr[row] * scale : 0.0;
+            hh[t] = gh != nullptr ? gh[row] * scale : 0.0;
           }
           for (int t = w; t < W; ++t) y[t] = -1;
           thread_local std::vector<float> e;
@@ -1427,9 +1433,9 @@ at::Tensor batch_terms_backward(const at::Tensor& logits, const at::Tensor& targ
                             for (int64_t i = 0; i < w; ++i) {
                               const int64_t row = r0 + i;
                               const bool keep = !(has_ignore && tp[row] == ignore);
-                              const double b = keep && gb != nullptr ? gb[row] : 0.0;
-                              const double rr = gr != nullptr ? gr[row] : 0.0;
-                              const double hh = gh != nullptr ? gh[row] : 0.0;
+                              const double b = keep && gb != nullptr ? gb[row] * base_scale : 0.0;
+                              const double rr = gr != nullptr ? gr[row] * scale : 0.0;
+                              const double hh = gh != nullptr ? gh[row] * scale : 0.0;
                               const bool col = gc != nullptr && (keep || c_nonfinite);
                               scalar_t* g = gr_rows + i * k;
                               if (b == 0.0 && rr == 0.0 && hh == 0.0 && !col) {
@@ -1453,8 +1459,20 @@ at::Tensor batch_terms_bwd(const at::Tensor& logits, const at::Tensor& targets, 
                            const c10::optional<at::Tensor>& g_entropy, const c10::optional<at::Tensor>& g_colsum,
                            c10::optional<int64_t> ignore_index, int64_t base, double gamma, double alpha,
                            int64_t entropy) {
-  return batch_terms_backward(logits, targets, saved, g_base, g_r, g_entropy, g_colsum, ignore_index, base, gamma,
-                              alpha, entropy, at::Tensor());
+  const Layout l = margin_layout(logits, targets);
+  const int64_t rows = l.n * l.sp;
+  at::Tensor kb, kr, kh, kc;
+  RowGrads in;
+  in.gb = row_gradient(g_base, rows, kb, "g_base");
+  in.gr = row_gradient(g_r, rows, kr, "g_r");
+  in.gh = row_gradient(g_entropy, rows, kh, "g_entropy");
+  if (g_colsum.has_value() && g_colsum->defined()) {
+    kc = g_colsum->to(at::kDouble).contiguous();
+    TORCH_CHECK_VALUE(kc.numel() == logits.size(1), "`g_colsum` must have one entry per class");
+    in.gc = kc.data_ptr<double>();
+  }
+  return batch_terms_backward_rows(logits, targets, saved, in, ignore_index, base, gamma, alpha, entropy,
+                                   at::Tensor(), at::Tensor());
 }
 
 // -- SB-ECE's label-binned term on the (M) confidences (batch_terms.h) --------------------------------------
@@ -1615,7 +1633,7 @@ std::tuple<at::Tensor, at::Tensor> sbece_label_fwd(const at::Tensor& conf, const
 }
 
 // cache: sbece_label_forward's memberships, or undefined (then they are recomputed)
-at::Tensor sbece_label_backward(const at::Tensor& grad, const at::Tensor& conf_in, const at::Tensor& correct_in,
+at::Tensor sbece_label_backward(double grad, const at::Tensor& conf_in, const at::Tensor& correct_in,
                                 const at::Tensor& kept_in, const at::Tensor& saved, int64_t bins, double temperature,
                                 const at::Tensor& cache = at::Tensor()) {
   check_bin_inputs(conf_in, correct_in, kept_in, bins, temperature);
@@ -1626,7 +1644,7 @@ at::Tensor sbece_label_backward(const at::Tensor& grad, const at::Tensor& conf_i
   const double* sv = sv_t.data_ptr<double>();
   const int64_t m = conf.numel();
   const double total = sv[3 * bins], count = sv[3 * bins + 1], u = total / count;
-  const double f = grad.item<double>() * (u > 0 ? 0.5 / std::sqrt(u) : 0.0) / count;  // (_safe_sqrt: 0 at 0)
+  const double f = grad * (u > 0 ? 0.5 / std::sqrt(u) : 0.0) / count;  // (_safe_sqrt: 0 at 0)
   at::Tensor out = at::empty_like(conf);
   AT_DISPATCH_FLOATING_TYPES(conf.scalar_type(), "sbece_label_bwd", [&] {
     const scalar_t* r = conf.data_ptr<scalar_t>();
@@ -1670,7 +1688,7 @@ at::Tensor sbece_label_backward(const at::Tensor& grad, const at::Tensor& conf_i
 
 at::Tensor sbece_label_bwd(const at::Tensor& grad, const at::Tensor& conf, const at::Tensor& correct,
                            const at::Tensor& kept, const at::Tensor& saved, int64_t bins, double temperature) {
-  return sbece_label_backward(grad, conf, correct, kept, saved, bins, temperature);
+  return sbece_label_backward(grad.item<double>(), conf, correct, kept, saved, bins, temperature);
 }
 
 // -- the batch-term losses whole: the per-row operator, the batch term and the reduction in one node --------
@@ -1689,11 +1707,23 @@ at::Tensor sbece_label_bwd(const at::Tensor& grad, const at::Tensor& conf, const
 // stats: AvUC's Σ H and count of the accurate kept rows, then of the inaccurate ones; the fifth number is 1
 // when the base or the term has no row, whose limits (0/0) the caller leaves to the torch path.
 
+// grads: the loss's derivatives with respect to the per-row outputs, one float64 tensor of 3·M + K entries:
+// the base's (M), r's (M), the entropy's (M), the column sums' (K); which of the last three the term reads
+// follows from it (term_reads)
 struct BatchLossForward {
-  at::Tensor loss, stats, saved, gb, gr, gh, gc, df, ex;
+  at::Tensor loss, stats, saved, grads, df, ex;
 };
 
 int64_t term_entropy(int64_t term) { return term == BT_AVUC ? BE_AVUC : (term == BT_SAVUC ? BE_SMOOTH : BE_NONE); }
+
+struct TermReads {
+  bool r, h, col;
+};
+
+TermReads term_reads(int64_t term) {
+  return {term == BT_DCA || term == BT_SBECE || term == BT_AVUC || term == BT_ESD, term_entropy(term) != BE_NONE,
+          term == BT_MDCA};
+}
 
 BatchLossForward batch_loss_forward(const at::Tensor& logits, const at::Tensor& targets,
                                     c10::optional<int64_t> ignore_index, int64_t base, double gamma, double alpha,
@@ -1711,7 +1741,7 @@ BatchLossForward batch_loss_forward(const at::Tensor& logits, const at::Tensor& 
                                                          keep_df ? &ex : nullptr);
   const int64_t m = b.numel(), k = logits.size(1);
   TORCH_CHECK_VALUE(split >= 1 && split <= m, "`split` must lie in [1, ", m, "]");
-  const at::Tensor t = targets.to(at::kLong).contiguous();
+  const at::Tensor t = as_long(targets);
   const int64_t* tp = t.data_ptr<int64_t>();
   const bool has_ignore = ignore_index.has_value();
   const int64_t ignore = ignore_index.value_or(0);
@@ -1731,11 +1761,12 @@ BatchLossForward batch_loss_forward(const at::Tensor& logits, const at::Tensor& 
   f.ex = ex;
   f.stats = at::zeros({5}, dbl);
   double* st = f.stats.data_ptr<double>();
-  const bool rows_r = term == BT_DCA || term == BT_SBECE || term == BT_AVUC || term == BT_ESD;
-  f.gb = at::zeros({m}, dbl);
-  f.gr = rows_r ? at::zeros({m}, dbl) : at::Tensor();
-  f.gh = entropy != BE_NONE ? at::zeros({m}, dbl) : at::Tensor();
-  f.gc = term == BT_MDCA ? at::zeros({k}, dbl) : at::Tensor();
+  const TermReads reads = term_reads(term);
+  f.grads = at::zeros({3 * m + k}, dbl);
+  double* gbp = f.grads.data_ptr<double>();
+  double* grp = gbp + m;
+  double* ghp = gbp + 2 * m;
+  double* gcp = gbp + 3 * m;
   if (nb == 0.0 || nt == 0.0) {  // (NaN and no gradient: the caller takes the torch path's limits)
     st[4] = 1.0;
     const double nan = std::numeric_limits<double>::quiet_NaN();
@@ -1751,7 +1782,11 @@ BatchLossForward batch_loss_forward(const at::Tensor& logits, const at::Tensor& 
     at::Tensor memberships;  // (pass 1's, read by pass 2 and the backward: one exp per row and bin)
     std::tie(value, sv) = sbece_label_forward(r, a, kept, bins, params[2], &memberships);
     pen = value.item<double>();
-    f.gr.copy_(sbece_label_backward(at::ones({}, dbl), r, a, kept, sv, bins, params[2], memberships));
+    const at::Tensor dr = sbece_label_backward(1.0, r, a, kept, sv, bins, params[2], memberships);
+    AT_DISPATCH_FLOATING_TYPES(dr.scalar_type(), "sbece_gr", [&] {
+      const scalar_t* d = dr.data_ptr<scalar_t>();
+      for (int64_t i = 0; i < m; ++i) grp[i] = static_cast<double>(d[i]);
+    });
   } else {
     const auto parallel = [](int64_t count, const auto& fn) {
       at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
@@ -1768,40 +1803,39 @@ BatchLossForward batch_loss_forward(const at::Tensor& logits, const at::Tensor& 
         for (int64_t j = 0; j < k; ++j) c[j] = static_cast<double>(cp[j]);
         for (int64_t i = 0; i < m; ++i)
           if (in[i]) lab[tp[i]] += 1.0;
-        pen = mdca_term(k, c.data(), lab.data(), nt, f.gc.data_ptr<double>());
+        pen = mdca_term(k, c.data(), lab.data(), nt, gcp);
       } else if (term == BT_DCA) {
-        pen = dca_term<scalar_t>(m, rp, ap, in, f.gr.data_ptr<double>());
+        pen = dca_term<scalar_t>(m, rp, ap, in, grp);
       } else if (term == BT_AVUC) {
-        pen = avuc_term<scalar_t>(m, rp, ap, h.data_ptr<scalar_t>(), in, static_cast<scalar_t>(params[1]),
-                                  f.gr.data_ptr<double>(), f.gh.data_ptr<double>(), st, parallel);
+        pen = avuc_term<scalar_t>(m, rp, ap, h.data_ptr<scalar_t>(), in, static_cast<scalar_t>(params[1]), grp, ghp,
+                                  st, parallel);
       } else if (term == BT_SAVUC) {
-        pen = savuc_term<scalar_t>(m, ap, h.data_ptr<scalar_t>(), in, k, params[1], params[2], f.gh.data_ptr<double>(),
-                                   parallel);
+        pen = savuc_term<scalar_t>(m, ap, h.data_ptr<scalar_t>(), in, k, params[1], params[2], ghp, parallel);
       } else {  // ESD: λ·sqrt(max(ESD, 0)), the sqrt's derivative 0 where ESD <= 0 (_safe_sqrt)
-        const double esd = esd_term<scalar_t>(m, rp, ap, in, f.gr.data_ptr<double>());
+        const double esd = esd_term<scalar_t>(m, rp, ap, in, grp);
         pen = esd > 0 ? std::sqrt(esd) : 0.0;
-        f.gr.mul_(esd > 0 ? 0.5 / pen : 0.0);
+        const double d = esd > 0 ? 0.5 / pen : 0.0;
+        for (int64_t i = 0; i < m; ++i) grp[i] *= d;
       }
     });
   }
   const double scale = reduction == 2 ? coef * nb : coef;
-  for (at::Tensor* g : {&f.gr, &f.gh, &f.gc})
-    if (g->defined()) g->mul_(scale);
-  double* gbp = f.gb.data_ptr<double>();
+  for (int64_t i = m; i < 3 * m + k; ++i) gbp[i] *= scale;  // (r, H, columns; those the term has none of: 0)
   for (int64_t i = 0; i < m; ++i) gbp[i] = reduction == 1 ? in_base[i] / nb : in_base[i];
-  const at::Tensor bd = b.to(at::kDouble);
-  const double* bp = bd.data_ptr<double>();
-  if (reduction == 0) {
-    at::Tensor out = at::empty({m}, dbl);
-    double* o = out.data_ptr<double>();
-    for (int64_t i = 0; i < m; ++i) o[i] = in_base[i] ? bp[i] + coef * pen : 0.0;
-    f.loss = out.to(logits.scalar_type()).reshape(targets.sizes());
-  } else {
-    double total = 0.0;
-    for (int64_t i = 0; i < m; ++i) total += in_base[i] ? bp[i] : 0.0;
-    const double value = reduction == 1 ? total / nb + coef * pen : total + nb * coef * pen;
-    f.loss = at::scalar_tensor(value, logits.options());
-  }
+  AT_DISPATCH_FLOATING_TYPES(b.scalar_type(), "fused_batch_loss_reduce", [&] {
+    const scalar_t* bp = b.data_ptr<scalar_t>();
+    if (reduction == 0) {
+      f.loss = at::empty(targets.sizes(), logits.options());
+      scalar_t* o = f.loss.data_ptr<scalar_t>();
+      for (int64_t i = 0; i < m; ++i)
+        o[i] = static_cast<scalar_t>(in_base[i] ? static_cast<double>(bp[i]) + coef * pen : 0.0);
+    } else {
+      double total = 0.0;
+      for (int64_t i = 0; i < m; ++i) total += in_base[i] ? static_cast<double>(bp[i]) : 0.0;
+      const double value = reduction == 1 ? total / nb + coef * pen : total + nb * coef * pen;
+      f.loss = at::scalar_tensor(value, logits.options());
+    }
+  });
   return f;
 }
 
@@ -1810,19 +1844,32 @@ at::Tensor batch_loss_backward(const at::Tensor& grad, const variable_list& save
   TORCH_CHECK(!at::GradMode::is_enabled(),
               "the fused CPU batch-term loss is differentiable once only; for higher-order gradients run it with "
               "torchcal.functional.use_cpu_extension(False)");
-  const at::Tensor &gb = saved[3], &gr = saved[4], &gh = saved[5], &gc = saved[6];
-  at::Tensor b;
-  double s;
+  const at::Tensor &logits = saved[0], &targets = saved[1], &stats = saved[2], &grads = saved[3];
+  const int64_t m = stats.size(0);
+  const double* g = grads.data_ptr<double>();
+  const TermReads reads = term_reads(term);
+  RowGrads in;
+  in.gr = reads.r ? g + m : nullptr;
+  in.gh = reads.h ? g + 2 * m : nullptr;
+  in.gc = reads.col ? g + 3 * m : nullptr;
+  std::vector<double> b;
   if (reduction == 0) {  // every covered row carries coef·term: its gradient is the sum of theirs
-    b = grad.to(at::kDouble).reshape({-1}) * gb;
-    s = b.sum().item<double>();
+    const at::Tensor gd = grad.to(at::kDouble).contiguous();
+    const double* gp = gd.data_ptr<double>();
+    b.resize(static_cast<size_t>(m));
+    double total = 0.0;
+    for (int64_t i = 0; i < m; ++i) {
+      b[i] = gp[i] * g[i];
+      total += b[i];
+    }
+    in.scale = total;
   } else {
-    s = grad.item<double>();
-    b = gb * s;
+    in.scale = grad.item<double>();
   }
-  const auto scaled = [s](const at::Tensor& g) { return g.defined() ? c10::optional<at::Tensor>(g * s) : c10::nullopt; };
-  return batch_terms_backward(saved[0], saved[1], saved[2], b, scaled(gr), scaled(gh), scaled(gc), ignore_index,
-                              base, gamma, alpha, term_entropy(term), saved[7], saved[8]);
+  in.gb = reduction == 0 ? b.data() : g;
+  in.base_scale = reduction == 0 ? 1.0 : in.scale;
+  return batch_terms_backward_rows(logits, targets, stats, in, ignore_index, base, gamma, alpha, term_entropy(term),
+                                   saved[4], saved[5]);
 }
 
 class FusedBatchLoss : public torch::autograd::Function<FusedBatchLoss> {
@@ -1836,7 +1883,7 @@ class FusedBatchLoss : public torch::autograd::Function<FusedBatchLoss> {
     // of the logits' size, so that the logs and exps are not taken twice)
     BatchLossForward f =
         batch_loss_forward(logits, targets, ignore_index, base, gamma, alpha, term, params, reduction, split, keep_df);
-    ctx->save_for_backward({logits, targets, f.saved, f.gb, f.gr, f.gh, f.gc, f.df, f.ex});
+    ctx->save_for_backward({logits, targets, f.saved, f.grads, f.df, f.ex});
     ctx->mark_non_differentiable({f.stats});
     ctx->saved_data["has_ignore"] = ignore_index.has_value();
     ctx->saved_data["ignore"] = ignore_index.value_or(0);
