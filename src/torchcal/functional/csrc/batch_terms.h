@@ -75,6 +75,42 @@ __attribute__((flatten)) inline void entropy_lanes(V p, V lp, int64_t entropy, T
   }
 }
 
+// float32 AvUC's exp pass: the exps into e and Σ e_j as exp_row (the same numbers), with e1 = Σ e_j (x_j − m)
+// and lo = min_j (x_j − m) from the same pass. Where lo − lse stays above AvUC's log floor no entry is
+// clamped, and then H = lse − e1/Σ and S = Σ_j p_j f'_j = 1 − H, with no second pass over the row.
+inline double exp_row_moment(const float* x, int64_t k, float m, float* e, double& e1, float& lo) {
+  using VW = Vec<float, kWideBytes>::type;
+  using VN = Vec<float, 16>::type;
+  VW low = {};  // (x − m <= 0 everywhere: 0 is above every entry but the max's)
+  VN low_n = {};
+  float low_s = 0.0f;
+  double sum = 0.0;
+  e1 = 0.0;
+  sum2_row<float>(k, [&](int64_t j, auto tag, auto& v, auto& w) {
+    using V = typename Lanes<float, decltype(tag)::value>::type;
+    if constexpr (std::is_floating_point<V>::value) {
+      const float d = x[j] - m;
+      v = std::exp(d);
+      w = v * d;
+      low_s = d < low_s ? d : low_s;
+    } else {
+      const V d = lanes_load<V>(x + j) - m;
+      v = exp_nonpositive<sizeof(V)>(d);
+      w = v * d;
+      if constexpr (sizeof(V) == kWideBytes) {
+        low = d < low ? d : low;
+      } else {
+        low_n = d < low_n ? d : low_n;
+      }
+    }
+    lanes_store(e + j, v);
+  }, sum, e1);
+  lo = low_s;
+  for (int t = 0; t < static_cast<int>(sizeof(VW) / sizeof(float)); ++t) lo = low[t] < lo ? low[t] : lo;
+  for (int t = 0; t < static_cast<int>(sizeof(VN) / sizeof(float)); ++t) lo = low_n[t] < lo ? low_n[t] : lo;
+  return sum;
+}
+
 // The smoothing's constants in the input dtype (the torch path multiplies a float32 tensor by Python floats)
 template <typename T>
 inline void smoothing_constants(int64_t k, T& a, T& b) {
@@ -95,7 +131,17 @@ inline void batch_forward_row(const T* x, int64_t k, int64_t y, int64_t y0, cons
   const T m = max_of(x, k);
   const int64_t arg = first_index_of(x, k, m);
   const bool need_e = keep_e || s.entropy != BE_NONE || (col != nullptr && y >= 0);
-  const double sum = exp_row(x, k, m, need_e ? e : nullptr);
+  // (float32 AvUC: its entropy from the exp pass's moments where no entry meets the log floor)
+  constexpr bool is_float = std::is_same<T, float>::value;
+  const bool moments = is_float && s.entropy == BE_AVUC && df_row == nullptr;
+  double e1 = 0.0;
+  float lo = 0.0f;
+  double sum;
+  if constexpr (is_float) {
+    sum = moments ? exp_row_moment(x, k, m, e, e1, lo) : exp_row(x, k, m, need_e ? e : nullptr);
+  } else {
+    sum = exp_row(x, k, m, need_e ? e : nullptr);
+  }
   const double inv = 1.0 / sum, lse = std::log(sum);
   o[BS_MAX] = static_cast<double>(m);
   o[BS_INV] = inv;
@@ -128,7 +174,10 @@ inline void batch_forward_row(const T* x, int64_t k, int64_t y, int64_t y0, cons
   }
   o[BS_DBASE] = dbase;
   double h = 0.0, dent = 0.0;
-  if (s.entropy != BE_NONE) {
+  if (moments && lo - static_cast<float>(lse) > kAvucLogFloor) {
+    h = lse - e1 * inv;
+    dent = 1.0 - h;
+  } else if (s.entropy != BE_NONE) {
     const T pinv = static_cast<T>(inv), lse_t = static_cast<T>(lse);
     T sa, sb;
     smoothing_constants<T>(k, sa, sb);
@@ -273,16 +322,38 @@ inline void batch_forward_lanes(const float* x, int64_t stride, int64_t k, const
     arg = gt ? broadcast<V>(static_cast<float>(j)) : arg;
     sx += v;
   }
-  V sum = {};
-  for (int64_t j = 0; j < k; ++j) {
-    const V ev = exp_nonpositive<Bytes>(load<V>(x + j * stride) - m);
-    std::memcpy(e + j * W, &ev, sizeof(ev));
-    sum += ev;
+  V sum = {}, e1 = {}, lo = {};
+  // (AvUC: its entropy from the exp pass's moments where no lane's entry meets the log floor, as
+  // exp_row_moment's rows)
+  const bool moments = s.entropy == BE_AVUC && dfo == nullptr;
+  if (moments) {
+    for (int64_t j = 0; j < k; ++j) {
+      const V d = load<V>(x + j * stride) - m;
+      const V ev = exp_nonpositive<Bytes>(d);
+      std::memcpy(e + j * W, &ev, sizeof(ev));
+      sum += ev;
+      e1 += ev * d;
+      lo = d < lo ? d : lo;
+    }
+  } else {
+    for (int64_t j = 0; j < k; ++j) {
+      const V ev = exp_nonpositive<Bytes>(load<V>(x + j * stride) - m);
+      std::memcpy(e + j * W, &ev, sizeof(ev));
+      sum += ev;
+    }
   }
   const V inv = broadcast<V>(1.0f) / sum;
   const V lse = log_positive<Bytes>(sum);  // sum >= 1
   V hs = {}, ds = {};
-  if (s.entropy != BE_NONE) {
+  bool unclamped = moments;
+  if (moments) {
+    const V margin = (lo - lse) - kAvucLogFloor;
+    for (int t = 0; t < W; ++t) unclamped = unclamped && margin[t] > 0.0f;
+  }
+  if (unclamped) {
+    hs = e1 * inv - lse;  // Σ_j p_j log p_j
+    ds = hs + 1.0f;
+  } else if (s.entropy != BE_NONE) {
     float sa, sb;
     smoothing_constants<float>(k, sa, sb);
     for (int64_t j = 0; j < k; ++j) {
@@ -436,6 +507,44 @@ inline V lanes_exp_nonpositive(V x) {
   }
 }
 
+// tanh x per float32 lane (Cephes' tanhf, ~2 ulp): x + x³·P(x²) for |x| < 0.625, else
+// sign(x)·(1 − z)/(1 + z) with z = e^(−2|x|) <= e^(−1.25) (no cancellation); ±1 beyond |x| ≈ 43.7, where z
+// underflows. NaN stays NaN.
+template <int Bytes>
+inline typename Vec<float, Bytes>::type tanh_lanes(typename Vec<float, Bytes>::type x) {
+  using V = typename Vec<float, Bytes>::type;
+  const V zero = {};
+  const V ax = x < zero ? -x : x;
+  const V s = x * x;
+  V poly = broadcast<V>(-5.70498872745e-3f);
+  poly = poly * s + 2.06390887954e-2f;
+  poly = poly * s - 5.37397155531e-2f;
+  poly = poly * s + 1.33314422036e-1f;
+  poly = poly * s - 3.33332819422e-1f;
+  const V small = poly * s * x + x;
+  const V z = exp_nonpositive<Bytes>(ax * -2.0f);
+  const V big = (1.0f - z) / (1.0f + z);
+  const V signed_big = x < zero ? -big : big;
+  return ax < 0.625f ? small : signed_big;
+}
+
+// tanh of the float32 values v[begin, end) into out (float64), in lanes; float64 values by std::tanh
+template <typename T>
+inline void tanh_into(const T* v, int64_t begin, int64_t end, double* out) {
+  int64_t i = begin;
+  if constexpr (std::is_same<T, float>::value) {
+    using V = typename Vec<float, kWideBytes>::type;
+    constexpr int W = Vec<float, kWideBytes>::width;
+    for (; i + W <= end; i += W) {
+      const V t = tanh_lanes<kWideBytes>(lanes_load<V>(v + i));
+      for (int q = 0; q < W; ++q) out[i + q] = static_cast<double>(t[q]);
+    }
+    for (; i < end; ++i) out[i] = static_cast<double>(std::tanh(v[i]));
+  } else {
+    for (; i < end; ++i) out[i] = std::tanh(static_cast<double>(v[i]));
+  }
+}
+
 // the memberships of W rows (g[b·W + t]) and, with ds, ∂s_b/∂r = −2(r − ξ_b)/T and Σ_b σ_b ∂s_b/∂r (mean)
 template <typename T, typename V>
 inline void soft_bins(V r, V kept, int64_t bins, T inv_t, T* g, T* ds, V& mean) {
@@ -520,7 +629,7 @@ double dca_term(int64_t m, const T* r, const T* a, const uint8_t* in, double* dr
 
 // fn(c, begin, end) over fixed blocks of kTermRows rows, in parallel (parallel(count, f) calls f(c) for every
 // c in [0, count), possibly at once); per-block sums added in block order do not depend on the thread count
-constexpr int64_t kTermRows = 4096;
+constexpr int64_t kTermRows = 1024;
 
 template <typename Parallel, typename Fn>
 int64_t over_term_blocks(int64_t m, const Parallel& parallel, const Fn& fn) {
@@ -533,17 +642,17 @@ int64_t over_term_blocks(int64_t m, const Parallel& parallel, const Fn& fn) {
 // inaccurate by 1 − r, certain (H <= threshold) by 1 − tanh H, uncertain by tanh H), the term
 // −log(AvU + 1e-10) with AvU = (n_AC + n_IU) / (Σ counts + 1e-10); stats: Σ H and the count of the accurate
 // rows, then of the inaccurate ones (the threshold update's sums). tanh H is taken once per row (kept in dh
-// between the passes).
+// between the passes; float32 H in float32 lanes, as the torch path's tanh).
 template <typename T, typename Parallel>
 double avuc_term(int64_t m, const T* r, const T* a, const T* h, const uint8_t* in, T threshold, double* dr, double* dh,
                  double* stats, const Parallel& parallel) {
   std::vector<double> part(static_cast<size_t>((m + kTermRows - 1) / kTermRows) * 8, 0.0);
   const int64_t blocks = over_term_blocks(m, parallel, [&](int64_t c, int64_t begin, int64_t end) {
     double* s = part.data() + c * 8;  // the four counts, then the statistics
+    tanh_into<T>(h, begin, end, dh);  // (float32: in lanes, as the torch path's float32 tanh)
     for (int64_t i = begin; i < end; ++i) {
       if (!in[i]) continue;
-      const double hi = static_cast<double>(h[i]), t = std::tanh(hi), ri = static_cast<double>(r[i]);
-      dh[i] = t;
+      const double hi = static_cast<double>(h[i]), t = dh[i], ri = static_cast<double>(r[i]);
       const bool certain = h[i] <= threshold;
       const double p1 = certain ? 1.0 - t : 0.0, p2 = certain ? 0.0 : t;
       if (a[i] != T(0)) {

@@ -32,6 +32,7 @@
 #include <atomic>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -1707,9 +1708,9 @@ at::Tensor sbece_label_bwd(const at::Tensor& grad, const at::Tensor& conf, const
 // stats: AvUC's Σ H and count of the accurate kept rows, then of the inaccurate ones; the fifth number is 1
 // when the base or the term has no row, whose limits (0/0) the caller leaves to the torch path.
 
-// grads: the loss's derivatives with respect to the per-row outputs, one float64 tensor of 3·M + K entries:
-// the base's (M), r's (M), the entropy's (M), the column sums' (K); which of the last three the term reads
-// follows from it (term_reads)
+// grads: the loss's derivatives with respect to the per-row outputs, one float64 tensor: the base's (M), then
+// those of the outputs the term reads (term_reads, laid out by grad_parts): r's (M), the entropy's (M), the
+// column sums' (K)
 struct BatchLossForward {
   at::Tensor loss, stats, saved, grads, df, ex;
 };
@@ -1723,6 +1724,21 @@ struct TermReads {
 TermReads term_reads(int64_t term) {
   return {term == BT_DCA || term == BT_SBECE || term == BT_AVUC || term == BT_ESD, term_entropy(term) != BE_NONE,
           term == BT_MDCA};
+}
+
+// where each part of `grads` starts: the base's at 0, then those the term has (r, H, columns; −1: none)
+struct GradParts {
+  int64_t r = -1, h = -1, col = -1, size = 0;
+};
+
+GradParts grad_parts(int64_t term, int64_t m, int64_t k) {
+  const TermReads reads = term_reads(term);
+  GradParts p;
+  p.size = m;
+  if (reads.r) p.r = std::exchange(p.size, p.size + m);
+  if (reads.h) p.h = std::exchange(p.size, p.size + m);
+  if (reads.col) p.col = std::exchange(p.size, p.size + k);
+  return p;
 }
 
 BatchLossForward batch_loss_forward(const at::Tensor& logits, const at::Tensor& targets,
@@ -1761,13 +1777,14 @@ BatchLossForward batch_loss_forward(const at::Tensor& logits, const at::Tensor& 
   f.ex = ex;
   f.stats = at::zeros({5}, dbl);
   double* st = f.stats.data_ptr<double>();
-  const TermReads reads = term_reads(term);
-  f.grads = at::zeros({3 * m + k}, dbl);
+  const GradParts parts = grad_parts(term, m, k);
+  f.grads = at::empty({parts.size}, dbl);  // (every part written below: the terms fill theirs)
   double* gbp = f.grads.data_ptr<double>();
-  double* grp = gbp + m;
-  double* ghp = gbp + 2 * m;
-  double* gcp = gbp + 3 * m;
+  double* grp = parts.r >= 0 ? gbp + parts.r : nullptr;
+  double* ghp = parts.h >= 0 ? gbp + parts.h : nullptr;
+  double* gcp = parts.col >= 0 ? gbp + parts.col : nullptr;
   if (nb == 0.0 || nt == 0.0) {  // (NaN and no gradient: the caller takes the torch path's limits)
+    f.grads.zero_();
     st[4] = 1.0;
     const double nan = std::numeric_limits<double>::quiet_NaN();
     f.loss = reduction == 0 ? at::full(targets.sizes(), nan, logits.options()) : at::full({}, nan, logits.options());
@@ -1820,8 +1837,9 @@ BatchLossForward batch_loss_forward(const at::Tensor& logits, const at::Tensor& 
     });
   }
   const double scale = reduction == 2 ? coef * nb : coef;
-  for (int64_t i = m; i < 3 * m + k; ++i) gbp[i] *= scale;  // (r, H, columns; those the term has none of: 0)
-  for (int64_t i = 0; i < m; ++i) gbp[i] = reduction == 1 ? in_base[i] / nb : in_base[i];
+  for (int64_t i = m; i < parts.size; ++i) gbp[i] *= scale;
+  const double per_row = reduction == 1 ? 1.0 / nb : 1.0;
+  for (int64_t i = 0; i < m; ++i) gbp[i] = in_base[i] ? per_row : 0.0;
   AT_DISPATCH_FLOATING_TYPES(b.scalar_type(), "fused_batch_loss_reduce", [&] {
     const scalar_t* bp = b.data_ptr<scalar_t>();
     if (reduction == 0) {
@@ -1830,8 +1848,14 @@ BatchLossForward batch_loss_forward(const at::Tensor& logits, const at::Tensor& 
       for (int64_t i = 0; i < m; ++i)
         o[i] = static_cast<scalar_t>(in_base[i] ? static_cast<double>(bp[i]) + coef * pen : 0.0);
     } else {
+      // (8 interleaved partial sums, added in order: no chain of M dependent additions)
+      double part[8] = {};
+      int64_t i = 0;
+      for (; i + 8 <= m; i += 8)
+        for (int q = 0; q < 8; ++q) part[q] += in_base[i + q] ? static_cast<double>(bp[i + q]) : 0.0;
+      for (; i < m; ++i) part[0] += in_base[i] ? static_cast<double>(bp[i]) : 0.0;
       double total = 0.0;
-      for (int64_t i = 0; i < m; ++i) total += in_base[i] ? static_cast<double>(bp[i]) : 0.0;
+      for (double v : part) total += v;
       const double value = reduction == 1 ? total / nb + coef * pen : total + nb * coef * pen;
       f.loss = at::scalar_tensor(value, logits.options());
     }
@@ -1847,11 +1871,11 @@ at::Tensor batch_loss_backward(const at::Tensor& grad, const variable_list& save
   const at::Tensor &logits = saved[0], &targets = saved[1], &stats = saved[2], &grads = saved[3];
   const int64_t m = stats.size(0);
   const double* g = grads.data_ptr<double>();
-  const TermReads reads = term_reads(term);
+  const GradParts parts = grad_parts(term, m, logits.size(1));
   RowGrads in;
-  in.gr = reads.r ? g + m : nullptr;
-  in.gh = reads.h ? g + 2 * m : nullptr;
-  in.gc = reads.col ? g + 3 * m : nullptr;
+  in.gr = parts.r >= 0 ? g + parts.r : nullptr;
+  in.gh = parts.h >= 0 ? g + parts.h : nullptr;
+  in.gc = parts.col >= 0 ? g + parts.col : nullptr;
   std::vector<double> b;
   if (reduction == 0) {  // every covered row carries coef·term: its gradient is the sum of theirs
     const at::Tensor gd = grad.to(at::kDouble).contiguous();
