@@ -494,7 +494,8 @@ namespace torchcal {
 // g_ib = kept_i softmax_b(−(r_i − ξ_b)²/T) over the bin centres ξ_b = (b + ½)/B, S_b = Σ_i g_ib,
 // A_b = Σ_i g_ib a_i / S'_b (S'_b = S_b, or 1 for an empty bin), total = Σ_i Σ_b g_ib (A_b − r_i)², the
 // term sqrt(total / Σ_i kept_i) (margin.py's _sbece_term, form "label"). Rows are walked W at a time (float32
-// lanes; float64 one by one); the memberships are recomputed in each pass rather than kept (M·B numbers).
+// lanes; float64 one by one); the separate operators recompute the memberships in each pass, the whole-loss
+// node keeps pass 1's (M·B numbers) for pass 2 and the backward (decision 222).
 // The gradient of total with respect to r_i, with G_ib = ∂g_ib/∂r_i and Q_b = 2 Σ_i g_ib (A_b − r_i):
 //   Σ_b G_ib [(A_b − r_i)² + Q_b (a_i − A_b) / S'_b] − 2 Σ_b g_ib (A_b − r_i).
 
