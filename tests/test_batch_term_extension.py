@@ -371,3 +371,44 @@ def test_the_node_flags_a_batch_with_no_row_and_takes_a_threshold_tensor():
     with F.use_cpu_extension(False):
         want = F.avuc_loss(z.detach(), y, threshold=threshold)
     torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("shape", [(96, 100), (96, 10), (2, 10, 48)], ids=str)
+def test_avuc_float32_across_entropies_is_near_the_float64_torch_path(shape):
+    """float32 AvUC's entropy from the exp pass's moments and its tanh in float32 lanes (decision 222) over
+    rows whose entropy sweeps from ~1e-9 (a margin of 25 over the other classes: tanh's polynomial branch,
+    and probabilities below AvUC's log floor, which take the entry-wise pass) to log K (equal logits: the
+    exponential branch), on the row kernel (K = 100) and the lanes (K = 10, positions). Against the float64
+    torch path: the value to 1e-6 relative, the gradient to 5e-5 of its largest entry, AvUC's four
+    statistics (Σ H and the counts) to 1e-6 relative."""
+    n, k = shape[0], shape[1]
+    rows = n * (shape[2] if len(shape) > 2 else 1)
+    g = torch.Generator().manual_seed(5)
+    margin = torch.linspace(0.0, 25.0, rows, dtype=torch.float64)[torch.randperm(rows, generator=g)]
+    z = 0.05 * torch.randn(rows, k, generator=g, dtype=torch.float64)
+    top = torch.randint(0, k, (rows,), generator=g)
+    z[torch.arange(rows), top] += margin
+    y = torch.where(torch.rand(rows, generator=g) < 0.7, top, torch.randint(0, k, (rows,), generator=g))
+    if len(shape) > 2:  # rows as positions: (N, K, P)
+        z = z.reshape(n, shape[2], k).permute(0, 2, 1).contiguous()
+        y = y.reshape(n, shape[2])
+
+    def loss(x):
+        return F.avuc_loss(x, y, 3.0, threshold=0.5, statistics=True)
+
+    x32 = z.float().requires_grad_(True)
+    calls = _count_calls()
+    value, stats = loss(x32)
+    assert calls() > 0  # (the operator ran)
+    value.backward()
+    x64 = z.clone().requires_grad_(True)
+    with F.use_cpu_extension(False):
+        want, want_stats = loss(x64)
+    want.backward()
+    torch.testing.assert_close(value.double(), want.detach(), rtol=1e-6, atol=1e-9)
+    assert stats is not None and want_stats is not None
+    torch.testing.assert_close(stats.double(), want_stats.double(), rtol=1e-6, atol=1e-9)
+    got, ref = x32.grad, x64.grad
+    assert got is not None and ref is not None
+    scale = float(ref.abs().max())
+    torch.testing.assert_close(got.double() / scale, ref / scale, rtol=0, atol=5e-5)
