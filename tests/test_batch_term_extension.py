@@ -102,6 +102,24 @@ def _inputs(shape, dtype, seed=0, ignore=True):
     return z, y
 
 
+def _float32_near_float64(fn, z, y):
+    """fn(z, y) with float32 logits (the operator) against the float64 torch path: the value to 1e-5
+    relative, the gradient (finite) to 5e-5 of its largest entry."""
+    x32 = z.float().requires_grad_(True)
+    value = fn(x32, y)
+    value.backward()
+    x64 = z.clone().requires_grad_(True)
+    with F.use_cpu_extension(False):
+        want = fn(x64, y)
+    want.backward()
+    torch.testing.assert_close(value.double(), want.detach(), rtol=1e-5, atol=1e-6)
+    got, ref = x32.grad, x64.grad
+    assert got is not None and ref is not None
+    assert torch.isfinite(got).all()
+    scale = float(ref.abs().max())
+    torch.testing.assert_close(got.double() / scale, ref / scale, rtol=0, atol=5e-5)
+
+
 @pytest.mark.parametrize("name", list(LOSSES))
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("shape", [(48, 7), (6, 130), (3, 5, 7, 5), (2, 19, 37)], ids=str)
@@ -299,18 +317,7 @@ def test_batch_scale_float32_is_near_the_float64_torch_path(name, classes):
     z[:64] = z[64:128]  # 64 pairs of equal rows: equal confidences
     y = torch.randint(0, classes, (4096,), generator=g)
     y[::9] = -100
-    x32 = z.float().requires_grad_(True)
-    value = LOSSES[name](x32, y)
-    value.backward()
-    x64 = z.clone().requires_grad_(True)
-    with F.use_cpu_extension(False):
-        want = LOSSES[name](x64, y)
-    want.backward()
-    torch.testing.assert_close(value.double(), want.detach(), rtol=1e-5, atol=1e-6)
-    got, ref = x32.grad, x64.grad
-    assert got is not None and ref is not None
-    scale = float(ref.abs().max())
-    torch.testing.assert_close(got.double() / scale, ref / scale, rtol=0, atol=5e-5)
+    _float32_near_float64(LOSSES[name], z, y)
 
 
 @pytest.mark.parametrize("name", ["focal-mdca", "avuc"])
@@ -329,19 +336,7 @@ def test_extreme_rows_float32_are_near_the_float64_torch_path(name, classes):
     z[24:32] = 0.0
     z[24:32, 3] = 20.0  # p_y = 1 − ~(K − 1)e^-20
     y[24:32] = 3
-    x32 = z.float().requires_grad_(True)
-    value = LOSSES[name](x32, y)
-    value.backward()
-    x64 = z.clone().requires_grad_(True)
-    with F.use_cpu_extension(False):
-        want = LOSSES[name](x64, y)
-    want.backward()
-    torch.testing.assert_close(value.double(), want.detach(), rtol=1e-5, atol=1e-6)
-    got, ref = x32.grad, x64.grad
-    assert got is not None and ref is not None
-    assert torch.isfinite(got).all()
-    scale = float(ref.abs().max())
-    torch.testing.assert_close(got.double() / scale, ref / scale, rtol=0, atol=5e-5)
+    _float32_near_float64(LOSSES[name], z, y)
 
 
 def test_the_penalties_sqrt_has_zero_gradient_at_and_below_zero():
