@@ -171,11 +171,11 @@ struct Bins {
   }
   // One vectorised pass over a row's count entries: p = e·inv written over e (one float multiply, the
   // rounding of every other use), list[0..m) = the indices of those that are not simple (returns m); with
-  // zs the simple ones' Σ p added per class (their count is the kept rows' less the others'); with pg the
-  // bin-0 gradient row copied into u and *dot = Σ pg·p
+  // zs the simple ones' Σ p added per class (their count is the kept rows' less the others'); with pg (the
+  // bin-0 gradient row) *dot = Σ pg·p
   // (with ``given``, e already holds p: it is read, not scaled or written)
   int64_t scan(T* e, T inv, int64_t count, int32_t* list, double* zs, const double* pg = nullptr,
-               double* u = nullptr, double* dot = nullptr, bool given = false) const {
+               double* dot = nullptr, bool given = false) const {
     constexpr int W = Vec<double, kWideBytes>::width;
     using D = typename Vec<double, kWideBytes>::type;
     using F = typename Vec<T, W * sizeof(T)>::type;
@@ -189,20 +189,13 @@ struct Bins {
       if (!given) std::memcpy(e + j, &pv, sizeof(F));
       const D pd = __builtin_convertvector(pv, D);
       const D v = soft ? __builtin_convertvector(pv * sc, D) : pd;
-      uint64_t bits = compare_mask<double, kWideBytes>(v, thr_d);
+      const uint64_t bits = compare_mask<double, kWideBytes>(v, thr_d);
       if (zs != nullptr) {
         const D z = load<D>(zs + j) + (v > thr_d ? zero : pd);
         std::memcpy(zs + j, &z, sizeof(D));
       }
-      if (pg != nullptr) {
-        const D g = load<D>(pg + j);
-        std::memcpy(u + j, &g, sizeof(D));
-        acc += g * pd;
-      }
-      while (bits != 0) {
-        list[m++] = static_cast<int32_t>(j + __builtin_ctzll(bits));
-        bits &= bits - 1;
-      }
+      if (pg != nullptr) acc += load<D>(pg + j) * pd;
+      m = append_lanes<W>(list, m, bits, static_cast<int32_t>(j));
     }
     double tail = 0.0;
     for (; j < count; ++j) {
@@ -210,10 +203,7 @@ struct Bins {
       if (!given) e[j] = p;
       const bool other = static_cast<double>(soft ? p * scale : p) > thr;
       if (zs != nullptr && !other) zs[j] += static_cast<double>(p);
-      if (pg != nullptr) {
-        u[j] = pg[j];
-        tail += pg[j] * static_cast<double>(p);
-      }
+      if (pg != nullptr) tail += pg[j] * static_cast<double>(p);
       list[m] = static_cast<int32_t>(j);
       m += other;
     }
@@ -251,7 +241,9 @@ struct RowBuffers {
   std::vector<T> xb, gb, e;
   std::vector<int32_t> list;
   std::vector<double> u;
-  explicit RowBuffers(int64_t k) : e(static_cast<size_t>(k)), list(static_cast<size_t>(k)), u(static_cast<size_t>(k)) {}
+  // (the list: room for a vector's lanes past its end, Bins::scan)
+  explicit RowBuffers(int64_t k)
+      : e(static_cast<size_t>(k)), list(static_cast<size_t>(k + 16)), u(static_cast<size_t>(k)) {}
 };
 
 // fn(row, x_row, grad_row) over rows [m0, m1): rows of a (N, K) tensor in place; positions of a (N, K, S)
@@ -862,23 +854,20 @@ inline at::Tensor backward(const at::Tensor& grad_loss, const at::Tensor& logits
         const bool given = kept_p != nullptr;
         T* e = given ? kept_p + m * k : w.e.data();
         const T inv = given ? T(1) : static_cast<T>(1.0 / exp_of(row, k, static_cast<T>(row_max[m]), e));
-        for (int64_t j = 0; j < first; ++j) {
-          if (!given) e[j] *= inv;
-          w.u[j] = 0.0;
-        }
+        if (!given)
+          for (int64_t j = 0; j < first; ++j) e[j] *= inv;
         const int64_t at = (m / s.per_group) * s.bins * c;
-        const double* pg = pt.data() + at;
-        double* u = w.u.data() + first;
+        const double* pg = pt.data() + at;  // u of the simple entries: bin 0's P of their class
         int32_t* list = w.list.data();
-        double dot = 0.0;  // Σ u p: bin 0's, corrected below for the others
-        const int64_t n_other = bins.scan(e + first, inv, c, list, nullptr, pg, u, &dot, given);
+        double* v = w.u.data();  // u of the others, in list order
+        double dot = 0.0;        // Σ u p: bin 0's, corrected below for the others
+        const int64_t n_other = bins.scan(e + first, inv, c, list, nullptr, pg, &dot, given);
         const T* p = e + first;
         if (!s.soft) {
           for (int64_t i = 0; i < n_other; ++i) {
             const int64_t j = list[i];
-            const double v = pg[bins.hard(p[j]) * c + j];
-            dot += (v - u[j]) * static_cast<double>(p[j]);
-            u[j] = v;
+            v[i] = pg[bins.hard(p[j]) * c + j];
+            dot += (v[i] - pg[j]) * static_cast<double>(p[j]);
           }
         } else {
           // ∂/∂p of Σ_b P_b (w_b p − w_b y) − Q_b w_b… : (1 − r)P_l + r P_{l+1} + r'((P_{l+1} − P_l)(p − y) − (Q_{l+1} − Q_l))
@@ -890,16 +879,27 @@ inline at::Tensor backward(const at::Tensor& grad_loss, const at::Tensor& logits
             bins.soft_of(p[j], l, r, da);
             const int64_t i0 = l * c + j, i1 = i0 + c;
             const double yv = j + first == y ? 1.0 : 0.0;
-            const double v = (1.0 - r) * pg[i0] + r * pg[i1] +
-                             static_cast<double>(da) * ((pg[i1] - pg[i0]) * (static_cast<double>(p[j]) - yv) - (qg[i1] - qg[i0]));
-            dot += (v - u[j]) * static_cast<double>(p[j]);
-            u[j] = v;
+            v[i] = (1.0 - r) * pg[i0] + r * pg[i1] +
+                   static_cast<double>(da) * ((pg[i1] - pg[i0]) * (static_cast<double>(p[j]) - yv) - (qg[i1] - qg[i0]));
+            dot += (v[i] - pg[j]) * static_cast<double>(p[j]);
           }
         }
-        const double* uu = w.u.data();
-        grad_row<T>(uu, e, k, gce, dot, gr);
+        // g = gce (p − e_y) + p (u − dot): the unbinned background (u = 0), the binned classes with bin 0's u,
+        // then the others and the label's entry rewritten with theirs
+        for (int64_t j = 0; j < first; ++j) {
+          const double pj = static_cast<double>(e[j]);
+          gr[j] = static_cast<T>(gce * pj - pj * dot);
+        }
+        grad_row<T>(pg, p, c, gce, dot, gr + first);
+        double uy = y >= first ? pg[y - first] : 0.0;
+        for (int64_t i = 0; i < n_other; ++i) {
+          const int64_t j = list[i];
+          const double pj = static_cast<double>(p[j]);
+          gr[first + j] = static_cast<T>(gce * pj + pj * (v[i] - dot));
+          if (j + first == y) uy = v[i];
+        }
         const double py = static_cast<double>(e[y]);
-        gr[y] = static_cast<T>(gce * (py - 1.0) + py * (uu[y] - dot));
+        gr[y] = static_cast<T>(gce * (py - 1.0) + py * (uy - dot));
       });
     });
   });

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #if defined(__SSE2__)
 #include <immintrin.h>
 #endif
@@ -65,6 +66,13 @@ inline V broadcast(T x) {
   return v + x;
 }
 
+// lanes [From, From + sizeof...(I)) of v as a vector of that many lanes: a shuffle, where a copy through memory
+// made GCC keep a folded accumulator in memory inside the loop that fills it
+template <int From, typename T, typename V, size_t... I>
+inline typename Vec<T, sizeof...(I) * sizeof(T)>::type lanes_of(V v, std::index_sequence<I...>) {
+  return typename Vec<T, sizeof...(I) * sizeof(T)>::type{v[I + From]...};
+}
+
 // a vector folded in halves down to 16 bytes with ``op`` (lane-wise sum, max, min): log2 steps instead of a
 // sequential pass over up to 16 lanes, which at K = 100 costs as much as the row's arithmetic
 template <typename T, int Bytes, typename Op>
@@ -72,11 +80,9 @@ inline typename Vec<T, 16>::type fold(typename Vec<T, Bytes>::type v, Op op) {
   if constexpr (Bytes == 16) {
     return v;
   } else {
-    using H = typename Vec<T, Bytes / 2>::type;
-    H lo, hi;
-    std::memcpy(&lo, &v, sizeof(H));
-    std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(H), sizeof(H));
-    return fold<T, Bytes / 2>(op(lo, hi), op);
+    constexpr int H = Vec<T, Bytes / 2>::width;
+    const auto half = std::make_index_sequence<H>{};
+    return fold<T, Bytes / 2>(op(lanes_of<0, T>(v, half), lanes_of<H, T>(v, half)), op);
   }
 }
 
@@ -153,6 +159,33 @@ inline uint64_t compare_mask(typename Vec<T, Bytes>::type v, typename Vec<T, Byt
     mask |= static_cast<uint64_t>(Equal ? v[l] == e[l] : v[l] > e[l]) << l;
   }
   return mask;
+}
+
+// list[m..) = j0 + l for each set bit l < N of mask, in lane order; returns m + the number of those bits. No
+// branch on the bits: a loop over them mispredicts its exit wherever a few lanes of a row are set. The list
+// needs N slots of room past its last entry (the AVX-512 path stores all N lanes).
+template <int N>
+inline int64_t append_lanes(int32_t* list, int64_t m, uint64_t mask, int32_t j0) {
+#if defined(__AVX512F__) && defined(__AVX512VL__)
+  if constexpr (N == 8) {
+    const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(j0), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __mmask8 bits = static_cast<__mmask8>(mask);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(list + m), _mm256_maskz_compress_epi32(bits, idx));
+    return m + __builtin_popcount(bits);
+  }
+  if constexpr (N == 16) {
+    const __m512i idx = _mm512_add_epi32(
+        _mm512_set1_epi32(j0), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    const __mmask16 bits = static_cast<__mmask16>(mask);
+    _mm512_storeu_si512(list + m, _mm512_maskz_compress_epi32(bits, idx));
+    return m + __builtin_popcount(bits);
+  }
+#endif
+  for (int l = 0; l < N; ++l) {
+    list[m] = j0 + l;
+    m += (mask >> l) & 1u;
+  }
+  return m;
 }
 
 // the first index in [j, stop) (stop − j a multiple of W) holding ``value``, or stop: vector by vector, then
