@@ -193,6 +193,56 @@ def test_label_errors_are_the_torch_paths():
         torch.ops.torchcal.fused_ace(z, torch.tensor([0, 4, 1]), edges, [1.0, 0.01], [20, 0, 0, 1, 0, 1], None)
 
 
+def _hard_ace_on_given_edges(z, y, edges, lam):
+    """CE mean + λ·the mean over classes of the hard-bin ACE, with each p's bin from torch.bucketize of the
+    input dtype's softmax on ``edges`` (right=False: the edges below p) and the sums in float64: the
+    reference semantics of the operator's bins for any sorted edges."""
+    p_in = torch.softmax(z.detach(), 1)
+    bins = torch.bucketize(p_in, edges, right=False)
+    p = torch.softmax(z.double(), 1)
+    y1 = torch.nn.functional.one_hot(y, z.shape[1]).double()
+    aces = []
+    for c in range(z.shape[1]):
+        gaps = [(p[bins[:, c] == m, c].sum() - y1[bins[:, c] == m, c].sum()).abs() / (bins[:, c] == m).sum()
+                for m in range(edges.numel() + 1) if (bins[:, c] == m).any()]  # fmt: skip
+        aces.append(torch.stack(gaps).mean())
+    return torch.nn.functional.cross_entropy(z.double(), y) + lam * torch.stack(aces).mean()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("first", ["equal", "below", "above"])
+@pytest.mark.parametrize("second", ["equal", "below"])
+@pytest.mark.parametrize("layout", ["NK", "NKS"])
+def test_hard_bins_of_p_on_and_one_ulp_from_an_edge(dtype, first, second, layout):
+    """Rows of three equal logits give p = 1/3 in the input dtype, rows (0, 0, −200) give (1/2, 1/2, 0):
+    exactly these numbers in the operator, which takes e = 1 over Σ e. With an edge at, one ulp below or
+    one ulp above 1/3 (and at or one ulp below 1/2), a p on an edge stays in the lower bin and a p one ulp
+    above it goes up (torch.bucketize, right=False); the class-2 entries p = 1/3 and p = 0 share a bin or
+    not, which changes the ACE. Value and gradient against the float64 reference on the same bins; NKS: the
+    same rows as the positions of one (1, 3, 11) image (the tiles' path)."""
+    third = torch.tensor(1.0, dtype=dtype) / 3
+    half = torch.tensor(0.5, dtype=dtype)
+    toward = {"equal": None, "below": torch.tensor(0.0, dtype=dtype), "above": torch.tensor(1.0, dtype=dtype)}
+    e1 = third if toward[first] is None else torch.nextafter(third, toward[first])
+    e2 = half if toward[second] is None else torch.nextafter(half, toward[second])
+    edges = torch.stack([e1, e2])
+    z = torch.zeros(11, 3, dtype=dtype)
+    z[6:, 2] = -200.0
+    y = torch.tensor([0, 1, 2, 0, 0, 0, 0, 1, 1, 0, 1])  # no bin's Σ p − Σ y is 0 (|·| has no derivative there)
+    assert (torch.softmax(z, 1)[:6] == third).all() and (torch.softmax(z, 1)[6:, :2] == half).all()
+    x = z.clone().requires_grad_(True)
+    xs, ys = (x, y) if layout == "NK" else (x.T[None], y[None])
+    got = torch.ops.torchcal.fused_ace(xs, ys, edges, [1.5, 0.01], [3, 0, 0, 1, 0, 1], None)
+    xr = z.double().requires_grad_(True)
+    want = _hard_ace_on_given_edges(xr, y, edges, 1.5)
+    # float64 reference sums; float32 inputs: p rounded once, a few ulps of the value
+    tol = {"rtol": 1e-6, "atol": 1e-7} if dtype == torch.float32 else {"rtol": 1e-12, "atol": 1e-13}
+    torch.testing.assert_close(got.double(), want.detach(), **tol)
+    got.backward()
+    want.backward()
+    torch.testing.assert_close(x.grad.double(), xr.grad, **tol)
+
+
 def test_results_do_not_depend_on_the_thread_count():
     """The bins are summed in chunks fixed by the shape, in chunk order: the same bits on 1 and 3 threads."""
     g = torch.Generator().manual_seed(2)

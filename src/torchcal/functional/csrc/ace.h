@@ -122,13 +122,31 @@ inline double exp_of(const double* x, int64_t k, double mx, double* e) {
 // r = 0 (every p simple).
 template <typename T>
 struct Bins {
-  const T* edges;  // the M − 1 inner edges (hard)
+  std::vector<T> lower;  // lower[b] = bin b's lower edge (−inf for bin 0), lower[M] = +inf (hard)
+  // below[i] = the number of inner edges < i/L (i = 0..L), L a power of two >= 4M: p·L is exact, so p in
+  // [i/L, (i + 1)/L) has bin below[i] or, where the one edge that an interval can hold lies below p, the next
+  std::vector<int32_t> below;
   int64_t n;
   bool soft;
-  T scale, first_edge;
-  Bins(const T* e, int64_t bins, bool is_soft) : edges(e), n(bins), soft(is_soft) {
+  T scale, first_edge, lscale;
+  Bins(const T* e, int64_t bins, bool is_soft) : n(bins), soft(is_soft) {
     scale = static_cast<T>(static_cast<double>(bins) / (1.0 + kFloat32Eps));
-    first_edge = bins > 1 && !soft ? edges[0] : std::numeric_limits<T>::infinity();
+    first_edge = bins > 1 && !soft ? e[0] : std::numeric_limits<T>::infinity();
+    lscale = T(0);
+    if (soft) return;
+    lower.assign(static_cast<size_t>(bins + 1), std::numeric_limits<T>::infinity());
+    lower[0] = -std::numeric_limits<T>::infinity();
+    for (int64_t b = 1; b < bins; ++b) lower[b] = e[b - 1];
+    int64_t l = 1024;
+    while (l < 4 * bins && l < (int64_t{1} << 22)) l *= 2;
+    lscale = static_cast<T>(l);
+    below.assign(static_cast<size_t>(l + 1), 0);
+    int64_t b = 0;
+    for (int64_t i = 0; i <= l; ++i) {
+      const T at = static_cast<T>(i) / lscale;  // exact
+      while (b < bins - 1 && e[b] < at) ++b;
+      below[static_cast<size_t>(i)] = static_cast<int32_t>(b);
+    }
   }
   // p is simple (wholly in bin 0, no derivative of its weight) unless v = p (hard) or p·M/(1 + eps) (soft,
   // in the input dtype) exceeds thr: the first inner edge, or the largest number below 1/2 (u >= 0); one
@@ -139,16 +157,19 @@ struct Bins {
     return static_cast<double>(std::nextafter(T(0.5), T(0)));
   }
   bool simple(T p) const { return !(static_cast<double>(soft ? p * scale : p) > threshold()); }
+  // b with lower[b] < p <= lower[b + 1]: below[⌊p·L⌋], one step up where the interval's edge lies below p
+  // (no branch on the data: the clamps are selects, the padded edges need no bounds tests), checked, and
+  // the exact search only where the check fails (never for p in [0, 1]; NaN, which is simple, is not binned)
   __attribute__((always_inline)) int64_t hard(T p) const {
-    const double f = static_cast<double>(p) * scale;
-    int64_t b = f > 0.0 ? (f < static_cast<double>(n - 1) ? static_cast<int64_t>(f) : n - 1) : 0;
-    // the guess is at most one bin off (float edges within a few ulps of b(1 + eps)/M): one step each way
-    // without branches, and the exact search only where that did not land in the bin
-    b -= b > 0 && !(edges[b - 1] < p);
-    b += b < n - 1 && edges[b] < p;
-    if ((b > 0 && !(edges[b - 1] < p)) || (b < n - 1 && edges[b] < p)) {
-      while (b > 0 && !(edges[b - 1] < p)) --b;
-      while (b < n - 1 && edges[b] < p) ++b;
+    T f = p * lscale;
+    f = f > T(0) ? f : T(0);
+    f = f < lscale ? f : lscale;
+    int64_t b = below[static_cast<size_t>(f)];
+    const T* e = lower.data();
+    b += static_cast<int64_t>(e[b + 1] < p);
+    if (static_cast<int>(!(e[b] < p)) | static_cast<int>(e[b + 1] < p)) {
+      while (b > 0 && !(e[b] < p)) --b;
+      while (b < n - 1 && e[b + 1] < p) ++b;
     }
     return b;
   }
@@ -162,7 +183,7 @@ struct Bins {
     const T raw = std::fma(p, scale, T(-0.5));
     const T hi = static_cast<T>(n - 1);
     const T u = raw < T(0) ? T(0) : (raw > hi ? hi : raw);
-    da = raw >= T(0) && raw <= hi ? scale : T(0);
+    da = static_cast<int>(raw >= T(0)) & static_cast<int>(raw <= hi) ? scale : T(0);
     T fl = std::floor(u);
     if (!(fl <= hi - T(1))) fl = hi - T(1);  // (NaN: the last pair)
     if (!(fl >= T(0))) fl = T(0);
@@ -307,10 +328,12 @@ struct PlaneBuffers {
   std::vector<T> e, mx, inv;
   std::vector<double> sum, kd, u, gce, dot, zc, zs;
   std::vector<int64_t> y;
+  std::vector<int32_t> list;  // the tile's entries that are not simple, j·kPlane + t (room for a vector's lanes)
   PlaneBuffers(int64_t k, int64_t c)
       : e(static_cast<size_t>(k * kPlane)), mx(kPlane), inv(kPlane), sum(kPlane), kd(kPlane),
         u(static_cast<size_t>(k * kPlane)), gce(kPlane), dot(kPlane),
-        zc(static_cast<size_t>(c * Vec<double, kWideBytes>::width)), zs(zc.size()), y(kPlane) {}
+        zc(static_cast<size_t>(c * Vec<double, kWideBytes>::width)), zs(zc.size()), y(kPlane),
+        list(static_cast<size_t>(k * kPlane + 16)) {}
 };
 
 // e[t] = exp(x[t] − mx[t]), sum[t] += e[t] for t < w
@@ -417,54 +440,45 @@ void forward_planes(const Spec& s, const T* x, const int64_t* tp, const Bins<T>&
           ce_sum += ce;
           kept += 1.0;
         }
+        // the entries that are not simple listed class by class (lane order within a class), then binned
+        int32_t* list = b.list.data();
+        int64_t n_list = 0;
         for (int64_t j = first; j < k; ++j) {
           const int64_t ci = j - first;
           const T* p = b.e.data() + j * kPlane;
-          double* cell = tab + ci * N_CELL;
+          const int32_t base = static_cast<int32_t>(j * kPlane);
           int64_t t = 0;
           for (; t + W <= w; t += W) {
-            uint64_t bits = plane_block(bins, p + t, b.kd.data() + t, thr, b.zs.data() + ci * W);
+            const uint64_t bits = plane_block(bins, p + t, b.kd.data() + t, thr, b.zs.data() + ci * W);
             b.zc[ci * W] += __builtin_popcountll(bits);  // the others: not in bin 0's count
-            while (bits != 0) {
-              const int64_t tt = t + __builtin_ctzll(bits);
-              bits &= bits - 1;
-              if (!s.soft) {
-                double* cq = cell + bins.hard(p[tt]) * stride;
-                cq[C_COUNT] += 1.0;
-                cq[C_SUM_P] += p[tt];
-              } else {
-                int64_t l;
-                T rr, da;
-                bins.soft_of(p[tt], l, rr, da);
-                double* cq = cell + l * stride;
-                cq[C_COUNT] += T(1) - rr;
-                cq[C_SUM_P] += static_cast<double>((T(1) - rr) * p[tt]);
-                cq[stride + C_COUNT] += rr;
-                cq[stride + C_SUM_P] += static_cast<double>(rr * p[tt]);
-              }
-            }
+            n_list = append_lanes<W>(list, n_list, bits, base + static_cast<int32_t>(t));
           }
           for (; t < w; ++t) {  // the tail: the same criterion lane by lane
             if (b.y[t] < 0) continue;
-            if (bins.simple(p[t])) {
-              b.zs[ci * W] += static_cast<double>(p[t]);
-              continue;
-            }
-            b.zc[ci * W] += 1.0;
-            if (!s.soft) {
-              double* cq = cell + bins.hard(p[t]) * stride;
-              cq[C_COUNT] += 1.0;
-              cq[C_SUM_P] += p[t];
-            } else {
-              int64_t l;
-              T rr, da;
-              bins.soft_of(p[t], l, rr, da);
-              double* cq = cell + l * stride;
-              cq[C_COUNT] += T(1) - rr;
-              cq[C_SUM_P] += static_cast<double>((T(1) - rr) * p[t]);
-              cq[stride + C_COUNT] += rr;
-              cq[stride + C_SUM_P] += static_cast<double>(rr * p[t]);
-            }
+            const bool other = !bins.simple(p[t]);
+            if (!other) b.zs[ci * W] += static_cast<double>(p[t]);
+            b.zc[ci * W] += other;
+            list[n_list] = base + static_cast<int32_t>(t);
+            n_list += other;
+          }
+        }
+        for (int64_t i = 0; i < n_list; ++i) {
+          const int64_t j = list[i] / kPlane;
+          const T pj = b.e[list[i]];
+          double* cq = tab + (j - first) * N_CELL;
+          if (!s.soft) {
+            cq += bins.hard(pj) * stride;
+            cq[C_COUNT] += 1.0;
+            cq[C_SUM_P] += pj;
+          } else {
+            int64_t l;
+            T rr, da;
+            bins.soft_of(pj, l, rr, da);
+            cq += l * stride;
+            cq[C_COUNT] += T(1) - rr;
+            cq[C_SUM_P] += static_cast<double>((T(1) - rr) * pj);
+            cq[stride + C_COUNT] += rr;
+            cq[stride + C_SUM_P] += static_cast<double>(rr * pj);
           }
         }
         for (int64_t t = 0; t < w; ++t) {  // the label's class: Σ w y of its bins
@@ -523,49 +537,61 @@ void backward_planes(const Spec& s, const T* x, T* grad, const int64_t* tp, cons
       const int64_t at = (s.groups == 1 ? 0 : img) * s.bins * c;
       const double* pg = pt + at;
       const double* qg = qt + at;
-      for (int64_t j = 0; j < k; ++j) {
-        double* u = b.u.data() + j * kPlane;
+      // u = bin 0's P of the class for the simple entries (0 for the unbinned background and the ignored
+      // positions); the others listed (j·kPlane + t, class by class) with their u in v (list order); then
+      // dot = Σ_j u p per position, from bin 0's u corrected for the others
+      int32_t* list = b.list.data();
+      double* v = b.u.data();
+      int64_t n_list = 0;
+      for (int64_t j = first; j < k; ++j) {
         const T* p = b.e.data() + j * kPlane;
-        if (j < first) {
-          std::fill(u, u + w, 0.0);
-          continue;
-        }
-        const int64_t ci = j - first;
-        const double p0 = pg[ci];
-        for (int64_t t = 0; t < w; ++t) u[t] = p0 * b.kd[t];
+        const int32_t base = static_cast<int32_t>(j * kPlane);
         int64_t t = 0;
-        auto fix = [&](int64_t tt) {
-          if (!s.soft) {
-            u[tt] = pg[bins.hard(p[tt]) * c + ci];
-            return;
-          }
+        for (; t + W <= w; t += W) {
+          const uint64_t bits = plane_block(bins, p + t, b.kd.data() + t, thr, nullptr);
+          n_list = append_lanes<W>(list, n_list, bits, base + static_cast<int32_t>(t));
+        }
+        for (; t < w; ++t) {
+          list[n_list] = base + static_cast<int32_t>(t);
+          n_list += b.y[t] >= 0 && !bins.simple(p[t]);
+        }
+      }
+      for (int64_t j = first; j < k; ++j) {
+        const T* p = b.e.data() + j * kPlane;
+        const double p0 = pg[j - first];
+        for (int64_t t = 0; t < w; ++t) b.dot[t] += p0 * static_cast<double>(p[t]);
+      }
+      for (int64_t t = 0; t < w; ++t) b.dot[t] *= b.kd[t];
+      for (int64_t i = 0; i < n_list; ++i) {
+        const int64_t j = list[i] / kPlane, tt = list[i] % kPlane, ci = j - first;
+        const T pj = b.e[list[i]];
+        if (!s.soft) {
+          v[i] = pg[bins.hard(pj) * c + ci];
+        } else {
           int64_t l;
           T rr, da;
-          bins.soft_of(p[tt], l, rr, da);
+          bins.soft_of(pj, l, rr, da);
           const int64_t i0 = l * c + ci, i1 = i0 + c;
           const double yv = b.y[tt] == j ? 1.0 : 0.0;
-          u[tt] = (1.0 - rr) * pg[i0] + rr * pg[i1] +
-                  static_cast<double>(da) * ((pg[i1] - pg[i0]) * (static_cast<double>(p[tt]) - yv) - (qg[i1] - qg[i0]));
-        };
-        for (; t + W <= w; t += W) {
-          uint64_t bits = plane_block(bins, p + t, b.kd.data() + t, thr, nullptr);
-          while (bits != 0) {
-            fix(t + __builtin_ctzll(bits));
-            bits &= bits - 1;
-          }
+          v[i] = (1.0 - rr) * pg[i0] + rr * pg[i1] +
+                 static_cast<double>(da) * ((pg[i1] - pg[i0]) * (static_cast<double>(pj) - yv) - (qg[i1] - qg[i0]));
         }
-        for (; t < w; ++t)
-          if (b.y[t] >= 0 && !bins.simple(p[t])) fix(t);
-        for (t = 0; t < w; ++t) b.dot[t] += u[t] * static_cast<double>(p[t]);
+        b.dot[tt] += (v[i] - pg[ci]) * static_cast<double>(pj);
       }
+      // g = gce (p − e_y) + p (u − dot): every entry with bin 0's u, then the others rewritten with theirs
       for (int64_t j = 0; j < k; ++j) {
-        const double* u = b.u.data() + j * kPlane;
         const T* p = b.e.data() + j * kPlane;
+        const double p0 = j < first ? 0.0 : pg[j - first];
         T* g = gt + j * sp;
         for (int64_t t = 0; t < w; ++t) {
           const double pd = static_cast<double>(p[t]);
-          g[t] = static_cast<T>(b.gce[t] * (pd - (b.y[t] == j ? 1.0 : 0.0)) + pd * (u[t] - b.dot[t]));
+          g[t] = static_cast<T>(b.gce[t] * (pd - (b.y[t] == j ? 1.0 : 0.0)) + pd * (p0 * b.kd[t] - b.dot[t]));
         }
+      }
+      for (int64_t i = 0; i < n_list; ++i) {
+        const int64_t j = list[i] / kPlane, tt = list[i] % kPlane;
+        const double pd = static_cast<double>(b.e[list[i]]);
+        gt[j * sp + tt] = static_cast<T>(b.gce[tt] * (pd - (b.y[tt] == j ? 1.0 : 0.0)) + pd * (v[i] - b.dot[tt]));
       }
     }
   });
