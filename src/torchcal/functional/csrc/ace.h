@@ -182,11 +182,14 @@ struct Bins {
     // inlined copy and not in another, and the count, Σ w y and the backward need the same r
     const T raw = std::fma(p, scale, T(-0.5));
     const T hi = static_cast<T>(n - 1);
-    const T u = raw < T(0) ? T(0) : (raw > hi ? hi : raw);
-    da = static_cast<int>(raw >= T(0)) & static_cast<int>(raw <= hi) ? scale : T(0);
-    T fl = std::floor(u);
-    if (!(fl <= hi - T(1))) fl = hi - T(1);  // (NaN: the last pair)
-    if (!(fl >= T(0))) fl = T(0);
+    // clamps and selects without a branch on p (p·M near M − 1/2 is a coin flip at confident positions): u
+    // equals raw exactly where raw is inside [0, M − 1], the derivative's range (NaN, never binned: 0)
+    // (each select the form of one max / min instruction; std::fmin and std::fmax are library calls)
+    const T low = raw > T(0) ? raw : T(0);
+    const T u = low < hi ? low : hi;
+    da = u == raw ? scale : T(0);
+    const T below = std::floor(u);
+    const T fl = below < hi - T(1) ? below : hi - T(1);
     l = static_cast<int64_t>(fl);
     r = u - fl;
   }
