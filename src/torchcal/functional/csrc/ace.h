@@ -298,6 +298,14 @@ void for_rows(const Spec& s, const T* x, T* grad, int64_t m0, int64_t m1, std::v
   }
 }
 
+// cell[C_COUNT] += w, cell[C_SUM_P] += wp as one 16-byte load and store: the next entry of the same cell then
+// reads what the store forwards (a 16-byte read of two 8-byte stores waits for them to reach the cache)
+inline void add_count_p(double* cell, double w, double wp) {
+  using D2 = typename Vec<double, 16>::type;
+  const D2 v = load<D2>(cell + C_COUNT) + D2{w, wp};
+  std::memcpy(cell + C_COUNT, &v, sizeof(D2));
+}
+
 // ACE of cell (g, c) from its bins (tab: its bin 0, the next bins C'·N_CELL apart) (the unweighted mean of |Σ w p − Σ w y| / Σ w over the occupied bins) and
 // the number of occupied bins
 inline double cell_ace(const Spec& s, const double* tab, int64_t& occupied) {
@@ -471,17 +479,14 @@ void forward_planes(const Spec& s, const T* x, const int64_t* tp, const Bins<T>&
           double* cq = tab + (j - first) * N_CELL;
           if (!s.soft) {
             cq += bins.hard(pj) * stride;
-            cq[C_COUNT] += 1.0;
-            cq[C_SUM_P] += pj;
+            add_count_p(cq, 1.0, static_cast<double>(pj));
           } else {
             int64_t l;
             T rr, da;
             bins.soft_of(pj, l, rr, da);
             cq += l * stride;
-            cq[C_COUNT] += T(1) - rr;
-            cq[C_SUM_P] += static_cast<double>((T(1) - rr) * pj);
-            cq[stride + C_COUNT] += rr;
-            cq[stride + C_SUM_P] += static_cast<double>(rr * pj);
+            add_count_p(cq, static_cast<double>(T(1) - rr), static_cast<double>((T(1) - rr) * pj));
+            add_count_p(cq + stride, static_cast<double>(rr), static_cast<double>(rr * pj));
           }
         }
         for (int64_t t = 0; t < w; ++t) {  // the label's class: Σ w y of its bins
@@ -645,8 +650,7 @@ void forward_rows(const Spec& s, const T* x, const int64_t* tp, const Bins<T>& b
           for (int64_t i = 0; i < n_other; ++i) {
             const int64_t j = list[i];
             double* q = tab + bins.hard(p[j]) * stride + j * N_CELL;
-            q[C_COUNT] += 1.0;
-            q[C_SUM_P] += p[j];
+            add_count_p(q, 1.0, static_cast<double>(p[j]));
           }
           if (y >= first) {  // the label's class: Σ y of its bin (y = 1 there, 0 in every other class)
             const T py = p[y - first];
@@ -660,10 +664,8 @@ void forward_rows(const Spec& s, const T* x, const int64_t* tp, const Bins<T>& b
             bins.soft_of(p[j], l, r, da);
             double* q = tab + l * stride + j * N_CELL;
             const T wl = T(1) - r;
-            q[C_COUNT] += wl;
-            q[C_SUM_P] += static_cast<double>(wl * p[j]);
-            q[stride + C_COUNT] += r;
-            q[stride + C_SUM_P] += static_cast<double>(r * p[j]);
+            add_count_p(q, static_cast<double>(wl), static_cast<double>(wl * p[j]));
+            add_count_p(q + stride, static_cast<double>(r), static_cast<double>(r * p[j]));
           }
           if (y >= first) {  // the label's class: Σ w y of its bins (y = 1 there, 0 in every other class)
             const T py = p[y - first];
