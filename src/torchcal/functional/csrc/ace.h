@@ -193,6 +193,18 @@ struct Bins {
     l = static_cast<int64_t>(fl);
     r = u - fl;
   }
+  // u = ∂ACE/∂p of an entry that is not simple, of class column ci (of C'), label indicator yv; pg, qg the
+  // group's P and Q tables (bins, C'). Hard: its bin's P. Soft, ∂/∂p of Σ_b P_b (w_b p − w_b y) − Q_b w_b…:
+  // (1 − r)P_l + r P_{l+1} + r'((P_{l+1} − P_l)(p − y) − (Q_{l+1} − Q_l))
+  double u_of(T p, double yv, const double* pg, const double* qg, int64_t c, int64_t ci) const {
+    if (!soft) return pg[hard(p) * c + ci];
+    int64_t l;
+    T r, da;
+    soft_of(p, l, r, da);
+    const int64_t i0 = l * c + ci, i1 = i0 + c;
+    return (1.0 - r) * pg[i0] + r * pg[i1] +
+           static_cast<double>(da) * ((pg[i1] - pg[i0]) * (static_cast<double>(p) - yv) - (qg[i1] - qg[i0]));
+  }
   // One vectorised pass over a row's count entries: p = e·inv written over e (one float multiply, the
   // rounding of every other use), list[0..m) = the indices of those that are not simple (returns m); with
   // zs the simple ones' Σ p added per class (their count is the kept rows' less the others'); with pg (the
@@ -406,6 +418,30 @@ inline uint64_t plane_block(const Bins<T>& bins, const T* p, const double* kd, d
   return compare_mask<double, kWideBytes>(v, thr_d) & compare_mask<double, kWideBytes>(k, half);
 }
 
+// One class row p of a tile (w positions): its kept entries that are not simple appended to list as
+// base + t (lane order; returns the new length); with zs / zc (that class's lanes) the kept simple entries'
+// p added and the others counted
+template <typename T>
+inline int64_t list_class(const Bins<T>& bins, const T* p, const PlaneBuffers<T>& b, int64_t w, double thr,
+                          int32_t base, int32_t* list, int64_t n_list, double* zs, double* zc) {
+  constexpr int W = Vec<double, kWideBytes>::width;
+  int64_t t = 0;
+  for (; t + W <= w; t += W) {
+    const uint64_t bits = plane_block(bins, p + t, b.kd.data() + t, thr, zs);
+    if (zc != nullptr) zc[0] += __builtin_popcountll(bits);  // the others: not in bin 0's count
+    n_list = append_lanes<W>(list, n_list, bits, base + static_cast<int32_t>(t));
+  }
+  for (; t < w; ++t) {  // the tail: the same criterion lane by lane
+    if (b.y[t] < 0) continue;
+    const bool other = !bins.simple(p[t]);
+    if (zs != nullptr && !other) zs[0] += static_cast<double>(p[t]);
+    if (zc != nullptr) zc[0] += other;
+    list[n_list] = base + static_cast<int32_t>(t);
+    n_list += other;
+  }
+  return n_list;
+}
+
 template <typename T>
 void forward_planes(const Spec& s, const T* x, const int64_t* tp, const Bins<T>& bins, double* parts,
                     double* row_max, T* ce_rows, std::atomic<int64_t>& n_bad) {
@@ -457,21 +493,8 @@ void forward_planes(const Spec& s, const T* x, const int64_t* tp, const Bins<T>&
         for (int64_t j = first; j < k; ++j) {
           const int64_t ci = j - first;
           const T* p = b.e.data() + j * kPlane;
-          const int32_t base = static_cast<int32_t>(j * kPlane);
-          int64_t t = 0;
-          for (; t + W <= w; t += W) {
-            const uint64_t bits = plane_block(bins, p + t, b.kd.data() + t, thr, b.zs.data() + ci * W);
-            b.zc[ci * W] += __builtin_popcountll(bits);  // the others: not in bin 0's count
-            n_list = append_lanes<W>(list, n_list, bits, base + static_cast<int32_t>(t));
-          }
-          for (; t < w; ++t) {  // the tail: the same criterion lane by lane
-            if (b.y[t] < 0) continue;
-            const bool other = !bins.simple(p[t]);
-            if (!other) b.zs[ci * W] += static_cast<double>(p[t]);
-            b.zc[ci * W] += other;
-            list[n_list] = base + static_cast<int32_t>(t);
-            n_list += other;
-          }
+          n_list = list_class(bins, p, b, w, thr, static_cast<int32_t>(j * kPlane), list, n_list,
+                              b.zs.data() + ci * W, b.zc.data() + ci * W);
         }
         for (int64_t i = 0; i < n_list; ++i) {
           const int64_t j = list[i] / kPlane;
@@ -521,7 +544,6 @@ void forward_planes(const Spec& s, const T* x, const int64_t* tp, const Bins<T>&
 template <typename T>
 void backward_planes(const Spec& s, const T* x, T* grad, const int64_t* tp, const Bins<T>& bins, const double* pt,
                      const double* qt, const double* row_max, const double* gp, int64_t gstride, double ce_div) {
-  constexpr int W = Vec<double, kWideBytes>::width;
   const int64_t k = s.k, first = s.first, c = s.c, sp = s.sp;
   const int64_t per_image = (sp + kPlane - 1) / kPlane;
   const double thr = bins.threshold();
@@ -544,7 +566,7 @@ void backward_planes(const Spec& s, const T* x, T* grad, const int64_t* tp, cons
       plane_softmax(xt, sp, k, w, row_max + m0, b);
       const int64_t at = (s.groups == 1 ? 0 : img) * s.bins * c;
       const double* pg = pt + at;
-      const double* qg = qt + at;
+      const double* qg = s.soft ? qt + at : nullptr;  // (no Q table for hard bins)
       // u = bin 0's P of the class for the simple entries (0 for the unbinned background and the ignored
       // positions); the others listed (j·kPlane + t, class by class) with their u in v (list order); then
       // dot = Σ_j u p per position, from bin 0's u corrected for the others
@@ -552,17 +574,8 @@ void backward_planes(const Spec& s, const T* x, T* grad, const int64_t* tp, cons
       double* v = b.u.data();
       int64_t n_list = 0;
       for (int64_t j = first; j < k; ++j) {
-        const T* p = b.e.data() + j * kPlane;
-        const int32_t base = static_cast<int32_t>(j * kPlane);
-        int64_t t = 0;
-        for (; t + W <= w; t += W) {
-          const uint64_t bits = plane_block(bins, p + t, b.kd.data() + t, thr, nullptr);
-          n_list = append_lanes<W>(list, n_list, bits, base + static_cast<int32_t>(t));
-        }
-        for (; t < w; ++t) {
-          list[n_list] = base + static_cast<int32_t>(t);
-          n_list += b.y[t] >= 0 && !bins.simple(p[t]);
-        }
+        n_list = list_class(bins, b.e.data() + j * kPlane, b, w, thr, static_cast<int32_t>(j * kPlane), list,
+                            n_list, nullptr, nullptr);
       }
       for (int64_t j = first; j < k; ++j) {
         const T* p = b.e.data() + j * kPlane;
@@ -573,17 +586,7 @@ void backward_planes(const Spec& s, const T* x, T* grad, const int64_t* tp, cons
       for (int64_t i = 0; i < n_list; ++i) {
         const int64_t j = list[i] / kPlane, tt = list[i] % kPlane, ci = j - first;
         const T pj = b.e[list[i]];
-        if (!s.soft) {
-          v[i] = pg[bins.hard(pj) * c + ci];
-        } else {
-          int64_t l;
-          T rr, da;
-          bins.soft_of(pj, l, rr, da);
-          const int64_t i0 = l * c + ci, i1 = i0 + c;
-          const double yv = b.y[tt] == j ? 1.0 : 0.0;
-          v[i] = (1.0 - rr) * pg[i0] + rr * pg[i1] +
-                 static_cast<double>(da) * ((pg[i1] - pg[i0]) * (static_cast<double>(pj) - yv) - (qg[i1] - qg[i0]));
-        }
+        v[i] = bins.u_of(pj, b.y[tt] == j ? 1.0 : 0.0, pg, qg, c, ci);
         b.dot[tt] += (v[i] - pg[ci]) * static_cast<double>(pj);
       }
       // g = gce (p − e_y) + p (u − dot): every entry with bin 0's u, then the others rewritten with theirs
@@ -894,26 +897,11 @@ inline at::Tensor backward(const at::Tensor& grad_loss, const at::Tensor& logits
         double dot = 0.0;        // Σ u p: bin 0's, corrected below for the others
         const int64_t n_other = bins.scan(e + first, inv, c, list, nullptr, pg, &dot, given);
         const T* p = e + first;
-        if (!s.soft) {
-          for (int64_t i = 0; i < n_other; ++i) {
-            const int64_t j = list[i];
-            v[i] = pg[bins.hard(p[j]) * c + j];
-            dot += (v[i] - pg[j]) * static_cast<double>(p[j]);
-          }
-        } else {
-          // ∂/∂p of Σ_b P_b (w_b p − w_b y) − Q_b w_b… : (1 − r)P_l + r P_{l+1} + r'((P_{l+1} − P_l)(p − y) − (Q_{l+1} − Q_l))
-          const double* qg = qt.data() + at;
-          int64_t l;
-          T r, da;
-          for (int64_t i = 0; i < n_other; ++i) {
-            const int64_t j = list[i];
-            bins.soft_of(p[j], l, r, da);
-            const int64_t i0 = l * c + j, i1 = i0 + c;
-            const double yv = j + first == y ? 1.0 : 0.0;
-            v[i] = (1.0 - r) * pg[i0] + r * pg[i1] +
-                   static_cast<double>(da) * ((pg[i1] - pg[i0]) * (static_cast<double>(p[j]) - yv) - (qg[i1] - qg[i0]));
-            dot += (v[i] - pg[j]) * static_cast<double>(p[j]);
-          }
+        const double* qg = s.soft ? qt.data() + at : nullptr;  // (no Q table for hard bins)
+        for (int64_t i = 0; i < n_other; ++i) {
+          const int64_t j = list[i];
+          v[i] = bins.u_of(p[j], j + first == y ? 1.0 : 0.0, pg, qg, c, j);
+          dot += (v[i] - pg[j]) * static_cast<double>(p[j]);
         }
         // g = gce (p − e_y) + p (u − dot): the unbinned background (u = 0), the binned classes with bin 0's u,
         // then the others and the label's entry rewritten with theirs
