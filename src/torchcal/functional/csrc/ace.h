@@ -346,6 +346,21 @@ struct Forward {
 
 constexpr int64_t kPlane = 64;
 
+// the next tile's lines of the K class planes (and, with g, of the gradient, for writing) prefetched while
+// this tile is computed: K planes at a stride of the image's positions are more streams than the hardware
+// prefetcher follows (as the margin lanes, margin_lanes.h); the last tile's prefetches fall past its image,
+// which a prefetch may do
+template <typename T>
+inline void prefetch_tile(const T* x, T* g, int64_t sp, int64_t k) {
+  constexpr int64_t line = 64 / static_cast<int64_t>(sizeof(T));
+  for (int64_t j = 0; j < k; ++j) {
+    for (int64_t t = 0; t < kPlane; t += line) {
+      __builtin_prefetch(x + j * sp + kPlane + t);
+      if (g != nullptr) __builtin_prefetch(g + j * sp + kPlane + t, 1);
+    }
+  }
+}
+
 template <typename T>
 struct PlaneBuffers {
   std::vector<T> e, mx, inv;
@@ -469,6 +484,7 @@ void forward_planes(const Spec& s, const T* x, const int64_t* tp, const Bins<T>&
         const int64_t img = q / per_image, pos = (q % per_image) * kPlane, w = std::min(kPlane, sp - pos);
         const int64_t m0 = img * sp + pos;
         const T* xt = x + img * k * sp + pos;
+        prefetch_tile<T>(xt, nullptr, sp, k);
         for (int64_t t = 0; t < w; ++t) {
           b.y[t] = row_label(s, tp[m0 + t], bad);
           b.kd[t] = b.y[t] >= 0 ? 1.0 : 0.0;
@@ -555,6 +571,7 @@ void backward_planes(const Spec& s, const T* x, T* grad, const int64_t* tp, cons
       const int64_t m0 = img * sp + pos;
       const T* xt = x + img * k * sp + pos;
       T* gt = grad + img * k * sp + pos;
+      prefetch_tile(xt, gt, sp, k);
       for (int64_t t = 0; t < w; ++t) {
         const int64_t y = tp[m0 + t];
         const bool keep = !(s.has_ignore && y == s.ignore);
