@@ -120,34 +120,18 @@ inline double exp_of(const double* x, int64_t k, double mx, double* e) {
 // bins l and l + 1 with weight r on l + 1, u = clamp(p·M/(1 + eps) − 1/2, 0, M − 1), l = min(floor(u), M − 2)
 // in the input dtype as the torch path, da = ∂r/∂p (0 where u is clamped, as torch's clamp); one bin: l = 0,
 // r = 0 (every p simple).
+// Bins is a view, trivially copyable: each parallel loop takes a local copy, whose fields the compiler keeps
+// in registers across the loop's stores into the bins' sums (through the shared object it reloaded them for
+// every entry); BinTables owns the tables it points into.
 template <typename T>
 struct Bins {
-  std::vector<T> lower;  // lower[b] = bin b's lower edge (−inf for bin 0), lower[M] = +inf (hard)
+  const T* lower;  // lower[b] = bin b's lower edge (−inf for bin 0), lower[M] = +inf (hard)
   // below[i] = the number of inner edges < i/L (i = 0..L), L a power of two >= 4M: p·L is exact, so p in
   // [i/L, (i + 1)/L) has bin below[i] or, where the one edge that an interval can hold lies below p, the next
-  std::vector<int32_t> below;
+  const int32_t* below;
   int64_t n;
   bool soft;
   T scale, first_edge, lscale;
-  Bins(const T* e, int64_t bins, bool is_soft) : n(bins), soft(is_soft) {
-    scale = static_cast<T>(static_cast<double>(bins) / (1.0 + kFloat32Eps));
-    first_edge = bins > 1 && !soft ? e[0] : std::numeric_limits<T>::infinity();
-    lscale = T(0);
-    if (soft) return;
-    lower.assign(static_cast<size_t>(bins + 1), std::numeric_limits<T>::infinity());
-    lower[0] = -std::numeric_limits<T>::infinity();
-    for (int64_t b = 1; b < bins; ++b) lower[b] = e[b - 1];
-    int64_t l = 1024;
-    while (l < 4 * bins && l < (int64_t{1} << 22)) l *= 2;
-    lscale = static_cast<T>(l);
-    below.assign(static_cast<size_t>(l + 1), 0);
-    int64_t b = 0;
-    for (int64_t i = 0; i <= l; ++i) {
-      const T at = static_cast<T>(i) / lscale;  // exact
-      while (b < bins - 1 && e[b] < at) ++b;
-      below[static_cast<size_t>(i)] = static_cast<int32_t>(b);
-    }
-  }
   // p is simple (wholly in bin 0, no derivative of its weight) unless v = p (hard) or p·M/(1 + eps) (soft,
   // in the input dtype) exceeds thr: the first inner edge, or the largest number below 1/2 (u >= 0); one
   // soft bin: every p. NaN is simple (its sums become NaN).
@@ -165,7 +149,7 @@ struct Bins {
     f = f > T(0) ? f : T(0);
     f = f < lscale ? f : lscale;
     int64_t b = below[static_cast<size_t>(f)];
-    const T* e = lower.data();
+    const T* e = lower;
     b += static_cast<int64_t>(e[b + 1] < p);
     if (static_cast<int>(!(e[b] < p)) | static_cast<int>(e[b + 1] < p)) {
       while (b > 0 && !(e[b] < p)) --b;
@@ -250,6 +234,41 @@ struct Bins {
     }
     return m;
   }
+};
+
+template <typename T>
+struct BinTables {
+  std::vector<T> lower;
+  std::vector<int32_t> below;
+  Bins<T> bins;
+  BinTables(const T* e, int64_t n, bool soft) {
+    bins.n = n;
+    bins.soft = soft;
+    bins.scale = static_cast<T>(static_cast<double>(n) / (1.0 + kFloat32Eps));
+    bins.first_edge = n > 1 && !soft ? e[0] : std::numeric_limits<T>::infinity();
+    bins.lscale = T(0);
+    bins.lower = nullptr;
+    bins.below = nullptr;
+    if (soft) return;
+    lower.assign(static_cast<size_t>(n + 1), std::numeric_limits<T>::infinity());
+    lower[0] = -std::numeric_limits<T>::infinity();
+    for (int64_t b = 1; b < n; ++b) lower[b] = e[b - 1];
+    int64_t l = 1024;
+    while (l < 4 * n && l < (int64_t{1} << 22)) l *= 2;
+    const T lscale = static_cast<T>(l);
+    below.assign(static_cast<size_t>(l + 1), 0);
+    int64_t b = 0;
+    for (int64_t i = 0; i <= l; ++i) {
+      const T at = static_cast<T>(i) / lscale;  // exact
+      while (b < n - 1 && e[b] < at) ++b;
+      below[static_cast<size_t>(i)] = static_cast<int32_t>(b);
+    }
+    bins.lscale = lscale;
+    bins.lower = lower.data();
+    bins.below = below.data();
+  }
+  BinTables(const BinTables&) = delete;  // (bins points into this object's vectors)
+  BinTables& operator=(const BinTables&) = delete;
 };
 
 // g_j = a p_j + p_j (u_j − dot) in the input dtype (float64 arithmetic)
@@ -458,15 +477,16 @@ inline int64_t list_class(const Bins<T>& bins, const T* p, const PlaneBuffers<T>
 }
 
 template <typename T>
-void forward_planes(const Spec& s, const T* x, const int64_t* tp, const Bins<T>& bins, double* parts,
+void forward_planes(const Spec& s, const T* x, const int64_t* tp, const Bins<T>& shared_bins, double* parts,
                     double* row_max, T* ce_rows, std::atomic<int64_t>& n_bad) {
   constexpr int W = Vec<double, kWideBytes>::width;
   const int64_t k = s.k, first = s.first, c = s.c, sp = s.sp;
   const int64_t stride = c * N_CELL;
   const int64_t per_image = (sp + kPlane - 1) / kPlane;
   const int64_t group_tiles = s.groups == 1 ? s.n * per_image : per_image;
-  const double thr = bins.threshold();
+  const double thr = shared_bins.threshold();
   at::parallel_for(0, s.groups * s.chunks, 1, [&](int64_t begin, int64_t end) {
+    const Bins<T> bins = shared_bins;  // (the local copy: see Bins)
     PlaneBuffers<T> b(k, c);
     int64_t bad = 0;
     for (int64_t item = begin; item < end; ++item) {
@@ -490,6 +510,14 @@ void forward_planes(const Spec& s, const T* x, const int64_t* tp, const Bins<T>&
           b.kd[t] = b.y[t] >= 0 ? 1.0 : 0.0;
         }
         plane_softmax(xt, sp, k, w, nullptr, b);
+        // log Σ of the tile's positions in float64 lanes (~1 ulp, as the margin lanes) into b.u, which the
+        // forward does not use otherwise; the padded lanes hold Σ = 1
+        double* log_sum = b.u.data();
+        for (int64_t t = w; t < kPlane; ++t) b.sum[t] = 1.0;
+        for (int64_t t = 0; t < kPlane; t += W) {
+          const auto v = log_lanes(load<typename Vec<double, kWideBytes>::type>(b.sum.data() + t));
+          std::memcpy(log_sum + t, &v, sizeof(v));
+        }
         for (int64_t t = 0; t < w; ++t) {
           const int64_t y = b.y[t];
           if (y < 0) {
@@ -498,7 +526,7 @@ void forward_planes(const Spec& s, const T* x, const int64_t* tp, const Bins<T>&
             continue;
           }
           row_max[m0 + t] = static_cast<double>(b.mx[t]);
-          const double ce = std::log(b.sum[t]) + static_cast<double>(b.mx[t]) - static_cast<double>(xt[y * sp + t]);
+          const double ce = log_sum[t] + static_cast<double>(b.mx[t]) - static_cast<double>(xt[y * sp + t]);
           if (ce_rows != nullptr) ce_rows[m0 + t] = static_cast<T>(ce);
           ce_sum += ce;
           kept += 1.0;
@@ -513,10 +541,10 @@ void forward_planes(const Spec& s, const T* x, const int64_t* tp, const Bins<T>&
                               b.zs.data() + ci * W, b.zc.data() + ci * W);
         }
         for (int64_t i = 0; i < n_list; ++i) {
-          const int64_t j = list[i] / kPlane;
-          const T pj = b.e[list[i]];
+          const int64_t li = static_cast<uint32_t>(list[i]), j = li / kPlane;
+          const T pj = b.e[li];
           double* cq = tab + (j - first) * N_CELL;
-          if (!s.soft) {
+          if (!bins.soft) {
             cq += bins.hard(pj) * stride;
             add_count_p(cq, 1.0, static_cast<double>(pj));
           } else {
@@ -536,7 +564,7 @@ void forward_planes(const Spec& s, const T* x, const int64_t* tp, const Bins<T>&
           double* cell = tab + (y - first) * N_CELL;
           if (bins.simple(py)) {
             cell[C_SUM_Y] += 1.0;
-          } else if (!s.soft) {
+          } else if (!bins.soft) {
             cell[bins.hard(py) * stride + C_SUM_Y] += 1.0;
           } else {
             int64_t l;
@@ -558,13 +586,14 @@ void forward_planes(const Spec& s, const T* x, const int64_t* tp, const Bins<T>&
 
 // the backward of a tile: u_jt = ∂ACE/∂p (bin 0's P for the simple entries), then the gradient in place
 template <typename T>
-void backward_planes(const Spec& s, const T* x, T* grad, const int64_t* tp, const Bins<T>& bins, const double* pt,
+void backward_planes(const Spec& s, const T* x, T* grad, const int64_t* tp, const Bins<T>& shared_bins, const double* pt,
                      const double* qt, const double* row_max, const double* gp, int64_t gstride, double ce_div) {
   const int64_t k = s.k, first = s.first, c = s.c, sp = s.sp;
   const int64_t per_image = (sp + kPlane - 1) / kPlane;
-  const double thr = bins.threshold();
+  const double thr = shared_bins.threshold();
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / (k * kPlane));
   at::parallel_for(0, s.n * per_image, grain, [&](int64_t begin, int64_t end) {
+    const Bins<T> bins = shared_bins;
     PlaneBuffers<T> b(k, c);
     for (int64_t q = begin; q < end; ++q) {
       const int64_t img = q / per_image, pos = (q % per_image) * kPlane, w = std::min(kPlane, sp - pos);
@@ -601,8 +630,8 @@ void backward_planes(const Spec& s, const T* x, T* grad, const int64_t* tp, cons
       }
       for (int64_t t = 0; t < w; ++t) b.dot[t] *= b.kd[t];
       for (int64_t i = 0; i < n_list; ++i) {
-        const int64_t j = list[i] / kPlane, tt = list[i] % kPlane, ci = j - first;
-        const T pj = b.e[list[i]];
+        const int64_t li = static_cast<uint32_t>(list[i]), j = li / kPlane, tt = li % kPlane, ci = j - first;
+        const T pj = b.e[li];
         v[i] = bins.u_of(pj, b.y[tt] == j ? 1.0 : 0.0, pg, qg, c, ci);
         b.dot[tt] += (v[i] - pg[ci]) * static_cast<double>(pj);
       }
@@ -617,8 +646,8 @@ void backward_planes(const Spec& s, const T* x, T* grad, const int64_t* tp, cons
         }
       }
       for (int64_t i = 0; i < n_list; ++i) {
-        const int64_t j = list[i] / kPlane, tt = list[i] % kPlane;
-        const double pd = static_cast<double>(b.e[list[i]]);
+        const int64_t li = static_cast<uint32_t>(list[i]), j = li / kPlane, tt = li % kPlane;
+        const double pd = static_cast<double>(b.e[li]);
         gt[j * sp + tt] = static_cast<T>(b.gce[tt] * (pd - (b.y[tt] == j ? 1.0 : 0.0)) + pd * (v[i] - b.dot[tt]));
       }
     }
@@ -628,11 +657,12 @@ void backward_planes(const Spec& s, const T* x, T* grad, const int64_t* tp, cons
 // probs: where every kept row's p is written (the whole-loss node's backward then reads it instead of taking
 // its exps again: decision 222) or null
 template <typename T>
-void forward_rows(const Spec& s, const T* x, const int64_t* tp, const Bins<T>& bins, double* parts, double* row_max,
+void forward_rows(const Spec& s, const T* x, const int64_t* tp, const Bins<T>& shared_bins, double* parts, double* row_max,
                   T* ce_rows, std::atomic<int64_t>& n_bad, T* probs = nullptr) {
   const int64_t items = s.groups * s.chunks, k = s.k, first = s.first, c = s.c;
   const int64_t stride = c * N_CELL;  // from one bin of a class to the next
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    const Bins<T> bins = shared_bins;
     RowBuffers<T> w(k);
     int64_t bad = 0;
     for (int64_t item = begin; item < end; ++item) {
@@ -666,7 +696,7 @@ void forward_rows(const Spec& s, const T* x, const int64_t* tp, const Bins<T>& b
         const int64_t n_other = bins.scan(e + first, inv, c, list, zero + c);
         const T* p = e + first;  // (now p)
         for (int64_t i = 0; i < n_other; ++i) zero[list[i]] -= 1.0;  // bin 0's count: kept rows less these
-        if (!s.soft) {
+        if (!bins.soft) {
           for (int64_t i = 0; i < n_other; ++i) {
             const int64_t j = list[i];
             double* q = tab + bins.hard(p[j]) * stride + j * N_CELL;
@@ -748,7 +778,8 @@ inline Forward forward(const at::Tensor& logits, const at::Tensor& targets, cons
   at::Tensor probs;
   if (keep_probs && s.sp == 1) probs = at::empty(x.sizes(), x.options());
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "fused_ace", [&] {
-    const Bins<scalar_t> bins(s.soft ? nullptr : ed.data_ptr<scalar_t>(), s.bins, s.soft);
+    const BinTables<scalar_t> tables(s.soft ? nullptr : ed.data_ptr<scalar_t>(), s.bins, s.soft);
+    const Bins<scalar_t>& bins = tables.bins;
     scalar_t* ce = s.reduction == 0 ? ce_rows.data_ptr<scalar_t>() : nullptr;
     if (s.sp > 1)
       forward_planes<scalar_t>(s, x.data_ptr<scalar_t>(), tp, bins, parts.data_ptr<double>(), row_max, ce, n_bad);
@@ -884,15 +915,17 @@ inline at::Tensor backward(const at::Tensor& grad_loss, const at::Tensor& logits
   const int64_t k = s.k, first = s.first, c = s.c;
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "fused_ace_backward", [&] {
     using T = scalar_t;
-    const Bins<T> bins(s.soft ? nullptr : ed.data_ptr<T>(), s.bins, s.soft);
+    const BinTables<T> tables(s.soft ? nullptr : ed.data_ptr<T>(), s.bins, s.soft);
+    const Bins<T>& shared_bins = tables.bins;
     if (s.sp > 1) {
-      backward_planes<T>(s, x.data_ptr<T>(), grad.data_ptr<T>(), tp, bins, pt.data(), qt.data(), row_max, gp, stride,
+      backward_planes<T>(s, x.data_ptr<T>(), grad.data_ptr<T>(), tp, shared_bins, pt.data(), qt.data(), row_max, gp, stride,
                          ce_div);
       return;
     }
     const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / k);
     T* kept_p = probs.defined() ? probs.data_ptr<T>() : nullptr;
     at::parallel_for(0, s.rows, grain, [&](int64_t begin, int64_t end) {
+      const Bins<T> bins = shared_bins;
       RowBuffers<T> w(k);
       for_rows<T>(s, x.data_ptr<T>(), grad.data_ptr<T>(), begin, end, w.xb, w.gb, [&](int64_t m, const T* row, T* gr) {
         const bool keep = !(s.has_ignore && tp[m] == s.ignore);

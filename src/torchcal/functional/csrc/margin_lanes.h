@@ -80,30 +80,6 @@ inline D widen(V v) {
   return __builtin_convertvector(v, D);
 }
 
-// log x on float64 lanes of x >= 1 (the rows' Σ exp(x − max); NaN and +inf pass through), where the row path
-// calls std::log per row: x = 2^e·f with f in [√½, √2), log f = 2 atanh(s) with s = (f − 1)/(f + 1),
-// |s| <= 0.172, by its series to s^25 (truncated below 1e-20 relative), e·log 2 in two parts: ~1 ulp
-template <typename D>
-inline D log_lanes(D x) {
-  using I = decltype(x < x);
-  I bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-  I e = ((bits >> 52) & 0x7ff) - 1022;
-  bits = (bits & 0x000fffffffffffff) | 0x3fe0000000000000;
-  D f;
-  std::memcpy(&f, &bits, sizeof(f));  // in [0.5, 1)
-  const I small = f < 0.70710678118654752440;
-  e = small ? e - 1 : e;
-  f = small ? f + f : f;
-  const D t = (f - 1.0) / (f + 1.0), z = t * t;
-  D p = broadcast<D>(1.0 / 25.0);
-  for (int n = 23; n >= 1; n -= 2) p = p * z + 1.0 / n;  // Σ z^i / (2i + 1)
-  const D ef = __builtin_convertvector(e, D);
-  const D r = (ef * -2.1219444005469058277e-4 + 2.0 * t * p) + ef * 0.693359375;
-  const D inf = broadcast<D>(std::numeric_limits<double>::infinity());
-  return x == x && x != inf ? r : x;
-}
-
 // The statistics of the W positions at x (class j of lane l at x[j * stride + l]) into o + l * N_STAT, with
 // labels y[l] (−1: no cross entropy). e: scratch of k * W entries (the confidence penalty's exp(x − max)).
 // sums (CALS, or null): the training statistics of the lanes with a label added into sums[0..2K], as
