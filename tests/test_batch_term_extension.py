@@ -102,9 +102,9 @@ def _inputs(shape, dtype, seed=0, ignore=True):
     return z, y
 
 
-def _float32_near_float64(fn, z, y):
+def _float32_near_float64(fn, z, y, grad_atol=5e-5):
     """fn(z, y) with float32 logits (the operator) against the float64 torch path: the value to 1e-5
-    relative, the gradient (finite) to 5e-5 of its largest entry."""
+    relative, the gradient (finite) to ``grad_atol`` (5e-5) of its largest entry."""
     x32 = z.float().requires_grad_(True)
     value = fn(x32, y)
     value.backward()
@@ -117,7 +117,7 @@ def _float32_near_float64(fn, z, y):
     assert got is not None and ref is not None
     assert torch.isfinite(got).all()
     scale = float(ref.abs().max())
-    torch.testing.assert_close(got.double() / scale, ref / scale, rtol=0, atol=5e-5)
+    torch.testing.assert_close(got.double() / scale, ref / scale, rtol=0, atol=grad_atol)
 
 
 @pytest.mark.parametrize("name", list(LOSSES))
@@ -337,6 +337,41 @@ def test_extreme_rows_float32_are_near_the_float64_torch_path(name, classes):
     z[24:32, 3] = 20.0  # p_y = 1 − ~(K − 1)e^-20
     y[24:32] = 3
     _float32_near_float64(LOSSES[name], z, y)
+
+
+@pytest.mark.parametrize("temperature", [0.02, 0.3, 5.0])
+@pytest.mark.parametrize("shape", [(96, 100), (96, 10), (2, 10, 48)], ids=str)
+def test_savuc_float32_per_row_lanes_are_near_the_float64_torch_path(shape, temperature):
+    """float32 S-AvUC's per-row tanh H and soft uncertainty q = σ((logit e − logit κ)/T) in float32 lanes
+    (the rows' blocks; float64 rows stay scalar) over rows whose entropy sweeps from ~1e-9 (e clamped at the
+    machine epsilon) to log K (equal logits: e clamped below 1), with temperatures that saturate σ on both
+    sides (T = 0.02: |u| up to ~800, e^(−|u|) underflows to 0) or keep it near 1/2 (T = 5), on the row
+    kernel (K = 100), the lanes (K = 10) and positions. Against the float64 torch path: the value to 1e-5
+    relative; the gradient to 2e-4 of its largest entry, wider than the batch-scale test's 5e-5 because of
+    the near-uniform rows: q's derivative divides by e(1 − e), which multiplies the float32 entropy's
+    rounding (a few ulp of log K) by log K/(log K − H), ~100 at a margin of 0.5 over equal logits (measured
+    5.8e-5 at K = 10, T = 5, with t and q in float64 from the float32 H as well as in float32 lanes)."""
+    n, k = shape[0], shape[1]
+    rows = n * (shape[2] if len(shape) > 2 else 1)
+    g = torch.Generator().manual_seed(9)
+    margin = torch.linspace(0.0, 25.0, rows, dtype=torch.float64)[torch.randperm(rows, generator=g)]
+    z = 0.05 * torch.randn(rows, k, generator=g, dtype=torch.float64)
+    top = torch.randint(0, k, (rows,), generator=g)
+    z[torch.arange(rows), top] += margin
+    y = torch.where(torch.rand(rows, generator=g) < 0.7, top, torch.randint(0, k, (rows,), generator=g))
+
+    def positions(z, y):  # rows as positions: (N, K, P)
+        if len(shape) == 2:
+            return z, y
+        return z.reshape(n, shape[2], k).permute(0, 2, 1).contiguous(), y.reshape(n, shape[2])
+
+    def loss(x, labels):
+        return F.soft_avuc_loss(x, labels, 1.0, temperature=temperature, kappa=0.4)
+
+    _float32_near_float64(loss, *positions(z, y), grad_atol=2e-4)
+    uniform, labels = positions(torch.zeros_like(z).float(), y)
+    want = _both_paths(loss, uniform, labels)
+    torch.testing.assert_close(want[0][0], want[1][0], rtol=1e-5, atol=1e-6)
 
 
 def test_the_penalties_sqrt_has_zero_gradient_at_and_below_zero():

@@ -700,6 +700,44 @@ double avuc_term(int64_t m, const T* r, const T* a, const T* h, const uint8_t* i
   return -std::log(avu + 1e-10);
 }
 
+// S-AvUC's per-row tanh H into t and q = σ((logit e − logit κ) / temperature) into q (e = clamp(H / log K, ε,
+// 1 − ε), ε the machine epsilon of T) for the rows [begin, end): float32 H in float32 lanes, as the torch
+// path computes both in the logits' dtype (Cephes' tanhf, logf and expf, ~1-2 ulp each; σ(u) from e^(−|u|)
+// on either side of 0, so the exponential never overflows); float64 by the standard library, scalar
+template <typename T>
+inline void savuc_rows_into(const T* h, int64_t begin, int64_t end, double log_k, double logit_kappa,
+                            double temperature, double* t, double* q) {
+  int64_t i = begin;
+  if constexpr (std::is_same<T, float>::value) {
+    using V = typename Vec<float, kWideBytes>::type;
+    constexpr int W = Vec<float, kWideBytes>::width;
+    const float eps = std::numeric_limits<float>::epsilon(), lk = static_cast<float>(log_k);
+    const float lkap = static_cast<float>(logit_kappa), temp = static_cast<float>(temperature);
+    const V lo = broadcast<V>(eps), hi = broadcast<V>(1.0f - eps), one = broadcast<V>(1.0f), zero = {};
+    for (; i + W <= end; i += W) {
+      const V hv = lanes_load<V>(h + i);
+      const V tv = tanh_lanes<kWideBytes>(hv);
+      V e = hv / lk;
+      e = e < lo ? lo : e;  // (NaN stays NaN: its t is NaN, and so are the sums it enters)
+      e = e > hi ? hi : e;
+      const V u = (log_positive<kWideBytes>(e / (one - e)) - lkap) / temp;
+      const V w = exp_nonpositive<kWideBytes>(u < zero ? u : -u);  // e^(−|u|)
+      const V qv = u < zero ? w / (one + w) : one / (one + w);
+      for (int l = 0; l < W; ++l) {
+        t[i + l] = static_cast<double>(tv[l]);
+        q[i + l] = static_cast<double>(qv[l]);
+      }
+    }
+  }
+  const double eps = static_cast<double>(std::numeric_limits<T>::epsilon());
+  for (; i < end; ++i) {
+    const double hi = static_cast<double>(h[i]);
+    const double e = std::min(std::max(hi / log_k, eps), 1.0 - eps);
+    t[i] = std::tanh(hi);
+    q[i] = 1.0 / (1.0 + std::exp(-(std::log(e / (1.0 - e)) - logit_kappa) / temperature));
+  }
+}
+
 // S-AvUC (uncertainty-baselines' get_soft_avuc_loss): e = clamp(H / log K, ε, 1 − ε) (ε the machine epsilon
 // of T), q = σ((logit e − logit κ) / temperature), the counts with accurate / inaccurate rows against
 // certain (1 − q)(1 − tanh H) / uncertain q tanh H, and log(1 + (n_AU + n_IC) / max(n_AC + n_IU, 1e-5)).
@@ -713,13 +751,10 @@ double savuc_term(int64_t m, const T* a, const T* h, const uint8_t* in, int64_t 
   std::vector<double> part(static_cast<size_t>((m + kTermRows - 1) / kTermRows) * 2, 0.0);
   const int64_t blocks = over_term_blocks(m, parallel, [&](int64_t c, int64_t begin, int64_t end) {
     double good = 0.0, bad = 0.0;  // n_AC + n_IU, n_AU + n_IC
+    savuc_rows_into<T>(h, begin, end, log_k, logit_kappa, temperature, dh, qs.data());
     for (int64_t i = begin; i < end; ++i) {
       if (!in[i]) continue;
-      const double hi = static_cast<double>(h[i]), t = std::tanh(hi);
-      const double e = std::min(std::max(hi / log_k, eps), 1.0 - eps);
-      const double q = 1.0 / (1.0 + std::exp(-(std::log(e / (1.0 - e)) - logit_kappa) / temperature));
-      dh[i] = t;
-      qs[i] = q;
+      const double t = dh[i], q = qs[i];
       const double certain = (1.0 - q) * (1.0 - t), uncertain = q * t;
       if (a[i] != T(0)) {
         good += certain;
