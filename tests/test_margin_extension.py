@@ -145,6 +145,38 @@ def test_float32_operator_is_as_close_to_float64_as_the_torch_path(name):
     assert abs(fused.double() - exact) <= abs(plain.double() - exact) + ulp
 
 
+@pytest.mark.parametrize("shape", [(4, 19, 16, 16), (512, 10)], ids=["NKHW", "NK-lanes"])
+def test_poly1_lanes_near_certain_positions_are_near_float64(shape):
+    """Poly-1 on the lanes (positions, or rows of <= 32 classes) takes 1 − p_y = (Σ − e_y)/Σ and p_y = e_y/Σ
+    from the pass's own exps, in float64 from the float32 Σ. At near-certain positions (a margin of 12-24
+    over the other classes: 1 − p_y from ~1e-5 down to ~1e-10, below float32's resolution of Σ ≈ 1) each
+    position's cross entropy and 1 − p_y carry the rounding of that float32 sum of K terms, at most K·u
+    (u = 2⁻²⁴) absolute, so the mean of CE + ε(1 − p_y) is within (1 + ε)·K·u of the float64 loss of the same
+    float32 logits. The gradient's largest error is at most the float32 torch path's (plus one float32 ulp of
+    its largest entry): at these positions p of the other classes are tiny and both paths lose relative
+    precision there (~2e-4 and ~1e-3 of the largest entry at K = 10)."""
+    g = torch.Generator().manual_seed(21)
+    k = shape[1]
+    z = torch.randn(shape, generator=g)
+    positions = z.movedim(1, -1).reshape(-1, k)
+    top = torch.randint(0, k, (positions.shape[0],), generator=g)
+    margin = 12.0 + 12.0 * torch.rand(positions.shape[0], generator=g)
+    positions[torch.arange(positions.shape[0]), top] += margin
+    z = positions.reshape(shape[0], *shape[2:], k).movedim(-1, 1).contiguous()
+    y = top.reshape(shape[0], *shape[2:])
+    eps_poly = 2.0
+    fn = LOSSES["poly1"]  # (ε = 2)
+    (fused, g_fused), (_, g_plain) = _both_paths(fn, z, y)
+    x = z.double().requires_grad_(True)
+    with F.use_cpu_extension(False):
+        exact = fn(x, y)
+    (g_exact,) = torch.autograd.grad(exact, x)
+    assert abs(fused.double() - exact) <= (1 + eps_poly) * k * 2.0**-24
+    scale = g_exact.abs().max().item()
+    err_fused, err_plain = ((g.double() - g_exact).abs().max().item() for g in (g_fused, g_plain))
+    assert err_fused <= err_plain + 2.0**-23 * scale
+
+
 # (N, K, d1, ...) logits with at least one vector's width of positions per image (16 float32 lanes with
 # AVX-512, fewer elsewhere) take the lane path (one position per vector lane; every fused kind); these
 # shapes cover images of a whole number of blocks (16 x 16), partial last blocks (7 x 5 = 35, 37 positions)

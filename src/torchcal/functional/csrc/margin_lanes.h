@@ -150,10 +150,12 @@ __attribute__((flatten)) void margin_forward_lanes(const T* x, int64_t stride, i
         }
       } else if (s.kind == M_CP) {
         std::memcpy(e + j * W, &ev, sizeof(V));
+      } else if (s.kind == M_POLY1) {  // e_y, the label's term of Σ
+        as += yv == broadcast<V>(static_cast<T>(j)) ? ev : zero;
       }
     }
     sum += widen<D>(es);
-    if (s.kind == M_MBLS || s.kind == M_ACLS || s.kind == M_CALS) {
+    if (s.kind == M_MBLS || s.kind == M_ACLS || s.kind == M_CALS || s.kind == M_POLY1) {
       a += widen<D>(as);
       b += widen<D>(bs);
     }
@@ -203,9 +205,12 @@ __attribute__((flatten)) void margin_forward_lanes(const T* x, int64_t stride, i
     } else if (s.kind == M_CALS) {
       pen = a[l] - s.offset;
       aux = b[l];
-    } else if (s.kind == M_POLY1) {  // ε(1 − p_y) = −expm1(−ce), p_y = exp(−ce), as margin_forward_row's
-      pen = y[l] >= 0 ? -std::expm1(-ce[l]) : 0.0;
-      aux = y[l] >= 0 ? std::exp(-ce[l]) : 0.0;
+    } else if (s.kind == M_POLY1) {
+      // ε(1 − p_y) with 1 − p_y = (Σ − e_y)/Σ and p_y = e_y/Σ from the pass's own exps, in float64 (no expm1
+      // and exp per position; the row path's −expm1(−ce) carries the same rounding of the float32 Σ, as the
+      // focal base of decision 220)
+      pen = y[l] >= 0 ? (sum[l] - a[l]) / sum[l] : 0.0;
+      aux = y[l] >= 0 ? a[l] / sum[l] : 0.0;
     } else {
       pen = s.mbls_form ? a[l] / kd : log_k + a[l];
       aux = s.mbls_form ? b[l] / kd : b[l];
