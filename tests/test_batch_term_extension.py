@@ -339,6 +339,29 @@ def test_extreme_rows_float32_are_near_the_float64_torch_path(name, classes):
     _float32_near_float64(LOSSES[name], z, y)
 
 
+def _entropy_sweep(shape, seed):
+    """float64 rows (as many as ``shape``'s positions, K = shape[1]) whose entropy sweeps from ~1e-9 (a margin
+    of 25 of one class over logits of spread 0.05) to about log K (a margin of 0), 70% labelled with that
+    class: (z (rows, K), y (rows,))."""
+    k = shape[1]
+    rows = shape[0] * (shape[2] if len(shape) > 2 else 1)
+    g = torch.Generator().manual_seed(seed)
+    margin = torch.linspace(0.0, 25.0, rows, dtype=torch.float64)[torch.randperm(rows, generator=g)]
+    z = 0.05 * torch.randn(rows, k, generator=g, dtype=torch.float64)
+    top = torch.randint(0, k, (rows,), generator=g)
+    z[torch.arange(rows), top] += margin
+    y = torch.where(torch.rand(rows, generator=g) < 0.7, top, torch.randint(0, k, (rows,), generator=g))
+    return z, y
+
+
+def _in_layout(shape, z, y):
+    """Rows z (rows, K), labels y as ``shape`` lays them out: (N, K) rows, or (N, K, P) positions."""
+    if len(shape) == 2:
+        return z, y
+    n, k, p = shape
+    return z.reshape(n, p, k).permute(0, 2, 1).contiguous(), y.reshape(n, p)
+
+
 @pytest.mark.parametrize("temperature", [0.02, 0.3, 5.0])
 @pytest.mark.parametrize("shape", [(96, 100), (96, 10), (2, 10, 48)], ids=str)
 def test_savuc_float32_per_row_lanes_are_near_the_float64_torch_path(shape, temperature):
@@ -351,25 +374,13 @@ def test_savuc_float32_per_row_lanes_are_near_the_float64_torch_path(shape, temp
     the near-uniform rows: q's derivative divides by e(1 − e), which multiplies the float32 entropy's
     rounding (a few ulp of log K) by log K/(log K − H), ~100 at a margin of 0.5 over equal logits (measured
     5.8e-5 at K = 10, T = 5, with t and q in float64 from the float32 H as well as in float32 lanes)."""
-    n, k = shape[0], shape[1]
-    rows = n * (shape[2] if len(shape) > 2 else 1)
-    g = torch.Generator().manual_seed(9)
-    margin = torch.linspace(0.0, 25.0, rows, dtype=torch.float64)[torch.randperm(rows, generator=g)]
-    z = 0.05 * torch.randn(rows, k, generator=g, dtype=torch.float64)
-    top = torch.randint(0, k, (rows,), generator=g)
-    z[torch.arange(rows), top] += margin
-    y = torch.where(torch.rand(rows, generator=g) < 0.7, top, torch.randint(0, k, (rows,), generator=g))
-
-    def positions(z, y):  # rows as positions: (N, K, P)
-        if len(shape) == 2:
-            return z, y
-        return z.reshape(n, shape[2], k).permute(0, 2, 1).contiguous(), y.reshape(n, shape[2])
+    z, y = _entropy_sweep(shape, seed=9)
 
     def loss(x, labels):
         return F.soft_avuc_loss(x, labels, 1.0, temperature=temperature, kappa=0.4)
 
-    _float32_near_float64(loss, *positions(z, y), grad_atol=2e-4)
-    uniform, labels = positions(torch.zeros_like(z).float(), y)
+    _float32_near_float64(loss, *_in_layout(shape, z, y), grad_atol=2e-4)
+    uniform, labels = _in_layout(shape, torch.zeros_like(z).float(), y)
     want = _both_paths(loss, uniform, labels)
     torch.testing.assert_close(want[0][0], want[1][0], rtol=1e-5, atol=1e-6)
 
@@ -411,17 +422,7 @@ def test_avuc_float32_across_entropies_is_near_the_float64_torch_path(shape):
     exponential branch), on the row kernel (K = 100) and the lanes (K = 10, positions). Against the float64
     torch path: the value to 1e-6 relative, the gradient to 5e-5 of its largest entry, AvUC's four
     statistics (Σ H and the counts) to 1e-6 relative."""
-    n, k = shape[0], shape[1]
-    rows = n * (shape[2] if len(shape) > 2 else 1)
-    g = torch.Generator().manual_seed(5)
-    margin = torch.linspace(0.0, 25.0, rows, dtype=torch.float64)[torch.randperm(rows, generator=g)]
-    z = 0.05 * torch.randn(rows, k, generator=g, dtype=torch.float64)
-    top = torch.randint(0, k, (rows,), generator=g)
-    z[torch.arange(rows), top] += margin
-    y = torch.where(torch.rand(rows, generator=g) < 0.7, top, torch.randint(0, k, (rows,), generator=g))
-    if len(shape) > 2:  # rows as positions: (N, K, P)
-        z = z.reshape(n, shape[2], k).permute(0, 2, 1).contiguous()
-        y = y.reshape(n, shape[2])
+    z, y = _in_layout(shape, *_entropy_sweep(shape, seed=5))
 
     def loss(x):
         return F.avuc_loss(x, y, 3.0, threshold=0.5, statistics=True)
