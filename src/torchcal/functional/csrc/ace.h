@@ -365,29 +365,14 @@ struct Forward {
 
 constexpr int64_t kPlane = 64;
 
-// the next tile's lines of the K class planes (and, with g, of the gradient, for writing) prefetched while
-// this tile is computed: K planes at a stride of the image's positions are more streams than the hardware
-// prefetcher follows (as the margin lanes, margin_lanes.h); the last tile's prefetches fall past its image,
-// which a prefetch may do
-template <typename T>
-inline void prefetch_tile(const T* x, T* g, int64_t sp, int64_t k) {
-  constexpr int64_t line = 64 / static_cast<int64_t>(sizeof(T));
-  for (int64_t j = 0; j < k; ++j) {
-    for (int64_t t = 0; t < kPlane; t += line) {
-      __builtin_prefetch(x + j * sp + kPlane + t);
-      if (g != nullptr) __builtin_prefetch(g + j * sp + kPlane + t, 1);
-    }
-  }
-}
-
 template <typename T>
 struct PlaneBuffers {
   std::vector<T> e, mx, inv;
-  std::vector<double> sum, kd, u, gce, dot, zc, zs;
+  std::vector<double> sum, lse, kd, u, gce, dot, zc, zs;
   std::vector<int64_t> y;
   std::vector<int32_t> list;  // the tile's entries that are not simple, j·kPlane + t (room for a vector's lanes)
   PlaneBuffers(int64_t k, int64_t c)
-      : e(static_cast<size_t>(k * kPlane)), mx(kPlane), inv(kPlane), sum(kPlane), kd(kPlane),
+      : e(static_cast<size_t>(k * kPlane)), mx(kPlane), inv(kPlane), sum(kPlane), lse(kPlane), kd(kPlane),
         u(static_cast<size_t>(k * kPlane)), gce(kPlane), dot(kPlane),
         zc(static_cast<size_t>(c * Vec<double, kWideBytes>::width)), zs(zc.size()), y(kPlane),
         list(static_cast<size_t>(k * kPlane + 16)) {}
@@ -504,19 +489,18 @@ void forward_planes(const Spec& s, const T* x, const int64_t* tp, const Bins<T>&
         const int64_t img = q / per_image, pos = (q % per_image) * kPlane, w = std::min(kPlane, sp - pos);
         const int64_t m0 = img * sp + pos;
         const T* xt = x + img * k * sp + pos;
-        prefetch_tile<T>(xt, nullptr, sp, k);
+        prefetch_runs(xt + kPlane, sp, k, kPlane, false);  // the next tile
         for (int64_t t = 0; t < w; ++t) {
           b.y[t] = row_label(s, tp[m0 + t], bad);
           b.kd[t] = b.y[t] >= 0 ? 1.0 : 0.0;
         }
         plane_softmax(xt, sp, k, w, nullptr, b);
-        // log Σ of the tile's positions in float64 lanes (~1 ulp, as the margin lanes) into b.u, which the
-        // forward does not use otherwise; the padded lanes hold Σ = 1
-        double* log_sum = b.u.data();
+        // log Σ of the tile's positions in float64 lanes (~1 ulp, as the margin lanes); the padded lanes
+        // hold Σ = 1
         for (int64_t t = w; t < kPlane; ++t) b.sum[t] = 1.0;
         for (int64_t t = 0; t < kPlane; t += W) {
           const auto v = log_lanes(load<typename Vec<double, kWideBytes>::type>(b.sum.data() + t));
-          std::memcpy(log_sum + t, &v, sizeof(v));
+          std::memcpy(b.lse.data() + t, &v, sizeof(v));
         }
         for (int64_t t = 0; t < w; ++t) {
           const int64_t y = b.y[t];
@@ -526,7 +510,7 @@ void forward_planes(const Spec& s, const T* x, const int64_t* tp, const Bins<T>&
             continue;
           }
           row_max[m0 + t] = static_cast<double>(b.mx[t]);
-          const double ce = log_sum[t] + static_cast<double>(b.mx[t]) - static_cast<double>(xt[y * sp + t]);
+          const double ce = b.lse[t] + static_cast<double>(b.mx[t]) - static_cast<double>(xt[y * sp + t]);
           if (ce_rows != nullptr) ce_rows[m0 + t] = static_cast<T>(ce);
           ce_sum += ce;
           kept += 1.0;
@@ -600,7 +584,8 @@ void backward_planes(const Spec& s, const T* x, T* grad, const int64_t* tp, cons
       const int64_t m0 = img * sp + pos;
       const T* xt = x + img * k * sp + pos;
       T* gt = grad + img * k * sp + pos;
-      prefetch_tile(xt, gt, sp, k);
+      prefetch_runs(xt + kPlane, sp, k, kPlane, false);  // the next tile, and its gradient for writing
+      prefetch_runs(gt + kPlane, sp, k, kPlane, true);
       for (int64_t t = 0; t < w; ++t) {
         const int64_t y = tp[m0 + t];
         const bool keep = !(s.has_ignore && y == s.ignore);

@@ -1198,14 +1198,11 @@ void over_lanes(const float* x, float* grad, const Layout& l, const Fn& fn, cons
             for (int64_t j = 0; j < k; ++j) (*buf)[j * kLaneTile + t] = src[t * k + j];
         }
         for (int64_t j = 0; j < k; ++j) {
-          if (!rows) {
+          if (!rows)
             std::memcpy(buf->data() + j * kLaneTile, in + offset + j * sp, static_cast<size_t>(w) * sizeof(float));
-            // the next block's run of this class (the K runs are more streams than the hardware prefetcher
-            // follows; past the image's end a prefetch reads nothing it may not)
-            for (int64_t t = 0; t < kLaneTile; t += 16) __builtin_prefetch(in + offset + j * sp + kLaneTile + t);
-          }
           std::fill(buf->data() + j * kLaneTile + w, buf->data() + j * kLaneTile + padded, 0.0f);
         }
+        if (!rows) prefetch_runs(in + offset + kLaneTile, sp, k, kLaneTile, false);  // the next block
       }
       for (int64_t q = 0; q < w; q += W) {
         fn(b, img * sp + s0 + q, static_cast<int>(std::min<int64_t>(W, w - q)), xb.data() + q, kLaneTile,
@@ -1216,10 +1213,9 @@ void over_lanes(const float* x, float* grad, const Layout& l, const Fn& fn, cons
         for (int64_t t = 0; t < w; ++t)
           for (int64_t j = 0; j < k; ++j) dst[t * k + j] = gb[j * kLaneTile + t];
       } else if (grad != nullptr) {
-        for (int64_t j = 0; j < k; ++j) {
+        for (int64_t j = 0; j < k; ++j)
           std::memcpy(grad + offset + j * sp, gb.data() + j * kLaneTile, static_cast<size_t>(w) * sizeof(float));
-          for (int64_t t = 0; t < kLaneTile; t += 16) __builtin_prefetch(grad + offset + j * sp + kLaneTile + t, 1);
-        }
+        prefetch_runs(grad + offset + kLaneTile, sp, k, kLaneTile, true);
       }
     }
   });

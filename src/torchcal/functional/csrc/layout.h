@@ -32,6 +32,24 @@ inline Layout loss_layout(const at::Tensor& logits, const at::Tensor& targets, c
   return {n, k, logits.numel() / (n * k)};
 }
 
+// Prefetches `len` entries of each of the K class runs at x (class j at x + j·sp, sp the image's positions),
+// for writing when `write`: a tile's or block's successor while it is computed, since K runs at a stride of
+// the image are more streams than the hardware prefetcher follows (the runs past an image's end are
+// prefetched too, which a prefetch may do)
+template <typename T>
+inline void prefetch_runs(const T* x, int64_t sp, int64_t k, int64_t len, bool write) {
+  constexpr int64_t line = 64 / static_cast<int64_t>(sizeof(T));
+  for (int64_t j = 0; j < k; ++j) {
+    for (int64_t t = 0; t < len; t += line) {
+      if (write) {
+        __builtin_prefetch(x + j * sp + t, 1);
+      } else {
+        __builtin_prefetch(x + j * sp + t);
+      }
+    }
+  }
+}
+
 // The error for the first of `rows` labels outside [0, K) that is not `ignore` (when has_ignore), raised by an
 // operator whose pass counted one; returns when there is none
 inline void raise_bad_label(const int64_t* tp, int64_t rows, int64_t k, bool has_ignore, int64_t ignore) {

@@ -109,8 +109,8 @@ __attribute__((flatten)) void margin_forward_lanes(const T* x, int64_t stride, i
     arg = gt ? jv : arg;
     xy = yv == jv ? v : xy;
   }
-  // pass 2: Σ exp(x − m) and the kind's sums (a: hinges / Σx / h² / f / w r²; b: active hinges / ties / p f' /
-  // r; Poly-1 needs only the cross entropy)
+  // pass 2: Σ exp(x − m) and the kind's sums (a: hinges / Σx / h² / f / w r² / Poly-1's e_y; b: active hinges /
+  // ties / p f' / r)
   const V zero = {}, one = broadcast<V>(T(1));
   const V thr = m + static_cast<T>(-s.margin);
   const T* cls = static_cast<const T*>(s.cls);  // CALS: rows a, b, w of class_params
