@@ -13,6 +13,8 @@ from torchcal.losses import AvUCLoss
 
 pytestmark = pytest.mark.usefixtures("cpp_extension")
 
+EPS32 = torch.finfo(torch.float32).eps
+
 # each loss with options that make every part of its term active at unit-scale logits (SB-ECE's bins a
 # little wider than the default T = 0.01, so that the memberships are not all 0 or 1)
 LOSSES = {
@@ -443,3 +445,29 @@ def test_avuc_float32_across_entropies_is_near_the_float64_torch_path(shape):
     assert got is not None and ref is not None
     scale = float(ref.abs().max())
     torch.testing.assert_close(got.double() / scale, ref / scale, rtol=0, atol=5e-5)
+
+
+@pytest.mark.parametrize("k", [1000, 16], ids=["rows", "lanes"])
+def test_float32_exps_over_their_whole_domain(k):
+    """The float32 exps of the operators (exp_nonpositive, csrc/true_class.h) against float64 over
+    x − max in [−87.3, 0] (200001 points), through NLL's gradient p_j = e_j / Σ: each row's max is 0, so
+    p_j / p_0 = e_j with one float32 rounding (the product by 1/Σ; p_0 = 1·(1/Σ) is exact). Bound: the exp's
+    own ≤ 1 ulp (at most eps relative) plus that rounding (eps/2). Below −87.34 the exps are exactly 0 (a
+    documented flush: e^−87.34 is float32's smallest normal). K = 1000 takes the rows, K = 16 the lanes."""
+    sweep = torch.linspace(-87.3, 0, 200001, dtype=torch.float64).to(torch.float32)
+    flushed = -87.34 - 100 * torch.rand(5000, generator=torch.Generator().manual_seed(0))
+    s = torch.cat([sweep, flushed])
+    per = k - 1
+    n = (s.numel() + per - 1) // per
+    s = torch.cat([s, torch.full((n * per - s.numel(),), -1.0)])
+    z = torch.cat([torch.zeros(n, 1), s.reshape(n, per)], 1).requires_grad_()
+    y = torch.ones(n, dtype=torch.long)  # (the label's entry, p − 1, is left out below)
+    F.mdca_loss(z, y, 0.0, reduction="sum").backward()
+    g = z.grad.double()[:, 2:]
+    x = z.detach()[:, 2:]
+    ratio = g / z.grad.double()[:, :1]
+    exact = x.double().exp()
+    normal = x >= -87.3
+    rel = ((ratio - exact).abs() / exact)[normal]
+    assert rel.max().item() <= 1.5 * EPS32
+    assert (g[x < -87.34] == 0).all()

@@ -135,7 +135,7 @@ inline void lanes_store(T* p, V v) {
 // Σ of the lanes in fold's order (halves added down to 4 lanes, those in float64), from lane subscripts:
 // fold's memcpy of halves made the caller's accumulator addressable, kept on the stack through its loop
 template <typename V>
-inline double lanes_sum(V v) {
+__attribute__((always_inline)) inline double lanes_sum(V v) {
   if constexpr (std::is_floating_point<V>::value) {
     return static_cast<double>(v);
   } else {
@@ -361,14 +361,14 @@ inline void margin_forward_row(const T* x, int64_t k, int64_t y, const MarginSpe
   // (the hinges are branch-free lane selects: a branch on a random sign mispredicts every other entry)
   if (s.kind == M_MBLS) {
     const T thr = m + static_cast<T>(-s.margin);
-    double acc = 0.0, active = 0.0;
-    walk_row<T>(k, [&](int64_t j, auto tag) {
+    double acc = 0.0, active = 0.0;  // (sum2_row: lanes added over blocks, one horizontal sum per block)
+    sum2_row<T>(k, [&](int64_t j, auto tag, auto& a, auto& b) {
       using V = typename Lanes<T, decltype(tag)::value>::type;
       const V zero = {}, one = broadcast<V>(T(1));
       const V r = thr - lanes_load<V>(x + j);
-      acc += lanes_sum(r > zero ? r : zero);
-      active += lanes_sum(r > zero ? one : zero);
-    });
+      a = r > zero ? r : zero;
+      b = r > zero ? one : zero;
+    }, acc, active);
     pen = acc / static_cast<double>(k);
     aux = active;
   } else if (s.kind == M_MAXSUP) {
@@ -379,15 +379,15 @@ inline void margin_forward_row(const T* x, int64_t k, int64_t y, const MarginSpe
   } else if (s.kind == M_ACLS) {
     const T thr = m + static_cast<T>(-s.margin);
     double acc = 0.0, ties = 0.0;
-    walk_row<T>(k, [&](int64_t j, auto tag) {
+    sum2_row<T>(k, [&](int64_t j, auto tag, auto& a, auto& b) {
       using V = typename Lanes<T, decltype(tag)::value>::type;
       const V zero = {}, one = broadcast<V>(T(1));
       const V v = lanes_load<V>(x + j);
       const V r = thr - v;
       const V h = r > zero ? r : zero;
-      acc += lanes_sum(h * h);
-      ties += lanes_sum(v == m ? one : zero);
-    });
+      a = h * h;
+      b = v == m ? one : zero;
+    }, acc, ties);
     const T h = m + static_cast<T>(-s.margin);
     const double hd = h > 0 ? static_cast<double>(h) : 0.0;
     pen = s.lam_pos * ties * hd * hd + s.lam_neg * acc / static_cast<double>(k - 1);

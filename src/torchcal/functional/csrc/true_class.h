@@ -217,7 +217,9 @@ int64_t runner_up(const T* row, int64_t k, T below, T floor) {
 }
 
 // e^x for x <= 0, per lane (Cephes' expf: range reduction by ln 2, degree-6 polynomial, ~1 ulp); 0 below
-// −87.3 (and for −inf), NaN stays NaN. The rows' x − max are never positive.
+// −87.3 (and for −inf), NaN stays NaN. The rows' x − max are never positive. n = x log2 e rounded to the
+// nearest integer by adding and subtracting 1.5·2^23 (the sum's low mantissa bits are n: no conversions
+// and no compare on the lane's dependency chain); |x − n ln 2| <= ln 2 / 2, the polynomial's range.
 template <int Bytes>
 inline typename Vec<float, Bytes>::type exp_nonpositive(typename Vec<float, Bytes>::type x) {
   using V = typename Vec<float, Bytes>::type;
@@ -225,10 +227,9 @@ inline typename Vec<float, Bytes>::type exp_nonpositive(typename Vec<float, Byte
   const V lo = broadcast<V>(-87.33654f);
   const I under = x < lo;
   x = under ? lo : x;
-  const V half = broadcast<V>(0.5f), one = broadcast<V>(1.0f);
-  const V y = x * 1.44269504088896341f + half;  // n = floor(x log2 e + 1/2)
-  V n = __builtin_convertvector(__builtin_convertvector(y, I), V);  // truncation (towards zero) ...
-  n = n > y ? n - one : n;                                          // ... made a floor
+  const V magic = broadcast<V>(12582912.0f), one = broadcast<V>(1.0f);  // 1.5·2^23
+  const V y = x * 1.44269504088896341f + magic;
+  const V n = y - magic;
   x = x - n * 0.693359375f;
   x = x - n * -2.12194440e-4f;
   V p = broadcast<V>(1.9875691500e-4f);
@@ -238,7 +239,10 @@ inline typename Vec<float, Bytes>::type exp_nonpositive(typename Vec<float, Byte
   p = p * x + 1.6666665459e-1f;
   p = p * x + 5.0000001201e-1f;
   const V r = p * x * x + x + one;
-  const I bits = (__builtin_convertvector(n, I) + 127) << 23;  // 2^n, n in [−126, 0]
+  I yi;
+  std::memcpy(&yi, &y, sizeof(yi));
+  // 2^n, n in [−126, 0]: y's bits are those of 1.5·2^23 plus n, whose low 9 bits (zero) the shift drops
+  const I bits = (yi + 127) << 23;
   V scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   const V zero = {};
