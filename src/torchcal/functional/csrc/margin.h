@@ -158,7 +158,7 @@ __attribute__((always_inline)) inline double lanes_sum(V v) {
 // fn(j, lanes tag) over a row of k entries: float32 rows on wide vectors (rows of >= 4 of them), 16-byte
 // vectors, then scalars; float64 rows on scalars (the tag's value is the lanes' byte count, 0 for a scalar)
 template <typename T, typename Fn>
-inline void walk_row(int64_t k, const Fn& fn) {
+__attribute__((always_inline)) inline void walk_row(int64_t k, const Fn& fn) {
   int64_t j = 0;
   if constexpr (std::is_same<T, float>::value) {
     constexpr int WW = Vec<float, kWideBytes>::width, WN = Vec<float, 16>::width;
@@ -174,7 +174,7 @@ inline void walk_row(int64_t k, const Fn& fn) {
 // float32 rows add them in float32 lanes over blocks of 256 entries and the blocks in float64 (as
 // exp_sum_row's Σ exp: no float64 conversion chain per vector), float64 rows entry by entry.
 template <typename T, typename Fn>
-inline void sum2_row(int64_t k, const Fn& fn, double& sa, double& sb) {
+__attribute__((always_inline)) inline void sum2_row(int64_t k, const Fn& fn, double& sa, double& sb) {
   int64_t j = 0;
   if constexpr (std::is_same<T, float>::value) {
     constexpr int WW = Vec<float, kWideBytes>::width, WN = Vec<float, 16>::width;
@@ -285,30 +285,15 @@ inline void cp_lanes(V p, V log_p, double eps, V& f, V& df) {
 // CALS's PHR penalty on one row of max m: r_k = relu(a_k (m − x_k) + b_k) in the dtype (a = ρ/s, b = λ − ρm/s,
 // as _TopGapPenalty), pen = Σ_k w_k r_k² − Σ_k c_k (w = 1/(2ρK), c = λ²w: s.offset) and aux = Σ_k r_k (the
 // arg-max entry's gradient), sums in float64. With sums (a kept row): sums[k'] += clamp(r_k, λ_min, λ_max)
-// (clamped in the dtype) and sums[K + k'] += m − x_k (float64), the training statistics of cals_statistics.
-// dst[0..lanes) += v (float lanes widened to float64), and dst[..] += base − v
-template <typename V>
-inline void lanes_add_to(double* dst, V v, double base, bool minus) {
-  if constexpr (std::is_floating_point<V>::value) {
-    *dst += minus ? base - static_cast<double>(v) : static_cast<double>(v);
-  } else {
-    typedef double D __attribute__((vector_size(sizeof(V) * 2)));
-    D d = __builtin_convertvector(v, D);
-    if (minus) d = base - d;
-    D cur;
-    std::memcpy(&cur, dst, sizeof(D));
-    cur += d;
-    std::memcpy(dst, &cur, sizeof(D));
-  }
-}
-
+// (clamped in the dtype) and sums[K + k'] += m − x_k, both in the dtype: the training statistics of
+// cals_statistics, which the caller adds over a group of rows in the dtype and the groups in float64
+// (margin_forward's CalsGroups).
 template <typename T, bool WithSums>
-inline void cals_lanes(const T* x, int64_t k, T m, const MarginSpec& s, double* sums, double& acc, double& total) {
+inline void cals_lanes(const T* x, int64_t k, T m, const MarginSpec& s, T* sums, double& acc, double& total) {
   const T* a = static_cast<const T*>(s.cls);
   const T* b = a + k;
   const T* w = b + k;
   const T lo = static_cast<T>(s.lo), hi = static_cast<T>(s.hi);
-  const double md = static_cast<double>(m);
   sum2_row<T>(k, [&](int64_t j, auto tag, auto& sq, auto& rr) {
     using V = typename Lanes<T, decltype(tag)::value>::type;
     const V zero = {};
@@ -320,14 +305,14 @@ inline void cals_lanes(const T* x, int64_t k, T m, const MarginSpec& s, double* 
     if constexpr (WithSums) {
       V c = r < lo ? broadcast<V>(lo) : r;
       c = c > hi ? broadcast<V>(hi) : c;
-      lanes_add_to(sums + j, c, 0.0, false);
-      lanes_add_to(sums + k + j, v, md, true);
+      lanes_store(sums + j, lanes_load<V>(sums + j) + c);
+      lanes_store(sums + k + j, lanes_load<V>(sums + k + j) + (m - v));
     }
   }, acc, total);
 }
 
 template <typename T>
-inline void cals_row(const T* x, int64_t k, T m, const MarginSpec& s, double* sums, double& pen, double& aux) {
+inline void cals_row(const T* x, int64_t k, T m, const MarginSpec& s, T* sums, double& pen, double& aux) {
   double acc = 0.0, total = 0.0;
   if (sums == nullptr) {
     cals_lanes<T, false>(x, k, m, s, sums, acc, total);
@@ -346,7 +331,7 @@ inline void cals_row(const T* x, int64_t k, T m, const MarginSpec& s, double* su
 // confidence penalty's scratch) or null.
 template <typename T>
 inline void margin_forward_row(const T* x, int64_t k, int64_t y, const MarginSpec& s, T* scratch, double* o,
-                               double* sums = nullptr, T* keep_df = nullptr, T* keep_e = nullptr) {
+                               T* sums = nullptr, T* keep_df = nullptr, T* keep_e = nullptr) {
   const T m = max_of(x, k);
   const bool cp = s.kind == M_CP;
   if (keep_e != nullptr) scratch = keep_e;
