@@ -1751,6 +1751,7 @@ at::Tensor sbece_label_bwd(const at::Tensor& grad, const at::Tensor& conf, const
 // column sums' (K)
 struct BatchLossForward {
   at::Tensor loss, stats, saved, grads, df, ex;
+  double term_scale = 1.0;  // what the term's parts of `grads` are to be multiplied by (coef, or coef·n_base)
 };
 
 int64_t term_entropy(int64_t term) { return term == BT_AVUC ? BE_AVUC : (term == BT_SAVUC ? BE_SMOOTH : BE_NONE); }
@@ -1800,14 +1801,24 @@ BatchLossForward batch_loss_forward(const at::Tensor& logits, const at::Tensor& 
   const bool has_ignore = ignore_index.has_value();
   const int64_t ignore = ignore_index.value_or(0);
   std::vector<uint8_t> in_base(static_cast<size_t>(m)), in_term(static_cast<size_t>(m));
-  double nb = 0.0, nt = 0.0;
-  for (int64_t i = 0; i < m; ++i) {
-    const bool keep = !(has_ignore && tp[i] == ignore);
-    in_base[i] = keep && i < split;
-    in_term[i] = keep && (split == m || i >= split);
-    nb += in_base[i];
-    nt += in_term[i];
+  // (the counts as integers and the flags through local pointers: a byte store may alias anything, so a
+  // count or a vector's data pointer that lives in memory was stored and reloaded on every row)
+  int64_t count_base = 0, count_term = 0;
+  {
+    uint8_t* ib = in_base.data();
+    uint8_t* it = in_term.data();
+    const int64_t ign = ignore, cut = split, rows = m, held = split == m ? 0 : split;
+    const bool any_ignored = has_ignore;
+    for (int64_t i = 0; i < rows; ++i) {
+      const uint8_t keep = !(any_ignored & (tp[i] == ign));
+      const uint8_t b = keep & (i < cut), t = keep & (i >= held);
+      ib[i] = b;
+      it[i] = t;
+      count_base += b;
+      count_term += t;
+    }
   }
+  const double nb = static_cast<double>(count_base), nt = static_cast<double>(count_term);
   const auto dbl = logits.options().dtype(at::kDouble);
   BatchLossForward f;
   f.saved = saved;
@@ -1874,10 +1885,13 @@ BatchLossForward batch_loss_forward(const at::Tensor& logits, const at::Tensor& 
       }
     });
   }
-  const double scale = reduction == 2 ? coef * nb : coef;
-  for (int64_t i = m; i < parts.size; ++i) gbp[i] *= scale;
+  // (the term's parts are scaled in the backward, with the incoming gradient: one pass fewer over them)
+  f.term_scale = reduction == 2 ? coef * nb : coef;
   const double per_row = reduction == 1 ? 1.0 / nb : 1.0;
-  for (int64_t i = 0; i < m; ++i) gbp[i] = in_base[i] ? per_row : 0.0;
+  {
+    const uint8_t* ib = in_base.data();
+    for (int64_t i = 0; i < m; ++i) gbp[i] = static_cast<double>(ib[i]) * per_row;
+  }
   AT_DISPATCH_FLOATING_TYPES(b.scalar_type(), "fused_batch_loss_reduce", [&] {
     const scalar_t* bp = b.data_ptr<scalar_t>();
     if (reduction == 0) {
@@ -1888,10 +1902,12 @@ BatchLossForward batch_loss_forward(const at::Tensor& logits, const at::Tensor& 
     } else {
       // (8 interleaved partial sums, added in order: no chain of M dependent additions)
       double part[8] = {};
+      const uint8_t* ib = in_base.data();
+      const int64_t rows = m;
       int64_t i = 0;
-      for (; i + 8 <= m; i += 8)
-        for (int q = 0; q < 8; ++q) part[q] += in_base[i + q] ? static_cast<double>(bp[i + q]) : 0.0;
-      for (; i < m; ++i) part[0] += in_base[i] ? static_cast<double>(bp[i]) : 0.0;
+      for (; i + 8 <= rows; i += 8)
+        for (int q = 0; q < 8; ++q) part[q] += ib[i + q] ? static_cast<double>(bp[i + q]) : 0.0;
+      for (; i < rows; ++i) part[0] += ib[i] ? static_cast<double>(bp[i]) : 0.0;
       double total = 0.0;
       for (double v : part) total += v;
       const double value = reduction == 1 ? total / nb + coef * pen : total + nb * coef * pen;
@@ -1902,7 +1918,8 @@ BatchLossForward batch_loss_forward(const at::Tensor& logits, const at::Tensor& 
 }
 
 at::Tensor batch_loss_backward(const at::Tensor& grad, const variable_list& saved, c10::optional<int64_t> ignore_index,
-                               int64_t base, double gamma, double alpha, int64_t term, int64_t reduction) {
+                               int64_t base, double gamma, double alpha, int64_t term, int64_t reduction,
+                               double term_scale) {
   TORCH_CHECK(!at::GradMode::is_enabled(),
               "the fused CPU batch-term loss is differentiable once only; for higher-order gradients run it with "
               "torchcal.functional.use_cpu_extension(False)");
@@ -1924,12 +1941,12 @@ at::Tensor batch_loss_backward(const at::Tensor& grad, const variable_list& save
       b[i] = gp[i] * g[i];
       total += b[i];
     }
-    in.scale = total;
+    in.scale = total * term_scale;
   } else {
-    in.scale = grad.item<double>();
+    in.base_scale = grad.item<double>();
+    in.scale = in.base_scale * term_scale;
   }
   in.gb = reduction == 0 ? b.data() : g;
-  in.base_scale = reduction == 0 ? 1.0 : in.scale;
   return batch_terms_backward_rows(logits, targets, stats, in, ignore_index, base, gamma, alpha, term_entropy(term),
                                    saved[4], saved[5]);
 }
@@ -1954,6 +1971,7 @@ class FusedBatchLoss : public torch::autograd::Function<FusedBatchLoss> {
     ctx->saved_data["alpha"] = alpha;
     ctx->saved_data["term"] = term;
     ctx->saved_data["reduction"] = reduction;
+    ctx->saved_data["term_scale"] = f.term_scale;
     return {f.loss, f.stats};
   }
 
@@ -1962,7 +1980,8 @@ class FusedBatchLoss : public torch::autograd::Function<FusedBatchLoss> {
     if (ctx->saved_data["has_ignore"].toBool()) ignore = ctx->saved_data["ignore"].toInt();
     at::Tensor grad = batch_loss_backward(grads[0], ctx->get_saved_variables(), ignore, ctx->saved_data["base"].toInt(),
                                           ctx->saved_data["gamma"].toDouble(), ctx->saved_data["alpha"].toDouble(),
-                                          ctx->saved_data["term"].toInt(), ctx->saved_data["reduction"].toInt());
+                                          ctx->saved_data["term"].toInt(), ctx->saved_data["reduction"].toInt(),
+                                          ctx->saved_data["term_scale"].toDouble());
     variable_list out(11);
     out[0] = grad;
     return out;
