@@ -639,6 +639,19 @@ int64_t over_term_blocks(int64_t m, const Parallel& parallel, const Fn& fn) {
   return blocks;
 }
 
+// c ? a : b by the bits (exact, NaN included), with no branch: a loop of these vectorises where GCC keeps the
+// conditional expressions of floating-point values as branches
+inline double pick(bool c, double a, double b) {
+  uint64_t x, y;
+  std::memcpy(&x, &a, sizeof(x));
+  std::memcpy(&y, &b, sizeof(y));
+  const uint64_t mask = -static_cast<uint64_t>(c);
+  x = (x & mask) | (y & ~mask);
+  double r;
+  std::memcpy(&r, &x, sizeof(r));
+  return r;
+}
+
 // AvUC (the released AvULoss): the four counts n_AC, n_AU, n_IC, n_IU (accurate rows weighted by r,
 // inaccurate by 1 − r, certain (H <= threshold) by 1 − tanh H, uncertain by tanh H), the term
 // −log(AvU + 1e-10) with AvU = (n_AC + n_IU) / (Σ counts + 1e-10); stats: Σ H and the count of the accurate
@@ -648,26 +661,43 @@ template <typename T, typename Parallel>
 double avuc_term(int64_t m, const T* r, const T* a, const T* h, const uint8_t* in, T threshold, double* dr, double* dh,
                  double* stats, const Parallel& parallel) {
   std::vector<double> part(static_cast<size_t>((m + kTermRows - 1) / kTermRows) * 8, 0.0);
+  // (both passes vectorised, so branch-free, with the sums in registers: a branch on the correctness or the
+  // threshold mispredicts about every other row, and sums kept in `part` were stored and reloaded on every
+  // row. A row that does not count adds an exact 0 to each sum, selected, not multiplied: its entropy may be
+  // NaN. The lanes' partial sums make the order of the additions depend on the vector width, not the threads.)
   const int64_t blocks = over_term_blocks(m, parallel, [&](int64_t c, int64_t begin, int64_t end) {
-    double* s = part.data() + c * 8;  // the four counts, then the statistics
     tanh_into<T>(h, begin, end, dh);  // (float32: in lanes, as the torch path's float32 tanh)
+    const T* hp = h;
+    const T* rp = r;
+    const T* ap = a;
+    const uint8_t* kp = in;
+    const double* tp = dh;
+    const T th = threshold;
+    double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0, s4 = 0.0, s5 = 0.0, s6 = 0.0, s7 = 0.0;
+#pragma omp simd reduction(+ : s0, s1, s2, s3, s4, s5, s6, s7)
     for (int64_t i = begin; i < end; ++i) {
-      if (!in[i]) continue;
-      const double hi = static_cast<double>(h[i]), t = dh[i], ri = static_cast<double>(r[i]);
-      const bool certain = h[i] <= threshold;
-      const double p1 = certain ? 1.0 - t : 0.0, p2 = certain ? 0.0 : t;
-      if (a[i] != T(0)) {
-        s[0] += ri * p1;
-        s[1] += ri * p2;
-        s[4] += hi;
-        s[5] += 1.0;
-      } else {
-        s[2] += (1.0 - ri) * p1;
-        s[3] += (1.0 - ri) * p2;
-        s[6] += hi;
-        s[7] += 1.0;
-      }
+      const bool kept = kp[i] != 0, acc = ap[i] != T(0), right = kept & acc, wrong = kept & !acc;
+      const double hi = static_cast<double>(hp[i]), t = tp[i], ri = static_cast<double>(rp[i]);
+      const bool certain = hp[i] <= th;
+      const double p1 = pick(certain, 1.0 - t, 0.0), p2 = pick(certain, 0.0, t);
+      s0 += pick(right, ri * p1, 0.0);
+      s1 += pick(right, ri * p2, 0.0);
+      s4 += pick(right, hi, 0.0);
+      s5 += pick(right, 1.0, 0.0);
+      s2 += pick(wrong, (1.0 - ri) * p1, 0.0);
+      s3 += pick(wrong, (1.0 - ri) * p2, 0.0);
+      s6 += pick(wrong, hi, 0.0);
+      s7 += pick(wrong, 1.0, 0.0);
     }
+    double* s = part.data() + c * 8;  // the four counts, then the statistics
+    s[0] = s0;
+    s[1] = s1;
+    s[2] = s2;
+    s[3] = s3;
+    s[4] = s4;
+    s[5] = s5;
+    s[6] = s6;
+    s[7] = s7;
   });
   double s[8] = {};
   for (int64_t c = 0; c < blocks; ++c)
@@ -677,24 +707,25 @@ double avuc_term(int64_t m, const T* r, const T* a, const T* h, const uint8_t* i
   const double d_avu = -1.0 / (avu + 1e-10);
   const double g_good = d_avu * (1.0 / total - good / (total * total)), g_bad = d_avu * (-good / (total * total));
   over_term_blocks(m, parallel, [&](int64_t, int64_t begin, int64_t end) {
+    const T* hp = h;
+    const T* rp = r;
+    const T* ap = a;
+    const uint8_t* kp = in;
+    double* drp = dr;
+    double* dhp = dh;
+    const T th = threshold;
+    const double gg = g_good, gw = g_bad;  // (locals: the stores below could otherwise overwrite them)
     for (int64_t i = begin; i < end; ++i) {
-      if (!in[i]) {
-        dr[i] = dh[i] = 0.0;
-        continue;
-      }
-      const double t = dh[i], ri = static_cast<double>(r[i]);
-      const bool certain = h[i] <= threshold;
-      const double p1 = certain ? 1.0 - t : 0.0, p2 = certain ? 0.0 : t;
-      const double dp1 = certain ? -1.0 : 0.0, dp2 = certain ? 0.0 : 1.0;  // d/d tanh H
-      double dt;
-      if (a[i] != T(0)) {  // n_AC (g_good) and n_AU (g_bad), weighted by r
-        dr[i] = g_good * p1 + g_bad * p2;
-        dt = ri * (g_good * dp1 + g_bad * dp2);
-      } else {  // n_IC (g_bad) and n_IU (g_good), weighted by 1 − r
-        dr[i] = -(g_bad * p1 + g_good * p2);
-        dt = (1.0 - ri) * (g_bad * dp1 + g_good * dp2);
-      }
-      dh[i] = dt * (1.0 - t * t);
+      const double t = dhp[i], ri = static_cast<double>(rp[i]);
+      const bool certain = hp[i] <= th, right = ap[i] != T(0), kept = kp[i] != 0;
+      const double p1 = pick(certain, 1.0 - t, 0.0), p2 = pick(certain, 0.0, t);
+      const double dp1 = pick(certain, -1.0, 0.0), dp2 = pick(certain, 0.0, 1.0);  // d/d tanh H
+      // accurate: n_AC (g_good) and n_AU (g_bad), weighted by r; inaccurate: n_IC (g_bad) and n_IU (g_good),
+      // weighted by 1 − r
+      const double d_right = gg * p1 + gw * p2, d_wrong = -(gw * p1 + gg * p2);
+      const double t_right = ri * (gg * dp1 + gw * dp2), t_wrong = (1.0 - ri) * (gw * dp1 + gg * dp2);
+      drp[i] = pick(kept, pick(right, d_right, d_wrong), 0.0);
+      dhp[i] = pick(kept, pick(right, t_right, t_wrong) * (1.0 - t * t), 0.0);
     }
   });
   return -std::log(avu + 1e-10);
