@@ -330,7 +330,7 @@ inline void batch_forward_lanes(const float* x, int64_t stride, int64_t k, const
     for (int64_t j = 0; j < k; ++j) {
       const V d = load<V>(x + j * stride) - m;
       const V ev = exp_nonpositive<Bytes>(d);
-      std::memcpy(e + j * W, &ev, sizeof(ev));
+      store(e + j * W, ev);
       sum += ev;
       e1 += ev * d;
       lo = d < lo ? d : lo;
@@ -338,7 +338,7 @@ inline void batch_forward_lanes(const float* x, int64_t stride, int64_t k, const
   } else {
     for (int64_t j = 0; j < k; ++j) {
       const V ev = exp_nonpositive<Bytes>(load<V>(x + j * stride) - m);
-      std::memcpy(e + j * W, &ev, sizeof(ev));
+      store(e + j * W, ev);
       sum += ev;
     }
   }
@@ -362,7 +362,7 @@ inline void batch_forward_lanes(const float* x, int64_t stride, int64_t k, const
       entropy_lanes<float>(p, (load<V>(x + j * stride) - m) - lse, s.entropy, sa, sb, f, df);
       hs += f;
       ds += p * df;
-      if (dfo != nullptr) std::memcpy(dfo + j * stride, &df, sizeof(df));
+      if (dfo != nullptr) store(dfo + j * stride, df);
     }
   }
   if (col != nullptr) {
@@ -456,7 +456,7 @@ inline void batch_backward_lanes(const float* x, int64_t stride, int64_t k, cons
   ent = ent && s.entropy != BE_NONE;
   for (int64_t j = 0; j < k; ++j) {
     const V ev = exp_nonpositive<Bytes>(load<V>(x + j * stride) - m);
-    std::memcpy(e + j * W, &ev, sizeof(ev));
+    store(e + j * W, ev);
   }
   if (ct != nullptr) {  // <c, p> of each lane, subtracted from its coefficient
     V cp = {};
@@ -482,7 +482,7 @@ inline void batch_backward_lanes(const float* x, int64_t stride, int64_t k, cons
     V v = p * a + off;
     v += jf == yv ? y_extra : zero;
     v += jf == argv ? top : zero;
-    std::memcpy(g + j * stride, &v, sizeof(v));
+    store(g + j * stride, v);
   }
 }
 
@@ -781,19 +781,20 @@ double savuc_term(int64_t m, const T* a, const T* h, const uint8_t* in, int64_t 
   std::vector<double> qs(static_cast<size_t>(m));
   std::vector<double> part(static_cast<size_t>((m + kTermRows - 1) / kTermRows) * 2, 0.0);
   const int64_t blocks = over_term_blocks(m, parallel, [&](int64_t c, int64_t begin, int64_t end) {
-    double good = 0.0, bad = 0.0;  // n_AC + n_IU, n_AU + n_IC
     savuc_rows_into<T>(h, begin, end, log_k, logit_kappa, temperature, dh, qs.data());
+    // (branch-free, the sums in registers, as avuc_term's passes; an uncounted row adds an exact 0)
+    const T* ap = a;
+    const uint8_t* kp = in;
+    const double* tp = dh;
+    const double* qp = qs.data();
+    double good = 0.0, bad = 0.0;  // n_AC + n_IU, n_AU + n_IC
+#pragma omp simd reduction(+ : good, bad)
     for (int64_t i = begin; i < end; ++i) {
-      if (!in[i]) continue;
-      const double t = dh[i], q = qs[i];
+      const double t = tp[i], q = qp[i];
       const double certain = (1.0 - q) * (1.0 - t), uncertain = q * t;
-      if (a[i] != T(0)) {
-        good += certain;
-        bad += uncertain;
-      } else {
-        bad += certain;
-        good += uncertain;
-      }
+      const bool kept = kp[i] != 0, acc = ap[i] != T(0);
+      good += pick(kept, pick(acc, certain, uncertain), 0.0);
+      bad += pick(kept, pick(acc, uncertain, certain), 0.0);
     }
     part[c * 2] = good;
     part[c * 2 + 1] = bad;
@@ -806,19 +807,22 @@ double savuc_term(int64_t m, const T* a, const T* h, const uint8_t* in, int64_t 
   const double denom = std::max(good, 1e-5), g_bad = 1.0 / (denom + bad);
   const double g_good = good >= 1e-5 ? -bad / (denom * (denom + bad)) : 0.0;
   over_term_blocks(m, parallel, [&](int64_t, int64_t begin, int64_t end) {
+    const T* ap = a;
+    const T* hp = h;
+    const uint8_t* kp = in;
+    const double* qp = qs.data();
+    double* dhp = dh;
+    const double gg = g_good, gw = g_bad, lk = log_k, temp = temperature, lo = eps, hi = 1.0 - eps;
     for (int64_t i = begin; i < end; ++i) {
-      if (!in[i]) {
-        dh[i] = 0.0;
-        continue;
-      }
-      const double t = dh[i], q = qs[i], e0 = static_cast<double>(h[i]) / log_k;
-      const bool inside = e0 >= eps && e0 <= 1.0 - eps;
-      const double e = std::min(std::max(e0, eps), 1.0 - eps);
+      const double t = dhp[i], q = qp[i], e0 = static_cast<double>(hp[i]) / lk;
+      const bool inside = e0 >= lo && e0 <= hi;
+      const double e = std::min(std::max(e0, lo), hi);
       // certain (1 − q)(1 − t) counts to g_c, uncertain q t to g_u
-      const double g_c = a[i] != T(0) ? g_good : g_bad, g_u = a[i] != T(0) ? g_bad : g_good;
+      const bool acc = ap[i] != T(0);
+      const double g_c = pick(acc, gg, gw), g_u = pick(acc, gw, gg);
       const double dq = -g_c * (1.0 - t) + g_u * t, dt = -g_c * (1.0 - q) + g_u * q;
-      const double de = inside ? 1.0 / log_k : 0.0;
-      dh[i] = dt * (1.0 - t * t) + dq * q * (1.0 - q) / temperature / (e * (1.0 - e)) * de;
+      const double de = pick(inside, 1.0 / lk, 0.0);
+      dhp[i] = pick(kp[i] != 0, dt * (1.0 - t * t) + dq * q * (1.0 - q) / temp / (e * (1.0 - e)) * de, 0.0);
     }
   });
   return std::log1p(bad / denom);

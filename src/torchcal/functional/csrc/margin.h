@@ -128,7 +128,7 @@ inline void lanes_store(T* p, V v) {
   if constexpr (std::is_floating_point<V>::value) {
     *p = v;
   } else {
-    std::memcpy(p, &v, sizeof(v));
+    store(p, v);
   }
 }
 

@@ -149,7 +149,7 @@ __attribute__((flatten)) void margin_forward_lanes(const T* x, int64_t stride, i
           sums[k + j] += widen<D>(kept ? m : zero) - widen<D>(kept ? v : zero);
         }
       } else if (s.kind == M_CP) {
-        std::memcpy(e + j * W, &ev, sizeof(V));
+        store(e + j * W, ev);
       } else if (s.kind == M_POLY1) {  // e_y, the label's term of Σ
         as += yv == broadcast<V>(static_cast<T>(j)) ? ev : zero;
       }
@@ -307,7 +307,7 @@ __attribute__((flatten)) void margin_backward_lanes(const T* x, int64_t stride, 
         pen_y = at_y ? pen : pen_y;
       }
       gv = live != zero ? gv : zero;
-      std::memcpy(g + j * stride, &gv, sizeof(V));
+      store(g + j * stride, gv);
     }
     others += widen<D>(os);
   }

@@ -60,6 +60,18 @@ inline V load(const T* p) {
   return v;
 }
 
+// v into p[0], p[1], ...: a store of the element type (its alias set; unaligned), not a memcpy. A memcpy store
+// may alias any object, so the compiler reloads every pointer and scalar that a loop keeps in memory (a
+// lambda's captures, say) after each one.
+template <typename V, typename T>
+inline void store(T* p, V v) {
+  static_assert(std::is_same<typename std::remove_cv<typename std::remove_reference<decltype(v[0])>::type>::type,
+                             T>::value,
+                "store: the vector's element type must be the pointer's");
+  typedef T U __attribute__((vector_size(sizeof(V)), aligned(alignof(T))));
+  *reinterpret_cast<U*>(p) = v;
+}
+
 template <typename V, typename T>
 inline V broadcast(T x) {
   V v = {};
@@ -288,7 +300,7 @@ inline void exp_sum_span(const float* x, int64_t j, int64_t stop, float m, float
     V acc = {}, acc2 = {};
     for (; j < block; j += W) {
       const V v = exp_nonpositive<Bytes>(load<V>(x + j) - mv);
-      if (e != nullptr) std::memcpy(e + j, &v, sizeof(v));
+      if (e != nullptr) store(e + j, v);
       acc += v;
       acc2 += v * v;
     }
