@@ -206,13 +206,13 @@ struct Bins {
     int64_t m = 0, j = 0;
     for (; j + W <= count; j += W) {
       const F pv = given ? load<F>(e + j) : load<F>(e + j) * iv;
-      if (!given) std::memcpy(e + j, &pv, sizeof(F));
+      if (!given) store(e + j, pv);
       const D pd = __builtin_convertvector(pv, D);
       const D v = soft ? __builtin_convertvector(pv * sc, D) : pd;
       const uint64_t bits = compare_mask<double, kWideBytes>(v, thr_d);
       if (zs != nullptr) {
         const D z = load<D>(zs + j) + (v > thr_d ? zero : pd);
-        std::memcpy(zs + j, &z, sizeof(D));
+        store(zs + j, z);
       }
       if (pg != nullptr) acc += load<D>(pg + j) * pd;
       m = append_lanes<W>(list, m, bits, static_cast<int32_t>(j));
@@ -282,7 +282,7 @@ inline void grad_row(const double* u, const T* p, int64_t k, double a, double do
   for (; j + W <= k; j += W) {
     const D pd = __builtin_convertvector(load<F>(p + j), D);
     const F out = __builtin_convertvector(av * pd + pd * (load<D>(u + j) - dv), F);
-    std::memcpy(g + j, &out, sizeof(F));
+    store(g + j, out);
   }
   for (; j < k; ++j) {
     const double pj = static_cast<double>(p[j]);
@@ -334,7 +334,7 @@ void for_rows(const Spec& s, const T* x, T* grad, int64_t m0, int64_t m1, std::v
 inline void add_count_p(double* cell, double w, double wp) {
   using D2 = typename Vec<double, 16>::type;
   const D2 v = load<D2>(cell + C_COUNT) + D2{w, wp};
-  std::memcpy(cell + C_COUNT, &v, sizeof(D2));
+  store(cell + C_COUNT, v);
 }
 
 // ACE of cell (g, c) from its bins (tab: its bin 0, the next bins C'·N_CELL apart) (the unweighted mean of |Σ w p − Σ w y| / Σ w over the occupied bins) and
@@ -385,7 +385,7 @@ inline void exp_lanes(const float* x, const float* mx, float* e, double* sum, in
   int64_t t = 0;
   for (; t + L <= w; t += L) {
     const V v = exp_nonpositive<kWideBytes>(load<V>(x + t) - load<V>(mx + t));
-    std::memcpy(e + t, &v, sizeof(V));
+    store(e + t, v);
   }
   for (; t < w; ++t) e[t] = std::exp(x[t] - mx[t]);
   for (t = 0; t < w; ++t) sum[t] += e[t];
@@ -432,7 +432,7 @@ inline uint64_t plane_block(const Bins<T>& bins, const T* p, const double* kd, d
   const D k = load<D>(kd);
   if (zs != nullptr) {
     const D z = load<D>(zs) + (v > thr_d ? zero : __builtin_convertvector(pv, D) * k);
-    std::memcpy(zs, &z, sizeof(D));
+    store(zs, z);
   }
   return compare_mask<double, kWideBytes>(v, thr_d) & compare_mask<double, kWideBytes>(k, half);
 }
@@ -500,7 +500,7 @@ void forward_planes(const Spec& s, const T* x, const int64_t* tp, const Bins<T>&
         for (int64_t t = w; t < kPlane; ++t) b.sum[t] = 1.0;
         for (int64_t t = 0; t < kPlane; t += W) {
           const auto v = log_lanes(load<typename Vec<double, kWideBytes>::type>(b.sum.data() + t));
-          std::memcpy(b.lse.data() + t, &v, sizeof(v));
+          store(b.lse.data() + t, v);
         }
         for (int64_t t = 0; t < w; ++t) {
           const int64_t y = b.y[t];
