@@ -1538,9 +1538,9 @@ void check_bin_inputs(const at::Tensor& conf, const at::Tensor& correct, const a
 }
 
 // fn(block, V tag, first row) over the rows in fixed blocks (in parallel), W rows at a time and the rest
-// one by one; returns the number of blocks
-template <typename T, typename Fn>
-int64_t over_bin_rows(int64_t m, const Fn& fn) {
+// one by one, then done(block) on the same thread; returns the number of blocks
+template <typename T, typename Fn, typename Done>
+int64_t over_bin_rows(int64_t m, const Fn& fn, const Done& done) {
   const int64_t n_blocks = (m + kBinRows - 1) / kBinRows;
   at::parallel_for(0, n_blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t blk = begin; blk < end; ++blk) {
@@ -1551,22 +1551,47 @@ int64_t over_bin_rows(int64_t m, const Fn& fn) {
         for (; i + W <= r1; i += W) fn(blk, std::integral_constant<int, kWideBytes>{}, i);
       }
       for (; i < r1; ++i) fn(blk, std::integral_constant<int, 0>{}, i);
+      done(blk);
     }
   });
   return n_blocks;
 }
 
-// dst[l] += v[l] for the lanes of v (one lane for a scalar): per-lane float64 partial sums, added across
-// lanes once per block (a horizontal sum per vector and bin had cost more than the memberships' exps)
-template <typename V>
-inline void add_lanes(double* dst, V v) {
-  if constexpr (std::is_floating_point<V>::value) {
-    dst[0] += static_cast<double>(v);
-  } else {
-#pragma omp simd
-    for (int l = 0; l < static_cast<int>(sizeof(V) / sizeof(v[0])); ++l) dst[l] += static_cast<double>(v[l]);
-  }
+template <typename T, typename Fn>
+int64_t over_bin_rows(int64_t m, const Fn& fn) {
+  return over_bin_rows<T>(m, fn, [](int64_t) {});
 }
+
+// The per-lane partial sums of a block of rows in the dtype (acc, `count` sums of kBinLanes lanes each,
+// held per thread), added into the block's float64 partials (dst) and zeroed when the block is done: a
+// vector add per sum and row in place of two float64 conversions and additions (the lanes are added across
+// once per block: a horizontal sum per vector and bin had cost more than the memberships' exps). A lane sums at most
+// kBinRows / kBinLanes rows (128 with 16 lanes) of memberships in [0, 1] (or their products with a or
+// A_b − r): within 128·u relative of the sum of their magnitudes in float32, inside the torch path's
+// bound (its float32 sums run over all M rows).
+template <typename T>
+struct LaneSums {
+  std::vector<T>& acc;
+  explicit LaneSums(std::vector<T>& storage, int64_t count) : acc(storage) {
+    const size_t n = static_cast<size_t>(count * kBinLanes);
+    if (acc.size() != n) acc.assign(n, T(0));
+  }
+  template <typename V>
+  void add(int64_t c, V v) const {
+    T* q = acc.data() + c * kBinLanes;
+    if constexpr (std::is_floating_point<V>::value) {
+      q[0] += v;
+    } else {
+      store(q, load<V>(q) + v);
+    }
+  }
+  void flush(double* dst) const {
+    for (size_t j = 0; j < acc.size(); ++j) {
+      dst[j] += static_cast<double>(acc[j]);
+      acc[j] = T(0);
+    }
+  }
+};
 
 // cache: where given, (M·bins) entries of the input dtype into which pass 1 writes the memberships (the W rows
 // of a vector at row·bins, as soft_bins lays them out), which pass 2 and sbece_label_backward then read
@@ -1599,24 +1624,28 @@ std::tuple<at::Tensor, at::Tensor> sbece_label_forward(const at::Tensor& conf_in
       for (int64_t l = 0; l < L; ++l) t += part[blk * stride + c * L + l];
       return t;
     };
-    // pass 1: S_b, Σ_i g_ib a_i and the kept count
-    over_bin_rows<scalar_t>(m, [&](int64_t blk, auto tag, int64_t i) {
-      using V = typename Lanes<scalar_t, decltype(tag)::value>::type;
-      scalar_t own[kMaxBins * kBinLanes];
-      scalar_t* g = gc != nullptr ? gc + i * bins : own;
-      V mean;
-      const V kv = lanes_load<V>(k + i);
-      double* p = part.data() + blk * stride;
-      soft_bins<scalar_t, V>(lanes_load<V>(r + i), kv, bins, inv_t, g, nullptr, mean);
-      constexpr int W = sizeof(V) / sizeof(scalar_t);
-      const V av = lanes_load<V>(a + i);
-      for (int64_t b = 0; b < bins; ++b) {
-        const V gb = lanes_load<V>(g + b * W);
-        add_lanes(p + b * L, gb);
-        add_lanes(p + (bins + b) * L, gb * av);
-      }
-      add_lanes(p + 2 * bins * L, kv);
-    });
+    // pass 1: S_b, Σ_i g_ib a_i and the kept count (each thread's block sums in the dtype: LaneSums)
+    thread_local std::vector<scalar_t> lane_storage;
+    over_bin_rows<scalar_t>(
+        m,
+        [&](int64_t, auto tag, int64_t i) {
+          using V = typename Lanes<scalar_t, decltype(tag)::value>::type;
+          const LaneSums<scalar_t> sums(lane_storage, 2 * bins + 1);
+          scalar_t own[kMaxBins * kBinLanes];
+          scalar_t* g = gc != nullptr ? gc + i * bins : own;
+          V mean;
+          const V kv = lanes_load<V>(k + i);
+          soft_bins<scalar_t, V>(lanes_load<V>(r + i), kv, bins, inv_t, g, nullptr, mean);
+          constexpr int W = sizeof(V) / sizeof(scalar_t);
+          const V av = lanes_load<V>(a + i);
+          for (int64_t b = 0; b < bins; ++b) {
+            const V gb = lanes_load<V>(g + b * W);
+            sums.add(b, gb);
+            sums.add(bins + b, gb * av);
+          }
+          sums.add(2 * bins, kv);
+        },
+        [&](int64_t blk) { LaneSums<scalar_t>(lane_storage, 2 * bins + 1).flush(part.data() + blk * stride); });
     double count = 0.0;
     for (int64_t blk = 0; blk < n_blocks; ++blk) {
       for (int64_t b = 0; b < bins; ++b) {
@@ -1632,27 +1661,30 @@ std::tuple<at::Tensor, at::Tensor> sbece_label_forward(const at::Tensor& conf_in
     }
     // pass 2: total and Q_b
     std::fill(part.begin(), part.end(), 0.0);
-    over_bin_rows<scalar_t>(m, [&](int64_t blk, auto tag, int64_t i) {
-      using V = typename Lanes<scalar_t, decltype(tag)::value>::type;
-      constexpr int W = sizeof(V) / sizeof(scalar_t);
-      scalar_t own[kMaxBins * kBinLanes];
-      const scalar_t* g = own;
-      V mean;
-      const V rv = lanes_load<V>(r + i);
-      if (gc != nullptr)
-        g = gc + i * bins;
-      else
-        soft_bins<scalar_t, V>(rv, lanes_load<V>(k + i), bins, inv_t, own, nullptr, mean);
-      double* p = part.data() + blk * stride;
-      V tot = {};
-      for (int64_t b = 0; b < bins; ++b) {
-        const V gb = lanes_load<V>(g + b * W);
-        const V d = acc_t[b] - rv;
-        tot += gb * d * d;
-        add_lanes(p + b * L, gb * d);
-      }
-      add_lanes(p + 2 * bins * L, tot);
-    });
+    over_bin_rows<scalar_t>(
+        m,
+        [&](int64_t, auto tag, int64_t i) {
+          using V = typename Lanes<scalar_t, decltype(tag)::value>::type;
+          constexpr int W = sizeof(V) / sizeof(scalar_t);
+          const LaneSums<scalar_t> sums(lane_storage, 2 * bins + 1);
+          scalar_t own[kMaxBins * kBinLanes];
+          const scalar_t* g = own;
+          V mean;
+          const V rv = lanes_load<V>(r + i);
+          if (gc != nullptr)
+            g = gc + i * bins;
+          else
+            soft_bins<scalar_t, V>(rv, lanes_load<V>(k + i), bins, inv_t, own, nullptr, mean);
+          V tot = {};
+          for (int64_t b = 0; b < bins; ++b) {
+            const V gb = lanes_load<V>(g + b * W);
+            const V d = acc_t[b] - rv;
+            tot += gb * d * d;
+            sums.add(b, gb * d);
+          }
+          sums.add(2 * bins, tot);
+        },
+        [&](int64_t blk) { LaneSums<scalar_t>(lane_storage, 2 * bins + 1).flush(part.data() + blk * stride); });
     double total = 0.0;
     for (int64_t blk = 0; blk < n_blocks; ++blk) {
       for (int64_t b = 0; b < bins; ++b) q[b] += 2.0 * block_sum(blk, b);
