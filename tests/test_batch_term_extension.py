@@ -322,6 +322,38 @@ def test_batch_scale_float32_is_near_the_float64_torch_path(name, classes):
     _float32_near_float64(LOSSES[name], z, y)
 
 
+def test_esd_over_many_chunks_with_long_ties():
+    """ESD at 2^16 + 5000 rows, whose sort and passes run on 16 chunks: 400 distinct rows repeated, so runs
+    of equal confidences (~160 rows) cross the chunks' nominal cuts, and a tenth of the rows ignored.
+    float64 through the operator against the float64 torch path (sums in another order: ~1e-12 relative);
+    float32 against float64 (the radix sort's chunks) with the batch-scale test's tolerances; and the
+    float32 result bitwise the same with 1 and 2 threads (the chunks depend on the row count only)."""
+    g = torch.Generator().manual_seed(5)
+    rows = (1 << 16) + 5000
+    distinct = 2 * torch.randn(400, 10, generator=g, dtype=torch.float64)
+    z = distinct[torch.randint(0, 400, (rows,), generator=g)]
+    y = torch.randint(0, 10, (rows,), generator=g)
+    y[::10] = -100
+    fn = LOSSES["esd"]
+    (va, ga), (vb, gb) = _both_paths(fn, z, y)
+    torch.testing.assert_close(va, vb, rtol=1e-11, atol=1e-13)
+    scale = float(gb.abs().max())
+    torch.testing.assert_close(ga / scale, gb / scale, rtol=0, atol=1e-11)
+    _float32_near_float64(fn, z, y)
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            x = z.float().requires_grad_(True)
+            value = fn(x, y)
+            value.backward()
+            results.append((value.detach(), x.grad))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
 @pytest.mark.parametrize("name", ["focal-mdca", "avuc"])
 @pytest.mark.parametrize("classes", [10, 100])
 def test_extreme_rows_float32_are_near_the_float64_torch_path(name, classes):

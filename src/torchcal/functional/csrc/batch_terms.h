@@ -21,7 +21,9 @@
 #include "sort.h"
 
 #include <algorithm>
+#include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -832,85 +834,142 @@ double savuc_term(int64_t m, const T* a, const T* h, const uint8_t* in, int64_t 
 // x_j = a_j − r_j, S_i = Σ_{j≠i, r_j<=r_i} x_j, Q_i the same sum of x_j², ESD = Σ_i (S_i² − Q_i) / (n(n − 1)(n − 2))
 // (0 when n < 3). Its derivative in x_j sums over the rows i ≠ j with r_i >= r_j, those from the start of
 // j's run of equal confidences on: (2/D)(U − S_j − x_j (c − 1)) with U the sum of S_i and c their number.
-// float32 confidences are sorted as (bits << 32 | row << 1 | a) words by radix, and the passes after the sort
-// read the words in order (no gather of r and a by row); float64 (and batches of 2^31 rows or more) by
-// std::sort of the rows.
-template <typename T>
-double esd_term(int64_t m, const T* r, const T* a, const uint8_t* in, double* dr) {
-  std::vector<int64_t> order;  // the kept rows in ascending r
-  std::vector<double> x;       // x of each, in that order
-  std::vector<uint8_t> same;   // whether its r equals the previous one's
+// dr gets the derivative in r of every row (0 outside in), times scale_of(ESD).
+// float32 confidences are sorted as (bits << 32 | row << 1 | a) words by radix (radix_sort_upper_words);
+// float64 (and batches of 2^31 rows or more) by std::sort of the rows. The passes over the sorted rows run on
+// chunks that start at a run of equal confidences, their number fixed by n (the sums do not depend on the
+// thread count): the chunks' Σ x and Σ x² give each its prefix, then each its S and partial sums, then each
+// its suffix sums of S (from the later chunks') and its rows' derivatives.
+template <typename T, typename Parallel, typename Scale>
+double esd_term(int64_t m, const T* r, const T* a, const uint8_t* in, double* dr, const Parallel& parallel,
+                const Scale& scale_of) {
+  const auto cut_of = [](int64_t total, int64_t parts, int64_t c) {
+    return total / parts * c + std::min(c, total % parts);
+  };
+  const int64_t row_chunks = std::min<int64_t>(16, std::max<int64_t>(1, m >> 14));
+  // the kept rows of each chunk of rows (and dr = 0 for the others)
+  std::vector<int64_t> kept(static_cast<size_t>(row_chunks + 1), 0);
+  parallel(row_chunks, [&](int64_t c) {
+    int64_t count = 0;
+    for (int64_t i = cut_of(m, row_chunks, c), end = cut_of(m, row_chunks, c + 1); i < end; ++i) {
+      count += in[i] != 0;
+      if (!in[i]) dr[i] = 0.0;
+    }
+    kept[c + 1] = count;
+  });
+  for (int64_t c = 0; c < row_chunks; ++c) kept[c + 1] += kept[c];
+  const int64_t n = kept[row_chunks];
+  // (uninitialised arrays, first written by the parallel passes)
+  std::unique_ptr<int64_t[]> order(new int64_t[static_cast<size_t>(n)]);  // the kept rows in ascending r
+  std::unique_ptr<double[]> x(new double[static_cast<size_t>(n)]);        // x of each, in that order
+  std::unique_ptr<uint8_t[]> same(new uint8_t[static_cast<size_t>(n)]);   // whether its r equals the last one's
   bool radix = false;
   if constexpr (std::is_same<T, float>::value) radix = m < (int64_t{1} << 31);  // (row << 1 in 32 bits)
   if (radix) {
-    std::vector<uint64_t> words, tmp;
-    words.reserve(static_cast<size_t>(m));
-    for (int64_t i = 0; i < m; ++i) {
-      if (!in[i]) continue;
-      uint32_t bits;
-      std::memcpy(&bits, r + i, sizeof(bits));
-      words.push_back((static_cast<uint64_t>(bits) << 32) | (static_cast<uint64_t>(i) << 1) |
-                      static_cast<uint64_t>(a[i] != T(0)));
-    }
-    radix_sort_upper_words(words, tmp);
-    const size_t n = words.size();
-    order.resize(n);
-    x.resize(n);
-    same.resize(n);
-    for (size_t q = 0; q < n; ++q) {
-      const uint64_t w = words[q];
-      const uint32_t bits = static_cast<uint32_t>(w >> 32);
-      float rq;
-      std::memcpy(&rq, &bits, sizeof(rq));
-      order[q] = static_cast<int64_t>((w & 0xFFFFFFFFu) >> 1);
-      x[q] = static_cast<double>(w & 1) - static_cast<double>(rq);
-      same[q] = q > 0 && (words[q - 1] >> 32) == bits && !std::isnan(rq);  // (equal bits: equal r; NaN never)
-    }
+    std::unique_ptr<uint64_t[]> words(new uint64_t[static_cast<size_t>(n)]), tmp(new uint64_t[static_cast<size_t>(n)]);
+    uint64_t* wp = words.get();
+    parallel(row_chunks, [&](int64_t c) {
+      int64_t q = kept[c];
+      for (int64_t i = cut_of(m, row_chunks, c), end = cut_of(m, row_chunks, c + 1); i < end; ++i) {
+        if (!in[i]) continue;
+        uint32_t bits;
+        std::memcpy(&bits, r + i, sizeof(bits));
+        wp[q++] = (static_cast<uint64_t>(bits) << 32) | (static_cast<uint64_t>(i) << 1) |
+                  static_cast<uint64_t>(a[i] != T(0));
+      }
+    });
+    const uint64_t* sorted = radix_sort_upper_words(wp, tmp.get(), n, parallel);
+    parallel(row_chunks, [&](int64_t c) {
+      for (int64_t q = cut_of(n, row_chunks, c), end = cut_of(n, row_chunks, c + 1); q < end; ++q) {
+        const uint64_t w = sorted[q];
+        const uint32_t bits = static_cast<uint32_t>(w >> 32);
+        float rq;
+        std::memcpy(&rq, &bits, sizeof(rq));
+        order[q] = static_cast<int64_t>((w & 0xFFFFFFFFu) >> 1);
+        x[q] = static_cast<double>(w & 1) - static_cast<double>(rq);
+        same[q] = q > 0 && (sorted[q - 1] >> 32) == bits && !std::isnan(rq);  // (equal bits: equal r; NaN never)
+      }
+    });
   } else {
+    int64_t q = 0;
     for (int64_t i = 0; i < m; ++i)
-      if (in[i]) order.push_back(i);
+      if (in[i]) order[q++] = i;
     // (NaN last: a strict weak order, as the radix sort's bit order puts NaN above every number)
-    std::sort(order.begin(), order.end(), [r](int64_t p, int64_t q) {
+    std::sort(order.get(), order.get() + n, [r](int64_t p, int64_t q) {
       return !std::isnan(r[p]) && (std::isnan(r[q]) || r[p] < r[q]);
     });
-    const size_t n = order.size();
-    x.resize(n);
-    same.resize(n);
-    for (size_t q = 0; q < n; ++q) {
+    for (q = 0; q < n; ++q) {
       const int64_t i = order[q];
       x[q] = static_cast<double>(a[i]) - static_cast<double>(r[i]);
       same[q] = q > 0 && r[order[q - 1]] == r[i];
     }
   }
-  std::fill(dr, dr + m, 0.0);
-  const int64_t n = static_cast<int64_t>(order.size());
-  if (n < 3) return 0.0;
-  std::vector<double> s(static_cast<size_t>(n));
-  std::vector<int64_t> start(static_cast<size_t>(n));
-  double total = 0.0, prefix = 0.0, prefix2 = 0.0;
-  for (int64_t q0 = 0; q0 < n;) {  // one run of equal confidences [q0, q1)
-    int64_t q1 = q0 + 1;
-    while (q1 < n && same[q1]) ++q1;
-    for (int64_t q = q0; q < q1; ++q) {
-      prefix += x[q];
-      prefix2 += x[q] * x[q];
-    }
-    for (int64_t q = q0; q < q1; ++q) {
-      s[q] = prefix - x[q];
-      total += s[q] * s[q] - (prefix2 - x[q] * x[q]);
-      start[q] = q0;
-    }
-    q0 = q1;
+  if (n < 3) {
+    for (int64_t q = 0; q < n; ++q) dr[order[q]] = 0.0;
+    return 0.0;
   }
+  // chunks of the sorted rows, each from the start of a run of equal confidences
+  const int64_t chunks = std::min<int64_t>(16, std::max<int64_t>(1, n >> 14));
+  std::vector<int64_t> cut(static_cast<size_t>(chunks + 1));
+  for (int64_t c = 0; c <= chunks; ++c) {
+    int64_t q = cut_of(n, chunks, c);
+    while (q < n && same[q]) ++q;
+    cut[c] = q;
+  }
+  std::vector<double> sum_x(static_cast<size_t>(chunks)), sum_x2(static_cast<size_t>(chunks));
+  parallel(chunks, [&](int64_t c) {
+    double s1 = 0.0, s2 = 0.0;
+    for (int64_t q = cut[c]; q < cut[c + 1]; ++q) {
+      s1 += x[q];
+      s2 += x[q] * x[q];
+    }
+    sum_x[c] = s1;
+    sum_x2[c] = s2;
+  });
+  std::unique_ptr<double[]> s(new double[static_cast<size_t>(n)]);
+  std::vector<double> part(static_cast<size_t>(chunks)), sum_s(static_cast<size_t>(chunks));
+  parallel(chunks, [&](int64_t c) {
+    double prefix = 0.0, prefix2 = 0.0;  // the earlier chunks' sums
+    for (int64_t e = 0; e < c; ++e) {
+      prefix += sum_x[e];
+      prefix2 += sum_x2[e];
+    }
+    double total = 0.0, ss = 0.0;
+    for (int64_t q0 = cut[c]; q0 < cut[c + 1];) {  // one run of equal confidences [q0, q1)
+      int64_t q1 = q0 + 1;
+      while (q1 < n && same[q1]) ++q1;
+      for (int64_t q = q0; q < q1; ++q) {
+        prefix += x[q];
+        prefix2 += x[q] * x[q];
+      }
+      for (int64_t q = q0; q < q1; ++q) {
+        s[q] = prefix - x[q];
+        total += s[q] * s[q] - (prefix2 - x[q] * x[q]);
+        ss += s[q];
+      }
+      q0 = q1;
+    }
+    part[c] = total;
+    sum_s[c] = ss;
+  });
+  double total = 0.0;
+  for (const double v : part) total += v;
   const double nd = static_cast<double>(n), denom = nd * (nd - 1.0) * (nd - 2.0);
-  std::vector<double> suffix(static_cast<size_t>(n + 1), 0.0);
-  for (int64_t q = n - 1; q >= 0; --q) suffix[q] = suffix[q + 1] + s[q];
-  for (int64_t q = 0; q < n; ++q) {
-    const int64_t b = start[q];
-    const double dx = 2.0 / denom * (suffix[b] - s[q] - x[q] * static_cast<double>(n - b - 1));
-    dr[order[q]] = -dx;  // x = a − r
-  }
-  return total / denom;
+  const double esd = total / denom;
+  const double coef = 2.0 / denom * scale_of(esd);
+  parallel(chunks, [&](int64_t c) {
+    double suffix = 0.0;  // Σ S of the later chunks, then of the rows from the current run on
+    for (int64_t e = chunks - 1; e > c; --e) suffix += sum_s[e];
+    for (int64_t q1 = cut[c + 1]; q1 > cut[c];) {  // the runs from the last: [q0, q1)
+      int64_t q0 = q1 - 1;
+      while (same[q0]) --q0;  // (same[cut[c]] is false)
+      for (int64_t q = q1 - 1; q >= q0; --q) suffix += s[q];
+      const double tail = static_cast<double>(n - q0 - 1);
+      for (int64_t q = q0; q < q1; ++q) dr[order[q]] = -coef * (suffix - s[q] - x[q] * tail);  // x = a − r
+      q1 = q0;
+    }
+  });
+  return esd;
 }
 
 }  // namespace torchcal

@@ -1910,10 +1910,10 @@ BatchLossForward batch_loss_forward(const at::Tensor& logits, const at::Tensor& 
       } else if (term == BT_SAVUC) {
         pen = savuc_term<scalar_t>(m, ap, h.data_ptr<scalar_t>(), in, k, params[1], params[2], ghp, parallel);
       } else {  // ESD: λ·sqrt(max(ESD, 0)), the sqrt's derivative 0 where ESD <= 0 (_safe_sqrt)
-        const double esd = esd_term<scalar_t>(m, rp, ap, in, grp);
+        const double esd = esd_term<scalar_t>(m, rp, ap, in, grp, parallel, [](double v) {
+          return v > 0 ? 0.5 / std::sqrt(v) : 0.0;  // (the derivatives' factor)
+        });
         pen = esd > 0 ? std::sqrt(esd) : 0.0;
-        const double d = esd > 0 ? 0.5 / pen : 0.0;
-        for (int64_t i = 0; i < m; ++i) grp[i] *= d;
       }
     });
   }

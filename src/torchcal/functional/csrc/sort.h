@@ -134,30 +134,74 @@ int64_t radix_sort_with_flags(const T* values, const bool* flags, int64_t n, T* 
 
 namespace torchcal {
 
-// Sorts 64-bit words by their upper 32 bits, stably (an LSD radix sort of three 11-bit digits, skipping a
-// digit on which every word agrees): the batch-term losses sort (confidence bits << 32 | row) words, the
-// row riding below the key. tmp is scratch; the sorted words end in w.
-inline void radix_sort_upper_words(std::vector<uint64_t>& w, std::vector<uint64_t>& tmp) {
+// Sorts the n 64-bit words w by their upper 32 bits, stably: an LSD radix sort of three 11-bit digits,
+// skipping a digit on which every word agrees (the batch-term losses sort (confidence bits << 32 | row) words,
+// the row riding below the key). The words are cut into chunks (a number that depends on n only); each pass
+// counts the digit of every chunk, gives each chunk its own offsets in every bucket (chunk order within a
+// bucket: stable) and moves the chunks at once through parallel(count, f), which calls f(c) for every c in
+// [0, count). tmp is scratch of n words; returns the buffer that holds the sorted words (w or tmp).
+template <typename Parallel>
+uint64_t* radix_sort_upper_words(uint64_t* w, uint64_t* tmp, int64_t n, const Parallel& parallel) {
   constexpr int kBits = 11, kBuckets = 1 << kBits, kDigits = 3;
-  const int64_t n = static_cast<int64_t>(w.size());
-  if (n < 2) return;
-  tmp.resize(w.size());
-  std::vector<int64_t> counts(static_cast<size_t>(kDigits) * kBuckets, 0);
-  for (const uint64_t v : w)
-    for (int d = 0; d < kDigits; ++d) ++counts[d * kBuckets + ((v >> (32 + d * kBits)) & (kBuckets - 1))];
-  for (int d = 0; d < kDigits; ++d) {
-    int64_t* h = counts.data() + d * kBuckets;
-    if (std::any_of(h, h + kBuckets, [n](int64_t c) { return c == n; })) continue;  // one bucket: no move
-    int64_t at = 0;
-    for (int b = 0; b < kBuckets; ++b) {
-      const int64_t c = h[b];
-      h[b] = at;
-      at += c;
+  if (n < 2) return w;
+  const int64_t chunks = std::min<int64_t>(16, std::max<int64_t>(1, n >> 15));
+  const auto chunk_begin = [n, chunks](int64_t c) { return n / chunks * c + std::min(c, n % chunks); };
+  // every digit's histogram per chunk of the input order (which digits move something, and the first
+  // pass's offsets)
+  std::vector<int64_t> counts(static_cast<size_t>(chunks) * kDigits * kBuckets, 0);
+  parallel(chunks, [&](int64_t c) {
+    int64_t* h = counts.data() + c * kDigits * kBuckets;
+    for (int64_t i = chunk_begin(c), end = chunk_begin(c + 1); i < end; ++i) {
+      const uint64_t v = w[i];
+      for (int d = 0; d < kDigits; ++d) ++h[d * kBuckets + ((v >> (32 + d * kBits)) & (kBuckets - 1))];
     }
+  });
+  uint64_t* src = w;
+  uint64_t* dst = tmp;
+  std::vector<int64_t> offsets(static_cast<size_t>(chunks) * kBuckets);
+  for (int d = 0; d < kDigits; ++d) {
+    bool moves = true;  // (one bucket holding every word: the pass would move nothing)
+    for (int b = 0; b < kBuckets && moves; ++b) {
+      int64_t total = 0;
+      for (int64_t c = 0; c < chunks; ++c) total += counts[(c * kDigits + d) * kBuckets + b];
+      moves = total != n;
+    }
+    if (!moves) continue;
     const int shift = 32 + d * kBits;
-    for (const uint64_t v : w) tmp[static_cast<size_t>(h[(v >> shift) & (kBuckets - 1)]++)] = v;
-    w.swap(tmp);
+    if (src == w) {  // no pass has moved the words yet: the chunks are those counted
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t* h = counts.data() + (c * kDigits + d) * kBuckets;
+        std::copy(h, h + kBuckets, offsets.data() + c * kBuckets);
+      }
+    } else {
+      parallel(chunks, [&](int64_t c) {  // this digit, counted per chunk of the current order
+        int64_t* h = offsets.data() + c * kBuckets;
+        std::fill(h, h + kBuckets, 0);
+        for (int64_t i = chunk_begin(c), end = chunk_begin(c + 1); i < end; ++i) {
+          ++h[(src[i] >> shift) & (kBuckets - 1)];
+        }
+      });
+    }
+    int64_t at = 0;  // bucket by bucket, chunk by chunk: where each chunk's words of a bucket go
+    for (int b = 0; b < kBuckets; ++b) {
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t count = offsets[c * kBuckets + b];
+        offsets[c * kBuckets + b] = at;
+        at += count;
+      }
+    }
+    const uint64_t* from = src;
+    uint64_t* to = dst;
+    parallel(chunks, [&, from, to](int64_t c) {
+      int64_t* h = offsets.data() + c * kBuckets;
+      for (int64_t i = chunk_begin(c), end = chunk_begin(c + 1); i < end; ++i) {
+        const uint64_t v = from[i];
+        to[h[(v >> shift) & (kBuckets - 1)]++] = v;
+      }
+    });
+    std::swap(src, dst);
   }
+  return src;
 }
 
 }  // namespace torchcal
