@@ -167,6 +167,23 @@ def test_every_label_ignored_gives_nan_mean_and_zero_gradient_like_the_torch_pat
             torch.testing.assert_close(g1, g2)
 
 
+def test_ignored_positions_with_large_logits_get_a_zero_gradient():
+    """An ignored position's logits above 88 (exp(x) overflows float32 unless x − max is taken): its gradient
+    is 0 and the others are the torch path's, float32 (N, K, H, W) and (N, K)."""
+    for shape in ((2, 70), (70,)):
+        z, y = _batch(shape, 5, seed=6, dtype=torch.float32, ignore=None)
+        at = (slice(None), slice(None), 3) if z.dim() == 3 else (3,)
+        z[at] += 120.0
+        y[at[:1] + at[2:]] = -100
+        for binning in ("hard", "soft"):
+            (v1, g1), (v2, g2) = _both_paths(z, y, {"binning": binning}, "mean")
+            assert torch.isfinite(g1).all()
+            assert (g1[at] == 0).all()
+            # float32 sums over 140 positions in another order: a few ulp of the loss's scale
+            torch.testing.assert_close(v1, v2, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(g1, g2, rtol=1e-4, atol=1e-6)
+
+
 def test_an_image_without_kept_positions_leaves_the_mean():
     z, y = _batch((3, 4, 4), 5, seed=4)
     y[1] = -100

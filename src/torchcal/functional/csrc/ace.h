@@ -504,12 +504,13 @@ void forward_planes(const Spec& s, const T* x, const int64_t* tp, const Bins<T>&
         }
         for (int64_t t = 0; t < w; ++t) {
           const int64_t y = b.y[t];
+          // (an ignored position's max too: the backward takes its exps again, which must stay finite for
+          // its gradient to be 0)
+          row_max[m0 + t] = static_cast<double>(b.mx[t]);
           if (y < 0) {
             if (ce_rows != nullptr) ce_rows[m0 + t] = T(0);
-            row_max[m0 + t] = 0.0;
             continue;
           }
-          row_max[m0 + t] = static_cast<double>(b.mx[t]);
           const double ce = b.lse[t] + static_cast<double>(b.mx[t]) - static_cast<double>(xt[y * sp + t]);
           if (ce_rows != nullptr) ce_rows[m0 + t] = static_cast<T>(ce);
           ce_sum += ce;
