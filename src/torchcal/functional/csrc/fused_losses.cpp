@@ -1835,20 +1835,35 @@ BatchLossForward batch_loss_forward(const at::Tensor& logits, const at::Tensor& 
   std::vector<uint8_t> in_base(static_cast<size_t>(m)), in_term(static_cast<size_t>(m));
   // (the counts as integers and the flags through local pointers: a byte store may alias anything, so a
   // count or a vector's data pointer that lives in memory was stored and reloaded on every row)
-  int64_t count_base = 0, count_term = 0;
-  {
+  // (blocks of rows fixed by M, in parallel; the counts as integers and the flags through local pointers: a
+  // byte store may alias anything, so a count or a vector's data pointer that lives in memory was stored and
+  // reloaded on every row)
+  constexpr int64_t kFlagRows = int64_t{1} << 14;
+  const int64_t flag_blocks = (m + kFlagRows - 1) / kFlagRows;
+  std::vector<int64_t> block_counts(static_cast<size_t>(2 * flag_blocks), 0);
+  at::parallel_for(0, flag_blocks, 1, [&](int64_t begin, int64_t end) {
     uint8_t* ib = in_base.data();
     uint8_t* it = in_term.data();
-    const int64_t ign = ignore, cut = split, rows = m, held = split == m ? 0 : split;
+    const int64_t ign = ignore, cut = split, held = split == m ? 0 : split;
     const bool any_ignored = has_ignore;
-    for (int64_t i = 0; i < rows; ++i) {
-      const uint8_t keep = !(any_ignored & (tp[i] == ign));
-      const uint8_t b = keep & (i < cut), t = keep & (i >= held);
-      ib[i] = b;
-      it[i] = t;
-      count_base += b;
-      count_term += t;
+    for (int64_t blk = begin; blk < end; ++blk) {
+      int64_t nb_blk = 0, nt_blk = 0;
+      for (int64_t i = blk * kFlagRows, stop = std::min(m, (blk + 1) * kFlagRows); i < stop; ++i) {
+        const uint8_t keep = !(any_ignored & (tp[i] == ign));
+        const uint8_t b = keep & (i < cut), t = keep & (i >= held);
+        ib[i] = b;
+        it[i] = t;
+        nb_blk += b;
+        nt_blk += t;
+      }
+      block_counts[2 * blk] = nb_blk;
+      block_counts[2 * blk + 1] = nt_blk;
     }
+  });
+  int64_t count_base = 0, count_term = 0;
+  for (int64_t blk = 0; blk < flag_blocks; ++blk) {
+    count_base += block_counts[2 * blk];
+    count_term += block_counts[2 * blk + 1];
   }
   const double nb = static_cast<double>(count_base), nt = static_cast<double>(count_term);
   const auto dbl = logits.options().dtype(at::kDouble);
@@ -1920,28 +1935,42 @@ BatchLossForward batch_loss_forward(const at::Tensor& logits, const at::Tensor& 
   // (the term's parts are scaled in the backward, with the incoming gradient: one pass fewer over them)
   f.term_scale = reduction == 2 ? coef * nb : coef;
   const double per_row = reduction == 1 ? 1.0 / nb : 1.0;
-  {
-    const uint8_t* ib = in_base.data();
-    for (int64_t i = 0; i < m; ++i) gbp[i] = static_cast<double>(ib[i]) * per_row;
-  }
+  // the base's derivatives, the per-row losses or each block's sum of the base (blocks of rows fixed by M,
+  // in parallel; the blocks' sums added in order)
   AT_DISPATCH_FLOATING_TYPES(b.scalar_type(), "fused_batch_loss_reduce", [&] {
     const scalar_t* bp = b.data_ptr<scalar_t>();
+    scalar_t* o = nullptr;
     if (reduction == 0) {
       f.loss = at::empty(targets.sizes(), logits.options());
-      scalar_t* o = f.loss.data_ptr<scalar_t>();
-      for (int64_t i = 0; i < m; ++i)
-        o[i] = static_cast<scalar_t>(in_base[i] ? static_cast<double>(bp[i]) + coef * pen : 0.0);
-    } else {
-      // (8 interleaved partial sums, added in order: no chain of M dependent additions)
-      double part[8] = {};
+      o = f.loss.data_ptr<scalar_t>();
+    }
+    std::vector<double> block_sums(static_cast<size_t>(flag_blocks), 0.0);
+    at::parallel_for(0, flag_blocks, 1, [&](int64_t begin, int64_t end) {
       const uint8_t* ib = in_base.data();
-      const int64_t rows = m;
-      int64_t i = 0;
-      for (; i + 8 <= rows; i += 8)
-        for (int q = 0; q < 8; ++q) part[q] += ib[i + q] ? static_cast<double>(bp[i + q]) : 0.0;
-      for (; i < rows; ++i) part[0] += ib[i] ? static_cast<double>(bp[i]) : 0.0;
+      double* gb = gbp;
+      const double row_scale = per_row, add = coef * pen;
+      for (int64_t blk = begin; blk < end; ++blk) {
+        const int64_t i0 = blk * kFlagRows, i1 = std::min(m, (blk + 1) * kFlagRows);
+        for (int64_t i = i0; i < i1; ++i) gb[i] = static_cast<double>(ib[i]) * row_scale;
+        if (o != nullptr) {
+          for (int64_t i = i0; i < i1; ++i)
+            o[i] = static_cast<scalar_t>(ib[i] ? static_cast<double>(bp[i]) + add : 0.0);
+          continue;
+        }
+        // (8 interleaved partial sums, added in order: no chain of dependent additions)
+        double part[8] = {};
+        int64_t i = i0;
+        for (; i + 8 <= i1; i += 8)
+          for (int q = 0; q < 8; ++q) part[q] += ib[i + q] ? static_cast<double>(bp[i + q]) : 0.0;
+        for (; i < i1; ++i) part[0] += ib[i] ? static_cast<double>(bp[i]) : 0.0;
+        double sum = 0.0;
+        for (double v : part) sum += v;
+        block_sums[blk] = sum;
+      }
+    });
+    if (reduction != 0) {
       double total = 0.0;
-      for (double v : part) total += v;
+      for (double v : block_sums) total += v;
       const double value = reduction == 1 ? total / nb + coef * pen : total + nb * coef * pen;
       f.loss = at::scalar_tensor(value, logits.options());
     }
