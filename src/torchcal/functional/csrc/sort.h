@@ -17,6 +17,19 @@
 
 namespace torchcal {
 
+// offsets[c·B + b] (each chunk's count of bucket b) replaced by where that chunk's values of the bucket go:
+// bucket by bucket, chunk by chunk (chunk order within a bucket keeps the sort stable)
+inline void chunk_offsets(std::vector<int64_t>& offsets, int64_t chunks, int buckets) {
+  int64_t at = 0;
+  for (int b = 0; b < buckets; ++b) {
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t count = offsets[c * buckets + b];
+      offsets[c * buckets + b] = at;
+      at += count;
+    }
+  }
+}
+
 // Sorts values[0, n) with their flags into out_values / out_flags (stable: equal values keep their order).
 // Returns the number of values that are negative (below −0.0) or NaN, which this order does not handle: the
 // caller raises when it is not 0 (the outputs are then unspecified). −0.0 sorts as +0.0.
@@ -93,14 +106,7 @@ int64_t radix_sort_with_flags(const T* values, const bool* flags, int64_t n, T* 
         }
       });
     }
-    int64_t at = 0;  // bucket by bucket, chunk by chunk: where each chunk's values of a bucket go
-    for (int b = 0; b < kBuckets; ++b) {
-      for (int64_t c = 0; c < chunks; ++c) {
-        const int64_t count = offsets[c * kBuckets + b];
-        offsets[c * kBuckets + b] = at;
-        at += count;
-      }
-    }
+    chunk_offsets(offsets, chunks, kBuckets);
     U* to = dst;
     parallel(chunks, [&, to](int64_t c) {
       int64_t* h = offsets.data() + c * kBuckets;
@@ -182,14 +188,7 @@ uint64_t* radix_sort_upper_words(uint64_t* w, uint64_t* tmp, int64_t n, const Pa
         }
       });
     }
-    int64_t at = 0;  // bucket by bucket, chunk by chunk: where each chunk's words of a bucket go
-    for (int b = 0; b < kBuckets; ++b) {
-      for (int64_t c = 0; c < chunks; ++c) {
-        const int64_t count = offsets[c * kBuckets + b];
-        offsets[c * kBuckets + b] = at;
-        at += count;
-      }
-    }
+    chunk_offsets(offsets, chunks, kBuckets);
     const uint64_t* from = src;
     uint64_t* to = dst;
     parallel(chunks, [&, from, to](int64_t c) {
