@@ -843,15 +843,12 @@ double savuc_term(int64_t m, const T* a, const T* h, const uint8_t* in, int64_t 
 template <typename T, typename Parallel, typename Scale>
 double esd_term(int64_t m, const T* r, const T* a, const uint8_t* in, double* dr, const Parallel& parallel,
                 const Scale& scale_of) {
-  const auto cut_of = [](int64_t total, int64_t parts, int64_t c) {
-    return total / parts * c + std::min(c, total % parts);
-  };
   const int64_t row_chunks = std::min<int64_t>(16, std::max<int64_t>(1, m >> 14));
   // the kept rows of each chunk of rows (and dr = 0 for the others)
   std::vector<int64_t> kept(static_cast<size_t>(row_chunks + 1), 0);
   parallel(row_chunks, [&](int64_t c) {
     int64_t count = 0;
-    for (int64_t i = cut_of(m, row_chunks, c), end = cut_of(m, row_chunks, c + 1); i < end; ++i) {
+    for (int64_t i = chunk_start(m, row_chunks, c), end = chunk_start(m, row_chunks, c + 1); i < end; ++i) {
       count += in[i] != 0;
       if (!in[i]) dr[i] = 0.0;
     }
@@ -870,7 +867,7 @@ double esd_term(int64_t m, const T* r, const T* a, const uint8_t* in, double* dr
     uint64_t* wp = words.get();
     parallel(row_chunks, [&](int64_t c) {
       int64_t q = kept[c];
-      for (int64_t i = cut_of(m, row_chunks, c), end = cut_of(m, row_chunks, c + 1); i < end; ++i) {
+      for (int64_t i = chunk_start(m, row_chunks, c), end = chunk_start(m, row_chunks, c + 1); i < end; ++i) {
         if (!in[i]) continue;
         uint32_t bits;
         std::memcpy(&bits, r + i, sizeof(bits));
@@ -880,7 +877,7 @@ double esd_term(int64_t m, const T* r, const T* a, const uint8_t* in, double* dr
     });
     const uint64_t* sorted = radix_sort_upper_words(wp, tmp.get(), n, parallel);
     parallel(row_chunks, [&](int64_t c) {
-      for (int64_t q = cut_of(n, row_chunks, c), end = cut_of(n, row_chunks, c + 1); q < end; ++q) {
+      for (int64_t q = chunk_start(n, row_chunks, c), end = chunk_start(n, row_chunks, c + 1); q < end; ++q) {
         const uint64_t w = sorted[q];
         const uint32_t bits = static_cast<uint32_t>(w >> 32);
         float rq;
@@ -912,7 +909,7 @@ double esd_term(int64_t m, const T* r, const T* a, const uint8_t* in, double* dr
   const int64_t chunks = std::min<int64_t>(16, std::max<int64_t>(1, n >> 14));
   std::vector<int64_t> cut(static_cast<size_t>(chunks + 1));
   for (int64_t c = 0; c <= chunks; ++c) {
-    int64_t q = cut_of(n, chunks, c);
+    int64_t q = chunk_start(n, chunks, c);
     while (q < n && same[q]) ++q;
     cut[c] = q;
   }

@@ -1833,8 +1833,6 @@ BatchLossForward batch_loss_forward(const at::Tensor& logits, const at::Tensor& 
   const bool has_ignore = ignore_index.has_value();
   const int64_t ignore = ignore_index.value_or(0);
   std::vector<uint8_t> in_base(static_cast<size_t>(m)), in_term(static_cast<size_t>(m));
-  // (the counts as integers and the flags through local pointers: a byte store may alias anything, so a
-  // count or a vector's data pointer that lives in memory was stored and reloaded on every row)
   // (blocks of rows fixed by M, in parallel; the counts as integers and the flags through local pointers: a
   // byte store may alias anything, so a count or a vector's data pointer that lives in memory was stored and
   // reloaded on every row)

@@ -17,6 +17,25 @@
 
 namespace torchcal {
 
+// the first of the items [0, total) that chunk c of `parts` holds (equal chunks, the first total % parts one
+// larger): a cut that depends on the total only
+inline int64_t chunk_start(int64_t total, int64_t parts, int64_t c) {
+  return total / parts * c + std::min(c, total % parts);
+}
+
+// whether digit d moves anything: no bucket holds all n values (counts: each chunk's histograms of every
+// digit, (chunk, digit, bucket))
+inline bool digit_moves(const std::vector<int64_t>& counts, int64_t chunks, int digits, int buckets, int d,
+                        int64_t n) {
+  for (int b = 0; b < buckets; ++b) {
+    int64_t total = 0;
+    for (int64_t c = 0; c < chunks; ++c) total += counts[(c * digits + d) * buckets + b];
+    if (total == n) return false;
+    if (total != 0) return true;
+  }
+  return false;
+}
+
 // offsets[c·B + b] (each chunk's count of bucket b) replaced by where that chunk's values of the bucket go:
 // bucket by bucket, chunk by chunk (chunk order within a bucket keeps the sort stable)
 inline void chunk_offsets(std::vector<int64_t>& offsets, int64_t chunks, int buckets) {
@@ -49,7 +68,7 @@ int64_t radix_sort_with_flags(const T* values, const bool* flags, int64_t n, T* 
   if (n == 0) return 0;
   const int64_t chunks = std::min<int64_t>(16, std::max<int64_t>(1, n >> 16));
   // (by value: the loops store through int64_t pointers, which could alias anything captured by reference)
-  const auto chunk_begin = [n, chunks](int64_t c) { return n / chunks * c + std::min(c, n % chunks); };
+  const auto chunk_begin = [n, chunks](int64_t c) { return chunk_start(n, chunks, c); };
   const auto bits_of = [&](int64_t i) {
     U u;
     std::memcpy(&u, values + i, sizeof(U));
@@ -75,13 +94,7 @@ int64_t radix_sort_with_flags(const T* values, const bool* flags, int64_t n, T* 
   for (const int64_t b : bad) n_bad += b;
   if (n_bad != 0) return n_bad;
   std::vector<bool> active(kDigits, false);  // a digit some values differ in: its pass moves something
-  for (int d = 0; d < kDigits; ++d) {
-    for (int b = 0; b < kBuckets && !active[d]; ++b) {
-      int64_t total = 0;
-      for (int64_t c = 0; c < chunks; ++c) total += counts[(c * kDigits + d) * kBuckets + b];
-      active[d] = total != 0 && total != n;
-    }
-  }
+  for (int d = 0; d < kDigits; ++d) active[d] = digit_moves(counts, chunks, kDigits, kBuckets, d, n);
 
   std::vector<U> first(static_cast<size_t>(n)), second;
   const U* src = nullptr;  // null until a pass has moved the words: the first pass reads the inputs
@@ -151,7 +164,7 @@ uint64_t* radix_sort_upper_words(uint64_t* w, uint64_t* tmp, int64_t n, const Pa
   constexpr int kBits = 11, kBuckets = 1 << kBits, kDigits = 3;
   if (n < 2) return w;
   const int64_t chunks = std::min<int64_t>(16, std::max<int64_t>(1, n >> 15));
-  const auto chunk_begin = [n, chunks](int64_t c) { return n / chunks * c + std::min(c, n % chunks); };
+  const auto chunk_begin = [n, chunks](int64_t c) { return chunk_start(n, chunks, c); };
   // every digit's histogram per chunk of the input order (which digits move something, and the first
   // pass's offsets)
   std::vector<int64_t> counts(static_cast<size_t>(chunks) * kDigits * kBuckets, 0);
@@ -166,13 +179,7 @@ uint64_t* radix_sort_upper_words(uint64_t* w, uint64_t* tmp, int64_t n, const Pa
   uint64_t* dst = tmp;
   std::vector<int64_t> offsets(static_cast<size_t>(chunks) * kBuckets);
   for (int d = 0; d < kDigits; ++d) {
-    bool moves = true;  // (one bucket holding every word: the pass would move nothing)
-    for (int b = 0; b < kBuckets && moves; ++b) {
-      int64_t total = 0;
-      for (int64_t c = 0; c < chunks; ++c) total += counts[(c * kDigits + d) * kBuckets + b];
-      moves = total != n;
-    }
-    if (!moves) continue;
+    if (!digit_moves(counts, chunks, kDigits, kBuckets, d, n)) continue;
     const int shift = 32 + d * kBits;
     if (src == w) {  // no pass has moved the words yet: the chunks are those counted
       for (int64_t c = 0; c < chunks; ++c) {
