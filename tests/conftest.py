@@ -57,6 +57,20 @@ def loss_backend(request):
         yield request.param
 
 
+def for_thread_counts(fn, *args, counts=(1, 3)):
+    """fn(*args) once under each of torch's thread counts in ``counts``, the caller's count restored
+    afterwards: the results in that order (the thread-count invariance tests compare them bitwise)."""
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for n_threads in counts:
+            torch.set_num_threads(n_threads)
+            results.append(fn(*args))
+    finally:
+        torch.set_num_threads(before)
+    return results
+
+
 def free_port() -> int:
     """A free TCP port on localhost for a test's torch.distributed rendezvous."""
     with socket.socket() as s:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import torchcal.functional as F
+from tests.conftest import for_thread_counts
 from tests.reference import margin as R
 
 pytestmark = pytest.mark.usefixtures("cpp_extension")
@@ -265,19 +266,16 @@ def test_results_do_not_depend_on_the_thread_count():
     g = torch.Generator().manual_seed(2)
     cases = [(3 * torch.randn(5000, 64, generator=g), torch.randint(0, 64, (5000,), generator=g)),
              (3 * torch.randn(2, 19, 40, 50, generator=g), torch.randint(0, 19, (2, 40, 50), generator=g))]  # fmt: skip
-    threads = torch.get_num_threads()
+
+    def step(z, y, binning):
+        x = z.clone().requires_grad_(True)
+        loss = F.ml1ace_loss(x, y, binning=binning)
+        loss.backward()
+        return loss.detach(), x.grad
+
     for z, y in cases:
         for binning in ("hard", "soft"):
-            results = []
-            try:
-                for n_threads in (1, 3):
-                    torch.set_num_threads(n_threads)
-                    x = z.clone().requires_grad_(True)
-                    loss = F.ml1ace_loss(x, y, binning=binning)
-                    loss.backward()
-                    results.append((loss.detach(), x.grad))
-            finally:
-                torch.set_num_threads(threads)
+            results = for_thread_counts(step, z, y, binning)
             assert torch.equal(results[0][0], results[1][0])
             assert torch.equal(results[0][1], results[1][1])
 

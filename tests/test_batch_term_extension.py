@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import torchcal.functional as F
+from tests.conftest import for_thread_counts
 from torchcal.functional import _extension
 from torchcal.losses import AvUCLoss
 
@@ -192,20 +193,17 @@ def test_results_do_not_depend_on_the_thread_count():
     any thread count."""
     z, y = _inputs((3000, 40), torch.float32)
     zs, ys = _inputs((3, 19, 40, 40), torch.float32)
-    before = torch.get_num_threads()
-    results = []
-    try:
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            out = []
-            for a, b in ((z, y), (zs, ys)):
-                x = a.clone().requires_grad_(True)
-                value = F.mdca_loss(x, b, base="ls")
-                value.backward()
-                out += [value.detach(), x.grad]
-            results.append(out)
-    finally:
-        torch.set_num_threads(before)
+
+    def steps():
+        out = []
+        for a, b in ((z, y), (zs, ys)):
+            x = a.clone().requires_grad_(True)
+            value = F.mdca_loss(x, b, base="ls")
+            value.backward()
+            out += [value.detach(), x.grad]
+        return out
+
+    results = for_thread_counts(steps, counts=(1, 2))
     for a, b in zip(*results):
         assert torch.equal(a, b)
 
@@ -340,17 +338,14 @@ def test_esd_over_many_chunks_with_long_ties():
     scale = float(gb.abs().max())
     torch.testing.assert_close(ga / scale, gb / scale, rtol=0, atol=1e-11)
     _float32_near_float64(fn, z, y)
-    before = torch.get_num_threads()
-    results = []
-    try:
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            x = z.float().requires_grad_(True)
-            value = fn(x, y)
-            value.backward()
-            results.append((value.detach(), x.grad))
-    finally:
-        torch.set_num_threads(before)
+
+    def step():
+        x = z.float().requires_grad_(True)
+        value = fn(x, y)
+        value.backward()
+        return value.detach(), x.grad
+
+    results = for_thread_counts(step, counts=(1, 2))
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
 
 

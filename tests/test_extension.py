@@ -11,6 +11,7 @@ import torch
 
 import torchcal.functional as F
 import torchcal.functional.losses as L
+from tests.conftest import for_thread_counts
 from torchcal.functional import _extension
 
 pytestmark = pytest.mark.usefixtures("cpp_extension")
@@ -191,17 +192,14 @@ def test_sizes_match_the_torch_path(n, k):
 def test_results_do_not_depend_on_the_thread_count():
     g = torch.Generator().manual_seed(2)
     z, t = 3 * torch.randn(5000, 64, generator=g), torch.randint(0, 64, (5000,), generator=g)
-    threads = torch.get_num_threads()
-    results = []
-    try:
-        for n_threads in (1, 3):
-            torch.set_num_threads(n_threads)
-            x = z.clone().requires_grad_(True)
-            loss = L.dual_focal_loss(x, t)
-            loss.backward()
-            results.append((loss.detach(), x.grad))
-    finally:
-        torch.set_num_threads(threads)
+
+    def step():
+        x = z.clone().requires_grad_(True)
+        loss = L.dual_focal_loss(x, t)
+        loss.backward()
+        return loss.detach(), x.grad
+
+    results = for_thread_counts(step)
     assert torch.equal(results[0][0], results[1][0])  # the reduction is summed in row order
     assert torch.equal(results[0][1], results[1][1])
 

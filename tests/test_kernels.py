@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import torchcal.functional as F
-from tests.conftest import make_probs
+from tests.conftest import for_thread_counts, make_probs
 from torchcal.functional import _backend, _extension
 
 
@@ -330,17 +330,14 @@ def test_threaded_scan_matches_one_thread(fused):
     from torchcal.metrics import CalibrationMetrics
 
     probs, targets = make_probs(120_000, 10, seed=7, dtype=torch.float32)
-    threads = torch.get_num_threads()
-    results = []
-    try:
-        for n_threads in (1, 3):
-            torch.set_num_threads(n_threads)
-            m = CalibrationMetrics(10, equal_mass=False)
-            with F.use_cpu_extension(True):
-                m.update(probs, targets)
-            results.append(m.compute())
-    finally:
-        torch.set_num_threads(threads)
+
+    def metrics():
+        m = CalibrationMetrics(10, equal_mass=False)
+        with F.use_cpu_extension(True):
+            m.update(probs, targets)
+        return m.compute()
+
+    results = for_thread_counts(metrics)
     for name in results[0]:  # parts depend on N and K only, summed in order: identical for any thread count
         assert torch.equal(results[0][name], results[1][name]), name
 

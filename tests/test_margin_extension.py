@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import torchcal.functional as F
+from tests.conftest import for_thread_counts
 from tests.test_margin_losses import CASES, batch
 from torchcal.losses import CALSLoss
 
@@ -335,19 +336,16 @@ def test_results_do_not_depend_on_the_thread_count():
     g = torch.Generator().manual_seed(2)
     cases = [(3 * torch.randn(5000, 64, generator=g), torch.randint(0, 64, (5000,), generator=g)),
              (3 * torch.randn(2, 19, 40, 50, generator=g), torch.randint(0, 19, (2, 40, 50), generator=g))]  # fmt: skip
-    threads = torch.get_num_threads()
+
+    def step(z, y, name):
+        x = z.clone().requires_grad_(True)
+        loss = LOSSES[name](x, y)
+        loss.backward()
+        return loss.detach(), x.grad
+
     for z, y in cases:
         for name in ("mbls", "acls", "cp", "cals", "poly1-weight"):
-            results = []
-            try:
-                for n_threads in (1, 3):
-                    torch.set_num_threads(n_threads)
-                    x = z.clone().requires_grad_(True)
-                    loss = LOSSES[name](x, y)
-                    loss.backward()
-                    results.append((loss.detach(), x.grad))
-            finally:
-                torch.set_num_threads(threads)
+            results = for_thread_counts(step, z, y, name)
             assert torch.equal(results[0][0], results[1][0])  # the reduction is summed in row order
             assert torch.equal(results[0][1], results[1][1])
 
@@ -505,15 +503,8 @@ def test_cals_statistics_do_not_depend_on_the_thread_count():
     g = torch.Generator().manual_seed(4)
     cases = [(3 * torch.randn(5000, 64, generator=g), torch.randint(0, 64, (5000,), generator=g)),
              (3 * torch.randn(3, 19, 40, 50, generator=g), torch.randint(0, 19, (3, 40, 50), generator=g))]  # fmt: skip
-    threads = torch.get_num_threads()
     for z, y in cases:
-        results = []
-        try:
-            for n_threads in (1, 3):
-                torch.set_num_threads(n_threads)
-                results.append(_cals_sums(z, y, True))
-        finally:
-            torch.set_num_threads(threads)
+        results = for_thread_counts(_cals_sums, z, y, True)
         for a, b in zip(*results):
             assert torch.equal(a, b)
 
