@@ -321,13 +321,14 @@ def test_batch_scale_float32_is_near_the_float64_torch_path(name, classes):
 
 
 def test_esd_over_many_chunks_with_long_ties():
-    """ESD at 2^16 + 5000 rows, whose sort and passes run on 16 chunks: 400 distinct rows repeated, so runs
-    of equal confidences (~160 rows) cross the chunks' nominal cuts, and a tenth of the rows ignored.
+    """ESD at 2^17 + 5000 rows, whose passes run on 16 chunks and whose sort of the ~122,500 kept rows on 3:
+    400 distinct rows repeated, so runs of equal confidences (~340 rows) cross the chunks' nominal cuts, and
+    a tenth of the rows ignored.
     float64 through the operator against the float64 torch path (sums in another order: ~1e-12 relative);
     float32 against float64 (the radix sort's chunks) with the batch-scale test's tolerances; and the
     float32 result bitwise the same with 1 and 2 threads (the chunks depend on the row count only)."""
     g = torch.Generator().manual_seed(5)
-    rows = (1 << 16) + 5000
+    rows = (1 << 17) + 5000
     distinct = 2 * torch.randn(400, 10, generator=g, dtype=torch.float64)
     z = distinct[torch.randint(0, 400, (rows,), generator=g)]
     y = torch.randint(0, 10, (rows,), generator=g)
@@ -347,6 +348,39 @@ def test_esd_over_many_chunks_with_long_ties():
 
     results = for_thread_counts(step, counts=(1, 2))
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+@pytest.mark.parametrize("shape", [(64, 7), (2, 19, 8, 9)], ids=str)
+def test_label_smoothing_base_keeps_its_digits_under_a_shared_offset(shape):
+    """float32 MDCA with the label-smoothing base on the lanes (K <= 32 rows, positions): logits sharing an
+    offset of 1e4 (their float32 ulp 1e-3; x − max is exact there, Sterbenz) against the float64 torch path
+    on the same float32 numbers. Σ_j log p_j is taken from Σ_j (x_j − max): per row a float32 sum of K terms
+    of a few units, ~K·6e-8 relative, so 1e-5 of the row's loss (~3) holds; a sum of the raw logits less
+    K·max had lost 3 digits here (2.6e-4)."""
+    g = torch.Generator().manual_seed(4)
+    z = (2 * torch.randn(shape, generator=g, dtype=torch.float64) + 1e4).float()
+    y = torch.randint(0, shape[1], (shape[0], *shape[2:]), generator=g)
+    fn = LOSSES["ls-mdca"]
+    got = fn(z, y, reduction="none")
+    with F.use_cpu_extension(False):
+        want = fn(z.double(), y, reduction="none")
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_esd_float32_sort_on_sixteen_chunks():
+    """float32 ESD sorts its kept rows' confidences with a radix sort of three 11-bit digits on chunks (16 at
+    2^19 + 7 rows); each pass after the first must count the chunks of the order the previous pass left. Two
+    classes whose confidences r are distinct and 16 float32 ulps apart or more (r from 0.5 to 1, every
+    digit of their bits moves), so the float32 operator sorts the rows as the float64 torch path does, and
+    the two agree to float32 rounding: the value to 1e-5 relative, the gradient to 5e-5 of its largest
+    entry (the tolerances of the batch-scale test)."""
+    g = torch.Generator().manual_seed(8)
+    rows = (1 << 19) + 7
+    r = torch.linspace(0.5 + 2**-20, 1 - 2**-20, rows, dtype=torch.float64)[torch.randperm(rows, generator=g)]
+    z = torch.zeros(rows, 2, dtype=torch.float64)
+    z[:, 1] = torch.log(r) - torch.log1p(-r)
+    y = torch.randint(0, 2, (rows,), generator=g)
+    _float32_near_float64(LOSSES["esd"], z, y)
 
 
 @pytest.mark.parametrize("name", ["focal-mdca", "avuc"])

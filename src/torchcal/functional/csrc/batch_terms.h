@@ -316,15 +316,17 @@ inline void batch_forward_lanes(const float* x, int64_t stride, int64_t k, const
                                 float* dfo = nullptr) {
   using V = typename PosLanes<Bytes>::V;
   constexpr int W = PosLanes<Bytes>::W;
-  V m = load<V>(x), arg = {}, sx = m;
+  V m = load<V>(x), arg = {};
   for (int64_t j = 1; j < k; ++j) {
     const V v = load<V>(x + j * stride);
     const auto gt = v > m;
     m = gt ? v : m;
     arg = gt ? broadcast<V>(static_cast<float>(j)) : arg;
-    sx += v;
   }
-  V sum = {}, e1 = {}, lo = {};
+  // sd: Σ_j (x_j − m) for label smoothing, summed after the subtraction (a sum of the raw logits less K·m
+  // cancels: logits sharing an offset of 1e4 lost 3 digits of the base)
+  const bool ls = s.base == BB_LS;
+  V sum = {}, e1 = {}, lo = {}, sd = {};
   // (AvUC: its entropy from the exp pass's moments where no lane's entry meets the log floor, as
   // exp_row_moment's rows)
   const bool moments = s.entropy == BE_AVUC && dfo == nullptr;
@@ -336,12 +338,15 @@ inline void batch_forward_lanes(const float* x, int64_t stride, int64_t k, const
       sum += ev;
       e1 += ev * d;
       lo = d < lo ? d : lo;
+      if (ls) sd += d;
     }
   } else {
     for (int64_t j = 0; j < k; ++j) {
-      const V ev = exp_nonpositive<Bytes>(load<V>(x + j * stride) - m);
+      const V d = load<V>(x + j * stride) - m;
+      const V ev = exp_nonpositive<Bytes>(d);
       store(e + j * W, ev);
       sum += ev;
+      if (ls) sd += d;
     }
   }
   const V inv = broadcast<V>(1.0f) / sum;
@@ -396,8 +401,7 @@ inline void batch_forward_lanes(const float* x, int64_t stride, int64_t k, const
         base = -pw * l;
         dbase = (s.gamma == 0.0 ? 0.0 : s.gamma * pow_g(u, s.gamma - 1.0) * (ey / total) * l) - pw;
       } else {
-        const double all = static_cast<double>(sx[t]) - static_cast<double>(k) * static_cast<double>(m[t]) -
-                           static_cast<double>(k) * static_cast<double>(lse[t]);
+        const double all = static_cast<double>(sd[t]) - static_cast<double>(k) * static_cast<double>(lse[t]);
         base = -(1 - s.alpha) * l - s.alpha / static_cast<double>(k - 1) * (all - l);
       }
     }

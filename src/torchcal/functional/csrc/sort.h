@@ -177,11 +177,13 @@ uint64_t* radix_sort_upper_words(uint64_t* w, uint64_t* tmp, int64_t n, const Pa
   });
   uint64_t* src = w;
   uint64_t* dst = tmp;
+  // whether a pass has moved the words (src == w again after two passes: not a test of this)
+  bool moved = false;
   std::vector<int64_t> offsets(static_cast<size_t>(chunks) * kBuckets);
   for (int d = 0; d < kDigits; ++d) {
     if (!digit_moves(counts, chunks, kDigits, kBuckets, d, n)) continue;
     const int shift = 32 + d * kBits;
-    if (src == w) {  // no pass has moved the words yet: the chunks are those counted
+    if (!moved || chunks == 1) {  // the chunks are those counted (one chunk: the whole words, in any order)
       for (int64_t c = 0; c < chunks; ++c) {
         const int64_t* h = counts.data() + (c * kDigits + d) * kBuckets;
         std::copy(h, h + kBuckets, offsets.data() + c * kBuckets);
@@ -206,6 +208,7 @@ uint64_t* radix_sort_upper_words(uint64_t* w, uint64_t* tmp, int64_t n, const Pa
       }
     });
     std::swap(src, dst);
+    moved = true;
   }
   return src;
 }
