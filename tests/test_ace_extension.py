@@ -185,6 +185,46 @@ def test_ignored_positions_with_large_logits_get_a_zero_gradient():
             torch.testing.assert_close(g1, g2, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("fill", [float("nan"), -float("inf")], ids=["nan", "-inf"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_non_finite_logits_at_ignored_positions_leave_the_loss(fill, dtype):
+    """An ignored position whose logits are NaN or all −inf (masked padding) takes no part in the loss: the
+    operator's value and gradient are bitwise those it gives with those logits set to 0 (the same sums in
+    the same order), its gradient there is 0, and in float64 both equal the torch path's on the clean input
+    to 1e-10 (sums in another order). Position 3 lies in a vector block of its 64-position tile (where the
+    simple entries' p had been added as p·kept: NaN·0 poisoned bin 0 of every class), position 66 in the
+    scalar tail; (N, K) rows too. The torch path on the padded input gives its clean result too (it had
+    cast a NaN soft-bin position to an index, and taken NaN gradients through the softmax)."""
+    for shape in ((2, 70), (70,)):
+        for pos in (3, 66):
+            z, y = _batch(shape, 5, seed=7, dtype=dtype, ignore=None)
+            at = (slice(None), slice(None), pos) if z.dim() == 3 else (pos,)
+            y[at[:1] + at[2:]] = -100
+            clean = z.clone()
+            clean[at] = 0.0
+            z[at] = fill
+            for binning in ("hard", "soft"):
+                for reduction in ("mean", "none"):
+                    x = z.clone().requires_grad_(True)
+                    out = _fused(x, y, {"binning": binning}, reduction)
+                    assert "FusedAce" in out.grad_fn.name()
+                    value = out.detach()
+                    (grad,) = torch.autograd.grad((out * _upstream(out)).sum(), x)
+                    (v_clean, g_clean), (v_ref, g_ref) = _both_paths(
+                        clean, y, {"binning": binning}, reduction, _upstream
+                    )
+                    assert (grad[at] == 0).all()
+                    assert torch.equal(value, v_clean) and torch.equal(grad, g_clean)
+                    if dtype == torch.float64:
+                        torch.testing.assert_close(value, v_ref, rtol=1e-10, atol=1e-12)
+                        torch.testing.assert_close(grad, g_ref, rtol=1e-10, atol=1e-12)
+                    x = z.clone().requires_grad_(True)
+                    with F.use_cpu_extension(False):
+                        out = _fused(x, y, {"binning": binning}, reduction)
+                    (g_torch,) = torch.autograd.grad((out * _upstream(out)).sum(), x)
+                    assert torch.equal(out.detach(), v_ref) and torch.equal(g_torch, g_ref)
+
+
 def test_an_image_without_kept_positions_leaves_the_mean():
     z, y = _batch((3, 4, 4), 5, seed=4)
     y[1] = -100

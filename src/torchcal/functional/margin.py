@@ -1470,6 +1470,8 @@ def _ace_inputs(logits, targets, multilabel, per_image, ignore_index):
         group_of, n_groups = _groups(shape, p.shape[0], per_image, p.device)
         return p, y, kept, group_of, n_groups, (z, t)
     rows = loss_rows(logits, targets, check_ignore_index(ignore_index))
+    if rows.keep is not None:  # an ignored row's logits take no part (NaN or −inf padding: 0, and 0 gradient)
+        rows = rows._replace(logits=torch.where(rows.keep[:, None], rows.logits, rows.logits.new_zeros(())))
     p = torch.softmax(rows.logits, 1)
     c = p.shape[1]
     y = rows.targets if rows.soft else torch.nn.functional.one_hot(rows.targets, c).to(p.dtype)

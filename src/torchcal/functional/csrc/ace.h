@@ -430,8 +430,8 @@ inline uint64_t plane_block(const Bins<T>& bins, const T* p, const double* kd, d
   const F pv = load<F>(p);
   const D v = __builtin_convertvector(bins.soft ? pv * broadcast<F>(bins.scale) : pv, D);
   const D k = load<D>(kd);
-  if (zs != nullptr) {
-    const D z = load<D>(zs) + (v > thr_d ? zero : __builtin_convertvector(pv, D) * k);
+  if (zs != nullptr) {  // (an ignored lane selected out, not multiplied by 0: its p may be NaN)
+    const D z = load<D>(zs) + (((v > thr_d) | (k < half)) ? zero : __builtin_convertvector(pv, D));
     store(zs, z);
   }
   return compare_mask<double, kWideBytes>(v, thr_d) & compare_mask<double, kWideBytes>(k, half);
@@ -628,7 +628,8 @@ void backward_planes(const Spec& s, const T* x, T* grad, const int64_t* tp, cons
         T* g = gt + j * sp;
         for (int64_t t = 0; t < w; ++t) {
           const double pd = static_cast<double>(p[t]);
-          g[t] = static_cast<T>(b.gce[t] * (pd - (b.y[t] == j ? 1.0 : 0.0)) + pd * (p0 * b.kd[t] - b.dot[t]));
+          const double value = b.gce[t] * (pd - (b.y[t] == j ? 1.0 : 0.0)) + pd * (p0 * b.kd[t] - b.dot[t]);
+          g[t] = static_cast<T>(b.kd[t] > 0.5 ? value : 0.0);  // (0 at an ignored position, whatever its logits)
         }
       }
       for (int64_t i = 0; i < n_list; ++i) {
