@@ -350,6 +350,29 @@ def test_esd_over_many_chunks_with_long_ties():
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
 
 
+@pytest.mark.parametrize("classes", [7, 100], ids=["lanes", "rows"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_focal_base_below_gamma_one_at_certain_rows(classes, dtype):
+    """FL+MDCA with γ = 0.5 on rows whose p_y is 1 to the dtype (a margin of 40, the max first or last):
+    u^γ's derivative is infinite at u = 0 and multiplies log p_y = 0; the term's gradient tends to 0
+    (−γ u^γ), and both paths give that, finite, not inf·0 = NaN. The other rows random; the operator
+    against the torch path on the same input with the batch-scale test's tolerances (float64 to 1e-10)."""
+    g = torch.Generator().manual_seed(12)
+    z = 2 * torch.randn(32, classes, generator=g, dtype=torch.float64)
+    y = torch.randint(0, classes, (32,), generator=g)
+    z[:2] = 0.0
+    z[0, 0] = z[1, classes - 1] = 40.0
+    y[0], y[1] = 0, classes - 1
+    z = z.to(dtype)
+    fn = LOSSES["focal-mdca-g0.5"]
+    (va, ga), (vb, gb) = _both_paths(fn, z, y)
+    assert torch.isfinite(ga).all() and torch.isfinite(gb).all()
+    tol = 1e-10 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(va, vb, rtol=tol, atol=tol)
+    scale = float(gb.abs().max())
+    torch.testing.assert_close(ga / scale, gb / scale, rtol=0, atol=tol * 5)
+
+
 @pytest.mark.parametrize("shape", [(64, 7), (2, 19, 8, 9)], ids=str)
 def test_label_smoothing_base_keeps_its_digits_under_a_shared_offset(shape):
     """float32 MDCA with the label-smoothing base on the lanes (K <= 32 rows, positions): logits sharing an

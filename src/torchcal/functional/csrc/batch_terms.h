@@ -162,7 +162,8 @@ inline void batch_forward_row(const T* x, int64_t k, int64_t y, int64_t y0, cons
       const double u = std::max(0.0, (sum - ey) * inv);
       const double w = pow_g(u, s.gamma);
       base = -w * l;
-      dbase = (s.gamma == 0.0 ? 0.0 : s.gamma * pow_g(u, s.gamma - 1.0) * (ey * inv) * l) - w;
+      // (u = 0, p_y = 1 to the dtype: the first term's limit, −γ u^γ → 0, not pow_g(0, γ − 1) = inf times l = 0)
+      dbase = (s.gamma == 0.0 || u == 0.0 ? 0.0 : s.gamma * pow_g(u, s.gamma - 1.0) * (ey * inv) * l) - w;
     } else {  // BB_LS: −(1 − α) l_y − α/(K − 1) Σ_{j≠y} l_j, Σ_j l_j = Σ_j (x_j − m) − K lse
       double total = 0.0, unused = 0.0;  // (in the input dtype's lanes: a float64 chain per row was slower)
       sum2_row<T>(k, [&](int64_t j, auto tag, auto& v, auto& zero) {
@@ -399,7 +400,7 @@ inline void batch_forward_lanes(const float* x, int64_t stride, int64_t k, const
         const double u = std::max(0.0, (total - ey) / total);
         const double pw = pow_g(u, s.gamma);
         base = -pw * l;
-        dbase = (s.gamma == 0.0 ? 0.0 : s.gamma * pow_g(u, s.gamma - 1.0) * (ey / total) * l) - pw;
+        dbase = (s.gamma == 0.0 || u == 0.0 ? 0.0 : s.gamma * pow_g(u, s.gamma - 1.0) * (ey / total) * l) - pw;
       } else {
         const double all = static_cast<double>(sd[t]) - static_cast<double>(k) * static_cast<double>(lse[t]);
         base = -(1 - s.alpha) * l - s.alpha / static_cast<double>(k - 1) * (all - l);
