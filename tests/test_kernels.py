@@ -247,7 +247,8 @@ def test_fused_losses_refuse_second_order_gradients(fused):
     t = torch.tensor([0, 1, 2, 3, 0, 1])
     with F.use_cpu_extension(True):
         (g,) = torch.autograd.grad(L.focal_loss(z, t, 2.0), z, create_graph=False)
-        with pytest.raises(RuntimeError, match="differentiable once"):
+        # (the error names the switch to the torch path that exists, not the retired use_cpu_kernels)
+        with pytest.raises(RuntimeError, match=r"differentiable once(.|\n)*use_cpu_extension\(False\)"):
             torch.autograd.grad(L.focal_loss(z, t, 2.0), z, create_graph=True)
     with F.use_cpu_extension(False):
         (g_torch,) = torch.autograd.grad(L.focal_loss(z, t, 2.0), z)

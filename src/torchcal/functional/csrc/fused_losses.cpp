@@ -194,7 +194,7 @@ class FusedTrueClass : public torch::autograd::Function<FusedTrueClass> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     TORCH_CHECK(!at::GradMode::is_enabled(),
                 "the fused CPU focal-family loss is differentiable once only; for higher-order gradients "
-                "run it with torchcal.functional.use_cpu_kernels(False)");
+                "run it with torchcal.functional.use_cpu_extension(False)");
     const auto saved = ctx->get_saved_variables();
     at::Tensor grad = fused_backward(grads[0], saved[0], saved[1], saved[2], ctx->saved_data["brier"].toDouble(),
                                      ctx->saved_data["reduction"].toInt());
