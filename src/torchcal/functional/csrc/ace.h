@@ -419,6 +419,17 @@ inline void plane_softmax(const T* x, int64_t sp, int64_t k, int64_t w, const do
   }
 }
 
+// p of the tile's ignored positions set to 0 (y[t] < 0): their logits may be NaN or −inf (masked padding),
+// and nothing of them may reach the sums (p·kept) or the gradient; a pass over the classes only for tiles that
+// hold one
+template <typename T>
+inline void zero_ignored(int64_t k, int64_t w, PlaneBuffers<T>& b) {
+  for (int64_t t = 0; t < w; ++t) {
+    if (b.y[t] >= 0) continue;
+    for (int64_t j = 0; j < k; ++j) b.e[j * kPlane + t] = T(0);
+  }
+}
+
 // bits of the lanes [t, t + W) of p that are kept and not simple (Bins::scan); with zc / zs (per class and
 // lane) the kept simple lanes' count and p added
 template <typename T>
@@ -430,8 +441,8 @@ inline uint64_t plane_block(const Bins<T>& bins, const T* p, const double* kd, d
   const F pv = load<F>(p);
   const D v = __builtin_convertvector(bins.soft ? pv * broadcast<F>(bins.scale) : pv, D);
   const D k = load<D>(kd);
-  if (zs != nullptr) {  // (an ignored lane selected out, not multiplied by 0: its p may be NaN)
-    const D z = load<D>(zs) + (((v > thr_d) | (k < half)) ? zero : __builtin_convertvector(pv, D));
+  if (zs != nullptr) {
+    const D z = load<D>(zs) + (v > thr_d ? zero : __builtin_convertvector(pv, D) * k);
     store(zs, z);
   }
   return compare_mask<double, kWideBytes>(v, thr_d) & compare_mask<double, kWideBytes>(k, half);
@@ -495,6 +506,7 @@ void forward_planes(const Spec& s, const T* x, const int64_t* tp, const Bins<T>&
           b.kd[t] = b.y[t] >= 0 ? 1.0 : 0.0;
         }
         plane_softmax(xt, sp, k, w, nullptr, b);
+        zero_ignored(k, w, b);
         // log Σ of the tile's positions in float64 lanes (~1 ulp, as the margin lanes); the padded lanes
         // hold Σ = 1
         for (int64_t t = w; t < kPlane; ++t) b.sum[t] = 1.0;
@@ -504,8 +516,8 @@ void forward_planes(const Spec& s, const T* x, const int64_t* tp, const Bins<T>&
         }
         for (int64_t t = 0; t < w; ++t) {
           const int64_t y = b.y[t];
-          // (an ignored position's max too: the backward takes its exps again, which must stay finite for
-          // its gradient to be 0)
+          // (an ignored position's max too: the backward takes its exps again, whose arguments x − max must
+          // stay in the vectorised exp's domain, x − max <= 0)
           row_max[m0 + t] = static_cast<double>(b.mx[t]);
           if (y < 0) {
             if (ce_rows != nullptr) ce_rows[m0 + t] = T(0);
@@ -596,6 +608,7 @@ void backward_planes(const Spec& s, const T* x, T* grad, const int64_t* tp, cons
         b.dot[t] = 0.0;
       }
       plane_softmax(xt, sp, k, w, row_max + m0, b);
+      zero_ignored(k, w, b);
       const int64_t at = (s.groups == 1 ? 0 : img) * s.bins * c;
       const double* pg = pt + at;
       const double* qg = s.soft ? qt + at : nullptr;  // (no Q table for hard bins)
@@ -628,8 +641,7 @@ void backward_planes(const Spec& s, const T* x, T* grad, const int64_t* tp, cons
         T* g = gt + j * sp;
         for (int64_t t = 0; t < w; ++t) {
           const double pd = static_cast<double>(p[t]);
-          const double value = b.gce[t] * (pd - (b.y[t] == j ? 1.0 : 0.0)) + pd * (p0 * b.kd[t] - b.dot[t]);
-          g[t] = static_cast<T>(b.kd[t] > 0.5 ? value : 0.0);  // (0 at an ignored position, whatever its logits)
+          g[t] = static_cast<T>(b.gce[t] * (pd - (b.y[t] == j ? 1.0 : 0.0)) + pd * (p0 * b.kd[t] - b.dot[t]));
         }
       }
       for (int64_t i = 0; i < n_list; ++i) {
