@@ -350,6 +350,20 @@ def test_esd_over_many_chunks_with_long_ties():
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
 
 
+@pytest.mark.parametrize("name", ["sb-ece", "esd"])
+def test_a_nan_logit_makes_the_batch_term_nan_on_both_paths(name):
+    """A NaN logit in one kept row: the batch term (a square root of a batch statistic) is NaN, so every
+    row's "none" loss is NaN on both paths (the torch path's guarded square root had turned NaN into 0)."""
+    g = torch.Generator().manual_seed(13)
+    z = 2 * torch.randn(40, 7, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 7, (40,), generator=g)
+    z[5, 2] = float("nan")
+    for cpp in (True, False):
+        with F.use_cpu_extension(cpp):
+            out = LOSSES[name](z, y, reduction="none")
+        assert torch.isnan(out).all(), (cpp, out)
+
+
 @pytest.mark.parametrize("classes", [7, 100], ids=["lanes", "rows"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
 def test_focal_base_below_gamma_one_at_certain_rows(classes, dtype):

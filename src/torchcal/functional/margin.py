@@ -822,8 +822,9 @@ _SBECE_IS_A_BATCH_TERM = (
 
 
 def _safe_sqrt(value: torch.Tensor) -> torch.Tensor:
-    """sqrt(max(value, 0)) with a zero (not infinite) gradient at and below 0."""
-    return torch.where(value > 0, value.clamp(min=torch.finfo(value.dtype).tiny).sqrt(), value.new_zeros(()))
+    """sqrt(max(value, 0)) with a zero (not infinite) gradient at and below 0; NaN stays NaN (a NaN logit's
+    term is NaN, as on the operator)."""
+    return torch.where(value <= 0, value.new_zeros(()), value.clamp(min=torch.finfo(value.dtype).tiny).sqrt())
 
 
 def _sbece_term(batch: _Batch, n_bins, temperature, form, sync, group):

@@ -1922,11 +1922,11 @@ BatchLossForward batch_loss_forward(const at::Tensor& logits, const at::Tensor& 
                                   st, parallel);
       } else if (term == BT_SAVUC) {
         pen = savuc_term<scalar_t>(m, ap, h.data_ptr<scalar_t>(), in, k, params[1], params[2], ghp, parallel);
-      } else {  // ESD: λ·sqrt(max(ESD, 0)), the sqrt's derivative 0 where ESD <= 0 (_safe_sqrt)
+      } else {  // ESD: λ·sqrt(max(ESD, 0)), the sqrt's derivative 0 where ESD <= 0 (_safe_sqrt; NaN stays NaN)
         const double esd = esd_term<scalar_t>(m, rp, ap, in, grp, parallel, [](double v) {
-          return v > 0 ? 0.5 / std::sqrt(v) : 0.0;  // (the derivatives' factor)
+          return v <= 0 ? 0.0 : 0.5 / std::sqrt(v);  // (the derivatives' factor)
         });
-        pen = esd > 0 ? std::sqrt(esd) : 0.0;
+        pen = esd <= 0 ? 0.0 : std::sqrt(esd);
       }
     });
   }
