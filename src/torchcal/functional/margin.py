@@ -608,15 +608,11 @@ class _Batch(NamedTuple):
     colsum: torch.Tensor | None
 
 
-def _focal_weight(u, gamma):
-    """u^γ of u = 1 − p (clamped at 0) for the focal base. Where u = 0 (p = 1 to the dtype) with 0 < γ < 1 the
-    power's derivative is infinite and multiplies log p = 0: autograd's inf·0 = NaN. The term's gradient there
-    tends to 0 (−γ u^γ), which the power of a masked-out 1 gives."""
-    u = u.clamp(min=0)
-    if gamma == 0 or gamma >= 1:
-        return u**gamma
-    positive = u > 0
-    return torch.where(positive, torch.where(positive, u, torch.ones_like(u)) ** gamma, torch.zeros_like(u))
+def _focal_power(u, gamma):
+    """u^γ of u = 1 − p for the focal base, u clamped at float's tiny as the dual focal ablation's
+    (functional/losses.py): where u = 0 (p = 1 to the dtype, log p = 0) the clamp passes no gradient, the
+    term's limit (−γ u^γ), where 0^(γ−1) = inf (0 < γ < 1) times log p = 0 was NaN."""
+    return u.clamp(min=torch.finfo(u.dtype).tiny) ** gamma
 
 
 def _given(value: torch.Tensor | None) -> torch.Tensor:
@@ -656,14 +652,14 @@ def _batch(
         k = log_p.shape[1]
         if rows.soft:
             q = rows.targets
-            factor = 1.0 if base == "nll" else _focal_weight(-torch.expm1(log_p), gamma)
+            factor = 1.0 if base == "nll" else _focal_power(-torch.expm1(log_p), gamma)
             loss = -(q * factor * log_p).sum(1)
         else:
             log_pt = log_p.gather(1, rows.targets[:, None])[:, 0]
             if base == "nll":
                 loss = -log_pt
             elif base == "focal":
-                loss = -_focal_weight(-torch.expm1(log_pt), gamma) * log_pt
+                loss = -_focal_power(-torch.expm1(log_pt), gamma) * log_pt
             else:
                 others = log_p.sum(1) - log_pt
                 loss = -(1 - alpha) * log_pt - alpha / (k - 1) * others

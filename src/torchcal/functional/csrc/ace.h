@@ -368,11 +368,11 @@ constexpr int64_t kPlane = 64;
 template <typename T>
 struct PlaneBuffers {
   std::vector<T> e, mx, inv;
-  std::vector<double> sum, lse, kd, u, gce, dot, zc, zs;
+  std::vector<double> sum, lse, u, gce, dot, zc, zs;
   std::vector<int64_t> y;
   std::vector<int32_t> list;  // the tile's entries that are not simple, j·kPlane + t (room for a vector's lanes)
   PlaneBuffers(int64_t k, int64_t c)
-      : e(static_cast<size_t>(k * kPlane)), mx(kPlane), inv(kPlane), sum(kPlane), lse(kPlane), kd(kPlane),
+      : e(static_cast<size_t>(k * kPlane)), mx(kPlane), inv(kPlane), sum(kPlane), lse(kPlane),
         u(static_cast<size_t>(k * kPlane)), gce(kPlane), dot(kPlane),
         zc(static_cast<size_t>(c * Vec<double, kWideBytes>::width)), zs(zc.size()), y(kPlane),
         list(static_cast<size_t>(k * kPlane + 16)) {}
@@ -419,9 +419,9 @@ inline void plane_softmax(const T* x, int64_t sp, int64_t k, int64_t w, const do
   }
 }
 
-// p of the tile's ignored positions set to 0 (y[t] < 0): their logits may be NaN or −inf (masked padding),
-// and nothing of them may reach the sums (p·kept) or the gradient; a pass over the classes only for tiles that
-// hold one
+// p of the tile's ignored positions set to 0 (y[t] < 0): their logits may be NaN or −inf (masked padding). A p
+// of 0 is simple (bin 0) and adds 0 to the sums, its dot and gradient are 0 (y[t] = −1, gce 0): the passes
+// below need no kept flag. A pass over the classes only for the tiles that hold one.
 template <typename T>
 inline void zero_ignored(int64_t k, int64_t w, PlaneBuffers<T>& b) {
   for (int64_t t = 0; t < w; ++t) {
@@ -430,39 +430,37 @@ inline void zero_ignored(int64_t k, int64_t w, PlaneBuffers<T>& b) {
   }
 }
 
-// bits of the lanes [t, t + W) of p that are kept and not simple (Bins::scan); with zc / zs (per class and
-// lane) the kept simple lanes' count and p added
+// bits of the lanes [t, t + W) of p that are not simple (Bins::scan; an ignored position's p is 0, simple);
+// with zs (per class and lane) the simple lanes' p added
 template <typename T>
-inline uint64_t plane_block(const Bins<T>& bins, const T* p, const double* kd, double thr, double* zs) {
+inline uint64_t plane_block(const Bins<T>& bins, const T* p, double thr, double* zs) {
   constexpr int W = Vec<double, kWideBytes>::width;
   using D = typename Vec<double, kWideBytes>::type;
   using F = typename Vec<T, W * sizeof(T)>::type;
-  const D thr_d = broadcast<D>(thr), half = broadcast<D>(0.5), zero = {};
+  const D thr_d = broadcast<D>(thr), zero = {};
   const F pv = load<F>(p);
   const D v = __builtin_convertvector(bins.soft ? pv * broadcast<F>(bins.scale) : pv, D);
-  const D k = load<D>(kd);
   if (zs != nullptr) {
-    const D z = load<D>(zs) + (v > thr_d ? zero : __builtin_convertvector(pv, D) * k);
+    const D z = load<D>(zs) + (v > thr_d ? zero : __builtin_convertvector(pv, D));
     store(zs, z);
   }
-  return compare_mask<double, kWideBytes>(v, thr_d) & compare_mask<double, kWideBytes>(k, half);
+  return compare_mask<double, kWideBytes>(v, thr_d);
 }
 
-// One class row p of a tile (w positions): its kept entries that are not simple appended to list as
-// base + t (lane order; returns the new length); with zs / zc (that class's lanes) the kept simple entries'
-// p added and the others counted
+// One class row p of a tile (w positions): its entries that are not simple appended to list as base + t
+// (lane order; returns the new length); with zs / zc (that class's lanes) the simple entries' p added and the
+// others counted (an ignored position's p is 0 here: simple, adding 0)
 template <typename T>
-inline int64_t list_class(const Bins<T>& bins, const T* p, const PlaneBuffers<T>& b, int64_t w, double thr,
-                          int32_t base, int32_t* list, int64_t n_list, double* zs, double* zc) {
+inline int64_t list_class(const Bins<T>& bins, const T* p, int64_t w, double thr, int32_t base, int32_t* list,
+                          int64_t n_list, double* zs, double* zc) {
   constexpr int W = Vec<double, kWideBytes>::width;
   int64_t t = 0;
   for (; t + W <= w; t += W) {
-    const uint64_t bits = plane_block(bins, p + t, b.kd.data() + t, thr, zs);
+    const uint64_t bits = plane_block(bins, p + t, thr, zs);
     if (zc != nullptr) zc[0] += __builtin_popcountll(bits);  // the others: not in bin 0's count
     n_list = append_lanes<W>(list, n_list, bits, base + static_cast<int32_t>(t));
   }
   for (; t < w; ++t) {  // the tail: the same criterion lane by lane
-    if (b.y[t] < 0) continue;
     const bool other = !bins.simple(p[t]);
     if (zs != nullptr && !other) zs[0] += static_cast<double>(p[t]);
     if (zc != nullptr) zc[0] += other;
@@ -503,7 +501,6 @@ void forward_planes(const Spec& s, const T* x, const int64_t* tp, const Bins<T>&
         prefetch_runs(xt + kPlane, sp, k, kPlane, false);  // the next tile
         for (int64_t t = 0; t < w; ++t) {
           b.y[t] = row_label(s, tp[m0 + t], bad);
-          b.kd[t] = b.y[t] >= 0 ? 1.0 : 0.0;
         }
         plane_softmax(xt, sp, k, w, nullptr, b);
         zero_ignored(k, w, b);
@@ -534,7 +531,7 @@ void forward_planes(const Spec& s, const T* x, const int64_t* tp, const Bins<T>&
         for (int64_t j = first; j < k; ++j) {
           const int64_t ci = j - first;
           const T* p = b.e.data() + j * kPlane;
-          n_list = list_class(bins, p, b, w, thr, static_cast<int32_t>(j * kPlane), list, n_list,
+          n_list = list_class(bins, p, w, thr, static_cast<int32_t>(j * kPlane), list, n_list,
                               b.zs.data() + ci * W, b.zc.data() + ci * W);
         }
         for (int64_t i = 0; i < n_list; ++i) {
@@ -603,7 +600,6 @@ void backward_planes(const Spec& s, const T* x, T* grad, const int64_t* tp, cons
         const int64_t y = tp[m0 + t];
         const bool keep = !(s.has_ignore && y == s.ignore);
         b.y[t] = keep ? y : -1;
-        b.kd[t] = keep ? 1.0 : 0.0;
         b.gce[t] = keep ? gp[(m0 + t) * gstride] / ce_div : 0.0;
         b.dot[t] = 0.0;
       }
@@ -612,22 +608,22 @@ void backward_planes(const Spec& s, const T* x, T* grad, const int64_t* tp, cons
       const int64_t at = (s.groups == 1 ? 0 : img) * s.bins * c;
       const double* pg = pt + at;
       const double* qg = s.soft ? qt + at : nullptr;  // (no Q table for hard bins)
-      // u = bin 0's P of the class for the simple entries (0 for the unbinned background and the ignored
-      // positions); the others listed (j·kPlane + t, class by class) with their u in v (list order); then
-      // dot = Σ_j u p per position, from bin 0's u corrected for the others
+      // u = bin 0's P of the class for the simple entries (0 for the unbinned background; an ignored
+      // position's p is 0, so its dot and gradient are 0); the others listed (j·kPlane + t, class by class)
+      // with their u in v (list order); then dot = Σ_j u p per position, from bin 0's u corrected for the
+      // others
       int32_t* list = b.list.data();
       double* v = b.u.data();
       int64_t n_list = 0;
       for (int64_t j = first; j < k; ++j) {
-        n_list = list_class(bins, b.e.data() + j * kPlane, b, w, thr, static_cast<int32_t>(j * kPlane), list,
-                            n_list, nullptr, nullptr);
+        n_list = list_class(bins, b.e.data() + j * kPlane, w, thr, static_cast<int32_t>(j * kPlane), list, n_list,
+                            nullptr, nullptr);
       }
       for (int64_t j = first; j < k; ++j) {
         const T* p = b.e.data() + j * kPlane;
         const double p0 = pg[j - first];
         for (int64_t t = 0; t < w; ++t) b.dot[t] += p0 * static_cast<double>(p[t]);
       }
-      for (int64_t t = 0; t < w; ++t) b.dot[t] *= b.kd[t];
       for (int64_t i = 0; i < n_list; ++i) {
         const int64_t li = static_cast<uint32_t>(list[i]), j = li / kPlane, tt = li % kPlane, ci = j - first;
         const T pj = b.e[li];
@@ -641,7 +637,7 @@ void backward_planes(const Spec& s, const T* x, T* grad, const int64_t* tp, cons
         T* g = gt + j * sp;
         for (int64_t t = 0; t < w; ++t) {
           const double pd = static_cast<double>(p[t]);
-          g[t] = static_cast<T>(b.gce[t] * (pd - (b.y[t] == j ? 1.0 : 0.0)) + pd * (p0 * b.kd[t] - b.dot[t]));
+          g[t] = static_cast<T>(b.gce[t] * (pd - (b.y[t] == j ? 1.0 : 0.0)) + pd * (p0 - b.dot[t]));
         }
       }
       for (int64_t i = 0; i < n_list; ++i) {

@@ -113,6 +113,15 @@ inline double exp_row_moment(const float* x, int64_t k, float m, float* e, doubl
   return sum;
 }
 
+// The focal base −u^γ l (u = 1 − p_y >= 0, l = log p_y) and d/dl = γ u^(γ−1) p_y l − u^γ (no first term at
+// γ = 0). Where u = 0 (p_y = 1 to the dtype) the first term is its limit, 0 (−γ u^γ as l ~ −u), not
+// pow_g(0, γ − 1) = inf times l = 0 (0 < γ < 1).
+inline void focal_base(double u, double p_y, double l, double gamma, double& base, double& dbase) {
+  const double w = pow_g(u, gamma);
+  base = -w * l;
+  dbase = (gamma == 0.0 || u == 0.0 ? 0.0 : gamma * pow_g(u, gamma - 1.0) * p_y * l) - w;
+}
+
 // The smoothing's constants in the input dtype (the torch path multiplies a float32 tensor by Python floats)
 template <typename T>
 inline void smoothing_constants(int64_t k, T& a, T& b) {
@@ -155,15 +164,10 @@ inline void batch_forward_row(const T* x, int64_t k, int64_t y, int64_t y0, cons
       base = -l;
       dbase = -1.0;
     } else if (s.base == BB_FOCAL) {
-      // −u^γ l with u = max(1 − p_y, 0): d/dl = γ u^(γ−1) p_y l − u^γ (no first term at γ = 0). u = (Σ − e_y)/Σ
-      // in float64, as exact as −expm1(l) from the same Σ (whose rounding bounds both; glibc's expm1 cost
-      // a quarter of the forward)
+      // (u = 1 − p_y = (Σ − e_y)/Σ in float64, as exact as −expm1(l) from the same Σ, whose rounding bounds
+      // both; glibc's expm1 cost a quarter of the forward)
       const double ey = std::exp(static_cast<double>(x[y]) - static_cast<double>(m));
-      const double u = std::max(0.0, (sum - ey) * inv);
-      const double w = pow_g(u, s.gamma);
-      base = -w * l;
-      // (u = 0, p_y = 1 to the dtype: the first term's limit, −γ u^γ → 0, not pow_g(0, γ − 1) = inf times l = 0)
-      dbase = (s.gamma == 0.0 || u == 0.0 ? 0.0 : s.gamma * pow_g(u, s.gamma - 1.0) * (ey * inv) * l) - w;
+      focal_base(std::max(0.0, (sum - ey) * inv), ey * inv, l, s.gamma, base, dbase);
     } else {  // BB_LS: −(1 − α) l_y − α/(K − 1) Σ_{j≠y} l_j, Σ_j l_j = Σ_j (x_j − m) − K lse
       double total = 0.0, unused = 0.0;  // (in the input dtype's lanes: a float64 chain per row was slower)
       sum2_row<T>(k, [&](int64_t j, auto tag, auto& v, auto& zero) {
@@ -397,10 +401,7 @@ inline void batch_forward_lanes(const float* x, int64_t stride, int64_t k, const
       } else if (s.base == BB_FOCAL) {
         // (u = (Σ − e_y)/Σ from the lane's own exps, as batch_forward_row: no expm1 and exp per lane)
         const double ey = static_cast<double>(e[yt * W + t]), total = static_cast<double>(sum[t]);
-        const double u = std::max(0.0, (total - ey) / total);
-        const double pw = pow_g(u, s.gamma);
-        base = -pw * l;
-        dbase = (s.gamma == 0.0 || u == 0.0 ? 0.0 : s.gamma * pow_g(u, s.gamma - 1.0) * (ey / total) * l) - pw;
+        focal_base(std::max(0.0, (total - ey) / total), ey / total, l, s.gamma, base, dbase);
       } else {
         const double all = static_cast<double>(sd[t]) - static_cast<double>(k) * static_cast<double>(lse[t]);
         base = -(1 - s.alpha) * l - s.alpha / static_cast<double>(k - 1) * (all - l);

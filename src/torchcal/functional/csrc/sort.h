@@ -49,6 +49,29 @@ inline void chunk_offsets(std::vector<int64_t>& offsets, int64_t chunks, int buc
   }
 }
 
+// offsets (chunk c's bucket b at c·B + b) for the pass of digit d, then chunk_offsets: the chunks' counts of
+// the input order (`counts`, (chunk, digit, bucket)) until a pass has moved the values (`moved`), or with one
+// chunk (the whole array's count holds in any order); else each chunk's count of the current order,
+// count_chunk(c, h) adding chunk c into its zeroed buckets h, the chunks at once through parallel
+template <typename Parallel, typename CountChunk>
+inline void pass_offsets(const std::vector<int64_t>& counts, int64_t chunks, int digits, int buckets, int d,
+                         bool moved, std::vector<int64_t>& offsets, const Parallel& parallel,
+                         const CountChunk& count_chunk) {
+  if (!moved || chunks == 1) {
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t* h = counts.data() + (c * digits + d) * buckets;
+      std::copy(h, h + buckets, offsets.data() + c * buckets);
+    }
+  } else {
+    parallel(chunks, [&](int64_t c) {
+      int64_t* h = offsets.data() + c * buckets;
+      std::fill(h, h + buckets, 0);
+      count_chunk(c, h);
+    });
+  }
+  chunk_offsets(offsets, chunks, buckets);
+}
+
 // Sorts values[0, n) with their flags into out_values / out_flags (stable: equal values keep their order).
 // Returns the number of values that are negative (below −0.0) or NaN, which this order does not handle: the
 // caller raises when it is not 0 (the outputs are then unspecified). −0.0 sorts as +0.0.
@@ -105,21 +128,10 @@ int64_t radix_sort_with_flags(const T* values, const bool* flags, int64_t n, T* 
     const int shift = 1 + d * kBits;
     const U* from = src;
     const auto word_at = [&word_of, from](int64_t i) { return from == nullptr ? word_of(i) : from[i]; };
-    if (src == nullptr || chunks == 1) {  // the chunks are those the first pass counted
-      for (int64_t c = 0; c < chunks; ++c) {
-        const int64_t* h = counts.data() + (c * kDigits + d) * kBuckets;
-        std::copy(h, h + kBuckets, offsets.data() + c * kBuckets);
-      }
-    } else {
-      parallel(chunks, [&](int64_t c) {  // this pass's digit, counted per chunk of the current order
-        int64_t* h = offsets.data() + c * kBuckets;
-        std::fill(h, h + kBuckets, 0);
-        for (int64_t i = chunk_begin(c), end = chunk_begin(c + 1); i < end; ++i) {
-          ++h[(word_at(i) >> shift) & (kBuckets - 1)];
-        }
-      });
-    }
-    chunk_offsets(offsets, chunks, kBuckets);
+    pass_offsets(counts, chunks, kDigits, kBuckets, d, src != nullptr, offsets, parallel, [&](int64_t c, int64_t* h) {
+      for (int64_t i = chunk_begin(c), end = chunk_begin(c + 1); i < end; ++i)
+        ++h[(word_at(i) >> shift) & (kBuckets - 1)];
+    });
     U* to = dst;
     parallel(chunks, [&, to](int64_t c) {
       int64_t* h = offsets.data() + c * kBuckets;
@@ -183,22 +195,11 @@ uint64_t* radix_sort_upper_words(uint64_t* w, uint64_t* tmp, int64_t n, const Pa
   for (int d = 0; d < kDigits; ++d) {
     if (!digit_moves(counts, chunks, kDigits, kBuckets, d, n)) continue;
     const int shift = 32 + d * kBits;
-    if (!moved || chunks == 1) {  // the chunks are those counted (one chunk: the whole words, in any order)
-      for (int64_t c = 0; c < chunks; ++c) {
-        const int64_t* h = counts.data() + (c * kDigits + d) * kBuckets;
-        std::copy(h, h + kBuckets, offsets.data() + c * kBuckets);
-      }
-    } else {
-      parallel(chunks, [&](int64_t c) {  // this digit, counted per chunk of the current order
-        int64_t* h = offsets.data() + c * kBuckets;
-        std::fill(h, h + kBuckets, 0);
-        for (int64_t i = chunk_begin(c), end = chunk_begin(c + 1); i < end; ++i) {
-          ++h[(src[i] >> shift) & (kBuckets - 1)];
-        }
-      });
-    }
-    chunk_offsets(offsets, chunks, kBuckets);
     const uint64_t* from = src;
+    pass_offsets(counts, chunks, kDigits, kBuckets, d, moved, offsets, parallel, [&, from](int64_t c, int64_t* h) {
+      for (int64_t i = chunk_begin(c), end = chunk_begin(c + 1); i < end; ++i)
+        ++h[(from[i] >> shift) & (kBuckets - 1)];
+    });
     uint64_t* to = dst;
     parallel(chunks, [&, from, to](int64_t c) {
       int64_t* h = offsets.data() + c * kBuckets;
