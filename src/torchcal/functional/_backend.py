@@ -31,7 +31,7 @@ from ._loss_inputs import (
     reduce_rows,
     smoothed_targets,
 )
-from ._spec import REDUCTIONS, reduce_loss
+from ._spec import REDUCTIONS, ordered_sum, reduce_loss
 from ._true_class import SoftTargetLoss, TrueClassLoss
 
 __all__ = [
@@ -207,7 +207,7 @@ def true_class_loss(
         if keep is not None:
             loss = torch.where(keep, loss, loss.new_zeros(()))
             label_w = torch.where(keep, label_w, label_w.new_zeros(()))
-        return loss.sum() / label_w.sum()
+        return ordered_sum(loss) / ordered_sum(label_w)
     direct = plain and rows.keep is None and len(rows.shape) == 1  # plain (N, K) rows: nothing to mask
     inner = reduction if direct else "none"
     if spec is not None and _fast_cpu_call(rows.logits, rows.targets, inner):

@@ -33,7 +33,7 @@ from typing import NamedTuple
 import torch
 
 from .._validation import _SUM_TOL, as_tensor, check_float, check_label_range, row_stats
-from ._spec import reduce_loss
+from ._spec import ordered_sum, reduce_loss
 
 __all__ = [
     "IGNORE_INDEX",
@@ -228,10 +228,10 @@ def reduce_rows(
         loss = torch.where(rows.keep, loss, loss.new_zeros(()))
         if reduction == "mean":
             if sample_weight is None:
-                return loss.sum() / rows.keep.sum()
-            return loss.sum() / torch.where(rows.keep, sample_weight, sample_weight.new_zeros(())).sum()
+                return ordered_sum(loss) / rows.keep.sum()
+            return ordered_sum(loss) / ordered_sum(torch.where(rows.keep, sample_weight, sample_weight.new_zeros(())))
     if reduction == "none":
         return loss.reshape(rows.shape)
     if reduction == "mean" and sample_weight is not None:
-        return loss.sum() / sample_weight.sum()
+        return ordered_sum(loss) / ordered_sum(sample_weight)
     return reduce_loss(loss, reduction)

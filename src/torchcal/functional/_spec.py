@@ -10,7 +10,7 @@ import os
 import numpy as np
 import torch
 
-__all__ = ["LossSpec", "REDUCTIONS", "env_enabled", "reduce_loss", "switched"]
+__all__ = ["LossSpec", "REDUCTIONS", "env_enabled", "ordered_sum", "reduce_loss", "switched"]
 
 
 def env_enabled(name: str) -> bool:
@@ -75,11 +75,41 @@ class LossSpec:
 
 REDUCTIONS = ("none", "mean", "sum")
 
+_ONE_THREAD = 32_768  # torch's CPU reductions of fewer entries run on one thread (at::internal::GRAIN_SIZE)
+_BLOCK = 4096
+
+
+def ordered_sum(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Σ of every entry of ``x`` (``dim=None``) or over its first dimension (``dim=0``), added in an order
+    fixed by the shape alone.
+
+    torch's CPU sum of more than 32,768 entries splits the reduction between its threads (and a matrix
+    product splits its inner dimension), so the last bits depend on the thread count. Here blocks of 4096
+    rows are summed each on one thread (torch splits a reduction along a dimension by the other dimensions),
+    then the blocks' sums the same way: the same bits on any number of threads. float16 and bfloat16 add in
+    float32, as torch's sum, and return their dtype. Integer and bool tensors (exact sums) and other devices
+    than the CPU take ``x.sum(dim)``. Differentiable.
+    """
+    if dim is None:
+        x, dim = x.reshape(-1), 0
+    if dim != 0:
+        raise ValueError(f"`dim` must be None or 0, got {dim}")
+    n = x.shape[0]
+    if x.numel() <= _ONE_THREAD or x.device.type != "cpu" or not x.is_floating_point():
+        return x.sum(0)
+    acc = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+    full = n - n % _BLOCK
+    parts = x[:full].unflatten(0, (-1, _BLOCK)).sum(1, dtype=acc)
+    if full < n:
+        parts = torch.cat([parts, x[full:].sum(0, dtype=acc)[None]])
+    return ordered_sum(parts, 0).to(x.dtype)
+
 
 def reduce_loss(loss: torch.Tensor, reduction: str) -> torch.Tensor:
-    """Per-sample ``loss`` reduced by ``reduction`` ("none" | "mean" | "sum", already checked)."""
+    """Per-sample ``loss`` reduced by ``reduction`` ("none" | "mean" | "sum", already checked), summed by
+    :func:`ordered_sum` (the same bits on any number of threads)."""
     if reduction == "mean":
-        return loss.mean()
+        return ordered_sum(loss) / loss.numel()
     if reduction == "sum":
-        return loss.sum()
+        return ordered_sum(loss)
     return loss

@@ -53,7 +53,7 @@ from ._loss_inputs import (
     reduce_rows,
     smoothed_targets,
 )
-from ._spec import REDUCTIONS
+from ._spec import REDUCTIONS, ordered_sum
 
 __all__ = [
     "acls_loss",
@@ -152,7 +152,9 @@ class _TopGapPenalty(torch.autograd.Function):
             )
         stats = z.new_empty(0)
         if stats_rows is not None:
-            stats = torch.cat([stats_rows @ r.clamp(lo, hi), stats_rows @ z, (stats_rows @ top)[None]])
+            rows_w = stats_rows[:, None]
+            clamped, logit_sums = ordered_sum(rows_w * r.clamp(lo, hi), 0), ordered_sum(rows_w * z, 0)
+            stats = torch.cat([clamped, logit_sums, ordered_sum(stats_rows * top)[None]])
         ctx.mark_non_differentiable(stats)
         ctx.set_materialize_grads(False)
         ctx.grad_scale, ctx.power, ctx.top_grad = grad_scale, power, top_grad
@@ -201,10 +203,10 @@ def _reduce_penalised(ce, penalty, coef, rows, reduction, penalty_keep: Literal[
     if reduction == "none":
         return (ce + coef * penalty).reshape(rows.shape)
     if reduction == "sum":
-        return ce.sum() + coef * penalty.sum()
+        return ordered_sum(ce) + coef * ordered_sum(penalty)
     n_ce = ce.shape[0] if keep is None else keep.sum()
     n_pen = penalty.shape[0] if pen_keep is None else pen_keep.sum()
-    return ce.sum() / n_ce + coef * (penalty.sum() / n_pen)
+    return ordered_sum(ce) / n_ce + coef * (ordered_sum(penalty) / n_pen)
 
 
 # -- MbLS ----------------------------------------------------------------------------------------------------
@@ -363,7 +365,7 @@ def poly1_cross_entropy(
         if rows.keep is not None:
             loss = torch.where(rows.keep, loss, loss.new_zeros(()))
             label_w = torch.where(rows.keep, label_w, label_w.new_zeros(()))
-        return loss.sum() / label_w.sum()
+        return ordered_sum(loss) / ordered_sum(label_w)
 
 
 # -- confidence penalty -------------------------------------------------------------------------------------
@@ -590,7 +592,7 @@ def _with_batch_term(base, rows, reduction, coef, penalty, weight=None):
     else:
         term = term.expand(base.shape)
     none = reduce_rows(base, rows, "none", weight) + term.reshape(rows.shape)
-    return none if reduction == "none" else none.sum()
+    return none if reduction == "none" else ordered_sum(none)
 
 
 class _Batch(NamedTuple):
@@ -672,7 +674,8 @@ def _batch(
     elif entropy == "smoothed":
         smoothed = (1 - 1e-5) * _given(p) + 1e-5 / log_p.shape[1]
         h = -(smoothed * smoothed.log()).sum(1)
-    return _Batch(rows, loss, conf, correct, kept, h, kept @ _given(p) if colsum else None)
+    colsums = ordered_sum(kept[:, None] * _given(p), 0) if colsum else None
+    return _Batch(rows, loss, conf, correct, kept, h, colsums)
 
 
 def mdca_penalty(logits, targets, *, sync: bool = False, group=None, ignore_index: int | None = IGNORE_INDEX):
@@ -701,8 +704,11 @@ def _mdca_term(batch: _Batch, sync, group):
     rows, kept, colsum = batch.rows, batch.kept, _given(batch.colsum)
     k = colsum.shape[0]
     # the label counts by a scatter of the (N,) mask, not an (N, K) one-hot matrix
-    labels = kept @ rows.targets if rows.soft else kept.new_zeros(k).index_add(0, rows.targets, kept)
-    sums = torch.cat([colsum, labels, kept.sum()[None]])
+    if rows.soft:
+        labels = ordered_sum(kept[:, None] * rows.targets, 0)
+    else:
+        labels = kept.new_zeros(k).index_add(0, rows.targets, kept)
+    sums = torch.cat([colsum, labels, ordered_sum(kept)[None]])
     sums = _global_sums(sums, sync, group)
     count = sums[-1]
     return ((sums[:k] - sums[k : 2 * k]) / count).abs().mean()
@@ -803,7 +809,9 @@ def dca_loss(
         conf, correct, kept = _given(batch.conf), _given(batch.correct), batch.kept
         w = check_class_weight(weight, batch.rows.logits)
         sums = _global_sums(
-            torch.stack([(conf * kept).sum(), (correct * kept).sum(), kept.sum()]), sync, group
+            torch.stack([ordered_sum(conf * kept), ordered_sum(correct * kept), ordered_sum(kept)]),
+            sync,
+            group,
         )
         penalty = ((sums[0] - sums[1]) / sums[2]).abs()
         return _with_batch_term(_given(batch.base), batch.rows, reduction, b, penalty, w)
@@ -833,14 +841,20 @@ def _sbece_term(batch: _Batch, n_bins, temperature, form, sync, group):
     g = torch.softmax(-((conf[:, None] - centres) ** 2) / temperature, 1) * kept[:, None]  # (M rows, bins)
     if form == "label":
         sums = _global_sums(
-            torch.cat([g.sum(0), (g * correct[:, None]).sum(0), kept.sum()[None]]), sync, group
+            torch.cat([ordered_sum(g, 0), ordered_sum(g * correct[:, None], 0), ordered_sum(kept)[None]]),
+            sync,
+            group,
         )
         mass, hits, count = sums[:n_bins], sums[n_bins : 2 * n_bins], sums[-1]
         acc = hits / torch.where(mass > 0, mass, torch.ones_like(mass))
-        total = _global_sums((g * (acc - conf[:, None]) ** 2).sum()[None], sync, group)[0]
+        total = _global_sums(ordered_sum(g * (acc - conf[:, None]) ** 2)[None], sync, group)[0]
         return _safe_sqrt(total / count)
     sums = _global_sums(
-        torch.cat([g.sum(0), (g * conf[:, None]).sum(0), (g * correct[:, None]).sum(0)]), sync, group
+        torch.cat(
+            [ordered_sum(g, 0), ordered_sum(g * conf[:, None], 0), ordered_sum(g * correct[:, None], 0)]
+        ),
+        sync,
+        group,
     )
     mass, conf_sum, hits = sums[:n_bins], sums[n_bins : 2 * n_bins], sums[2 * n_bins :]
     safe = mass.clamp(min=1e-5)
@@ -949,6 +963,12 @@ def _correct_and_kept(rows, log_p):
     return top.exp(), correct, kept
 
 
+def _pair_sums(weights: torch.Tensor, parts: torch.Tensor) -> torch.Tensor:
+    """(4,) sums over the rows of weights[:, a]·parts[:, b] for a, b in {0, 1} (a-major), in the order of
+    :func:`ordered_sum` (a matrix product's would depend on the thread count)."""
+    return ordered_sum((weights[:, :, None] * parts[:, None, :]).reshape(-1, 4), 0)
+
+
 def _avuc_term(batch: _Batch, threshold, sync, group, statistics=False):
     """AvUC of the rows; with ``statistics``, (AvUC, the detached (Σ H over the correct predictions, their
     count, Σ H over the wrong ones, their count) of the kept rows: the threshold update's sums)."""
@@ -957,15 +977,18 @@ def _avuc_term(batch: _Batch, threshold, sync, group, statistics=False):
     if statistics:
         h = entropy.detach()
         right, wrong_kept = correct * kept, (1 - correct) * kept
-        entropy_sums = torch.stack([h @ right, right.sum(), h @ wrong_kept, wrong_kept.sum()])
+        entropy_sums = torch.stack(
+            [ordered_sum(h * right), ordered_sum(right), ordered_sum(h * wrong_kept), ordered_sum(wrong_kept)]
+        )
     t = torch.tanh(entropy)
     certain = (entropy <= threshold).to(entropy.dtype)
     right = kept * correct
-    # [[n_AC, n_AU], [n_IC, n_IU]] as one (2, M) @ (M, 2) product: (accurate r, inaccurate 1 − r) against
-    # (certain 1 − tanh H, uncertain tanh H), fewer (M,) temporaries than four masked sums
-    weights = torch.stack([right * conf, (kept - right) * (1 - conf)])
-    parts = torch.stack([certain * (1 - t), t - certain * t], 1)
-    sums = (weights @ parts).reshape(4)
+    # [[n_AC, n_AU], [n_IC, n_IU]]: (accurate r, inaccurate 1 − r) against (certain 1 − tanh H, uncertain
+    # tanh H), four sums over the rows in one (M, 4) product
+    sums = _pair_sums(
+        torch.stack([right * conf, (kept - right) * (1 - conf)], 1),
+        torch.stack([certain * (1 - t), t - certain * t], 1),
+    )
     sums = _global_sums(sums, sync, group)
     avu = (sums[0] + sums[3]) / (sums.sum() + 1e-10)
     penalty = -torch.log(avu + 1e-10)
@@ -1062,11 +1085,9 @@ def _savuc_term(batch: _Batch, k, temperature, kappa, sync, group):
     q = torch.sigmoid((torch.log(e / (1 - e)) - math.log(kappa / (1 - kappa))) / temperature)
     t = torch.tanh(entropy)
     right = kept * correct
-    # [[n_AC, n_AU], [n_IC, n_IU]] as one (2, M) @ (M, 2) product (accurate, inaccurate) against
-    # (certain (1 − q)(1 − tanh H), uncertain q tanh H)
-    weights = torch.stack([right, kept - right])
-    parts = torch.stack([(1 - q) * (1 - t), q * t], 1)
-    sums = (weights @ parts).reshape(4)
+    # [[n_AC, n_AU], [n_IC, n_IU]]: (accurate, inaccurate) against (certain (1 − q)(1 − tanh H), uncertain
+    # q tanh H)
+    sums = _pair_sums(torch.stack([right, kept - right], 1), torch.stack([(1 - q) * (1 - t), q * t], 1))
     sums = _global_sums(sums, sync, group)
     return torch.log1p((sums[1] + sums[2]) / (sums[0] + sums[3]).clamp(min=1e-5))
 
@@ -1189,10 +1210,10 @@ def _esd_term(conf, correct, kept, sync, group):
     upto = torch.where(ends, positions, m).flip(0).cummin(0).values.flip(0)  # (i itself when no tie)
     s = torch.cumsum(x_sorted, 0)[upto] - x_sorted
     q = torch.cumsum(x_sorted * x_sorted, 0)[upto] - x_sorted * x_sorted
-    n = kept.sum()
+    n = ordered_sum(kept)
     d2 = (s * s - q) * kept[order]
     denom = (n - 1) * (n - 2)
-    return torch.where(n >= 3, d2.sum() / (n * denom.clamp(min=1)), d2.new_zeros(()))
+    return torch.where(n >= 3, ordered_sum(d2) / (n * denom.clamp(min=1)), d2.new_zeros(()))
 
 
 def esd_penalty(logits, targets, *, sync: bool = False, group=None, ignore_index=IGNORE_INDEX):
@@ -1388,13 +1409,13 @@ def _ace_reduce(base, ace, cover, rows_group, reduction, coef, base_keep, shape)
     if reduction == "mean":
         n_base = base.numel() if base_keep is None else base_keep.sum()
         covered = torch.where(cover, ace, zero).sum() / cover.sum()
-        return base.sum() / n_base + coef * covered
+        return ordered_sum(base) / n_base + coef * covered
     per_group = ace.mean(1)[rows_group]
     term = coef * per_group.reshape(base.shape[0], *([1] * (base.ndim - 1))).expand_as(base)
     if base_keep is not None:
         term = torch.where(base_keep, term, zero)
     none = (base + term).reshape(shape)
-    return none if reduction == "none" else none.sum()
+    return none if reduction == "none" else ordered_sum(none)
 
 
 def ml1ace_penalty(
@@ -1596,7 +1617,7 @@ def _cals_penalty(z, lam, rho, margin, normalize, kept=None, lambda_min=0.0, lam
     penalty = hinge - (lam * lam * w).sum()
     if kept is None:
         return penalty, None
-    count = kept.sum()
+    count = ordered_sum(kept)
     # Σ_i h_ik = (Σ_i max_i − Σ_i z_ik − m·n)/s over the kept rows
     h_sums = (raw[2 * k] - raw[k : 2 * k] - margin * count) / s
     return penalty, torch.cat([raw[:k], h_sums, count[None]])
@@ -1750,4 +1771,6 @@ def cals_statistics(logits, targets=None, lambdas=None, rhos=None, margin: float
         lam = torch.as_tensor(lambdas).to(z.device, z.dtype)
         rho = torch.as_tensor(rhos).to(z.device, z.dtype)
         grad = torch.relu(lam + rho * h).clamp(lambda_min, lambda_max)
-        return torch.cat([(grad * kept[:, None]).sum(0), (h * kept[:, None]).sum(0), kept.sum()[None]])
+        return torch.cat(
+            [ordered_sum(grad * kept[:, None], 0), ordered_sum(h * kept[:, None], 0), ordered_sum(kept)[None]]
+        )
