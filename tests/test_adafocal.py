@@ -1,6 +1,7 @@
 """AdaFocal's state machine on crafted validation sets, its loss, resume, and CalFocal."""
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -122,6 +123,30 @@ def test_state_dict_resumes_exactly():
     assert fresh.gamma_history.shape == (3, 5)
     z, t = torch.randn(16, 3, generator=g), torch.randint(0, 3, (16,), generator=g)
     torch.testing.assert_close(fresh(z, t), loss(z, t))
+
+
+def test_loaded_histories_keep_the_modules_dtype_and_device():
+    # a checkpoint read with map_location="cpu" into a module that lives elsewhere: the histories take the
+    # module's dtype and device, as the other buffers do (the meta device stands in for an accelerator)
+    g = torch.Generator().manual_seed(2)
+    loss = AdaFocalLoss(n_bins=3)
+    for _ in range(2):
+        loss.update(
+            torch.softmax(2 * torch.randn(60, 4, generator=g), 1), torch.randint(0, 4, (60,), generator=g)
+        )
+    state = loss.state_dict()  # float64, CPU
+    single = AdaFocalLoss(n_bins=3).float()
+    single.load_state_dict(state)
+    for name, value in single.state_dict().items():
+        assert value.dtype == torch.float32, name
+    # the saved float64 values rounded to float32, exactly
+    torch.testing.assert_close(single.gamma_history, state["gamma_history"].float(), rtol=0, atol=0)
+    assert single.gamma_history.shape == (2, 3)
+    elsewhere = AdaFocalLoss(n_bins=3).to("meta")
+    with warnings.catch_warnings():  # torch's notice that copying into meta tensors keeps no values
+        warnings.simplefilter("ignore", UserWarning)
+        elsewhere.load_state_dict(state)
+    assert {value.device.type for value in elsewhere.state_dict().values()} == {"meta"}
 
 
 def test_calfocal_cases():

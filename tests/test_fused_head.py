@@ -20,7 +20,9 @@ IGNORE = -100
 CASES = {
     "cross_entropy": (L.cross_entropy, {}, lambda z, t: R.ce(z, t)),
     "label_smoothing": (
-        lambda z, t, **kw: L.label_smoothing_loss(z, t, kw["epsilon"], reduction=kw["reduction"]),
+        lambda z, t, **kw: L.label_smoothing_loss(
+            z, t, kw["epsilon"], reduction=kw["reduction"], weight=kw.get("weight")
+        ),
         {"epsilon": 0.1},
         lambda z, t: R.ce(z, t, 0.1),
     ),
@@ -42,9 +44,17 @@ CASES = {
 }
 
 
-def _unfused(name, logits, targets, reduction):
+def _unfused(name, logits, targets, reduction, class_weight=None):
     fn, kwargs, _ = CASES[name]
+    if class_weight is not None:
+        kwargs = {**kwargs, "weight": class_weight}
     return fn(logits, targets, **kwargs, reduction=reduction)
+
+
+def _class_weight(v, seed=5):
+    """Class weights in [0.2, 2.2): far enough from 1 that a dropped or misapplied weight shows."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(v, generator=g, dtype=torch.float64) * 2 + 0.2
 
 
 def _inputs(dtype, n=(3, 7), h=6, v=11, bias=True, seed=0, scale=1.5):
@@ -146,6 +156,116 @@ def test_float32_is_as_accurate_as_the_unfused_float32_loss(name, reduction):
     results, scales = _float32_error_budget(name, reduction)
     for fused, unfused, scale in zip(results["fused"], results["unfused"], scales):
         assert fused <= 4 * unfused + 8 * 2**-23 * scale, (results, scales)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("vocab_chunk_size", [None, 4])
+def test_class_weights_equal_the_weighted_unfused_loss(name, reduction, vocab_chunk_size):
+    # float64, the same operations as the unweighted test above (the weights add one product per row or
+    # class): 1e-10 holds with margin
+    hidden, weight, bias, targets = _inputs(torch.float64)
+    cw = _class_weight(11)
+    _, kwargs, _ = CASES[name]
+    fused = fused_linear_loss(
+        hidden,
+        weight,
+        targets,
+        name,
+        bias=bias,
+        chunk_size=5,
+        vocab_chunk_size=vocab_chunk_size,
+        reduction=reduction,
+        class_weight=cw,
+        **kwargs,
+    )
+    unfused = _unfused(name, _logits(hidden, weight, bias), targets, reduction, cw)
+    torch.testing.assert_close(fused, unfused, rtol=1e-10, atol=1e-10)
+    out = torch.randn_like(unfused)
+    params = _params(hidden, weight, bias)
+    for a, b in zip(torch.autograd.grad(fused, params, out), torch.autograd.grad(unfused, params, out)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_class_weights_equal_the_per_sample_reference(reduction):
+    # float64 against plain-Python float64 sums over 9 classes: a few ulps of values of order 10, so 1e-12
+    hidden, weight, bias, targets = _inputs(torch.float64, n=(13,), v=9)
+    cw = _class_weight(9)
+    keep = targets != IGNORE
+    z = (hidden @ weight.T + bias).detach()
+    safe = torch.where(keep, targets, 0)  # the reference reads a label on every row; ignored rows add 0
+    for name, kwargs, per_row, scale in (
+        # F.cross_entropy's smoothed weighting: Σ_k w_k q'_k (−log p_k) per row, "mean" over Σ w_y
+        (
+            "label_smoothing",
+            {"epsilon": 0.1},
+            R.soft_general(z, R.smoothed(safe, 9, 0.1), lambda pj, j: -math.log(pj), cw),
+            False,
+        ),
+        ("focal", {"gamma": 2.0}, R.focal(z, safe, 2.0), True),  # w_y · focal, "mean" over Σ w_y
+        ("dual_focal", {"gamma": 2.0}, R.dfl(z, safe, 2.0), True),
+    ):
+        fused = fused_linear_loss(
+            hidden, weight, targets, name, bias=bias, chunk_size=4, reduction=reduction, class_weight=cw,
+            **kwargs,
+        )  # fmt: skip
+        expected = torch.tensor(
+            R.reduce_weighted(per_row, targets, cw, reduction, scale=scale), dtype=torch.float64
+        )
+        torch.testing.assert_close(fused.detach(), expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["cross_entropy", "label_smoothing", "brier", "focal", "sample_dependent_focal", "focal_calibration"],
+)
+def test_soft_targets_with_class_weights_equal_the_unfused_loss(name):
+    # float64, as test_soft_targets_equal_the_unfused_loss
+    hidden, weight, bias, _ = _inputs(torch.float64, n=(2, 5), v=8)
+    g = torch.Generator().manual_seed(3)
+    q = torch.softmax(torch.randn(2, 5, 8, generator=g, dtype=torch.float64) * 2, dim=-1)
+    cw = _class_weight(8)
+    _, kwargs, _ = CASES[name]
+    for reduction in ("mean", "sum"):
+        fused = fused_linear_loss(
+            hidden, weight, q, name, bias=bias, chunk_size=3, reduction=reduction, class_weight=cw, **kwargs
+        )
+        unfused = _unfused(name, _logits(hidden, weight, bias), q.movedim(-1, 1), reduction, cw)
+        torch.testing.assert_close(fused, unfused, rtol=1e-10, atol=1e-12)
+        params = (hidden, weight, bias)
+        for a, b in zip(torch.autograd.grad(fused, params), torch.autograd.grad(unfused, params)):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    # Σ_k w_k q_k f(p_k) + λ·(Σ_k w_k q_k)·Σ_k (p_k − q_k)² per row, "mean" over the rows (plain Python)
+    z = (hidden @ weight.T + bias).detach().reshape(10, 8)
+    rows = R.soft_general(z, q.reshape(10, 8).tolist(), R.focal_term(4.0), cw, lam=1.5)
+    fused = fused_linear_loss(hidden, weight, q, "focal_calibration", bias=bias, class_weight=cw)
+    torch.testing.assert_close(fused.detach(), torch.tensor(math.fsum(rows) / 10, dtype=torch.float64))
+
+
+def test_backward_with_create_graph_raises():
+    # the gradients are made in the forward pass: a graph of them would miss the second derivative
+    hidden, weight, bias, targets = _inputs(torch.float64, n=(6,), v=5)
+    for reduction in ("mean", "none"):
+        value = fused_linear_loss(hidden, weight, targets, "focal", bias=bias, reduction=reduction)
+        with pytest.raises(RuntimeError, match="differentiable once only"):
+            torch.autograd.grad(value.sum(), hidden, create_graph=True)
+    value = fused_linear_loss(hidden, weight, targets, "focal", bias=bias)
+    (grad,) = torch.autograd.grad(value, hidden)  # a first-order gradient is unaffected
+    (expected,) = torch.autograd.grad(L.focal_loss(hidden @ weight.T + bias, targets, 3.0), hidden)
+    torch.testing.assert_close(grad, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_targets_and_class_weights_requiring_grad_are_refused():
+    hidden, weight, _, _ = _inputs(torch.float64, n=(4,), v=5)
+    q = torch.full((4, 5), 0.2, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(ValueError, match="`targets` requires grad.*detach"):
+        fused_linear_loss(hidden, weight, q, "cross_entropy")
+    cw = torch.ones(5, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(ValueError, match="`class_weight` requires grad.*detach"):
+        fused_linear_loss(hidden, weight, torch.tensor([0, 1, 2, 3]), class_weight=cw)
+    value = fused_linear_loss(hidden, weight, q.detach(), "cross_entropy")  # detached: accepted
+    assert value.requires_grad
 
 
 def test_chunk_sizes_do_not_change_the_result():
@@ -394,6 +514,37 @@ def test_fused_linear_loss_module_follows_the_wrapped_loss():
     assert "loss.gamma_per_bin" in ada.state_dict()
     with pytest.raises(TypeError, match="MMCE"):
         losses.FusedLinearLoss("mmce")
+
+
+def test_fused_linear_loss_module_takes_class_weights_and_refuses_other_smoothing():
+    # float64, the same computation as test_class_weights_equal_the_weighted_unfused_loss: 1e-10
+    hidden, weight, bias, targets = _inputs(torch.float64, n=(3, 5), v=7)
+    cw = _class_weight(7)
+    for inner in (
+        losses.CrossEntropyLoss(weight=cw),
+        losses.CrossEntropyLoss(weight=cw, label_smoothing=0.1),
+        losses.FocalLoss(2.0, weight=cw),
+        losses.DualFocalLoss(weight=cw),
+        losses.FocalCalibrationLoss(weight=cw),
+        adafocal.AdaFocalLoss(n_bins=3, weight=cw),
+    ):
+        fused = losses.FusedLinearLoss(inner, chunk_size=4)(hidden, weight, targets, bias)
+        unfused = inner(_logits(hidden, weight, bias), targets)
+        torch.testing.assert_close(fused, unfused, rtol=1e-10, atol=1e-12)
+        params = (hidden, weight, bias)
+        for a, b in zip(torch.autograd.grad(fused, params), torch.autograd.grad(unfused, params)):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    for inner in (
+        losses.FocalLoss(2.0, label_smoothing=0.1),
+        losses.BrierLoss(label_smoothing=0.1),
+        losses.SampleDependentFocalLoss(label_smoothing=0.1),
+    ):
+        with pytest.raises(ValueError, match=f"{type(inner).__name__} with label_smoothing=0.1"):
+            losses.FusedLinearLoss(inner)
+    changed = losses.FusedLinearLoss(losses.FocalLoss(2.0))
+    changed.loss.label_smoothing = 0.1  # read at every call, as the other hyper-parameters
+    with pytest.raises(ValueError, match="label_smoothing"):
+        changed(hidden, weight, targets, bias)
 
 
 class _LargestTensor(torch.utils._python_dispatch.TorchDispatchMode):

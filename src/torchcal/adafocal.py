@@ -214,11 +214,14 @@ class AdaFocalLoss(_ValidationBins):
         self.gap_history = torch.cat([self.gap_history, gap[None]])
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        # the histories grow with every update: resize them to the saved length before copying
+        # the histories grow with every update: resize them to the saved length before copying (the module's
+        # dtype and device, as every other buffer keeps them; the copy converts the saved values)
         for name in ("gamma_history", "gap_history"):
             key = prefix + name
             if key in state_dict:
-                setattr(self, name, torch.empty_like(state_dict[key]))
+                current = getattr(self, name)
+                shape = state_dict[key].shape
+                setattr(self, name, torch.empty(shape, dtype=current.dtype, device=current.device))
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 

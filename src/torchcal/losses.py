@@ -1386,8 +1386,22 @@ def create(name: str, **kwargs) -> nn.Module:
 
 
 def _fused_form(loss: nn.Module) -> tuple[str, dict]:
-    """The :func:`~torchcal.functional.fused_linear_loss` name and keyword arguments of a loss module, read at
-    each call (so AdaFocal's updates, a scheduled γ and changed hyper-parameters take effect)."""
+    """The :func:`~torchcal.functional.fused_linear_loss` name and keyword arguments of a loss module (its
+    class ``weight`` included), read at each call (so AdaFocal's updates, a scheduled γ and changed
+    hyper-parameters take effect). Label smoothing is fused for cross entropy only: any other loss with
+    ``label_smoothing`` > 0 is a ``ValueError``."""
+    name, kwargs = _fused_name_and_args(loss)
+    smoothing = getattr(loss, "label_smoothing", 0.0)
+    if smoothing and name != "cross_entropy":
+        raise ValueError(
+            f"{type(loss).__name__} with label_smoothing={smoothing} has no fused form: the fused head "
+            "smooths the labels of cross entropy only; use label_smoothing=0 or the unfused loss"
+        )
+    kwargs["class_weight"] = getattr(loss, "weight", None)
+    return name, kwargs
+
+
+def _fused_name_and_args(loss: nn.Module) -> tuple[str, dict]:
     kind = type(loss)
     if kind is CrossEntropyLoss:
         return "cross_entropy", {"label_smoothing": loss.label_smoothing}
@@ -1419,8 +1433,9 @@ class FusedLinearLoss(nn.Module):
     (...) labels), through :func:`torchcal.functional.fused_linear_loss`, which never holds the N × V logits.
 
     ``loss`` is a torchcal loss module or a registry name (keyword arguments then go to :func:`create`); its
-    ``reduction``, ``ignore_index`` and hyper-parameters are read at every call, and it stays a submodule, so
-    an AdaFocal loss is updated (and saved in ``state_dict``) as usual.
+    ``reduction``, ``ignore_index``, class ``weight`` and hyper-parameters are read at every call, and it
+    stays a submodule, so an AdaFocal loss is updated (and saved in ``state_dict``) as usual. Label smoothing
+    is fused for cross entropy only: another loss with ``label_smoothing`` > 0 is a ``ValueError``.
 
     Example:
         >>> import torch

@@ -252,3 +252,47 @@ def test_trainer_updates_cals_from_the_evaluation_logits(tmp_path):
     replay.update(torch.as_tensor(prediction.predictions), torch.as_tensor(prediction.label_ids))
     torch.testing.assert_close(loss.lambdas, replay.lambdas, rtol=1e-5, atol=1e-12)
     assert int(loss.updates) == 3
+
+
+def _adafocal_run(output_dir, epochs=3):
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(num_labels=3, **CONFIG))
+    loss = AdaFocalLoss(n_bins=4)
+    trainer = CalibrationTrainer(
+        model=model, args=args(output_dir, num_train_epochs=epochs, save_strategy="epoch"),
+        train_dataset=Texts(32, 0), eval_dataset=Texts(16, 1), calibration_loss=loss,
+        compute_metrics=compute_metrics(num_classes=3, names=("ece",)),
+    )  # fmt: skip
+    return trainer, loss
+
+
+def test_resumed_training_restores_the_calibration_loss(tmp_path):
+    # 32 samples in batches of 8: 4 steps per epoch, a checkpoint and an AdaFocal update after each epoch
+    full, full_loss = _adafocal_run(tmp_path / "full")
+    full.train()
+    assert full_loss.gamma_history.shape == (3, 4)
+    # resumed after epoch 2 with a fresh loss: it continues from the checkpoint's γ, so the third epoch's
+    # steps and update are the uninterrupted run's. On CPU the same operations run in the same order on the
+    # same data (the Trainer restores the data order and RNG), so the results are equal, not merely close.
+    resumed, resumed_loss = _adafocal_run(tmp_path / "full")
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-8"))
+    for name, value in full_loss.state_dict().items():
+        torch.testing.assert_close(resumed_loss.state_dict()[name], value, rtol=0, atol=0, msg=name)
+    for (name, a), b in zip(resumed.model.named_parameters(), full.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+    for step in (4, 8, 12):
+        folder = tmp_path / "full" / f"checkpoint-{step}"
+        saved = torch.load(folder / "calibration_loss.pt", weights_only=True)
+        torch.testing.assert_close(
+            saved["gamma_history"], full_loss.gamma_history[: step // 4], rtol=0, atol=0
+        )
+        assert not [p.name for p in folder.iterdir() if p.name.endswith(".tmp")]  # renamed into place
+    # resume_from_checkpoint=True: the last checkpoint (epoch 3, nothing left to train)
+    latest, latest_loss = _adafocal_run(tmp_path / "full")
+    latest.train(resume_from_checkpoint=True)
+    torch.testing.assert_close(latest_loss.gamma_per_bin, full_loss.gamma_per_bin, rtol=0, atol=0)
+    # a checkpoint without the loss's state cannot resume a loss that has one
+    (tmp_path / "full" / "checkpoint-8" / "calibration_loss.pt").unlink()
+    again, _ = _adafocal_run(tmp_path / "full")
+    with pytest.raises(FileNotFoundError, match="calibration_loss.pt"):
+        again.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-8"))

@@ -175,7 +175,12 @@ def test_fused_trainer_updates_adafocal_from_shifted_logits(tmp_path):
     trainer.train()
     assert loss.gamma_history.shape == (1, 4)
     before, edges_before = loss.gamma_per_bin.clone(), loss.bin_edges.clone()
-    result = trainer.evaluate()
+    # CalibrationTrainer's rule: evaluate() outside train() leaves the loss as it is unless asked
+    trainer.evaluate()
+    trainer.evaluate(update_calibration_loss=False)
+    assert loss.gamma_history.shape == (1, 4)
+    torch.testing.assert_close(loss.gamma_per_bin, before, rtol=0, atol=0)
+    result = trainer.evaluate(update_calibration_loss=True)
     prediction = trainer.predict(Sequences(16, 1))
     logits = torch.as_tensor(prediction.predictions)[:, :-1].reshape(-1, VOCAB)
     labels = torch.as_tensor(prediction.label_ids)[:, 1:].reshape(-1)
@@ -190,3 +195,44 @@ def test_fused_trainer_updates_adafocal_from_shifted_logits(tmp_path):
     replay.bin_edges.copy_(edges_before)
     expected = replay(logits[keep], labels[keep])
     assert abs(result["eval_loss"] - expected.item()) < 1e-5
+
+
+def test_fused_trainer_skips_the_update_of_an_evaluation_inside_train_when_asked(tmp_path):
+    loss = AdaFocalLoss(n_bins=4)
+
+    class NoUpdate(FusedCalibrationTrainer):
+        def evaluate(self, *args, **kwargs):
+            return super().evaluate(*args, update_calibration_loss=False, **kwargs)
+
+    trainer = NoUpdate(
+        model=tiny_llama(), args=args(tmp_path, num_train_epochs=1, eval_strategy="epoch"),
+        train_dataset=Sequences(16, 0), eval_dataset=Sequences(16, 1), calibration_loss=loss,
+        compute_metrics=lambda prediction: {},
+    )  # fmt: skip
+    trainer.train()
+    assert loss.gamma_history.shape == (0, 4)
+
+
+def _fused_adafocal_run(output_dir):
+    loss = AdaFocalLoss(n_bins=4)
+    trainer = FusedCalibrationTrainer(
+        model=tiny_llama(), args=args(output_dir, eval_strategy="epoch", save_strategy="epoch"),
+        train_dataset=Sequences(32, 0), eval_dataset=Sequences(16, 1), calibration_loss=loss, chunk_size=16,
+        compute_metrics=lambda prediction: {},
+    )  # fmt: skip
+    return trainer, loss
+
+
+def test_fused_trainer_resumes_the_calibration_loss(tmp_path):
+    # 32 sequences in batches of 8: 4 steps per epoch, a checkpoint and an AdaFocal update after each epoch.
+    # Resumed after epoch 1 with a fresh loss, the run continues from the checkpoint's γ: on CPU the same
+    # operations run in the same order on the same data, so the results are equal, not merely close.
+    full, full_loss = _fused_adafocal_run(tmp_path / "run")
+    full.train()
+    assert full_loss.gamma_history.shape == (2, 4)
+    resumed, resumed_loss = _fused_adafocal_run(tmp_path / "run")
+    resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-4"))
+    for name, value in full_loss.state_dict().items():
+        torch.testing.assert_close(resumed_loss.state_dict()[name], value, rtol=0, atol=0, msg=name)
+    for (name, a), b in zip(resumed.model.named_parameters(), full.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)

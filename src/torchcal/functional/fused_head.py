@@ -30,7 +30,7 @@ import torch
 from .._namespace import only_public as _only_public
 from .._validation import as_tensor, check_choice, check_float, check_label_range, check_positive_int
 from . import losses as L
-from ._loss_inputs import IGNORE_INDEX, _check_soft_targets, check_ignore_index
+from ._loss_inputs import IGNORE_INDEX, _check_soft_targets, check_class_weight, check_ignore_index
 from ._spec import REDUCTIONS
 
 __all__ = ["FUSED_LOSSES", "fused_linear_loss"]
@@ -46,8 +46,9 @@ _BUFFER_ELEMENTS = 1 << 21
 class _Recipe(NamedTuple):
     """What a fused loss computes per token: ``weight(log_pt[, p_j], extra) -> (loss, c_t[, c_j])`` (None for
     cross entropy), the runner-up (dual focal form), λ of the squared-error term, ε of label smoothing, the
-    elementwise weight for soft targets (None: the loss refuses them, for ``soft_refusal``), and a per-token
-    tensor (AdaFocal-style γ per sample) handed to ``weight`` chunk by chunk."""
+    elementwise weight for soft targets (None: the loss refuses them, for ``soft_refusal``), a per-token
+    tensor (AdaFocal-style γ per sample) handed to ``weight`` chunk by chunk, and the class weights (V,) in
+    the compute dtype (None: none)."""
 
     weight: object
     runner_up: bool = False
@@ -56,6 +57,7 @@ class _Recipe(NamedTuple):
     soft_weight: object = None
     soft_refusal: str | None = None
     per_token: torch.Tensor | None = None
+    class_weight: torch.Tensor | None = None
 
 
 def _static(weight_fn):
@@ -213,7 +215,7 @@ def _recipe(loss: str, kwargs: dict) -> _Recipe:
 
 class _Stats(NamedTuple):
     """Per-token statistics of a chunk's logit rows: log p_t, log p_j and j (runner-up; −inf and 0 when none),
-    Σ_k p_k², Σ_k log p_k (label smoothing) and the log-sum-exp."""
+    Σ_k p_k², Σ_k w_k log p_k (label smoothing; w = 1 without class weights) and the log-sum-exp."""
 
     log_pt: torch.Tensor
     log_pj: torch.Tensor | None
@@ -256,13 +258,13 @@ def _row_stats(z, t, recipe):
     zj = j = sum_z = None
     if recipe.runner_up:  # the largest class strictly below the true one (ties with it excluded)
         zj, j = _masked_max(z, zt)
-    if recipe.smoothing:
-        sum_z = z.sum(dim=1)
+    if recipe.smoothing:  # Σ_k w_k (z_k − max), w = 1 without class weights
+        sum_z = z.sum(dim=1) if recipe.class_weight is None else z @ recipe.class_weight
     s = z.exp_().sum(dim=1)
     log_s = s.log()
     z.div_(s[:, None])
     sq = torch.linalg.vector_norm(z, dim=1).square() if recipe.brier else None
-    k = z.shape[1]
+    k = _weight_total(recipe, z.shape[1])
     return _Stats(
         zt - log_s,
         None if zj is None else zj - log_s,
@@ -305,7 +307,8 @@ def _block_stats(h, weight, bias, t, recipe, vchunk):
             zj = torch.where(better, value, zj)
             j = torch.where(better, index + start, j)
         if sum_z is not None:
-            sum_z += z.sum(dim=1)
+            cw = recipe.class_weight
+            sum_z += z.sum(dim=1) if cw is None else z @ cw[start : start + vchunk]
         new_m = torch.maximum(m, z.amax(dim=1))
         scale = torch.exp(m - new_m)
         z.sub_(new_m[:, None]).exp_()
@@ -320,14 +323,20 @@ def _block_stats(h, weight, bias, t, recipe, vchunk):
         None if zj is None else zj - lse,
         j,
         None if s2 is None else s2 / s.square(),
-        None if sum_z is None else sum_z - v * lse,
+        None if sum_z is None else sum_z - _weight_total(recipe, v) * lse,
         lse,
     )
 
 
+def _weight_total(recipe, v):
+    """Σ_k w_k over the vocabulary (V without class weights)."""
+    return v if recipe.class_weight is None else recipe.class_weight.sum()
+
+
 class _Coefficients(NamedTuple):
-    """The gradient of a row's loss with respect to its logits: p ⊙ (a + b·p) + c, plus ``at_t`` at the true
-    class and ``at_j`` at the runner-up (each already multiplied by the row's scale)."""
+    """The gradient of a row's loss with respect to its logits: p ⊙ (a + b·p) + c·w (w: the class weights, 1
+    without them), plus ``at_t`` at the true class and ``at_j`` at the runner-up (each already multiplied by
+    the row's scale)."""
 
     a: torch.Tensor
     b: torch.Tensor | None
@@ -336,12 +345,12 @@ class _Coefficients(NamedTuple):
     at_j: torch.Tensor | None
 
 
-def _coefficients(stats, recipe, extra, scale, v):
+def _coefficients(stats, recipe, extra, scale, t, v):
     """Per-token loss and gradient coefficients from the statistics (the unfused loss's weight functions).
 
-    loss = F(p_t, p_j) + λ(Σp² − 2p_t + 1) + ε(−Σ_k log p_k / V) with F = (1 − ε)(−log p_t) for cross
-    entropy; ∂loss/∂z = p ⊙ (−(c_t + c_j) + 2λ(p_t − Σp²) + ε + 2λ·p) + (c_t − 2λ p_t) e_t + c_j e_j − ε/V
-    with c = p·∂F/∂p."""
+    loss = w_t·(F(p_t, p_j) + λ(Σp² − 2p_t + 1)) + ε(−Σ_k w_k log p_k / V) with F = (1 − ε)(−log p_t) for
+    cross entropy and w the class weights (1 without them); ∂loss/∂z = p ⊙ (w_t(−(c_t + c_j) + 2λ(p_t − Σp²)
+    + 2λ·p) + εΣ_k w_k / V) + w_t(c_t − 2λ p_t) e_t + w_t c_j e_j − (ε/V)·w with c = p·∂F/∂p."""
     log_pt = stats.log_pt
     c_j = None
     if recipe.weight is None:  # cross entropy (and label smoothing's (1 − ε) share)
@@ -361,16 +370,22 @@ def _coefficients(stats, recipe, extra, scale, v):
         a = a + (2 * lam) * (p_t - stats.sq)
         b = torch.full_like(log_pt, 2 * lam) * scale
         at_t = at_t - (2 * lam) * p_t
-    if recipe.smoothing:
+    if recipe.class_weight is not None:  # the label's weight scales the row (F.cross_entropy's convention)
+        w_t = recipe.class_weight[t]
+        loss, a, at_t = loss * w_t, a * w_t, at_t * w_t
+        b = None if b is None else b * w_t
+        c_j = None if c_j is None else c_j * w_t
+    if recipe.smoothing:  # −(ε/V)·Σ_k w_k log p_k, every class weighted by its own weight
         loss = loss - recipe.smoothing / v * stats.sum_log_p
-        a = a + recipe.smoothing
+        a = a + recipe.smoothing / v * _weight_total(recipe, v)
         c = torch.full_like(log_pt, -recipe.smoothing / v) * scale
     return loss, _Coefficients(a * scale, b, c, at_t * scale, None if c_j is None else c_j * scale)
 
 
-def _grad_in_place(p, coef, t_local, j_local):
+def _grad_in_place(p, coef, t_local, j_local, class_weight=None):
     """Overwrites the probabilities ``p`` (c, Vb) of a vocabulary block with the loss gradient; ``t_local`` and
-    ``j_local`` are the true class and the runner-up relative to the block (outside it: not added)."""
+    ``j_local`` are the true class and the runner-up relative to the block (outside it: not added),
+    ``class_weight`` the block's class weights (None: none)."""
     if coef.b is None:
         p.mul_(coef.a[:, None])
     else:  # p ⊙ (a + b·p), through a small row buffer rather than a (c, Vb) temporary
@@ -379,7 +394,10 @@ def _grad_in_place(p, coef, t_local, j_local):
             block = p[s : s + rows]
             block.mul_(torch.addcmul(coef.a[s : s + rows, None], block, coef.b[s : s + rows, None]))
     if coef.c is not None:
-        p.add_(coef.c[:, None])
+        if class_weight is None:
+            p.add_(coef.c[:, None])
+        else:
+            p.addr_(coef.c, class_weight)
     k = p.shape[1]
     for local, value in ((t_local, coef.at_t), (j_local, coef.at_j)):
         if local is None or value is None:
@@ -391,25 +409,32 @@ def _grad_in_place(p, coef, t_local, j_local):
 
 def _soft_rows(z, q, recipe, scale):
     """Loss and gradient (written into ``z``) of whole logit rows against class probabilities ``q``:
-    −Σ_k q'_k log p_k with q' = (1 − ε)q + ε/V for cross entropy; Σ_k q_k f(p_k) + λΣ_k (p_k − q_k)²
-    otherwise (:class:`~torchcal.functional._true_class.SoftTargetLoss`'s gradient)."""
+    −Σ_k w_k q'_k log p_k with q' = (1 − ε)q + ε/V for cross entropy; Σ_k w_k q_k f(p_k) +
+    λ(Σ_k w_k q_k)Σ_k (p_k − q_k)² otherwise, w the class weights (1 without them;
+    :class:`~torchcal.functional._true_class.SoftTargetLoss`'s value and gradient)."""
     log_p = torch.log_softmax(z, dim=1)
+    cw = recipe.class_weight
     if recipe.soft_weight == "ce":
         eps = recipe.smoothing
         if eps:
             q = q * (1 - eps) + eps / z.shape[1]
+        if cw is not None:
+            q = q * cw
         loss = -(q * log_p).sum(dim=1)
         grad = torch.exp(log_p, out=z).mul_(q.sum(dim=1, keepdim=True)).sub_(q)
         return loss, grad.mul_(scale[:, None])
     f, c = recipe.soft_weight(log_p)
-    qc = q * c
-    loss = (q * f).sum(dim=1)
+    qw = q if cw is None else q * cw
+    qc = qw * c
+    loss = (qw * f).sum(dim=1)
     p = torch.exp(log_p, out=z)
     grad = qc - p * qc.sum(dim=1, keepdim=True)
     if recipe.brier:
-        loss = loss + recipe.brier * (p - q).square().sum(dim=1)
+        lam = recipe.brier if cw is None else recipe.brier * (q @ cw)[:, None]
+        pq = (p - q).square().sum(dim=1, keepdim=True)
+        loss = loss + (lam * pq).squeeze(1)
         pd = p * (p - q)
-        grad = grad + (2 * recipe.brier) * (pd - p * pd.sum(dim=1, keepdim=True))
+        grad = grad + (2 * lam) * (pd - p * pd.sum(dim=1, keepdim=True))
     return loss, grad.mul_(scale[:, None])
 
 
@@ -441,16 +466,14 @@ def _run(hidden, index, weight, bias, targets, recipe, extra, chunk, vchunk, row
         elif vchunk >= v:
             z = _logits(h, weight, bias)
             stats = _row_stats(z, t, recipe)
-            loss[start:stop], coef = _coefficients(stats, recipe, ext, scale, v)
-            blocks = [(0, v, _grad_in_place(z, coef, t, stats.j))] if grads else []
+            loss[start:stop], coef = _coefficients(stats, recipe, ext, scale, t, v)
+            blocks = [(0, v, _grad_in_place(z, coef, t, stats.j, recipe.class_weight))] if grads else []
         else:
             stats = _block_stats(h, weight, bias, t, recipe, vchunk)
-            loss[start:stop], coef = _coefficients(stats, recipe, ext, scale, v)
+            loss[start:stop], coef = _coefficients(stats, recipe, ext, scale, t, v)
+            grad_of = (h, weight, bias, vchunk, stats, coef, t, recipe)
             blocks = (
-                (
-                    (b0, min(v, b0 + vchunk), _block_grad(h, weight, bias, b0, vchunk, stats, coef, t))
-                    for b0 in range(0, v, vchunk)
-                )
+                ((b0, min(v, b0 + vchunk), _block_grad(b0, *grad_of)) for b0 in range(0, v, vchunk))
                 if grads
                 else []
             )
@@ -470,17 +493,19 @@ def _run(hidden, index, weight, bias, targets, recipe, extra, chunk, vchunk, row
     return loss, (g_h, g_w, g_b)
 
 
-def _block_grad(h, weight, bias, start, vchunk, stats, coef, t):
+def _block_grad(start, h, weight, bias, vchunk, stats, coef, t, recipe):
     """The loss gradient of one vocabulary block, its logits recomputed (second pass)."""
     z = _logits(h, weight, bias, start, start + vchunk)
     p = z.sub_(stats.lse[:, None]).exp_()
-    return _grad_in_place(p, coef, t - start, None if stats.j is None else stats.j - start)
+    cw = None if recipe.class_weight is None else recipe.class_weight[start : start + vchunk]
+    return _grad_in_place(p, coef, t - start, None if stats.j is None else stats.j - start, cw)
 
 
 class _FusedLinearLoss(torch.autograd.Function):
     """Σ or mean over the kept tokens of loss(hidden @ weight.T + bias): the gradients are computed in the
     forward pass and scaled in the backward (reduction "none" keeps the inputs and recomputes them with the
-    per-token incoming gradients)."""
+    per-token incoming gradients). The backward is differentiable once only: its gradients are not functions
+    of the inputs that autograd could differentiate again, so a backward with ``create_graph=True`` raises."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, index, extra, recipe, chunk, vchunk, reduction, want):
@@ -494,17 +519,29 @@ class _FusedLinearLoss(torch.autograd.Function):
             ctx.save_for_backward(hidden, weight, bias, targets, index, extra)
             ctx.args = (recipe, chunk, vchunk, want)
             return loss
-        scale = torch.full((m,), 1.0 / m if reduction == "mean" else 1.0, dtype=w.dtype, device=w.device)
+        count = m
+        if reduction == "mean" and recipe.class_weight is not None and not targets.is_floating_point():
+            count = recipe.class_weight[targets].sum()  # F.cross_entropy's Σ w_y over the kept labels
+        scale = torch.full((m,), 1.0, dtype=w.dtype, device=w.device)
+        if reduction == "mean":
+            scale /= count
         loss, grads = _run(*run, scale, want)
         del w, b
         total = loss.sum()
-        value = total / m if reduction == "mean" else total
+        value = total / count if reduction == "mean" else total
         ctx.save_for_backward(*(None if g is None else g.to(d) for g, d in zip(grads, ctx.dtypes)))
         return value
 
     # one gradient argument per output, as in torch's own Functions (the base declares *grad_outputs)
     @staticmethod
     def backward(ctx, grad_out):  # pyright: ignore[reportIncompatibleMethodOverride]
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            # (create_graph=True: the gradients were made in the forward pass and are not functions of the
+            # inputs here, so a graph of them would miss the second derivative; refused rather than wrong)
+            raise RuntimeError(
+                "fused_linear_loss is differentiable once only (its gradients are made in the forward pass): "
+                "second-order gradients (create_graph=True) are not available; use the unfused loss for them"
+            )
         with torch.autocast(grad_out.device.type, enabled=False):
             return _FusedLinearLoss._backward(ctx, grad_out)
 
@@ -545,6 +582,7 @@ def fused_linear_loss(
     vocab_chunk_size: int | None = None,
     ignore_index: int | None = IGNORE_INDEX,
     reduction: str = "mean",
+    class_weight=None,
     **loss_kwargs,
 ):
     r"""``loss(hidden @ weight.T + bias, targets)`` without materialising the N × V logits.
@@ -576,12 +614,23 @@ def fused_linear_loss(
         ignore_index: label of tokens to leave out (None: none); they are dropped before the matmul.
         reduction: "mean" over the kept tokens (NaN when none is kept, as ``F.cross_entropy``), "sum" or
             "none" (per-token losses of the targets' shape, 0 at ignored tokens).
+        class_weight: optional (V,) non-negative class weights w, ``F.cross_entropy``'s ``weight``: a labelled
+            token's loss is multiplied by w_y and "mean" divides by Σ w_y over the kept tokens; label
+            smoothing's ε/V term weights each class by its own w_k; soft targets give Σ_k w_k q_k f(p_k)
+            (+ λ·(Σ_k w_k q_k)·Σ_k (p_k − q_k)²) and "mean" divides by the token count, as the unfused losses.
 
     Returns:
-        The loss; differentiable with respect to ``hidden``, ``weight`` and ``bias``. The gradients are made in
-        the forward pass; ``loss.backward()`` hands them over without a copy, so a second backward pass
-        through the same graph (``retain_graph=True``) raises if the first one's gradients were changed in
-        place in the meantime (autograd's check of saved tensors).
+        The loss; differentiable with respect to ``hidden``, ``weight`` and ``bias``, once: the gradients are
+        made in the forward pass, so they carry no graph of their own and a backward with
+        ``create_graph=True`` (a gradient penalty, second-order methods) raises. ``loss.backward()`` hands
+        them over without a copy, so a second backward pass through the same graph (``retain_graph=True``)
+        raises if the first one's gradients were changed in place in the meantime (autograd's check of saved
+        tensors). No gradient flows to ``targets`` or ``class_weight``.
+
+    Raises:
+        ValueError: soft ``targets`` or ``class_weight`` that require grad (detach them: the fused loss gives
+            them no gradient), and the argument errors named in the message.
+        RuntimeError: from the backward pass, with ``create_graph=True``.
 
     Example:
         >>> import torch
@@ -606,6 +655,15 @@ def fused_linear_loss(
     v, width = weight.shape
     lead = tuple(hidden.shape[:-1])
     targets = as_tensor(targets, "targets")
+    for value, arg in ((targets, "targets"), (class_weight, "class_weight")):
+        if isinstance(value, torch.Tensor) and value.requires_grad:
+            raise ValueError(
+                f"`{arg}` requires grad, but the fused loss gives it no gradient: detach it ({arg}.detach())"
+            )
+    if class_weight is not None:
+        compute = torch.float64 if weight.dtype == torch.float64 else torch.float32
+        logits_like = torch.empty(0, v, dtype=compute, device=hidden.device)  # the dtype and device it takes
+        recipe = recipe._replace(class_weight=check_class_weight(class_weight, logits_like))
     if targets.device != hidden.device:
         raise ValueError(f"`targets` is on {targets.device} but `hidden` is on {hidden.device}")
     rows = hidden.reshape(-1, width)

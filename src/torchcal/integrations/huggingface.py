@@ -27,6 +27,8 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import os
+import tempfile
 from collections.abc import Mapping
 from typing import Any
 
@@ -35,6 +37,7 @@ import torch
 
 try:
     from transformers import Trainer
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 except ImportError as err:  # pragma: no cover - exercised only without transformers
     raise ImportError(
         "torchcal.integrations.huggingface needs transformers: pip install 'torchcal[huggingface]'"
@@ -47,6 +50,9 @@ from ..metrics import DECOMPOSITION_METRICS, METRICS, ROW_METRICS, CalibrationMe
 from . import _multilabel as ML
 
 __all__ = ["loss_func", "compute_metrics", "CalibrationTrainer", "fused_loss", "FusedCalibrationTrainer"]
+
+# the calibration loss's state_dict in each checkpoint folder of a CalibrationTrainer
+CALIBRATION_LOSS_NAME = "calibration_loss.pt"
 
 
 def _logits_of(outputs) -> torch.Tensor:
@@ -194,7 +200,13 @@ class CalibrationTrainer(Trainer):
     ``evaluate()`` called outside ``train()`` (``evaluate(eval_dataset=test)`` for test metrics, the usual
     extra evaluation after training) and ``predict()`` measure without adapting the loss: the loss must not
     learn from test labels. ``evaluate(..., update_calibration_loss=True)`` updates it anyway;
-    ``update_calibration_loss=False`` skips the update of an evaluation inside ``train()``."""
+    ``update_calibration_loss=False`` skips the update of an evaluation inside ``train()``.
+
+    The loss is not part of the model, so each checkpoint also holds its ``state_dict()`` (AdaFocal's γ per
+    bin, bin edges and histories, CALS's multipliers, AvUC's threshold, ...) in ``calibration_loss.pt``,
+    written atomically by the saving process; ``train(resume_from_checkpoint=...)`` loads it back before
+    training resumes, so a resumed run continues from the loss of the checkpoint. Resuming from a checkpoint
+    without that file, with a loss that has state, raises ``FileNotFoundError``."""
 
     def __init__(self, *args, calibration_loss, ignore_index: int | None = -100, **kwargs):
         if kwargs.get("compute_loss_func") is not None:
@@ -207,11 +219,37 @@ class CalibrationTrainer(Trainer):
         self._calibration_update: bool | None = None
 
     def train(self, *args, **kwargs):
+        checkpoint = kwargs.get("resume_from_checkpoint", args[0] if args else None)
+        if checkpoint is True:  # the Trainer's own choice: the last checkpoint in output_dir
+            checkpoint = get_last_checkpoint(self.args.output_dir)
+        # (a path that is no folder: the Trainer raises)
+        if isinstance(checkpoint, str | os.PathLike) and os.path.isdir(checkpoint):
+            self._load_calibration_loss(checkpoint)
         self._calibration_training = True
         try:
             return super().train(*args, **kwargs)
         finally:
             self._calibration_training = False
+
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        if self.args.should_save:  # the folder the Trainer has just written (its _save_checkpoint's name)
+            folder = os.path.join(
+                self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            )
+            _save_atomically(self.calibration_loss.state_dict(), os.path.join(folder, CALIBRATION_LOSS_NAME))
+
+    def _load_calibration_loss(self, checkpoint) -> None:
+        path = os.path.join(checkpoint, CALIBRATION_LOSS_NAME)
+        if not os.path.isfile(path):
+            if self.calibration_loss.state_dict():
+                raise FileNotFoundError(
+                    f"{checkpoint} has no {CALIBRATION_LOSS_NAME}, the state of the calibration loss "
+                    f"({type(self.calibration_loss).__name__}), so the resumed run would start from a fresh "
+                    "loss; save the loss's state_dict() there (torch.save) to resume from this checkpoint"
+                )
+            return
+        self.calibration_loss.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
 
     def evaluate(self, *args, update_calibration_loss: bool | None = None, **kwargs):
         """``Trainer.evaluate``; ``update_calibration_loss`` (None: only inside ``train()``) says whether
@@ -233,10 +271,28 @@ class CalibrationTrainer(Trainer):
             update = self._calibration_update
         adaptive = [m for m in self.calibration_loss.modules() if isinstance(m, ADAPTIVE_LOSSES)]
         if update and adaptive and output.predictions is not None and output.label_ids is not None:
-            logits, labels = _rows(output.predictions, output.label_ids, self.calibration_ignore_index)
+            logits, labels = self._calibration_rows(output.predictions, output.label_ids)
             for module in adaptive:
                 module.update(logits, labels, from_logits=True)
         return output
+
+    def _calibration_rows(self, predictions, label_ids):
+        """The evaluation logits and labels the loss is updated from, as (rows, K) and (rows,) tensors."""
+        return _rows(predictions, label_ids, self.calibration_ignore_index)
+
+
+def _save_atomically(state: dict, path: str) -> None:
+    """``torch.save`` into a temporary file of the same folder, renamed onto ``path``: a reader sees the old
+    file or the whole new one."""
+    handle, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+    try:
+        with os.fdopen(handle, "wb") as file:
+            torch.save(state, file)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 # -- the fused head: training without the logits (decision 128) ----------------------------------------------
@@ -369,7 +425,8 @@ class FusedCalibrationTrainer(CalibrationTrainer):
     materialising the logits; evaluation and prediction steps, which return the logits, compute them and the
     same loss unfused. Labels of causal LMs are shifted (position i predicts token i + 1) in both, and the
     AdaFocal update after an evaluation uses the shifted labels too (it needs the evaluation logits, which the
-    Trainer keeps when ``compute_metrics`` is set). ``calibration_loss`` is a torchcal loss module or name
+    Trainer keeps when ``compute_metrics`` is set). Which evaluations update the loss, and the loss's state in
+    each checkpoint, are :class:`CalibrationTrainer`'s. ``calibration_loss`` is a torchcal loss module or name
     (``"flsd-53"``) or a :class:`~torchcal.losses.FusedLinearLoss`."""
 
     def __init__(
@@ -415,20 +472,12 @@ class FusedCalibrationTrainer(CalibrationTrainer):
             finally:
                 self.compute_loss_func = unfused
 
-    def evaluation_loop(self, *args, **kwargs):
+    def _calibration_rows(self, predictions, label_ids):
         if not self._causal:
-            return super().evaluation_loop(*args, **kwargs)
-        output = Trainer.evaluation_loop(self, *args, **kwargs)
-        prefix = kwargs.get("metric_key_prefix", args[4] if len(args) > 4 else "eval")
-        adaptive = [m for m in self.calibration_loss.modules() if isinstance(m, ADAPTIVE_LOSSES)]
-        if prefix == "eval" and adaptive and output.predictions is not None and output.label_ids is not None:
-            predictions = (
-                output.predictions[0] if isinstance(output.predictions, tuple) else output.predictions
-            )
-            labels = np.asarray(output.label_ids)
-            logits, labels = _rows(
-                np.asarray(predictions)[:, :-1], labels[:, 1:], self.calibration_ignore_index
-            )
-            for module in adaptive:
-                module.update(logits, labels, from_logits=True)
-        return output
+            return super()._calibration_rows(predictions, label_ids)
+        if isinstance(predictions, tuple | list):
+            predictions = predictions[0]
+        # position i predicts token i + 1
+        return _rows(
+            np.asarray(predictions)[:, :-1], np.asarray(label_ids)[:, 1:], self.calibration_ignore_index
+        )
