@@ -288,6 +288,38 @@ def test_equal_mass_and_top_label_variants():
         assert abs(float(top[j]) - float(expected)) < 1e-12
 
 
+def test_binary_top_label_at_a_tie_predicts_class_0_as_the_multiclass_argmax():
+    # hand-computed, one bin: p = 0.5 predicts class 0 (the first maximum of (1 − p, p)), so with y = 0 the
+    # three ties are correct and 0.9 → 1 is too: accuracy 1, mean confidence (3·0.5 + 0.9)/4 = 0.6, ECE 0.4
+    # (predicting 1 at the tie would give accuracy 1/4 and ECE 0.35)
+    p = torch.tensor([0.5, 0.5, 0.5, 0.9], dtype=torch.float64)
+    y = torch.tensor([0, 0, 0, 1])
+    for binning in ("equal_width", "equal_mass"):
+        got = B.multilabel_calibration_error(p, y, n_bins=1, binning=binning, top_label=True)
+        assert float(got) == pytest.approx(0.4, abs=1e-15)
+
+
+@pytest.mark.parametrize(
+    "binning,norm", [("equal_width", "l1"), ("equal_width", "max"), ("equal_mass", "l1")]
+)
+def test_binary_top_label_is_the_multiclass_ece_of_two_columns_with_ties(binning, norm):
+    # the documented identity, on labels where a quarter of the probabilities are exactly 0.5 (both targets),
+    # against the float64 loop references of the multiclass metrics on the rows (1 − p, p) (first maximum);
+    # both sum the same float64 values in another order: 1e-12
+    from tests.reference import metrics as RM
+
+    z, y = data(n=200, labels=3, seed=5)
+    p = torch.sigmoid(z)
+    p[::4] = 0.5
+    ref = {("equal_width", "l1"): RM.ece, ("equal_width", "max"): RM.mce, ("equal_mass", "l1"): RM.adaece}
+    top = B.multilabel_calibration_error(
+        p, y, n_bins=7, norm=norm, binning=binning, average="none", top_label=True
+    )
+    for j in range(3):
+        rows = torch.stack([1 - p[:, j], p[:, j]], 1)
+        assert float(top[j]) == pytest.approx(ref[binning, norm](rows, y[:, j].long(), 7), abs=1e-12)
+
+
 def test_auroc_of_a_one_class_label_is_missing():
     p = torch.tensor([[0.9, 0.2], [0.8, 0.6], [0.3, 0.7]])
     y = torch.tensor([[1, 0], [0, 0], [1, 0]])

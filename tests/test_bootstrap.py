@@ -102,3 +102,40 @@ def test_binned_sums_by_matrix_product_and_by_scatter_agree_with_the_loop(monkey
     res = F.bootstrap_ci(metric, probs, targets, n_resamples=30, seed=3, n_bins=12)
     expected = loop_bootstrap(metric, probs, targets, 30, 3, n_bins=12)
     torch.testing.assert_close(res.samples, expected, rtol=0, atol=1e-12)
+
+
+def _half(n, k, seed):
+    """A float16 softmax and its targets: rounding each entry to float16 moves a row sum by up to a few 1e-4,
+    beyond float32's row-sum tolerance (1e-4) and within float16's (1e-2)."""
+    probs, targets = make_probs(n, k, seed=seed, sharpness=2)
+    probs = probs.half()
+    assert 1e-4 < float((probs.double().sum(1) - 1).abs().max()) < 1e-2
+    return probs, targets
+
+
+def test_bootstrap_ci_accepts_half_precision_probabilities():
+    # the metric is called on the caller's float16 values (validated with float16's tolerance), not on the
+    # float32 upcast: the float64 reference on the same values, over the same draws. Both metrics sum exact
+    # float32 copies of the float16 values in float64 (ECE) or square and sum them in float64 (Brier), so
+    # only the summation order differs from the reference's: 1e-12
+    from tests.reference import metrics as RM
+
+    probs, targets = _half(120, 4, seed=3)
+    rows = probs.double()
+    idx = torch.randint(120, (20, 120), generator=torch.Generator().manual_seed(5))
+    res = F.bootstrap_ci(F.ece, probs, targets, n_resamples=20, seed=5, n_bins=10)
+    assert float(res.estimate) == pytest.approx(RM.ece(rows, targets, 10), abs=1e-12)
+    want = [RM.ece(rows[i], targets[i], 10) for i in idx]
+    torch.testing.assert_close(res.samples, torch.tensor(want, dtype=torch.float64), atol=1e-12, rtol=0)
+
+    def brier(p, y):  # not a registered metric: evaluated on each resample
+        return F.brier_score(p, y)
+
+    res = F.bootstrap_ci(brier, probs, targets, n_resamples=20, seed=5)
+    assert float(res.estimate) == pytest.approx(RM.brier(rows, targets), abs=1e-12)
+    want = [RM.brier(rows[i], targets[i]) for i in idx]
+    torch.testing.assert_close(res.samples, torch.tensor(want, dtype=torch.float64), atol=1e-12, rtol=0)
+    bad = (rows * 1.05).half()  # rows summing to 1.05: beyond float16's tolerance, refused
+    for metric in (F.ece, brier):
+        with pytest.raises(ValueError, match="must sum to 1"):
+            F.bootstrap_ci(metric, bad, targets, n_resamples=5)

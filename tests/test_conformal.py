@@ -5,6 +5,7 @@ from the SPEC, the marginal and class-conditional coverage guarantees over 1,000
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -279,3 +280,42 @@ def test_tune_raps_refuses_an_empty_grid():
     p, y, _ = _probs(50, 4, seed=5)
     with pytest.raises(ValueError, match="`lambdas` must hold at least one value"):
         tune_raps(p, y, 0.1, lambdas=(), from_logits=False)
+
+
+def test_tune_raps_accepts_half_precision_probabilities():
+    # float16 probabilities are validated with float16's row-sum tolerance once, not again as their float32
+    # upcast (rounding to float16 moves a row sum by a few 1e-4, beyond float32's 1e-4)
+    p, y, _ = _probs(300, 6, seed=6)
+    half = p.half()
+    assert 1e-4 < float((half.double().sum(1) - 1).abs().max()) < 1e-2
+    lam, k_reg = tune_raps(half, y, 0.1, from_logits=False)
+    rows = half.double()  # the float16 values, ranked by a stable descending sort (ties: lower index first)
+    rank0 = (rows.argsort(dim=1, descending=True, stable=True) == y[:, None]).double().argmax(1)
+    assert k_reg == int(np.quantile(rank0.numpy(), 0.9, method="higher")) + 1
+    sizes = {
+        lam_: float(SplitConformalClassifier("raps", lambda_=lam_, k_reg=k_reg, from_logits=False)
+                    .fit(half, y, 0.1).predict_sets(half).sum(1).double().mean())
+        for lam_ in (0.001, 0.01, 0.1, 0.2, 0.5)
+    }  # fmt: skip
+    assert sizes[lam] == min(sizes.values())
+    with pytest.raises(ValueError, match="must sum to 1"):  # 1.05: beyond float16's tolerance (1e-2)
+        tune_raps((rows * 1.05).half(), y, 0.1, from_logits=False)
+
+
+def test_uniforms_must_be_finite_and_in_the_unit_interval():
+    # NaN passes a test for values outside [0, 1] (both comparisons are false); it gave a NaN score, hence a
+    # NaN threshold at fit and empty sets at prediction. Refused by fit and predict_sets, with the value named
+    p, y, u = _probs(60, 4, seed=7)
+    cp = SplitConformalClassifier("aps", from_logits=False).fit(p, y, 0.1, u=u)
+    for value in (math.nan, math.inf, -math.inf, 1.5, -0.25):
+        shown = re.escape(str(value))
+        bad = u.clone()
+        bad[7] = value
+        with pytest.raises(ValueError, match=rf"`u` must hold uniforms in \[0, 1\], found {shown}"):
+            SplitConformalClassifier("aps", from_logits=False).fit(p, y, 0.1, u=bad)
+        with pytest.raises(ValueError, match=rf"`u` must hold uniforms in \[0, 1\], found {shown}"):
+            cp.predict_sets(p, u=bad)
+    edges = u.clone()
+    edges[:2] = torch.tensor([0.0, 1.0])  # the closed interval's ends are uniforms
+    assert torch.isfinite(SplitConformalClassifier("raps", from_logits=False).fit(p, y, 0.1, u=edges).qhat_)
+    assert cp.predict_sets(p, u=edges).shape == (60, 4)

@@ -68,6 +68,35 @@ def test_direction_singleton_bin_trap():
     assert float(d.ece) == pytest.approx(0.525, abs=1e-6)
 
 
+def test_direction_torchmetrics_bins_float32_confidences():
+    # torchmetrics bins float32 confidences against float32 edges whatever the input dtype. The float64
+    # confidence 0.5999999999999999 lies below the float64 edge 0.6 but rounds to the float32 edge 0.6: it
+    # shares [0.6, 0.7) with 0.62 (hand-computed: acc 1/2, conf 0.61, ECE 0.11; in float64 bins it would be
+    # 0.5·0.4 + 0.5·0.62 = 0.51)
+    c = 0.5999999999999999
+    probs = torch.tensor([[c, 1 - c], [c + 0.02, 0.98 - c]], dtype=torch.float64)
+    d = D.calibration_error_direction(probs, torch.tensor([0, 1]), n_bins=10, convention="torchmetrics")
+    assert float(d.ece) == pytest.approx(0.11, abs=1e-12)
+
+
+def test_direction_torchmetrics_convention_equals_torchmetrics_at_bin_edges():
+    # confidences on, just below and just above every edge, float64 and float32: torchmetrics' own ECE; it
+    # sums in float32, so 1e-6 (SPEC §9.0)
+    tm = pytest.importorskip("torchmetrics.functional.classification")
+    for n_bins in (3, 7, 9, 10, 14, 15):
+        edges = torch.linspace(0, 1, n_bins + 1, dtype=torch.float64).tolist()
+        for m in range(1, n_bins):
+            for c in (m / n_bins, edges[m], np.nextafter(m / n_bins, 0), np.nextafter(m / n_bins, 1)):
+                if c < 0.5:
+                    continue
+                for dtype in (torch.float64, torch.float32):
+                    probs = torch.tensor([[c, 1 - c], [c + 0.02, 0.98 - c]], dtype=torch.float64).to(dtype)
+                    y = torch.tensor([0, 1])
+                    got = D.calibration_error_direction(probs, y, n_bins=n_bins, convention="torchmetrics")
+                    want = tm.multiclass_calibration_error(probs, y, num_classes=2, n_bins=n_bins)
+                    assert float(got.ece) == pytest.approx(float(want), abs=1e-6), (n_bins, c, dtype)
+
+
 @pytest.mark.parametrize(
     "binning,convention", [("width", "torchcal"), ("width", "torchmetrics"), ("mass", "torchcal")]
 )
@@ -230,6 +259,27 @@ def test_selective_anchors():
     assert float(S.risk_at_coverage(TU_PROBS, torch.tensor([0, 0, 1, 1, 1]), 0.5)) == pytest.approx(1 / 3)
 
 
+def test_risk_at_coverage_counts_the_decimal_coverage():
+    # r_⌈N·c⌉ with ⌈N·c⌉ of the decimal c: 100 · 0.07 is 7.000000000000001 in float64, whose ceil (8) would
+    # add a sample. The 8th most confident sample is the first error: r_7 = 0, r_8 = 1/8
+    conf = torch.linspace(0.99, 0.5, 100, dtype=torch.float64)
+    probs, targets = torch.stack([conf, 1 - conf], 1), torch.zeros(100, dtype=torch.long)
+    targets[7] = 1
+    assert float(S.risk_at_coverage(probs, targets, 0.07)) == 0.0
+    # two-decimal coverages of N = 100 and three-decimal ones of N = 1000 and 300 against the exact rational
+    # ⌈N·c⌉ (fractions) on the float64 loop reference's curve; both divide an exact count of errors by k, so
+    # the values are equal
+    from fractions import Fraction
+
+    for n, digits in ((100, 2), (1000, 3), (300, 3)):
+        probs, targets = _data(n, 3, seed=n)
+        pairs = R.top_pairs(probs, targets)
+        risks = [r for _, r, _ in R.selective_risks([p for p, _ in pairs], [1 - c for _, c in pairs])]
+        for m in range(1, 10**digits + 1, 1 if digits == 2 else 7):
+            k = math.ceil(Fraction(m, 10**digits) * n)
+            assert float(S.risk_at_coverage(probs, targets, m / 10**digits)) == risks[k - 1], (n, m)
+
+
 def test_coverage_at_risk_non_monotone_curve():
     # sorted errors [0, 1, 1, 1, 1] at ρ = 0.3: torch-uncertainty returns NaN, the answer is 0.2
     probs = torch.tensor([[0.9, 0.1], [0.8, 0.2], [0.7, 0.3], [0.6, 0.4], [0.55, 0.45]])
@@ -301,6 +351,82 @@ def test_confidence_scores_and_explicit_confidence():
         S.confidence_score(probs, score="energy")
     with pytest.raises(ValueError, match="confidence"):
         S.aurc(probs, targets, confidence=torch.ones(3))
+
+
+def _half_softmax(n, seed, dtype=torch.float16):
+    """Two-class probabilities rounded to ``dtype``, targets drawn from them, and the largest |row sum − 1|.
+    Each entry moves by up to half an ulp (float16: 2.4e-4 near 1; bfloat16: 2e-3), beyond float32's row-sum
+    tolerance (1e-4) and within the dtype's own (float16 1e-2, bfloat16 2e-2)."""
+    g = torch.Generator().manual_seed(seed)
+    probs = torch.softmax(3 * torch.randn(n, 2, generator=g, dtype=torch.float64), 1)
+    targets = torch.multinomial(probs, 1, generator=g).squeeze(1)
+    probs = probs.to(dtype)
+    return probs, targets, float((probs.double().sum(1) - 1).abs().max())
+
+
+def _reference_confidence(probs, score):
+    """Per-row confidence by plain float64 Python from the rows' values."""
+    out = []
+    for row in probs.double().tolist():
+        if score == "entropy":
+            out.append(sum(p * math.log(p) for p in row if p > 0))
+        else:
+            a, b = sorted(row, reverse=True)[:2]
+            out.append(a - b)
+    return out
+
+
+@pytest.mark.parametrize("score", ["entropy", "margin"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_selective_scores_accept_half_precision_probabilities(score, dtype):
+    # a valid float16 / bfloat16 softmax is validated in its own dtype (as every metric does), not again as
+    # its float32 upcast: the selective metrics with score != "max_prob" and CalibrationMetrics accept it
+    probs, targets, deviation = _half_softmax(80, seed=31, dtype=dtype)
+    assert 1e-4 < deviation < (1e-2 if dtype == torch.float16 else 2e-2)
+    conf = _reference_confidence(probs, score)
+    errors = [1 - c for _, c in R.top_pairs(probs.double(), targets)]
+    # the metrics depend on the ranking only; torchcal's confidences (float32 from the same values) keep the
+    # reference's order when distinct reference values lie 1e-6 apart (float32 error here is ~1e-7), and
+    # rows holding the same two values tie exactly in both
+    gaps = [b - a for a, b in zip(sorted(set(conf)), sorted(set(conf))[1:])]
+    assert min(gaps) > 1e-6
+    pts = R.selective_risks(conf, errors)
+    assert float(S.aurc(probs, targets, score=score)) == pytest.approx(
+        R.aurc_per_sample(conf, errors), abs=1e-12
+    )
+    assert float(S.augrc(probs, targets, score=score)) == pytest.approx(
+        R.aurc_per_sample(conf, errors, True), abs=1e-12
+    )
+    assert float(S.aurc(probs, targets, score=score, ties="group")) == pytest.approx(
+        R.aurc_grouped(conf, errors), abs=1e-12
+    )
+    curve = S.risk_coverage_curve(probs, targets, score=score)
+    torch.testing.assert_close(curve.risk.tolist(), [r for _, r, _ in pts], atol=1e-15, rtol=0)
+    assert float(S.risk_at_coverage(probs, targets, 0.5, score=score)) == pytest.approx(pts[39][1], abs=1e-15)
+    ok = [cov for cov, r, _ in pts if r <= 0.2]
+    assert float(S.coverage_at_risk(probs, targets, 0.2, score=score)) == pytest.approx(max(ok), abs=1e-15)
+    m = CalibrationMetrics(2, score=score)
+    m.update(probs[:50], targets[:50])
+    m.update(probs[50:], targets[50:])
+    got = m.compute(["aurc", "augrc"])
+    assert float(got["aurc"]) == pytest.approx(R.aurc_per_sample(conf, errors), abs=1e-12)
+    assert float(got["augrc"]) == pytest.approx(R.aurc_per_sample(conf, errors, True), abs=1e-12)
+
+
+@pytest.mark.parametrize("score", ["entropy", "margin"])
+def test_selective_scores_refuse_half_probabilities_beyond_their_tolerance(score):
+    # rows summing to 1.05 are outside float16's tolerance (1e-2): still refused, by every entry point
+    probs, targets, _ = _half_softmax(40, seed=32)
+    bad = (probs.double() * 1.05).half()
+    for call in (
+        lambda: S.aurc(bad, targets, score=score),
+        lambda: S.risk_at_coverage(bad, targets, 0.5, score=score),
+        lambda: S.coverage_at_risk(bad, targets, 0.5, score=score),
+        lambda: S.confidence_score(bad, score=score),
+        lambda: CalibrationMetrics(2, score=score).update(bad, targets),
+    ):
+        with pytest.raises(ValueError, match="must sum to 1"):
+            call()
 
 
 def test_selective_edges():
@@ -376,6 +502,49 @@ def test_ood_labels_are_checked_in_every_dtype():
         with pytest.raises(ValueError, match="0/1"):
             S.average_precision(scores, bad)
     assert math.isnan(float(S.fpr_at_tpr(torch.zeros(0), torch.zeros(0, dtype=torch.long))))
+
+
+def test_ood_scores_must_be_finite_floating_point():
+    # NaN or inf scores have no place in a ranking (scikit-learn refuses them too): they used to give an FPR
+    # and an AP silently; integer scores are refused for their dtype
+    t = torch.tensor([1, 0, 1, 0])
+    for value in (math.nan, math.inf, -math.inf):
+        s = torch.tensor([0.9, value, 0.2, 0.5])
+        for fn in (S.fpr_at_tpr, S.average_precision):
+            with pytest.raises(ValueError, match="`scores` contains NaN or infinite values"):
+                fn(s, t)
+    for fn in (S.fpr_at_tpr, S.average_precision):
+        with pytest.raises(TypeError, match="`scores` must be a floating-point tensor, got dtype torch.int"):
+            fn(torch.tensor([3, 1, 2, 0]), t)
+        with pytest.raises(ValueError, match=r"`scores` must have shape \(N,\)"):
+            fn(torch.zeros(4, 1), t)
+    with pytest.raises(ValueError, match="`labels` must hold 0/1"):
+        S.average_precision(torch.tensor([0.3, 0.2]), torch.tensor([0, 2]))
+
+
+def test_fpr_at_least_starts_at_the_infinite_threshold():
+    # rule="at_least" takes the highest threshold whose recall reaches tpr among roc_curve's points, the
+    # first of which is threshold +inf (nothing selected: recall 0, FPR 0). tpr = 0: FPR 0 (hand-computed);
+    # tpr = 0.5: the block at 0.8 (one OOD of two, one ID of one selected): FPR 1
+    scores, is_ood = torch.tensor([0.9, 0.8, 0.1]), torch.tensor([0, 1, 1])
+    assert float(S.fpr_at_tpr(scores, is_ood, tpr=0.0, rule="at_least")) == 0.0
+    assert float(S.fpr_at_tpr(scores, is_ood, tpr=0.5, rule="at_least")) == 1.0
+
+
+def test_fpr_at_least_equals_sklearn_roc_curve():
+    # scikit-learn's roc_curve (all points kept): the FPR of the first point whose TPR >= the level; ties and
+    # every level from 0 to 1; the same float64 ratios, so equal exactly
+    metrics = pytest.importorskip("sklearn.metrics")
+    g = torch.Generator().manual_seed(41)
+    for _ in range(30):
+        scores = torch.randint(0, 9, (50,), generator=g).double() / 8
+        is_ood = torch.randint(0, 2, (50,), generator=g)
+        if not 0 < int(is_ood.sum()) < 50:
+            continue
+        fpr, tpr, _ = metrics.roc_curve(is_ood.numpy(), scores.numpy(), drop_intermediate=False)
+        for level in (0.0, 0.05, 0.3, 0.5, 0.95, 1.0):
+            want = float(fpr[np.argmax(tpr >= level)])
+            assert float(S.fpr_at_tpr(scores, is_ood, tpr=level, rule="at_least")) == want
 
 
 def test_average_precision_anchor_vs_sklearn_rule():

@@ -153,3 +153,52 @@ def test_paired_bootstrap_errors():
         SG.paired_bootstrap(expected_calibration_error, probs, probs[:10], targets)
     with pytest.raises(ValueError, match="confidence_level"):
         SG.paired_bootstrap(expected_calibration_error, probs, probs, targets, confidence_level=1.0)
+
+
+def _half(n, k, seed):
+    """A float16 softmax and labels drawn from it: rounding each entry to float16 moves a row sum by up to a
+    few 1e-4, beyond float32's row-sum tolerance (1e-4) and within float16's (1e-2)."""
+    probs, targets = _calibrated(n, k, seed)
+    probs = probs.half()
+    assert 1e-4 < float((probs.double().sum(1) - 1).abs().max()) < 1e-2
+    return probs, targets
+
+
+def test_calibration_test_accepts_half_precision_probabilities():
+    # the statistic is evaluated on the caller's float16 values (float16's tolerance), not on their float32
+    # upcast; against the float64 references on the same values. The ECE sums exact copies of the float16
+    # values in float64, so only the summation order differs: 1e-12
+    probs, targets = _half(60, 4, seed=13)
+    rows = probs.double()
+    res = SG.calibration_test(probs, targets, n_bins=5, n_resamples=20, seed=3)
+    assert float(res.statistic) == pytest.approx(RM.ece(rows, targets, 5), abs=1e-12)
+    want = torch.tensor(_reference_null(rows, 20, 3, 5), dtype=torch.float64)
+    torch.testing.assert_close(res.null_statistics, want, atol=1e-12, rtol=0)
+    cw = SG.calibration_test(probs, targets, kind="classwise", n_resamples=5)
+    assert float(cw.statistic) == pytest.approx(RM.classwise(rows, targets), abs=1e-12)
+    ks = SG.calibration_test(probs, targets, statistic=ks_calibration_error, n_resamples=5)
+    assert 0 <= float(ks.pvalue) <= 1
+    bad = (rows * 1.05).half()  # rows summing to 1.05: beyond float16's tolerance, refused
+    for kw in ({}, {"kind": "classwise"}, {"statistic": ks_calibration_error}):
+        with pytest.raises(ValueError, match="must sum to 1"):
+            SG.calibration_test(bad, targets, n_resamples=5, **kw)
+
+
+def test_paired_bootstrap_accepts_half_precision_probabilities():
+    # both the weighted path (ECE) and the per-replicate path (a function of its own) call the metric on the
+    # caller's float16 values; float64 references on the same values and draws (summation order: 1e-12)
+    probs, targets = _half(100, 3, seed=14)
+    other = torch.softmax(2 * probs.double().log(), 1).half()
+    pa, pb = probs.double(), other.double()
+    idx = torch.randint(100, (20, 100), generator=torch.Generator().manual_seed(4))
+
+    def brier(p, y):  # not a registered metric: evaluated on each replicate
+        return brier_score(p, y)
+
+    for metric, ref in ((expected_calibration_error, RM.ece), (brier, RM.brier)):
+        res = SG.paired_bootstrap(metric, probs, other, targets, n_resamples=20, seed=4)
+        assert float(res.difference) == pytest.approx(ref(pb, targets) - ref(pa, targets), abs=1e-12)
+        want = [ref(pb[r], targets[r]) - ref(pa[r], targets[r]) for r in idx]
+        torch.testing.assert_close(res.samples, torch.tensor(want, dtype=torch.float64), atol=1e-12, rtol=0)
+        with pytest.raises(ValueError, match="must sum to 1"):
+            SG.paired_bootstrap(metric, probs, (pb * 1.05).half(), targets, n_resamples=5)

@@ -9,6 +9,7 @@ import torch
 from ._namespace import only_public as _only_public
 from ._validation import as_data, check_bool, check_choice, check_float, check_positive_int
 from .functional._field_inputs import field_inputs
+from .functional._inputs import in_input_dtype
 from .functional.conformal import CONFORMAL_SCORES, conformal_quantile, conformal_scores
 
 __all__ = ["SplitConformalClassifier", "tune_raps"]
@@ -91,8 +92,9 @@ class SplitConformalClassifier:
         u = as_data(u, "u").double().to(device)
         if u.shape != (n,):
             raise ValueError(f"`u` must have shape ({n},), got {tuple(u.shape)}")
-        if bool(((u < 0) | (u > 1)).any()):
-            raise ValueError("`u` must lie in [0, 1]")
+        inside = (u >= 0) & (u <= 1)  # NaN fails both comparisons
+        if not bool(inside.all()):
+            raise ValueError(f"`u` must hold uniforms in [0, 1], found {float(u[~inside][0])}")
         return u
 
     def _scores(self, probs, u):
@@ -168,10 +170,12 @@ def tune_raps(
     lambdas = tuple(lambdas)
     if not lambdas:
         raise ValueError("`lambdas` must hold at least one value to choose from, got none")
+    logits = as_data(logits, "logits")
     probs, targets = field_inputs(logits, targets, from_logits, "logits", allow_empty=False)
     order = torch.sort(probs, dim=1, descending=True, stable=True).indices
     rank0 = (order == targets[:, None]).double().argmax(1).double()  # 0-based rank of the true label
     k_reg = int(torch.quantile(rank0, 1 - alpha, interpolation="higher")) + 1
+    probs = in_input_dtype(probs, logits.dtype, from_logits)  # ``fit`` validates it again
     best, best_size = None, None
     for lam in lambdas:
         cp = SplitConformalClassifier(

@@ -375,8 +375,8 @@ def batch_state(
     rank = None
     if score in ("max_logit", "energy"):
         rank = S.confidence_score(probs_or_logits, score=score, from_logits=True).to(probs.device)
-    elif score != "max_prob":
-        rank = S.confidence_score(probs, score=score)
+    elif score != "max_prob":  # ``probs`` were validated in their own dtype (a float16 batch is upcast)
+        rank = S.confidence_from_probs(probs, score)
     return sums, conf, correct, rank
 
 

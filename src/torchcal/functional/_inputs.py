@@ -26,6 +26,7 @@ __all__ = [
     "top_label_inputs",
     "top_label_bins",
     "probs_and_targets",
+    "in_input_dtype",
     "nll_from_true_probs",
 ]
 
@@ -111,6 +112,14 @@ def _torch_sums(probs, targets, scan, threshold):
         confident.double().sum(),
         (confident & scan.correct).double().sum(),
     )
+
+
+def in_input_dtype(probs: torch.Tensor, dtype: torch.dtype, from_logits: bool) -> torch.Tensor:
+    """Validated probabilities to hand to a function that validates them again (a metric passed to a
+    wrapper): cast back to the caller's ``dtype``, so that function applies that dtype's row-sum tolerance
+    (a float16 or bfloat16 input comes back exactly from its float32 upcast); from logits, the softmax as
+    computed, unchanged."""
+    return probs if from_logits else probs.to(dtype)
 
 
 def probs_and_targets(probs, targets, from_logits: bool, name: str = "probs"):

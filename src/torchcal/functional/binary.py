@@ -15,7 +15,8 @@ autocast) and the same C++ path (decision 78).
 ECE (``(m/M, (m+1)/M]``, 0 in bin 0), bin accuracy = fraction of positives, bin confidence = mean p;
 ``average="macro"`` is the mean over labels, ``"micro"`` the same estimator on all N·L pairs pooled,
 ``"none"`` the (L,) values. ``top_label=True`` gives the binary top-label variant instead (confidence
-max(p, 1 − p), correct = [p >= 0.5] == y).
+max(p, 1 − p), correct = [p > 0.5] == y): the multiclass top-label ECE of the columns (1 − p, p), whose
+first maximal index predicts class 0 at the tie p = 0.5.
 """
 
 from __future__ import annotations
@@ -312,10 +313,11 @@ def _metric_inputs(probs, targets, from_logits):
 
 
 def _pairs(p, y, top_label):
-    """(confidence, correct) pairs whose reliability is measured."""
+    """(confidence, correct) pairs whose reliability is measured; the top label predicts 1 iff p > 0.5 (at
+    p = 0.5 the first maximum of (1 − p, p), class 0, as the multiclass argmax)."""
     if not top_label:
         return p, y
-    return torch.maximum(p, 1 - p), ((p >= 0.5).double() == y).double()
+    return torch.maximum(p, 1 - p), ((p > 0.5).double() == y).double()
 
 
 def _label_error(conf, correct, n_bins, norm, binning):
@@ -343,7 +345,8 @@ def multilabel_calibration_error(
         norm: "l1" (ECE) or "max" (MCE, equal-width bins only).
         binning: "equal_width" or "equal_mass" (AdaECE; every bin holds N/M samples, as the multiclass one).
         average: "macro" (mean over labels), "micro" (pooled N·L pairs) or "none" ((L,) values).
-        top_label: the binary top-label variant (confidence max(p, 1 − p)) instead of the reliability of p.
+        top_label: the binary top-label variant (confidence max(p, 1 − p), prediction 1 iff p > 0.5) instead
+            of the reliability of p.
 
     Example:
         >>> import torch

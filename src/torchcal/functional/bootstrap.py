@@ -7,10 +7,10 @@ from typing import NamedTuple
 
 import torch
 
-from .._validation import check_float, check_positive_int
+from .._validation import as_data, check_float, check_positive_int
 from . import calibration as C
 from ._binning import _edges, equal_width_index
-from ._inputs import nll_from_true_probs, scan_inputs
+from ._inputs import in_input_dtype, nll_from_true_probs, scan_inputs
 
 __all__ = ["BootstrapResult", "bootstrap_ci", "bootstrap_replicates", "resample_counts"]
 
@@ -172,7 +172,8 @@ def bootstrap_ci(
     resample position); the two differ only when tied samples with different correctness straddle a bin cut.
 
     Args:
-        metric: a metric function, e.g. :func:`torchcal.functional.expected_calibration_error`.
+        metric: a metric function, e.g. :func:`torchcal.functional.expected_calibration_error`. It gets the
+            probabilities in the caller's dtype (float16 stays float16), or the softmax of logits.
         n_resamples: number of bootstrap replicates.
         confidence_level: coverage of the two-sided percentile interval.
         seed: random seed.
@@ -197,9 +198,12 @@ def bootstrap_ci(
     level = check_float(confidence_level, "confidence_level", low=0, high=1, low_open=True, high_open=True)
     check_positive_int(seed, "seed", minimum=0)
     # one validating pass that also gives the top-label statistics of the weighted path
+    probs = as_data(probs, "probs")
+    dtype = probs.dtype
     probs, targets, scan = scan_inputs(probs, targets, from_logits)
     conf, correct = scan.conf, scan.correct
-    estimate = metric(probs, targets, **metric_kwargs)
+    for_metric = in_input_dtype(probs, dtype, from_logits)  # ``metric`` validates it again
+    estimate = metric(for_metric, targets, **metric_kwargs)
     n = probs.shape[0]
     gen = torch.Generator().manual_seed(seed)
     name = _WEIGHTED.get(metric)
@@ -215,7 +219,7 @@ def bootstrap_ci(
         for start in range(0, n_resamples, step):
             idx = torch.randint(n, (min(step, n_resamples - start), n), generator=gen).to(probs.device)
             for row in idx:
-                value = metric(probs[row], targets[row], **metric_kwargs)
+                value = metric(for_metric[row], targets[row], **metric_kwargs)
                 value = value[0] if isinstance(value, tuple) else value
                 samples.append(torch.as_tensor(value, dtype=torch.float64, device=probs.device).reshape(1))
     samples = torch.cat(samples)

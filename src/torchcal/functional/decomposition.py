@@ -53,11 +53,13 @@ def direction_from_sums(count, conf_sum, correct_sum) -> CalibrationDirection:
 def top_label_bin_index(conf: torch.Tensor, n_bins: int, convention: str = "torchcal"):
     """(index, number of slots) of each top-label confidence under an equal-width ``convention``:
     ``"torchcal"`` (SPEC §3): bins (m/M, (m+1)/M], 0 in bin 0, M slots; ``"torchmetrics"``: bins
-    [m/M, (m+1)/M) from ``torch.linspace(0, 1, M + 1)`` in the input dtype, plus slot M for conf == 1.0."""
+    [m/M, (m+1)/M) from ``torch.linspace(0, 1, M + 1)``, plus slot M for conf == 1.0, with the confidences
+    cast to float32 and binned against float32 edges whatever the input dtype, as torchmetrics bins (a
+    float64 confidence just below an edge can round onto it)."""
     if convention == "torchcal":
         return equal_width_index(conf, n_bins), n_bins
-    edges = torch.linspace(0, 1, n_bins + 1, dtype=conf.dtype, device=conf.device)
-    return torch.bucketize(conf, edges, right=True) - 1, n_bins + 1
+    edges = torch.linspace(0, 1, n_bins + 1, dtype=torch.float32, device=conf.device)
+    return torch.bucketize(conf.float(), edges, right=True) - 1, n_bins + 1
 
 
 def _sums_by_index(index, slots, conf, correct):
@@ -109,7 +111,8 @@ def calibration_error_direction(
             into B chunks like ``numpy.array_split`` (empty chunks when N < B are dropped).
         convention: equal-width edges: ``"torchcal"`` (SPEC §3: (m/B, (m+1)/B], 0 in bin 0) or
             ``"torchmetrics"`` ([m/B, (m+1)/B) and an extra bin holding exactly conf == 1.0, as torchmetrics
-            and torch-uncertainty bin).
+            and torch-uncertainty bin; the bin of a confidence is that of its float32 value, against float32
+            edges, as theirs; the sums stay in the input dtype).
         from_logits: apply softmax first.
 
     Returns:

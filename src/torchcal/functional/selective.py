@@ -12,6 +12,7 @@ OOD scores are oriented the other way: higher = more OOD; OOD samples are the po
 from __future__ import annotations
 
 import math
+import sys
 from typing import NamedTuple
 
 import torch
@@ -59,6 +60,13 @@ def confidence_score(scores, *, score: str = "max_prob", from_logits: bool = Fal
         z = check_logits(as_data(scores, "scores"), "scores", warn_if_probs=_FROM_LOGITS_ADVICE).double()
         return z.amax(1) if score == "max_logit" else torch.logsumexp(z, dim=1)
     probs, _ = field_inputs(scores, torch.zeros(_rows(scores), dtype=torch.long), from_logits, "scores")
+    return confidence_from_probs(probs, score)
+
+
+def confidence_from_probs(probs: torch.Tensor, score: str) -> torch.Tensor:
+    """:func:`confidence_score` ``"max_prob"``, ``"entropy"`` or ``"margin"`` of probabilities (N, K) that
+    were validated already, without validating them again (a float16 or bfloat16 input is validated with its
+    own dtype's row-sum tolerance, then upcast to float32; the upcast copy need not meet float32's)."""
     # in the input dtype (SPEC §9.0), sums over the classes accumulated in float64; no (N, K) float64 copy
     if score == "max_prob":
         return probs.amax(1).double()
@@ -85,7 +93,7 @@ def _confidence_and_errors(probs, targets, confidence, score, from_logits):
         if score in ("max_logit", "energy"):
             confidence = confidence_score(probs_in, score=score, from_logits=from_logits)
         else:
-            confidence = confidence_score(probs, score=score)
+            confidence = confidence_from_probs(probs, score)
     else:
         confidence = as_data(confidence, "confidence")
         if confidence.ndim != 1 or confidence.shape[0] != probs.shape[0]:
@@ -233,6 +241,10 @@ def risk_at_coverage(
     """Selective risk ``r_⌈N·c⌉`` of the ⌈N·c⌉ most confident samples, ``coverage`` c in (0, 1]
     (c = 0 raises: there is no risk of an empty selection). NaN for N = 0.
 
+    ⌈N·c⌉ is taken for the decimal value that c stands for: a float64 product N·c within 4 ulps of an
+    integer counts as that integer, so the binary rounding of c adds no sample (100 · 0.07 is
+    7.000000000000001 in float64, and c = 0.07 of 100 samples keeps 7, not 8).
+
     Example:
         >>> import torch
         >>> risk_at_coverage(torch.tensor([.1, .2, .3, .4, .2]), torch.tensor([0, 0, 1, 1, 1]), 0.5)
@@ -243,7 +255,15 @@ def risk_at_coverage(
     n = confidence.shape[0]
     if n == 0:
         return torch.tensor(float("nan"), dtype=torch.float64, device=confidence.device)
-    return _curve(confidence, errors).risk[min(n, math.ceil(n * c)) - 1]
+    return _curve(confidence, errors).risk[min(n, _ceil_count(n, c)) - 1]
+
+
+def _ceil_count(n: int, fraction: float) -> int:
+    """⌈n · fraction⌉, with a float64 product within 4 ulps of an integer taken as that integer (the binary
+    value of a decimal fraction such as 0.07 lies a little above or below it)."""
+    x = n * fraction
+    k = round(x)
+    return k if abs(x - k) <= 4 * sys.float_info.epsilon * max(1.0, x) else math.ceil(x)
 
 
 def coverage_at_risk(
@@ -271,24 +291,31 @@ def coverage_at_risk(
 # ----------------------------------------------------------------------------- OOD detection
 
 
-def _ood_inputs(scores, is_ood):
-    """(scores, labels as bool): ``is_ood`` must hold only 0 and 1 (checked in one pass: the range of an
-    integer tensor, both values of a floating one; a bool tensor needs no check)."""
+def _ood_inputs(scores, is_ood, label_name: str = "is_ood"):
+    """(scores, labels as bool): finite floating ``scores`` (N,) and labels ``is_ood`` (named ``label_name``
+    in errors) holding only 0 and 1, checked with one host sync (the range of an integer tensor, both values
+    of a floating one; a bool tensor needs no check)."""
     scores = as_data(scores, "scores")
-    is_ood = as_data(is_ood, "is_ood")
-    if scores.ndim != 1 or not scores.is_floating_point():
-        raise ValueError(f"`scores` must be a 1-D floating-point tensor, got shape {tuple(scores.shape)}")
+    is_ood = as_data(is_ood, label_name)
+    if scores.ndim != 1:
+        raise ValueError(f"`scores` must have shape (N,), got {tuple(scores.shape)}")
+    if not scores.is_floating_point():
+        raise TypeError(f"`scores` must be a floating-point tensor, got dtype {scores.dtype}")
     if is_ood.shape != scores.shape:
-        raise ValueError(f"`is_ood` must have shape {tuple(scores.shape)}, got {tuple(is_ood.shape)}")
+        raise ValueError(f"`{label_name}` must have shape {tuple(scores.shape)}, got {tuple(is_ood.shape)}")
     labels = is_ood.to(scores.device)
+    flags = [torch.isfinite(scores).all()]
     if labels.dtype != torch.bool and labels.numel() > 0:
         if labels.is_floating_point() or labels.is_complex():
-            valid = bool(((labels == 0) | (labels == 1)).all())
+            flags.append(((labels == 0) | (labels == 1)).all())
         else:
             lo, hi = torch.aminmax(labels)
-            valid = bool((lo >= 0) & (hi <= 1))
-        if not valid:
-            raise ValueError("`is_ood` must hold 0/1 (or bool) values")
+            flags.append((lo >= 0) & (hi <= 1))
+    finite, *valid = torch.stack(flags).tolist()
+    if not finite:
+        raise ValueError("`scores` contains NaN or infinite values")
+    if not all(valid):
+        raise ValueError(f"`{label_name}` must hold 0/1 (or bool) values")
     return scores, labels != 0
 
 
@@ -313,7 +340,9 @@ def fpr_at_tpr(scores, is_ood, *, tpr: float = 0.95, rule: str = "nearest") -> t
     ``rule="nearest"`` (default; SPEC §9.6, Hendrycks' ``fpr_and_fdr_at_recall`` as torch-uncertainty's
     development branch ports it): the recall nearest ``tpr``, which may lie below it; ties in |recall − tpr|
     go to the higher recall and, on a recall plateau, to the lowest threshold. ``rule="at_least"``
-    (torch-uncertainty 0.13, scikit-learn's ``roc_curve``): the highest threshold whose recall is ≥ ``tpr``.
+    (torch-uncertainty 0.13, scikit-learn's ``roc_curve``): the highest threshold whose recall is ≥ ``tpr``,
+    among the distinct scores and, as ``roc_curve``'s first point, +inf (recall 0, FPR 0: ``tpr=0`` gives 0).
+    Scores must be finite.
 
     Example:
         >>> import torch
@@ -327,10 +356,10 @@ def fpr_at_tpr(scores, is_ood, *, tpr: float = 0.95, rule: str = "nearest") -> t
     if total == 0:
         return torch.tensor(float("nan"), dtype=torch.float64, device=scores.device)
     tps, fps = _threshold_counts(scores, t)
-    if rule == "at_least":
-        j = int(
-            torch.searchsorted(tps / total, torch.tensor([level], dtype=torch.float64, device=tps.device))
-        )
+    if rule == "at_least":  # the points of roc_curve: threshold +inf (nothing selected), then each block
+        zero = tps.new_zeros(1)
+        tps, fps = torch.cat([zero, tps]), torch.cat([zero, fps])
+        j = int(torch.searchsorted(tps / total, tps.new_tensor([level])))
         return fps[min(j, fps.shape[0] - 1)] / (t.shape[0] - total)
     stop = int(torch.searchsorted(tps, tps[-1]))  # first block reaching every positive
     return fps[_nearest_block(tps[: stop + 1] / total, level)] / (t.shape[0] - total)
@@ -360,7 +389,7 @@ def average_precision(scores, labels) -> torch.Tensor:
         >>> average_precision(torch.tensor([.9, .8, .7, .1]), torch.tensor([1, 0, 1, 0]))
         tensor(0.8333, dtype=torch.float64)
     """
-    scores, t = _ood_inputs(scores, labels)
+    scores, t = _ood_inputs(scores, labels, "labels")
     total = float(t.sum())
     if total == 0:
         return torch.tensor(float("nan"), dtype=torch.float64, device=scores.device)

@@ -13,7 +13,7 @@ from .._validation import as_data, check_choice, check_float, check_positive_int
 from . import calibration as C
 from ._binning import equal_width_index
 from ._field_inputs import field_inputs
-from ._inputs import scan_inputs
+from ._inputs import in_input_dtype, scan_inputs
 from .bootstrap import _CHUNK, _WEIGHTED, _Weighted
 
 __all__ = ["CalibrationTestResult", "PairedComparison", "calibration_test", "paired_bootstrap"]
@@ -105,7 +105,7 @@ def calibration_test(
         kind: the statistic: ``"top_label"`` (ECE, L1, ``n_bins`` equal-width bins of SPEC §3; resamples
             evaluated at once) or ``"classwise"`` (classwise ECE); ignored when ``statistic`` is given.
         statistic: any ``f(probs, targets) -> scalar`` (e.g. :func:`ks_calibration_error`), evaluated on
-            each resample in turn.
+            each resample in turn, on (N, K) probabilities in the caller's dtype (or the softmax of logits).
         n_resamples: R. seed: seed of the ``torch.Generator`` (same seed, same draws, on any device).
 
     Returns:
@@ -135,11 +135,14 @@ def calibration_test(
         raise TypeError(
             f"`statistic` must be a function (probs, targets) -> scalar, got {type(statistic).__name__}"
         )
+    probs = as_data(probs, "probs")
+    dtype = probs.dtype
     probs, targets = field_inputs(probs, targets, from_logits, allow_empty=False)
     n = probs.shape[0]
     idx, u = _draws(n, n_resamples, seed, probs.device)
+    for_statistic = in_input_dtype(probs, dtype, from_logits)  # the statistic validates it again
     if statistic is None and kind == "top_label":
-        observed = C.expected_calibration_error(probs, targets, n_bins=n_bins)
+        observed = C.expected_calibration_error(for_statistic, targets, n_bins=n_bins)
         step = max(1, _CHUNK // n)
         null = torch.cat([_top_label_null(probs, idx[s : s + step], u[s : s + step], n_bins)
                           for s in range(0, n_resamples, step)])  # fmt: skip
@@ -150,10 +153,12 @@ def calibration_test(
                 return C.classwise_calibration_error(p, y, n_bins=n_bins)
 
             statistic = classwise
-        observed = torch.as_tensor(statistic(probs, targets), dtype=torch.float64, device=probs.device)
+        observed = torch.as_tensor(
+            statistic(for_statistic, targets), dtype=torch.float64, device=probs.device
+        )
         null = torch.stack([
-            torch.as_tensor(statistic(probs[idx[r]], _sampled_labels(probs, idx[r], u[r])), dtype=torch.float64,
-                            device=probs.device).reshape(())
+            torch.as_tensor(statistic(for_statistic[idx[r]], _sampled_labels(probs, idx[r], u[r])),
+                            dtype=torch.float64, device=probs.device).reshape(())
             for r in range(n_resamples)
         ])  # fmt: skip
     hits = (null >= observed).double().sum()
@@ -196,7 +201,8 @@ def paired_bootstrap(
     all replicates at once (as :func:`torchcal.functional.bootstrap_ci`); any other metric on each replicate.
 
     Args:
-        metric: a metric function ``metric(probs, targets, **metric_kwargs)``.
+        metric: a metric function ``metric(probs, targets, **metric_kwargs)``; it gets the probabilities
+            in the caller's dtype (float16 stays float16), or the softmax of logits.
         probs_a: the first model's probabilities (N, K) (logits with ``from_logits=True``).
         probs_b: the second model's, of the same shape.
         targets: the shared labels (N,).
@@ -220,14 +226,17 @@ def paired_bootstrap(
     n_resamples = check_positive_int(n_resamples, "n_resamples")
     level = check_float(confidence_level, "confidence_level", low=0, high=1, low_open=True, high_open=True)
     seed = check_positive_int(seed, "seed", minimum=0)
-    shape_a, shape_b = tuple(as_data(probs_a, "probs_a").shape), tuple(as_data(probs_b, "probs_b").shape)
+    probs_a, probs_b = as_data(probs_a, "probs_a"), as_data(probs_b, "probs_b")
+    shape_a, shape_b = tuple(probs_a.shape), tuple(probs_b.shape)
     if shape_a != shape_b:
         raise ValueError(f"`probs_a` has shape {shape_a} but `probs_b` has {shape_b}: score the same samples")
     pa, ta, scan_a = scan_inputs(probs_a, targets, from_logits, "probs_a")
     pb, tb, scan_b = scan_inputs(probs_b, targets, from_logits, "probs_b")
     pb, tb = pb.to(pa.device), tb.to(pa.device)
-    est_a = torch.as_tensor(metric(pa, ta, **metric_kwargs), dtype=torch.float64).reshape(())
-    est_b = torch.as_tensor(metric(pb, tb, **metric_kwargs), dtype=torch.float64).reshape(())
+    # ``metric`` validates its input again: in the caller's dtype, with that dtype's row-sum tolerance
+    ma, mb = in_input_dtype(pa, probs_a.dtype, from_logits), in_input_dtype(pb, probs_b.dtype, from_logits)
+    est_a = torch.as_tensor(metric(ma, ta, **metric_kwargs), dtype=torch.float64).reshape(())
+    est_b = torch.as_tensor(metric(mb, tb, **metric_kwargs), dtype=torch.float64).reshape(())
     n = pa.shape[0]
     gen = torch.Generator().manual_seed(seed)
     name = _WEIGHTED.get(metric)
@@ -250,8 +259,8 @@ def paired_bootstrap(
             diffs.append(fast_b(counts) - fast_a(counts))
         else:
             for row in idx:
-                va = torch.as_tensor(metric(pa[row], ta[row], **metric_kwargs), dtype=torch.float64)
-                vb = torch.as_tensor(metric(pb[row], tb[row], **metric_kwargs), dtype=torch.float64)
+                va = torch.as_tensor(metric(ma[row], ta[row], **metric_kwargs), dtype=torch.float64)
+                vb = torch.as_tensor(metric(mb[row], tb[row], **metric_kwargs), dtype=torch.float64)
                 diffs.append((vb - va).reshape(1).to(pa.device))
     samples = torch.cat(diffs)
     diff = (est_b - est_a).to(samples.device)
