@@ -299,6 +299,80 @@ def test_isotonic_matches_sklearn_per_class():
     np.testing.assert_allclose(got, expected, atol=1e-10)
 
 
+def _sklearn_isotonic_ovr(probs, targets, test):
+    """scikit-learn's IsotonicRegression(out_of_bounds="clip") per class, then rows divided by their sum."""
+    isotonic = pytest.importorskip("sklearn.isotonic")
+    cols = [
+        isotonic.IsotonicRegression(out_of_bounds="clip").fit(probs[:, k], targets == k).predict(test[:, k])
+        for k in range(probs.shape[1])
+    ]
+    raw = np.stack(cols, 1)
+    return raw / raw.sum(1, keepdims=True)
+
+
+def test_isotonic_pools_near_ties_as_sklearn_does():
+    """Softmax scores equal in exact arithmetic (rows whose logits are permutations of each other) differ by
+    an ulp; scikit-learn pools x values within 1e-15 of a run's first value (``_make_unique``), so these
+    get one fitted value. Exact-tie pooling gives class 0 the values 0 and 1 here."""
+    z = torch.tensor([[2.0, 0.0, 1.0, -3.0], [2.0, -3.0, 0.0, 1.0], [2.0, 1.0, -3.0, 0.0],
+                      [-1.0, 0.0, 0.0, 0.0], [3.0, 0.0, 0.0, 0.0]], dtype=torch.float64)  # fmt: skip
+    y = np.array([1, 0, 0, 1, 0])
+    p = torch.softmax(z, 1).numpy()
+    assert len(set(p[:3, 0].tolist())) == 2  # the near-tie this is about
+    got = IsotonicCalibration().fit(z, torch.from_numpy(y)).transform(z).numpy()
+    # both average 0/1 labels and interpolate in float64: rounding only
+    np.testing.assert_allclose(got, _sklearn_isotonic_ovr(p, y, p), rtol=0, atol=1e-12)
+
+
+def test_isotonic_matches_sklearn_on_permuted_rows_and_random_data():
+    """Random logits, a third of the rows repeated with their logits permuted (near-ties in every class),
+    and some exact ties: predictions at the calibration scores and at new scores agree with sklearn's."""
+    g = torch.Generator().manual_seed(5)
+    logits, targets = synthetic(n=1200, k=4, seed=5, dtype=torch.float64)
+    perm = torch.stack([torch.randperm(4, generator=g) for _ in range(400)])
+    logits[800:] = logits[:400].gather(1, perm)
+    logits[:30] = logits[30:60]
+    cal = torch.softmax(logits, 1).numpy()
+    y = targets.numpy()
+    near = sum(len(set(np.round(cal[:, k], 14))) < len(set(cal[:, k])) for k in range(4))
+    assert near == 4  # every class has scores within 1e-14 that are not equal
+    iso = IsotonicCalibration().fit(logits, targets)
+    new = synthetic(n=300, k=4, seed=6, dtype=torch.float64)[0]
+    for test in (logits, new):
+        expected = _sklearn_isotonic_ovr(cal, y, torch.softmax(test, 1).numpy())
+        np.testing.assert_allclose(iso.transform(test).numpy(), expected, rtol=0, atol=1e-10)
+
+
+def test_binary_isotonic_pools_near_ties_as_sklearn_does():
+    from sklearn.isotonic import IsotonicRegression
+
+    from torchcal.calibrators import BinaryIsotonicCalibration
+
+    # σ(0.3) and σ(0.3 + 2e-15) differ by a few ulps (< 1e-15): one pool for sklearn, so the labels 0 and
+    # 1 there give 0.5 and 0.5 (exact-tie pooling: 0 and 1)
+    z = torch.tensor([-1.0, 0.3, 0.3 + 2e-15, 1.5], dtype=torch.float64)
+    y = torch.tensor([0, 0, 1, 1])
+    p = torch.sigmoid(z).numpy()
+    assert p[1] < p[2]
+    expected = IsotonicRegression(out_of_bounds="clip").fit(p, y.numpy()).predict(p)
+    # (p[2] lies a few ulps beyond the pool's x, p[1]: interpolated towards 1 by ~1e-15)
+    np.testing.assert_allclose(expected, [0.0, 0.5, 0.5, 1.0], rtol=0, atol=1e-12)
+    got = BinaryIsotonicCalibration().fit(z, y).transform(z).numpy()
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-12)
+
+
+def test_repeated_fits_are_bitwise_identical():
+    """ETS's simplex QP and the spline's least squares give the same bits on every fit (a solver whose
+    result depends on the alignment of its work buffers would not; the allocations in between move them)."""
+    logits, targets = synthetic(n=600, k=4, seed=12, dtype=torch.float64)
+    ets, spline = set(), set()
+    for i in range(10):
+        _ = [torch.empty(1000 * (i + 1) + 7 * j, dtype=torch.float64) for j in range(3)]
+        ets.add(tuple(EnsembleTemperatureScaling().fit(logits, targets).weights_.tolist()))
+        spline.add(tuple(SplineCalibration().fit(logits, targets).coef_.tolist()))
+    assert len(ets) == 1 and len(spline) == 1
+
+
 def test_spline_fit_tracks_the_cumulative_accuracy_and_leaves_calibrated_data_nearly_alone():
     logits, targets = synthetic(n=20_000, k=5, sharpen=1.0, seed=11)  # calibrated already
     cal = SplineCalibration().fit(logits, targets)

@@ -30,32 +30,86 @@ def _nll(probs, y):
 # ----------------------------------------------------------------------------- PTS
 
 
+def _pts_unclipped(logits, kernels, biases, top_k):
+    """The reference's temperature (its network on the top-k of the clipped logits) dividing the unclipped
+    logits, softmax((z − max z) / T) row by row in float64."""
+    out = []
+    for z in np.asarray(logits, dtype=np.float64):
+        top = np.sort(np.clip(z, -100.0, 100.0))[::-1][:top_k]
+        temp = float(np.clip(abs(ref._mlp(top[None, :], kernels, biases)[0, 0]), 1e-12, 1e12))
+        e = np.exp((z - z.max()) / temp)
+        out.append(e / e.sum())
+    return np.array(out)
+
+
 def test_pts_map_matches_the_reference():
     (zc, yc), (zt, _) = split(*synthetic_logits(600, 12, seed=1, dtype=torch.float64))
-    zt = torch.cat([zt, 80 * zt[:5]])  # some logits beyond the ±100 clip
+    assert float(zt.abs().max()) <= 100
+    big = 80 * zt[:5]  # logits beyond the ±100 clip
     cal = ParameterizedTemperatureScaling(steps=30, lr=1e-2, batch_size=128).fit(zc, yc)
-    expected = ref.pts_probs(zt.numpy(), *_keras(cal), top_k=10)
+    # within ±100 the reference's map itself; beyond, its network's temperature on the unclipped logits.
     # float64 throughout; softmax and the MLP in another order of operations: rounding only
+    expected = ref.pts_probs(zt.numpy(), *_keras(cal), top_k=10)
     np.testing.assert_allclose(cal.transform(zt).numpy(), expected, rtol=0, atol=1e-13)
+    expected = _pts_unclipped(big.numpy(), *_keras(cal), top_k=10)
+    np.testing.assert_allclose(cal.transform(big).numpy(), expected, rtol=0, atol=1e-13)
     assert cal.top_k_ == 10
+
+
+def _constant_pts(temperature, k=4, top_k=4):
+    """A PTS whose network is constant: zero kernels and the output bias ``temperature``, so T(z) = it."""
+    cal = ParameterizedTemperatureScaling(hidden_sizes=(3,), top_k=top_k)
+    state = cal.state_dict()
+    state["fitted"] = {
+        "num_classes_": k,
+        "weights_": [torch.zeros(3, top_k, dtype=torch.float64), torch.zeros(1, 3, dtype=torch.float64)],
+        "biases_": [torch.zeros(3, dtype=torch.float64), torch.tensor([temperature], dtype=torch.float64)],
+        "top_k_": top_k,
+        "loss_": 0.0,
+    }
+    return cal.load_state_dict(state)
+
+
+def test_pts_keeps_the_argmax_of_logits_beyond_the_clip():
+    """Top logits above 100 are not tied by the clip: [120, 150, 0] / 2 is [60, 75, 0], so class 1 keeps
+    the argmax (the reference's clipped [100, 100, 0] / 2 would tie classes 0 and 1)."""
+    cal = _constant_pts(2.0, k=3, top_k=3)
+    z = torch.tensor(
+        [[120.0, 150.0, 0.0], [300.0, 101.0, 0.0], [-150.0, -120.0, -200.0]], dtype=torch.float64
+    )
+    probs = cal.transform(z)
+    assert probs.argmax(1).tolist() == [1, 0, 1]
+    # e^(−15) / (1 + e^(−15) + e^(−75)) and its complement, by hand; the third row is the first shifted
+    p0 = math.exp(-15) / (1 + math.exp(-15) + math.exp(-75))
+    expected = torch.tensor([[p0, 1 - p0, 0.0], [1.0, 0.0, 0.0], [p0, 1 - p0, 0.0]], dtype=torch.float64)
+    # softmax in float64: a few ulps of 1; the third entry (e^(−75) ≈ 3e-33 and e^(−100)) is below atol
+    torch.testing.assert_close(probs, expected, rtol=0, atol=1e-15)
+
+
+def test_pts_equals_the_clipped_reference_form_within_the_clip():
+    """Where every |z| <= 100 dividing the unclipped logits is the reference's softmax(clip(z) / T): fitted
+    networks (float64 and float32) and logits up to ±100."""
+    for dtype in (torch.float64, torch.float32):
+        (zc, yc), (zt, _) = split(*synthetic_logits(600, 12, seed=4, dtype=dtype))
+        edge = (100 * zt[:20] / zt[:20].abs().amax(1, keepdim=True)).clamp(-100, 100)  # rows reaching ±100
+        zt = torch.cat([zt, edge])
+        assert float(zt.abs().max()) == 100
+        cal = ParameterizedTemperatureScaling(steps=30, lr=1e-2, batch_size=128).fit(zc, yc)
+        t = cal.temperature(zt)
+        clipped = torch.softmax(zt.clamp(-100, 100) / t[:, None], dim=1)
+        # the shift by max z is exact or rounds once: the exponents differ by a few ulps of |z| / T
+        # (|z| <= 100, T >= 0.2 here), so the probabilities by about 1e3 ulps relative at most
+        assert float(t.min()) >= 0.2
+        eps = torch.finfo(dtype).eps
+        torch.testing.assert_close(cal.transform(zt), clipped, rtol=1e3 * eps, atol=1e3 * eps)
 
 
 @pytest.mark.parametrize("bias", [2.0, -2.0])
 def test_pts_with_a_constant_network_is_temperature_scaling(bias):
-    # zero kernels and a output bias b: T = |b| for every sample, so softmax(z / |b|)
-    cal = ParameterizedTemperatureScaling(hidden_sizes=(3,), top_k=4)
-    state = cal.state_dict()
-    state["fitted"] = {
-        "num_classes_": 4,
-        "weights_": [torch.zeros(3, 4, dtype=torch.float64), torch.zeros(1, 3, dtype=torch.float64)],
-        "biases_": [torch.zeros(3, dtype=torch.float64), torch.tensor([bias], dtype=torch.float64)],
-        "top_k_": 4,
-        "loss_": 0.0,
-    }
-    cal.load_state_dict(state)
+    # zero kernels and a output bias b: T = |b| for every sample, so softmax(z / |b|), unclipped
+    cal = _constant_pts(bias)
     z = torch.tensor([[3.0, 1.0, 0.0, -1.0], [0.0, 0.0, 0.0, 250.0]], dtype=torch.float64)
-    clipped = z.clamp(-100, 100)  # the reference clips the logits to ±100 before dividing
-    torch.testing.assert_close(cal.transform(z), torch.softmax(clipped / 2.0, 1), rtol=0, atol=1e-15)
+    torch.testing.assert_close(cal.transform(z), torch.softmax(z / 2.0, 1), rtol=0, atol=1e-15)
     torch.testing.assert_close(cal.temperature(z), torch.full((2,), 2.0, dtype=torch.float64))
 
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["DiagModel", "FullModel", "minimize", "newton", "lbfgs"]
+__all__ = ["DiagModel", "FullModel", "minimize", "minimize_nonnegative", "newton", "lbfgs"]
 
 # Hessians cost N·P² multiply-adds; above this many (or this many parameters) L-BFGS is cheaper.
 NEWTON_MAX_WORK = 2.5e9
@@ -485,6 +485,89 @@ def minimize(
         u, value, n_iter, converged = lbfgs(scaled, to_u(x0), max_iter=max_iter)
         out = (to_theta(u), value, n_iter, converged)
     return (*out, solver)
+
+
+class _Restricted:
+    """``model`` with the entries of θ outside ``free`` (a boolean mask) held at 0: a function of θ[free]
+    for :func:`minimize` (value, gradient and Hessian restricted to the free entries)."""
+
+    def __init__(self, model, free: torch.Tensor):
+        self.model, self.free = model, free
+        self.penalty = None  # the model's own penalty is inside __call__ and diag_hessian
+
+    @property
+    def f(self):
+        return self.model.f
+
+    def to(self, dtype):
+        self.model.to(dtype)
+        return self
+
+    def full(self, u):
+        return u.new_zeros(self.free.shape).masked_scatter_(self.free, u)
+
+    def __call__(self, u, order: int):
+        value, grad, hess = self.model(self.full(u), order)
+        grad = None if grad is None else grad[self.free]
+        hess = None if hess is None else hess[self.free][:, self.free]
+        return value, grad, hess
+
+    def diag_hessian(self, u, stride: int = 1):
+        theta = self.full(u)
+        d = self.model.diag_hessian(theta, stride=stride)
+        if self.model.penalty is not None:
+            d = d + self.model.penalty(theta, "diag")
+        return d[self.free]
+
+
+def minimize_nonnegative(
+    model, x0: torch.Tensor, bounded: torch.Tensor, solver: str = "auto", max_iter: int = 1000
+) -> tuple[torch.Tensor, float, int, bool, str]:
+    """Minimises ``model`` subject to θ_j ≥ 0 where ``bounded`` (a boolean mask) is set, from ``x0``,
+    which must lie strictly inside that box (the box of L-BFGS-B in the references).
+
+    The unconstrained optimum (:func:`minimize`) is returned as it is when it lies in the box. Otherwise an
+    active set (Lawson and Hanson's, for a convex objective): from a point of the box, move towards the
+    minimiser over the entries not held at 0, stopping at the first bound that would be crossed and holding
+    that entry at 0; once the minimiser lies in the box, take it, and release the held entry whose gradient
+    is most negative, if holding it costs more than the solver's own tolerance on the objective (g_j² / 2H_jj
+    above 1e-12, Newton's stopping decrement, or L-BFGS's relative change); stop when none does (the KKT
+    conditions). Each step lowers the objective, so no set of held entries recurs. Returns (θ, f, total
+    iterations, converged, solver used), as :func:`minimize`."""
+    theta, value, n_iter, converged, used = minimize(model, x0, solver, max_iter)
+    if not bool((theta[bounded] < 0).any()):
+        return theta, value, n_iter, converged, used
+    x = x0.to(theta.dtype).clone()
+    step_to = theta  # the minimiser over the free entries, from x
+    held = torch.zeros_like(bounded)
+    kkt = False
+    for _ in range(4 * int(bounded.sum()) + 4):
+        crossing = bounded & ~held & (step_to < 0)
+        if bool(crossing.any()):  # step to the first bound crossed, and hold the entries that reach it
+            ratio = torch.where(crossing, x / (x - step_to), torch.inf)
+            alpha = ratio.min()
+            x = torch.where(ratio <= alpha, 0.0, x + alpha * (step_to - x))
+            x = torch.where(bounded, x.clamp(min=0), x)
+            held |= ratio <= alpha
+        else:
+            x = step_to
+            _, grad, _ = model(x, 1)
+            curvature = model.diag_hessian(x).clamp_min(torch.finfo(x.dtype).tiny)
+            if used == "newton":
+                tol = 1e-12
+            else:
+                tol = (1e-11 if x.dtype == torch.float64 else 1e-7) * max(1.0, abs(value))
+            gain = torch.where(held & (grad < 0), grad * grad / (2 * curvature), 0.0)
+            if not bool((gain > tol).any()):
+                kkt = True
+                break
+            held &= torch.arange(len(held), device=held.device) != gain.argmax()
+        restricted = _Restricted(model, ~held)
+        u, value, iters, sub_converged, _ = minimize(restricted, x[~held], used, max_iter)
+        step_to = restricted.full(u.to(x.dtype))
+        n_iter += iters
+        converged = converged and sub_converged
+    return x, float(model(x, 0)[0]), n_iter, converged and kkt, used
 
 
 def warn_if_not_converged(name: str, converged: bool, n_iter: int, solver: str, hint: str = "", stacklevel=3):

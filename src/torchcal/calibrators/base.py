@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 from typing import Any, ClassVar
 
 import torch
@@ -20,9 +21,26 @@ class NotFittedError(RuntimeError):
     """Raised when ``transform`` is called before ``fit``."""
 
 
+# JSON has no NaN or infinities: a non-finite float is written as one of these strings (the tokens Python's
+# json module would emit, which strict parsers reject), in a tensor's nested lists or as {"__float__": name}
+_NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def _float_name(x: float) -> str | float:
+    if math.isfinite(x):
+        return x
+    return "NaN" if math.isnan(x) else ("Infinity" if x > 0 else "-Infinity")
+
+
 def _encode(value):
     if isinstance(value, torch.Tensor):
-        return {"__tensor__": value.detach().cpu().tolist(), "dtype": str(value.dtype).replace("torch.", "")}
+        data = value.detach().cpu()
+        items = data.tolist()
+        if data.is_floating_point() and not bool(torch.isfinite(data).all()):
+            items = _map_nested(items, _float_name)
+        return {"__tensor__": items, "dtype": str(value.dtype).replace("torch.", "")}
+    if isinstance(value, float) and not math.isfinite(value):
+        return {"__float__": _float_name(value)}
     if isinstance(value, list | tuple):
         return [_encode(v) for v in value]
     if isinstance(value, dict):
@@ -30,9 +48,19 @@ def _encode(value):
     return value
 
 
+def _map_nested(items, fn):
+    """``fn`` applied to every number of a nested list (a tensor's ``tolist()``), or to a scalar."""
+    if isinstance(items, list):
+        return [_map_nested(v, fn) for v in items]
+    return fn(items)
+
+
 def _decode(value: Any) -> Any:
     if isinstance(value, dict) and "__tensor__" in value:
-        return torch.tensor(value["__tensor__"], dtype=getattr(torch, value["dtype"]))
+        items = _map_nested(value["__tensor__"], lambda v: _NONFINITE[v] if isinstance(v, str) else v)
+        return torch.tensor(items, dtype=getattr(torch, value["dtype"]))
+    if isinstance(value, dict) and set(value) == {"__float__"}:
+        return _NONFINITE[value["__float__"]]
     if isinstance(value, list):
         return [_decode(v) for v in value]
     if isinstance(value, dict):
@@ -44,10 +72,12 @@ class Calibrator:
     """Base class: ``fit(logits, targets) -> self``, ``transform(logits) -> probs``, ``fit_transform``.
 
     ``__init__`` only stores its arguments (``get_params`` reads them back); everything learned by ``fit``
-    is an attribute ending in ``_`` and is listed in ``fitted_attributes``. ``num_classes_`` is always set,
-    and a fitted calibrator refuses logits with another number of classes. ``state_dict()`` holds only
-    tensors and plain Python values (loadable with ``torch.load(weights_only=True)``) and ``to_json()``
-    gives the same state as text.
+    is an attribute ending in ``_`` and is listed in ``fitted_attributes`` (always set by ``fit``) or in
+    ``optional_fitted_attributes`` (records that only some settings produce, such as the grid record
+    ``search_``). ``num_classes_`` is always set, and a fitted calibrator refuses logits with another number
+    of classes. ``state_dict()`` holds only tensors and plain Python values (loadable with
+    ``torch.load(weights_only=True)``) and ``to_json()`` gives the same state as strict JSON text
+    (non-finite numbers written as the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"``).
 
     Subclasses implement ``_fit(logits, targets)`` and ``_transform(logits)``; both receive validated
     tensors (float32 or float64, on any device).
@@ -70,6 +100,7 @@ class Calibrator:
 
     name: ClassVar[str] = ""
     fitted_attributes: ClassVar[tuple[str, ...]] = ()
+    optional_fitted_attributes: ClassVar[tuple[str, ...]] = ()
 
     # -- parameters ----------------------------------------------------------------------------------
 
@@ -106,6 +137,11 @@ class Calibrator:
     def is_fitted(self) -> bool:
         return hasattr(self, "num_classes_")
 
+    def _clear_fitted(self) -> None:
+        """Removes every fitted value (``num_classes_`` and the fitted attributes, optional ones included)."""
+        for attr in ("num_classes_", *self.fitted_attributes, *self.optional_fitted_attributes):
+            self.__dict__.pop(attr, None)
+
     def _check_fitted(self) -> None:
         if not self.is_fitted:
             raise NotFittedError(
@@ -129,9 +165,7 @@ class Calibrator:
         private copies)."""
         logits = check_logits(as_data(logits, "logits"), "logits", warn_if_probs=_LOGITS_ADVICE)
         targets = check_targets(targets, logits.shape[0], logits.shape[1]).to(logits.device)
-        for attr in self.fitted_attributes:  # a refit starts from scratch
-            self.__dict__.pop(attr, None)
-        self.__dict__.pop("num_classes_", None)
+        self._clear_fitted()  # a refit starts from scratch
         with torch.inference_mode(False), torch.enable_grad():
             if logits.is_inference():  # inference tensors cannot be saved for backward: use normal copies
                 logits, targets = logits.clone(), targets.clone()
@@ -166,30 +200,34 @@ class Calibrator:
         fitted = {}
         if self.is_fitted:
             fitted = {a: getattr(self, a) for a in ("num_classes_", *self.fitted_attributes)}
+            fitted.update({a: getattr(self, a) for a in self.optional_fitted_attributes if hasattr(self, a)})
             fitted = {k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v) for k, v in fitted.items()}
         params = {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.get_params().items()}
         return {"name": self.name, "params": params, "fitted": fitted}
 
     def load_state_dict(self, state: dict[str, Any]) -> Calibrator:
-        """Restores parameters and fitted values saved by :meth:`state_dict`; returns self."""
+        """Restores parameters and fitted values saved by :meth:`state_dict`; returns self. The fitted
+        values held before are dropped first, so an unfitted state gives an unfitted calibrator."""
         if not isinstance(state, dict) or {"name", "params", "fitted"} - set(state):
             raise ValueError(
                 "`state` must be a dict with keys 'name', 'params' and 'fitted' (from state_dict())"
             )
         if state["name"] != self.name:
             raise ValueError(f"`state` belongs to calibrator {state['name']!r}, not {self.name!r}")
-        for k, v in state["params"].items():
-            setattr(self, k, v)
         missing = set(self.fitted_attributes) - set(state["fitted"])
         if state["fitted"] and ("num_classes_" not in state["fitted"] or missing):
             raise ValueError(f"`state` lacks fitted values {sorted(missing | {'num_classes_'})}")
+        self._clear_fitted()
+        for k, v in state["params"].items():
+            setattr(self, k, v)
         for k, v in state["fitted"].items():
             setattr(self, k, v)
         return self
 
     def to_json(self) -> str:
-        """The state as a JSON string (tensors as nested lists with their dtype)."""
-        return json.dumps(_encode(self.state_dict()))
+        """The state as a strict JSON string (tensors as nested lists with their dtype; NaN and infinities as
+        the strings ``"NaN"``, ``"Infinity"`` and ``"-Infinity"``, restored by :meth:`from_json`)."""
+        return json.dumps(_encode(self.state_dict()), allow_nan=False)
 
     @classmethod
     def from_json(cls, text: str) -> Calibrator:

@@ -51,9 +51,7 @@ class BinaryCalibrator(Calibrator):
         z, z2 = self._as_2d(logits, warn_if_probs=True)
         y, _ = _check_binary_targets(as_data(targets, "targets"), z.shape, z.device, soft=False)
         y2 = (y[:, None] if y.ndim == 1 else y).double()
-        for attr in self.fitted_attributes:
-            self.__dict__.pop(attr, None)
-        self.__dict__.pop("num_classes_", None)
+        self._clear_fitted()
         with torch.inference_mode(False):
             z2, y2 = z2.double().clone(), y2.clone()
             self._fit(z2, y2)

@@ -59,7 +59,7 @@ def _generator(seed: int, device) -> torch.Generator:
 
 # ----------------------------------------------------------------------------- PTS
 
-#: PTS clips the logits to [−100, 100] before sorting and scaling (the reference implementation).
+#: PTS clips the logits to [−100, 100] for its network's input (the reference implementation).
 PTS_LOGIT_CLIP = 100.0
 
 
@@ -71,6 +71,13 @@ def pts_temperature(logits, weights, biases, top_k: int) -> torch.Tensor:
     return _mlp(top, weights, biases)[:, 0].abs().clamp(1e-12, 1e12)
 
 
+def _pts_softmax(logits, temperature) -> torch.Tensor:
+    """softmax(z / T) for logits (N, K) and per-sample temperatures (N,), as softmax((z − max z) / T): the
+    shift does not change the result, and the scaled logits stay finite for any z and T."""
+    shifted = logits - logits.amax(dim=1, keepdim=True)
+    return torch.softmax(shifted / temperature[:, None], dim=1)
+
+
 def _glorot(fan_in, fan_out, dtype, device, generator):
     bound = math.sqrt(6.0 / (fan_in + fan_out))
     return (torch.rand(fan_out, fan_in, dtype=dtype, device=device, generator=generator) * 2 - 1) * bound
@@ -79,8 +86,10 @@ def _glorot(fan_in, fan_out, dtype, device, generator):
 class ParameterizedTemperatureScaling(Calibrator):
     """Parameterized temperature scaling (PTS, Tomani, Cremers, Buettner 2022): softmax(z / T(z)) with a
     per-sample temperature T(z) = |MLP(t)| predicted from the ``top_k`` largest logits t (sorted,
-    descending) by an MLP with ``hidden_sizes`` ReLU layers and one linear output; the logits are clipped
-    to [−100, 100] first and T to [1e-12, 1e12] (:func:`pts_temperature`). T > 0, so the argmax is kept.
+    descending) by an MLP with ``hidden_sizes`` ReLU layers and one linear output; the network's input is
+    clipped to [−100, 100] and T to [1e-12, 1e12] (:func:`pts_temperature`). The unclipped logits are
+    divided by T, and T > 0, so the argmax is kept. The reference divides the clipped logits, which ties
+    the classes whose logits exceed 100; where every |z| ≤ 100 both give the same probabilities.
 
     Training follows the reference implementation (tochris/pts-uncertainty, TensorFlow): the loss is the
     mean squared error between softmax(z / T) and the one-hot label, averaged over rows and classes (the
@@ -147,13 +156,14 @@ class ParameterizedTemperatureScaling(Calibrator):
         widths = (top_k, *sizes, 1)
         weights = [_glorot(a, b, dtype, device, g).requires_grad_() for a, b in zip(widths[:-1], widths[1:])]
         biases = [torch.zeros(b, dtype=dtype, device=device, requires_grad=True) for b in widths[1:]]
-        zc = z.clamp(-PTS_LOGIT_CLIP, PTS_LOGIT_CLIP)
-        top = torch.topk(zc, top_k, dim=1, sorted=True).values  # the network's input, fixed
+        # the network's input (clipped) and the row-max-shifted logits of _pts_softmax, both fixed
+        top = torch.topk(z.clamp(-PTS_LOGIT_CLIP, PTS_LOGIT_CLIP), top_k, dim=1, sorted=True).values
+        shifted = z - z.amax(dim=1, keepdim=True)
         onehot = torch.nn.functional.one_hot(targets, z.shape[1]).to(dtype)
 
         def loss_fn(rows):
             t = _mlp(top[rows], weights, biases)[:, 0].abs().clamp(1e-12, 1e12)
-            p = torch.softmax(zc[rows] / t[:, None], dim=1)
+            p = torch.softmax(shifted[rows] / t[:, None], dim=1)
             loss = (p - onehot[rows]).square().mean()
             if decay:
                 loss = loss + decay * sum(w.square().sum() for w in weights[:-1])
@@ -171,7 +181,7 @@ class ParameterizedTemperatureScaling(Calibrator):
     def _transform(self, logits):
         weights, biases = self._network(logits.device, logits.dtype)
         t = pts_temperature(logits, weights, biases, self.top_k_)
-        return torch.softmax(logits.clamp(-PTS_LOGIT_CLIP, PTS_LOGIT_CLIP) / t[:, None], dim=1)
+        return _pts_softmax(logits, t)
 
     def temperature(self, logits) -> torch.Tensor:
         """The per-sample temperatures T(z), (N,), for ``logits`` (N, K)."""

@@ -105,7 +105,10 @@ class SplineCalibration(Calibrator):
         cum_acc = correct.cumsum(0) / n
         knots = torch.linspace(0, 1, n_knots, dtype=torch.float64, device=conf.device)
         basis = _natural_spline_basis(s, knots)
-        self.coef_ = torch.linalg.lstsq(basis.cpu(), cum_acc.cpu()[:, None]).solution.squeeze(1)
+        # numpy's SVD least squares (minimum norm below n_knots points) gives the same bits on every call;
+        # torch's (MKL) does not
+        coef = np.linalg.lstsq(basis.cpu().numpy(), cum_acc.cpu().numpy(), rcond=None)[0]
+        self.coef_ = torch.from_numpy(coef)
         self.knots_ = knots.cpu()
         self.scores_ = conf_s.cpu()
 
@@ -167,13 +170,34 @@ class HistogramBinning(Calibrator):
 # ----------------------------------------------------------------------------- isotonic regression
 
 
+def _pool_starts(xu: np.ndarray) -> np.ndarray:
+    """Indices into the sorted distinct values ``xu`` where a pool of near-equal x starts: scikit-learn's
+    ``_make_unique`` rule, x joins the current pool while x − (the pool's first x) < the resolution of x's
+    dtype (1e-15 for float64). A gap of at least the resolution always starts a pool (the rounded
+    difference to an earlier first value is no smaller), so only runs of smaller gaps are walked."""
+    eps = np.finfo(xu.dtype).resolution
+    new = np.ones(len(xu), dtype=bool)
+    new[1:] = np.diff(xu) >= eps
+    first = xu[0]
+    for j in np.flatnonzero(~new).tolist():  # in order; xu[j − 1] is in the current pool
+        if new[j - 1]:
+            first = xu[j - 1]
+        if xu[j] - first >= eps:
+            new[j], first = True, xu[j]
+    return np.flatnonzero(new)
+
+
 def _pav(x: np.ndarray, y: np.ndarray):
-    """Weighted pool-adjacent-violators on unique sorted x (ties pooled first); returns (x_unique, fit)."""
+    """Weighted pool-adjacent-violators on sorted x, values closer than the resolution of x's dtype pooled
+    first as scikit-learn's ``IsotonicRegression`` pools them (:func:`_pool_starts`); returns (x, fit) with
+    one entry per pool, x its first (smallest) value."""
     order = np.argsort(x, kind="stable")
     x, y = x[order], y[order]
     xu, start, counts = np.unique(x, return_index=True, return_counts=True)
     sums = np.add.reduceat(y, start)
-    # stack of blocks: (weighted sum, weight, number of unique points)
+    pools = _pool_starts(xu)
+    xu, sums, counts = xu[pools], np.add.reduceat(sums, pools), np.add.reduceat(counts, pools)
+    # stack of blocks: (weighted sum, weight, number of pools)
     b_sum, b_w, b_len = [], [], []
     for s, w in zip(sums.tolist(), counts.tolist(), strict=True):
         b_sum.append(s)
@@ -202,10 +226,12 @@ class IsotonicCalibration(Calibrator):
     """One-vs-rest isotonic regression (Zadrozny & Elkan 2002), then renormalisation.
 
     For each class k a non-decreasing map of p_k to the frequency of y = k is fitted by weighted
-    pool-adjacent-violators (tied p_k pooled first) and applied by linear interpolation between the fitted
-    points, clipped at the ends: the same predictions as scikit-learn's ``IsotonicRegression(out_of_bounds=
-    "clip")`` (tested). Rows are renormalised (all-zero rows become uniform); this can change the argmax.
-    Fitting is O(N log N) per class with a Python loop over blocks.
+    pool-adjacent-violators and applied by linear interpolation between the fitted points, clipped at the
+    ends: the same predictions as scikit-learn's ``IsotonicRegression(out_of_bounds="clip")`` (tested),
+    whose rule for ties this follows: p_k within 1e-15 (float64's resolution) of the first value of a run
+    are pooled first, so scores equal in exact arithmetic that differ by rounding (rows whose logits are
+    permutations of each other) get one value. Rows are renormalised (all-zero rows become uniform); this
+    can change the argmax. Fitting is O(N log N) per class with a Python loop over blocks.
 
     Example:
         >>> import torch

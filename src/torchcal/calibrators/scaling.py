@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -14,16 +15,29 @@ from .temperature import fit_temperature_nll
 __all__ = ["VectorScaling", "MatrixScaling", "BiasCorrectedTemperatureScaling", "NoBiasVectorScaling"]
 
 
-def _warn_absent_classes(targets: torch.Tensor, k: int, name: str) -> None:
+_NO_DECAY_ADVICE = "use more validation data or temperature scaling"
+_NBVS_EFFECT = (
+    "so the fit can only lower their probabilities, often down to a weight at the bound 0 (the logit 0 on "
+    "every input)"
+)
+
+
+def _warn_absent_classes(
+    targets: torch.Tensor,
+    k: int,
+    name: str,
+    effect: str = "so the fit drives their probabilities towards 0 on every input",
+    advice: str = "use more validation data, weight_decay > 0, or temperature scaling",
+) -> None:
     """Warns when a class has no validation label: the NLL fit then drives its bias towards −∞, and its test
-    probability collapses (to ~1e-9 or less) whatever the logits say."""
+    probability collapses (to ~1e-9 or less) whatever the logits say; ``effect`` says what happens instead
+    for a map without a bias, ``advice`` what to do."""
     absent = (torch.bincount(targets, minlength=k) == 0).nonzero().flatten().tolist()
     if absent:
         shown = ", ".join(map(str, absent[:10])) + (", ..." if len(absent) > 10 else "")
         warnings.warn(
             f"{name}: class{'es' if len(absent) > 1 else ''} {shown} ({len(absent)} of {k}) never appear in "
-            "the validation labels, so the fit drives their probabilities towards 0 on every input; use more "
-            "validation data, weight_decay > 0, or temperature scaling",
+            f"the validation labels, {effect}; {advice}",
             RuntimeWarning,
             stacklevel=4,  # the caller of fit()
         )
@@ -121,15 +135,19 @@ class MatrixScaling(_AffineScaling):
     """Matrix scaling: ``softmax(W z + b)`` with ``weight_`` (K, K) and ``bias_`` (K,).
 
     Fitted like :class:`VectorScaling` from W = I/T; ``weight_decay`` adds λ(‖W − I‖² + ‖b‖²), which is
-    advisable for many classes (K² parameters). Can change the argmax.
+    advisable for many classes (K² parameters). Can change the argmax. Without weight decay, W and b are
+    determined up to a vector added to every row (softmax ignores a shift shared by the classes), so the
+    fitted values along that direction depend on the solver's path (the thread count included) while the
+    probabilities do not: compare ``W − W.mean(0)``, as below (the true map 2·I centres to 2·I − 2/3).
 
     Example:
         >>> import torch
         >>> g = torch.Generator().manual_seed(0)
         >>> z = torch.randn(3000, 3, generator=g)
         >>> y = torch.multinomial(torch.softmax(2 * z, 1), 1, generator=g).squeeze(1)
-        >>> [round(v, 1) for v in MatrixScaling().fit(z, y).weight_.diagonal().tolist()]
-        [2.0, 2.0, 2.1]
+        >>> w = MatrixScaling().fit(z, y).weight_
+        >>> [round(v, 1) for v in (w - w.mean(0)).diagonal().tolist()]
+        [1.3, 1.3, 1.4]
     """
 
     name = "matrix_scaling"
@@ -141,11 +159,15 @@ class BiasCorrectedTemperatureScaling(Calibrator):
     per-class ``bias_`` (K,), fitted by validation NLL without regularisation (Alexandari et al. 2020).
 
     The objective is convex in (1/T, b); it is minimised by Newton's method (float64, exact Hessian) from
-    the temperature-scaling solution, or by L-BFGS when the Hessian is large (``solver``). The reference
-    (``abstention``) bounds T ≥ 0; a fit whose optimum has 1/T ≤ 0 is refused with an error. On logits the
-    map is used as is (the reference centres log-probabilities only when given probabilities, which
-    changes nothing here: a common shift of a row cancels in the softmax). Can change the argmax (the
-    bias reorders classes); robust to label shift, which is what the bias is for.
+    the temperature-scaling solution, or by L-BFGS when the Hessian is large (``solver``), within the
+    reference's (``abstention``) bounds T ≥ 0, i.e. 1/T ≥ 0. When the unconstrained optimum has 1/T < 0
+    (logits that carry no information on the labels, or anti-correlated ones), the bounded optimum is
+    1/T = 0 with the biases refitted: ``temperature_`` is ``inf``, and the map gives softmax(b), the
+    validation class frequencies, on every input (the reference's L-BFGS-B moves T towards that limit and
+    stops at a large finite T). On logits the map is used as is (the reference centres log-probabilities
+    only when given probabilities, which changes nothing here: a common shift of a row cancels in the
+    softmax). Can change the argmax (the bias reorders classes); robust to label shift, which is what the
+    bias is for.
 
     References:
         A. Alexandari, A. Kundaje, A. Shrikumar, "Maximum Likelihood with Bias-Corrected Calibration is
@@ -175,17 +197,17 @@ class BiasCorrectedTemperatureScaling(Calibrator):
         with torch.no_grad():
             z = logits
             k = z.shape[1]
+            _warn_absent_classes(targets, k, type(self).__name__, advice=_NO_DECAY_ADVICE)
             x0 = torch.cat([z.new_full((1,), 1.0 / _warm_temperature(z, targets)), z.new_zeros(k)])
             model = S.DiagModel(z, targets, scale="shared", bias=True)
-            theta, _, n_iter, converged, solver = S.minimize(model, x0, self.solver, max_iter)
-        beta = float(theta[0])
-        if not beta > 0:
-            raise ValueError(
-                f"{type(self).__name__}: the NLL optimum has 1/T = {beta:.3g} <= 0 (logits anti-correlated "
-                "with the targets); the method requires T > 0"
+            bounded = torch.zeros(k + 1, dtype=torch.bool, device=z.device)
+            bounded[0] = True  # 1/T >= 0
+            theta, _, n_iter, converged, solver = S.minimize_nonnegative(
+                model, x0, bounded, self.solver, max_iter
             )
         S.warn_if_not_converged(type(self).__name__, converged, n_iter, solver)
-        self.temperature_ = 1.0 / beta
+        beta = float(theta[0])
+        self.temperature_ = 1.0 / beta if beta > 0 else math.inf
         self.bias_ = theta[1:].detach().clone()
         self.n_iter_ = int(n_iter)
         self.solver_ = solver
@@ -196,7 +218,7 @@ class BiasCorrectedTemperatureScaling(Calibrator):
         return self._logits(self._check_input(logits))
 
     def _logits(self, z):
-        return z / self.temperature_ + self.bias_.to(device=z.device, dtype=z.dtype)
+        return z / self.temperature_ + self.bias_.to(device=z.device, dtype=z.dtype)  # z / inf = 0
 
     def _transform(self, logits):
         return torch.softmax(self._logits(logits), dim=1)
@@ -206,10 +228,13 @@ class NoBiasVectorScaling(Calibrator):
     """No-bias vector scaling (NBVS): ``softmax(w ⊙ z)`` with a per-class ``weight_`` (K,) ≥ 0 and no bias,
     fitted by validation NLL without regularisation (Alexandari et al. 2020).
 
-    Solved like :class:`BiasCorrectedTemperatureScaling`, from w = 1/T. The reference bounds w ≥ 0; an
-    optimum with a negative weight is refused with an error. Unlike BCTS the map is not invariant to a
-    common shift of a row of logits (w differs by class), so pass the logits the model produced; the
-    reference, given probabilities, uses centred log-probabilities. Can change the argmax.
+    Solved like :class:`BiasCorrectedTemperatureScaling`, from w = 1/T, within the reference's bounds
+    w ≥ 0: when the unconstrained optimum has negative weights (typically for a class absent from the
+    validation labels), an active set holds weights at 0 and re-solves for the others until the KKT
+    conditions hold (:func:`~torchcal.calibrators._solvers.minimize_nonnegative`); a weight of 0 gives its
+    class the logit 0 on every input. Unlike BCTS the map is not invariant to a common shift of a row of
+    logits (w differs by class), so pass the logits the model produced; the reference, given
+    probabilities, uses centred log-probabilities. Can change the argmax.
 
     References:
         A. Alexandari, A. Kundaje, A. Shrikumar, ICML 2020, arXiv:1901.06852.
@@ -237,13 +262,12 @@ class NoBiasVectorScaling(Calibrator):
         with torch.no_grad():
             z = logits
             k = z.shape[1]
+            _warn_absent_classes(targets, k, type(self).__name__, _NBVS_EFFECT, _NO_DECAY_ADVICE)
             x0 = z.new_full((k,), 1.0 / _warm_temperature(z, targets))
             model = S.DiagModel(z, targets, scale="class", bias=False)
-            theta, _, n_iter, converged, solver = S.minimize(model, x0, self.solver, max_iter)
-        if (theta < 0).any():
-            raise ValueError(
-                f"{type(self).__name__}: the NLL optimum has negative weights {theta[theta < 0].tolist()}; "
-                "the method requires w >= 0"
+            bounded = torch.ones(k, dtype=torch.bool, device=z.device)
+            theta, _, n_iter, converged, solver = S.minimize_nonnegative(
+                model, x0, bounded, self.solver, max_iter
             )
         S.warn_if_not_converged(type(self).__name__, converged, n_iter, solver)
         self.weight_ = theta.detach().clone()

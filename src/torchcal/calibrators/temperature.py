@@ -230,6 +230,7 @@ class TemperatureScaling(Calibrator):
 
     name = "temperature_scaling"
     fitted_attributes = ("temperature_",)
+    optional_fitted_attributes = ("search_",)  # set by the grid objectives
 
     def __init__(
         self,
@@ -246,7 +247,6 @@ class TemperatureScaling(Calibrator):
         self.extend = extend
 
     def _fit(self, logits, targets):
-        self.__dict__.pop("search_", None)  # set by the grid objectives only
         check_choice(self.objective, "objective", {"nll", "ece", "adaece"})
         if self.objective == "nll":
             lo = check_float(self.bounds[0], "bounds[0]", low=0, low_open=True)
@@ -399,6 +399,7 @@ class FocalTemperatureScaling(Calibrator):
 
     name = "focal_temperature_scaling"
     fitted_attributes = ("gamma_", "temperature_", "objective_value_")
+    optional_fitted_attributes = ("search_",)  # a state saved without the grid record still loads
 
     def __init__(
         self,
@@ -415,7 +416,6 @@ class FocalTemperatureScaling(Calibrator):
         self.extend = extend
 
     def _fit(self, logits, targets):
-        self.__dict__.pop("search_", None)
         check_choice(self.objective, "objective", {"adaece", "nll"})
         n_bins = check_positive_int(self.n_bins, "n_bins")
         gammas = [check_float(g, "gammas", low=-1, low_open=True) for g in self.gammas]
@@ -457,7 +457,11 @@ class FocalTemperatureScaling(Calibrator):
 
 
 def _simplex_qp(gram, lin) -> torch.Tensor:
-    """argmin_w wᵀ A w − 2 bᵀ w over the probability simplex, exactly, by checking every face (3 variables)."""
+    """argmin_w wᵀ A w − 2 bᵀ w over the probability simplex, exactly, by checking every face (3 variables).
+
+    Each face's KKT system is solved by LU (``solve_ex``), which gives the same bits on every call (MKL's
+    ``lstsq`` does not). A face whose system is singular is skipped: the objective (A is a Gram matrix) is
+    then constant or linear along a direction within the face, so a smaller face attains its minimum."""
     best_w, best_val = None, math.inf
     k = gram.shape[0]
     for size in range(1, k + 1):
@@ -469,8 +473,9 @@ def _simplex_qp(gram, lin) -> torch.Tensor:
             kkt[:size, size] = 1
             kkt[size, :size] = 1
             rhs = torch.cat([2 * lin[idx], torch.ones(1, dtype=torch.float64)])
-            sol = torch.linalg.lstsq(kkt, rhs[:, None]).solution.squeeze(1)[:size]
-            if bool((sol < -1e-12).any()):
+            sol, info = torch.linalg.solve_ex(kkt, rhs)
+            sol = sol[:size]
+            if int(info) != 0 or not bool(torch.isfinite(sol).all()) or bool((sol < -1e-12).any()):
                 continue
             w = torch.zeros(k, dtype=torch.float64)
             w[idx] = sol.clamp(min=0)
