@@ -19,6 +19,7 @@ from .._validation import (
 from . import _backend
 from ._binning import ScanSums
 from ._loss_inputs import check_ignore_index
+from ._spec import ordered_sum
 
 __all__ = [
     "metric_rows",
@@ -102,12 +103,12 @@ def scan_inputs(
 def _torch_sums(probs, targets, scan, threshold):
     """The per-sample sums of :class:`torchcal.functional._binning.ScanSums` by torch ops, as 0-d float64
     tensors on the input's device (no host sync): −log p_t with the clamp in the input dtype and the log in
-    float64, as the C++ scan takes them."""
+    float64, as the C++ scan takes them, added by :func:`ordered_sum` (the counts are exact in any order)."""
     p_true = probs.gather(1, targets[:, None]).squeeze(1)
     confident = scan.conf >= threshold
     return ScanSums(
-        -torch.log(p_true.clamp(min=torch.finfo(p_true.dtype).tiny).double()).sum(),
-        p_true.double().sum(),
+        -ordered_sum(torch.log(p_true.clamp(min=torch.finfo(p_true.dtype).tiny).double())),
+        ordered_sum(p_true.double()),
         scan.correct.double().sum(),
         confident.double().sum(),
         (confident & scan.correct).double().sum(),

@@ -39,6 +39,7 @@ from ._binning import (
     prefix_sums,
 )
 from ._inputs import metric_rows, probs_and_targets, scan_inputs, top_label_bins, top_label_inputs
+from ._spec import ordered_sum
 
 _NAMES = ("probs", "targets")  # the arguments' names in metric_rows' errors
 
@@ -171,7 +172,7 @@ def brier_per_sample(probs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
 
 def brier_from_sums(sum_sq: float, p_true: torch.Tensor, n: int) -> torch.Tensor:
     """Mean Brier score from Σ_ik p_ik² (float64, from the fused scan) and the true-class probabilities."""
-    return (sum_sq - 2 * p_true.double().sum() + n) / n
+    return (sum_sq - 2 * ordered_sum(p_true.double()) + n) / n
 
 
 # ----------------------------------------------------------------------------- public metrics
@@ -298,7 +299,7 @@ def negative_log_likelihood(probs, targets, *, from_logits: bool = False, ignore
         targets = check_targets(targets, logits.shape[0], logits.shape[1])
         log_p = torch.log_softmax(logits, dim=1).gather(1, targets[:, None]).squeeze(1)
         floor = math.log(torch.finfo(log_p.dtype).tiny)
-        return (-log_p.clamp(min=floor)).double().mean()
+        return ordered_sum((-log_p.clamp(min=floor)).double()) / log_p.shape[0]
     probs, targets, scan = scan_inputs(probs, targets, False, threshold=1.0)
     assert scan.sums is not None  # scan_inputs sums with a threshold
     return torch.as_tensor(scan.sums.nll / probs.shape[0], dtype=torch.float64, device=probs.device)
@@ -317,7 +318,7 @@ def brier_score(probs, targets, *, from_logits: bool = False, ignore_index=None)
     probs, targets = metric_rows(probs, targets, ignore_index, names=_NAMES)
     probs, targets, scan = scan_inputs(probs, targets, from_logits)
     if scan.sum_sq is None:
-        return brier_per_sample(probs, targets).mean()
+        return ordered_sum(brier_per_sample(probs, targets)) / probs.shape[0]
     return brier_from_sums(scan.sum_sq, probs.gather(1, targets[:, None]), probs.shape[0])
 
 

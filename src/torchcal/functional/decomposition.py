@@ -18,6 +18,7 @@ from .._namespace import only_public as _only_public
 from .._validation import check_choice, check_positive_int
 from ._binning import equal_width_index
 from ._field_inputs import field_inputs, top_label_pairs
+from ._spec import ordered_sum
 
 __all__ = [
     "CalibrationDirection",
@@ -155,7 +156,7 @@ def signed_calibration_error(probs, targets, *, from_logits: bool = False) -> to
     conf, correct = top_label_pairs(probs, targets, from_logits)
     if conf.shape[0] == 0:
         return torch.zeros((), dtype=torch.float64, device=conf.device)
-    return conf.double().mean() - correct.mean()
+    return (ordered_sum(conf.double()) - ordered_sum(correct.double())) / conf.shape[0]
 
 
 # ----------------------------------------------------------------------------- decompositions
@@ -260,12 +261,13 @@ def brier_decomposition(
     n = p.shape[0]
     y_bar = y.mean(0)
     w = count / n
-    score = ((p - y) ** 2).sum(1).mean()
-    rel = (w * ((f_bar - y_bar_g) ** 2).sum(1)).sum()
-    res = (w * ((y_bar_g - y_bar) ** 2).sum(1)).sum()
+    score = ordered_sum(((p - y) ** 2).sum(1)) / n
+    rel = ordered_sum(w * ((f_bar - y_bar_g) ** 2).sum(1))
+    res = ordered_sum(w * ((y_bar_g - y_bar) ** 2).sum(1))
     unc = 1 - (y_bar**2).sum()
     dp, dy = p - f_bar[index], y - y_bar_g[index]
-    return BrierDecomposition(score, rel, res, unc, (dp**2).sum(1).mean(), (dp * dy).sum(1).mean())
+    within_variance, within_covariance = ordered_sum((dp**2).sum(1)) / n, ordered_sum((dp * dy).sum(1)) / n
+    return BrierDecomposition(score, rel, res, unc, within_variance, within_covariance)
 
 
 def log_score_decomposition(
@@ -314,14 +316,15 @@ def _log_terms(p_true, targets, index, count, f_bar, y_bar_g) -> LogScoreDecompo
     """The log-score terms from per-sample true-class probabilities and per-group (count, f, ȳ_g)."""
     n = count.sum()
     w = count / n
-    y_bar = (w[:, None] * y_bar_g).sum(0)
-    score = -torch.log(p_true).mean()
+    y_bar = ordered_sum(w[:, None] * y_bar_g, 0)
+    score = -ordered_sum(torch.log(p_true)) / p_true.shape[0]
     neg_ent_g = torch.special.xlogy(y_bar_g, y_bar_g).sum(1)  # −H(ȳ_g)
-    rel = (w * (neg_ent_g - torch.special.xlogy(y_bar_g, f_bar).sum(1))).sum()
-    res = (w * (neg_ent_g - torch.special.xlogy(y_bar_g, y_bar).sum(1))).sum()
+    rel = ordered_sum(w * (neg_ent_g - torch.special.xlogy(y_bar_g, f_bar).sum(1)))
+    res = ordered_sum(w * (neg_ent_g - torch.special.xlogy(y_bar_g, y_bar).sum(1)))
     unc = -torch.special.xlogy(y_bar, y_bar).sum()
     f_true = f_bar[index, targets]
-    within = torch.where(f_true == p_true, 0.0, torch.log(f_true) - torch.log(p_true)).mean()
+    gap = torch.where(f_true == p_true, 0.0, torch.log(f_true) - torch.log(p_true))
+    within = ordered_sum(gap) / p_true.shape[0]
     return LogScoreDecomposition(score, rel, res, unc, within)
 
 

@@ -21,6 +21,7 @@ from .._namespace import only_public as _only_public
 from .._validation import _FROM_LOGITS_ADVICE, as_data, check_choice, check_float, check_logits
 from . import _backend
 from ._field_inputs import field_inputs, top_label, top_label_pairs
+from ._spec import ordered_sum
 from .calibration import binary_auroc
 
 __all__ = [
@@ -163,7 +164,7 @@ def _area(probs, targets, confidence, score, from_logits, ties, generalized):
         return torch.tensor(float("nan"), dtype=torch.float64, device=confidence.device)
     if ties == "group":
         cov, risk = _grouped_points(confidence, errors, generalized)
-        return torch.trapezoid(risk, cov)
+        return ordered_sum((risk[1:] + risk[:-1]) * (cov[1:] - cov[:-1])) / 2
     curve = _curve(confidence, errors)
     return sample_area(curve.generalized_risk if generalized else curve.risk)
 
@@ -174,7 +175,7 @@ def sample_area(y: torch.Tensor) -> torch.Tensor:
     n = y.shape[0]
     if n < 2:
         return torch.tensor(float("nan"), dtype=torch.float64, device=y.device)
-    return (y[1:] + y[:-1]).sum() / (2 * (n - 1))
+    return ordered_sum(y[1:] + y[:-1]) / (2 * (n - 1))
 
 
 def aurc(
@@ -396,7 +397,7 @@ def average_precision(scores, labels) -> torch.Tensor:
     tps, fps = _threshold_counts(scores, t)
     precision = tps / (tps + fps)
     recall = tps / total
-    return ((recall - torch.cat([recall.new_zeros(1), recall[:-1]])) * precision).sum()
+    return ordered_sum((recall - torch.cat([recall.new_zeros(1), recall[:-1]])) * precision)
 
 
 class OODMetrics(NamedTuple):
