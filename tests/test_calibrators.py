@@ -469,6 +469,35 @@ def test_calibrator_specs_parse_and_name_their_errors():
         parse_spec(None)
 
 
+@pytest.mark.parametrize("task", ["multiclass", "multilabel"])
+def test_check_params_refuses_without_data_what_fit_refuses(task):
+    """``check_params`` runs fit's checks of the constructor arguments without data; ``from_spec`` calls it, so
+    a spec's wrong value fails when the spec is read, naming the spec and the argument."""
+    from torchcal.calibrators import from_spec
+
+    for name in list_calibrators(task):  # the defaults are valid
+        cal = create(name, task)
+        assert cal.check_params() is cal, name
+    bad = {"multiclass": [("ts:objective=foo", "`objective` must be one of"), ("ts:objective=ece:n_bins=0", "`n_bins`"),
+                          ("fts:n_bins=0", "`n_bins`"), ("histogram:n_bins=-1", "`n_bins`"),
+                          ("spline:n_knots=2", "`n_knots`"), ("vector:solver=adam", "`solver`"),
+                          ("dirichlet:reg_lambda=-1", "`reg_lambda`"), ("svs:lambda_diagonal=-1", "`lambda_diagonal`"),
+                          ("bbq:c=0", "`c`"), ("pts:lr=0", "`lr`"), ("iop:epochs=0", "`epochs`"),
+                          ("beta:max_iter=0", "`max_iter`")],
+           "multilabel": [("fts:objective=ece", "`objective`"), ("platt:max_iter=0", "`max_iter`"),
+                          ("histogram:n_bins=0", "`n_bins`"), ("ts:per_label=2", "`per_label`")]}[task]  # fmt: skip
+    logits, targets = torch.randn(50, 3), torch.randint(0, 3, (50,))
+    for spec, message in bad:
+        with pytest.raises(ValueError, match=f"calibrator spec '{spec}': {message}"):
+            from_spec(spec, task)
+        if task == "multiclass" and spec.startswith(("ts:", "fts:", "histogram:")):  # fit refuses it as well
+            from torchcal.calibrators import get_calibrator_class, parse_spec
+
+            name, kwargs = parse_spec(spec)
+            with pytest.raises(ValueError, match=message):
+                get_calibrator_class(name)(**kwargs).fit(logits, targets)
+
+
 @pytest.mark.parametrize("solver", ["newton", "lbfgs"])
 def test_non_convergence_names_the_iterations_taken(solver):
     """The warning states the iterations the solver ran (Newton is capped below ``max_iter``), not the

@@ -85,6 +85,26 @@ def test_reader_errors(tmp_path):
         load_chestxray14(tmp_path / "bad")
 
 
+def test_split_lists_that_repeat_or_share_images_are_refused(tmp_path):
+    write_chestxray(tmp_path)  # patients 1-9 in train_val_list.txt, 10-12 in test_list.txt
+    train_val = (tmp_path / "train_val_list.txt").read_text().split()
+    test = (tmp_path / "test_list.txt").read_text().split()
+    (tmp_path / "test_list.txt").write_text("\n".join(test + train_val[4:6]) + "\n")  # two leak into test
+    shared = f"{tmp_path / 'train_val_list.txt'} and {tmp_path / 'test_list.txt'} share 2 image\\(s\\)"
+    with pytest.raises(DatasetError, match=f"{shared}: {train_val[4]}, {train_val[5]}"):
+        load_chestxray14(tmp_path, val_size=5, image_size=24)
+    (tmp_path / "test_list.txt").write_text("\n".join(test) + "\n")
+    (tmp_path / "train_val_list.txt").write_text("\n".join(train_val + [train_val[7]]) + "\n")
+    with pytest.raises(
+        DatasetError, match=f"train_val_list.txt lists 1 image\\(s\\) more than once: {train_val[7]}$"
+    ):
+        load_chestxray14(tmp_path, val_size=5, image_size=24)
+    (tmp_path / "train_val_list.txt").write_text("\n".join(train_val) + "\n")
+    (tmp_path / "test_list.txt").write_text("\n".join(test + test[:1]) + "\n")
+    with pytest.raises(DatasetError, match=f"test_list.txt lists 1 image\\(s\\) more than once: {test[0]}$"):
+        load_chestxray14(tmp_path, val_size=5, image_size=24)
+
+
 def test_ten_crop_averages_the_ten_crops():
     class Corner(torch.nn.Module):  # logit = the crop's top-left pixel
         def forward(self, x):

@@ -72,6 +72,43 @@ def test_missing_cifar_names_the_sub_folder_the_path_and_the_archive(tmp_path, n
         load_cifar(tmp_path, num_classes)
 
 
+def _rewrite(path, **entries):
+    """The pickle at ``path`` with some entries replaced (byte-string keys, protocol 2, as CIFAR's)."""
+    with open(path, "rb") as fh:
+        batch = pickle.load(fh, encoding="bytes")
+    batch.update({key.encode(): value for key, value in entries.items()})
+    with open(path, "wb") as fh:
+        pickle.dump(batch, fh, protocol=2)
+
+
+def test_cifar_batches_whose_rows_and_labels_disagree_are_refused(tmp_path):
+    written = write_cifar(tmp_path, 10)
+    batch = tmp_path / "cifar-10-batches-py" / "data_batch_3"
+    again = "download https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz again"
+    _rewrite(batch, labels=written["data_batch_3"][1][:-1])  # one label short
+    with pytest.raises(DatasetError, match=f"{batch} holds 6 images but labels of shape \\(5,\\): {again}"):
+        load_cifar(tmp_path, 10)
+    _rewrite(batch, labels=written["data_batch_3"][1], data=written["data_batch_3"][0][:, :3000])
+    with pytest.raises(DatasetError, match=f"{batch} holds data of shape \\(6, 3000\\).*{again}"):
+        load_cifar(tmp_path, 10)
+    test = tmp_path / "cifar-100-python" / "test"
+    write_cifar(tmp_path, 100)
+    _rewrite(test, data=np.zeros((4, 32, 32, 3), dtype=np.uint8))  # images not as rows
+    with pytest.raises(DatasetError, match=f"{test} holds data of shape \\(4, 32, 32, 3\\)"):
+        load_cifar(tmp_path, 100)
+
+
+def test_cut_or_garbage_cifar_pickles_are_refused(tmp_path):
+    write_cifar(tmp_path, 10)
+    batch = tmp_path / "cifar-10-batches-py" / "data_batch_2"
+    again = "download https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz again"
+    raw = batch.read_bytes()
+    for broken in (raw[: len(raw) // 2], b"<html>Not Found</html>", pickle.dumps([1, 2, 3], protocol=2)):
+        batch.write_bytes(broken)
+        with pytest.raises(DatasetError, match=f"{batch} (is not a readable pickle|holds a list).*{again}"):
+            load_cifar(tmp_path, 10)
+
+
 def test_cifar_root_may_be_the_sub_folder_itself(tmp_path):
     write_cifar(tmp_path, 10)
     assert len(load_cifar(tmp_path / "cifar-10-batches-py", 10)[0]) == 30

@@ -62,6 +62,30 @@ def test_bad_idx_files(tmp_path):
         read_idx(tmp_path / "y")
 
 
+def test_cut_idx_files_are_dataset_errors_naming_the_file(tmp_path):
+    make_fashion_mnist(tmp_path)
+    gz = tmp_path / "train-images-idx3-ubyte.gz"
+    gz.write_bytes(gz.read_bytes()[:-30])  # a download cut short: gzip ends before its end-of-stream marker
+    with pytest.raises(DatasetError, match=f"{gz} cannot be decompressed.*download it again"):
+        load_fashion_mnist(tmp_path)
+    cut = tmp_path / "int32"  # int32 values, the file ends 2 bytes into the third
+    cut.write_bytes(bytes([0, 0, 0x0C, 1]) + struct.pack(">I", 3) + b"\x00" * 10)
+    with pytest.raises(DatasetError, match=f"{cut} ends inside a value"):
+        read_idx(cut)
+    header = tmp_path / "header"  # 3 dimensions announced, the file ends in the second
+    header.write_bytes(bytes([0, 0, 8, 3]) + b"\x00" * 6)
+    with pytest.raises(DatasetError, match=f"{header} ends inside its header"):
+        read_idx(header)
+
+
+def test_fashion_mnist_labels_outside_0_to_9_are_refused(tmp_path):
+    make_fashion_mnist(tmp_path)
+    write_idx(tmp_path / "t10k-labels-idx1-ubyte", np.array([0, 1, 9, 10, 3], dtype=np.uint8), compress=True)
+    labels = tmp_path / "t10k-labels-idx1-ubyte.gz"
+    with pytest.raises(DatasetError, match=f"{labels} holds labels from 0 to 10: Fashion-MNIST's are 0-9"):
+        load_fashion_mnist(tmp_path)
+
+
 def test_split_is_seeded_disjoint_and_complete():
     full = load_digits_28()
     train, val = split_train_val(full, 300, seed=1)

@@ -6,9 +6,11 @@ DataLoader workers, after a SIGKILL and --resume, and under 2-rank DDP."""
 import json
 import os
 import signal
+import struct
 import subprocess
 import sys
 import time
+import zlib
 
 import numpy as np
 import pytest
@@ -194,3 +196,33 @@ def test_lazy_sets_refuse_the_in_memory_shift_and_ood_sets():
         validate_config(
             load_config(None, ["data.name=imagenet", "data.ten_crop=true"])
         )
+
+
+def _write_png16(path, values):
+    """A 16-bit greyscale PNG written byte by byte (no Pillow): IHDR bit depth 16, colour type 0, filter 0."""
+
+    def chunk(tag, data):
+        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data))
+
+    h, w = values.shape
+    raw = b"".join(b"\0" + row.astype(">u2").tobytes() for row in values)
+    header = struct.pack(">IIBBBBB", w, h, 16, 0, 0, 0, 0)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw))
+                     + chunk(b"IEND", b""))  # fmt: skip
+
+
+def test_sixteen_bit_greyscale_is_scaled_to_eight_bits(tmp_path):
+    from PIL import Image
+
+    values = np.arange(64 * 64, dtype=np.uint16).reshape(64, 64) * 16  # 0 ... 65520
+    values[0, :4] = [65535, 128, 129, 385]  # the top, and either side of a rounding step
+    _write_png16(tmp_path / "grey16.png", values)
+    expected = np.floor(values.astype(np.float64) * 255 / 65535 + 0.5).astype(np.uint8)
+    # mode I (32-bit integers, as older Pillow reads 16-bit PNGs) the same way
+    Image.fromarray(values.astype(np.int32)).save(tmp_path / "grey32.tiff")
+    for name, mode in (("grey16.png", "I;16"), ("grey32.tiff", "I")):
+        with Image.open(tmp_path / name) as image:
+            assert image.mode == mode
+        decoded = ImageFolderInputs([tmp_path / name], 64, resize="full")[0]
+        for channel in decoded:
+            np.testing.assert_array_equal(channel.numpy(), expected, err_msg=name)

@@ -42,3 +42,14 @@ def test_tiny_imagenet_splits(tmp_path):
         load_tiny_imagenet(tmp_path, val_per_class=4)
     with pytest.raises(DatasetError, match="wnids.txt"):
         load_tiny_imagenet(tmp_path / "nothing")
+
+
+def test_unknown_class_in_val_annotations_names_the_file_and_line(tmp_path):
+    write_tiny(tmp_path)
+    annotations = tmp_path / "tiny-imagenet-200" / "val" / "val_annotations.txt"
+    lines = annotations.read_text().splitlines()
+    lines[1] = lines[1].replace("n01629819", "n09999999")
+    annotations.write_text("\n".join(lines) + "\n")
+    with pytest.raises(DatasetError, match=f"{annotations}, line 2: val_1.JPEG has the class 'n09999999', which "
+                                           "is not in .*wnids.txt"):  # fmt: skip
+        load_tiny_imagenet(tmp_path, val_per_class=1)

@@ -168,6 +168,50 @@ def test_sync_over_two_gloo_processes(tmp_path):
             assert abs(got[f"multilabel_{name}"] - float(expected)) < 1e-9, (rank, name)
 
 
+def _all_ignored_worker(rank, world, port, path):
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))  # fmt: skip
+    logits, targets = data(n=300, k=4, seed=3)
+    z, y = multilabel_data(n=300, seed=3)
+    if rank == 0:  # every target of this rank's batch is ignore_index / unknown
+        logits, targets, z, y = logits[:8], torch.full((8,), -100), z[:8], torch.full((8, 4), -1)
+    metrics = {
+        "adaece": TM.AdaptiveCalibrationError(4, from_logits=True, ignore_index=-100),
+        "aurc_entropy": TM.CalibrationMetric(4, "aurc", from_logits=True, ignore_index=-100, score="entropy"),
+    }
+    for metric in metrics.values():
+        metric.update(logits, targets)
+    out = {name: float(m.compute()) for name, m in metrics.items()}  # compute() syncs across ranks
+    for name in ("adaece", "auroc"):  # metrics that keep every row
+        metric = TM.MultilabelCalibrationMetric(4, name, from_logits=True, ignore_index=-1)
+        metric.update(z, y)
+        out[f"multilabel_{name}"] = float(metric.compute())
+    with open(f"{path}.{rank}", "w") as fh:
+        json.dump(out, fh)
+    dist.destroy_process_group()
+
+
+def test_sync_with_a_rank_whose_targets_are_all_ignored(tmp_path):
+    """A rank that saw only ignored targets still sends its (empty) rows in the rows' dtype and width, so the
+    all-gather goes through and the value is the other rank's."""
+    mp.start_processes(_all_ignored_worker, args=(2, free_port(), str(tmp_path / "out")), nprocs=2,
+                       start_method="spawn")  # fmt: skip
+    logits, targets = data(n=300, k=4, seed=3)
+    z, y = multilabel_data(n=300, seed=3)
+    expected = {"adaece": F.adaece(logits, targets, from_logits=True),
+                "aurc_entropy": F.aurc(logits, targets, from_logits=True, score="entropy"),
+                "multilabel_adaece": masked_reference(z, y, "adaece")[0],
+                "multilabel_auroc": masked_reference(z, y, "auroc")[0]}  # fmt: skip
+    for rank in range(2):
+        got = json.loads((tmp_path / f"out.{rank}").read_text())
+        for name, value in expected.items():
+            assert abs(got[name] - float(value)) < 1e-9, (rank, name)
+
+
 # -- MetricCollection compute groups: settings that change update keep metrics apart ---------------------
 
 

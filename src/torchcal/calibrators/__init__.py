@@ -146,7 +146,8 @@ def parse_spec(spec: str) -> tuple[str, dict]:
 
 def from_spec(spec: str, task: str = "multiclass") -> Calibrator:
     """A new, unfitted calibrator from a spec such as ``"ts"`` or ``"ts:objective=ece"`` (:func:`parse_spec`);
-    an unknown name or argument is a ``ValueError`` naming it.
+    an unknown name, an unknown argument or a value ``fit`` would refuse (:meth:`Calibrator.check_params`)
+    is a ``ValueError`` naming the spec and the argument.
 
     Example:
         >>> from torchcal.calibrators import from_spec
@@ -156,8 +157,8 @@ def from_spec(spec: str, task: str = "multiclass") -> Calibrator:
     name, kwargs = parse_spec(spec)
     cls = get_calibrator_class(name, task)
     try:
-        return cls(**kwargs)
-    except TypeError as err:
+        return cls(**kwargs).check_params()  # the arguments checked as fit checks them
+    except (TypeError, ValueError) as err:
         raise ValueError(f"calibrator spec {spec!r}: {err}") from None
 
 

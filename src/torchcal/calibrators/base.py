@@ -131,6 +131,13 @@ class Calibrator:
         args = ", ".join(f"{k}={v!r}" for k, v in self.get_params().items())
         return f"{type(self).__name__}({args})"
 
+    def check_params(self) -> Calibrator:
+        """Checks the constructor arguments as ``fit`` does, without data (``__init__`` only stores them, as
+        scikit-learn's contract asks): a ``ValueError`` names the first value ``fit`` would refuse. Returns
+        self. :func:`~torchcal.calibrators.from_spec` calls it, so a spec's wrong argument fails when the spec
+        is read, before anything is fitted."""
+        return self
+
     # -- fitting -------------------------------------------------------------------------------------
 
     @property

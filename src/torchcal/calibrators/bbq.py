@@ -115,6 +115,10 @@ class _BBQParams:
         self.c = c
         self.prior_strength = prior_strength
 
+    def check_params(self):
+        self._checked()
+        return self
+
     def _checked(self):
         return (
             check_float(self.c, "c", low=0.0, low_open=True),

@@ -175,6 +175,10 @@ class BinaryBetaCalibration(BinaryCalibrator):
     def __init__(self, max_iter: int = 100):
         self.max_iter = max_iter
 
+    def check_params(self):
+        check_positive_int(self.max_iter, "max_iter")
+        return self
+
     def _fit(self, logits, targets):
         max_iter = check_positive_int(self.max_iter, "max_iter")
         ls, l1 = torch.nn.functional.logsigmoid(logits), torch.nn.functional.logsigmoid(-logits)
@@ -220,6 +224,10 @@ class BetaCalibration(Calibrator):
         top = ell.amax(1, keepdim=True)
         l1 = torch.where(ell > -math.log(2), torch.log(-torch.expm1(top)), torch.log1p(-torch.exp(ell)))
         return ell.T, l1.T
+
+    def check_params(self):
+        check_positive_int(self.max_iter, "max_iter")
+        return self
 
     def _fit(self, logits, targets):
         max_iter = check_positive_int(self.max_iter, "max_iter")

@@ -94,6 +94,10 @@ class BinaryTemperatureScaling(BinaryCalibrator):
         self.per_label = per_label
         self.bounds = bounds
 
+    def check_params(self) -> BinaryTemperatureScaling:
+        check_bool(self.per_label, "per_label")
+        return self
+
     def _fit(self, logits, targets):
         check_bool(self.per_label, "per_label")
         columns = range(logits.shape[1]) if self.per_label else [None]
@@ -130,6 +134,10 @@ class PlattScaling(BinaryCalibrator):
 
     def __init__(self, max_iter: int = 100):
         self.max_iter = max_iter
+
+    def check_params(self) -> PlattScaling:
+        check_positive_int(self.max_iter, "max_iter")
+        return self
 
     def _fit(self, logits, targets):
         max_iter = check_positive_int(self.max_iter, "max_iter")
@@ -196,6 +204,10 @@ class BinaryHistogramBinning(BinaryCalibrator):
 
     def __init__(self, n_bins: int = 15):
         self.n_bins = n_bins
+
+    def check_params(self) -> BinaryHistogramBinning:
+        check_positive_int(self.n_bins, "n_bins")
+        return self
 
     def _fit(self, logits, targets):
         n_bins = check_positive_int(self.n_bins, "n_bins")
@@ -275,6 +287,10 @@ class BinaryFocalTemperatureScaling(BinaryCalibrator):
     def __init__(self, objective: str = "adaece", n_bins: int = 15):
         self.objective = objective
         self.n_bins = n_bins
+
+    def check_params(self) -> BinaryFocalTemperatureScaling:
+        FocalTemperatureScaling(objective=self.objective, n_bins=self.n_bins).check_params()
+        return self
 
     def _fit(self, logits, targets):
         gammas, temps = [], []

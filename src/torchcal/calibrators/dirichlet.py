@@ -28,6 +28,10 @@ class _Dirichlet(Calibrator):
     solver: str
     max_iter: int
 
+    def check_params(self):
+        self._check_common()
+        return self
+
     def _check_common(self):
         lam = check_float(self.reg_lambda, "reg_lambda", low=0)
         mu = None if self.reg_mu is None else check_float(self.reg_mu, "reg_mu", low=0)

@@ -142,6 +142,16 @@ class ParameterizedTemperatureScaling(Calibrator):
         self.weight_decay = weight_decay
         self.seed = seed
 
+    def check_params(self) -> ParameterizedTemperatureScaling:
+        _check_sizes(self.hidden_sizes, "hidden_sizes")
+        check_positive_int(self.top_k, "top_k")
+        check_float(self.lr, "lr", low=0.0, low_open=True)
+        check_positive_int(self.batch_size, "batch_size")
+        check_positive_int(self.steps, "steps")
+        check_float(self.weight_decay, "weight_decay", low=0.0)
+        check_positive_int(self.seed, "seed", minimum=0)
+        return self
+
     def _fit(self, logits, targets):
         sizes = _check_sizes(self.hidden_sizes, "hidden_sizes")
         top_k = min(check_positive_int(self.top_k, "top_k"), logits.shape[1])
@@ -398,6 +408,16 @@ class IntraOrderPreserving(Calibrator):
     @staticmethod
     def _features(logits):
         return torch.log_softmax(logits, dim=1).clamp_min(IOP_LOG_FLOOR)
+
+    def check_params(self) -> IntraOrderPreserving:
+        _check_sizes(self.hidden_sizes, "hidden_sizes")
+        check_bool(self.invariant, "invariant")
+        check_float(self.lr, "lr", low=0.0, low_open=True)
+        check_float(self.weight_decay, "weight_decay", low=0.0)
+        check_positive_int(self.batch_size, "batch_size")
+        check_positive_int(self.epochs, "epochs")
+        check_positive_int(self.seed, "seed", minimum=0)
+        return self
 
     def _fit(self, logits, targets):
         sizes = _check_sizes(self.hidden_sizes, "hidden_sizes")

@@ -94,6 +94,10 @@ class SplineCalibration(Calibrator):
     def __init__(self, n_knots: int = 6):
         self.n_knots = n_knots
 
+    def check_params(self) -> SplineCalibration:
+        check_positive_int(self.n_knots, "n_knots", minimum=3)
+        return self
+
     def _fit(self, logits, targets):
         n_knots = check_positive_int(self.n_knots, "n_knots", minimum=3)
         probs = torch.softmax(logits.double(), 1)
@@ -152,6 +156,10 @@ class HistogramBinning(Calibrator):
 
     def __init__(self, n_bins: int = 15):
         self.n_bins = n_bins
+
+    def check_params(self) -> HistogramBinning:
+        check_positive_int(self.n_bins, "n_bins")
+        return self
 
     def _fit(self, logits, targets):
         n_bins = check_positive_int(self.n_bins, "n_bins")

@@ -52,6 +52,12 @@ class _AffineScaling(Calibrator):
         self.max_iter = max_iter
         self.solver = solver
 
+    def check_params(self):
+        check_float(self.weight_decay, "weight_decay", low=0)
+        check_positive_int(self.max_iter, "max_iter")
+        check_choice(self.solver, "solver", ("auto", "newton", "lbfgs"))
+        return self
+
     def _fit(self, logits, targets):
         decay = check_float(self.weight_decay, "weight_decay", low=0)
         max_iter = check_positive_int(self.max_iter, "max_iter")
@@ -191,6 +197,11 @@ class BiasCorrectedTemperatureScaling(Calibrator):
         self.max_iter = max_iter
         self.solver = solver
 
+    def check_params(self):
+        check_positive_int(self.max_iter, "max_iter")
+        check_choice(self.solver, "solver", ("auto", "newton", "lbfgs"))
+        return self
+
     def _fit(self, logits, targets):
         max_iter = check_positive_int(self.max_iter, "max_iter")
         check_choice(self.solver, "solver", ("auto", "newton", "lbfgs"))
@@ -255,6 +266,11 @@ class NoBiasVectorScaling(Calibrator):
     def __init__(self, max_iter: int = 500, solver: str = "auto"):
         self.max_iter = max_iter
         self.solver = solver
+
+    def check_params(self):
+        check_positive_int(self.max_iter, "max_iter")
+        check_choice(self.solver, "solver", ("auto", "newton", "lbfgs"))
+        return self
 
     def _fit(self, logits, targets):
         max_iter = check_positive_int(self.max_iter, "max_iter")

@@ -56,6 +56,13 @@ class _Structured(Calibrator):
     solver: str
     max_iter: int
 
+    def check_params(self):
+        for name in ("lambda_diagonal", "lambda_off_diagonal", "lambda_intercept"):
+            if hasattr(self, name):
+                check_float(getattr(self, name), name, low=0)
+        self._check_common()
+        return self
+
     def _check_common(self):
         check_choice(self.solver, "solver", _SOLVERS)
         return check_positive_int(self.max_iter, "max_iter")

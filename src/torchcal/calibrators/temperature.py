@@ -246,6 +246,18 @@ class TemperatureScaling(Calibrator):
         self.bounds = bounds
         self.extend = extend
 
+    def check_params(self) -> TemperatureScaling:
+        check_choice(self.objective, "objective", {"nll", "ece", "adaece"})
+        if self.objective == "nll":
+            lo = check_float(self.bounds[0], "bounds[0]", low=0, low_open=True)
+            check_float(self.bounds[1], "bounds[1]", low=lo, low_open=True)
+            return self
+        check_positive_int(self.n_bins, "n_bins")
+        if not [check_float(t, "grid", low=0, low_open=True) for t in self.grid]:
+            raise ValueError("`grid` must hold at least one temperature")
+        check_bool(self.extend, "extend")
+        return self
+
     def _fit(self, logits, targets):
         check_choice(self.objective, "objective", {"nll", "ece", "adaece"})
         if self.objective == "nll":
@@ -414,6 +426,16 @@ class FocalTemperatureScaling(Calibrator):
         self.objective = objective
         self.n_bins = n_bins
         self.extend = extend
+
+    def check_params(self) -> FocalTemperatureScaling:
+        check_choice(self.objective, "objective", {"adaece", "nll"})
+        check_positive_int(self.n_bins, "n_bins")
+        gammas = [check_float(g, "gammas", low=-1, low_open=True) for g in self.gammas]
+        temps = [check_float(t, "temperatures", low=0, low_open=True) for t in self.temperatures]
+        if not gammas or not temps:
+            raise ValueError("`gammas` and `temperatures` must each hold at least one value")
+        check_bool(self.extend, "extend")
+        return self
 
     def _fit(self, logits, targets):
         check_choice(self.objective, "objective", {"adaece", "nll"})

@@ -117,10 +117,13 @@ def train(
         False,
         "--resume",
         help="continue the run in --run-dir from its checkpoint, with its saved config; overrides may only "
-        "ask for more train.epochs (or train.device, train.num_threads, data.loader.eval_batch_size)",
+        "ask for more train.epochs or change the execution settings train.device, train.num_threads, "
+        "data.loader.num_workers, data.loader.eval_batch_size, train.test_every, train.calibrators (a finished "
+        "run fits the calibrators added)",
     ),
 ):
     """Train a model with a calibration loss; the run folder holds config, metrics log, checkpoint, logits."""
+    from .run_files import check_writable
     from .training.checkpoints import saved_run as _saved_run
 
     overrides = list(overrides or [])
@@ -134,9 +137,11 @@ def train(
             cfg = apply_overrides(copy.deepcopy(_saved_run(run_dir)[0]), overrides)
         # the bar needs the epoch count: the saved one unless changed
         bar_cfg = cfg if cfg is not None else _saved_run(run_dir)[0]
+        check_writable(run_dir)
         rows = _train_with_bar(cfg, run_dir, resume=True, total=bar_cfg.train.epochs)
     else:
         cfg = load_config(config, overrides)
+        check_writable(run_dir)  # before the data are loaded
         rows = _train_with_bar(cfg, run_dir)
     last = {k: v for k, v in rows[-1].items() if k != "dynamics"} if rows else None
     console.print(f"trained {len(rows)} epochs; last: {json.dumps(last) if last else '-'}")
@@ -176,8 +181,9 @@ def evaluate(
     calibrators' results are kept); the fitted calibrators are saved in <run>/calibrators/. With
     --conformal, the coverage and set sizes of conformal sets on the test split after each calibrator; with
     --arena, the runs then go through the calibrator arena (torchcal arena)."""
-    from .evaluation.evaluate import RESULTS, check_calibrators, evaluate_run
+    from .evaluation.evaluate import RESULTS, check_calibrators, check_run, evaluate_run
     from .evaluation.field_metrics import parse_conformal
+    from .run_files import check_writable
 
     for spec in conformal:
         parse_conformal(spec)  # refused before anything is computed or written
@@ -188,7 +194,10 @@ def evaluate(
 
         arena_names = resolve_calibrators(arena_calibrators)
         _check_arena_options(resamples, 0, "cpu")
+        check_writable(arena_out)
         tasks = tasks_from_runs(run_dirs)  # a missing folder or a multi-label run: refused before any write
+    for run_dir in run_dirs:  # every run checked before the first is evaluated (and written to)
+        check_run(run_dir, names, conformal)
     for run_dir in run_dirs:
         result = evaluate_run(run_dir, names, conformal)
         if len(run_dirs) > 1:
@@ -267,9 +276,11 @@ def arena(
     time) and ranks them across tasks (mean rank, pairwise win rate). Tasks: finished runs, or your own
     saved logits with --val and --test. A calibrator that fails on a task is reported in its row."""
     from .evaluation.arena import resolve_calibrators, tasks_from_runs, user_task
+    from .run_files import check_writable
 
     names = resolve_calibrators(calibrators)
     _check_arena_options(resamples, seed, device)
+    check_writable(out)
     if run_dirs and (val or test):
         raise UserError("give run folders or --val/--test, not both")
     if run_dirs:
@@ -326,7 +337,11 @@ def gradcam(
     from ..plotting import save_figure
     from .errors import UserError
     from .reports.gradcam import gradcam_figure, load_run_model
+    from .run_files import check_writable
 
+    if out.is_dir():
+        raise UserError(f"cannot write {out}: it is a folder, not a file")
+    check_writable(out.parent)
     models, data = {}, None
     for run in run_dirs:
         model, splits = load_run_model(run)
@@ -418,6 +433,9 @@ def figures(
         from .evaluation.evaluate import check_calibrators
 
         check_calibrators([calibrator], None)
+    from .run_files import check_writable
+
+    check_writable(out)
     groups = run_groups(find_runs(paths))
     if "fcl-fig6" in names and not only.strip() and not sweep_key.strip():
         try:  # drawing every figure: runs that vary several loss arguments skip fcl-fig6 only
@@ -465,8 +483,10 @@ def report(
     from .evaluation.evaluate import report as make_report
     from .evaluation.field_metrics import REPORT_METRICS, check_report_metrics
     from .reports.html import html_report
+    from .run_files import check_writable
 
     check_calibrators([calibrator], None)
+    check_writable(out)
     names = [n.strip() for n in metrics.split(",") if n.strip()]
     unknown = [n for n in names if n not in OPTIONAL_COLUMNS and n not in REPORT_METRICS]
     if unknown:
@@ -511,9 +531,12 @@ def sweep(
         raise UserError(f"--backend must be local or ray, got {backend!r}")
     if workers < 1:
         raise UserError(f"--workers must be >= 1, got {workers}")
+    from .run_files import check_writable
+
     spec = load_sweep(sweep_file)
     calibrator = calibrator or spec.evaluate[0]
     check_calibrators([calibrator])
+    check_writable(spec.out)
     state = run_sweep(spec, backend=backend, workers=workers, address=address, retry_failed=retry_failed,
                       report_calibrator=calibrator, log=console.print)  # fmt: skip
     failed = [k for k, v in state.items() if v.get("status") == "failed"]
@@ -548,6 +571,8 @@ def config_schema_command(
         return
     if out.parent and not out.parent.is_dir():
         raise UserError(f"--out {str(out)!r}: the folder {str(out.parent)!r} does not exist")
+    if out.is_dir():
+        raise UserError(f"cannot write {out}: it is a folder, not a file")
     atomic_write_bytes(out, lambda fh: fh.write(text.encode()))
     console.print(f"schema written to {out}")
 
@@ -641,7 +666,9 @@ def demo(
     from .evaluation.evaluate import collect_groups
     from .evaluation.evaluate import report as make_report
     from .reports.html import html_report
+    from .run_files import check_writable
 
+    check_writable(out)
     start = time.time()
     calibrators = ("ts", "fts")
     extra = [f"train.epochs={epochs}"] if epochs else []

@@ -26,12 +26,14 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import ConfigError, load_config, load_yaml
-from .training.loop import atomic_write_bytes
+from .config import EXECUTION_KEYS, ConfigError, config_from_dict, flatten_config, load_config, load_yaml
+from .errors import RunError
+from .run_files import CONFIG, atomic_write_bytes, make_dir
 
 __all__ = ["Sweep", "load_sweep", "expand", "run_sweep"]
 
@@ -53,12 +55,27 @@ def load_sweep(path: str | Path) -> Sweep:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"sweep file {str(path)!r} does not exist")
-    raw = load_yaml(path.read_text()) or {}
+    import yaml
+
+    try:
+        raw = load_yaml(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"sweep file {str(path)!r} is not valid YAML: {_yaml_problem(err)}") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"sweep file {str(path)!r} cannot be read: {err}") from None
     known = {"out", "base", "grid", "overrides", "resources", "evaluate", "arena"}
-    if not isinstance(raw, dict) or set(raw) - known:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"sweep file {str(path)!r} must be a mapping of keys {sorted(known)}, "
+                          f"got {type(raw).__name__}")  # fmt: skip
+    if set(raw) - known:
         raise ConfigError(f"unknown sweep keys {sorted(set(raw) - known)}; valid keys: {sorted(known)}")
     if "out" not in raw:
         raise ConfigError("a sweep needs `out`: the folder that holds its runs")
+    for key, kind, example in (("resources", dict, "{cpus: 1, gpus: 1}"), ("overrides", list, "[train.epochs=350]"),
+                               ("evaluate", list, "[ts, fts]")):  # fmt: skip
+        if key in raw and not isinstance(raw[key], kind):
+            raise ConfigError(f"sweep file {str(path)!r}: `{key}` must be a {'mapping' if kind is dict else 'list'} "
+                              f"(e.g. {key}: {example}), got {raw[key]!r}")  # fmt: skip
     grid = raw.get("grid", {})
     if not isinstance(grid, dict) or any(not isinstance(v, list) or not v for v in grid.values()):
         raise ConfigError("`grid` must map dotted keys to non-empty lists of values")
@@ -87,6 +104,12 @@ def load_sweep(path: str | Path) -> Sweep:
     for run in expand(sweep):  # validate every combination now, not hours later
         load_config(run["base"], run["overrides"])
     return sweep
+
+
+def _yaml_problem(err) -> str:
+    mark = getattr(err, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"{getattr(err, 'problem', None) or err}{where}"
 
 
 def _slug(value) -> str:
@@ -125,7 +148,7 @@ def _command(sweep: Sweep, run: dict, run_dir: Path) -> list[str]:
 
 def run_one(command: list[str], run_dir: str, evaluate: list[str], env: dict | None = None) -> dict:
     """Trains one run in its own process, then evaluates it; returns {"status", "log"}."""
-    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    make_dir(Path(run_dir))
     proc = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **(env or {})})
     log = (proc.stdout + proc.stderr)[-4000:]
     if proc.returncode != 0:
@@ -154,11 +177,28 @@ def run_sweep(
     report_calibrator: str = "ts",
     log=print,
 ) -> dict:
-    """Runs every pending combination and writes the aggregated report; returns the state per run."""
-    sweep.out.mkdir(parents=True, exist_ok=True)
+    """Runs every pending combination of the grid and writes the aggregated report of the grid's finished
+    runs; returns the state of each run of the grid.
+
+    A run folder already there must hold the run the grid asks for: a saved config that differs from it
+    (other than in :data:`~torchcal.experiments.config.EXECUTION_KEYS`) is a :class:`ConfigError` naming
+    the run and the keys, before anything runs. Runs of an earlier version of the sweep file that the grid no
+    longer holds stay on disk and in the state file, out of the report (a warning names them)."""
     state_path = sweep.out / STATE
-    state = json.loads(state_path.read_text()) if state_path.exists() else {}
+    state = _read_state(state_path)
     runs = expand(sweep)
+    for run in runs:
+        _check_saved_run(sweep.out / run["name"], run)
+    folders = {p.name for p in sweep.out.iterdir() if (p / CONFIG).exists()} if sweep.out.is_dir() else set()
+    left_over = sorted((set(state) | folders) - {run["name"] for run in runs})
+    if left_over:
+        warnings.warn(
+            f"{sweep.out}: {len(left_over)} run(s) of an earlier grid are not in the sweep file now and are left "
+            f"out of the report: {', '.join(left_over)}",
+            UserWarning,
+            stacklevel=2,
+        )
+    make_dir(sweep.out)
     todo = []
     for run in runs:
         run_dir = sweep.out / run["name"]
@@ -168,6 +208,7 @@ def run_sweep(
             log(f"skip {run['name']}: failed before (use --retry-failed)")
         else:
             todo.append(run)
+    _save_state(state_path, state)
     log(f"{len(runs)} runs: {len(runs) - len(todo)} finished or skipped, {len(todo)} to run ({backend})")
 
     def record(run, result):
@@ -204,7 +245,8 @@ def run_sweep(
     else:
         raise ValueError(f"unknown backend {backend!r}; choose 'local' or 'ray'")
 
-    done = [sweep.out / name for name, s in state.items() if s.get("status") == "done"]
+    current = {run["name"]: state[run["name"]] for run in runs if run["name"] in state}
+    done = [sweep.out / name for name, s in current.items() if s.get("status") == "done"]
     if done:
         from .evaluation.evaluate import collect_groups, report
         from .reports.html import html_report
@@ -221,7 +263,50 @@ def run_sweep(
             write_arena(result, sweep.out / "report", tasks)
             save_to_runs(result, tasks)
             log(f"arena over {len(tasks)} runs in {sweep.out / 'report'}/arena.md")
-    failed = [name for name, s in state.items() if s.get("status") == "failed"]
+    failed = [name for name, s in current.items() if s.get("status") == "failed"]
     if failed:
         log(f"{len(failed)} failed runs: {failed}; their output is in {state_path}")
+    return current
+
+
+def _read_state(path: Path) -> dict:
+    """The sweep's state file ({} when there is none); a damaged one is a :class:`RunError` saying to delete
+    it (finished runs are found again from their folders)."""
+    if not path.exists():
+        return {}
+    try:
+        state = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        state = None
+    except OSError as err:
+        raise RunError(f"cannot read {path}: {err.strerror or err}") from None
+    if not isinstance(state, dict) or not all(isinstance(v, dict) for v in state.values()):
+        raise RunError(f"{path} is damaged: delete it and run the sweep again (finished runs are kept and found "
+                       "from their folders; failed runs are tried again)")  # fmt: skip
     return state
+
+
+def _check_saved_run(run_dir: Path, run: dict) -> None:
+    """Refuses a run folder whose saved config is not the one the grid now asks for (execution settings
+    such as train.device may differ: they never change what a run computes)."""
+    import yaml
+
+    path = run_dir / CONFIG
+    if not path.exists():
+        return
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+        adjusted = (raw.pop("meta", None) or {}).get("adjusted") or {}
+        saved = config_from_dict(raw, validate=False)
+    except (yaml.YAMLError, ConfigError, AttributeError, OSError) as err:
+        raise RunError(f"{path} is damaged ({err}): delete the run folder {run_dir} to run it again") from None
+    old, new = flatten_config(saved), flatten_config(load_config(run["base"], run["overrides"]))
+    differ = sorted(
+        k for k in old.keys() | new.keys()
+        if old.get(k) != new.get(k) and k not in EXECUTION_KEYS
+        and not (k in adjusted and new.get(k) == adjusted[k].get("requested"))
+    )  # fmt: skip
+    if differ:
+        detail = ", ".join(f"{k}: saved {old.get(k)!r}, grid {new.get(k)!r}" for k in differ)
+        raise ConfigError(f"run {run['name']} in {run_dir.parent} was made with another config than the sweep "
+                          f"file asks for now ({detail}): move or delete {run_dir}, or restore the sweep file")  # fmt: skip

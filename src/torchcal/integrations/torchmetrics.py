@@ -162,6 +162,9 @@ class CalibrationMetric(Metric):
                 f"move the metric with .to({str(preds.device)!r})"
             )
         if preds.shape[0] == 0:  # every target ignored
+            if self.equal_mass:  # no rows, in the rows' dtype and width: a sync gathers like tensors
+                width = 3 if self.ranked else 2
+                self.samples.append(torch.zeros(0, width, dtype=torch.float64, device=preds.device))
             return
         sums, conf, correct, rank = batch_state(
             preds,
@@ -350,12 +353,15 @@ class MultilabelCalibrationMetric(Metric):
                 f"`preds` is on {preds.device} but the metric's state is on {self.sums.device}: "
                 f"move the metric with .to({str(preds.device)!r})"
             )
-        if preds.shape[0] == 0:
-            return
-        sums, rows = ML.batch_state(
-            preds, target, self.num_labels, self.n_bins, self.from_logits, self.ignore_index, self.keeps_rows
-        )
-        if sums is None:  # every target unknown
+        sums, rows = None, None
+        if preds.shape[0] > 0:
+            sums, rows = ML.batch_state(
+                preds, target, self.num_labels, self.n_bins, self.from_logits, self.ignore_index, self.keeps_rows
+            )  # fmt: skip
+        if sums is None:  # no rows, or every target unknown
+            if self.keeps_rows:  # no rows, in the rows' dtype and shape: a sync gathers like tensors
+                empty = torch.zeros(0, 2, self.num_labels, dtype=torch.float64, device=preds.device)
+                self.samples.append(empty)
             return
         self.sums += sums
         if rows is not None:  # (made with keeps_rows)

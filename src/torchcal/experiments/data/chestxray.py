@@ -45,6 +45,30 @@ def _read_list(path: Path) -> list[str]:
     return [line.strip() for line in path.read_text().splitlines() if line.strip()]
 
 
+def _check_lists(root: Path, train_val: list[str], test: list[str]) -> None:
+    """Every image at most once in the split lists: a name listed twice would be trained (or tested) twice, and
+    one in both lists would leak test images into training."""
+
+    def first(names):
+        return ", ".join(names[:3]) + (f" (and {len(names) - 3} more)" if len(names) > 3 else "")
+
+    for name, listed in (("train_val_list.txt", train_val), ("test_list.txt", test)):
+        seen, twice = set(), []
+        for image in listed:
+            if image in seen and image not in twice:
+                twice.append(image)
+            seen.add(image)
+        if twice:
+            raise DatasetError(f"{root / name} lists {len(twice)} image(s) more than once: {first(twice)}")
+    in_test = set(test)
+    both = [image for image in train_val if image in in_test]
+    if both:
+        raise DatasetError(
+            f"{root / 'train_val_list.txt'} and {root / 'test_list.txt'} share {len(both)} image(s): {first(both)}; "
+            "the official split lists are disjoint"
+        )
+
+
 def load_chestxray14(
     root: str | Path,
     val_size: int = 5000,
@@ -56,9 +80,10 @@ def load_chestxray14(
     :data:`PATHOLOGIES` order ("No Finding" = all zeros), ``label_names``.
 
     ``root`` holds ``Data_Entry_2017.csv`` (columns "Image Index", "Finding Labels" with labels separated
-    by ``|``, "Patient ID"), the official ``train_val_list.txt`` and ``test_list.txt``, and the PNGs. The
-    validation set is split off train_val **by patient** (no patient in two sets): patients shuffled with
-    ``split_seed``, taken until at least ``val_size`` images. Training images are resized to
+    by ``|``, "Patient ID"), the official ``train_val_list.txt`` and ``test_list.txt`` (disjoint, each image
+    listed once: anything else is a :class:`DatasetError`), and the PNGs. The validation set is split off
+    train_val **by patient** (no patient in two sets): patients shuffled with ``split_seed``, taken until at
+    least ``val_size`` images. Training images are resized to
     ``image_size``, evaluated ones to ``eval_size`` (ten-crop evaluation: 256 for crops of 224)."""
     root = Path(root)
     entry = root / "Data_Entry_2017.csv"
@@ -100,6 +125,7 @@ def load_chestxray14(
 
     train_val = _read_list(root / "train_val_list.txt")
     test_names = _read_list(root / "test_list.txt")
+    _check_lists(root, train_val, test_names)
     paths, targets, patients = part(train_val)
     unique = sorted(set(patients))
     order = np.random.RandomState(split_seed).permutation(len(unique))

@@ -8,6 +8,7 @@ import functools
 import gzip
 import os
 import struct
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -62,16 +63,27 @@ def read_idx(path: str | Path) -> np.ndarray:
 def _read_idx_cached(name: str, size: int, mtime_ns: int) -> np.ndarray:
     path = Path(name)
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as fh:
-        data = fh.read()
+    again = "the file is truncated or corrupt: download it again"
+    try:
+        with opener(path, "rb") as fh:
+            data = fh.read()
+    except (EOFError, OSError, zlib.error) as err:  # a cut or damaged .gz (gzip.BadGzipFile is an OSError)
+        raise DatasetError(f"{path} cannot be decompressed ({err}): {again}") from None
     if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] not in _IDX_TYPES:
         raise DatasetError(f"{path} is not an IDX file (bad magic number)")
-    ndim = data[3]
-    dims = struct.unpack(f">{ndim}I", data[4 : 4 + 4 * ndim])
+    ndim, offset = data[3], 4 + 4 * data[3]
+    if len(data) < offset:
+        raise DatasetError(f"{path} ends inside its header ({len(data)} bytes, {offset} expected): {again}")
+    dims = struct.unpack(f">{ndim}I", data[4:offset])
     dtype = np.dtype(_IDX_TYPES[data[2]])
-    body = np.frombuffer(data, dtype=dtype, offset=4 + 4 * ndim)
+    if (len(data) - offset) % dtype.itemsize:
+        raise DatasetError(
+            f"{path} ends inside a value ({len(data) - offset} bytes of {dtype.itemsize}-byte values after the "
+            f"header, which says {dims}): {again}"
+        )
+    body = np.frombuffer(data, dtype=dtype, offset=offset)
     if body.size != int(np.prod(dims)):
-        raise DatasetError(f"{path} holds {body.size} values, its header says {dims}")
+        raise DatasetError(f"{path} holds {body.size} values, its header says {dims}: {again}")
     return body.reshape(dims)
 
 
@@ -93,10 +105,15 @@ def load_fashion_mnist(root: str | Path = FASHION_MNIST_DIR) -> tuple[Dataset, D
     out = []
     for split in ("train", "t10k"):
         images = read_idx(_find(root, f"{split}-images-idx3-ubyte"))
-        labels = read_idx(_find(root, f"{split}-labels-idx1-ubyte"))
+        labels_file = _find(root, f"{split}-labels-idx1-ubyte")
+        labels = read_idx(labels_file)
         if images.ndim != 3 or labels.ndim != 1 or images.shape[0] != labels.shape[0]:
             raise DatasetError(
                 f"Fashion-MNIST {split} files disagree: images {images.shape}, labels {labels.shape}"
+            )
+        if labels.size and (labels.min() < 0 or labels.max() > 9):
+            raise DatasetError(
+                f"{labels_file} holds labels from {labels.min()} to {labels.max()}: Fashion-MNIST's are 0-9"
             )
         x = torch.from_numpy(images.astype(np.float32) / 255.0)[:, None]
         out.append(Dataset(x, torch.from_numpy(labels.astype(np.int64))))
@@ -164,13 +181,38 @@ def _in_memory(data: Dataset, what: str) -> torch.Tensor:
 # ----------------------------------------------------------------------------- CIFAR, SVHN, CIFAR-10-C
 
 
-def _unpickle(path: Path) -> dict:
+def _unpickle(path: Path, again: str) -> dict:
+    """A CIFAR pickle (a dict); a file that does not unpickle to one is a :class:`DatasetError` naming it and
+    ending with ``again`` (how to get the file anew)."""
     import pickle
 
     if not path.is_file():
         raise DatasetError(f"missing file {path}")
-    with open(path, "rb") as fh:
-        return pickle.load(fh, encoding="bytes")  # the files are Python-2 pickles with byte-string keys
+    try:
+        with open(path, "rb") as fh:
+            data = pickle.load(fh, encoding="bytes")  # the files are Python-2 pickles with byte-string keys
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, ImportError, IndexError,
+            KeyError, MemoryError) as err:  # fmt: skip
+        raise DatasetError(
+            f"{path} is not a readable pickle ({type(err).__name__}: {err}): {again}"
+        ) from None
+    if not isinstance(data, dict):
+        raise DatasetError(f"{path} holds a {type(data).__name__}, not a CIFAR batch (a dict): {again}")
+    return data
+
+
+def _cifar_batch(path: Path, label_key: bytes, again: str) -> tuple[np.ndarray, np.ndarray]:
+    """(rows (n, 3072) uint8, labels (n,)) of one CIFAR pickle, checked to agree row by row."""
+    part = _unpickle(path, again)
+    if b"data" not in part or label_key not in part:
+        raise DatasetError(f"{path} lacks {'data' if b'data' not in part else label_key.decode()}: {again}")
+    rows, labels = np.asarray(part[b"data"]), np.asarray(part[label_key])
+    if rows.ndim != 2 or rows.shape[1] != 3072:
+        raise DatasetError(f"{path} holds data of shape {rows.shape}: CIFAR rows are 3072 values (3 × 32 × 32) "
+                           f"each, shape (n, 3072); {again}")  # fmt: skip
+    if labels.shape != (rows.shape[0],):
+        raise DatasetError(f"{path} holds {rows.shape[0]} images but labels of shape {labels.shape}: {again}")
+    return rows, labels
 
 
 def _images_from_rows(rows: np.ndarray) -> torch.Tensor:
@@ -207,11 +249,14 @@ def load_cifar(root: str | Path, num_classes: int = 10) -> tuple[Dataset, Datase
             f"(the python version) and unpack it there (tar xzf {archive} -C {root}), or set data.root to the "
             f"folder that holds {sub} (nothing is downloaded automatically)"
         )
+    again = (
+        f"download https://www.cs.toronto.edu/~kriz/{archive} again and unpack it over the files in {folder}"
+    )
     out = []
     for group in (train_files, test_files):
-        parts = [_unpickle(folder / name) for name in group]
-        x = _images_from_rows(np.concatenate([p[b"data"] for p in parts]))
-        y = torch.tensor(np.concatenate([np.asarray(p[label_key]) for p in parts]), dtype=torch.long)
+        parts = [_cifar_batch(folder / name, label_key, again) for name in group]
+        x = _images_from_rows(np.concatenate([rows for rows, _ in parts]))
+        y = torch.tensor(np.concatenate([labels for _, labels in parts]), dtype=torch.long)
         out.append(Dataset(x, y))
     return out[0], out[1]
 
@@ -315,13 +360,18 @@ def load_tiny_imagenet(root: str | Path, val_per_class: int = 50) -> tuple[Datas
     annotations = root / "val" / "val_annotations.txt"
     if not annotations.is_file():
         raise DatasetError(f"missing {annotations}: the official val split is the test set")
-    for line in annotations.read_text().splitlines():
+    for number, line in enumerate(annotations.read_text().splitlines(), start=1):
         parts = line.split("\t")
         if len(parts) >= 2:
             path = root / "val" / "images" / parts[0]
             if not path.is_file():
                 raise DatasetError(
                     f"{annotations} names {parts[0]}, which is not in {root / 'val' / 'images'}"
+                )
+            if parts[1] not in label:
+                raise DatasetError(
+                    f"{annotations}, line {number}: {parts[0]} has the class {parts[1]!r}, which is not in "
+                    f"{wnids_file} ({len(wnids)} classes)"
                 )
             te_x.append(path)
             te_y.append(label[parts[1]])

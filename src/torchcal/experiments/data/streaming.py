@@ -4,7 +4,9 @@ worker processes (decision 80).
 * :class:`ImageFolderInputs` behaves like the (N, 3, S, S) input tensor the runner indexes, but holds file
   paths: a batch is decoded when asked for (Pillow; greyscale, CMYK and palette images become RGB) and comes
   back as **uint8** (4× less memory and host-to-device traffic than float32; the runner scales it on the
-  device).
+  device). 16-bit greyscale images (PNG; Pillow modes ``I;16`` and ``I``) are scaled to 8 bits as
+  round(value · 255 / 65535), so their whole range is kept (Pillow's own conversion clips every value above
+  255 to white).
 * Training images get the standard ImageNet augmentation, RandomResizedCrop (scale 0.08-1, aspect ratio
   3/4-4/3) and a horizontal flip, drawn from a generator seeded by (seed, epoch, sample index): a sample's
   augmentation does not depend on which worker decodes it, so runs with any number of workers, resumed
@@ -49,11 +51,18 @@ __all__ = [
 IMAGE_SUFFIXES = (".jpeg", ".jpg", ".png")
 
 
+_SIXTEEN_BIT = ("I", "I;16", "I;16B", "I;16L", "I;16N")  # Pillow's modes of a 16-bit greyscale image
+
+
 def _open_rgb(path: Path):
     from PIL import Image
 
     try:
         with Image.open(path) as image:
+            if image.mode in _SIXTEEN_BIT:
+                values = np.clip(np.asarray(image, dtype=np.int64), 0, 65535)
+                # round(v · 255 / 65535) = round(v / 257), exactly: v / 257 never ends in .5
+                return Image.fromarray(((values + 128) // 257).astype(np.uint8)).convert("RGB")
             return image.convert("RGB")  # greyscale (L), CMYK, palette and RGBA images as RGB
     except OSError as err:
         raise DatasetError(f"cannot decode image {path}: {err}") from None

@@ -18,7 +18,7 @@ from ... import functional as F
 from ...calibrators import from_spec
 from ..config import EXECUTION_KEYS, flatten_config
 from ..errors import RunError, UserError
-from ..run_files import CALIBRATORS, LOGITS, RESULTS, atomic_write_bytes
+from ..run_files import CALIBRATORS, CONFIG, LOGITS, RESULTS, atomic_write_bytes, check_writable, make_dir
 from .field_metrics import COLUMN_HEADERS as FIELD_HEADERS
 from .field_metrics import (
     check_report_metrics,
@@ -115,12 +115,18 @@ def run_task(logits: dict) -> str:
 
 
 def load_logits(run_dir) -> dict:
-    """The run's ``logits.pt`` (split -> {"logits", "targets"}); a missing folder or file, an unfinished run
-    and a damaged file are :class:`RunError` naming the path."""
+    """The run's ``logits.pt`` (split -> {"logits", "targets"}); a missing folder, a path that is not a folder,
+    a folder that holds neither a run's config nor logits, an unfinished run and a damaged file are
+    :class:`RunError` naming the path (a folder holding only ``logits.pt`` is read: logits saved by hand)."""
     run_dir = Path(run_dir)
-    if not run_dir.is_dir():
+    if not run_dir.exists():
         raise RunError(f"run folder {run_dir} does not exist")
+    if not run_dir.is_dir():
+        raise RunError(f"{run_dir} is not a folder: give the folder of a run (torchcal train -o FOLDER)")
     path = run_dir / LOGITS
+    if not path.exists() and not (run_dir / CONFIG).exists():
+        raise RunError(f"{run_dir} is not a run folder (no {CONFIG} and no {LOGITS}): train a run into it "
+                       f"first (torchcal train -o {run_dir}) or give the folder of a finished run")  # fmt: skip
     if not path.exists():
         raise RunError(f"{path} not found: the run has not finished; train it to the end first "
                        f"(torchcal train -o {run_dir} --resume)")  # fmt: skip
@@ -283,8 +289,7 @@ def _fit_and_score(logits: dict, method: str):
 
 
 def _save_calibrator(run_dir: Path, method: str, cal) -> None:
-    folder = run_dir / CALIBRATORS
-    folder.mkdir(exist_ok=True)
+    folder = make_dir(run_dir / CALIBRATORS)
     state, text = cal.state_dict(), cal.to_json()
     stem = calibrator_file_stem(method)
     atomic_write_bytes(folder / f"{stem}.pt", lambda fh: torch.save(state, fh))
@@ -337,28 +342,42 @@ def evaluate_run(run_dir, calibrators=("ts", "fts"), conformal=()) -> dict:
     parse_conformal`); each adds ``"conformal": {spec: set metrics}`` to the uncalibrated and each
     calibrator's results: a seeded half of the test split calibrates the sets, the other half scores them."""
     run_dir = Path(run_dir)
-    specs = [parse_conformal(s) for s in conformal]
-    logits = load_logits(run_dir)
-    task = run_task(logits)
-    if specs and task == "multilabel":
-        raise UserError(
-            "--conformal: conformal sets are defined for multiclass runs, this run is multi-label"
-        )
-    calibrators = check_calibrators(calibrators, task)
+    logits, calibrators, specs = check_run(run_dir, calibrators, conformal)
     result = _uncalibrated(run_dir, logits)
     test = logits["test"]
     if specs:
         result["uncalibrated"]["conformal"] = conformal_metrics(
             torch.softmax(test["logits"], 1), test["targets"], specs
         )
-    for method in calibrators:
-        cal, result[method] = _fit_and_score(logits, method)
-        _save_calibrator(run_dir, method, cal)
+    fitted = {}
+    for method in calibrators:  # every calibrator fitted before any file is written
+        fitted[method], result[method] = _fit_and_score(logits, method)
         if specs:
             result[method]["conformal"] = conformal_metrics(
-                cal.transform(test["logits"]), test["targets"], specs
+                fitted[method].transform(test["logits"]), test["targets"], specs
             )
+    for method, cal in fitted.items():
+        _save_calibrator(run_dir, method, cal)
     return _merge_results(run_dir, result)
+
+
+def check_run(run_dir, calibrators=("ts", "fts"), conformal=()) -> tuple[dict, tuple[str, ...], list]:
+    """What :func:`evaluate_run` checks before it computes or writes anything: the run's logits
+    (:func:`load_logits`), its ``results.json`` (readable when present), the calibrators and conformal specs
+    against the run's task, and that the run folder can be written. Returns (logits, calibrators, conformal
+    specs); ``torchcal evaluate`` calls it for every run before evaluating the first."""
+    run_dir = Path(run_dir)
+    specs = [parse_conformal(s) for s in conformal]
+    logits = load_logits(run_dir)
+    task = run_task(logits)
+    if specs and task == "multilabel":
+        raise UserError(
+            f"--conformal: conformal sets are defined for multiclass runs, {run_dir} is multi-label"
+        )
+    calibrators = check_calibrators(calibrators, task)
+    read_results(run_dir)
+    check_writable(run_dir)
+    return logits, calibrators, specs
 
 
 def _label_names(run_dir: Path, n: int) -> list[str]:
@@ -546,7 +565,7 @@ def _group_stats(results: list[dict], calibrator: str) -> dict[str, tuple[float,
     out = {}
     for col, vals in values.items():
         t = torch.tensor(vals, dtype=torch.float64)
-        out[col] = (float(t.mean()), float(t.std()) if len(vals) > 1 else 0.0, len(vals))
+        out[col] = (float(t.mean()), float(t.std()) if len(vals) > 1 else float("nan"), len(vals))
     return out
 
 
@@ -561,7 +580,7 @@ def _optional_stats(results: list[dict], calibrator: str) -> dict[str, tuple[flo
             vals = [_optional_value(res[key]["test"], m) for res in results]
             if vals and all(v is not None for v in vals):
                 t = 100 * torch.tensor(vals, dtype=torch.float64)
-                out[f"{m} {when}"] = (float(t.mean()), float(t.std()) if len(vals) > 1 else 0.0, len(vals))
+                out[f"{m} {when}"] = (float(t.mean()), float(t.std()) if len(vals) > 1 else float("nan"), len(vals))
     return out
 
 
@@ -586,7 +605,7 @@ def _multilabel_stats(results: list[dict], calibrator: str) -> dict[str, tuple[f
     out = {}
     for col, vals in values.items():
         t = torch.tensor(vals, dtype=torch.float64)
-        out[col] = (float(t.mean()), float(t.std()) if len(vals) > 1 else 0.0, len(vals))
+        out[col] = (float(t.mean()), float(t.std()) if len(vals) > 1 else float("nan"), len(vals))
     return out
 
 
@@ -635,7 +654,7 @@ def _multilabel_report(groups, out_dir: Path, calibrator: str, note: str) -> tup
     sources = ["", "Runs of each row:", ""] + [f"- {g.label}: {', '.join(map(str, g.runs))}" for g in groups]
     sources += fit_warning_lines(groups, calibrator)
     markdown = title + (f"**{note}**\n\n" if note else "") + "\n".join(md + sources) + "\n"
-    out_dir.mkdir(parents=True, exist_ok=True)
+    make_dir(out_dir)
     atomic_write_bytes(out_dir / "report.md", lambda fh: fh.write(markdown.encode()))
     csv_text = buf.getvalue()
     atomic_write_bytes(out_dir / "report.csv", lambda fh: fh.write(csv_text.encode()))
@@ -787,7 +806,7 @@ def report(
     else:
         ranking = ""
     markdown += f"\n{ranking}" if ranking else ""
-    out_dir.mkdir(parents=True, exist_ok=True)
+    make_dir(out_dir)
     atomic_write_bytes(out_dir / "report.md", lambda fh: fh.write(markdown.encode()))
     csv_text = buf.getvalue()
     atomic_write_bytes(out_dir / "report.csv", lambda fh: fh.write(csv_text.encode()))

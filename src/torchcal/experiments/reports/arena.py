@@ -280,7 +280,7 @@ def write_arena(result: dict, out_dir, tasks: list[ArenaTask] | None = None, dev
     Everything is rendered before the folder is created, so a failure writes nothing."""
     from markupsafe import Markup
 
-    from ..run_files import atomic_write_bytes
+    from ..run_files import atomic_write_bytes, make_dir
 
     texts = {
         "arena.md": arena_markdown(result),
@@ -289,7 +289,7 @@ def write_arena(result: dict, out_dir, tasks: list[ArenaTask] | None = None, dev
         "arena.json": json.dumps(result, indent=2, sort_keys=True),
     }
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    make_dir(out_dir)
     paths = {}
     for name, text in texts.items():
         paths[name] = out_dir / name

@@ -22,7 +22,7 @@ from ...calibrators.temperature import FTS_GAMMA_GRID, FTS_TEMPERATURE_GRID
 from ..config import flatten_config
 from ..errors import RunError, UserError
 from ..evaluation.evaluate import GROUP_IGNORED_KEYS, label_groups, load_logits
-from ..run_files import atomic_write_bytes, read_metrics
+from ..run_files import atomic_write_bytes, make_dir, read_metrics
 
 __all__ = [
     "FIGURES",
@@ -298,7 +298,7 @@ def draw_figures(
     existed = out.exists()
     if "fcl-fig6" in names:
         sweep_lines(groups, sweep_key)  # an unknown or ambiguous x axis is refused before anything is written
-    out.mkdir(parents=True, exist_ok=True)
+    make_dir(out)
 
     def save(name, fig, data):
         fig.set_layout_engine("constrained")  # titles and labels of neighbouring panels do not overlap

@@ -21,7 +21,7 @@ from ..evaluation.evaluate import (
 )
 from ..evaluation.field_metrics import COLUMN_HEADERS as FIELD_HEADERS
 from ..evaluation.field_metrics import REPORT_METRICS, field_figures
-from ..run_files import CALIBRATORS, atomic_write_bytes, read_metrics
+from ..run_files import CALIBRATORS, atomic_write_bytes, make_dir, read_metrics
 from .templates import render
 
 __all__ = ["group_runs", "html_report", "summarise"]
@@ -162,8 +162,9 @@ def _comparison_figures(groups, calibrator: str) -> list[tuple[str, str]]:
 
     short = [g.label.split(" · ")[-1] for g in groups]
     labels = short if len(set(short)) == len(short) else [g.label for g in groups]
-    pre = np.array([g.stats["ece pre"][:2] for g in groups])
-    post = np.array([g.stats["ece post"][:2] for g in groups])
+    # a row of one run has no std (nan): no error bar
+    pre = np.nan_to_num(np.array([g.stats["ece pre"][:2] for g in groups]))
+    post = np.nan_to_num(np.array([g.stats["ece post"][:2] for g in groups]))
     x = np.arange(len(groups))
     fig, ax = plt.subplots(figsize=(max(5.0, 0.75 * len(groups) + 2), 3.4), constrained_layout=True)
     ax.bar(x - 0.2, pre[:, 0], 0.4, yerr=pre[:, 1], capsize=3, color="#C44E52", label="uncalibrated")
@@ -270,7 +271,7 @@ def html_report(
         paper_figures=_paper_figures(Path(out_dir)),
     )
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    make_dir(out_dir)
     path = out_dir / "report.html"
     atomic_write_bytes(path, lambda fh: fh.write(page.encode()))
     return path

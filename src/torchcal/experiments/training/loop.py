@@ -283,7 +283,11 @@ def train(
         if stop_after is not None and trained >= stop_after and epoch + 1 < run.cfg.train.epochs:
             return run.rows
     if trained == 0 and (run.run_dir / LOGITS).exists():
-        return run.rows  # a finished run resumed without more epochs: its logits are those of this model
+        # a finished run resumed without more epochs: its logits are those of this model; calibrators newly
+        # listed in train.calibrators are fitted on them, as torchcal evaluate does
+        if run.rank == 0:
+            _fit_new_calibrators(run.run_dir, run.cfg.train.calibrators)
+        return run.rows
     if run.rank == 0:
         selection = _select(run)
         _save_logits(run, selection)
@@ -294,11 +298,14 @@ def train(
 def _set_up(cfg: RunConfig | None, run_dir: Path, resume: bool) -> _Run:
     """Checks the config, the run folder, the data and the model; only then writes ``config.yaml``, and
     restores the checkpoint of a resumed run."""
-    state, adjusted, resumes, changes, done = None, {}, [], {}, 0
+    state, adjusted, resumes, changes, done, finished = None, {}, [], {}, 0, False
     if resume:
         saved, adjusted, resumes, state = saved_run(run_dir)
         done = int(state["epoch"]) if state is not None else 0
         cfg = saved if cfg is None else resume_config(saved, cfg, done, adjusted)
+        finished = state is not None and done >= cfg.train.epochs and (run_dir / LOGITS).exists()
+        if finished:  # nothing to train: only the changes that take effect are kept
+            cfg = _finished_run_config(run_dir, saved, cfg, done)
         old, new = flatten_config(saved), flatten_config(cfg)
         changes = {k: [old.get(k), new.get(k)] for k in old.keys() | new.keys() if old.get(k) != new.get(k)}
     else:
@@ -332,12 +339,13 @@ def _set_up(cfg: RunConfig | None, run_dir: Path, resume: bool) -> _Run:
     check_dynamics(cfg.train.dynamics, model)
     # everything the run needs exists and fits: only now is anything written
     if resume and state is not None:
-        resumes = [*resumes, {"from_epoch": done, "changed": changes}] if changes or done else resumes
+        record = changes or (done and not finished)  # resuming a finished run that changes nothing: no record
+        resumes = [*resumes, {"from_epoch": done, "changed": changes}] if record else resumes
     meta = {"torchcal_version": __version__, "git_revision": _git_revision(), "world_size": world,
             "device": str(device), "num_classes": num_classes, "adjusted": adjusted, "resumes": resumes}  # fmt: skip
     if train_set.multilabel:
         meta["label_names"] = list(train_set.label_names or range(num_classes))
-    if rank == 0:
+    if rank == 0 and not (finished and not changes):  # a finished run left as it was keeps its config.yaml
         _write_config(run_dir, cfg, meta)
     amp_dtype, channels_last = _speed_options(cfg, device, train_set.inputs.ndim == 4)
     if channels_last:
@@ -400,17 +408,22 @@ def _train_epoch(run: _Run, epoch: int, progress=None) -> float:
     run.model.train()
     inputs = run.splits["train"].inputs
     augmented_in_decode = bool(getattr(inputs, "train", False))  # ImageNet's RandomResizedCrop
-    epoch_gen = torch.Generator().manual_seed(cfg.train.seed * 100_003 + epoch)
+    # the in-loop crops and flips are drawn from (seed, epoch, rank): rank 0 draws what one process draws,
+    # rank r from the seed plus r * 2^20 (the generator keeps a seed's low 32 bits: ranks < 4096 and epochs
+    # < 2^20 never share a stream)
+    epoch_gen = torch.Generator().manual_seed(cfg.train.seed * 100_003 + epoch + (run.rank << 20))
     torch.randperm(
         len(inputs), generator=epoch_gen
     )  # the plan's order; advances epoch_gen as augmentation expects
     total = 0.0
+    n, bs = len(inputs), cfg.data.loader.batch_size
     for b, (xb, yb) in enumerate(run.batches.epoch(epoch)):
         run.opt.zero_grad(set_to_none=True)
-        # gradient accumulation: the batch as train.accumulate micro-batches, each loss weighted by its
-        # share of the batch ("mean") so that the update is the whole batch's
-        members = torch.arange(len(yb))
-        parts = [p for p in members.tensor_split(cfg.train.accumulate) if len(p)]
+        # gradient accumulation: this rank's share of the batch as train.accumulate micro-batches. Every rank
+        # takes as many micro-batches as the fullest one (rank 0), so every rank joins each of DDP's
+        # all-reduces; a micro-batch left empty contributes a zero loss whose graph reaches every parameter.
+        count = min(bs, n - b * bs)  # samples in the global batch, over all ranks
+        parts = torch.arange(len(yb)).tensor_split(min(cfg.train.accumulate, -(-count // world)))
         for j, part in enumerate(parts):
             x, y = as_model_input(xb[part], device), yb[part].to(device)
             if cfg.data.augment and not augmented_in_decode:
@@ -422,9 +435,12 @@ def _train_epoch(run: _Run, epoch: int, progress=None) -> float:
                 with torch.autocast(
                     device.type, dtype=run.amp_dtype or torch.float32, enabled=run.amp_dtype is not None
                 ):
-                    loss = loss_fn(run.step_model(x), y)
-                if len(parts) > 1 and cfg.loss.reduction == "mean":
-                    loss = loss * (len(part) / len(members))
+                    loss = loss_fn(run.step_model(x), y) if len(part) else run.step_model(x).sum()
+                # "mean": each micro-batch's loss weighted by its share of the global batch, times the world
+                # size that DDP's average over ranks divides out, so that the update is the global batch's
+                # mean however unevenly the ranks share it (the reported loss is that mean too)
+                if cfg.loss.reduction == "mean" and len(part) * world != count:
+                    loss = loss * (len(part) * world / count)
                 # DDP averages gradients over ranks: a summed loss is scaled back to the global batch's sum
                 (loss * world if world > 1 and cfg.loss.reduction == "sum" else loss).backward()
             total += loss.detach()
@@ -563,6 +579,40 @@ def _save_logits(run: _Run, selection: dict) -> None:
         drop_stale_results(run_dir, refit)
     if refit:
         _fit_calibrators(run_dir, refit)
+
+
+def _finished_run_config(run_dir: Path, saved: RunConfig, requested: RunConfig, done: int) -> RunConfig:
+    """The config of a finished run resumed with nothing to train. Of the changes resuming allows
+    (:data:`~torchcal.experiments.config.RESUMABLE_KEYS`) only ``train.calibrators`` takes effect here: its
+    calibrators not yet fitted are fitted (:func:`_fit_new_calibrators`) and the saved list gains them. The
+    other execution settings apply to epochs still to train, so they keep their saved values (a warning names
+    them): ``config.yaml`` says what ran."""
+    from ..evaluation.evaluate import read_results
+
+    old, new = flatten_config(saved), flatten_config(requested)
+    idle = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k) and k != "train.calibrators")
+    if idle:
+        warnings.warn(
+            f"{run_dir} has trained all its {done} epochs: {', '.join(idle)} would apply only to epochs still to "
+            "train and keep their saved values (train.epochs=N trains further)",
+            UserWarning,
+            stacklevel=4,
+        )
+    fitted = read_results(run_dir)
+    added = [c for c in requested.train.calibrators if c not in saved.train.calibrators and c not in fitted]
+    cfg = copy.deepcopy(saved)
+    cfg.train.calibrators = [*saved.train.calibrators, *added]
+    return cfg
+
+
+def _fit_new_calibrators(run_dir: Path, specs) -> None:
+    """The calibrators of ``specs`` that the run's ``results.json`` does not hold yet, fitted and saved."""
+    from ..evaluation.evaluate import read_results
+
+    fitted = read_results(run_dir)
+    missing = tuple(c for c in specs if c not in fitted)
+    if missing:
+        _fit_calibrators(run_dir, missing)
 
 
 def _fit_calibrators(run_dir: Path, specs: tuple[str, ...]) -> None:
