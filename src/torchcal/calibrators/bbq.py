@@ -115,10 +115,6 @@ class _BBQParams:
         self.c = c
         self.prior_strength = prior_strength
 
-    def check_params(self):
-        self._checked()
-        return self
-
     def _checked(self):
         return (
             check_float(self.c, "c", low=0.0, low_open=True),
@@ -161,6 +157,10 @@ class BBQ(_BBQParams, Calibrator):
         1.0
     """
 
+    def check_params(self) -> BBQ:
+        self._checked()
+        return self
+
     name = "bayesian_binning_quantiles"
     fitted_attributes = ("weights_", "breakpoints_", "values_")
 
@@ -191,6 +191,10 @@ class BinaryBBQ(_BBQParams, BinaryCalibrator):
         >>> bool(p[0] < 0.3 and 0.3 < p[1] < 0.7 and p[2] > 0.7)
         True
     """
+
+    def check_params(self) -> BinaryBBQ:
+        self._checked()
+        return self
 
     name = "bbq"
     fitted_attributes = ("weights_", "breakpoints_", "values_")
