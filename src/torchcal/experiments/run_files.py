@@ -98,6 +98,22 @@ def check_writable(folder: Path) -> None:
         raise _cannot_write(folder, err) from None
 
 
+def read_json_object(path: Path, damaged: str) -> dict:
+    """The JSON object in ``path`` ({} when there is no file); a file that is not a JSON object is a
+    :class:`RunError` "<path> is damaged: <damaged>", a file that cannot be read one naming the reason."""
+    if not path.exists():
+        return {}
+    try:
+        value = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        value = None
+    except OSError as err:
+        raise RunError(f"cannot read {path}: {err.strerror or err}") from None
+    if not isinstance(value, dict):
+        raise RunError(f"{path} is damaged: {damaged}")
+    return value
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     """The per-epoch rows of ``metrics.jsonl`` (``[]`` when there is none); a damaged file is a
     :class:`RunError` naming the file and line."""

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from .config import EXECUTION_KEYS, ConfigError, config_from_dict, flatten_config, load_config, load_yaml
 from .errors import RunError
-from .run_files import CONFIG, atomic_write_bytes, make_dir
+from .run_files import CONFIG, atomic_write_bytes, make_dir, read_json_object
 
 __all__ = ["Sweep", "load_sweep", "expand", "run_sweep"]
 
@@ -272,17 +272,11 @@ def run_sweep(
 def _read_state(path: Path) -> dict:
     """The sweep's state file ({} when there is none); a damaged one is a :class:`RunError` saying to delete
     it (finished runs are found again from their folders)."""
-    if not path.exists():
-        return {}
-    try:
-        state = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        state = None
-    except OSError as err:
-        raise RunError(f"cannot read {path}: {err.strerror or err}") from None
-    if not isinstance(state, dict) or not all(isinstance(v, dict) for v in state.values()):
-        raise RunError(f"{path} is damaged: delete it and run the sweep again (finished runs are kept and found "
-                       "from their folders; failed runs are tried again)")  # fmt: skip
+    damaged = ("delete it and run the sweep again (finished runs are kept and found from their folders; failed "
+               "runs are tried again)")  # fmt: skip
+    state = read_json_object(path, damaged)
+    if not all(isinstance(v, dict) for v in state.values()):
+        raise RunError(f"{path} is damaged: {damaged}")
     return state
 
 

@@ -18,7 +18,16 @@ from ... import functional as F
 from ...calibrators import from_spec
 from ..config import EXECUTION_KEYS, flatten_config
 from ..errors import RunError, UserError
-from ..run_files import CALIBRATORS, CONFIG, LOGITS, RESULTS, atomic_write_bytes, check_writable, make_dir
+from ..run_files import (
+    CALIBRATORS,
+    CONFIG,
+    LOGITS,
+    RESULTS,
+    atomic_write_bytes,
+    check_writable,
+    make_dir,
+    read_json_object,
+)
 from .field_metrics import COLUMN_HEADERS as FIELD_HEADERS
 from .field_metrics import (
     check_report_metrics,
@@ -145,16 +154,7 @@ def load_logits(run_dir) -> dict:
 
 def read_results(run_dir) -> dict:
     """The run's ``results.json`` ({} when there is none); a damaged file is a :class:`RunError`."""
-    path = Path(run_dir) / RESULTS
-    if not path.exists():
-        return {}
-    try:
-        res = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        res = None
-    if not isinstance(res, dict):
-        raise RunError(f"{path} is damaged: delete it and run torchcal evaluate {run_dir} again")
-    return res
+    return read_json_object(Path(run_dir) / RESULTS, f"delete it and run torchcal evaluate {run_dir} again")
 
 
 def _merge_results(run_dir: Path, entries: dict) -> dict:
