@@ -9,7 +9,14 @@ import torch.nn.functional as nnf
 import torchcal.functional.losses as L
 from tests.reference import losses as R
 from torchcal.functional import focal_calibration_map
-from torchcal.losses import MMCELoss, create, list_losses
+from torchcal.losses import (
+    DualFocalLoss,
+    FocalCalibrationLoss,
+    FusedLinearLoss,
+    MMCELoss,
+    create,
+    list_losses,
+)
 
 # every test here runs on the C++ CPU losses and on the torch path
 pytestmark = pytest.mark.usefixtures("loss_backend")
@@ -233,6 +240,50 @@ def test_bad_arguments():
         L.sample_dependent_focal_loss(z, t, gammas=(5.0, 3.0, 2.0), thresholds=(0.5, 0.2))
     with pytest.raises(ValueError, match="unknown loss 'focal-3'"):
         create("focal-3")
+    with pytest.raises(TypeError, match="`thresholds` must be a sequence of numbers, got float"):
+        L.sample_dependent_focal_loss(z, t, gammas=(5.0, 3.0), thresholds=0.2)
+    with pytest.raises(TypeError, match="`gammas` must be a sequence of numbers, got float"):
+        L.sample_dependent_focal_loss(z, t, gammas=5.0, thresholds=())
+
+
+@pytest.mark.parametrize(
+    "edges,acc,conf,match",
+    [
+        ([0.0, 0.7, 0.3, 1.0], [0.2, 0.5, 0.9], None, "`bin_edges` must be non-decreasing"),
+        ([0.0, 0.3, 1.5, 2.0], [0.2, 0.5, 0.9], None, r"`bin_edges` must lie in \[0, 1\]"),
+        ([0.0, 0.3, 0.6, 1.0], [0.2, math.nan, 0.9], None, r"`bin_accuracy` must lie in \[0, 1\]"),
+        ([0.0, 0.3, 0.6, 1.0], [0.2, 0.5, 1.2], None, r"`bin_accuracy` must lie in \[0, 1\]"),
+        ([0.0, 0.3, 0.6, 1.0], [0.2, 0.5, 0.9], [0.1, -0.5, 0.9], r"`bin_confidence` must lie in \[0, 1\]"),
+        ([0.0], [], None, "M >= 1"),
+    ],
+)
+def test_calfocal_refuses_bins_that_would_pick_gamma_silently_wrong(edges, acc, conf, match):
+    # unsorted edges sent p_t to an arbitrary bin of torch.bucketize and NaN accuracies gave a NaN loss
+    z, t = batch(4, 3)
+    with pytest.raises(ValueError, match=match):
+        L.calfocal_loss(z, t, edges, acc, bin_confidence=conf)
+
+
+@pytest.mark.parametrize(
+    "module,match",
+    [
+        (lambda: FocalCalibrationLoss(distance="l1"), "distance='l1'"),
+        (lambda: DualFocalLoss(dual_logit="mean"), "dual_logit='mean'"),
+        (lambda: DualFocalLoss(dual_logit=0.3), "dual_logit=0.3"),
+    ],
+    ids=["fcl-l1", "dfl-mean", "dfl-fixed"],
+)
+def test_fused_head_refuses_the_variants_it_does_not_compute(module, match):
+    # the fused head has the squared-error FCL and the largest-runner-up DFL only: these variants were
+    # silently computed as those (FCL-L1 gave 5.09 instead of 5.75 on a 8 × 5 batch)
+    with pytest.raises(TypeError, match=f"{match}.*has no fused form"):
+        FusedLinearLoss(module())
+
+
+def test_calfocal_accepts_repeated_edges():
+    # a repeated edge is an empty validation bin (AdaFocal's and CalFocal's update produce them)
+    z, t = batch(4, 3)
+    assert torch.isfinite(L.calfocal_loss(z, t, [0.0, 0.5, 0.5, 1.0], [0.2, 0.0, 0.9]))
 
 
 # ----------------------------------------------------------------------------- properness
@@ -303,6 +354,47 @@ def test_gamma_star_solves_the_equation(p0):
     value = (1 - p0) ** g - g * p0 * (1 - p0) ** (g - 1) * math.log(p0)
     assert value == pytest.approx(1.0, abs=1e-10)
     assert abs(g) > 1e-6  # not the trivial root
+
+
+def _gamma_star_high_precision(p0):
+    """The non-zero root of g(p0, γ) = 1 at 60 digits, by geometric bisection of γ (|γ| for p0 > 1/2, where
+    γ* lies in (−1, 0)): g − 1 > 0 between 0 and γ*, < 0 beyond (g rises from g(0) = 1 towards γ*)."""
+    mpmath = pytest.importorskip("mpmath")
+    with mpmath.workdps(60):
+        p = mpmath.mpf(p0)
+        sign = 1 if p0 < 0.5 else -1
+
+        def excess(magnitude):
+            g = sign * magnitude
+            return (1 - p) ** g - g * p * (1 - p) ** (g - 1) * mpmath.log(p) - 1
+
+        lo, hi = mpmath.mpf("1e-40"), mpmath.mpf("1e40") if sign > 0 else mpmath.mpf(1)
+        for _ in range(400):
+            mid = mpmath.sqrt(lo * hi)
+            lo, hi = (mid, hi) if excess(mid) > 0 else (lo, mid)
+        return float(sign * mpmath.sqrt(lo * hi))
+
+
+@pytest.mark.parametrize(
+    "p0,rel",
+    [
+        # tiny p0: ln(1 − p0) must be log1p(−p0) (math.log(1 − 1e-9) has relative error ~1e-8; below
+        # p0 ≈ 1e-16 it is 0); the remaining error is a few ulp of the arithmetic: 1e-13
+        (1e-17, 1e-13),
+        (1e-9, 1e-13),
+        # near 1/2 the Lambert-W argument nears its branch point −1/e, where W loses half the digits (the
+        # previous result had a relative error of 0.23 at 0.49999999 and 1.4e-3 at 0.5000001); refined, the
+        # error is that of c = −log1p(−p0)/L, a few ulp of 1, amplified by 1/|1 − c| (~2e7 at 0.49999999):
+        # ~1e-8, so rel 1e-6; 1e-11 at 0.4999 (|1 − c| ≈ 2e-4)
+        (0.4999, 1e-11),
+        (0.49999999, 1e-6),
+        (0.5000001, 1e-6),
+        (0.2, 1e-13),
+        (0.9, 1e-13),
+    ],
+)
+def test_gamma_star_matches_a_high_precision_root(p0, rel):
+    assert L.focal_gamma_star(p0) == pytest.approx(_gamma_star_high_precision(p0), rel=rel)
 
 
 def test_lambert_w_against_scipy():

@@ -25,12 +25,12 @@ CALS_LAMBDA = torch.tensor([1e-6, 0.5, 2.0, 0.1], dtype=torch.float64)
 CALS_RHO = torch.tensor([1.0, 3.0, 1.5, 10.0], dtype=torch.float64)
 
 
-def batch(shape=(7,), k=K, seed=0, scale=6.0, ignore=-100):
+def batch(shape=(7,), k=K, seed=0, scale=6.0, ignore=-100, dtype=torch.float64):
     """Logits of shape (N, K, *spatial) spread wide enough that some logit distances exceed MbLS's margin of
     10, and labels with two ignored positions."""
     g = torch.Generator().manual_seed(seed)
     n, spatial = shape[0], shape[1:]
-    z = scale * torch.randn(n, k, *spatial, generator=g, dtype=torch.float64)
+    z = (scale * torch.randn(n, k, *spatial, generator=g, dtype=torch.float64)).to(dtype)
     y = torch.randint(0, k, (n, *spatial), generator=g)
     flat = y.view(-1)
     flat[1] = flat[-1] = ignore
@@ -426,6 +426,46 @@ def test_bad_arguments_are_named():
         F.maxsup_loss(z, y, -0.1)
     with pytest.raises(ValueError, match=r"`targets` must have shape \(9,\)"):
         F.maxsup_loss(torch.zeros(9, K), y)
+    # CALS's statistics check the multipliers as the loss does: missing ones, and a (1,) tensor that would
+    # broadcast over the classes
+    with pytest.raises(ValueError, match="`lambdas` and `rhos` must be given"):
+        F.cals_statistics(z)
+    with pytest.raises(ValueError, match=r"`lambdas` and `rhos` must have shape \(4,\)"):
+        F.cals_statistics(z, None, torch.ones(1), torch.ones(K))
+
+
+BATCH_TERMS = {
+    "mdca": lambda z, y, **kw: F.mdca_loss(z, y, **kw),
+    "focal-mdca": lambda z, y, **kw: F.mdca_loss(z, y, base="focal", **kw),
+    "ls-mdca": lambda z, y, **kw: F.mdca_loss(z, y, base="ls", **kw),
+    "dca": lambda z, y, **kw: F.dca_loss(z, y, **kw),
+    "sb-ece": lambda z, y, **kw: F.sbece_loss(z, y, **kw),
+    "sb-ece-binned": lambda z, y, **kw: F.sbece_loss(z, y, form="binned", **kw),
+    "avuc": lambda z, y, **kw: F.avuc_loss(z, y, **kw),
+    "s-avuc": lambda z, y, **kw: F.soft_avuc_loss(z, y, temperature=0.1, kappa=0.5, **kw),
+    "esd": lambda z, y, **kw: F.esd_loss(z, y, **kw),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BATCH_TERMS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(5,), (2, 3, 2)], ids=["NK", "NKHW"])
+@pytest.mark.parametrize("cpp", [True, False], ids=["cpp", "torch"])
+def test_a_batch_with_every_label_ignored_has_the_zero_gradient_of_cross_entropy(name, dtype, shape, cpp):
+    """No kept position: "sum" and "none" are 0, "mean" NaN (the reduction's convention), each with the
+    gradient of ``F.cross_entropy`` on the same batch, exactly zero: a 0/0 in the batch statistics would put
+    NaN into every row's gradient, also where the reductions mask the term (a silent NaN update under "sum",
+    or one spread by DDP's gradient averaging from a rank whose crop is all void)."""
+    z, _ = batch(shape, K, dtype=dtype)
+    y = torch.full((shape[0], *shape[1:]), -100)
+    for reduction in ("mean", "sum", "none"):
+        zz = z.clone().requires_grad_(True)
+        with F.use_cpu_extension(cpp):
+            out = BATCH_TERMS[name](zz, y, reduction=reduction)
+        want = nnf.cross_entropy(z, y, reduction=reduction)  # NaN, 0 or zeros, as the value must be
+        torch.testing.assert_close(out.detach(), want, equal_nan=True, rtol=0, atol=0)
+        out.sum().backward()
+        assert zz.grad is not None and torch.equal(zz.grad, torch.zeros_like(z)), (reduction, zz.grad)
 
 
 @pytest.mark.parametrize(

@@ -1412,11 +1412,21 @@ def _fused_name_and_args(loss: nn.Module) -> tuple[str, dict]:
     if kind is InverseFocalLoss:
         return "inverse_focal", {"gamma": loss.gamma}
     if kind is DualFocalLoss:
+        if loss.dual_logit != "largest":
+            raise TypeError(
+                f"DualFocalLoss with dual_logit={loss.dual_logit!r} has no fused form: the fused head computes "
+                "the dual focal loss with the largest probability below p_t (dual_logit='largest')"
+            )
         return "dual_focal", {"gamma": loss.gamma}
     if kind is SampleDependentFocalLoss or kind is DualSampleDependentFocalLoss:
         name = "sample_dependent_focal" if kind is SampleDependentFocalLoss else "dual_sample_dependent_focal"
         return name, {"gammas": loss.gammas, "thresholds": loss.thresholds}
     if kind is FocalCalibrationLoss:
+        if loss.distance != "l2":
+            raise TypeError(
+                f"FocalCalibrationLoss with distance={loss.distance!r} has no fused form: the fused head "
+                "computes the squared-error term (distance='l2')"
+            )
         return "focal_calibration", {"gamma": loss.gamma, "lambda_": loss.lambda_}
     if kind is AdaFocalLoss:
         return "adafocal", {"bin_edges": loss.bin_edges, "bin_gammas": loss.gamma_per_bin, "dual": loss.dual}

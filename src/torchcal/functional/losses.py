@@ -25,7 +25,7 @@ import math
 import torch
 import torch.nn.functional as nnf
 
-from .._validation import check_choice, check_float, check_label_range, check_positive_int
+from .._validation import as_tensor, check_choice, check_float, check_label_range, check_positive_int
 from . import _backend
 from ._loss_inputs import (
     IGNORE_INDEX,
@@ -349,6 +349,9 @@ def _pick_gamma(values, thresholds, gammas):
 
 
 def _check_schedule(gammas, thresholds):
+    for name, values in (("gammas", gammas), ("thresholds", thresholds)):
+        if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+            raise TypeError(f"`{name}` must be a sequence of numbers, got {type(values).__name__}")
     gammas = [_gamma(g, "gammas") for g in gammas]
     thresholds = [check_float(t, "thresholds", low=0, high=1) for t in thresholds]
     if len(gammas) != len(thresholds) + 1:
@@ -881,23 +884,43 @@ def calfocal_loss(
     """
     lam = check_float(lambda_, "lambda_")
     device = logits.device if isinstance(logits, torch.Tensor) else None
-    edges = torch.as_tensor(bin_edges, device=device)
-    acc = torch.as_tensor(bin_accuracy, device=device)
-    if edges.ndim != 1 or acc.shape != (edges.shape[0] - 1,):
+    edges = torch.as_tensor(as_tensor(bin_edges, "bin_edges"), device=device)
+    acc = torch.as_tensor(as_tensor(bin_accuracy, "bin_accuracy"), device=device)
+    if edges.ndim != 1 or edges.shape[0] < 2 or acc.shape != (edges.shape[0] - 1,):
         raise ValueError(
-            f"`bin_edges` must have M + 1 entries and `bin_accuracy` M, got {tuple(edges.shape)} and "
+            f"`bin_edges` must have M + 1 entries and `bin_accuracy` M (M >= 1), got {tuple(edges.shape)} and "
             f"{tuple(acc.shape)}"
         )
     conf = None
     if bin_confidence is not None:
-        conf = torch.as_tensor(bin_confidence, device=device)
+        conf = torch.as_tensor(as_tensor(bin_confidence, "bin_confidence"), device=device)
         if conf.shape != acc.shape:
             raise ValueError(f"`bin_confidence` must have shape {tuple(acc.shape)}, got {tuple(conf.shape)}")
+    _check_bin_statistics(edges, acc, conf)
 
     spec = _calfocal_spec(edges, acc, conf, lam)
     return _calfocal(
         logits, targets, edges, acc, conf, lam, reduction, spec, ignore_index, weight, label_smoothing
     )
+
+
+def _check_bin_statistics(edges, acc, conf) -> None:
+    """CalFocal's validation bins: real edges, non-decreasing in [0, 1] (a repeated edge is an empty bin), and
+    accuracies (and confidences) in [0, 1]; anything else would pick bins or γ silently wrong. The values are
+    read on CPU only (no synchronisation with an accelerator, decision 22)."""
+    for name, t in (("bin_edges", edges), ("bin_accuracy", acc), ("bin_confidence", conf)):
+        if t is not None and (t.is_complex() or t.dtype == torch.bool):
+            raise TypeError(f"`{name}` must hold real numbers, got dtype {t.dtype}")
+    if not edges.is_cpu or torch.compiler.is_compiling():
+        return
+    for name, t in (("bin_edges", edges), ("bin_accuracy", acc), ("bin_confidence", conf)):
+        if t is None:
+            continue
+        t = t.double()
+        if not bool(torch.isfinite(t).all()) or float(t.min()) < 0 or float(t.max()) > 1:
+            raise ValueError(f"`{name}` must lie in [0, 1], got {t.tolist()}")
+    if bool((edges[1:] < edges[:-1]).any()):
+        raise ValueError(f"`bin_edges` must be non-decreasing, got {edges.tolist()}")
 
 
 def _calfocal_spec(edges, acc, conf, lam):
@@ -984,7 +1007,9 @@ def focal_gamma_star(p0: float) -> float:
 
     With a = 1 − p0, L = −p0 ln p0 / a and c = −ln a / L, g = 1 becomes u e^{−c u} = e^{−c} for u = 1 + γL,
     so u = −W(−c e^{−c})/c on the branch that does not give the trivial u = 1 (W₋₁ when c < 1, W₀ when
-    c > 1), and γ* = (u − 1)/L.
+    c > 1), and γ* = (u − 1)/L. Near p0 = 1/2 the argument of W nears its branch point −1/e, where W loses
+    half the digits, so t = u − 1 is refined by Newton's method on log(1 + t)/t = c (the same equation
+    without its trivial root), which stays accurate as t → 0; ln a is ``log1p(−p0)``, exact for tiny p0.
 
     Example:
         >>> round(focal_gamma_star(0.2), 2), round(focal_gamma_star(0.25), 2)
@@ -993,9 +1018,30 @@ def focal_gamma_star(p0: float) -> float:
     p0 = check_float(p0, "p0", low=0, high=1, low_open=True, high_open=True)
     a = 1 - p0
     big_l = -p0 * math.log(p0) / a
-    c = -math.log(a) / big_l
-    if abs(c - 1) < 1e-12:
-        raise ValueError(f"no non-zero γ* exists at p0 = {p0}: γ = 0 is a double root there")
+    c = -math.log1p(-p0) / big_l
+    if c == 1:
+        raise ValueError(
+            f"no non-zero γ* can be told from 0 at p0 = {p0}: γ = 0 is a double root at p0 = 1/2"
+        )
     w = _lambert_w(-c * math.exp(-c), -1 if c < 1 else 0)
-    u = -w / c
-    return (u - 1) / big_l
+    return _refine_gamma_star_t(-w / c - 1, c) / big_l
+
+
+def _refine_gamma_star_t(t: float, c: float) -> float:
+    """The root t != 0 of h(t) = log1p(t)/t = c (h decreases from +inf at t = −1 to 0, with h(0) = 1), by
+    Newton's method from the Lambert-W estimate ``t``; h and h' use their Taylor series near t = 0."""
+    for _ in range(60):
+        if abs(t) < 1e-4:
+            h = 1 - t / 2 + t * t / 3 - t**3 / 4
+            dh = -0.5 + 2 * t / 3 - 0.75 * t * t
+        else:
+            h = math.log1p(t) / t
+            dh = (t / (1 + t) - math.log1p(t)) / (t * t)
+        step = (h - c) / dh
+        t_next = t - step
+        if t_next <= -1:  # stay in the domain (only reachable from a poor start)
+            t_next = (t - 1) / 2
+        if t_next == t or abs(step) <= 4e-16 * abs(t_next):
+            return t_next
+        t = t_next
+    return t

@@ -580,6 +580,19 @@ def _global_sums(sums: torch.Tensor, sync: bool, group=None) -> torch.Tensor:
     return all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
 
 
+def _kept_count(count: torch.Tensor) -> torch.Tensor:
+    """A batch statistic's divisor, the number of kept positions ``count``, taken as 1 when none is kept (the
+    sums are then 0, and a 0/0 would put NaN into every row's gradient, also where the reductions mask the
+    term); :func:`_when_kept` then makes the statistic NaN."""
+    return torch.where(count > 0, count, torch.ones_like(count))
+
+
+def _when_kept(value: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """``value``, or NaN with a zero gradient when no position is kept: "sum" and "none" then give 0 and
+    "mean" NaN, each with the zero gradient of ``F.cross_entropy``."""
+    return torch.where(count > 0, value, torch.full_like(value, math.nan))
+
+
 def _with_batch_term(base, rows, reduction, coef, penalty, weight=None):
     """Per-row ``base`` plus the batch's ``coef·penalty``: "mean" is the base's mean (weighted as
     ``F.cross_entropy`` with ``weight``) + coef·penalty, "none" gives every kept row base_i + coef·penalty
@@ -683,7 +696,9 @@ def mdca_penalty(logits, targets, *, sync: bool = False, group=None, ignore_inde
     :math:`\frac{1}{K} \sum_k \bigl| \frac{1}{N}\sum_i p_{ik} - \frac{1}{N}\sum_i 1[y_i = k] \bigr|`, the
     batch-mean probability of every class against the class frequency of the **labels** (soft targets: their
     mean). The gradient flows through every p_ik. Positions labelled ``ignore_index`` are not part of the
-    batch; (N, K, d1, ...) inputs are flattened to positions (a spec choice; the reference takes (N, K)).
+    batch (none kept: the term is NaN and passes no gradient, so the loss's "sum" and "none" are 0 with a
+    zero gradient, as ``F.cross_entropy``; the same for DCA and SB-ECE); (N, K, d1, ...) inputs are
+    flattened to positions (a spec choice; the reference takes (N, K)).
 
     Under data parallelism the reference's term is that of each rank's batch (``sync=False``); ``sync=True``
     sums the class totals over the ranks of ``group`` (a differentiable all-reduce), the term of the global
@@ -711,7 +726,7 @@ def _mdca_term(batch: _Batch, sync, group):
     sums = torch.cat([colsum, labels, ordered_sum(kept)[None]])
     sums = _global_sums(sums, sync, group)
     count = sums[-1]
-    return ((sums[:k] - sums[k : 2 * k]) / count).abs().mean()
+    return _when_kept(((sums[:k] - sums[k : 2 * k]) / _kept_count(count)).abs().mean(), count)
 
 
 def mdca_loss(
@@ -813,7 +828,7 @@ def dca_loss(
             sync,
             group,
         )
-        penalty = ((sums[0] - sums[1]) / sums[2]).abs()
+        penalty = _when_kept(((sums[0] - sums[1]) / _kept_count(sums[2])).abs(), sums[2])
         return _with_batch_term(_given(batch.base), batch.rows, reduction, b, penalty, w)
 
 
@@ -848,7 +863,7 @@ def _sbece_term(batch: _Batch, n_bins, temperature, form, sync, group):
         mass, hits, count = sums[:n_bins], sums[n_bins : 2 * n_bins], sums[-1]
         acc = hits / torch.where(mass > 0, mass, torch.ones_like(mass))
         total = _global_sums(ordered_sum(g * (acc - conf[:, None]) ** 2)[None], sync, group)[0]
-        return _safe_sqrt(total / count)
+        return _when_kept(_safe_sqrt(total / _kept_count(count)), count)
     sums = _global_sums(
         torch.cat(
             [ordered_sum(g, 0), ordered_sum(g * conf[:, None], 0), ordered_sum(g * correct[:, None], 0)]
@@ -858,8 +873,9 @@ def _sbece_term(batch: _Batch, n_bins, temperature, form, sync, group):
     )
     mass, conf_sum, hits = sums[:n_bins], sums[n_bins : 2 * n_bins], sums[2 * n_bins :]
     safe = mass.clamp(min=1e-5)
-    weights = mass / mass.sum()
-    return _safe_sqrt((weights * (conf_sum / safe - hits / safe) ** 2).sum())
+    total = mass.sum()  # (the number of kept positions, to rounding)
+    weights = mass / _kept_count(total)
+    return _when_kept(_safe_sqrt((weights * (conf_sum / safe - hits / safe) ** 2).sum()), total)
 
 
 def sbece_penalty(
@@ -1212,8 +1228,9 @@ def _esd_term(conf, correct, kept, sync, group):
     q = torch.cumsum(x_sorted * x_sorted, 0)[upto] - x_sorted * x_sorted
     n = ordered_sum(kept)
     d2 = (s * s - q) * kept[order]
-    denom = (n - 1) * (n - 2)
-    return torch.where(n >= 3, ordered_sum(d2) / (n * denom.clamp(min=1)), d2.new_zeros(()))
+    # (clamped as a whole: n = 0 would make the unused quotient 0/0, a NaN in the gradient)
+    denom = (n * ((n - 1) * (n - 2))).clamp(min=1)
+    return torch.where(n >= 3, ordered_sum(d2) / denom, d2.new_zeros(()))
 
 
 def esd_penalty(logits, targets, *, sync: bool = False, group=None, ignore_index=IGNORE_INDEX):
@@ -1222,8 +1239,8 @@ def esd_penalty(logits, targets, *, sync: bool = False, group=None, ignore_index
     other n − 1 kept positions j of the batch, d_i² = Σ_{j≠k; j,k≠i} x_ij x_ik / ((n − 1)(n − 2)) and
     ESD = (1/n) Σ_i d_i² (it can be negative). The indicator and a_j are constants; the gradient flows
     through r. Computed by sorting (O(n log n) time, O(n) memory) rather than the reference's n × n matrix,
-    the same number. Fewer than 3 kept positions give 0. Positions labelled ``ignore_index`` are not part of
-    the batch. Under data parallelism the reference's term is each rank's batch; ``sync=True`` takes it over
+    the same number. Fewer than 3 kept positions give 0 (with a zero gradient). Positions labelled
+    ``ignore_index`` are not part of the batch. Under data parallelism the reference's term is each rank's batch; ``sync=True`` takes it over
     the global batch (a differentiable all-gather of r and a − r: every rank's batch must have the same
     number of positions, as with ``drop_last``).
 
@@ -1585,6 +1602,21 @@ _CALS_PENALTY_IS_NOT_PER_CLASS = (
 )
 
 
+def _class_numbers(lambdas, rhos, z):
+    """CALS's multipliers and penalty parameters as (K,) tensors of the logits' device and dtype, or the
+    ValueError that names them."""
+    if lambdas is None or rhos is None:
+        raise ValueError("`lambdas` and `rhos` must be given: CALS's per-class multipliers and penalty parameters")
+    lam = torch.as_tensor(lambdas).to(z.device, z.dtype)
+    rho = torch.as_tensor(rhos).to(z.device, z.dtype)
+    if lam.shape != (z.shape[1],) or rho.shape != (z.shape[1],):
+        raise ValueError(
+            f"`lambdas` and `rhos` must have shape ({z.shape[1]},) (one per class), got "
+            f"{tuple(lam.shape)} and {tuple(rho.shape)}"
+        )
+    return lam, rho
+
+
 def _cals_h(z, margin, normalize):
     """h_ik = (max_j z_ij − z_ik − m) (/ m with ``normalize``): the constraint h <= 0 per row and class."""
     h = z.max(dim=1).values[:, None] - z - margin
@@ -1723,13 +1755,7 @@ def cals_loss(
     with _autocast_off(logits):
         rows, _, ce = _ce_rows(logits, targets, ignore_index)
         z = rows.logits
-        lam = torch.as_tensor(lambdas).to(z.device, z.dtype)
-        rho = torch.as_tensor(rhos).to(z.device, z.dtype)
-        if lam.shape != (z.shape[1],) or rho.shape != (z.shape[1],):
-            raise ValueError(
-                f"`lambdas` and `rhos` must have shape ({z.shape[1]},) (one per class), got "
-                f"{tuple(lam.shape)} and {tuple(rho.shape)}"
-            )
+        lam, rho = _class_numbers(lambdas, rhos, z)
         kept = None
         if statistics is not None:
             kept = z.new_ones(z.shape[0]) if rows.keep is None else rows.keep.to(z.dtype)
@@ -1768,8 +1794,7 @@ def cals_statistics(logits, targets=None, lambdas=None, rhos=None, margin: float
                 (targets.reshape(-1) != ignore_index).to(z.dtype) if not targets.is_floating_point() else kept
             )
         h = _cals_h(z, margin, normalize)
-        lam = torch.as_tensor(lambdas).to(z.device, z.dtype)
-        rho = torch.as_tensor(rhos).to(z.device, z.dtype)
+        lam, rho = _class_numbers(lambdas, rhos, z)
         grad = torch.relu(lam + rho * h).clamp(lambda_min, lambda_max)
         return torch.cat(
             [ordered_sum(grad * kept[:, None], 0), ordered_sum(h * kept[:, None], 0), ordered_sum(kept)[None]]

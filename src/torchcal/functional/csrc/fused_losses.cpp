@@ -1715,7 +1715,8 @@ at::Tensor sbece_label_backward(double grad, const at::Tensor& conf_in, const at
   const double* sv = sv_t.data_ptr<double>();
   const int64_t m = conf.numel();
   const double total = sv[3 * bins], count = sv[3 * bins + 1], u = total / count;
-  const double f = grad * (u > 0 ? 0.5 / std::sqrt(u) : 0.0) / count;  // (_safe_sqrt: 0 at 0)
+  // (_safe_sqrt: 0 at 0; no kept row (count 0, u NaN): 0, where dividing by the count would be 0/0 = NaN)
+  const double f = u > 0 ? grad * 0.5 / std::sqrt(u) / count : 0.0;
   at::Tensor out = at::empty_like(conf);
   AT_DISPATCH_FLOATING_TYPES(conf.scalar_type(), "sbece_label_bwd", [&] {
     const scalar_t* r = conf.data_ptr<scalar_t>();
