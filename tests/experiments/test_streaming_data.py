@@ -226,3 +226,29 @@ def test_sixteen_bit_greyscale_is_scaled_to_eight_bits(tmp_path):
         decoded = ImageFolderInputs([tmp_path / name], 64, resize="full")[0]
         for channel in decoded:
             np.testing.assert_array_equal(channel.numpy(), expected, err_msg=name)
+
+
+def test_masks_and_negative_indices_select_as_a_tensor_does(tmp_path):
+    """A boolean mask selects where it is True (it was read as the indices 0 and 1), and a negative index is
+    the sample counted from the end with that sample's own augmentation (it was seeded by the negative
+    number). The reference: the same samples by their non-negative positions, decoded one by one."""
+    from PIL import Image
+
+    rng = np.random.default_rng(1)
+    paths = []
+    for i in range(5):
+        paths.append(tmp_path / f"{i}.png")
+        Image.fromarray(rng.integers(0, 256, (30 + i, 36, 3), dtype=np.uint8)).save(paths[-1])
+    inputs = ImageFolderInputs(paths, 16, train=True, seed=2)
+    by_position = [inputs.decode(i) for i in range(5)]
+    mask = torch.tensor([False, True, False, True, True])
+    assert torch.equal(inputs[mask], torch.stack([by_position[i] for i in (1, 3, 4)]))
+    assert torch.equal(inputs[mask.numpy()], inputs[[1, 3, 4]])
+    assert torch.equal(inputs[torch.tensor([-1, -5])], torch.stack([by_position[4], by_position[0]]))
+    assert torch.equal(inputs.decode(-2), by_position[3])
+    with pytest.raises(IndexError, match=r"boolean mask must have shape \(5,\)"):
+        inputs[torch.tensor([True, False])]
+    with pytest.raises(IndexError, match="index 5 is out of range for 5 images"):
+        inputs[[0, 5]]
+    with pytest.raises(IndexError, match="integers or a boolean mask"):
+        inputs[torch.tensor([0.0, 1.0])]

@@ -72,3 +72,24 @@ def test_an_embedding_padded_beyond_the_tokenizer_is_accepted(bert, tmp_path):
     config["vocab_size"] = 128  # checkpoints round their embedding up (to a multiple of 64 or 128)
     (folder / "config.json").write_text(json.dumps(config))
     assert len(load_tokenizer(folder)) == 120
+
+
+def test_a_left_padding_tokenizer_pads_on_the_right(bert):
+    """The model cuts each batch to its longest document (ids[:, :length]), which needs the padding at the
+    end; a tokenizer saved with padding_side="left" put it first, so the cut kept the padding and dropped
+    the short documents' tokens. Reference: each document tokenised alone, without padding."""
+    import torch
+
+    from torchcal.experiments.data.text import encode_with_tokenizer
+
+    tokenizer = load_tokenizer(bert)
+    tokenizer.padding_side = "left"
+    texts = ["alpha beta gamma delta epsilon doc1", "alpha", "beta gamma doc2"]
+    out = encode_with_tokenizer(texts, tokenizer, max_len=32)
+    assert tokenizer.padding_side == "left"  # the tokenizer's own setting is left as it was
+    for row, text in zip(out, texts):
+        alone = tokenizer(text)["input_ids"]
+        assert row[0, : len(alone)].tolist() == alone and row[1, : len(alone)].tolist() == [1] * len(alone)
+        assert row[1, len(alone) :].sum() == 0 and (row[0, len(alone) :] == tokenizer.pad_token_id).all()
+    length = int(out[:, 1].sum(1).max())  # the model's dynamic padding keeps every document's tokens
+    assert torch.equal(out[:, 1, :length].sum(1), out[:, 1].sum(1))

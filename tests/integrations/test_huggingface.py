@@ -75,6 +75,63 @@ def test_loss_func_is_the_torchcal_loss():
         loss_func(loss)(outputs, None)
 
 
+def _weighted_focal_reference(logits, labels, weight, gamma):
+    """Σ w_y (1 − p_y)^γ (−log p_y) / Σ w_y over the labels other than −100, a loop in float64."""
+    num, den = 0.0, 0.0
+    for row, y in zip(logits.detach().reshape(-1, logits.shape[-1]), labels.reshape(-1).tolist()):
+        if y == -100:
+            continue
+        log_p = torch.log_softmax(row, 0)[y]
+        num += float(weight[y]) * float((1 - log_p.exp()) ** gamma * -log_p)
+        den += float(weight[y])
+    return num / den
+
+
+@pytest.mark.parametrize("gamma", [0.0, 3.0])
+def test_class_weighted_loss_under_the_trainers_item_count(gamma):
+    """The Trainer passes its label count with or without accumulation. A class-weighted loss is its own
+    weighted mean Σ w_y ℓ / Σ w_y for a step of one batch (it was Σ w_y ℓ / N: 5.5 times CE's value with
+    weights (1, 10, 1) on 8 rows) and, accumulated, each batch's mean times its share of the step's labels."""
+    g = torch.Generator().manual_seed(4)
+    weight = torch.tensor([1.0, 10.0, 1.0], dtype=torch.float64)
+    logits = 2 * torch.randn(4, 6, 3, generator=g, dtype=torch.float64, requires_grad=True)  # (N, T, K)
+    labels = torch.randint(0, 3, (4, 6), generator=g)
+    labels[:, 4:] = -100
+    labels[3] = -100  # the last sample is all padding
+    loss = create("ce" if gamma == 0 else "fl-3", weight=weight)
+    compute_loss = loss_func(loss)
+    items = int((labels != -100).sum())
+    # float64 throughout: the loop and the library differ only in summation order
+    got = compute_loss({"logits": logits}, labels, num_items_in_batch=torch.tensor(items))
+    assert abs(got.item() - _weighted_focal_reference(logits, labels, weight, gamma)) < 1e-12
+    assert loss.reduction == "mean"  # restored
+    # accumulated over two batches of 2 samples: each batch's weighted mean times its share of the labels
+    first, second = slice(0, 2), slice(2, 4)
+    step = sum(
+        compute_loss({"logits": logits[part]}, labels[part], num_items_in_batch=torch.tensor(items))
+        for part in (first, second)
+    )
+    share = [int((labels[part] != -100).sum()) / items for part in (first, second)]
+    expected = sum(
+        s * _weighted_focal_reference(logits[part], labels[part], weight, gamma)
+        for s, part in zip(share, (first, second))
+    )
+    assert abs(step.item() - expected) < 1e-12
+    # a batch whose labels are all ignored adds 0 and a zero gradient (its weighted mean is 0 / 0)
+    empty = compute_loss({"logits": logits[3:]}, labels[3:], num_items_in_batch=torch.tensor(items))
+    (gradient,) = torch.autograd.grad(empty, logits)
+    assert empty.item() == 0.0 and bool((gradient == 0).all())
+    # the fused head's step of one batch is the same weighted mean
+    from torchcal.integrations.huggingface import _as_fused, _fused_from_hidden
+
+    hidden, head = logits.detach(), torch.nn.Linear(3, 3, dtype=torch.float64)
+    with torch.no_grad():
+        head.weight.copy_(torch.eye(3)), head.bias.zero_()  # logits = hidden
+    fused = _as_fused(create("ce" if gamma == 0 else "fl-3", weight=weight))
+    got = _fused_from_hidden(fused, head, hidden, labels, torch.tensor(items), False)  # (N, T, H)
+    assert abs(got.item() - _weighted_focal_reference(logits, labels, weight, gamma)) < 1e-12
+
+
 def test_token_classification_ignores_padding_labels():
     torch.manual_seed(0)
     model = BertForTokenClassification(BertConfig(num_labels=3, **CONFIG)).eval()

@@ -212,6 +212,55 @@ def test_sync_with_a_rank_whose_targets_are_all_ignored(tmp_path):
             assert abs(got[name] - float(value)) < 1e-9, (rank, name)
 
 
+def _no_update_worker(rank, world, port, path):
+    import datetime
+    import warnings
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))  # fmt: skip
+    logits, targets = data(n=300, k=4, seed=3)
+    z, y = multilabel_data(n=300, seed=3)
+    metrics = {
+        "adaece": TM.AdaptiveCalibrationError(4, from_logits=True),
+        "aurc_entropy": TM.CalibrationMetric(4, "aurc", from_logits=True, score="entropy"),
+        "multilabel_auroc": TM.MultilabelCalibrationMetric(4, "auroc", from_logits=True, ignore_index=-1),
+    }
+    out = {}
+    for epoch, start in enumerate((0, 100)):  # the second epoch after a reset
+        for name, metric in metrics.items():
+            if rank == 1:  # rank 0 never calls update
+                batch = (z, y) if name.startswith("multilabel") else (logits, targets)
+                metric.update(batch[0][start:], batch[1][start:])
+            with warnings.catch_warnings():  # torchmetrics warns of compute before update on rank 0
+                warnings.simplefilter("ignore")
+                out[f"{name}_{epoch}"] = float(metric.compute())  # compute() syncs across ranks
+            metric.reset()
+    with open(f"{path}.{rank}", "w") as fh:
+        json.dump(out, fh)
+    dist.destroy_process_group()
+
+
+def test_sync_with_a_rank_that_never_calls_update(tmp_path):
+    """A rank that never calls update (before and after a reset) sends an empty block of rows in the rows'
+    dtype and width; torchmetrics' placeholder for an empty list (a 1-D float32 tensor) aborted gloo."""
+    mp.start_processes(_no_update_worker, args=(2, free_port(), str(tmp_path / "out")), nprocs=2,
+                       start_method="spawn")  # fmt: skip
+    logits, targets = data(n=300, k=4, seed=3)
+    z, y = multilabel_data(n=300, seed=3)
+    expected = {}
+    for epoch, start in enumerate((0, 100)):  # the values of rank 1's rows alone, one-shot
+        expected[f"adaece_{epoch}"] = F.adaece(logits[start:], targets[start:], from_logits=True)
+        expected[f"aurc_entropy_{epoch}"] = F.aurc(logits[start:], targets[start:], from_logits=True,
+                                                   score="entropy")  # fmt: skip
+        expected[f"multilabel_auroc_{epoch}"] = masked_reference(z[start:], y[start:], "auroc")[0]
+    for rank in range(2):
+        got = json.loads((tmp_path / f"out.{rank}").read_text())
+        for name, value in expected.items():  # the same rows, float64 sums in another order: rounding
+            assert abs(got[name] - float(value)) < 1e-9, (rank, name)
+
+
 # -- MetricCollection compute groups: settings that change update keep metrics apart ---------------------
 
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from .._namespace import only_public as _only_public
-from .._validation import check_choice
+from .._validation import check_choice, check_positive_int
 from .base import Calibrator
 
 __all__ = ["CalibratedModel"]
@@ -22,9 +22,11 @@ class CalibratedModel(nn.Module):
 
     The calibrator's state (its name, arguments and fitted values) is part of the module's ``state_dict``
     (as extra state), so ``torch.save(m.state_dict())`` / ``load_state_dict`` move model and calibration
-    together, and ``torch.load(..., weights_only=True)`` reads it. ``forward`` calls the calibrator's map
-    without input validation, so the module traces: ``torch.export.export`` works for the parametric
-    calibrators (temperature and vector/matrix scaling, SVS, SMS, BCTS, NBVS, Dirichlet, beta, ...).
+    together, and ``torch.load(..., weights_only=True)`` reads it. ``forward`` checks the logits' shape and
+    dtype only (no finiteness check, which needs a host sync), so the module traces: ``torch.export.export``
+    works for the parametric calibrators (temperature and vector/matrix scaling, SVS, SMS, BCTS, NBVS,
+    Dirichlet, beta, ...). float16 and bfloat16 logits are calibrated in float32, as
+    ``calibrator.transform`` does, and the output is float32.
 
     Args:
         model: any module returning logits (N, K).
@@ -65,6 +67,8 @@ class CalibratedModel(nn.Module):
         """Fits the calibrator on the model's logits for validation ``inputs`` (a tensor, run in batches of
         ``batch_size`` rows, or an iterable of input batches) and ``targets``; the model is put in eval mode
         and left there. Returns self."""
+        if batch_size is not None:
+            batch_size = check_positive_int(batch_size, "batch_size")
         self.model.eval()
         if isinstance(inputs, torch.Tensor):
             step = batch_size or max(1, len(inputs))
@@ -78,6 +82,16 @@ class CalibratedModel(nn.Module):
     def forward(self, *args, **kwargs) -> torch.Tensor:
         self.calibrator._check_fitted()
         logits = self.model(*args, **kwargs)
+        if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
+            raise TypeError(f"`model` must return floating logits (N, K), got {_describe(logits)}")
+        k = self.calibrator.num_classes_
+        if logits.ndim != 2 or logits.shape[1] != k:
+            raise ValueError(
+                f"`model` returned logits of shape {tuple(logits.shape)}, but the calibrator was fitted on "
+                f"(N, {k})"
+            )
+        if logits.dtype in (torch.float16, torch.bfloat16):  # computed in float32, as transform does
+            logits = logits.float()
         probs = self.calibrator._transform(logits)
         if self.output == "probs":
             return probs
@@ -91,6 +105,10 @@ class CalibratedModel(nn.Module):
 
     def extra_repr(self) -> str:
         return f"output={self.output!r}, calibrator={self.calibrator!r}"
+
+
+def _describe(x) -> str:
+    return f"a tensor of dtype {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
 
 
 _only_public(__name__)

@@ -4,7 +4,8 @@
   (classes last, as every Hugging Face head returns them: (N, K) for sequence classification, (N, T, K) for
   token classification) against its ``labels``, padding labels −100 ignored. When the Trainer counts the
   label items of an accumulated batch (``num_items_in_batch``) the loss is the sum over the batch divided by
-  that count, as the Trainer expects of a ``compute_loss_func`` under gradient accumulation.
+  that count, as the Trainer expects of a ``compute_loss_func`` under gradient accumulation (a class-weighted
+  loss: its weighted mean times the batch's share of the count).
 * :class:`CalibrationTrainer` is a ``Trainer`` with such a loss that also updates AdaFocal (and CalFocal,
   CALS's multipliers, AvUC's threshold) after each scheduled evaluation of ``train()`` from the evaluation set's logits (gathered from every
   process by the Trainer). ``evaluate()`` called by the user (test metrics, the extra evaluation after
@@ -81,7 +82,9 @@ def loss_func(loss, *, ignore_index: int | None = -100):
     ``ignore_index`` (an unknown label of a sample) are left out element by element: the loss is the mean
     over the known (sample, label) pairs. Under gradient accumulation the Trainer divides by its count of
     labels other than −100, which is that mean over the whole step for ``ignore_index=-100``. Multiclass
-    losses ignore −100 labels themselves."""
+    losses ignore −100 labels themselves. A loss with class ``weight`` (whose mean is Σ w_y ℓ / Σ w_y) gives
+    under that count its weighted mean times the batch's share of the step's labels, so a step of one batch
+    gives the loss itself (the Trainer passes the count without accumulation too)."""
     if not isinstance(loss, torch.nn.Module) or not hasattr(loss, "reduction"):
         raise TypeError(
             f"`loss` must be a torchcal loss module (torchcal.losses.create(...)), got {type(loss).__name__}"
@@ -108,13 +111,36 @@ def loss_func(loss, *, ignore_index: int | None = -100):
             return total / num_items_in_batch
         if num_items_in_batch is None:
             return loss(logits, labels)
+        return _step_share(loss, lambda: loss(logits, labels), labels, num_items_in_batch)
+
+    return compute_loss
+
+
+def _class_weighted(loss) -> bool:
+    """Whether a module of ``loss`` holds class weights (its "mean" then divides by Σ w_y, not the count)."""
+    return any(getattr(module, "weight", None) is not None for module in loss.modules())
+
+
+def _step_share(loss, call, labels, num_items_in_batch) -> torch.Tensor:
+    """This batch's share of an accumulated step whose labels other than −100 the Trainer counted
+    (``num_items_in_batch``): the batch's sum over that count. A class-weighted loss gives its own weighted
+    mean times the batch's share of the items (the runner's rule, as the Trainer counts labels, not
+    weights): without accumulation the loss itself, not Σ w_y ℓ / N."""
+    if not _class_weighted(loss):
         with _reduction(loss, "sum"):
-            total = loss(logits, labels)
+            total = call()
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(total.device)
         return total / num_items_in_batch
-
-    return compute_loss
+    with _reduction(loss, "mean"):
+        mean = call()
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(mean.device)
+    ignore_index = loss.ignore_index
+    items = (labels != ignore_index).sum() if ignore_index is not None else labels.new_tensor(labels.numel())
+    items = items.to(mean.device)
+    # a batch whose labels are all ignored adds 0 (its mean is 0 / 0)
+    return torch.where(items > 0, mean, torch.zeros_like(mean)) * items / num_items_in_batch
 
 
 def _rows(predictions, label_ids, ignore_index):
@@ -384,11 +410,9 @@ def _fused_from_hidden(fused, head, hidden, labels, num_items_in_batch, causal):
         labels = _shifted(labels, fused.ignore_index)
     if num_items_in_batch is None:
         return fused(hidden, head.weight, labels, head.bias)
-    with _reduction(fused, "sum"):
-        total = fused(hidden, head.weight, labels, head.bias)
-    if torch.is_tensor(num_items_in_batch):
-        num_items_in_batch = num_items_in_batch.to(total.device)
-    return total / num_items_in_batch
+    return _step_share(
+        fused, lambda: fused(hidden, head.weight, labels, head.bias), labels, num_items_in_batch
+    )
 
 
 def fused_loss(model, inputs, loss, *, num_items_in_batch=None, head=None, shift_labels=None):

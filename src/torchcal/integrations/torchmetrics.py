@@ -144,10 +144,21 @@ class CalibrationMetric(Metric):
         )
         self.equal_mass = self.metric in ROW_METRICS
         self.ranked = self.metric in ("aurc", "augrc") and self.score != "max_prob"
-        if (
-            self.equal_mass
-        ):  # every sample's (confidence, correct[, score]) in one tensor: all-gathered as one
+        if self.equal_mass:  # every sample's (confidence, correct[, score]): all-gathered as one tensor
             self.add_state("samples", default=[], dist_reduce_fx="cat")
+            self.samples.append(self._no_rows())
+
+    def _no_rows(self) -> torch.Tensor:
+        """No rows, in the rows' dtype and width: the list of rows always holds a block, so a process that
+        never calls ``update`` sends the all-gather a tensor like the others' (torchmetrics' placeholder for
+        an empty list, a 1-D tensor of the default dtype, aborts gloo's all-gather)."""
+        return torch.zeros(0, 3 if self.ranked else 2, dtype=torch.float64, device=self.sums.device)
+
+    def reset(self) -> None:
+        """Resets the sums and the rows (to one empty block of rows, see ``_no_rows``)."""
+        super().reset()
+        if self.equal_mass:
+            self.samples.append(self._no_rows())
 
     def update(self, preds, target) -> None:
         """Adds a batch of probabilities (or logits) (N, K[, d1, ...]) and targets (N[, d1, ...])."""
@@ -162,9 +173,6 @@ class CalibrationMetric(Metric):
                 f"move the metric with .to({str(preds.device)!r})"
             )
         if preds.shape[0] == 0:  # every target ignored
-            if self.equal_mass:  # no rows, in the rows' dtype and width: a sync gathers like tensors
-                width = 3 if self.ranked else 2
-                self.samples.append(torch.zeros(0, width, dtype=torch.float64, device=preds.device))
             return
         sums, conf, correct, rank = batch_state(
             preds,
@@ -186,12 +194,7 @@ class CalibrationMetric(Metric):
         tensor."""
         rows = None
         if self.equal_mass:
-            width = 3 if self.ranked else 2
-            samples = (
-                dim_zero_cat(self.samples)
-                if len(self.samples)
-                else torch.zeros(0, width, dtype=torch.float64, device=self.sums.device)
-            )
+            samples = dim_zero_cat(self.samples) if len(self.samples) else self._no_rows()
             rows = (samples[:, 0], samples[:, 1] > 0.5, samples[:, 2] if self.ranked else None)
         out = results(self.sums, rows, self.num_classes, self.n_bins, (self.metric,), self.decompositions)
         return out[self.metric]
@@ -344,6 +347,17 @@ class MultilabelCalibrationMetric(Metric):
         self.keeps_rows = needs_rows
         if needs_rows:  # every sample's (p, y), y = -1 where unknown: all-gathered as one tensor
             self.add_state("samples", default=[], dist_reduce_fx="cat")
+            self.samples.append(self._no_rows())
+
+    def _no_rows(self) -> torch.Tensor:
+        """No rows, in the rows' dtype and shape (see :meth:`CalibrationMetric._no_rows`)."""
+        return torch.zeros(0, 2, self.num_labels, dtype=torch.float64, device=self.sums.device)
+
+    def reset(self) -> None:
+        """Resets the sums and the rows (to one empty block of rows)."""
+        super().reset()
+        if self.keeps_rows:
+            self.samples.append(self._no_rows())
 
     def update(self, preds, target) -> None:
         """Adds a batch: probabilities (or logits) (N, L) or (N, ..., L) and targets of the same shape."""
@@ -359,9 +373,6 @@ class MultilabelCalibrationMetric(Metric):
                 preds, target, self.num_labels, self.n_bins, self.from_logits, self.ignore_index, self.keeps_rows
             )  # fmt: skip
         if sums is None:  # no rows, or every target unknown
-            if self.keeps_rows:  # no rows, in the rows' dtype and shape: a sync gathers like tensors
-                empty = torch.zeros(0, 2, self.num_labels, dtype=torch.float64, device=preds.device)
-                self.samples.append(empty)
             return
         self.sums += sums
         if rows is not None:  # (made with keeps_rows)
@@ -372,10 +383,6 @@ class MultilabelCalibrationMetric(Metric):
         ``average="none"``."""
         rows = None
         if self.keeps_rows:
-            rows = (
-                dim_zero_cat(self.samples)
-                if len(self.samples)
-                else torch.zeros(0, 2, self.num_labels, dtype=torch.float64, device=self.sums.device)
-            )
+            rows = dim_zero_cat(self.samples) if len(self.samples) else self._no_rows()
         out = ML.compute(self.sums, rows, self.num_labels, self.n_bins, (self.metric,))
         return ML.value(out, self.metric, self.average)

@@ -221,7 +221,7 @@ class ImageFolderInputs:
         elif isinstance(index, int):
             return self.decode(index)
         else:
-            positions = torch.as_tensor(index).reshape(-1).tolist()
+            positions = self._positions(index)
         if not positions:
             return torch.zeros(0, 3, self.size, self.size, dtype=torch.uint8)
         if self.train and self.defer_crop:
@@ -229,6 +229,28 @@ class ImageFolderInputs:
             return DeferredCrops(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]),
                                  torch.tensor([p[2] for p in parts]), self.size)  # fmt: skip
         return torch.stack([self.decode(i) for i in positions])
+
+    def _positions(self, index) -> list[int]:
+        """The positions an index tensor, array or list selects, as a tensor does: a boolean mask of this
+        view's length selects where it is True; negative integers count from the end."""
+        index = torch.as_tensor(index)
+        n = len(self.paths)
+        if index.dtype == torch.bool:
+            if index.shape != (n,):
+                raise IndexError(
+                    f"a boolean mask must have shape ({n},) to index {n} images, got {tuple(index.shape)}"
+                )
+            return index.nonzero().reshape(-1).tolist()
+        if index.numel() and (index.is_floating_point() or index.is_complex()):
+            raise IndexError(f"images are indexed by integers or a boolean mask, got dtype {index.dtype}")
+        return [self._position(i) for i in index.reshape(-1).tolist()]
+
+    def _position(self, i: int) -> int:
+        """``i`` as a position in 0..n-1 (negative counts from the end): the sample's own augmentation seed."""
+        n = len(self.paths)
+        if not -n <= i < n:
+            raise IndexError(f"index {i} is out of range for {n} images")
+        return i + n if i < 0 else i
 
     def _generator(self, i: int) -> torch.Generator:
         global_index = self.offset + i * self.step
@@ -254,6 +276,7 @@ class ImageFolderInputs:
         """Image ``i`` of this view as a (3, S, S) uint8 tensor, augmented (training) or centre-cropped."""
         from PIL import Image
 
+        i = self._position(i)
         image = _open_rgb(self.paths[i])
         s = self.size
         if self.train:

@@ -385,8 +385,17 @@ _CHECKPOINT_HELP = (
 def encode_with_tokenizer(texts, tokenizer, max_len: int) -> torch.Tensor:
     """(N, 2, L) int64: token ids and attention mask from the checkpoint's own tokenizer, truncated at
     ``max_len`` and padded to the longest document of the set (L <= max_len); the model trims every batch to
-    its own longest document (dynamic padding)."""
-    enc = tokenizer(list(texts), truncation=True, max_length=max_len, padding="longest", return_tensors="pt")
+    its own longest document (dynamic padding), so the padding goes at the end of each document whatever the
+    tokenizer's ``padding_side`` (a tokenizer that pads on the left would lose the tokens of short documents
+    to the trim)."""
+    side = getattr(tokenizer, "padding_side", "right")
+    tokenizer.padding_side = "right"
+    try:
+        enc = tokenizer(
+            list(texts), truncation=True, max_length=max_len, padding="longest", return_tensors="pt"
+        )
+    finally:
+        tokenizer.padding_side = side
     return torch.stack([enc["input_ids"].long(), enc["attention_mask"].long()], dim=1)
 
 
