@@ -73,6 +73,24 @@ def test_accuracy_bars_stay_visible_in_under_confident_bins():
     assert all(b.get_facecolor()[3] == 0 for b in gap_bars)  # transparent: the accuracy bar shows through
 
 
+def test_histogram_shares_the_diagram_confidence_axis_when_axes_are_given():
+    """Axes passed in (the arena's panels) share no x axis: the count histogram must still span [0, 1] like the
+    diagram, or its bars stretch over the page while the diagram's bins above stay narrow. With confidences
+    in [0.3, 0.45] the histogram's own limits were about (0.29, 0.48)."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    probs = torch.tensor([[0.3, 0.25, 0.25, 0.2], [0.45, 0.2, 0.2, 0.15], [0.38, 0.32, 0.2, 0.1]] * 5)
+    targets = torch.tensor([0, 1, 2] * 5)
+    fig, (ax, hist) = plt.subplots(2, 1)  # not shared, as in the arena's grid of panels
+    plot_reliability_diagram(probs=probs, targets=targets, axes=(ax, hist))
+    assert ax.get_xlim() == (0.0, 1.0) and hist.get_xlim() == (0.0, 1.0)  # limits set exactly, no tolerance
+    # the bars stand on the equal-width bins of the ECE: (4/15, 5/15], (6/15, 7/15], 15 bins
+    lefts = sorted(round(b.get_x(), 12) for b in hist.containers[0])
+    assert lefts == [round(4 / 15, 12), round(5 / 15, 12), round(6 / 15, 12)]
+    plt.close(fig)
+
+
 def test_saved_figures_follow_the_umask(tmp_path):
     pytest.importorskip("matplotlib")
     import stat

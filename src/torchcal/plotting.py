@@ -109,7 +109,8 @@ def plot_reliability_diagram(
 ):
     """Draws a reliability diagram: accuracy bars (always up to the bin's accuracy), hatched gap bars between
     the accuracy and the mean confidence (above the bar when over-confident, across its top when
-    under-confident), the diagonal, and a histogram of bin counts underneath; the title carries the calibration error (×100, like the papers).
+    under-confident), the diagonal, and a histogram of bin counts underneath, on the same confidence axis
+    [0, 1] as the diagram; the title carries the calibration error (×100, like the papers).
 
     Pass either ``data`` (from :func:`reliability_diagram_data`) or ``probs`` and ``targets``. ``axes`` may be
     a pair (diagram, histogram) of matplotlib axes to draw into. Requires matplotlib (``pip install
@@ -188,6 +189,9 @@ def plot_reliability_diagram(
         edgecolor="black",
         linewidth=0.6,
     )
+    # both panels span the confidence range [0, 1]: axes passed in share no x axis, and the histogram's own
+    # limits (the data's range) would stretch its bars against the diagram's bins above
+    hist.set_xlim(0, 1)
     hist.set_xlabel("confidence")
     hist.set_ylabel("count")
     return fig

@@ -130,6 +130,20 @@ def test_improvement_interval_equals_a_per_resample_loop():
         assert value == pytest.approx((metric(base, y) - metric(post, y)).item(), abs=1e-12)
 
 
+def test_reports_name_the_confidence_level_the_arena_ran_with():
+    """run_arena(confidence_level=0.9) gives 5-95 % intervals; the Markdown's column titles, the description
+    and the recommendation name that level (they said "95%" whatever it was), and the recommendation's
+    count of tasks "better by its interval" is the number of tasks whose 90 % interval lies above 0."""
+    tasks = [_task(f"t{i}", n=150, seed=i) for i in range(2)]
+    res = run_arena(tasks, ["ts"], n_resamples=40, confidence_level=0.9)
+    md = arena_markdown(res)
+    assert "95%" not in md
+    assert "Δ NLL [90% CI]" in md and "[90% paired bootstrap interval" in md and "by its 90% interval" in md
+    better = sum(t["rows"]["ts"]["improvement"]["nll"][1] > 0 for t in res["tasks"])
+    assert f"better in {better} of 2 tasks by its 90% interval" in md
+    assert "95%" not in arena_markdown(run_arena(tasks[:1], ["ts"], n_resamples=40, confidence_level=0.975))
+
+
 # ----------------------------------------------------------------------------- failures and the registry
 
 
@@ -204,6 +218,29 @@ def test_failing_calibrators_are_reported_in_their_row_and_the_arena_goes_on(ext
     page = paths["arena.html"].read_text()
     assert "boom" in page and page.count("data:image/png;base64,") == 2  # rank figure, reliability diagrams
     assert json.loads(paths["arena.json"].read_text())["summary"]["failures"]["boom"] == 2
+
+
+def test_recommendation_never_names_a_calibrator_that_gave_nothing(extra_calibrators):
+    """Failures rank last, so the best calibrator failed on every task only when every calibrator did: the
+    sentence then says so instead of calling the failure "the closest"; a recommended calibrator that failed
+    on some tasks has that count in the sentence, and its mean improvement is over the tasks it fitted."""
+    from torchcal.experiments.reports.arena import recommendation
+
+    tasks = [_task("t0", n=150), _task("t1", n=150, seed=3)]
+    res = run_arena(tasks, ["boom", "nanprobs"], n_resamples=10)
+    text = recommendation(res)
+    assert text.startswith("Every calibrator failed on every task") and "boom" not in text
+    # hand-made: ts fitted t0 only (t1 failed), yet ranks first; the nll improvement is t0's alone
+    res = run_arena(tasks, ["ts", "boom"], n_resamples=10)
+    row = res["tasks"][1]["rows"]["ts"]
+    row.update(status="failed", message="RuntimeError: x")
+    del row["test"], row["improvement"]
+    res["summary"] = summarise(res)
+    text = recommendation(res)
+    t0 = res["tasks"][0]["rows"]["ts"]["improvement"]["nll"][0]
+    assert "**ts**" in text and "failed on 1 of 2 tasks" in text
+    assert f"NLL {t0:+.4f} on average over uncalibrated of the 1 task it fitted" in text
+    assert "then" not in text  # boom gave nothing on any task
 
 
 def test_failing_calibrator_row_through_the_cli(extra_calibrators, tmp_path):

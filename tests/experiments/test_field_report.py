@@ -114,3 +114,36 @@ def test_report_ranks_rows_with_a_paired_bootstrap(run, tmp_path):
     assert f"+{100 * gap:.2f} [" in ranking
     plain, _ = report([run, other], tmp_path / "plain", "ts")
     assert "Rows ranked" not in plain
+
+
+def test_html_report_shows_a_missing_value_as_a_dash_not_nan(run, tmp_path):
+    """A calibrator without a temperature (histogram binning) leaves the T column NaN in every run: the page
+    shows "-" there (the Markdown's empty cells), never "nan" or "nan ± nan"; the other cells keep their
+    numbers, which equal the saved results ×100 (one run: no ± std)."""
+    import re
+
+    from torchcal.experiments.reports.html import html_report
+
+    evaluate_run(run, ("histogram",))
+    page = html_report([run], tmp_path / "hist", "histogram").read_text()
+    table = page[page.index("<table>") : page.index("</table>")]
+    cells = [re.sub(r"<[^>]+>", "", c).strip() for c in re.findall(r"<td>(.*?)</td>", table, re.S)]
+    assert "nan" not in table.lower()
+    assert cells[-2] == "-"  # the T (histogram) column, before the runs
+    saved = json.loads((run / "results.json").read_text())
+    ece_pre, ece_post = (100 * saved[k]["test"]["ece"] for k in ("uncalibrated", "histogram"))
+    assert f"{ece_pre:.2f} → {ece_post:.2f}" in cells
+
+
+def test_markdown_report_brackets_a_temperature_only_where_there_is_one(run, tmp_path):
+    """report.md put "(nan)" after every ECE cell of a calibrator without a temperature (histogram binning)
+    and said the brackets held its temperature; with ts the bracket is the fitted T of results.json."""
+    from torchcal.experiments.evaluation.evaluate import report
+
+    evaluate_run(run, ("histogram", "ts"))
+    md_hist, _ = report([run], tmp_path / "hist", "histogram")
+    assert "nan" not in md_hist.lower() and "temperature in brackets" not in md_hist
+    md_ts, _ = report([run], tmp_path / "ts", "ts")
+    saved = json.loads((run / "results.json").read_text())
+    assert f"({saved['ts']['parameters']['temperature_']:.2f})" in md_ts
+    assert "temperature in brackets" in md_ts

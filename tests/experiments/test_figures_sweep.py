@@ -217,6 +217,42 @@ def test_fig8_one_line_per_training_loss(runs, tmp_path):
     assert "Fig. 8" in FIGURES["fts-fig8"][0]
 
 
+def test_a_curve_counts_each_run_and_each_seed_once(runs, tmp_path):
+    """A run given twice (alone and in its folder), through a link, or copied to another folder is one seed
+    of its curve, as in the report (decision 82): before, `figures fl fl/s0` averaged s0 twice (n = 3, the
+    band shrunk). The curve's mean and std equal those of the two distinct runs' metrics.jsonl values."""
+    import shutil
+
+    from torchcal.experiments.reports.figures import curve
+
+    fl = runs / "fl"
+    copy = tmp_path / "copy-of-s1"
+    shutil.copytree(fl / "s1", copy)
+    (tmp_path / "link").symlink_to(fl / "s0")
+    messages = []
+    groups = run_groups(find_runs([fl, fl / "s0", tmp_path / "link", copy]), warn=messages.append)
+    (group,) = groups
+    assert group.runs == [fl / "s0", fl / "s1"] and group.seeds == [0, 1]
+    assert len(messages) == 3 and "given twice" in messages[0] and "given twice" in messages[1]
+    assert "repeats seed 1" in messages[2] and str(copy) in messages[2]
+    logged = [
+        [json.loads(line) for line in (fl / s / "metrics.jsonl").read_text().splitlines()] for s in ("s0", "s1")
+    ]
+    for epoch, (a, b) in enumerate(zip(*logged, strict=True)):
+        got = curve(group, lambda r: r.get("test_nll"))
+        assert got is not None and got.n == 2
+        # mean and sample std of two float64 values: exact up to a few ulps of the sums
+        assert float(got.mean[epoch]) == pytest.approx((a["test_nll"] + b["test_nll"]) / 2, rel=1e-14)
+        spread = abs(a["test_nll"] - b["test_nll"]) / math.sqrt(2)
+        assert float(got.band[epoch]) == pytest.approx(spread, rel=1e-12)
+    args = ["figures", str(fl), str(fl / "s0"), "--only", "focal-fig1", "--out", str(tmp_path / "f")]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "is given twice" in result.output and "(n=2)" not in result.output
+    index = json.loads((tmp_path / "f" / "figures.json").read_text())
+    assert index["figures"][0]["runs"] == [str(fl / "s0"), str(fl / "s1")]
+
+
 def test_cli_draws_both_from_a_sweep_and_refuses_in_one_line(runs, tmp_path):
     out = tmp_path / "rep" / "figures"
     result = runner.invoke(app, ["figures", str(runs / "sweep"), str(runs / "fl"), "--out", str(out),

@@ -247,3 +247,25 @@ def test_a_single_run_row_has_no_std(finished, tmp_path):
         assert math.isnan(float(row[f"{key}_std"])) and math.isnan(float(row[f"{key}_sem"])), key
     table = [line for line in (tmp_path / "rep" / "report.md").read_text().splitlines() if line.startswith("| ")]
     assert len(table) == 2 and " ± " not in table[1]  # the Markdown shows the mean alone, as the HTML does
+
+
+def test_gradcam_names_a_missing_run_folder(tmp_path, finished):
+    """A missing folder was read as a corrupt checkpoint ("[Errno 2] ..."); it is named as missing, before the
+    first run's model is loaded and before the figure is written."""
+    out = tmp_path / "cam.png"
+    for args, part in (([str(tmp_path / "nope")], "does not exist"),
+                       ([str(finished), str(tmp_path / "nope")], "does not exist"),
+                       ([str(out.parent / "file.txt")], "is not a folder")):  # fmt: skip
+        (out.parent / "file.txt").write_text("x")
+        result = runner.invoke(app, ["gradcam", *args, "--target", "0", "--out", str(out)])
+        one_error_line(result, part)
+        assert not out.exists()
+
+
+def test_figures_refuse_non_finite_gammas(tmp_path, finished):
+    """`--gammas nan,inf` drew focal-fig4a's curves labelled "γ = nan" with status 0; it is refused in one
+    line and no figure is written."""
+    out = tmp_path / "figs"
+    result = runner.invoke(app, ["figures", str(finished), "--gammas", "1,nan,inf", "--out", str(out)])
+    one_error_line(result, "--gammas", "finite")
+    assert not out.exists() or not any(out.iterdir())

@@ -342,6 +342,9 @@ def gradcam(
     if out.is_dir():
         raise UserError(f"cannot write {out}: it is a folder, not a file")
     check_writable(out.parent)
+    for run in run_dirs:  # (every folder checked before any model is loaded)
+        if not run.is_dir():
+            raise UserError(f"run folder {run} does not exist" if not run.exists() else f"{run} is not a folder")
     models, data = {}, None
     for run in run_dirs:
         model, splits = load_run_model(run)
@@ -421,6 +424,8 @@ def figures(
         gamma_values = tuple(float(g) for g in gammas.split(",") if g.strip())
     except ValueError:
         raise UserError(f"--epochs must be integers and --gammas numbers, got {epochs!r} and {gammas!r}") from None
+    if not all(math.isfinite(g) for g in gamma_values):
+        raise UserError(f"--gammas must be finite numbers, got {gammas!r}")
     try:
         gammas_ev = tuple(float(g) for g in gamma_ev.split(",") if g.strip())
     except ValueError:

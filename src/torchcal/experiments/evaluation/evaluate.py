@@ -760,6 +760,7 @@ def report(
     stat_cols = [f"{c} {w}" for c in columns for w in ("pre", "post") if not (c == "error" and w == "post")]
     writer.writerow(["method", "calibrator", "n_runs", "seeds", "runs", "temperature_mean",
                      *[f"{c.replace(' ', '_')}_{k}" for c in stat_cols for k in ("mean", "std", "sem")]])  # fmt: skip
+    has_t = any(math.isfinite(group.stats["T"][0]) for group in groups)
     for group in groups:
         stats = {**group.stats, **{k: v for k, v in group.optional_stats.items()
                                    if k.rsplit(" ", 1)[0] in columns_on_request}}  # fmt: skip
@@ -772,7 +773,7 @@ def report(
                 if col == "ece" and metrics and "signed_ece pre" in stats:
                     pre, post = (direction_word(stats[f"signed_ece {w}"][0]) for w in ("pre", "post"))
                     cell = f"{fmt(stats['ece pre'])} {pre} / {fmt(stats['ece post'])} {post}"
-                if col == "ece":
+                if col == "ece" and math.isfinite(stats["T"][0]):  # (no bracket for a map without a temperature)
                     cell += f" ({stats['T'][0]:.2f})"
                 cells.append(cell)
             else:
@@ -785,7 +786,7 @@ def report(
             row += [mean, std, std / math.sqrt(n) if n > 1 else float("nan")]  # standard error of the mean
         writer.writerow(row)
     title = (f"Test metrics ×100: uncalibrated / after {describe_calibrator(calibrator)}, fitted on the "
-             "validation split (its mean temperature in brackets after ECE); mean ± std over the runs of a row, "
+             "validation split" + (" (its mean temperature in brackets after ECE)" if has_t else "") + "; mean ± std over the runs of a row, "
              "which differ only in their seed (standard errors in report.csv); S99 = share of test samples with "
              "confidence ≥ 0.99 (Mukhoti et al., Table 6); shift = the shifted test set; OOD AUROC by "
              "predictive entropy (test set against each OOD set)"

@@ -42,14 +42,19 @@ def _seconds(value) -> str:
     return "-" if value is None else (f"{value:.3f}" if value < 10 else f"{value:.1f}")
 
 
+def _level(result: dict) -> str:
+    """The interval's confidence level as a percentage ("95%", "97.5%")."""
+    return f"{100 * result['confidence_level']:.10g}%"
+
+
 def _describe(result: dict) -> str:
-    level = round(100 * result["confidence_level"])
+    level = _level(result)
     return (f"Each calibrator is fitted on the validation split and scored on the test split. Mean rank: 1 = best "
             f"among the {len(result['calibrators']) + 1} entries (uncalibrated included) on each task; equal "
             f"values share their mean rank and a failed calibrator ranks last. Win rate: the share of (task, "
             f"opponent) pairs won, ties counting ½ (CalArena's presentation). Improvement over uncalibrated: "
             f"positive is better (a lower NLL, Brier, ECE, classwise ECE; a higher accuracy); ECE, classwise ECE "
-            f"and accuracy ×100, 15 equal-width bins; [{level}% paired bootstrap interval, "
+            f"and accuracy ×100, 15 equal-width bins; [{level} paired bootstrap interval, "
             f"{result['n_resamples']} resamples of the test set, seed {result['seed']}].")  # fmt: skip
 
 
@@ -57,6 +62,9 @@ def recommendation(result: dict) -> str:
     """One sentence: the calibrator with the best mean NLL rank and how it did against the others."""
     s = result["summary"]
     best = s["order"][0]
+    if s["failures"][best] == s["n_tasks"]:  # failures rank last: the best failed only if every one did
+        return ("Every calibrator failed on every task (see the rows' messages): no calibrator to recommend; "
+                "the uncalibrated model is the only result.")  # fmt: skip
     nll = s["improvement"][best]["nll"]
     rank, base = s["mean_rank"]["nll"][best], s["mean_rank"]["nll"][UNCALIBRATED]
     lead = f"Start with **{best}**" if rank < base else (
@@ -64,12 +72,17 @@ def recommendation(result: dict) -> str:
         f"**{best}**")  # fmt: skip
     parts = [f"mean NLL rank {rank:.2f} of {len(result['calibrators']) + 1}",
              f"NLL win rate {100 * s['win_rate']['nll'][best]:.0f}%"]  # fmt: skip
+    failed, n = s["failures"][best], s["n_tasks"]
+    if failed:
+        parts.append(f"failed on {failed} of {n} tasks")
     if nll["mean"] is not None:
-        parts.append(f"NLL {nll['mean']:+.4f} on average over uncalibrated (better in {nll['better']} of "
-                     f"{s['n_tasks']} tasks by its 95% interval, worse in {nll['worse']})")  # fmt: skip
+        over = f" of the {n - failed} task{'s' if n - failed != 1 else ''} it fitted" if failed else ""
+        parts.append(f"NLL {nll['mean']:+.4f} on average over uncalibrated{over} (better in "
+                     f"{nll['better']} of {n} tasks by its {_level(result)} interval, worse in {nll['worse']})")  # fmt: skip
     text = f"{lead}: " + ", ".join(parts)
-    if len(s["order"]) > 2:
-        text += f"; then {s['order'][1]} and {s['order'][2]}"
+    after = [c for c in s["order"][1:] if s["failures"][c] < n][:2]
+    if after:
+        text += "; then " + " and ".join(after)
     return text + "."
 
 
@@ -104,10 +117,12 @@ def arena_markdown(result: dict) -> str:
     lines += ["", "## Per task", ""]
     for task in result["tasks"]:
         lines += [f"### {task['name']}", "",
-                  f"{task['source']}: {task['n_val']} validation, {task['n_test']} test samples, "
+                  (f"{task['source']}: " if task["source"] else "") + f"{task['n_val']} validation, "
+                  f"{task['n_test']} test samples, "
                   f"K = {task['num_classes']}.", ""]  # fmt: skip
         head = (["calibrator", "status"] + [f"{SCORE_TITLES[x]}" for x in SCORES]
-                + [f"Δ {SCORE_TITLES[x]} [95% CI]" for x in ("nll", "ece")] + ["fit s", "predict s"])  # fmt: skip
+                + [f"Δ {SCORE_TITLES[x]} [{_level(result)} CI]" for x in ("nll", "ece")]
+                + ["fit s", "predict s"])  # fmt: skip
         lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         base = task["uncalibrated"]["test"]
         lines.append("| uncalibrated | - | " + " | ".join(_fmt(x, base[x]) for x in SCORES) + " | | | | |")

@@ -123,6 +123,7 @@ class RunSet:
     config: dict
     runs: list[Path] = field(default_factory=list)
     rows: list[list[dict]] = field(default_factory=list)  # each run's metrics.jsonl rows
+    seeds: list = field(default_factory=list)  # each run's train.seed (None: a config without one)
 
 
 def find_runs(paths) -> list[Path]:
@@ -142,16 +143,32 @@ def find_runs(paths) -> list[Path]:
     return runs
 
 
-def run_groups(run_dirs) -> list[RunSet]:
-    """The runs grouped as the report's rows (same config but the seed), with their logged rows."""
+def run_groups(run_dirs, warn=None) -> list[RunSet]:
+    """The runs grouped as the report's rows (same config but the seed), with their logged rows. A curve
+    counts each run and each seed once, as a report row does (decision 82): a folder given twice (or through
+    a link, or once alone and once in its sweep's folder) is read once, and a run whose seed its group
+    already has (a copied folder) is left out; each with a warning (``warn``, default :func:`warnings.warn`)
+    naming the folders."""
+    import os
+    import warnings
+
     import yaml
 
+    warn = warn or (lambda message: warnings.warn(message, UserWarning, stacklevel=3))
     groups: dict[str, RunSet] = {}
-    for run in run_dirs:
+    seen: dict[str, Path] = {}
+    for run in map(Path, run_dirs):
+        real = os.path.realpath(run)
+        if real in seen:
+            warn(f"{run} is given twice (as {seen[real]}): counted once")
+            continue
+        seen[real] = run
         try:
             raw = yaml.safe_load((run / "config.yaml").read_text())
+            if not isinstance(raw, dict):
+                raise ValueError("config.yaml is not a mapping")
             rows = read_metrics(run)
-        except (OSError, yaml.YAMLError, RunError) as err:
+        except (OSError, ValueError, yaml.YAMLError, RunError) as err:
             raise UserError(f"{run}: cannot be read ({err})") from None
         raw.pop("meta", None)
         flat = flatten_config(raw)
@@ -159,8 +176,15 @@ def run_groups(run_dirs) -> list[RunSet]:
         key = json.dumps(config, sort_keys=True, default=str)
         label = f"{flat.get('data.name')} · {flat.get('model.name')} · {flat.get('loss.name')}"
         group = groups.setdefault(key, RunSet(label, config))
+        seed = flat.get("train.seed")
+        if seed in group.seeds:
+            twin = group.runs[group.seeds.index(seed)]
+            warn(f"{run} repeats seed {seed} of {twin} with the same config (a copy, or the same training "
+                 f"elsewhere): left out, a curve counts each seed once")  # fmt: skip
+            continue
         group.runs.append(run)
         group.rows.append(rows)
+        group.seeds.append(seed)
     out = list(groups.values())
     label_groups(out)
     return out
