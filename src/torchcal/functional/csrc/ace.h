@@ -189,47 +189,45 @@ struct Bins {
     return (1.0 - r) * pg[i0] + r * pg[i1] +
            static_cast<double>(da) * ((pg[i1] - pg[i0]) * (static_cast<double>(p) - yv) - (qg[i1] - qg[i0]));
   }
-  // One vectorised pass over a row's count entries: p = e·inv written over e (one float multiply, the
-  // rounding of every other use), list[0..m) = the indices of those that are not simple (returns m); with
-  // zs the simple ones' Σ p added per class (their count is the kept rows' less the others'); with pg (the
-  // bin-0 gradient row) *dot = Σ pg·p
+  // the threshold in the dtype (the same comparisons: both sides of threshold() are exact in it)
+  T threshold_t() const { return static_cast<T>(threshold()); }
+  // One vectorised pass over a row's count entries in the dtype's lanes: p = e·inv written over e (one
+  // multiply, the rounding of every other use), list[0..m) = the indices of those that are not simple
+  // (returns m); with zacc (count entries of the dtype) the simple ones' p added per class (their count is the
+  // kept rows' less the others'; the caller adds zacc into its float64 sums every few rows); with pz (bin 0's
+  // gradient row, in the dtype) *dot = Σ pz·p, its lanes' sums added in float64
   // (with ``given``, e already holds p: it is read, not scaled or written)
-  int64_t scan(T* e, T inv, int64_t count, int32_t* list, double* zs, const double* pg = nullptr,
-               double* dot = nullptr, bool given = false) const {
-    constexpr int W = Vec<double, kWideBytes>::width;
-    using D = typename Vec<double, kWideBytes>::type;
-    using F = typename Vec<T, W * sizeof(T)>::type;
-    const double thr = threshold();
-    const D thr_d = broadcast<D>(thr), zero = {};
-    const F sc = broadcast<F>(scale), iv = broadcast<F>(inv);
-    D acc = {};
+  int64_t scan(T* e, T inv, int64_t count, int32_t* list, T* zacc, const T* pz = nullptr, double* dot = nullptr,
+               bool given = false) const {
+    constexpr int W = Vec<T, kWideBytes>::width;
+    using V = typename Vec<T, kWideBytes>::type;
+    const T thr = threshold_t();
+    const V thr_v = broadcast<V>(thr), zero = {};
+    const V sc = broadcast<V>(scale), iv = broadcast<V>(inv);
+    V acc = {};
     int64_t m = 0, j = 0;
     for (; j + W <= count; j += W) {
-      const F pv = given ? load<F>(e + j) : load<F>(e + j) * iv;
+      const V pv = given ? load<V>(e + j) : load<V>(e + j) * iv;
       if (!given) store(e + j, pv);
-      const D pd = __builtin_convertvector(pv, D);
-      const D v = soft ? __builtin_convertvector(pv * sc, D) : pd;
-      const uint64_t bits = compare_mask<double, kWideBytes>(v, thr_d);
-      if (zs != nullptr) {
-        const D z = load<D>(zs + j) + (v > thr_d ? zero : pd);
-        store(zs + j, z);
-      }
-      if (pg != nullptr) acc += load<D>(pg + j) * pd;
+      const V v = soft ? pv * sc : pv;
+      const uint64_t bits = compare_mask<T, kWideBytes>(v, thr_v);
+      if (zacc != nullptr) store(zacc + j, load<V>(zacc + j) + (v > thr_v ? zero : pv));
+      if (pz != nullptr) acc += load<V>(pz + j) * pv;
       m = append_lanes<W>(list, m, bits, static_cast<int32_t>(j));
     }
     double tail = 0.0;
     for (; j < count; ++j) {
       const T p = given ? e[j] : e[j] * inv;
       if (!given) e[j] = p;
-      const bool other = static_cast<double>(soft ? p * scale : p) > thr;
-      if (zs != nullptr && !other) zs[j] += static_cast<double>(p);
-      if (pg != nullptr) tail += pg[j] * static_cast<double>(p);
+      const bool other = (soft ? p * scale : p) > thr;
+      if (zacc != nullptr && !other) zacc[j] += p;
+      if (pz != nullptr) tail += static_cast<double>(pz[j] * p);
       list[m] = static_cast<int32_t>(j);
       m += other;
     }
     if (dot != nullptr) {
       double sum = 0.0;
-      for (int l = 0; l < W; ++l) sum += acc[l];
+      for (int l = 0; l < W; ++l) sum += static_cast<double>(acc[l]);
       *dot = sum + tail;
     }
     return m;
@@ -271,23 +269,17 @@ struct BinTables {
   BinTables& operator=(const BinTables&) = delete;
 };
 
-// g_j = a p_j + p_j (u_j − dot) in the input dtype (float64 arithmetic)
+// g_j = p_j (u_j + c) in the dtype's lanes (u = bin 0's P of the class in the dtype, c = gce − <u, p> rounded to
+// it): two roundings of p (|u| + |c|) at most, where the torch path's float32 softmax backward, p ⊙ (g − <g, p>),
+// has the same two
 template <typename T>
-inline void grad_row(const double* u, const T* p, int64_t k, double a, double dot, T* g) {
-  constexpr int W = Vec<double, kWideBytes>::width;
-  using D = typename Vec<double, kWideBytes>::type;
-  using F = typename Vec<T, W * sizeof(T)>::type;
-  const D av = broadcast<D>(a), dv = broadcast<D>(dot);
+inline void grad_row(const T* u, const T* p, int64_t k, T c, T* g) {
+  constexpr int W = Vec<T, kWideBytes>::width;
+  using V = typename Vec<T, kWideBytes>::type;
+  const V cv = broadcast<V>(c);
   int64_t j = 0;
-  for (; j + W <= k; j += W) {
-    const D pd = __builtin_convertvector(load<F>(p + j), D);
-    const F out = __builtin_convertvector(av * pd + pd * (load<D>(u + j) - dv), F);
-    store(g + j, out);
-  }
-  for (; j < k; ++j) {
-    const double pj = static_cast<double>(p[j]);
-    g[j] = static_cast<T>(a * pj + pj * (u[j] - dot));
-  }
+  for (; j + W <= k; j += W) store(g + j, load<V>(p + j) * (load<V>(u + j) + cv));
+  for (; j < k; ++j) g[j] = p[j] * (u[j] + c);
 }
 
 // per-thread buffers of a row
@@ -296,10 +288,26 @@ struct RowBuffers {
   std::vector<T> xb, gb, e;
   std::vector<int32_t> list;
   std::vector<double> u;
+  std::vector<T> zacc;  // the forward's simple entries' Σ p per class, in the dtype, for up to kFlushRows rows
+  int64_t since = 0;    // rows added into zacc since it was last flushed
   // (the list: room for a vector's lanes past its end, Bins::scan)
   explicit RowBuffers(int64_t k)
-      : e(static_cast<size_t>(k)), list(static_cast<size_t>(k + 16)), u(static_cast<size_t>(k)) {}
+      : e(static_cast<size_t>(k)), list(static_cast<size_t>(k + 16)), u(static_cast<size_t>(k)),
+        zacc(static_cast<size_t>(k), T(0)) {}
+  // zacc's first c sums added into the float64 sums (and zacc cleared)
+  void flush(double* sums, int64_t c) {
+    for (int64_t j = 0; j < c; ++j) {
+      sums[j] += static_cast<double>(zacc[j]);
+      zacc[j] = T(0);
+    }
+    since = 0;
+  }
 };
+
+// rows whose simple entries' p are summed in the dtype before they are added into the float64 sums: a float32
+// sum of at most 16 numbers in [0, 1] is within 16 ulps of their sum's magnitude (the torch path sums every
+// row in the dtype), and the float64 read-modify-write of every entry had been a third of the row forward
+constexpr int64_t kFlushRows = 16;
 
 // fn(row, x_row, grad_row) over rows [m0, m1): rows of a (N, K) tensor in place; positions of a (N, K, S)
 // tensor gathered in tiles of up to 64 rows (the gradient rows scattered back when grad is not null)
@@ -364,17 +372,22 @@ struct Forward {
 // fixed by the image (position 64a on), so forward and backward compute every p the same way.
 
 constexpr int64_t kPlane = 64;
+constexpr int64_t kFlushTiles = 4;  // tiles whose simple entries' Σ p are summed in the dtype (forward_planes)
 
 template <typename T>
 struct PlaneBuffers {
   std::vector<T> e, mx, inv;
-  std::vector<double> sum, lse, u, gce, dot, zc, zs;
+  std::vector<double> sum, lse, u, gce, dot, zc, zsd;
+  std::vector<T> zs, cpos;  // the simple entries' Σ p per class and lane for a few tiles (added into zsd); the
+                            // backward's gce − dot per position, in the dtype
+  int64_t since = 0;        // tiles added into zs since it was last flushed
   std::vector<int64_t> y;
   std::vector<int32_t> list;  // the tile's entries that are not simple, j·kPlane + t (room for a vector's lanes)
   PlaneBuffers(int64_t k, int64_t c)
       : e(static_cast<size_t>(k * kPlane)), mx(kPlane), inv(kPlane), sum(kPlane), lse(kPlane),
         u(static_cast<size_t>(k * kPlane)), gce(kPlane), dot(kPlane),
-        zc(static_cast<size_t>(c * Vec<double, kWideBytes>::width)), zs(zc.size()), y(kPlane),
+        zc(static_cast<size_t>(c * Vec<T, kWideBytes>::width)), zsd(zc.size()), zs(zc.size()), cpos(kPlane),
+        y(kPlane),
         list(static_cast<size_t>(k * kPlane + 16)) {}
 };
 
@@ -430,30 +443,25 @@ inline void zero_ignored(int64_t k, int64_t w, PlaneBuffers<T>& b) {
   }
 }
 
-// bits of the lanes [t, t + W) of p that are not simple (Bins::scan; an ignored position's p is 0, simple);
-// with zs (per class and lane) the simple lanes' p added
+// bits of the lanes [t, t + W) of p that are not simple (Bins::scan; an ignored position's p is 0, simple), in
+// the dtype's lanes; with zs (per class and lane, the dtype) the simple lanes' p added
 template <typename T>
-inline uint64_t plane_block(const Bins<T>& bins, const T* p, double thr, double* zs) {
-  constexpr int W = Vec<double, kWideBytes>::width;
-  using D = typename Vec<double, kWideBytes>::type;
-  using F = typename Vec<T, W * sizeof(T)>::type;
-  const D thr_d = broadcast<D>(thr), zero = {};
-  const F pv = load<F>(p);
-  const D v = __builtin_convertvector(bins.soft ? pv * broadcast<F>(bins.scale) : pv, D);
-  if (zs != nullptr) {
-    const D z = load<D>(zs) + (v > thr_d ? zero : __builtin_convertvector(pv, D));
-    store(zs, z);
-  }
-  return compare_mask<double, kWideBytes>(v, thr_d);
+inline uint64_t plane_block(const Bins<T>& bins, const T* p, T thr, T* zs) {
+  using V = typename Vec<T, kWideBytes>::type;
+  const V thr_v = broadcast<V>(thr), zero = {};
+  const V pv = load<V>(p);
+  const V v = bins.soft ? pv * broadcast<V>(bins.scale) : pv;
+  if (zs != nullptr) store(zs, load<V>(zs) + (v > thr_v ? zero : pv));
+  return compare_mask<T, kWideBytes>(v, thr_v);
 }
 
 // One class row p of a tile (w positions): its entries that are not simple appended to list as base + t
 // (lane order; returns the new length); with zs / zc (that class's lanes) the simple entries' p added and the
 // others counted (an ignored position's p is 0 here: simple, adding 0)
 template <typename T>
-inline int64_t list_class(const Bins<T>& bins, const T* p, int64_t w, double thr, int32_t base, int32_t* list,
-                          int64_t n_list, double* zs, double* zc) {
-  constexpr int W = Vec<double, kWideBytes>::width;
+inline int64_t list_class(const Bins<T>& bins, const T* p, int64_t w, T thr, int32_t base, int32_t* list,
+                          int64_t n_list, T* zs, double* zc) {
+  constexpr int W = Vec<T, kWideBytes>::width;
   int64_t t = 0;
   for (; t + W <= w; t += W) {
     const uint64_t bits = plane_block(bins, p + t, thr, zs);
@@ -462,7 +470,7 @@ inline int64_t list_class(const Bins<T>& bins, const T* p, int64_t w, double thr
   }
   for (; t < w; ++t) {  // the tail: the same criterion lane by lane
     const bool other = !bins.simple(p[t]);
-    if (zs != nullptr && !other) zs[0] += static_cast<double>(p[t]);
+    if (zs != nullptr && !other) zs[0] += p[t];
     if (zc != nullptr) zc[0] += other;
     list[n_list] = base + static_cast<int32_t>(t);
     n_list += other;
@@ -474,11 +482,12 @@ template <typename T>
 void forward_planes(const Spec& s, const T* x, const int64_t* tp, const Bins<T>& shared_bins, double* parts,
                     double* row_max, T* ce_rows, std::atomic<int64_t>& n_bad) {
   constexpr int W = Vec<double, kWideBytes>::width;
+  constexpr int WT = Vec<T, kWideBytes>::width;  // (the simple entries' sums: lanes of the dtype)
   const int64_t k = s.k, first = s.first, c = s.c, sp = s.sp;
   const int64_t stride = c * N_CELL;
   const int64_t per_image = (sp + kPlane - 1) / kPlane;
   const int64_t group_tiles = s.groups == 1 ? s.n * per_image : per_image;
-  const double thr = shared_bins.threshold();
+  const T thr = shared_bins.threshold_t();
   at::parallel_for(0, s.groups * s.chunks, 1, [&](int64_t begin, int64_t end) {
     const Bins<T> bins = shared_bins;  // (the local copy: see Bins)
     PlaneBuffers<T> b(k, c);
@@ -493,7 +502,19 @@ void forward_planes(const Spec& s, const T* x, const int64_t* tp, const Bins<T>&
       double& kept = present[c];
       double& ce_sum = present[c + 1];
       std::fill(b.zc.begin(), b.zc.end(), 0.0);
-      std::fill(b.zs.begin(), b.zs.end(), 0.0);
+      std::fill(b.zsd.begin(), b.zsd.end(), 0.0);
+      std::fill(b.zs.begin(), b.zs.end(), T(0));
+      b.since = 0;
+      // zs (the dtype) added into zsd (float64) every kFlushTiles tiles: a lane then holds at most 16 float32
+      // numbers in [0, 1] (64 / WT per tile), within 16 ulps of their magnitudes' sum (the torch path sums
+      // every position in the dtype)
+      const auto flush = [&]() {
+        for (size_t i = 0; i < b.zs.size(); ++i) {
+          b.zsd[i] += static_cast<double>(b.zs[i]);
+          b.zs[i] = T(0);
+        }
+        b.since = 0;
+      };
       for (int64_t q = q0; q < q1; ++q) {
         const int64_t img = q / per_image, pos = (q % per_image) * kPlane, w = std::min(kPlane, sp - pos);
         const int64_t m0 = img * sp + pos;
@@ -532,8 +553,9 @@ void forward_planes(const Spec& s, const T* x, const int64_t* tp, const Bins<T>&
           const int64_t ci = j - first;
           const T* p = b.e.data() + j * kPlane;
           n_list = list_class(bins, p, w, thr, static_cast<int32_t>(j * kPlane), list, n_list,
-                              b.zs.data() + ci * W, b.zc.data() + ci * W);
+                              b.zs.data() + ci * WT, b.zc.data() + ci * WT);
         }
+        if (++b.since == kFlushTiles) flush();
         for (int64_t i = 0; i < n_list; ++i) {
           const int64_t li = static_cast<uint32_t>(list[i]), j = li / kPlane;
           const T pj = b.e[li];
@@ -569,13 +591,24 @@ void forward_planes(const Spec& s, const T* x, const int64_t* tp, const Bins<T>&
           }
         }
       }
+      flush();
       for (int64_t ci = 0; ci < c; ++ci) {  // the simple entries: the lanes' sums in lane order; their
-        zero[ci] += kept - b.zc[ci * W];  // count is the kept positions' less the others'
-        for (int l = 0; l < W; ++l) zero[c + ci] += b.zs[ci * W + l];
+        zero[ci] += kept - b.zc[ci * WT];  // count is the kept positions' less the others'
+        for (int l = 0; l < WT; ++l) zero[c + ci] += b.zsd[ci * WT + l];
       }
     }
     if (bad) n_bad += bad;
   });
+}
+
+// acc[t] += a·p[t] and g[t] = p[t]·(u + c[t]) for t < w (distinct arrays: vectorised without alias checks)
+template <typename T>
+inline void plane_axpy(T a, const T* __restrict p, int64_t w, T* __restrict acc) {
+  for (int64_t t = 0; t < w; ++t) acc[t] += a * p[t];
+}
+template <typename T>
+inline void plane_scale(const T* __restrict p, const T* __restrict c, T u, int64_t w, T* __restrict g) {
+  for (int64_t t = 0; t < w; ++t) g[t] = p[t] * (u + c[t]);
 }
 
 // the backward of a tile: u_jt = ∂ACE/∂p (bin 0's P for the simple entries), then the gradient in place
@@ -584,7 +617,7 @@ void backward_planes(const Spec& s, const T* x, T* grad, const int64_t* tp, cons
                      const double* qt, const double* row_max, const double* gp, int64_t gstride, double ce_div) {
   const int64_t k = s.k, first = s.first, c = s.c, sp = s.sp;
   const int64_t per_image = (sp + kPlane - 1) / kPlane;
-  const double thr = shared_bins.threshold();
+  const T thr = shared_bins.threshold_t();
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / (k * kPlane));
   at::parallel_for(0, s.n * per_image, grain, [&](int64_t begin, int64_t end) {
     const Bins<T> bins = shared_bins;
@@ -617,28 +650,34 @@ void backward_planes(const Spec& s, const T* x, T* grad, const int64_t* tp, cons
       int64_t n_list = 0;
       for (int64_t j = first; j < k; ++j) {
         n_list = list_class(bins, b.e.data() + j * kPlane, w, thr, static_cast<int32_t>(j * kPlane), list, n_list,
-                            nullptr, nullptr);
+                            static_cast<T*>(nullptr), nullptr);
       }
-      for (int64_t j = first; j < k; ++j) {
-        const T* p = b.e.data() + j * kPlane;
-        const double p0 = pg[j - first];
-        for (int64_t t = 0; t < w; ++t) b.dot[t] += p0 * static_cast<double>(p[t]);
-      }
+      // (bin 0's u in the dtype, u0: the simple entries' u at every use; the dot's bin-0 part in the dtype's
+      // lanes, a sum of K products per position, as the torch path's float32 softmax backward)
+      T* cz = b.cpos.data();
+      std::fill(cz, cz + kPlane, T(0));
+      for (int64_t j = first; j < k; ++j) plane_axpy(static_cast<T>(pg[j - first]), b.e.data() + j * kPlane, w, cz);
+      for (int64_t t = 0; t < w; ++t) b.dot[t] = static_cast<double>(cz[t]);
       for (int64_t i = 0; i < n_list; ++i) {
         const int64_t li = static_cast<uint32_t>(list[i]), j = li / kPlane, tt = li % kPlane, ci = j - first;
         const T pj = b.e[li];
         v[i] = bins.u_of(pj, b.y[tt] == j ? 1.0 : 0.0, pg, qg, c, ci);
-        b.dot[tt] += (v[i] - pg[ci]) * static_cast<double>(pj);
+        b.dot[tt] += (v[i] - static_cast<double>(static_cast<T>(pg[ci]))) * static_cast<double>(pj);
       }
-      // g = gce (p − e_y) + p (u − dot): every entry with bin 0's u, then the others rewritten with theirs
+      // g = gce (p − e_y) + p (u − dot): every entry p (u0 + gce − dot) in the dtype's lanes (two roundings of
+      // p (|u0| + |gce − dot|), as the torch path's p ⊙ (g − <g, p>)), then the label's entry (p − 1 cancels:
+      // float64) and the others rewritten with their u
+      for (int64_t t = 0; t < w; ++t) cz[t] = static_cast<T>(b.gce[t] - b.dot[t]);
       for (int64_t j = 0; j < k; ++j) {
-        const T* p = b.e.data() + j * kPlane;
-        const double p0 = j < first ? 0.0 : pg[j - first];
-        T* g = gt + j * sp;
-        for (int64_t t = 0; t < w; ++t) {
-          const double pd = static_cast<double>(p[t]);
-          g[t] = static_cast<T>(b.gce[t] * (pd - (b.y[t] == j ? 1.0 : 0.0)) + pd * (p0 - b.dot[t]));
-        }
+        const T u0 = j < first ? T(0) : static_cast<T>(pg[j - first]);
+        plane_scale(b.e.data() + j * kPlane, cz, u0, w, gt + j * sp);
+      }
+      for (int64_t t = 0; t < w; ++t) {
+        const int64_t y = b.y[t];
+        if (y < 0) continue;
+        const double pd = static_cast<double>(b.e[y * kPlane + t]);
+        const double u0 = y < first ? 0.0 : static_cast<double>(static_cast<T>(pg[y - first]));
+        gt[y * sp + t] = static_cast<T>(b.gce[t] * (pd - 1.0) + pd * (u0 - b.dot[t]));
       }
       for (int64_t i = 0; i < n_list; ++i) {
         const int64_t li = static_cast<uint32_t>(list[i]), j = li / kPlane, tt = li % kPlane;
@@ -688,7 +727,8 @@ void forward_rows(const Spec& s, const T* x, const int64_t* tp, const Bins<T>& s
         const T inv = static_cast<T>(1.0 / sum);
         if (probs != nullptr)
           for (int64_t j = 0; j < first; ++j) e[j] *= inv;  // (the unbinned background's p too)
-        const int64_t n_other = bins.scan(e + first, inv, c, list, zero + c);
+        const int64_t n_other = bins.scan(e + first, inv, c, list, w.zacc.data());
+        if (++w.since == kFlushRows) w.flush(zero + c, c);
         const T* p = e + first;  // (now p)
         for (int64_t i = 0; i < n_other; ++i) zero[list[i]] -= 1.0;  // bin 0's count: kept rows less these
         if (!bins.soft) {
@@ -726,6 +766,7 @@ void forward_rows(const Spec& s, const T* x, const int64_t* tp, const Bins<T>& s
         }
         if (y >= first) present[y - first] += 1.0;
       });
+      w.flush(zero + c, c);
       for (int64_t j = 0; j < c; ++j) zero[j] += kept;  // bin 0's count: every kept row but the others
     }
     if (bad) n_bad += bad;
@@ -919,6 +960,10 @@ inline at::Tensor backward(const at::Tensor& grad_loss, const at::Tensor& logits
     }
     const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / k);
     T* kept_p = probs.defined() ? probs.data_ptr<T>() : nullptr;
+    // bin 0's P of every group and class in the dtype: the u of the simple entries in the row's lanes
+    std::vector<T> p0(static_cast<size_t>(s.groups * c));
+    for (int64_t g = 0; g < s.groups; ++g)
+      for (int64_t j = 0; j < c; ++j) p0[g * c + j] = static_cast<T>(pt[g * s.bins * c + j]);
     at::parallel_for(0, s.rows, grain, [&](int64_t begin, int64_t end) {
       const Bins<T> bins = shared_bins;
       RowBuffers<T> w(k);
@@ -936,17 +981,18 @@ inline at::Tensor backward(const at::Tensor& grad_loss, const at::Tensor& logits
         if (!given)
           for (int64_t j = 0; j < first; ++j) e[j] *= inv;
         const int64_t at = (m / s.per_group) * s.bins * c;
-        const double* pg = pt.data() + at;  // u of the simple entries: bin 0's P of their class
+        const double* pg = pt.data() + at;
+        const T* pz = p0.data() + (m / s.per_group) * c;  // u of the simple entries: bin 0's P of their class
         int32_t* list = w.list.data();
         double* v = w.u.data();  // u of the others, in list order
         double dot = 0.0;        // Σ u p: bin 0's, corrected below for the others
-        const int64_t n_other = bins.scan(e + first, inv, c, list, nullptr, pg, &dot, given);
+        const int64_t n_other = bins.scan(e + first, inv, c, list, nullptr, pz, &dot, given);
         const T* p = e + first;
         const double* qg = s.soft ? qt.data() + at : nullptr;  // (no Q table for hard bins)
         for (int64_t i = 0; i < n_other; ++i) {
           const int64_t j = list[i];
           v[i] = bins.u_of(p[j], j + first == y ? 1.0 : 0.0, pg, qg, c, j);
-          dot += (v[i] - pg[j]) * static_cast<double>(p[j]);
+          dot += (v[i] - static_cast<double>(pz[j])) * static_cast<double>(p[j]);
         }
         // g = gce (p − e_y) + p (u − dot): the unbinned background (u = 0), the binned classes with bin 0's u,
         // then the others and the label's entry rewritten with theirs
@@ -954,8 +1000,8 @@ inline at::Tensor backward(const at::Tensor& grad_loss, const at::Tensor& logits
           const double pj = static_cast<double>(e[j]);
           gr[j] = static_cast<T>(gce * pj - pj * dot);
         }
-        grad_row<T>(pg, p, c, gce, dot, gr + first);
-        double uy = y >= first ? pg[y - first] : 0.0;
+        grad_row<T>(pz, p, c, static_cast<T>(gce - dot), gr + first);
+        double uy = y >= first ? static_cast<double>(pz[y - first]) : 0.0;
         for (int64_t i = 0; i < n_other; ++i) {
           const int64_t j = list[i];
           const double pj = static_cast<double>(p[j]);

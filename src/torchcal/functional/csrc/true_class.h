@@ -175,7 +175,7 @@ inline uint64_t compare_mask(typename Vec<T, Bytes>::type v, typename Vec<T, Byt
 
 // list[m..) = j0 + l for each set bit l < N of mask, in lane order; returns m + the number of those bits. No
 // branch on the bits: a loop over them mispredicts its exit wherever a few lanes of a row are set. The list
-// needs N slots of room past its last entry (the AVX-512 path, N = 8, stores all 8 lanes).
+// needs N slots of room past its last entry (the AVX-512 paths, N = 8 or 16, store all N lanes).
 template <int N>
 inline int64_t append_lanes(int32_t* list, int64_t m, uint64_t mask, int32_t j0) {
 #if defined(__AVX512F__) && defined(__AVX512VL__)
@@ -183,6 +183,13 @@ inline int64_t append_lanes(int32_t* list, int64_t m, uint64_t mask, int32_t j0)
     const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(j0), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
     const __mmask8 bits = static_cast<__mmask8>(mask);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(list + m), _mm256_maskz_compress_epi32(bits, idx));
+    return m + __builtin_popcount(bits);
+  }
+  if constexpr (N == 16) {
+    const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(j0),
+                                         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    const __mmask16 bits = static_cast<__mmask16>(mask);
+    _mm512_storeu_si512(reinterpret_cast<void*>(list + m), _mm512_maskz_compress_epi32(bits, idx));
     return m + __builtin_popcount(bits);
   }
 #endif
