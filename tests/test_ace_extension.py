@@ -440,3 +440,20 @@ def test_soft_weights_are_the_same_number_at_every_use():
         (want,) = torch.autograd.grad(fn(xd), xd)
     # entries up to ~0.6; float32 p and products, a few ulps each
     torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-6)
+
+
+def test_edges_made_once_serve_graphs_after_inference_mode():
+    """The hard bins' edges are made once per (M, dtype) and reused. Made first under inference mode, an
+    inference tensor could not be saved by a later call's graph ("Inference tensors cannot be saved for
+    backward"): they are made outside it, and the later step equals the torch path's."""
+    from torchcal.functional._backend import _ace_edges
+
+    _ace_edges.cache_clear()
+    z, y = _batch((40,), 7, seed=3)
+    with torch.inference_mode():
+        F.ml1ace_loss(z, y, n_bins=13)
+    (v1, g1), (v2, g2) = _both_paths(z, y, {"n_bins": 13}, "mean")
+    torch.testing.assert_close(v1, v2, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(g1, g2, rtol=1e-10, atol=1e-12)
+    want = torch.linspace(0, 1 + 1.1920928955078125e-07, 14, dtype=torch.float64)[1:-1]
+    assert torch.equal(_ace_edges(13, torch.float64), want)

@@ -199,38 +199,48 @@ struct Bins {
   // (with ``given``, e already holds p: it is read, not scaled or written)
   int64_t scan(T* e, T inv, int64_t count, int32_t* list, T* zacc, const T* pz = nullptr, double* dot = nullptr,
                bool given = false) const {
-    constexpr int W = Vec<T, kWideBytes>::width;
-    using V = typename Vec<T, kWideBytes>::type;
+    // the widest vectors, then one of 32 and one of 16 bytes (a row of K = 10 floats is no 16-lane vector),
+    // then scalars
     const T thr = threshold_t();
-    const V thr_v = broadcast<V>(thr), zero = {};
-    const V sc = broadcast<V>(scale), iv = broadcast<V>(inv);
-    V acc = {};
     int64_t m = 0, j = 0;
-    for (; j + W <= count; j += W) {
-      const V pv = given ? load<V>(e + j) : load<V>(e + j) * iv;
-      if (!given) store(e + j, pv);
-      const V v = soft ? pv * sc : pv;
-      const uint64_t bits = compare_mask<T, kWideBytes>(v, thr_v);
-      if (zacc != nullptr) store(zacc + j, load<V>(zacc + j) + (v > thr_v ? zero : pv));
-      if (pz != nullptr) acc += load<V>(pz + j) * pv;
-      m = append_lanes<W>(list, m, bits, static_cast<int32_t>(j));
-    }
-    double tail = 0.0;
+    double sum = 0.0;
+    scan_span<kWideBytes>(e, inv, count, list, zacc, pz, given, thr, j, m, sum);
+    if constexpr (kWideBytes > 32) scan_span<32>(e, inv, count, list, zacc, pz, given, thr, j, m, sum);
+    if constexpr (kWideBytes > 16) scan_span<16>(e, inv, count, list, zacc, pz, given, thr, j, m, sum);
     for (; j < count; ++j) {
       const T p = given ? e[j] : e[j] * inv;
       if (!given) e[j] = p;
       const bool other = (soft ? p * scale : p) > thr;
       if (zacc != nullptr && !other) zacc[j] += p;
-      if (pz != nullptr) tail += static_cast<double>(pz[j] * p);
+      if (pz != nullptr) sum += static_cast<double>(pz[j] * p);
       list[m] = static_cast<int32_t>(j);
       m += other;
     }
-    if (dot != nullptr) {
-      double sum = 0.0;
-      for (int l = 0; l < W; ++l) sum += static_cast<double>(acc[l]);
-      *dot = sum + tail;
-    }
+    if (dot != nullptr) *dot = sum;
     return m;
+  }
+  // scan's vectors of Bytes from j while a whole one fits (j and m advanced; the lanes of Σ pz·p added into
+  // sum in float64, lane by lane)
+  template <int Bytes>
+  __attribute__((always_inline)) void scan_span(T* e, T inv, int64_t count, int32_t* list, T* zacc, const T* pz,
+                                                bool given, T thr, int64_t& j, int64_t& m, double& sum) const {
+    constexpr int W = Vec<T, Bytes>::width;
+    using V = typename Vec<T, Bytes>::type;
+    if (j + W > count) return;
+    const V thr_v = broadcast<V>(thr), zero = {};
+    const V sc = broadcast<V>(scale), iv = broadcast<V>(inv);
+    V acc = {};
+    for (; j + W <= count; j += W) {
+      const V pv = given ? load<V>(e + j) : load<V>(e + j) * iv;
+      if (!given) store(e + j, pv);
+      const V v = soft ? pv * sc : pv;
+      const uint64_t bits = compare_mask<T, Bytes>(v, thr_v);
+      if (zacc != nullptr) store(zacc + j, load<V>(zacc + j) + (v > thr_v ? zero : pv));
+      if (pz != nullptr) acc += load<V>(pz + j) * pv;
+      m = append_lanes<W>(list, m, bits, static_cast<int32_t>(j));
+    }
+    if (pz != nullptr)
+      for (int l = 0; l < W; ++l) sum += static_cast<double>(acc[l]);
   }
 };
 
@@ -272,13 +282,19 @@ struct BinTables {
 // g_j = p_j (u_j + c) in the dtype's lanes (u = bin 0's P of the class in the dtype, c = gce − <u, p> rounded to
 // it): two roundings of p (|u| + |c|) at most, where the torch path's float32 softmax backward, p ⊙ (g − <g, p>),
 // has the same two
+template <typename T, int Bytes>
+inline void grad_span(const T* u, const T* p, int64_t k, T c, T* g, int64_t& j) {
+  constexpr int W = Vec<T, Bytes>::width;
+  using V = typename Vec<T, Bytes>::type;
+  const V cv = broadcast<V>(c);
+  for (; j + W <= k; j += W) store(g + j, load<V>(p + j) * (load<V>(u + j) + cv));
+}
 template <typename T>
 inline void grad_row(const T* u, const T* p, int64_t k, T c, T* g) {
-  constexpr int W = Vec<T, kWideBytes>::width;
-  using V = typename Vec<T, kWideBytes>::type;
-  const V cv = broadcast<V>(c);
-  int64_t j = 0;
-  for (; j + W <= k; j += W) store(g + j, load<V>(p + j) * (load<V>(u + j) + cv));
+  int64_t j = 0;  // (the widest vectors, then 32 and 16 bytes, as Bins::scan)
+  grad_span<T, kWideBytes>(u, p, k, c, g, j);
+  if constexpr (kWideBytes > 32) grad_span<T, 32>(u, p, k, c, g, j);
+  if constexpr (kWideBytes > 16) grad_span<T, 16>(u, p, k, c, g, j);
   for (; j < k; ++j) g[j] = p[j] * (u[j] + c);
 }
 
