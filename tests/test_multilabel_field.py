@@ -114,3 +114,24 @@ def test_torchmetrics_multilabel_metric_takes_the_new_names():
     signed = MultilabelCalibrationMetric(2, "signed_ece", average="micro")
     signed.update(p, y)
     torch.testing.assert_close(signed.compute(), p.mean() - y.double().mean(), rtol=0, atol=1e-14)
+
+
+def test_a_label_without_known_targets_is_nan_without_a_numpy_warning():
+    # every target of label 1 unknown: its binned ECE was numpy's 0/0, NaN with a RuntimeWarning
+    # ("invalid value encountered in scalar divide") on every compute of the adapters
+    import warnings
+
+    p, y = _data(60, 3, seed=4)
+    masked = y.clone()
+    masked[:, 1] = -100
+    sums, rows = ML.batch_state(p, masked, 3, 15, False, -100, True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = ML.compute(sums, rows, 3, 15, ("ece", "mce", "adaece", "auroc"))
+    for name in ("ece", "mce", "adaece", "auroc"):
+        assert bool(torch.isnan(out[f"{name}_per_label"][1])), name
+    for j in (0, 2):  # the other labels: the float64 loop over their bins
+        ece = R.binary_binned(p[:, j].tolist(), y[:, j].tolist(), 15)
+        # signed split: ECE = over + under; a few ulps from the summation order
+        assert float(out["ece_per_label"][j]) == pytest.approx(ece[1] + ece[2], abs=1e-12)
+    assert float(out["ece"]) == pytest.approx(float(out["ece_per_label"][[0, 2]].mean()), abs=1e-15)

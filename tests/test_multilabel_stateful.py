@@ -62,6 +62,26 @@ def test_temperature_per_label_and_shared():
     assert F.multilabel_ece(calibrated, y) < F.multilabel_ece(z, y, from_logits=True)
 
 
+@pytest.mark.parametrize(
+    "bounds,message",
+    [((-1.0, 5.0), r"`bounds\[0\]` must be > 0"), ((10.0, 1.0), r"`bounds\[1\]` must be > 10.0"),
+     ((0.0, 1.0), r"`bounds\[0\]` must be > 0"), ((1.0, math.inf), r"`bounds\[1\]` must be finite"),
+     ((0.5, 0.5), r"`bounds\[1\]` must be > 0.5"), ((1.0,), r"`bounds` must be a pair"),
+     ("ab", r"`bounds` must be a pair")],
+)  # fmt: skip
+def test_temperature_bounds_are_checked(bounds, message):
+    # the binary fit took any bounds: (-1, 5) gave T = 1 and (10, 1) gave T = 10 (each with a "hit the
+    # bound" warning), (0, 1) a ZeroDivisionError; the multiclass TemperatureScaling refuses all of them
+    z, y = data(n=200, labels=2, seed=8)
+    with pytest.raises(ValueError, match=message):
+        BinaryTemperatureScaling(bounds=bounds).fit(z, y)
+    with pytest.raises(ValueError, match=message):
+        BinaryTemperatureScaling(bounds=bounds).check_params()
+    narrow = BinaryTemperatureScaling(bounds=[4.0, 5.0])  # a list, as from_json gives it back
+    with pytest.warns(UserWarning, match="hit the bound"):
+        assert narrow.fit(z, y).temperature_.tolist() == [4.0, 4.0]  # the optimum (about 2.5) lies below
+
+
 def test_platt_matches_scipy_on_its_objective():
     from scipy.optimize import minimize
 
@@ -143,6 +163,8 @@ def test_calibrator_contract(cls):
         cls().fit(z, y * 0.5)
     single = cls().fit(z[:, 0], y[:, 0])  # binary (N,)
     assert single.transform(z[:, 0]).shape == (400,)
+    with pytest.raises(ValueError, match=r"`logits` must have shape \(N,\) or \(N, L\) with L >= 1"):
+        cls().fit(z[:, :0], y[:, :0])  # no labels: was a RuntimeError of aminmax
 
 
 def test_streaming_equals_one_shot_and_merges():

@@ -12,9 +12,9 @@ import math
 import numpy as np
 import torch
 
-from .._validation import as_data, check_bool, check_positive_int
+from .._validation import as_data, check_bool, check_float, check_positive_int
 from ..functional._binning import equal_width_index
-from ..functional.binary import _check_binary_targets, _check_scores, _finite_logits
+from ..functional.binary import _check_binary_targets, _finite_logits, _label_scores
 from .base import Calibrator
 from .nonparametric import _interp_rows, _pav
 from .temperature import FocalTemperatureScaling, fit_temperature_nll
@@ -42,7 +42,7 @@ class BinaryCalibrator(Calibrator):
         return self.num_classes_
 
     def _as_2d(self, logits, warn_if_probs: bool = False):
-        z = _check_scores(as_data(logits, "logits"), "logits")
+        z = _label_scores(as_data(logits, "logits"), "logits")
         _finite_logits(z, "logits", _SIGMOID_LOGITS_ADVICE if warn_if_probs else None)
         return z, (z[:, None] if z.ndim == 1 else z)
 
@@ -77,6 +77,11 @@ class BinaryTemperatureScaling(BinaryCalibrator):
     """σ(z / T): one temperature per label (``per_label=True``) or one shared by all labels, minimising the
     validation binary NLL (the multiclass NLL fit on the two-class logits [0, z], which is the same loss).
 
+    Args:
+        per_label: one temperature per label, or one shared by all labels (fitted on them pooled).
+        bounds: (T_min, T_max), 0 < T_min < T_max, finite; an optimum outside them gives the nearest bound,
+            with a warning.
+
     Example:
         >>> import torch
         >>> g = torch.Generator().manual_seed(0)
@@ -96,17 +101,29 @@ class BinaryTemperatureScaling(BinaryCalibrator):
 
     def check_params(self) -> BinaryTemperatureScaling:
         check_bool(self.per_label, "per_label")
+        self._bounds()
         return self
+
+    def _bounds(self) -> tuple[float, float]:
+        try:
+            pair = () if isinstance(self.bounds, str) else tuple(self.bounds)
+        except TypeError:
+            pair = ()
+        if len(pair) != 2:
+            raise ValueError(f"`bounds` must be a pair (T_min, T_max), got {self.bounds!r}")
+        lo = check_float(pair[0], "bounds[0]", low=0, low_open=True)
+        return lo, check_float(pair[1], "bounds[1]", low=lo, low_open=True)
 
     def _fit(self, logits, targets):
         check_bool(self.per_label, "per_label")
+        bounds = self._bounds()
         columns = range(logits.shape[1]) if self.per_label else [None]
         temps = []
         for j in columns:
             z = logits.reshape(-1) if j is None else logits[:, j]
             y = targets.reshape(-1) if j is None else targets[:, j]
             rows = torch.stack([torch.zeros_like(z), z], dim=1)
-            temps.append(fit_temperature_nll(rows, y.long(), bounds=tuple(self.bounds)))
+            temps.append(fit_temperature_nll(rows, y.long(), bounds=bounds))
         t = torch.tensor(temps, dtype=torch.float64)
         self.temperature_ = t if self.per_label else t.expand(logits.shape[1]).clone()
 

@@ -293,10 +293,18 @@ def binary_dual_focal_loss(logits, targets, gamma: float = 5.0, *, reduction="me
 # ----------------------------------------------------------------------------- metrics
 
 
+def _label_scores(x, name) -> torch.Tensor:
+    """:func:`_check_scores` for the metrics and calibrators, which also need at least one label."""
+    x = _check_scores(x, name)
+    if x.ndim == 2 and x.shape[1] == 0:
+        raise ValueError(f"`{name}` must have shape (N,) or (N, L) with L >= 1 labels, got {tuple(x.shape)}")
+    return x
+
+
 def _metric_inputs(probs, targets, from_logits):
     """(probabilities (N, L) float64, targets (N, L) float64) checked; (N,) becomes (N, 1)."""
     check_bool(from_logits, "from_logits")
-    probs = _check_scores(as_data(probs, "probs"), "probs")
+    probs = _label_scores(as_data(probs, "probs"), "probs")
     targets, _ = _check_binary_targets(as_data(targets, "targets"), probs.shape, probs.device, soft=False)
     _finite_logits(probs, "probs", _SIGMOID_FROM_LOGITS_ADVICE if from_logits else None)
     p = torch.sigmoid(probs.double()) if from_logits else probs.double()
@@ -398,7 +406,9 @@ def multilabel_mce(probs, targets, *, n_bins: int = 15, average: str = "macro", 
 
 def multilabel_auroc(scores, targets, *, average: str = "macro", label_names=None):
     """AUROC of each label (Mann–Whitney with mid-ranks for ties). A label whose targets hold one class only
-    has no AUROC: it is NaN in ``average="none"`` and left out of the macro mean, with a warning naming it.
+    has no AUROC: it is NaN in ``average="none"`` and left out of the macro mean, with a warning naming it
+    (by its entry of ``label_names``, one name per label, when given). Scores must be finite (NaN has no
+    rank), as scikit-learn's ``roc_auc_score`` requires.
 
     Example:
         >>> import torch
@@ -407,11 +417,19 @@ def multilabel_auroc(scores, targets, *, average: str = "macro", label_names=Non
         tensor([1., 1.], dtype=torch.float64)
     """
     check_choice(average, "average", {"macro", "none"})
-    scores = _check_scores(as_data(scores, "scores"), "scores")
+    scores = _label_scores(as_data(scores, "scores"), "scores")
     targets, _ = _check_binary_targets(as_data(targets, "targets"), scores.shape, scores.device, soft=False)
     s, y = scores.double(), targets.double()
     if s.ndim == 1:
         s, y = s[:, None], y[:, None]
+    if label_names is not None:
+        label_names = list(label_names)
+        if len(label_names) != s.shape[1]:
+            raise ValueError(
+                f"`label_names` must have one name per label ({s.shape[1]}), got {len(label_names)}"
+            )
+    if not bool(torch.isfinite(s).all()):
+        raise ValueError("`scores` contains NaN or infinite values")
     values, missing = [], []
     for j in range(s.shape[1]):
         n_pos = float(y[:, j].sum())
@@ -447,7 +465,7 @@ def multilabel_nll(probs, targets, *, average: str = "macro", from_logits: bool 
     and 1 for probability inputs; exact log-sigmoid for logits)."""
     check_choice(average, "average", {"macro", "none"})
     if from_logits:
-        z = _check_scores(as_data(probs, "logits"), "logits")
+        z = _label_scores(as_data(probs, "logits"), "logits")
         _finite_logits(z, "logits", _SIGMOID_FROM_LOGITS_ADVICE)
         z = z.double()
         y = _check_binary_targets(as_data(targets, "targets"), z.shape, z.device, soft=False)[0].double()

@@ -154,10 +154,15 @@ def compute(sums, rows, num_labels, n_bins, names=None) -> dict[str, torch.Tenso
             out[f"{name}_micro"] = micro
 
     labels = range(num_labels)
+    has_rows = seen.tolist()
+
+    def binned(fn):  # a label without a known target is NaN (no 0/0 of numpy, which would warn)
+        return torch.stack([fn(*bins[:, j]).to(nan) if has_rows[j] else nan for j in labels])
+
     if "ece" in names:
-        put("ece", torch.stack([ece_from_sums(*bins[:, j]) for j in labels]), ece_from_sums(*bins.sum(1)))
+        put("ece", binned(ece_from_sums), ece_from_sums(*bins.sum(1)))
     if "mce" in names:
-        put("mce", torch.stack([mce_from_sums(*bins[:, j]) for j in labels]), mce_from_sums(*bins.sum(1)))
+        put("mce", binned(mce_from_sums), mce_from_sums(*bins.sum(1)))
     if names & {"signed_ece", "ece_over", "ece_under"}:
         out.update(label_direction(bins))
     safe = count.clamp_min(1)
