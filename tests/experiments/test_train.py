@@ -191,6 +191,37 @@ def test_the_runner_gives_maxsup_its_epoch_count(tmp_path):
     assert state == {"epoch": 2, "epochs": 3}
 
 
+@pytest.mark.parametrize(
+    "loss",
+    [
+        ("loss.name=maxsup",),
+        ("loss.name=mbls", "loss.kwargs.schedule=add", "loss.kwargs.mu=0.1"),
+        ("loss.name=fls-531",),
+        ("loss.name=cals",),
+        ("loss.name=avuc",),
+    ],
+    ids=["maxsup", "mbls-add", "fls-531", "cals", "avuc"],
+)
+def test_stateful_losses_resume_exactly(tmp_path, loss):
+    """Every stateful or scheduled loss, stopped after epoch 0 and resumed, ends with the uninterrupted run's
+    weights, loss state (MaxSup's epoch and count, MbLS's and FLS's epoch, CALS's multipliers and sums,
+    AvUC's threshold and sums) and metric rows, bitwise: the same operations on the same data in the same
+    order on CPU."""
+    cfg = ("train.epochs=3", "data.limit_train=256", "train.calibrators=[]", *loss)
+    train(tiny(*cfg), tmp_path / "full")
+    train(tiny(*cfg), tmp_path / "part", stop_after=1)
+    rows = train(None, tmp_path / "part", resume=True)
+    full = torch.load(tmp_path / "full" / "checkpoint.pt", weights_only=True)
+    part = torch.load(tmp_path / "part" / "checkpoint.pt", weights_only=True)
+    for key in ("model", "loss"):
+        for name, value in full[key].items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(part[key][name], value), (key, name)
+            else:
+                assert part[key][name] == value, (key, name)
+    assert rows == [json.loads(x) for x in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
+
+
 def test_best_validation_model_selection_is_exact_and_resumable(tmp_path):
     from torchcal.experiments.data.readers import load_splits
     from torchcal.experiments.models.registry import create_model

@@ -14,7 +14,14 @@ from transformers import (  # noqa: E402
 
 import torchcal.functional as F  # noqa: E402
 from torchcal.integrations.huggingface import CalibrationTrainer, compute_metrics, loss_func  # noqa: E402
-from torchcal.losses import AdaFocalLoss, CALSLoss, create  # noqa: E402
+from torchcal.losses import (  # noqa: E402
+    AdaFocalLoss,
+    CALSLoss,
+    LogitMarginL1Loss,
+    MaxSupLoss,
+    ScheduledFocalLoss,
+    create,
+)
 
 CONFIG = dict(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
               max_position_embeddings=16)  # fmt: skip
@@ -353,3 +360,93 @@ def test_resumed_training_restores_the_calibration_loss(tmp_path):
     again, _ = _adafocal_run(tmp_path / "full")
     with pytest.raises(FileNotFoundError, match="calibration_loss.pt"):
         again.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-8"))
+
+
+def test_trainer_updates_the_loss_without_compute_metrics(tmp_path):
+    """The Trainer keeps the evaluation logits only for compute_metrics; the scheduled evaluations that update
+    the loss keep them anyway, so AdaFocal adapts without metrics (it stayed at γ = 1, FL-1, before)."""
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(num_labels=3, **CONFIG))
+    loss = AdaFocalLoss(n_bins=5)
+    trainer = CalibrationTrainer(
+        model=model, args=args(tmp_path), train_dataset=Texts(96, 0), eval_dataset=Texts(48, 1),
+        calibration_loss=loss,
+    )  # fmt: skip
+    trainer.train()
+    assert loss.gamma_history.shape == (2, 5)
+    # the last update came from the final model's evaluation logits: replay it from the γ before
+    prediction = trainer.predict(Texts(48, 1))
+    replay = AdaFocalLoss(n_bins=5)
+    replay.gamma_per_bin.copy_(loss.gamma_history[0])
+    replay.update(
+        torch.as_tensor(prediction.predictions), torch.as_tensor(prediction.label_ids), from_logits=True
+    )
+    torch.testing.assert_close(replay.gamma_per_bin, loss.gamma_history[1], rtol=0, atol=0)
+
+
+def test_eval_on_start_does_not_update_the_loss(tmp_path):
+    """eval_on_start's evaluation of the untrained model is a sanity check (Lightning's is skipped too): the
+    first epoch trains with γ = 1 and each epoch's evaluation updates once, as without it."""
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(num_labels=3, **CONFIG))
+    loss = AdaFocalLoss(n_bins=5)
+    trainer = CalibrationTrainer(
+        model=model, args=args(tmp_path, eval_on_start=True), train_dataset=Texts(96, 0),
+        eval_dataset=Texts(48, 1), calibration_loss=loss, compute_metrics=compute_metrics(3, names="ece"),
+    )  # fmt: skip
+    trainer.train()
+    assert loss.gamma_history.shape == (2, 5)
+
+
+class _Scheduled(torch.nn.Module):
+    """FLS (γ 5, 3, 1 from epochs 0, 1, 2), MbLS with α + 0.1 after each epoch and MaxSup's ramp, summed;
+    records the schedules in force at each training step."""
+
+    def __init__(self):
+        super().__init__()
+        self.fls = ScheduledFocalLoss(gammas=(5.0, 3.0, 1.0), milestones=(1, 2))
+        self.mbls = LogitMarginL1Loss(margin=1.0, schedule="add", mu=0.1)
+        self.maxsup = MaxSupLoss()
+        self.seen = []
+
+    @property
+    def reduction(self):
+        return self.fls.reduction
+
+    @reduction.setter
+    def reduction(self, value):
+        for module in (self.fls, self.mbls, self.maxsup):
+            module.reduction = value
+
+    def forward(self, logits, targets):
+        if torch.is_grad_enabled():
+            self.seen.append((self.fls.gamma, self.mbls.current_alpha, self.maxsup.current_alpha))
+        return self.fls(logits, targets) + self.mbls(logits, targets) + self.maxsup(logits, targets)
+
+
+def _scheduled_run(output_dir, resume=None):
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(num_labels=3, **CONFIG))
+    loss = _Scheduled()
+    trainer = CalibrationTrainer(
+        model=model, args=args(output_dir, num_train_epochs=3, save_strategy="epoch"),
+        train_dataset=Texts(32, 0), eval_dataset=Texts(16, 1), calibration_loss=loss,
+    )  # fmt: skip
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer, loss
+
+
+def test_trainer_gives_scheduled_losses_the_epoch(tmp_path):
+    """The steps of epoch e (0-based) train with FLS's γ of epoch e, MbLS's α after e updates and MaxSup's
+    α_e = 0.1 + 0.1·e/(E − 1) with E = num_train_epochs (they stayed at 5, 0.1 and 0.1 before); a run
+    resumed after epoch 1 continues the schedules."""
+    full, loss = _scheduled_run(tmp_path / "full")
+    expected = [((5.0, 3.0, 1.0)[e], 0.1 + 0.1 * e, 0.1 + 0.05 * e) for e in range(3) for _ in range(4)]
+    assert len(loss.seen) == len(expected)
+    for got, want in zip(loss.seen, expected):
+        # (MbLS adds 0.1 in floating point: 0.1 + 0.1 + 0.1 differs from 0.3 in the last bit)
+        assert got[0] == want[0] and abs(got[1] - want[1]) < 1e-12 and abs(got[2] - want[2]) < 1e-12
+    resumed, resumed_loss = _scheduled_run(tmp_path / "full", resume=str(tmp_path / "full" / "checkpoint-4"))
+    assert resumed_loss.seen == loss.seen[4:]
+    for (name, a), b in zip(resumed.model.named_parameters(), full.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)

@@ -15,7 +15,14 @@ pl = pytest.importorskip("lightning.pytorch")  # the `dev` extra installs it; CI
 import torchcal.functional as F  # noqa: E402
 from torchcal.calibrators import BinaryTemperatureScaling, TemperatureScaling  # noqa: E402
 from torchcal.integrations.lightning import CalibrationCallback  # noqa: E402
-from torchcal.losses import AdaFocalLoss, AvUCLoss, CALSLoss  # noqa: E402
+from torchcal.losses import (  # noqa: E402
+    AdaFocalLoss,
+    AvUCLoss,
+    CALSLoss,
+    LogitMarginL1Loss,
+    MaxSupLoss,
+    ScheduledFocalLoss,
+)
 
 SCRIPT = Path(__file__).with_name("lightning_script.py")
 from tests.integrations.lightning_script import Module, blobs, multilabel_outputs  # noqa: E402
@@ -341,3 +348,140 @@ def test_fit_updates_cals_and_avuc_once_per_epoch(tmp_path):
     )
     torch.testing.assert_close(restored.loss.lambdas, lambdas)
     assert float(restored.avuc.threshold) == float(module.avuc.threshold)
+
+
+# -- the loss hooks: scheduled and stateful losses epoch by epoch against a hand-written loop ------------------
+
+
+class _HookedModule(Module):
+    """Every kind of loss hook at once: AdaFocal (validation update), CALS and AvUC (end-of-epoch update from
+    the training statistics), FLS (γ by epoch), MbLS's α schedule and MaxSup's ramp (set_epoch,
+    set_total_epochs). It records the state of each training step and of each epoch's end."""
+
+    def __init__(self):
+        super().__init__()
+        self.fls = ScheduledFocalLoss(gammas=(5.0, 3.0, 1.0), milestones=(1, 2))
+        self.mbls = LogitMarginL1Loss(margin=1.0, schedule="add", mu=0.1)
+        self.maxsup = MaxSupLoss()
+        self.cals = CALSLoss(margin=2.0)
+        self.avuc = AvUCLoss()
+        self.steps, self.epochs = [], []
+
+    def configure_optimizers(self):  # (a step that keeps the confidences below 1 in float32: no ties at 1)
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    def training_step(self, batch, _):
+        x, y = batch
+        z = self.net(x)
+        self.steps.append(
+            (self.current_epoch, self.fls.gamma, self.mbls.current_alpha, self.maxsup.current_alpha)
+        )
+        losses = (self.loss, self.fls, self.mbls, self.maxsup, self.cals)
+        return sum(f(z, y) for f in losses) + 0.1 * self.avuc(z, y)
+
+    def on_train_epoch_end(self):  # after the epoch's validation run and the callback's update
+        self.epochs.append(_loss_states(self))
+
+
+def _loss_states(module):
+    return {
+        "gamma": module.loss.gamma_per_bin.clone(), "edges": module.loss.bin_edges.clone(),
+        "lambdas": module.cals.lambdas.clone(), "rhos": module.cals.rhos.clone(),
+        "threshold": module.avuc.threshold.clone(), "weight": module.net.weight.detach().clone(),
+    }  # fmt: skip
+
+
+def _hand_written_run(epochs=3):
+    """The documented hooks with a plain loop: set_total_epochs(E) once, set_epoch(e) before epoch e's steps,
+    after its steps AdaFocal.update(validation logits of the model in eval mode), CALS.update() and
+    AvUC.update() (their training statistics)."""
+    torch.manual_seed(0)
+    module = _HookedModule()
+    opt = module.configure_optimizers()
+    train, val = _loaders()
+    module.maxsup.set_total_epochs(epochs)
+    for epoch in range(epochs):
+        for m in (module.fls, module.mbls, module.maxsup):
+            m.set_epoch(epoch)
+        module.train()
+        for x, y in train:
+            module.steps.append(
+                (epoch, module.fls.gamma, module.mbls.current_alpha, module.maxsup.current_alpha)
+            )
+            z = module.net(x)
+            losses = (module.loss, module.fls, module.mbls, module.maxsup, module.cals)
+            loss = sum(f(z, y) for f in losses) + 0.1 * module.avuc(z, y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        module.eval()
+        with torch.no_grad():
+            z, y = map(torch.cat, zip(*[(module.net(x), y) for x, y in val]))
+        module.loss.update(z, y, from_logits=True)
+        module.cals.update()
+        module.avuc.update()
+        module.epochs.append(_loss_states(module))
+    return module
+
+
+def test_loss_hooks_follow_a_hand_written_loop_epoch_by_epoch(tmp_path):
+    """Three epochs of fit with the callback give the hand-written loop's schedule in every step (FLS's γ
+    5, 3, 1; MbLS's α 0.1, 0.2, 0.3; MaxSup's α 0.1, 0.15, 0.2) and its loss states after every epoch.
+    Without the set_epoch / set_total_epochs calls the schedules stayed at their first value."""
+    torch.manual_seed(0)
+    module = _HookedModule()
+    _fit(module, CalibrationCallback(num_classes=4, metrics="ece", calibrator=None), tmp_path, epochs=3)
+    reference = _hand_written_run()
+    expected = [(e, (5.0, 3.0, 1.0)[e], 0.1 + 0.1 * e, 0.1 + 0.05 * e) for e in range(3) for _ in range(4)]
+    # (MbLS adds 0.1 in floating point: 0.1 + 0.1 + 0.1 differs from 0.3 in the last bit)
+    for got, want in zip(module.steps, expected, strict=True):
+        assert got[:2] == want[:2] and abs(got[2] - want[2]) < 1e-12 and abs(got[3] - want[3]) < 1e-12
+    assert module.steps == reference.steps
+    assert len(module.epochs) == 3 and int(module.cals.updates) == 3 and int(module.avuc.updates) == 3
+    # The same operations in the same order on the same batches: equal, except AdaFocal's statistics. The
+    # callback takes them from the metrics' float32 confidences where the loop passes the logits (float64
+    # probabilities): the edges differ by the float32 rounding of a confidence (<= 2^-24 below 1; 2 ulps
+    # allowed), the gaps by as much, so γ·exp(λ·gap) by ~6e-8 relative per update (3 updates, rtol 1e-6).
+    tolerances = {"gamma": (1e-6, 0.0), "edges": (0.0, 2 * 2.0**-24)}
+    for epoch, (got, want) in enumerate(zip(module.epochs, reference.epochs, strict=True)):
+        for name in want:
+            rtol, atol = tolerances.get(name, (0.0, 0.0))
+            torch.testing.assert_close(got[name], want[name], rtol=rtol, atol=atol, msg=f"{name} {epoch}")
+
+
+def test_two_callbacks_update_the_loss_once_per_validation_run(tmp_path):
+    """Two multiclass callbacks (two prefixes, both update_adafocal=True) on one module: one AdaFocal update
+    and one CALS / AvUC update per validation run, not two."""
+    module = _HookedModule()
+    first = CalibrationCallback(num_classes=4, metrics="ece", calibrator=None)
+    second = CalibrationCallback(num_classes=4, metrics="nll", calibrator=None, prefix="val_b/")
+    _fit(module, [first, second], tmp_path, epochs=2)
+    assert module.loss.gamma_history.shape[0] == 2
+    assert int(module.cals.updates) == 2 and int(module.avuc.updates) == 2
+
+
+@pytest.mark.filterwarnings("ignore:The dirpath has changed")  # the resumed fit writes its own folder
+def test_resumed_fit_equals_the_uninterrupted_one(tmp_path):
+    """A fit of 3 epochs resumed from the checkpoint of epoch 1 (a fresh module) ends with the uninterrupted
+    fit's weights and loss states, bitwise: the module's state_dict carries every loss's state (AdaFocal's
+    bins, CALS's multipliers, AvUC's threshold and sums, the schedules' epoch and count), and the callback
+    gives the schedules the resumed epochs."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def run(root, ckpt_path=None):
+        torch.manual_seed(0)
+        module = _HookedModule()
+        saver = ModelCheckpoint(dirpath=root / "ckpt", filename="{epoch}", save_top_k=-1)
+        callback = CalibrationCallback(num_classes=4, metrics="ece", calibrator=None)
+        _fit(module, [callback, saver], root, epochs=3, ckpt_path=ckpt_path)
+        return module
+
+    full = run(tmp_path / "full")
+    resumed = run(tmp_path / "resumed", ckpt_path=tmp_path / "full" / "ckpt" / "epoch=1.ckpt")
+    assert resumed.steps == full.steps[8:]  # the third epoch's steps, with the third epoch's schedules
+    for name, value in full.state_dict().items():
+        got = resumed.state_dict()[name]
+        if isinstance(value, torch.Tensor):
+            torch.testing.assert_close(got, value, rtol=0, atol=0, msg=name)
+        else:  # the schedules' extra state
+            assert got == value, name

@@ -28,7 +28,9 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import math
 import os
+import sys
 import tempfile
 from collections.abc import Mapping
 from typing import Any
@@ -37,7 +39,7 @@ import numpy as np
 import torch
 
 try:
-    from transformers import Trainer
+    from transformers import Trainer, TrainerCallback
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 except ImportError as err:  # pragma: no cover - exercised only without transformers
     raise ImportError(
@@ -228,6 +230,15 @@ class CalibrationTrainer(Trainer):
     learn from test labels. ``evaluate(..., update_calibration_loss=True)`` updates it anyway;
     ``update_calibration_loss=False`` skips the update of an evaluation inside ``train()``.
 
+    The update needs the evaluation logits: an evaluation that updates the loss keeps them even without
+    ``compute_metrics`` (which otherwise makes the Trainer drop them). The evaluation that
+    ``eval_on_start`` runs before the first step is a sanity check, as Lightning's, and does not update the
+    loss: the first epoch trains with the loss's initial state, as in the papers.
+
+    Scheduled losses get the epoch (0-based) at the start of each training epoch (``set_epoch``: FLS-531 /
+    FLS-532's γ, MbLS's α schedule, MaxSup's ramp) and the run's number of epochs when training starts
+    (``set_total_epochs``: MaxSup), as the runner gives them.
+
     The loss is not part of the model, so each checkpoint also holds its ``state_dict()`` (AdaFocal's γ per
     bin, bin edges and histories, CALS's multipliers, AvUC's threshold, ...) in ``calibration_loss.pt``,
     written atomically by the saving process; ``train(resume_from_checkpoint=...)`` loads it back before
@@ -242,7 +253,9 @@ class CalibrationTrainer(Trainer):
         self.calibration_loss = calibration_loss
         self.calibration_ignore_index = check_ignore_index(ignore_index)
         self._calibration_training = False
+        self._calibration_started = False  # an epoch of train() has begun (eval_on_start's evaluation: not)
         self._calibration_update: bool | None = None
+        self.add_callback(_LossSchedule(self))
 
     def train(self, *args, **kwargs):
         checkpoint = kwargs.get("resume_from_checkpoint", args[0] if args else None)
@@ -251,11 +264,11 @@ class CalibrationTrainer(Trainer):
         # (a path that is no folder: the Trainer raises)
         if isinstance(checkpoint, str | os.PathLike) and os.path.isdir(checkpoint):
             self._load_calibration_loss(checkpoint)
-        self._calibration_training = True
+        self._calibration_training, self._calibration_started = True, False
         try:
             return super().train(*args, **kwargs)
         finally:
-            self._calibration_training = False
+            self._calibration_training = self._calibration_started = False
 
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
@@ -288,14 +301,20 @@ class CalibrationTrainer(Trainer):
         finally:
             self._calibration_update = previous
 
-    def evaluation_loop(self, *args, **kwargs):
-        output = super().evaluation_loop(*args, **kwargs)
-        prefix = kwargs.get("metric_key_prefix", args[4] if len(args) > 4 else "eval")
+    def evaluation_loop(
+        self, dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix="eval"
+    ):
         if self._calibration_update is None:
-            update = self._calibration_training and prefix == "eval"
+            update = self._calibration_training and self._calibration_started and metric_key_prefix == "eval"
         else:
             update = self._calibration_update
         adaptive = [m for m in self.calibration_loss.modules() if isinstance(m, ADAPTIVE_LOSSES)]
+        # the update needs the logits, which the Trainer drops without compute_metrics
+        if update and adaptive:
+            prediction_loss_only = False
+        output = super().evaluation_loop(
+            dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix
+        )
         if update and adaptive and output.predictions is not None and output.label_ids is not None:
             logits, labels = self._calibration_rows(output.predictions, output.label_ids)
             for module in adaptive:
@@ -305,6 +324,38 @@ class CalibrationTrainer(Trainer):
     def _calibration_rows(self, predictions, label_ids):
         """The evaluation logits and labels the loss is updated from, as (rows, K) and (rows,) tensors."""
         return _rows(predictions, label_ids, self.calibration_ignore_index)
+
+
+class _LossSchedule(TrainerCallback):
+    """Gives the scheduled modules of a :class:`CalibrationTrainer`'s loss the run's number of epochs when
+    training starts (``set_total_epochs``) and the epoch, 0-based, when each epoch starts (``set_epoch``), as
+    the runner does; marks the start of the first epoch (evaluations before it do not update the loss)."""
+
+    def __init__(self, trainer: CalibrationTrainer):
+        self.trainer = trainer
+
+    def _modules(self, hook: str):
+        """The torchcal modules of the loss that have the method ``hook``."""
+        return [
+            m
+            for m in self.trainer.calibration_loss.modules()
+            if callable(getattr(m, hook, None))
+            and any(c.__module__.startswith("torchcal.") for c in type(m).__mro__)
+        ]
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        epochs = getattr(state, "num_train_epochs", None)
+        # (an iterable dataset trained for max_steps: sys.maxsize epochs, i.e. the count is unknown)
+        if isinstance(epochs, int) and 0 < epochs < sys.maxsize:
+            for module in self._modules("set_total_epochs"):
+                module.set_total_epochs(epochs)
+
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        # state.epoch is the epochs done: e + k/n inside epoch e (a resumed run's), exactly e at its start
+        epoch = int(math.floor(state.epoch or 0))
+        for module in self._modules("set_epoch"):
+            module.set_epoch(epoch)
+        self.trainer._calibration_started = True
 
 
 def _save_atomically(state: dict, path: str) -> None:

@@ -11,7 +11,13 @@
    update of :class:`~torchcal.losses.CALSLoss` and :class:`~torchcal.losses.AvUCLoss` (their multipliers
    and threshold from the training statistics they accumulated, summed over the ranks). Only the validation epochs
    that ``Trainer.fit`` runs update it: a stand-alone ``Trainer.validate`` (before training, or of a
-   checkpoint) measures and leaves the loss as it is;
+   checkpoint) measures and leaves the loss as it is. A validation run more than once per epoch
+   (``val_check_interval``) updates after each run, as Hugging Face's evaluations every n steps (AdaFocal-n).
+   When several callbacks watch the same module, only the first of them that updates (multiclass,
+   ``update_adafocal=True``) updates the loss: each validation run updates it once. Scheduled losses get the
+   epoch, 0-based, at the start of each training epoch (``set_epoch``: FLS-531 / FLS-532's γ, MbLS's α
+   schedule, MaxSup's ramp) and the trainer's ``max_epochs`` when training starts (``set_total_epochs``:
+   MaxSup), as the runner gives them; a resumed fit continues the schedule from its checkpoint's epoch;
 3. **fits a post-hoc calibrator** (a spec such as ``"ts"`` or ``"ts:objective=ece"``) on the epoch's
    validation logits, gathered from every rank, and records the global step and epoch of the weights it was
    fitted to (``callback.calibrator_fitted_at_``). It is part of the callback's state: a checkpoint written
@@ -82,7 +88,7 @@ class CalibrationCallback(Callback):
         calibrator: calibrator spec fitted on each epoch's validation logits, or None (with
             ``task="multilabel"`` a sigmoid calibrator: ``"ts"`` is per-label temperature scaling).
         update_adafocal: update the AdaFocal / CalFocal / CALS / AvUC losses of the module after each
-            validation epoch of ``Trainer.fit`` (multiclass only).
+            validation epoch of ``Trainer.fit`` (multiclass only), and give scheduled losses the epoch.
         n_bins: bins of the metrics (and of AdaFocal's equal-mass statistics: it uses the loss's own).
         prefix: prefix of the logged names; part of :attr:`state_key`, so two callbacks with the same
             calibrator spec and other prefixes keep their own state in a checkpoint.
@@ -159,6 +165,31 @@ class CalibrationCallback(Callback):
     def state_key(self) -> str:
         return _state_key(self.calibrator, self.prefix, self.task)
 
+    # -- the training loop: scheduled losses ------------------------------------------------------------
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        epochs = getattr(trainer, "max_epochs", None)
+        if not self.update_adafocal or not isinstance(epochs, int) or epochs < 1:  # (-1: max_steps bounds it)
+            return
+        for module in _torchcal_modules(pl_module, "set_total_epochs"):
+            module.set_total_epochs(epochs)
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        if not self.update_adafocal:
+            return
+        for module in _torchcal_modules(pl_module, "set_epoch"):
+            module.set_epoch(trainer.current_epoch)
+
+    def _updates_loss(self, trainer) -> bool:
+        """Whether this callback updates the loss: the first of the trainer's callbacks that would."""
+        if not (self.update_adafocal and self.task == "multiclass"):
+            return False
+        for callback in getattr(trainer, "callbacks", [self]):
+            if isinstance(callback, CalibrationCallback) and callback.update_adafocal:
+                if callback.task == "multiclass":
+                    return callback is self
+        return True
+
     # -- the validation loop -----------------------------------------------------------------------------
 
     def on_validation_epoch_start(self, trainer, pl_module) -> None:
@@ -192,7 +223,7 @@ class CalibrationCallback(Callback):
             on_epoch=True,
             sync_dist=True,  # the values are already global: the mean over ranks of equal values is that value
         )
-        if self.update_adafocal and self.task == "multiclass" and _fitting(trainer):
+        if self._updates_loss(trainer) and _fitting(trainer):
             for module in pl_module.modules():
                 if isinstance(module, ADAPTIVE_LOSSES):
                     module.update(metrics=acc)
@@ -334,6 +365,17 @@ def _calibrator_of(state: dict, key: str, expected=None):
                 f"{expected[0]!r} with {expected[1]} {what}"
             )
     return calibrator
+
+
+def _torchcal_modules(module: torch.nn.Module, hook: str) -> list:
+    """The torchcal modules inside ``module`` that have the method ``hook`` (a model's own ``set_epoch``, which
+    may mean something else, is left alone)."""
+    return [
+        m
+        for m in module.modules()
+        if callable(getattr(m, hook, None))
+        and any(c.__module__.startswith("torchcal.") for c in type(m).__mro__)
+    ]
 
 
 def _fitting(trainer) -> bool:
