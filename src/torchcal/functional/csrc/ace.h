@@ -322,7 +322,7 @@ struct RowBuffers {
 
 // rows whose simple entries' p are summed in the dtype before they are added into the float64 sums: a float32
 // sum of at most 16 numbers in [0, 1] is within 16 ulps of their sum's magnitude (the torch path sums every
-// row in the dtype), and the float64 read-modify-write of every entry had been a third of the row forward
+// row in the dtype), in place of a float64 read-modify-write of every entry
 constexpr int64_t kFlushRows = 16;
 
 // fn(row, x_row, grad_row) over rows [m0, m1): rows of a (N, K) tensor in place; positions of a (N, K, S)
