@@ -128,3 +128,19 @@ def test_every_paper_preset_loads_and_names_real_components():
         assert cfg.loss.reduction == ("mean" if cfg.loss.name == "brier" else "sum")
     fcl = load_config(presets["cifar10_resnet50_fcl"])
     assert fcl.loss.kwargs == {"gamma": 4.0, "lambda_": 1.5}
+
+
+def test_update_every_names_every_loss_with_an_update():
+    """loss.update_every on a loss without an update is refused naming the losses that have one: CALS and
+    AvUC take it too, which the message had left out (it named the AdaFocal family only)."""
+    from torchcal.losses import create, list_losses
+
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["data.name=moons", "loss.name=ce", "loss.update_every=2"])
+    message = str(err.value)
+    assert "'ce'" in message
+    for name in ("adafocal", "adadualfocal", "calfocal", "cals", "avuc"):
+        assert name in message
+        assert hasattr(create(name), "update")
+    assert "mbls" not in message and "mbls" in list_losses()
+    load_config(None, ["data.name=moons", "loss.name=cals", "loss.update_every=2"])  # (accepted)

@@ -511,9 +511,11 @@ class RunConfig(_Section):
             )
         for key, value in (("update_every", lo.update_every), ("update_schedule", lo.update_schedule)):
             if value and not hasattr(loss, "update"):
+                updated = [n for n in list_losses(self.task) if hasattr(create_loss(n), "update")]
                 raise ValueError(
-                    f"loss.{key}={value} applies only to losses updated from the validation set "
-                    f"(adafocal, adadualfocal, calfocal), not {lo.name!r}"
+                    f"loss.{key}={value} applies only to losses updated during training "
+                    f"({', '.join(updated) or f'none for {self.task} outputs'}), "
+                    f"not {lo.name!r}"
                 )
         late = [e for e, _ in lo.update_schedule if e >= self.train.epochs]
         if late:
