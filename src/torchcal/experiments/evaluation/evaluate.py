@@ -462,6 +462,29 @@ def _finished_run(run_dir: Path, calibrator: str, warn):
     return flatten_config(raw), res
 
 
+def distinct_folders(run_dirs, warn):
+    """The run folders of ``run_dirs`` with each folder once: one given twice (or through a link) is yielded
+    the first time, with a warning (``warn``) naming both names."""
+    import os
+
+    seen: dict[str, Path] = {}
+    for run_dir in map(Path, run_dirs):
+        real = os.path.realpath(run_dir)
+        if real in seen:
+            warn(f"{run_dir} is given twice (as {seen[real]}): counted once")
+            continue
+        seen[real] = run_dir
+        yield run_dir
+
+
+def group_key(flat: dict) -> tuple[str, dict, str]:
+    """(the grouping key, the config it is made of, the label dataset · model · loss) of a run's flattened
+    config: runs with the same key differ only in :data:`GROUP_IGNORED_KEYS`."""
+    config = {k: v for k, v in flat.items() if k not in GROUP_IGNORED_KEYS}
+    label = f"{flat.get('data.name')} · {flat.get('model.name')} · {flat.get('loss.name')}"
+    return json.dumps(config, sort_keys=True, default=str), config, label
+
+
 def collect_groups(run_dirs, calibrator: str = "ts", warn=None) -> list[RunGroup]:
     """The report's rows. Runs are grouped by their whole resolved config except :data:`GROUP_IGNORED_KEYS`;
     a row is labelled dataset · model · loss, plus ``[key=value, ...]`` for the keys in which rows with
@@ -471,26 +494,17 @@ def collect_groups(run_dirs, calibrator: str = "ts", warn=None) -> list[RunGroup
     A row counts each run once and each seed once: a folder given twice (or through a link) is read once,
     and a run whose seed another run of its row already has (a copied folder, or the same training on
     another device) is left out with a warning naming both folders, so ``n`` is the number of seeds."""
-    import os
     import warnings
 
     check_calibrators([calibrator], None)
     warn = warn or (lambda message: warnings.warn(message, UserWarning, stacklevel=3))
     by_key: dict[str, RunGroup] = {}
-    seen: dict[str, Path] = {}
-    for run_dir in map(Path, run_dirs):
-        real = os.path.realpath(run_dir)
-        if real in seen:
-            warn(f"{run_dir} is given twice (as {seen[real]}): counted once")
-            continue
-        seen[real] = run_dir
+    for run_dir in distinct_folders(run_dirs, warn):
         found = _finished_run(run_dir, calibrator, warn)
         if found is None:
             continue
         flat, res = found
-        config = {k: v for k, v in flat.items() if k not in GROUP_IGNORED_KEYS}
-        key = json.dumps(config, sort_keys=True, default=str)
-        base = f"{flat.get('data.name')} · {flat.get('model.name')} · {flat.get('loss.name')}"
+        key, config, base = group_key(flat)
         group = by_key.setdefault(key, RunGroup(base, [], [], config))
         seed = flat.get("train.seed")
         if seed in group.seeds:

@@ -21,7 +21,7 @@ import torch
 from ...calibrators.temperature import FTS_GAMMA_GRID, FTS_TEMPERATURE_GRID
 from ..config import flatten_config
 from ..errors import RunError, UserError
-from ..evaluation.evaluate import GROUP_IGNORED_KEYS, label_groups, load_logits
+from ..evaluation.evaluate import distinct_folders, group_key, label_groups, load_logits
 from ..run_files import atomic_write_bytes, make_dir, read_metrics
 
 __all__ = [
@@ -149,20 +149,13 @@ def run_groups(run_dirs, warn=None) -> list[RunSet]:
     a link, or once alone and once in its sweep's folder) is read once, and a run whose seed its group
     already has (a copied folder) is left out; each with a warning (``warn``, default :func:`warnings.warn`)
     naming the folders."""
-    import os
     import warnings
 
     import yaml
 
     warn = warn or (lambda message: warnings.warn(message, UserWarning, stacklevel=3))
     groups: dict[str, RunSet] = {}
-    seen: dict[str, Path] = {}
-    for run in map(Path, run_dirs):
-        real = os.path.realpath(run)
-        if real in seen:
-            warn(f"{run} is given twice (as {seen[real]}): counted once")
-            continue
-        seen[real] = run
+    for run in distinct_folders(run_dirs, warn):
         try:
             raw = yaml.safe_load((run / "config.yaml").read_text())
             if not isinstance(raw, dict):
@@ -172,9 +165,7 @@ def run_groups(run_dirs, warn=None) -> list[RunSet]:
             raise UserError(f"{run}: cannot be read ({err})") from None
         raw.pop("meta", None)
         flat = flatten_config(raw)
-        config = {k: v for k, v in flat.items() if k not in GROUP_IGNORED_KEYS}
-        key = json.dumps(config, sort_keys=True, default=str)
-        label = f"{flat.get('data.name')} · {flat.get('model.name')} · {flat.get('loss.name')}"
+        key, config, label = group_key(flat)
         group = groups.setdefault(key, RunSet(label, config))
         seed = flat.get("train.seed")
         if seed in group.seeds:
