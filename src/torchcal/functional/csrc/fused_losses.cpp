@@ -1404,6 +1404,9 @@ struct RowGrads {
 
 // batch_terms_bwd on the gradients g, reading f' from df and the exps from ex (batch_terms_forward's, or
 // undefined: the logs and exps are taken again)
+// rows ahead whose scattered entries batch_terms_backward_rows asks the cache for
+constexpr int64_t kPrefetchRows = 4;
+
 at::Tensor batch_terms_backward_rows(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& saved,
                                      const RowGrads& in, c10::optional<int64_t> ignore_index, int64_t base,
                                      double gamma, double alpha, int64_t entropy, const at::Tensor& df,
@@ -1471,6 +1474,16 @@ at::Tensor batch_terms_backward_rows(const at::Tensor& logits, const at::Tensor&
                           [&](int64_t, int64_t r0, int64_t w, const scalar_t* xr, scalar_t* gr_rows) {
                             for (int64_t i = 0; i < w; ++i) {
                               const int64_t row = r0 + i;
+                              // with the forward's exps the row is not read but at its label and arg-max
+                              // entries (batch_backward_row's float64 recompute): two scattered loads, each a
+                              // cache miss on the row's critical path unless asked for rows ahead
+                              if (exp_ != nullptr && i + kPrefetchRows < w) {
+                                const int64_t ahead = row + kPrefetchRows;
+                                const int64_t ya = tp[ahead];
+                                if (ya >= 0 && ya < k) __builtin_prefetch(xr + (i + kPrefetchRows) * k + ya);
+                                __builtin_prefetch(xr + (i + kPrefetchRows) * k +
+                                                   static_cast<int64_t>(op[ahead * N_BSTAT + BS_ARG]));
+                              }
                               const bool keep = !(has_ignore && tp[row] == ignore);
                               const double b = keep && gb != nullptr ? gb[row] * base_scale : 0.0;
                               const double rr = gr != nullptr ? gr[row] * scale : 0.0;
