@@ -296,6 +296,30 @@ def test_ties_in_the_maximum_send_the_max_gradient_to_the_first(name, dtype):
     torch.testing.assert_close(g1, g2, **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("k", [16, 64, 100])
+def test_a_row_without_its_maximum_keeps_the_arg_max_inside_the_row(dtype, k):
+    """A row led by NaN has a NaN maximum that no entry equals: the saved arg-max (the entry the backward
+    writes the max's gradient to) stays inside the row (the last entry on the row path, the first on the
+    small-K lanes path), never K (a write past the row, and past the gradient's end on the last row; the
+    rows' search ended at K where the row was whole vectors). The other rows keep the torch path's values
+    and gradients."""
+    g = torch.Generator().manual_seed(3)
+    z = torch.randn(4, k, generator=g, dtype=dtype)
+    z[1, 0] = z[3, 0] = float("nan")
+    y = torch.tensor([1, 2, 3, 4])
+    stats = torch.ops.torchcal.fused_margin_fwd.default(z, y, 0, [0.1, 3.0], None, True, 0)[1]
+    saved = torch.ops.torchcal.batch_terms_fwd.default(z, y, None, 0, 1.0, 0.0, 2, False)[5]
+    for arg in (stats[:, 4], saved[:, 2]):  # (the arg-max columns: S_ARG, BS_ARG)
+        assert 0 <= arg[1].item() < k and 0 <= arg[3].item() < k
+        assert arg[0].item() == z[0].argmax().item() and arg[2].item() == z[2].argmax().item()
+    (v1, g1), (v2, g2) = _both_paths(lambda a, b: LOSSES["mbls"](a, b, reduction="none"), z, y)
+    tol = {"rtol": 1e-6, "atol": 1e-7} if dtype == torch.float32 else {"rtol": 1e-12, "atol": 1e-14}
+    torch.testing.assert_close(v1[[0, 2]], v2[[0, 2]], **tol)
+    torch.testing.assert_close(g1[[0, 2]], g2[[0, 2]], **tol)
+    assert torch.isnan(v1[[1, 3]]).all() and torch.isnan(v2[[1, 3]]).all()
+
+
 @pytest.mark.parametrize("name", list(LOSSES))
 @pytest.mark.parametrize("ignore_index", [None, 0, 255])
 def test_ignore_index_forms(name, ignore_index):

@@ -58,6 +58,7 @@ inline int64_t first_index_of(const T* x, int64_t k, T v) {
   constexpr int WW = Vec<T, kWideBytes>::width, WN = Vec<T, 16>::width;
   int64_t j = first_vector_with<T, kWideBytes>(x, 0, k - k % WW, v);
   if (j == k - k % WW) j = first_vector_with<T, 16>(x, j, j + (k - j) / WN * WN, v);
+  j = std::min(j, k - 1);  // (the vector searches end at k when the row's width is theirs and none matched)
   while (j < k - 1 && !(x[j] == v)) ++j;
   return j;
 }
