@@ -575,6 +575,12 @@ class MaxSupLoss(_Loss):
         self.epoch = check_positive_int(epoch, "epoch", minimum=0)
 
     @property
+    def spans_the_run(self) -> bool:
+        """Whether α_t depends on the number of epochs (a ramp from ``alpha`` to a different
+        ``alpha_end``): then a run's epochs are fixed once it has trained one."""
+        return self.alpha_end is not None and self.alpha_end != self.alpha
+
+    @property
     def current_alpha(self) -> float:
         if self.alpha_end is None or self.epochs is None or self.epochs < 2:
             return self.alpha

@@ -191,6 +191,24 @@ def test_the_runner_gives_maxsup_its_epoch_count(tmp_path):
     assert state == {"epoch": 2, "epochs": 3}
 
 
+def test_a_maxsup_run_with_a_ramp_is_not_extended_on_resume(tmp_path):
+    """MaxSup's α ramps over train.epochs: a run resumed with more epochs would continue a ramp it did not
+    follow (α_1 = 0.15 of a 3-epoch run, 0.1333 of a 4-epoch one), so resuming refuses the change and writes
+    nothing; without a ramp (alpha_end = alpha) the run is extended."""
+    from torchcal.experiments.errors import ConfigError
+
+    base = ("loss.name=maxsup", "data.limit_train=128", "train.calibrators=[]")
+    train(tiny(*base, "train.epochs=3"), tmp_path / "run", stop_after=1)
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in (tmp_path / "run").iterdir())
+    with pytest.raises(ConfigError, match=r"loss.name=maxsup ramps its α over train.epochs=3"):
+        train(tiny(*base, "train.epochs=4"), tmp_path / "run", resume=True)
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in (tmp_path / "run").iterdir()) == before
+    flat = ("loss.name=maxsup", "loss.kwargs.alpha_end=0.1", "data.limit_train=128", "train.calibrators=[]")
+    train(tiny(*flat, "train.epochs=2"), tmp_path / "flat", stop_after=1)
+    rows = train(tiny(*flat, "train.epochs=3"), tmp_path / "flat", resume=True)
+    assert [r["epoch"] for r in rows] == [0, 1, 2]
+
+
 @pytest.mark.parametrize(
     "loss",
     [

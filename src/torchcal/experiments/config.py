@@ -1013,6 +1013,13 @@ EXECUTION_KEYS = (
 RESUMABLE_KEYS = ("train.epochs", *EXECUTION_KEYS)
 
 
+def _loss_spans_the_run(lo: LossConfig) -> bool:
+    """Whether the configured loss has a schedule over the run's number of epochs (MaxSup's α ramp)."""
+    from ..losses import create as create_loss
+
+    return bool(getattr(create_loss(lo.name, reduction=lo.reduction, **lo.kwargs), "spans_the_run", False))
+
+
 def resume_config(
     saved: RunConfig, requested: RunConfig, done_epochs: int, adjusted: dict | None = None
 ) -> RunConfig:
@@ -1039,6 +1046,11 @@ def resume_config(
         raise ConfigError(
             "optim.schedule=linear decays the learning rate to 0 at train.epochs: a run trained with it cannot "
             "be extended to more epochs (it would not match a longer run); start a new run folder"
+        )
+    if "train.epochs" in changed and done_epochs and _loss_spans_the_run(saved.loss):
+        raise ConfigError(
+            f"loss.name={saved.loss.name} ramps its α over train.epochs={old['train.epochs']}: a run trained "
+            "with it cannot be extended to more epochs (it would not match a longer run); start a new run folder"
         )
     if new["train.epochs"] < done_epochs:
         raise ConfigError(
