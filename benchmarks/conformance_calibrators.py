@@ -1,7 +1,8 @@
 """Calibrators against their reference implementations: golden values for tests/test_calibrator_conformance.py.
 
 Fits torchcal's calibrator and the peer's implementation on the same seeded synthetic logits
-(tests/reference/calibration_data.py: 10k x 10 and 25k x 100, first half calibration, second half test) and
+(tests/reference/calibration_data.py: 10k x 10 and 25k x 100, and 6k x 2 for TS, SVS and SMS; first half
+calibration, second half test) and
 writes the peer's test NLL, Brier score, ECE (15 equal-width bins, top label), accuracy and the fitted
 parameters that both define the same way into tests/data/calibrator_goldens.json. The tests then check
 torchcal against these numbers without the peers installed.
@@ -35,6 +36,8 @@ from tests.reference.calibration_data import split, synthetic_logits  # noqa: E4
 from torchcal.calibrators import create  # noqa: E402
 
 DATASETS = {"10k_x_10": (10_000, 10, 0), "25k_x_100": (25_000, 100, 1)}
+# two classes, where the matrix families meet binary calibration (SMS is then 6 parameters on 2 logits)
+TWO_CLASSES = {"6k_x_2": (6_000, 2, 2)}
 OUT = os.path.join(os.path.dirname(__file__), "..", "tests", "data", "calibrator_goldens.json")
 
 
@@ -156,9 +159,9 @@ def abstention_method(kind):
 
 # name: (torchcal spec, peer label, peer function, datasets)
 METHODS = {
-    "ts": ("ts", "probmetrics temp-scaling", probmetrics_method("temp-scaling"), DATASETS),
-    "svs": ("svs", "probmetrics svs", probmetrics_method("svs"), DATASETS),
-    "sms": ("sms", "probmetrics sms", probmetrics_method("sms"), DATASETS),
+    "ts": ("ts", "probmetrics temp-scaling", probmetrics_method("temp-scaling"), {**DATASETS, **TWO_CLASSES}),
+    "svs": ("svs", "probmetrics svs", probmetrics_method("svs"), {**DATASETS, **TWO_CLASSES}),
+    "sms": ("sms", "probmetrics sms", probmetrics_method("sms"), {**DATASETS, **TWO_CLASSES}),
     "bcts": ("bcts", "abstention TempScaling(bias_positions='all')", abstention_method("bcts"), DATASETS),
     "nbvs": ("nbvs", "abstention NoBiasVectorScaling", abstention_method("nbvs"), DATASETS),
     "vector": ("vector", "abstention VectorScaling", abstention_method("vector"), DATASETS),
@@ -238,7 +241,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     only = [m for m in args.only.split(",") if m] or list(METHODS)
     golden = json.load(open(args.out)) if os.path.exists(args.out) else {"methods": {}}
-    golden["datasets"] = {k: {"n": n, "k": c, "seed": s} for k, (n, c, s) in DATASETS.items()}
+    every = {**DATASETS, **TWO_CLASSES}
+    golden["datasets"] = {k: {"n": n, "k": c, "seed": s} for k, (n, c, s) in every.items()}
     golden["generator"] = "tests/reference/calibration_data.py::synthetic_logits (float64), split in halves"
     golden["versions"] = versions()
     torch.set_num_threads(int(os.environ.get("TORCHCAL_THREADS", "1")))

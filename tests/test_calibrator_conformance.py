@@ -109,6 +109,20 @@ def test_svs_parameters_match_probmetrics(ds, fitted):
     np.testing.assert_allclose(cal.bias_.numpy(), params["bias"], atol=1e-2)
 
 
+def test_sms_parameters_match_probmetrics_on_two_classes(fitted):
+    """With two classes SMS is six parameters on two logits (probmetrics' ``sms`` keeps its matrix form
+    there): the same β, I + Δ and b as the peer's. At 10k x 10 the peer's own refits differ by up to 1e-2 in
+    b (its float32 BFGS), so the parameters are compared at 6k x 2 and the test NLL everywhere (above)."""
+    params = GOLDENS["methods"]["sms"]["results"]["6k_x_2"]["peer_params"]
+    cal = fitted("sms", "6k_x_2")[0]
+    assert cal.beta_ == pytest.approx(params["beta"], rel=1e-6)  # (as for SVS: the root against bisection)
+    wb = np.asarray(params["weight_and_bias"])
+    # the peer stops at max|grad| <= 1e-5; the objective's flattest direction is the softmax-invariant shift
+    # of both rows, held by the ridge alone (curvature 2K/N = 1.3e-3): within 1e-5 / 1.3e-3 = 7.5e-3
+    np.testing.assert_allclose(cal.weight_.numpy(), wb[:, :2], atol=1e-2)
+    np.testing.assert_allclose(cal.bias_.numpy(), wb[:, 2], atol=1e-2)
+
+
 @pytest.mark.parametrize("ds", sorted(GOLDENS["methods"]["beta_binary"]["results"]))
 def test_binary_beta_parameters_match_betacal(ds, fitted):
     params = GOLDENS["methods"]["beta_binary"]["results"][ds]["peer_params"]
