@@ -1352,7 +1352,8 @@ def _ace_groups(p, y, kept, group_of, n_groups, n_bins, binning, empty_weight):
         if n_bins == 1:
             left, right_w = torch.zeros_like(u, dtype=torch.long), torch.zeros_like(u)
         else:
-            left = u.detach().floor().clamp(max=n_bins - 2)
+            # (NaN p, whose weights carry NaN into the bins' sums, indexed as 0: floor(NaN) has no integer)
+            left = u.detach().nan_to_num(0.0).floor().clamp(max=n_bins - 2)
             right_w = u - left
             left = left.long()
         index = (cell + left).reshape(-1)
@@ -1368,7 +1369,8 @@ def _ace_groups(p, y, kept, group_of, n_groups, n_bins, binning, empty_weight):
         sum_p = sum_p.index_add(0, idx, weight * pf)
         sum_y = sum_y.index_add(0, idx, weight * yf)
     count, sum_p, sum_y = (t.reshape(n_groups, c, n_bins) for t in (count, sum_p, sum_y))
-    occupied = count > 0 if binning == "hard" else count >= empty_weight
+    # (a NaN count, from a NaN p, counts as occupied: its NaN reaches the ACE, as in hard bins)
+    occupied = count > 0 if binning == "hard" else ~(count < empty_weight)
     safe = torch.where(occupied, count, torch.ones_like(count))
     gap = torch.where(occupied, (sum_p - sum_y).abs() / safe, torch.zeros_like(count))
     n_occupied = occupied.sum(-1)

@@ -557,7 +557,7 @@ void forward_planes(const Spec& s, const T* x, const int64_t* tp, const Bins<T>&
             if (ce_rows != nullptr) ce_rows[m0 + t] = T(0);
             continue;
           }
-          const double ce = b.lse[t] + static_cast<double>(b.mx[t]) - static_cast<double>(xt[y * sp + t]);
+          const double ce = (static_cast<double>(b.mx[t]) - static_cast<double>(xt[y * sp + t])) + b.lse[t];
           if (ce_rows != nullptr) ce_rows[m0 + t] = static_cast<T>(ce);
           ce_sum += ce;
           kept += 1.0;
@@ -735,7 +735,7 @@ void forward_rows(const Spec& s, const T* x, const int64_t* tp, const Bins<T>& s
         row_max[m] = static_cast<double>(mx);
         T* e = probs != nullptr ? probs + m * k : w.e.data();
         const double sum = exp_of(row, k, mx, e);
-        const double ce = std::log(sum) + static_cast<double>(mx) - static_cast<double>(row[y]);
+        const double ce = (static_cast<double>(mx) - static_cast<double>(row[y])) + std::log(sum);
         if (ce_rows != nullptr) ce_rows[m] = static_cast<T>(ce);
         ce_sum += ce;
         kept += 1.0;

@@ -355,7 +355,10 @@ inline void batch_forward_lanes(const float* x, int64_t stride, int64_t k, const
     }
   }
   const V inv = broadcast<V>(1.0f) / sum;
-  const V lse = log_positive<Bytes>(sum);  // sum >= 1
+  // (sum >= 1, or NaN where a lane holds a NaN or +inf logit: log_positive reads NaN's bits as a number, about
+  // 89, so NaN is passed on as it is, as the row path's std::log does)
+  const V lse_lanes = log_positive<Bytes>(sum);
+  const V lse = sum == sum ? lse_lanes : sum;
   V hs = {}, ds = {};
   bool unclamped = moments;
   if (moments) {

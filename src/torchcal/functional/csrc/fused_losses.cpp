@@ -54,6 +54,9 @@ void check_rows(const at::Tensor& values, const char* name, const at::Tensor& ta
                     "` must be float32 or float64, got ", values.scalar_type());
   TORCH_CHECK_VALUE(targets.dim() == 1 && targets.size(0) == values.size(0),
                     "`targets` must have shape (", values.size(0), ",), got ", targets.sizes());
+  // (every row is read from its first entry on: a row of no entries has none)
+  TORCH_CHECK_VALUE(values.size(1) >= 1, "`", name, "` must have at least one class (column), got ",
+                    values.sizes());
 }
 
 struct Forward {

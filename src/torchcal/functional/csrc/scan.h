@@ -97,8 +97,9 @@ inline void stats_span(const T* row, int64_t j, int64_t stop, double& s, double&
 // Bin of a float64 value among the float64 edges b/M: (e_b, e_{b+1}], 0 in bin 0 (as _binning); the
 // product v·M gives the bin up to rounding, the exact edges settle it.
 __attribute__((always_inline)) inline int64_t bin_index(double v, int64_t m, const double* edges) {
-  int64_t b = static_cast<int64_t>(v * static_cast<double>(m));
-  b = std::min(std::max<int64_t>(b, 0), m - 1);
+  // (clamped before the conversion: NaN and ±inf have no int64_t value; NaN lands in bin 0)
+  const double u = v * static_cast<double>(m);
+  int64_t b = u > 0.0 ? static_cast<int64_t>(std::min(u, static_cast<double>(m - 1))) : 0;
   while (b > 0 && v <= edges[b]) --b;
   while (b < m - 1 && v > edges[b + 1]) ++b;
   return b;
