@@ -239,32 +239,10 @@ int64_t runner_up(const T* row, int64_t k, T below, T floor) {
 // −87.3 (and for −inf), NaN stays NaN. The rows' x − max are never positive. n = x log2 e rounded to the
 // nearest integer by adding and subtracting 1.5·2^23 (the sum's low mantissa bits are n: no conversions
 // and no compare on the lane's dependency chain); |x − n ln 2| <= ln 2 / 2, the polynomial's range.
-// With AVX-512 the last steps are one vscalefps (r·2^n, exact where the integer path's product of two floats
-// is) masked to 0 below the range: the same numbers, three vector operations fewer (no clamp, no integer
-// exponent arithmetic, no final select).
 template <int Bytes>
 inline typename Vec<float, Bytes>::type exp_nonpositive(typename Vec<float, Bytes>::type x) {
   using V = typename Vec<float, Bytes>::type;
   using I = typename Vec<float, Bytes>::int32;
-#if defined(__AVX512F__)
-  if constexpr (Bytes == 64) {
-    // (not below the bound, NaN included: NaN propagates, −inf gives 0)
-    const __mmask16 keep = _mm512_cmp_ps_mask((__m512)x, _mm512_set1_ps(-87.33654f), _CMP_NLT_UQ);
-    const V magic = broadcast<V>(12582912.0f), one = broadcast<V>(1.0f);
-    const V y = x * 1.44269504088896341f + magic;
-    const V n = y - magic;
-    x = x - n * 0.693359375f;
-    x = x - n * -2.12194440e-4f;
-    V p = broadcast<V>(1.9875691500e-4f);
-    p = p * x + 1.3981999507e-3f;
-    p = p * x + 8.3334519073e-3f;
-    p = p * x + 4.1665795894e-2f;
-    p = p * x + 1.6666665459e-1f;
-    p = p * x + 5.0000001201e-1f;
-    const V r = p * x * x + x + one;
-    return (V)_mm512_maskz_scalef_ps(keep, (__m512)r, (__m512)n);
-  }
-#endif
   const V lo = broadcast<V>(-87.33654f);
   const I under = x < lo;
   x = under ? lo : x;
