@@ -1405,11 +1405,11 @@ struct RowGrads {
   double base_scale = 1.0, scale = 1.0;  // (the base's gradients times base_scale, the others times scale)
 };
 
-// batch_terms_bwd on the gradients g, reading f' from df and the exps from ex (batch_terms_forward's, or
-// undefined: the logs and exps are taken again)
 // rows ahead whose scattered entries batch_terms_backward_rows asks the cache for
 constexpr int64_t kPrefetchRows = 4;
 
+// batch_terms_bwd on the gradients g, reading f' from df and the exps from ex (batch_terms_forward's, or
+// undefined: the logs and exps are taken again)
 at::Tensor batch_terms_backward_rows(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& saved,
                                      const RowGrads& in, c10::optional<int64_t> ignore_index, int64_t base,
                                      double gamma, double alpha, int64_t entropy, const at::Tensor& df,
