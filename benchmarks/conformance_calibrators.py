@@ -38,6 +38,7 @@ from torchcal.calibrators import create  # noqa: E402
 DATASETS = {"10k_x_10": (10_000, 10, 0), "25k_x_100": (25_000, 100, 1)}
 # two classes, where the matrix families meet binary calibration (SMS is then 6 parameters on 2 logits)
 TWO_CLASSES = {"6k_x_2": (6_000, 2, 2)}
+WITH_TWO_CLASSES = {**DATASETS, **TWO_CLASSES}
 OUT = os.path.join(os.path.dirname(__file__), "..", "tests", "data", "calibrator_goldens.json")
 
 
@@ -159,9 +160,9 @@ def abstention_method(kind):
 
 # name: (torchcal spec, peer label, peer function, datasets)
 METHODS = {
-    "ts": ("ts", "probmetrics temp-scaling", probmetrics_method("temp-scaling"), {**DATASETS, **TWO_CLASSES}),
-    "svs": ("svs", "probmetrics svs", probmetrics_method("svs"), {**DATASETS, **TWO_CLASSES}),
-    "sms": ("sms", "probmetrics sms", probmetrics_method("sms"), {**DATASETS, **TWO_CLASSES}),
+    "ts": ("ts", "probmetrics temp-scaling", probmetrics_method("temp-scaling"), WITH_TWO_CLASSES),
+    "svs": ("svs", "probmetrics svs", probmetrics_method("svs"), WITH_TWO_CLASSES),
+    "sms": ("sms", "probmetrics sms", probmetrics_method("sms"), WITH_TWO_CLASSES),
     "bcts": ("bcts", "abstention TempScaling(bias_positions='all')", abstention_method("bcts"), DATASETS),
     "nbvs": ("nbvs", "abstention NoBiasVectorScaling", abstention_method("nbvs"), DATASETS),
     "vector": ("vector", "abstention VectorScaling", abstention_method("vector"), DATASETS),
@@ -241,8 +242,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     only = [m for m in args.only.split(",") if m] or list(METHODS)
     golden = json.load(open(args.out)) if os.path.exists(args.out) else {"methods": {}}
-    every = {**DATASETS, **TWO_CLASSES}
-    golden["datasets"] = {k: {"n": n, "k": c, "seed": s} for k, (n, c, s) in every.items()}
+    golden["datasets"] = {k: {"n": n, "k": c, "seed": s} for k, (n, c, s) in WITH_TWO_CLASSES.items()}
     golden["generator"] = "tests/reference/calibration_data.py::synthetic_logits (float64), split in halves"
     golden["versions"] = versions()
     torch.set_num_threads(int(os.environ.get("TORCHCAL_THREADS", "1")))

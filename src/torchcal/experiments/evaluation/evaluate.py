@@ -464,7 +464,13 @@ def _finished_run(run_dir: Path, calibrator: str, warn):
 
 def distinct_folders(run_dirs, warn):
     """The run folders of ``run_dirs`` with each folder once: one given twice (or through a link) is yielded
-    the first time, with a warning (``warn``) naming both names."""
+    the first time, with a warning (``warn``) naming both names.
+
+    Example:
+        >>> list(distinct_folders(["runs/a", "runs/b", "runs/./a"], print))
+        runs/a is given twice (as runs/a): counted once
+        [PosixPath('runs/a'), PosixPath('runs/b')]
+    """
     import os
 
     seen: dict[str, Path] = {}
@@ -479,7 +485,14 @@ def distinct_folders(run_dirs, warn):
 
 def group_key(flat: dict) -> tuple[str, dict, str]:
     """(the grouping key, the config it is made of, the label dataset · model · loss) of a run's flattened
-    config: runs with the same key differ only in :data:`GROUP_IGNORED_KEYS`."""
+    config: runs with the same key differ only in :data:`GROUP_IGNORED_KEYS`.
+
+    Example:
+        >>> flat = {"data.name": "cifar10", "model.name": "resnet50", "loss.name": "fl-3", "train.seed": 1}
+        >>> key, config, label = group_key(flat)
+        >>> label, "train.seed" in config, key == group_key({**flat, "train.seed": 2})[0]
+        ('cifar10 · resnet50 · fl-3', False, True)
+    """
     config = {k: v for k, v in flat.items() if k not in GROUP_IGNORED_KEYS}
     label = f"{flat.get('data.name')} · {flat.get('model.name')} · {flat.get('loss.name')}"
     return json.dumps(config, sort_keys=True, default=str), config, label
