@@ -146,6 +146,47 @@ def test_float32_operator_is_as_close_to_float64_as_the_torch_path(binning):
     assert abs(fused.double() - exact) <= abs(plain.double() - exact) + 2 * ulp
 
 
+@pytest.mark.parametrize("n_bins", [2, 15, 31, 32, 45])
+@pytest.mark.parametrize("binning", ["hard", "soft"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_planes_gradient_at_every_table_size_and_confident_positions(n_bins, binning, dtype):
+    """The (N, K, S) backward takes u = ∂ACE/∂p of every entry in vector lanes from per-class tables of M + 1
+    entries (two-register permutes for float32 up to M = 31 with AVX-512, a load per lane above and for
+    float64), soft u as γ + δ·r about each bin's centre. Logits of scale 6 put many positions above the last
+    soft centre (u clamped, r = 1) and the rest across every bin; some labels are ignored. Against the torch
+    path in float64 on the same inputs: float64 to 1e-10 (sums in another order). In float32 the soft bins'
+    gradient moves with the rounding of p itself (r = p·M − l − 1/2 scales p's error by M; at M = 45 the
+    float32 torch path lands ~100 float32 ulps of the largest entry from float64): the operator, whose p
+    comes from another exponential, is held to twice the float32 torch path's distance plus two ulps (it
+    measures ~0.9-1.1x of that distance; a wrong table entry or index moves whole bins' terms). The hard
+    bins of p are those of float64 p: every p is kept 1e-6 from an edge."""
+    z, y = _batch((2, 130), 6, seed=n_bins, scale=6.0, dtype=dtype)
+    p = torch.softmax(z.double(), 1)
+    assert (p > 1 - 0.5 / n_bins).sum() > 20  # positions above the last soft centre
+    if binning == "hard":
+        assert _edge_distance(z, n_bins) > 1e-6
+    options = {"binning": binning, "n_bins": n_bins}
+    x = z.clone().requires_grad_(True)
+    got = _fused(x, y, options)
+    assert "FusedAce" in got.grad_fn.name()
+    (g_got,) = torch.autograd.grad(got, x)
+    xr = z.double().requires_grad_(True)
+    with F.use_cpu_extension(False):
+        want = _fused(xr, y, options)
+    (g_want,) = torch.autograd.grad(want, xr)
+    if dtype == torch.float64:
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(g_got, g_want, rtol=1e-10, atol=1e-12)
+    else:
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+        xp = z.clone().requires_grad_(True)
+        with F.use_cpu_extension(False):
+            (g_plain,) = torch.autograd.grad(_fused(xp, y, options), xp)
+        ulp = torch.finfo(torch.float32).eps * g_want.abs().max().item()
+        plain = (g_plain.double() - g_want).abs().max().item()
+        assert (g_got.double() - g_want).abs().max().item() <= 2 * plain + 2 * ulp
+
+
 @pytest.mark.parametrize("ignore_index", [None, 0, 255])
 def test_ignore_index_forms(ignore_index):
     """ignore_index None (every label counts), a class index (its labels leave the loss and the bins) and 255."""

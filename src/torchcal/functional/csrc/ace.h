@@ -401,7 +401,7 @@ struct PlaneBuffers {
   std::vector<int32_t> list;  // the tile's entries that are not simple, j·kPlane + t (room for a vector's lanes)
   PlaneBuffers(int64_t k, int64_t c)
       : e(static_cast<size_t>(k * kPlane)), mx(kPlane), inv(kPlane), sum(kPlane), lse(kPlane),
-        u(static_cast<size_t>(k * kPlane)), gce(kPlane), dot(kPlane),
+        u(kPlane), gce(kPlane), dot(kPlane),
         zc(static_cast<size_t>(c * Vec<T, kWideBytes>::width)), zsd(zc.size()), zs(zc.size()), cpos(kPlane),
         y(kPlane),
         list(static_cast<size_t>(k * kPlane + 16)) {}
@@ -617,27 +617,189 @@ void forward_planes(const Spec& s, const T* x, const int64_t* tp, const Bins<T>&
   });
 }
 
-// acc[t] += a·p[t] and g[t] = p[t]·(u + c[t]) for t < w (distinct arrays: vectorised without alias checks)
+// -- ∂ACE/∂p of a tile's entries in vector lanes (the backward) ---------------------------------------------
+// Every entry of a class row of a tile belongs to one class, so its u = ∂ACE/∂p (the label's term aside) is a
+// function of p alone with at most M + 1 pieces: hard bins u = P_b of p's bin b; soft bins, with l, r and r'
+// = da of Bins::soft_of, u = (1 − r)P_l + r P_{l+1} + da((P_{l+1} − P_l)(p − y) − (Q_{l+1} − Q_l)). Where u
+// is not clamped (da = s, the soft scale), s·p = l + r + 1/2 up to the rounding of the position's fused
+// multiply-add, so for y = 0 u = γ_l + δ_l r with γ_l = P_l + (l + 1/2)(P_{l+1} − P_l) − s(Q_{l+1} − Q_l) (u
+// at the centre between the two bins) and δ_l = 2(P_{l+1} − P_l); clamped above (r = 1, da = 0) u = P_{M−1},
+// below (r = 0, da = 0) u = P_0. So a class has a table of M + 1 pairs (index l, M − 1 above, M below; hard:
+// P_b and 0), rounded to the dtype once per group, and u = γ[i] + δ[i]·r is one lookup and one multiply-add
+// per lane: with AVX-512 and float32 a two-register permute of each table (M + 1 <= 32), else a load per
+// lane. The rounding of the position (|r| < 1, the dropped term (P_{l+1} − P_l)·(s·p − l − r − 1/2) within
+// 2⁻²⁴·M of it) and of the tables (one rounding of γ and δ) replace the float64 arithmetic of Bins::u_of; the
+// label's u (its −s(P_{l+1} − P_l) term, and the cancellation of p − 1) is taken in float64 per position.
+constexpr int64_t kLaneTable = 32;  // a class's table: at least 32 entries (two AVX-512 float32 registers)
+
+inline int64_t lane_table_size(int64_t bins) { return std::max<int64_t>(kLaneTable, bins + 1); }
+
+// the hard bins' lower edges (−inf, the inner edges, +inf) padded with +inf to a class table's size
 template <typename T>
-inline void plane_axpy(T a, const T* __restrict p, int64_t w, T* __restrict acc) {
-  for (int64_t t = 0; t < w; ++t) acc[t] += a * p[t];
-}
-template <typename T>
-inline void plane_scale(const T* __restrict p, const T* __restrict c, T u, int64_t w, T* __restrict g) {
-  for (int64_t t = 0; t < w; ++t) g[t] = p[t] * (u + c[t]);
+std::vector<T> lane_lower(const BinTables<T>& tables, int64_t n_bins, bool soft) {
+  std::vector<T> lower(static_cast<size_t>(lane_table_size(n_bins)), std::numeric_limits<T>::infinity());
+  if (!soft) std::copy(tables.lower.begin(), tables.lower.end(), lower.begin());
+  return lower;
 }
 
-// the backward of a tile: u_jt = ∂ACE/∂p (bin 0's P for the simple entries), then the gradient in place
+// the tables of one group's classes, (C', 2, size) of the dtype: (γ, δ) (soft) or (P, 0) (hard)
 template <typename T>
-void backward_planes(const Spec& s, const T* x, T* grad, const int64_t* tp, const Bins<T>& shared_bins, const double* pt,
-                     const double* qt, const double* row_max, const double* gp, int64_t gstride, double ce_div) {
+void fill_lane_tables(const Spec& s, const Bins<T>& bins, const double* pg, const double* qg, T* out) {
+  const int64_t size = lane_table_size(s.bins), m = s.bins, c = s.c;
+  const double sc = static_cast<double>(bins.scale);
+  for (int64_t ci = 0; ci < c; ++ci) {
+    T* gam = out + ci * 2 * size;
+    T* del = gam + size;
+    std::fill(gam, gam + 2 * size, T(0));
+    const auto p = [&](int64_t b) { return pg[b * c + ci]; };
+    if (!s.soft || m == 1) {
+      for (int64_t b = 0; b < m; ++b) gam[b] = static_cast<T>(p(b));
+      if (s.soft) gam[1] = static_cast<T>(p(0));  // (one soft bin: every position is clamped below)
+      continue;
+    }
+    for (int64_t l = 0; l + 1 < m; ++l) {
+      const double d = p(l + 1) - p(l), e = qg[(l + 1) * c + ci] - qg[l * c + ci];
+      gam[l] = static_cast<T>(p(l) + (static_cast<double>(l) + 0.5) * d - sc * e);
+      del[l] = static_cast<T>(2.0 * d);
+    }
+    gam[m - 1] = static_cast<T>(p(m - 1));
+    gam[m] = static_cast<T>(p(0));
+  }
+}
+
+// tab[i] for the lanes' indices i (exact small integers in the dtype's lanes)
+template <typename T, int Bytes>
+__attribute__((always_inline)) inline typename Vec<T, Bytes>::type lookup(const T* tab, typename Vec<T, Bytes>::type i,
+                                                                          bool permute) {
+  using V = typename Vec<T, Bytes>::type;
+  using I = typename Vec<T, Bytes>::int32;
+  const I idx = __builtin_convertvector(i, I);
+#if defined(__AVX512F__)
+  if constexpr (std::is_same<T, float>::value && Bytes == 64) {
+    if (permute) return (V)_mm512_permutex2var_ps(_mm512_loadu_ps(tab), (__m512i)idx, _mm512_loadu_ps(tab + 16));
+  }
+#endif
+  (void)permute;
+  V out;
+  for (int l = 0; l < Vec<T, Bytes>::width; ++l) out[l] = tab[idx[l]];
+  return out;
+}
+
+// a·b + c with one rounding in every lane (as std::fma in Bins::soft_of: the scalar and the lanes' bins see the
+// same position)
+template <typename T, int Bytes>
+__attribute__((always_inline)) inline typename Vec<T, Bytes>::type fma_lanes(typename Vec<T, Bytes>::type a,
+                                                                             typename Vec<T, Bytes>::type b,
+                                                                             typename Vec<T, Bytes>::type c) {
+  using V = typename Vec<T, Bytes>::type;
+#if defined(__AVX512F__)
+  if constexpr (Bytes == 64) {
+    if constexpr (std::is_same<T, float>::value) return (V)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+    else return (V)_mm512_fmadd_pd((__m512d)a, (__m512d)b, (__m512d)c);
+  }
+#endif
+#if defined(__FMA__)
+  if constexpr (Bytes == 32) {
+    if constexpr (std::is_same<T, float>::value) return (V)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+    else return (V)_mm256_fmadd_pd((__m256d)a, (__m256d)b, (__m256d)c);
+  }
+#endif
+  V out;
+  for (int l = 0; l < Vec<T, Bytes>::width; ++l) out[l] = std::fma(a[l], b[l], c[l]);
+  return out;
+}
+
+// Bins::hard of every lane (out of line: the lanes' path rarely takes it)
+template <typename T, int Bytes>
+__attribute__((noinline)) typename Vec<T, Bytes>::type hard_lanes(const Bins<T>& bins, typename Vec<T, Bytes>::type p) {
+  typename Vec<T, Bytes>::type b;
+  for (int l = 0; l < Vec<T, Bytes>::width; ++l) b[l] = static_cast<T>(bins.hard(p[l]));
+  return b;
+}
+
+// the hard bin of the lanes p (Bins::hard): b from p·M/(1 + eps) and one step either way against the edges
+// (lower: lane_lower's), checked; Bins::hard for the lanes of a vector where the check fails (never for p in
+// [0, 1] with torch.linspace edges, M <= 31 checked for every float32; any sorted edges stay exact)
+template <typename T, int Bytes>
+__attribute__((always_inline)) inline typename Vec<T, Bytes>::type hard_bin_lanes(const Bins<T>& bins, const T* lower,
+                                                                                  typename Vec<T, Bytes>::type p,
+                                                                                  bool permute) {
+  using V = typename Vec<T, Bytes>::type;
+  constexpr int W = Vec<T, Bytes>::width;
+  const V zero = {}, one = broadcast<V>(T(1)), top = broadcast<V>(static_cast<T>(bins.n - 1));
+  V f = p * broadcast<V>(bins.scale);
+  f = f > zero ? f : zero;  // (NaN: 0)
+  f = f < top ? f : top;
+  const V g0 = __builtin_convertvector(__builtin_convertvector(f, typename Vec<T, Bytes>::int32), V);
+  V b = g0 - (p > lookup<T, Bytes>(lower, g0, permute) ? zero : one);
+  b = b + (p > lookup<T, Bytes>(lower, g0 + one, permute) ? one : zero);
+  b = b > zero ? b : zero;  // (in [0, M − 1], so that the check's reads stay in the table)
+  b = b < top ? b : top;
+  const V lo = lookup<T, Bytes>(lower, b, permute), hi = lookup<T, Bytes>(lower, b + one, permute);
+  constexpr uint64_t all = (uint64_t{1} << W) - 1;
+  if ((compare_mask<T, Bytes>(p, lo) & ~compare_mask<T, Bytes>(p, hi) & all) != all) b = hard_lanes<T, Bytes>(bins, p);
+  return b;
+}
+
+// the soft position of the lanes p (Bins::soft_of, M >= 2): raw = fma(p, s, −1/2), u = raw clamped to
+// [0, M − 1] (NaN: 0), l = min(⌊u⌋, M − 2); r = u − l
+template <typename T, int Bytes>
+__attribute__((always_inline)) inline void soft_lanes(const Bins<T>& bins, typename Vec<T, Bytes>::type p,
+                                                      typename Vec<T, Bytes>::type& raw,
+                                                      typename Vec<T, Bytes>::type& u,
+                                                      typename Vec<T, Bytes>::type& l) {
+  using V = typename Vec<T, Bytes>::type;
+  const V zero = {}, hi = broadcast<V>(static_cast<T>(bins.n - 1));
+  raw = fma_lanes<T, Bytes>(p, broadcast<V>(bins.scale), broadcast<V>(T(-0.5)));
+  const V low = raw > zero ? raw : zero;
+  u = low < hi ? low : hi;
+  l = __builtin_convertvector(__builtin_convertvector(u, typename Vec<T, Bytes>::int32), V);  // (u >= 0)
+  l = l < hi - broadcast<V>(T(1)) ? l : hi - broadcast<V>(T(1));
+}
+
+// u of the lanes p of one class with y = 0 (tab: its (γ, δ) or (P, 0) table)
+template <typename T, int Bytes>
+__attribute__((always_inline)) inline typename Vec<T, Bytes>::type lane_u(const Bins<T>& bins, const T* tab, int64_t size,
+                                                                          const T* lower,
+                                                                          typename Vec<T, Bytes>::type p,
+                                                                          bool permute) {
+  using V = typename Vec<T, Bytes>::type;
+  const V zero = {};
+  if (!bins.soft) return lookup<T, Bytes>(tab, hard_bin_lanes<T, Bytes>(bins, lower, p, permute), permute);
+  if (bins.n == 1) return lookup<T, Bytes>(tab, broadcast<V>(T(1)), permute);
+  V raw, u, l;
+  soft_lanes<T, Bytes>(bins, p, raw, u, l);
+  const V i = u == raw ? l : (raw > zero ? broadcast<V>(static_cast<T>(bins.n - 1)) : broadcast<V>(static_cast<T>(bins.n)));
+  return fma_lanes<T, Bytes>(lookup<T, Bytes>(tab + size, i, permute), u - l, lookup<T, Bytes>(tab, i, permute));
+}
+
+// g[t] = p[t]·(u[t] + c[t]) for t < w (distinct arrays: vectorised without alias checks)
+template <typename T>
+inline void plane_scale(const T* __restrict p, const T* __restrict u, const T* __restrict c, int64_t w,
+                        T* __restrict g) {
+  for (int64_t t = 0; t < w; ++t) g[t] = p[t] * (u[t] + c[t]);
+}
+
+// the backward of a tile: u_jt = ∂ACE/∂p of every entry in vector lanes (the label's in float64), then the
+// gradient in place
+template <typename T>
+void backward_planes(const Spec& s, const T* x, T* grad, const int64_t* tp, const Bins<T>& shared_bins,
+                     const double* pt, const double* qt, const double* row_max, const double* gp, int64_t gstride,
+                     double ce_div, const T* lower) {
+  constexpr int W = Vec<T, kWideBytes>::width;
+  using V = typename Vec<T, kWideBytes>::type;
+  static_assert(kPlane % W == 0, "a tile is whole vectors");
   const int64_t k = s.k, first = s.first, c = s.c, sp = s.sp;
   const int64_t per_image = (sp + kPlane - 1) / kPlane;
-  const T thr = shared_bins.threshold_t();
+  const int64_t size = lane_table_size(s.bins);
+  const bool permute = std::is_same<T, float>::value && kWideBytes == 64 && s.bins + 1 <= kLaneTable;
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / (k * kPlane));
   at::parallel_for(0, s.n * per_image, grain, [&](int64_t begin, int64_t end) {
     const Bins<T> bins = shared_bins;
     PlaneBuffers<T> b(k, c);
+    std::vector<T> tables(static_cast<size_t>(c * 2 * size));
+    std::vector<T> uf(static_cast<size_t>(k * kPlane), T(0));  // u of every entry (0 for the unbinned background)
+    int64_t table_group = -1;
     for (int64_t q = begin; q < end; ++q) {
       const int64_t img = q / per_image, pos = (q % per_image) * kPlane, w = std::min(kPlane, sp - pos);
       const int64_t m0 = img * sp + pos;
@@ -650,55 +812,57 @@ void backward_planes(const Spec& s, const T* x, T* grad, const int64_t* tp, cons
         const bool keep = !(s.has_ignore && y == s.ignore);
         b.y[t] = keep ? y : -1;
         b.gce[t] = keep ? gp[(m0 + t) * gstride] / ce_div : 0.0;
-        b.dot[t] = 0.0;
       }
       plane_softmax(xt, sp, k, w, row_max + m0, b);
       zero_ignored(k, w, b);
-      const int64_t at = (s.groups == 1 ? 0 : img) * s.bins * c;
-      const double* pg = pt + at;
-      const double* qg = s.soft ? qt + at : nullptr;  // (no Q table for hard bins)
-      // u = bin 0's P of the class for the simple entries (0 for the unbinned background; an ignored
-      // position's p is 0, so its dot and gradient are 0); the others listed (j·kPlane + t, class by class)
-      // with their u in v (list order); then dot = Σ_j u p per position, from bin 0's u corrected for the
-      // others
-      int32_t* list = b.list.data();
-      double* v = b.u.data();
-      int64_t n_list = 0;
-      for (int64_t j = first; j < k; ++j) {
-        n_list = list_class(bins, b.e.data() + j * kPlane, w, thr, static_cast<int32_t>(j * kPlane), list, n_list,
-                            static_cast<T*>(nullptr), nullptr);
+      if (w < kPlane)  // (the lanes past the image: p = 0, their u and gradient unused)
+        for (int64_t j = 0; j < k; ++j) std::fill(b.e.begin() + j * kPlane + w, b.e.begin() + (j + 1) * kPlane, T(0));
+      const int64_t group = s.groups == 1 ? 0 : img;
+      const double* pg = pt + group * s.bins * c;
+      const double* qg = s.soft ? qt + group * s.bins * c : nullptr;  // (no Q table for hard bins)
+      if (group != table_group) {
+        fill_lane_tables(s, bins, pg, qg, tables.data());
+        table_group = group;
       }
-      // (bin 0's u in the dtype, u0: the simple entries' u at every use; the dot's bin-0 part in the dtype's
-      // lanes, a sum of K products per position, as the torch path's float32 softmax backward)
+      // u of every binned entry, and dot = Σ_j u p per position in the dtype's lanes (a sum of K products, as
+      // the torch path's float32 softmax backward)
       T* cz = b.cpos.data();
       std::fill(cz, cz + kPlane, T(0));
-      for (int64_t j = first; j < k; ++j) plane_axpy(static_cast<T>(pg[j - first]), b.e.data() + j * kPlane, w, cz);
-      for (int64_t t = 0; t < w; ++t) b.dot[t] = static_cast<double>(cz[t]);
-      for (int64_t i = 0; i < n_list; ++i) {
-        const int64_t li = static_cast<uint32_t>(list[i]), j = li / kPlane, tt = li % kPlane, ci = j - first;
-        const T pj = b.e[li];
-        v[i] = bins.u_of(pj, b.y[tt] == j ? 1.0 : 0.0, pg, qg, c, ci);
-        b.dot[tt] += (v[i] - static_cast<double>(static_cast<T>(pg[ci]))) * static_cast<double>(pj);
+      for (int64_t j = first; j < k; ++j) {
+        const T* tab = tables.data() + (j - first) * 2 * size;
+        const T* pj = b.e.data() + j * kPlane;
+        T* uj = uf.data() + j * kPlane;
+        for (int64_t t = 0; t < kPlane; t += W) {
+          const V pv = load<V>(pj + t);
+          const V u = lane_u<T, kWideBytes>(bins, tab, size, lower, pv, permute);
+          store(uj + t, u);
+          store(cz + t, load<V>(cz + t) + u * pv);
+        }
       }
-      // g = gce (p − e_y) + p (u − dot): every entry p (u0 + gce − dot) in the dtype's lanes (two roundings of
-      // p (|u0| + |gce − dot|), as the torch path's p ⊙ (g − <g, p>)), then the label's entry (p − 1 cancels:
-      // float64) and the others rewritten with their u
-      for (int64_t t = 0; t < w; ++t) cz[t] = static_cast<T>(b.gce[t] - b.dot[t]);
-      for (int64_t j = 0; j < k; ++j) {
-        const T u0 = j < first ? T(0) : static_cast<T>(pg[j - first]);
-        plane_scale(b.e.data() + j * kPlane, cz, u0, w, gt + j * sp);
+      // the label's entry in float64: its u (with its −s(P_{l+1} − P_l) term) in place of the lanes' in the dot,
+      // then c = gce − dot in the dtype
+      for (int64_t t = 0; t < w; ++t) {
+        const int64_t y = b.y[t];
+        double dot = static_cast<double>(cz[t]);
+        if (y >= first) {
+          const T py = b.e[y * kPlane + t];
+          b.u[t] = bins.u_of(py, 1.0, pg, qg, c, y - first);
+          dot += (b.u[t] - static_cast<double>(uf[y * kPlane + t])) * static_cast<double>(py);
+        } else {
+          b.u[t] = 0.0;
+        }
+        b.dot[t] = dot;
+        cz[t] = static_cast<T>(b.gce[t] - dot);
       }
+      // g = gce (p − e_y) + p (u − dot): every entry p (u + gce − dot) in the dtype's lanes (two roundings of
+      // p (|u| + |gce − dot|), as the torch path's p ⊙ (g − <g, p>)), then the label's entry (p − 1 cancels:
+      // float64)
+      for (int64_t j = 0; j < k; ++j) plane_scale(b.e.data() + j * kPlane, uf.data() + j * kPlane, cz, w, gt + j * sp);
       for (int64_t t = 0; t < w; ++t) {
         const int64_t y = b.y[t];
         if (y < 0) continue;
         const double pd = static_cast<double>(b.e[y * kPlane + t]);
-        const double u0 = y < first ? 0.0 : static_cast<double>(static_cast<T>(pg[y - first]));
-        gt[y * sp + t] = static_cast<T>(b.gce[t] * (pd - 1.0) + pd * (u0 - b.dot[t]));
-      }
-      for (int64_t i = 0; i < n_list; ++i) {
-        const int64_t li = static_cast<uint32_t>(list[i]), j = li / kPlane, tt = li % kPlane;
-        const double pd = static_cast<double>(b.e[li]);
-        gt[j * sp + tt] = static_cast<T>(b.gce[tt] * (pd - (b.y[tt] == j ? 1.0 : 0.0)) + pd * (v[i] - b.dot[tt]));
+        gt[y * sp + t] = static_cast<T>(b.gce[t] * (pd - 1.0) + pd * (b.u[t] - b.dot[t]));
       }
     }
   });
@@ -970,8 +1134,9 @@ inline at::Tensor backward(const at::Tensor& grad_loss, const at::Tensor& logits
     const BinTables<T> tables(s.soft ? nullptr : ed.data_ptr<T>(), s.bins, s.soft);
     const Bins<T>& shared_bins = tables.bins;
     if (s.sp > 1) {
-      backward_planes<T>(s, x.data_ptr<T>(), grad.data_ptr<T>(), tp, shared_bins, pt.data(), qt.data(), row_max, gp, stride,
-                         ce_div);
+      const std::vector<T> lower = lane_lower(tables, s.bins, s.soft);
+      backward_planes<T>(s, x.data_ptr<T>(), grad.data_ptr<T>(), tp, shared_bins, pt.data(), qt.data(), row_max, gp,
+                         stride, ce_div, lower.data());
       return;
     }
     const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / k);
