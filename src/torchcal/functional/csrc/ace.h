@@ -494,6 +494,32 @@ inline int64_t list_class(const Bins<T>& bins, const T* p, int64_t w, T thr, int
   return n_list;
 }
 
+// A listed entry of soft bins: position u = l + r in interval l (weight 1 − r on bin l, r on bin l + 1), its
+// (1, u, p, u·p) added into the interval's sums in float64 (one 32-byte read-modify-write, where the bins'
+// weights took two dependent ones; u·p of float32 u and p is exact). fold_intervals makes the bins' sums:
+// bin l gains (1 + l)·n − Σu and (1 + l)·Σp − Σu·p, bin l + 1 gains Σu − l·n and Σu·p − l·Σp.
+template <typename T>
+__attribute__((always_inline)) inline void add_interval(double* cell, double l, T r, T p) {
+  using V4 = typename Vec<double, 32>::type;
+  const double u = l + static_cast<double>(r), pd = static_cast<double>(p);
+  store(cell, load<V4>(cell) + V4{1.0, u, pd, u * pd});
+}
+inline void fold_intervals(const double* between, int64_t c, int64_t n_bins, double* tab) {
+  const int64_t stride = c * N_CELL;
+  for (int64_t ci = 0; ci < c; ++ci) {
+    for (int64_t l = 0; l + 1 < n_bins; ++l) {
+      const double* v = between + (ci * n_bins + l) * 4;
+      if (v[0] == 0.0) continue;
+      const double ld = static_cast<double>(l);
+      double* cell = tab + l * stride + ci * N_CELL;
+      cell[C_COUNT] += (1.0 + ld) * v[0] - v[1];
+      cell[C_SUM_P] += (1.0 + ld) * v[2] - v[3];
+      cell[stride + C_COUNT] += v[1] - ld * v[0];
+      cell[stride + C_SUM_P] += v[3] - ld * v[2];
+    }
+  }
+}
+
 template <typename T>
 void forward_planes(const Spec& s, const T* x, const int64_t* tp, const Bins<T>& shared_bins, double* parts,
                     double* row_max, T* ce_rows, std::atomic<int64_t>& n_bad) {
@@ -507,6 +533,10 @@ void forward_planes(const Spec& s, const T* x, const int64_t* tp, const Bins<T>&
   at::parallel_for(0, s.groups * s.chunks, 1, [&](int64_t begin, int64_t end) {
     const Bins<T> bins = shared_bins;  // (the local copy: see Bins)
     PlaneBuffers<T> b(k, c);
+    // soft bins: the listed entries' (n, Σu, Σp, Σu·p) per (class, interval l) of the chunk (add_interval)
+    std::vector<double> between(static_cast<size_t>(s.soft ? c * s.bins * 4 : 0));
+    double* const between_p = between.data();
+    const int64_t n_bins = s.bins;  // (locals: the loop's stores would make it reload them from the captures)
     int64_t bad = 0;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t g = item / s.chunks, r = item % s.chunks;
@@ -517,6 +547,7 @@ void forward_planes(const Spec& s, const T* x, const int64_t* tp, const Bins<T>&
       double* present = zero + 2 * c;
       double& kept = present[c];
       double& ce_sum = present[c + 1];
+      std::fill(between.begin(), between.end(), 0.0);
       std::fill(b.zc.begin(), b.zc.end(), 0.0);
       std::fill(b.zsd.begin(), b.zsd.end(), 0.0);
       std::fill(b.zs.begin(), b.zs.end(), T(0));
@@ -583,9 +614,7 @@ void forward_planes(const Spec& s, const T* x, const int64_t* tp, const Bins<T>&
             int64_t l;
             T rr, da;
             bins.soft_of(pj, l, rr, da);
-            cq += l * stride;
-            add_count_p(cq, static_cast<double>(T(1) - rr), static_cast<double>((T(1) - rr) * pj));
-            add_count_p(cq + stride, static_cast<double>(rr), static_cast<double>(rr * pj));
+            add_interval(between_p + ((j - first) * n_bins + l) * 4, static_cast<double>(l), rr, pj);
           }
         }
         for (int64_t t = 0; t < w; ++t) {  // the label's class: Σ w y of its bins
@@ -608,6 +637,7 @@ void forward_planes(const Spec& s, const T* x, const int64_t* tp, const Bins<T>&
         }
       }
       flush();
+      if (s.soft) fold_intervals(between.data(), c, s.bins, tab);
       for (int64_t ci = 0; ci < c; ++ci) {  // the simple entries: the lanes' sums in lane order; their
         zero[ci] += kept - b.zc[ci * WT];  // count is the kept positions' less the others'
         for (int l = 0; l < WT; ++l) zero[c + ci] += b.zsd[ci * WT + l];
