@@ -394,15 +394,17 @@ template <typename T>
 struct PlaneBuffers {
   std::vector<T> e, mx, inv;
   std::vector<double> sum, lse, u, gce, dot, zc, zsd;
-  std::vector<T> zs, cpos;  // the simple entries' Σ p per class and lane for a few tiles (added into zsd); the
-                            // backward's gce − dot per position, in the dtype
+  std::vector<T> zs, cpos;  // the lanes' sums per class and lane for a few tiles (added into zsd: Σ p of the
+                            // simple entries, or Σ p, Σ u, Σ u·p of soft interval 0); the backward's gce − dot
+                            // per position, in the dtype
   int64_t since = 0;        // tiles added into zs since it was last flushed
   std::vector<int64_t> y;
   std::vector<int32_t> list;  // the tile's entries that are not simple, j·kPlane + t (room for a vector's lanes)
   PlaneBuffers(int64_t k, int64_t c)
       : e(static_cast<size_t>(k * kPlane)), mx(kPlane), inv(kPlane), sum(kPlane), lse(kPlane),
         u(kPlane), gce(kPlane), dot(kPlane),
-        zc(static_cast<size_t>(c * Vec<T, kWideBytes>::width)), zsd(zc.size()), zs(zc.size()), cpos(kPlane),
+        zc(static_cast<size_t>(c * Vec<T, kWideBytes>::width)), zsd(static_cast<size_t>(3 * zc.size())),
+        zs(zsd.size()), cpos(kPlane),
         y(kPlane),
         list(static_cast<size_t>(k * kPlane + 16)) {}
 };
@@ -457,194 +459,6 @@ inline void zero_ignored(int64_t k, int64_t w, PlaneBuffers<T>& b) {
     if (b.y[t] >= 0) continue;
     for (int64_t j = 0; j < k; ++j) b.e[j * kPlane + t] = T(0);
   }
-}
-
-// bits of the lanes [t, t + W) of p that are not simple (Bins::scan; an ignored position's p is 0, simple), in
-// the dtype's lanes; with zs (per class and lane, the dtype) the simple lanes' p added
-template <typename T>
-inline uint64_t plane_block(const Bins<T>& bins, const T* p, T thr, T* zs) {
-  using V = typename Vec<T, kWideBytes>::type;
-  const V thr_v = broadcast<V>(thr), zero = {};
-  const V pv = load<V>(p);
-  const V v = bins.soft ? pv * broadcast<V>(bins.scale) : pv;
-  if (zs != nullptr) store(zs, load<V>(zs) + (v > thr_v ? zero : pv));
-  return compare_mask<T, kWideBytes>(v, thr_v);
-}
-
-// One class row p of a tile (w positions): its entries that are not simple appended to list as base + t
-// (lane order; returns the new length); with zs / zc (that class's lanes) the simple entries' p added and the
-// others counted (an ignored position's p is 0 here: simple, adding 0)
-template <typename T>
-inline int64_t list_class(const Bins<T>& bins, const T* p, int64_t w, T thr, int32_t base, int32_t* list,
-                          int64_t n_list, T* zs, double* zc) {
-  constexpr int W = Vec<T, kWideBytes>::width;
-  int64_t t = 0;
-  for (; t + W <= w; t += W) {
-    const uint64_t bits = plane_block(bins, p + t, thr, zs);
-    if (zc != nullptr) zc[0] += __builtin_popcountll(bits);  // the others: not in bin 0's count
-    n_list = append_lanes<W>(list, n_list, bits, base + static_cast<int32_t>(t));
-  }
-  for (; t < w; ++t) {  // the tail: the same criterion lane by lane
-    const bool other = !bins.simple(p[t]);
-    if (zs != nullptr && !other) zs[0] += p[t];
-    if (zc != nullptr) zc[0] += other;
-    list[n_list] = base + static_cast<int32_t>(t);
-    n_list += other;
-  }
-  return n_list;
-}
-
-// A listed entry of soft bins: position u = l + r in interval l (weight 1 − r on bin l, r on bin l + 1), its
-// (1, u, p, u·p) added into the interval's sums in float64 (one 32-byte read-modify-write, where the bins'
-// weights took two dependent ones; u·p of float32 u and p is exact). fold_intervals makes the bins' sums:
-// bin l gains (1 + l)·n − Σu and (1 + l)·Σp − Σu·p, bin l + 1 gains Σu − l·n and Σu·p − l·Σp.
-template <typename T>
-__attribute__((always_inline)) inline void add_interval(double* cell, double l, T r, T p) {
-  using V4 = typename Vec<double, 32>::type;
-  const double u = l + static_cast<double>(r), pd = static_cast<double>(p);
-  store(cell, load<V4>(cell) + V4{1.0, u, pd, u * pd});
-}
-inline void fold_intervals(const double* between, int64_t c, int64_t n_bins, double* tab) {
-  const int64_t stride = c * N_CELL;
-  for (int64_t ci = 0; ci < c; ++ci) {
-    for (int64_t l = 0; l + 1 < n_bins; ++l) {
-      const double* v = between + (ci * n_bins + l) * 4;
-      if (v[0] == 0.0) continue;
-      const double ld = static_cast<double>(l);
-      double* cell = tab + l * stride + ci * N_CELL;
-      cell[C_COUNT] += (1.0 + ld) * v[0] - v[1];
-      cell[C_SUM_P] += (1.0 + ld) * v[2] - v[3];
-      cell[stride + C_COUNT] += v[1] - ld * v[0];
-      cell[stride + C_SUM_P] += v[3] - ld * v[2];
-    }
-  }
-}
-
-template <typename T>
-void forward_planes(const Spec& s, const T* x, const int64_t* tp, const Bins<T>& shared_bins, double* parts,
-                    double* row_max, T* ce_rows, std::atomic<int64_t>& n_bad) {
-  constexpr int W = Vec<double, kWideBytes>::width;
-  constexpr int WT = Vec<T, kWideBytes>::width;  // (the simple entries' sums: lanes of the dtype)
-  const int64_t k = s.k, first = s.first, c = s.c, sp = s.sp;
-  const int64_t stride = c * N_CELL;
-  const int64_t per_image = (sp + kPlane - 1) / kPlane;
-  const int64_t group_tiles = s.groups == 1 ? s.n * per_image : per_image;
-  const T thr = shared_bins.threshold_t();
-  at::parallel_for(0, s.groups * s.chunks, 1, [&](int64_t begin, int64_t end) {
-    const Bins<T> bins = shared_bins;  // (the local copy: see Bins)
-    PlaneBuffers<T> b(k, c);
-    // soft bins: the listed entries' (n, Σu, Σp, Σu·p) per (class, interval l) of the chunk (add_interval)
-    std::vector<double> between(static_cast<size_t>(s.soft ? c * s.bins * 4 : 0));
-    double* const between_p = between.data();
-    const int64_t n_bins = s.bins;  // (locals: the loop's stores would make it reload them from the captures)
-    int64_t bad = 0;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t g = item / s.chunks, r = item % s.chunks;
-      const int64_t q0 = g * group_tiles + group_tiles * r / s.chunks;
-      const int64_t q1 = g * group_tiles + group_tiles * (r + 1) / s.chunks;
-      double* tab = parts + item * s.part_size();
-      double* zero = tab + c * s.bins * N_CELL;
-      double* present = zero + 2 * c;
-      double& kept = present[c];
-      double& ce_sum = present[c + 1];
-      std::fill(between.begin(), between.end(), 0.0);
-      std::fill(b.zc.begin(), b.zc.end(), 0.0);
-      std::fill(b.zsd.begin(), b.zsd.end(), 0.0);
-      std::fill(b.zs.begin(), b.zs.end(), T(0));
-      b.since = 0;
-      // zs (the dtype) added into zsd (float64) every kFlushTiles tiles: a lane then holds at most 16 float32
-      // numbers in [0, 1] (64 / WT per tile), within 16 ulps of their magnitudes' sum (the torch path sums
-      // every position in the dtype)
-      const auto flush = [&]() {
-        for (size_t i = 0; i < b.zs.size(); ++i) {
-          b.zsd[i] += static_cast<double>(b.zs[i]);
-          b.zs[i] = T(0);
-        }
-        b.since = 0;
-      };
-      for (int64_t q = q0; q < q1; ++q) {
-        const int64_t img = q / per_image, pos = (q % per_image) * kPlane, w = std::min(kPlane, sp - pos);
-        const int64_t m0 = img * sp + pos;
-        const T* xt = x + img * k * sp + pos;
-        prefetch_runs(xt + kPlane, sp, k, kPlane, false);  // the next tile
-        for (int64_t t = 0; t < w; ++t) {
-          b.y[t] = row_label(s, tp[m0 + t], bad);
-        }
-        plane_softmax(xt, sp, k, w, nullptr, b);
-        zero_ignored(k, w, b);
-        // log Σ of the tile's positions in float64 lanes (~1 ulp, as the margin lanes); the padded lanes
-        // hold Σ = 1
-        for (int64_t t = w; t < kPlane; ++t) b.sum[t] = 1.0;
-        for (int64_t t = 0; t < kPlane; t += W) {
-          const auto v = log_lanes(load<typename Vec<double, kWideBytes>::type>(b.sum.data() + t));
-          store(b.lse.data() + t, v);
-        }
-        for (int64_t t = 0; t < w; ++t) {
-          const int64_t y = b.y[t];
-          // (an ignored position's max too: the backward takes its exps again, whose arguments x − max must
-          // stay in the vectorised exp's domain, x − max <= 0)
-          row_max[m0 + t] = static_cast<double>(b.mx[t]);
-          if (y < 0) {
-            if (ce_rows != nullptr) ce_rows[m0 + t] = T(0);
-            continue;
-          }
-          const double ce = (static_cast<double>(b.mx[t]) - static_cast<double>(xt[y * sp + t])) + b.lse[t];
-          if (ce_rows != nullptr) ce_rows[m0 + t] = static_cast<T>(ce);
-          ce_sum += ce;
-          kept += 1.0;
-        }
-        // the entries that are not simple listed class by class (lane order within a class), then binned
-        int32_t* list = b.list.data();
-        int64_t n_list = 0;
-        for (int64_t j = first; j < k; ++j) {
-          const int64_t ci = j - first;
-          const T* p = b.e.data() + j * kPlane;
-          n_list = list_class(bins, p, w, thr, static_cast<int32_t>(j * kPlane), list, n_list,
-                              b.zs.data() + ci * WT, b.zc.data() + ci * WT);
-        }
-        if (++b.since == kFlushTiles) flush();
-        for (int64_t i = 0; i < n_list; ++i) {
-          const int64_t li = static_cast<uint32_t>(list[i]), j = li / kPlane;
-          const T pj = b.e[li];
-          double* cq = tab + (j - first) * N_CELL;
-          if (!bins.soft) {
-            cq += bins.hard(pj) * stride;
-            add_count_p(cq, 1.0, static_cast<double>(pj));
-          } else {
-            int64_t l;
-            T rr, da;
-            bins.soft_of(pj, l, rr, da);
-            add_interval(between_p + ((j - first) * n_bins + l) * 4, static_cast<double>(l), rr, pj);
-          }
-        }
-        for (int64_t t = 0; t < w; ++t) {  // the label's class: Σ w y of its bins
-          const int64_t y = b.y[t];
-          if (y < first) continue;
-          present[y - first] += 1.0;
-          const T py = b.e[y * kPlane + t];
-          double* cell = tab + (y - first) * N_CELL;
-          if (bins.simple(py)) {
-            cell[C_SUM_Y] += 1.0;
-          } else if (!bins.soft) {
-            cell[bins.hard(py) * stride + C_SUM_Y] += 1.0;
-          } else {
-            int64_t l;
-            T rr, da;
-            bins.soft_of(py, l, rr, da);
-            cell[l * stride + C_SUM_Y] += T(1) - rr;
-            cell[(l + 1) * stride + C_SUM_Y] += rr;
-          }
-        }
-      }
-      flush();
-      if (s.soft) fold_intervals(between.data(), c, s.bins, tab);
-      for (int64_t ci = 0; ci < c; ++ci) {  // the simple entries: the lanes' sums in lane order; their
-        zero[ci] += kept - b.zc[ci * WT];  // count is the kept positions' less the others'
-        for (int l = 0; l < WT; ++l) zero[c + ci] += b.zsd[ci * WT + l];
-      }
-    }
-    if (bad) n_bad += bad;
-  });
 }
 
 // -- ∂ACE/∂p of a tile's entries in vector lanes (the backward) ---------------------------------------------
@@ -801,6 +615,244 @@ __attribute__((always_inline)) inline typename Vec<T, Bytes>::type lane_u(const 
   soft_lanes<T, Bytes>(bins, p, raw, u, l);
   const V i = u == raw ? l : (raw > zero ? broadcast<V>(static_cast<T>(bins.n - 1)) : broadcast<V>(static_cast<T>(bins.n)));
   return fma_lanes<T, Bytes>(lookup<T, Bytes>(tab + size, i, permute), u - l, lookup<T, Bytes>(tab, i, permute));
+}
+
+// bits of the lanes [t, t + W) of p that are not simple (Bins::scan; an ignored position's p is 0, simple), in
+// the dtype's lanes; with zs (per class and lane, the dtype) the simple lanes' p added
+template <typename T>
+inline uint64_t plane_block(const Bins<T>& bins, const T* p, T thr, T* zs) {
+  using V = typename Vec<T, kWideBytes>::type;
+  const V thr_v = broadcast<V>(thr), zero = {};
+  const V pv = load<V>(p);
+  const V v = bins.soft ? pv * broadcast<V>(bins.scale) : pv;
+  if (zs != nullptr) store(zs, load<V>(zs) + (v > thr_v ? zero : pv));
+  return compare_mask<T, kWideBytes>(v, thr_v);
+}
+
+// One class row p of a tile (w positions): its entries that are not simple appended to list as base + t
+// (lane order; returns the new length); with zs / zc (that class's lanes) the simple entries' p added and the
+// others counted (an ignored position's p is 0 here: simple, adding 0)
+template <typename T>
+inline int64_t list_class(const Bins<T>& bins, const T* p, int64_t w, T thr, int32_t base, int32_t* list,
+                          int64_t n_list, T* zs, double* zc) {
+  constexpr int W = Vec<T, kWideBytes>::width;
+  int64_t t = 0;
+  for (; t + W <= w; t += W) {
+    const uint64_t bits = plane_block(bins, p + t, thr, zs);
+    if (zc != nullptr) zc[0] += __builtin_popcountll(bits);  // the others: not in bin 0's count
+    n_list = append_lanes<W>(list, n_list, bits, base + static_cast<int32_t>(t));
+  }
+  for (; t < w; ++t) {  // the tail: the same criterion lane by lane
+    const bool other = !bins.simple(p[t]);
+    if (zs != nullptr && !other) zs[0] += p[t];
+    if (zc != nullptr) zc[0] += other;
+    list[n_list] = base + static_cast<int32_t>(t);
+    n_list += other;
+  }
+  return n_list;
+}
+
+// Soft bins (M >= 2): one class row p of a tile (w positions) whose entries in interval 0 — position u (that
+// of Bins::soft_of before its clamp above: the fused multiply-add, clamped below at 0) below 1, the entries
+// below the first centre (u = 0) among them — are summed per lane in zs (three rows of the class's lanes: Σ p,
+// Σ u, Σ u·p); the others are appended to list as base + t and counted in zc (an ignored position's p is 0:
+// u = 0, adding 0)
+template <typename T>
+inline int64_t list_class_soft(const Bins<T>& bins, const T* p, int64_t w, int32_t base, int32_t* list,
+                               int64_t n_list, T* zs, double* zc) {
+  constexpr int W = Vec<T, kWideBytes>::width;
+  using V = typename Vec<T, kWideBytes>::type;
+  const V zero = {}, one = broadcast<V>(T(1)), sc = broadcast<V>(bins.scale), half = broadcast<V>(T(-0.5));
+  const V below_one = broadcast<V>(std::nextafter(T(1), T(0)));
+  int64_t t = 0;
+  for (; t + W <= w; t += W) {
+    const V pv = load<V>(p + t);
+    const V raw = fma_lanes<T, kWideBytes>(pv, sc, half);
+    const V u = raw > zero ? raw : zero;  // (NaN: 0)
+    const auto in0 = u < one;
+    store(zs, load<V>(zs) + (in0 ? pv : zero));
+    store(zs + W, load<V>(zs + W) + (in0 ? u : zero));
+    store(zs + 2 * W, load<V>(zs + 2 * W) + (in0 ? u * pv : zero));
+    const uint64_t bits = compare_mask<T, kWideBytes>(u, below_one);
+    zc[0] += __builtin_popcountll(bits);
+    n_list = append_lanes<W>(list, n_list, bits, base + static_cast<int32_t>(t));
+  }
+  for (; t < w; ++t) {  // the tail: the same arithmetic lane by lane
+    const T raw = std::fma(p[t], bins.scale, T(-0.5));
+    const T u = raw > T(0) ? raw : T(0);
+    const bool other = !(u < T(1));
+    if (!other) zs[0] += p[t], zs[W] += u, zs[2 * W] += u * p[t];
+    zc[0] += other;
+    list[n_list] = base + static_cast<int32_t>(t);
+    n_list += other;
+  }
+  return n_list;
+}
+
+// A listed entry of soft bins: position u = l + r in interval l (weight 1 − r on bin l, r on bin l + 1), its
+// (1, u, p, u·p) added into the interval's sums in float64 (one 32-byte read-modify-write, where the bins'
+// weights took two dependent ones; u·p of float32 u and p is exact). fold_intervals makes the bins' sums:
+// bin l gains (1 + l)·n − Σu and (1 + l)·Σp − Σu·p, bin l + 1 gains Σu − l·n and Σu·p − l·Σp.
+template <typename T>
+__attribute__((always_inline)) inline void add_interval(double* cell, double l, T r, T p) {
+  using V4 = typename Vec<double, 32>::type;
+  const double u = l + static_cast<double>(r), pd = static_cast<double>(p);
+  store(cell, load<V4>(cell) + V4{1.0, u, pd, u * pd});
+}
+inline void fold_intervals(const double* between, int64_t c, int64_t n_bins, double* tab) {
+  const int64_t stride = c * N_CELL;
+  for (int64_t ci = 0; ci < c; ++ci) {
+    for (int64_t l = 0; l + 1 < n_bins; ++l) {
+      const double* v = between + (ci * n_bins + l) * 4;
+      if (v[0] == 0.0) continue;
+      const double ld = static_cast<double>(l);
+      double* cell = tab + l * stride + ci * N_CELL;
+      cell[C_COUNT] += (1.0 + ld) * v[0] - v[1];
+      cell[C_SUM_P] += (1.0 + ld) * v[2] - v[3];
+      cell[stride + C_COUNT] += v[1] - ld * v[0];
+      cell[stride + C_SUM_P] += v[3] - ld * v[2];
+    }
+  }
+}
+
+template <typename T>
+void forward_planes(const Spec& s, const T* x, const int64_t* tp, const Bins<T>& shared_bins, double* parts,
+                    double* row_max, T* ce_rows, std::atomic<int64_t>& n_bad) {
+  constexpr int W = Vec<double, kWideBytes>::width;
+  constexpr int WT = Vec<T, kWideBytes>::width;  // (the simple entries' sums: lanes of the dtype)
+  const int64_t k = s.k, first = s.first, c = s.c, sp = s.sp;
+  const int64_t stride = c * N_CELL;
+  const int64_t per_image = (sp + kPlane - 1) / kPlane;
+  const int64_t group_tiles = s.groups == 1 ? s.n * per_image : per_image;
+  const T thr = shared_bins.threshold_t();
+  const bool soft = s.soft && s.bins > 1;  // (one soft bin: every entry is simple, as with hard bins)
+  at::parallel_for(0, s.groups * s.chunks, 1, [&](int64_t begin, int64_t end) {
+    const Bins<T> bins = shared_bins;  // (the local copy: see Bins)
+    PlaneBuffers<T> b(k, c);
+    // soft bins: the listed entries' (n, Σu, Σp, Σu·p) per (class, interval l) of the chunk (add_interval)
+    std::vector<double> between(static_cast<size_t>(soft ? c * s.bins * 4 : 0));
+    double* const between_p = between.data();
+    const int64_t n_bins = s.bins;  // (locals: the loop's stores would make it reload them from the captures)
+    int64_t bad = 0;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t g = item / s.chunks, r = item % s.chunks;
+      const int64_t q0 = g * group_tiles + group_tiles * r / s.chunks;
+      const int64_t q1 = g * group_tiles + group_tiles * (r + 1) / s.chunks;
+      double* tab = parts + item * s.part_size();
+      double* zero = tab + c * s.bins * N_CELL;
+      double* present = zero + 2 * c;
+      double& kept = present[c];
+      double& ce_sum = present[c + 1];
+      std::fill(between.begin(), between.end(), 0.0);
+      std::fill(b.zc.begin(), b.zc.end(), 0.0);
+      std::fill(b.zsd.begin(), b.zsd.end(), 0.0);
+      std::fill(b.zs.begin(), b.zs.end(), T(0));
+      b.since = 0;
+      // zs (the dtype) added into zsd (float64) every kFlushTiles tiles: a lane then holds at most 16 float32
+      // numbers in [0, 1] (64 / WT per tile), within 16 ulps of their magnitudes' sum (the torch path sums
+      // every position in the dtype)
+      const auto flush = [&]() {
+        for (size_t i = 0; i < b.zs.size(); ++i) {
+          b.zsd[i] += static_cast<double>(b.zs[i]);
+          b.zs[i] = T(0);
+        }
+        b.since = 0;
+      };
+      for (int64_t q = q0; q < q1; ++q) {
+        const int64_t img = q / per_image, pos = (q % per_image) * kPlane, w = std::min(kPlane, sp - pos);
+        const int64_t m0 = img * sp + pos;
+        const T* xt = x + img * k * sp + pos;
+        prefetch_runs(xt + kPlane, sp, k, kPlane, false);  // the next tile
+        for (int64_t t = 0; t < w; ++t) {
+          b.y[t] = row_label(s, tp[m0 + t], bad);
+        }
+        plane_softmax(xt, sp, k, w, nullptr, b);
+        zero_ignored(k, w, b);
+        // log Σ of the tile's positions in float64 lanes (~1 ulp, as the margin lanes); the padded lanes
+        // hold Σ = 1
+        for (int64_t t = w; t < kPlane; ++t) b.sum[t] = 1.0;
+        for (int64_t t = 0; t < kPlane; t += W) {
+          const auto v = log_lanes(load<typename Vec<double, kWideBytes>::type>(b.sum.data() + t));
+          store(b.lse.data() + t, v);
+        }
+        for (int64_t t = 0; t < w; ++t) {
+          const int64_t y = b.y[t];
+          // (an ignored position's max too: the backward takes its exps again, whose arguments x − max must
+          // stay in the vectorised exp's domain, x − max <= 0)
+          row_max[m0 + t] = static_cast<double>(b.mx[t]);
+          if (y < 0) {
+            if (ce_rows != nullptr) ce_rows[m0 + t] = T(0);
+            continue;
+          }
+          const double ce = (static_cast<double>(b.mx[t]) - static_cast<double>(xt[y * sp + t])) + b.lse[t];
+          if (ce_rows != nullptr) ce_rows[m0 + t] = static_cast<T>(ce);
+          ce_sum += ce;
+          kept += 1.0;
+        }
+        // the entries that are not simple listed class by class (lane order within a class), then binned
+        int32_t* list = b.list.data();
+        int64_t n_list = 0;
+        for (int64_t j = first; j < k; ++j) {
+          const int64_t ci = j - first;
+          const T* p = b.e.data() + j * kPlane;
+          const int32_t base = static_cast<int32_t>(j * kPlane);
+          if (soft)
+            n_list = list_class_soft(bins, p, w, base, list, n_list, b.zs.data() + 3 * ci * WT, b.zc.data() + ci * WT);
+          else
+            n_list = list_class(bins, p, w, thr, base, list, n_list, b.zs.data() + ci * WT, b.zc.data() + ci * WT);
+        }
+        if (++b.since == kFlushTiles) flush();
+        for (int64_t i = 0; i < n_list; ++i) {
+          const int64_t li = static_cast<uint32_t>(list[i]), j = li / kPlane;
+          const T pj = b.e[li];
+          double* cq = tab + (j - first) * N_CELL;
+          if (!bins.soft) {
+            cq += bins.hard(pj) * stride;
+            add_count_p(cq, 1.0, static_cast<double>(pj));
+          } else {
+            int64_t l;
+            T rr, da;
+            bins.soft_of(pj, l, rr, da);
+            add_interval(between_p + ((j - first) * n_bins + l) * 4, static_cast<double>(l), rr, pj);
+          }
+        }
+        for (int64_t t = 0; t < w; ++t) {  // the label's class: Σ w y of its bins
+          const int64_t y = b.y[t];
+          if (y < first) continue;
+          present[y - first] += 1.0;
+          const T py = b.e[y * kPlane + t];
+          double* cell = tab + (y - first) * N_CELL;
+          if (soft) {  // (the weights of the count's position, interval 0 included)
+            int64_t l;
+            T rr, da;
+            bins.soft_of(py, l, rr, da);
+            cell[l * stride + C_SUM_Y] += T(1) - rr;
+            cell[(l + 1) * stride + C_SUM_Y] += rr;
+          } else {
+            cell[(bins.simple(py) ? 0 : bins.hard(py)) * stride + C_SUM_Y] += 1.0;
+          }
+        }
+      }
+      flush();
+      for (int64_t ci = 0; ci < c; ++ci) {  // the lanes' sums in lane order; their count is the kept positions'
+        const double n0 = kept - b.zc[ci * WT];  // less the others'
+        if (!soft) {  // bin 0
+          zero[ci] += n0;
+          for (int l = 0; l < WT; ++l) zero[c + ci] += b.zsd[ci * WT + l];
+          continue;
+        }
+        double* cell = between_p + ci * n_bins * 4;  // soft interval 0: (n, Σu, Σp, Σu·p)
+        cell[0] += n0;
+        for (int l = 0; l < WT; ++l) {
+          cell[2] += b.zsd[3 * ci * WT + l];
+          cell[1] += b.zsd[3 * ci * WT + WT + l];
+          cell[3] += b.zsd[3 * ci * WT + 2 * WT + l];
+        }
+      }
+      if (soft) fold_intervals(between_p, c, n_bins, tab);
+    }
+    if (bad) n_bad += bad;
+  });
 }
 
 // g[t] = p[t]·(u[t] + c[t]) for t < w (distinct arrays: vectorised without alias checks)
