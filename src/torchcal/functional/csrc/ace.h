@@ -960,6 +960,10 @@ void forward_rows(const Spec& s, const T* x, const int64_t* tp, const Bins<T>& s
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     const Bins<T> bins = shared_bins;
     RowBuffers<T> w(k);
+    // soft bins: the listed entries' (n, Σu, Σp, Σu·p) per (class, interval) of the chunk (add_interval)
+    std::vector<double> between(static_cast<size_t>(s.soft ? c * s.bins * 4 : 0));
+    double* const between_p = between.data();
+    const int64_t n_bins = s.bins;
     int64_t bad = 0;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t g = item / s.chunks, r = item % s.chunks;
@@ -970,6 +974,7 @@ void forward_rows(const Spec& s, const T* x, const int64_t* tp, const Bins<T>& s
       double* present = zero + 2 * c;
       double& kept = present[c];
       double& ce_sum = present[c + 1];
+      std::fill(between.begin(), between.end(), 0.0);
       for_rows<T>(s, x, nullptr, m0, m1, w.xb, w.gb, [&](int64_t m, const T* row, T*) {
         const int64_t y = row_label(s, tp[m], bad);
         if (y < 0) {
@@ -1009,10 +1014,7 @@ void forward_rows(const Spec& s, const T* x, const int64_t* tp, const Bins<T>& s
           for (int64_t i = 0; i < n_other; ++i) {
             const int64_t j = list[i];
             bins.soft_of(p[j], l, r, da);
-            double* q = tab + l * stride + j * N_CELL;
-            const T wl = T(1) - r;
-            add_count_p(q, static_cast<double>(wl), static_cast<double>(wl * p[j]));
-            add_count_p(q + stride, static_cast<double>(r), static_cast<double>(r * p[j]));
+            add_interval(between_p + (j * n_bins + l) * 4, static_cast<double>(l), r, p[j]);
           }
           if (y >= first) {  // the label's class: Σ w y of its bins (y = 1 there, 0 in every other class)
             const T py = p[y - first];
@@ -1030,6 +1032,7 @@ void forward_rows(const Spec& s, const T* x, const int64_t* tp, const Bins<T>& s
       });
       w.flush(zero + c, c);
       for (int64_t j = 0; j < c; ++j) zero[j] += kept;  // bin 0's count: every kept row but the others
+      if (s.soft) fold_intervals(between_p, c, n_bins, tab);
     }
     if (bad) n_bad += bad;
   });
