@@ -182,6 +182,7 @@ struct Bins {
   // (1 − r)P_l + r P_{l+1} + r'((P_{l+1} − P_l)(p − y) − (Q_{l+1} − Q_l))
   double u_of(T p, double yv, const double* pg, const double* qg, int64_t c, int64_t ci) const {
     if (!soft) return pg[hard(p) * c + ci];
+    if (n == 1) return pg[ci];  // (one soft bin: its weight 1, no derivative, and no bin 1 to read)
     int64_t l;
     T r, da;
     soft_of(p, l, r, da);
@@ -467,13 +468,14 @@ inline void zero_ignored(int64_t k, int64_t w, PlaneBuffers<T>& b) {
 // = da of Bins::soft_of, u = (1 − r)P_l + r P_{l+1} + da((P_{l+1} − P_l)(p − y) − (Q_{l+1} − Q_l)). Where u
 // is not clamped (da = s, the soft scale), s·p = l + r + 1/2 up to the rounding of the position's fused
 // multiply-add, so for y = 0 u = γ_l + δ_l r with γ_l = P_l + (l + 1/2)(P_{l+1} − P_l) − s(Q_{l+1} − Q_l) (u
-// at the centre between the two bins) and δ_l = 2(P_{l+1} − P_l); clamped above (r = 1, da = 0) u = P_{M−1},
-// below (r = 0, da = 0) u = P_0. So a class has a table of M + 1 pairs (index l, M − 1 above, M below; hard:
-// P_b and 0), rounded to the dtype once per group, and u = γ[i] + δ[i]·r is one lookup and one multiply-add
-// per lane: with AVX-512 and float32 a two-register permute of each table (M + 1 <= 32), else a load per
-// lane. The rounding of the position (|r| < 1, the dropped term (P_{l+1} − P_l)·(s·p − l − r − 1/2) within
-// 2⁻²⁴·M of it) and of the tables (one rounding of γ and δ) replace the float64 arithmetic of Bins::u_of; the
-// label's u (its −s(P_{l+1} − P_l) term, and the cancellation of p − 1) is taken in float64 per position.
+// at r = 0, bin l's centre) and δ_l = 2(P_{l+1} − P_l); clamped above (r = 1, da = 0) u = P_{M−1}, below (r =
+// 0, da = 0) u = P_0. So a class has a table of M + 1 pairs (index l, M − 1 above, M below; hard: P_b and 0),
+// rounded to the dtype once per group, and u = γ[i] + δ[i]·r is two lookups and one multiply-add per lane:
+// with AVX-512 and float32 a two-register permute of each table (M + 1 <= 32), else a load per lane. The
+// rounding of the position (|r| < 1, the dropped term (P_{l+1} − P_l)·(s·p − l − r − 1/2) at most
+// 2⁻²⁴·M·|P_{l+1} − P_l| in float32, 2⁻⁵³·M·|P_{l+1} − P_l| in float64) and of the tables (one rounding of γ
+// and δ) replace the float64 arithmetic of Bins::u_of; the label's u (its −s(P_{l+1} − P_l) term, and the
+// cancellation of p − 1) is taken in float64 per position.
 constexpr int64_t kLaneTable = 32;  // a class's table: at least 32 entries (two AVX-512 float32 registers)
 
 inline int64_t lane_table_size(int64_t bins) { return std::max<int64_t>(kLaneTable, bins + 1); }
@@ -822,11 +824,11 @@ void forward_planes(const Spec& s, const T* x, const int64_t* tp, const Bins<T>&
           present[y - first] += 1.0;
           const T py = b.e[y * kPlane + t];
           double* cell = tab + (y - first) * N_CELL;
-          if (soft) {  // (the weights of the count's position, interval 0 included)
+          if (soft) {  // (the count's weights, 1 − r and r in float64 as its intervals' sums)
             int64_t l;
             T rr, da;
             bins.soft_of(py, l, rr, da);
-            cell[l * stride + C_SUM_Y] += T(1) - rr;
+            cell[l * stride + C_SUM_Y] += 1.0 - static_cast<double>(rr);
             cell[(l + 1) * stride + C_SUM_Y] += rr;
           } else {
             cell[(bins.simple(py) ? 0 : bins.hard(py)) * stride + C_SUM_Y] += 1.0;
@@ -1023,7 +1025,7 @@ void forward_rows(const Spec& s, const T* x, const int64_t* tp, const Bins<T>& s
               q[C_SUM_Y] += 1.0;
             } else {
               bins.soft_of(py, l, r, da);
-              q[l * stride + C_SUM_Y] += T(1) - r;
+              q[l * stride + C_SUM_Y] += 1.0 - static_cast<double>(r);
               q[(l + 1) * stride + C_SUM_Y] += r;
             }
           }
