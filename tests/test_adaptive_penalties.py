@@ -104,6 +104,18 @@ def test_cals_refusals_and_registry():
         CALSLoss().update(torch.zeros(2, 3), from_logits=False)
     with pytest.raises(ValueError, match=r"`lambdas` and `rhos` must have shape \(3,\)"):
         F.cals_loss(torch.zeros(2, 3), torch.tensor([0, 1]), torch.ones(4), torch.ones(4))
+    z, y = torch.zeros(2, 3), torch.tensor([0, 1])
+    lam = torch.full((3,), 1e-6)
+    # both paths: a float32 λ, ρ reach the C++ operator where it is built, a ρ with gradient the torch path
+    for rho in (torch.tensor([1.0, 0.0, 1.0]), torch.tensor([1.0, 0.0, 1.0], requires_grad=True)):
+        with pytest.raises(ValueError, match=r"`rhos` must be finite and > 0 .*got 0.0 for class 1"):
+            F.cals_loss(z, y, lam, rho)
+    with pytest.raises(ValueError, match=r"`rhos` must be finite and > 0 .*got nan for class 2"):
+        F.cals_loss(z, y, lam, torch.tensor([1.0, 1.0, float("nan")]))
+    with pytest.raises(ValueError, match=r"`lambdas` must be finite and >= 0 .*got -1.0 for class 0"):
+        F.cals_loss(z, y, torch.tensor([-1.0, 0.0, 0.0]), torch.ones(3))
+    with pytest.raises(ValueError, match=r"`lambdas` must be finite and >= 0 .*got inf for class 1"):
+        F.cals_statistics(z, y, torch.tensor([0.0, float("inf"), 0.0]), torch.ones(3))
     assert (
         isinstance(create("cals"), CALSLoss) and CALSLoss in ADAPTIVE_LOSSES and AvUCLoss in ADAPTIVE_LOSSES
     )

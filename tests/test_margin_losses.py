@@ -361,6 +361,20 @@ def test_maxsup_is_label_smoothing_with_the_top_logit():
     torch.testing.assert_close(diff, 0.1 * (z.amax(1) - z.mean(1)), rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.parametrize("cpp", [False, True])
+def test_maxsup_rows_of_huge_equal_logits(cpp):
+    """A float32 row of equal logits near the largest float: its sum overflows, the distances to the max do
+    not. The penalty is 0 and the loss log K, on the torch path and on the operator alike."""
+    z = torch.full((2, 4), 3e38, requires_grad=True)
+    with F.use_cpu_extension(cpp):
+        loss = F.maxsup_loss(z, torch.tensor([0, 3]), 0.2)
+        loss.backward()
+    assert loss.item() == pytest.approx(math.log(4), rel=1e-6)
+    assert torch.isfinite(z.grad).all()
+    # CE's gradient (1/4 − y)/2 plus α/2·(1/4 − [k = the max's index]) on each row: its entries sum to 0
+    torch.testing.assert_close(z.grad.sum(1), torch.zeros(2), rtol=0, atol=1e-7)
+
+
 def test_maxsup_ramp():
     """α_t = 0.1 + 0.1·t/(E − 1) (the official ResNet train.py); constant before the epoch count is known
     and with alpha_end=None."""

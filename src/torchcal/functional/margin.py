@@ -463,7 +463,8 @@ def maxsup_loss(
     with _autocast_off(logits):
         rows, _, ce = _ce_rows(logits, targets, ignore_index)
         z = rows.logits
-        penalty = z.max(dim=1).values - z.mean(1)
+        # the mean of the distances to the max, which stays finite where a row's sum would overflow
+        penalty = (z.max(dim=1, keepdim=True).values - z).mean(1)
         return _reduce_penalised(ce, penalty, a, rows, reduction)
 
 
@@ -1616,7 +1617,21 @@ def _class_numbers(lambdas, rhos, z):
             f"`lambdas` and `rhos` must have shape ({z.shape[1]},) (one per class), got "
             f"{tuple(lam.shape)} and {tuple(rho.shape)}"
         )
+    if lam.device.type == "cpu" and not torch.compiler.is_compiling():
+        _check_class_values(lam, rho)
     return lam, rho
+
+
+def _check_class_values(lam, rho):
+    """The ValueError for λ not finite and >= 0 or ρ not finite and > 0 (the PHR penalty divides by ρ; a
+    negative multiplier is not one the update produces), naming the first class that fails."""
+    for name, values, bad, expected in (
+        ("lambdas", lam, ~torch.isfinite(lam) | (lam < 0), "finite and >= 0 (CALS's multipliers)"),
+        ("rhos", rho, ~torch.isfinite(rho) | (rho <= 0), "finite and > 0 (the penalty divides by them)"),
+    ):
+        if bool(bad.any()):
+            k = int(bad.nonzero()[0, 0])
+            raise ValueError(f"`{name}` must be {expected}, got {float(values[k])} for class {k}")
 
 
 def _cals_h(z, margin, normalize):
@@ -1674,6 +1689,8 @@ def _cals_class_params(lambdas, rhos, dtype, m, s):
         if key0 == key and torch.equal(lam0, lambdas) and torch.equal(rho0, rhos):
             return params
     k = lambdas.shape[0]
+    if not torch.compiler.is_compiling():
+        _check_class_values(lambdas, rhos)
     lam, rho = lambdas.to(dtype), rhos.to(dtype)
     a = rho / s
     w = 1 / (2 * rho * k)
