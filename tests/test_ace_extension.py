@@ -351,10 +351,11 @@ def test_hard_bins_of_p_on_and_one_ulp_from_an_edge(dtype, first, second, layout
 
 
 def test_results_do_not_depend_on_the_thread_count():
-    """The bins are summed in chunks fixed by the shape, in chunk order: the same bits on 1 and 3 threads."""
+    """The bins are summed in chunks fixed by the shape, in chunk order: the same bits on 1 and 3 threads. Both
+    shapes have several chunks per group (Spec's rule, at least 1,024 rows: 4 for the rows, 7 per image)."""
     g = torch.Generator().manual_seed(2)
     cases = [(3 * torch.randn(5000, 64, generator=g), torch.randint(0, 64, (5000,), generator=g)),
-             (3 * torch.randn(2, 19, 40, 50, generator=g), torch.randint(0, 19, (2, 40, 50), generator=g))]  # fmt: skip
+             (3 * torch.randn(2, 19, 80, 100, generator=g), torch.randint(0, 19, (2, 80, 100), generator=g))]  # fmt: skip
 
     def step(z, y, binning):
         x = z.clone().requires_grad_(True)

@@ -80,8 +80,9 @@ inline Spec make_spec(const at::Tensor& logits, const at::Tensor& targets, at::A
   s.empty_weight = params[1];
   s.has_ignore = ignore_index.has_value();
   s.ignore = ignore_index.value_or(0);
-  // chunks of >= 512 rows, at most 16 per group, their partial tables within 8 MiB: fixed by the shape
-  s.chunks = std::max<int64_t>(1, std::min<int64_t>(16, s.per_group / 512));
+  // chunks of >= 1024 rows, at most 16 per group, their partial tables within 8 MiB: fixed by the shape (each
+  // chunk zeroes, folds and sums its tables once: decision 261)
+  s.chunks = std::max<int64_t>(1, std::min<int64_t>(16, s.per_group / 1024));
   while (s.chunks > 1 && s.groups * s.chunks * s.part_size() * 8 > (int64_t{8} << 20)) --s.chunks;
   return s;
 }
@@ -701,11 +702,12 @@ __attribute__((always_inline)) inline void add_interval(double* cell, double l, 
   const double u = l + static_cast<double>(r), pd = static_cast<double>(p);
   store(cell, load<V4>(cell) + V4{1.0, u, pd, u * pd});
 }
-inline void fold_intervals(const double* between, int64_t c, int64_t n_bins, double* tab) {
+// (between left zeroed for the next chunk: only the intervals that hold an entry are written)
+inline void fold_intervals(double* between, int64_t c, int64_t n_bins, double* tab) {
   const int64_t stride = c * N_CELL;
   for (int64_t ci = 0; ci < c; ++ci) {
     for (int64_t l = 0; l + 1 < n_bins; ++l) {
-      const double* v = between + (ci * n_bins + l) * 4;
+      double* v = between + (ci * n_bins + l) * 4;
       if (v[0] == 0.0) continue;
       const double ld = static_cast<double>(l);
       double* cell = tab + l * stride + ci * N_CELL;
@@ -713,6 +715,7 @@ inline void fold_intervals(const double* between, int64_t c, int64_t n_bins, dou
       cell[C_SUM_P] += (1.0 + ld) * v[2] - v[3];
       cell[stride + C_COUNT] += v[1] - ld * v[0];
       cell[stride + C_SUM_P] += v[3] - ld * v[2];
+      v[0] = v[1] = v[2] = v[3] = 0.0;
     }
   }
 }
@@ -741,11 +744,11 @@ void forward_planes(const Spec& s, const T* x, const int64_t* tp, const Bins<T>&
       const int64_t q0 = g * group_tiles + group_tiles * r / s.chunks;
       const int64_t q1 = g * group_tiles + group_tiles * (r + 1) / s.chunks;
       double* tab = parts + item * s.part_size();
+      std::fill(tab, tab + s.part_size(), 0.0);  // (zeroed by its thread: the pages it then uses)
       double* zero = tab + c * s.bins * N_CELL;
       double* present = zero + 2 * c;
       double& kept = present[c];
       double& ce_sum = present[c + 1];
-      std::fill(between.begin(), between.end(), 0.0);
       std::fill(b.zc.begin(), b.zc.end(), 0.0);
       std::fill(b.zsd.begin(), b.zsd.end(), 0.0);
       std::fill(b.zs.begin(), b.zs.end(), T(0));
@@ -972,11 +975,11 @@ void forward_rows(const Spec& s, const T* x, const int64_t* tp, const Bins<T>& s
       const int64_t m0 = g * s.per_group + s.per_group * r / s.chunks;
       const int64_t m1 = g * s.per_group + s.per_group * (r + 1) / s.chunks;
       double* tab = parts + item * s.part_size();
+      std::fill(tab, tab + s.part_size(), 0.0);  // (zeroed by its thread: the pages it then uses)
       double* zero = tab + c * s.bins * N_CELL;
       double* present = zero + 2 * c;
       double& kept = present[c];
       double& ce_sum = present[c + 1];
-      std::fill(between.begin(), between.end(), 0.0);
       for_rows<T>(s, x, nullptr, m0, m1, w.xb, w.gb, [&](int64_t m, const T* row, T*) {
         const int64_t y = row_label(s, tp[m], bad);
         if (y < 0) {
@@ -1070,7 +1073,7 @@ inline Forward forward(const at::Tensor& logits, const at::Tensor& targets, cons
   const int64_t* tp = t.data_ptr<int64_t>();
   at::Tensor stats = at::zeros({s.stats_size()}, x.options().dtype(at::kDouble));
   // one partial per chunk; with one chunk per group the groups' partials are laid out as the statistics
-  at::Tensor parts = at::zeros({s.groups * s.chunks * s.part_size()}, stats.options());
+  at::Tensor parts = at::empty({s.groups * s.chunks * s.part_size()}, stats.options());
   at::Tensor loss;
   at::Tensor ce_rows;
   if (s.reduction == 0) ce_rows = at::empty(targets.sizes(), logits.options());
@@ -1098,16 +1101,27 @@ inline Forward forward(const at::Tensor& logits, const at::Tensor& targets, cons
   double* present = st + s.table_size();
   double* kept = present + s.groups * s.c;
   double* totals = kept + s.groups;
+  // (each number of the tables sums its chunks in order, bin 0's counts and Σ p each chunk's table then its
+  // simple entries; the numbers in parallel)
+  const int64_t bin0 = s.c * N_CELL;
+  at::parallel_for(0, s.groups * table, 2048, [&](int64_t begin, int64_t end) {
+    for (int64_t at = begin; at < end; ++at) {
+      const int64_t g = at / table, i = at % table;
+      const int64_t kind = i % N_CELL;
+      const int64_t zi = i >= bin0 || kind == C_SUM_Y ? -1 : table + (kind == C_SUM_P ? s.c : 0) + i / N_CELL;
+      const double* part = pp + g * s.chunks * s.part_size();
+      double v = st[at];
+      for (int64_t r = 0; r < s.chunks; ++r, part += s.part_size()) {
+        v += part[i];
+        if (zi >= 0) v += part[zi];
+      }
+      st[at] = v;
+    }
+  });
   for (int64_t g = 0; g < s.groups; ++g) {
     for (int64_t r = 0; r < s.chunks; ++r) {
       const double* part = pp + (g * s.chunks + r) * s.part_size();
-      for (int64_t i = 0; i < table; ++i) st[g * table + i] += part[i];
-      const double* zero = part + table;  // the simple entries: bin 0
-      for (int64_t c = 0; c < s.c; ++c) {
-        st[g * table + c * N_CELL + C_COUNT] += zero[c];
-        st[g * table + c * N_CELL + C_SUM_P] += zero[s.c + c];
-      }
-      const double* rest = zero + 2 * s.c;
+      const double* rest = part + table + 2 * s.c;
       for (int64_t c = 0; c < s.c; ++c) present[g * s.c + c] += rest[c];
       kept[g] += rest[s.c];
       totals[0] += rest[s.c + 1];
