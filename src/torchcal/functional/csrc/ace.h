@@ -1102,20 +1102,22 @@ inline Forward forward(const at::Tensor& logits, const at::Tensor& targets, cons
   double* kept = present + s.groups * s.c;
   double* totals = kept + s.groups;
   // (each number of the tables sums its chunks in order, bin 0's counts and Σ p each chunk's table then its
-  // simple entries; the numbers in parallel)
+  // simple entries, as one loop would; ranges of the numbers in parallel)
   const int64_t bin0 = s.c * N_CELL;
   at::parallel_for(0, s.groups * table, 2048, [&](int64_t begin, int64_t end) {
-    for (int64_t at = begin; at < end; ++at) {
-      const int64_t g = at / table, i = at % table;
-      const int64_t kind = i % N_CELL;
-      const int64_t zi = i >= bin0 || kind == C_SUM_Y ? -1 : table + (kind == C_SUM_P ? s.c : 0) + i / N_CELL;
-      const double* part = pp + g * s.chunks * s.part_size();
-      double v = st[at];
-      for (int64_t r = 0; r < s.chunks; ++r, part += s.part_size()) {
-        v += part[i];
-        if (zi >= 0) v += part[zi];
+    while (begin < end) {  // (one group at a time)
+      const int64_t g = begin / table, i0 = begin % table, i1 = std::min(table, i0 + (end - begin));
+      double* out = st + g * table;
+      for (int64_t r = 0; r < s.chunks; ++r) {
+        const double* part = pp + (g * s.chunks + r) * s.part_size();
+        for (int64_t i = i0; i < i1; ++i) out[i] += part[i];
+        const double* zero = part + table;  // the simple entries: bin 0
+        for (int64_t i = i0; i < std::min(i1, bin0); ++i) {
+          const int64_t kind = i % N_CELL;
+          if (kind != C_SUM_Y) out[i] += zero[(kind == C_SUM_P ? s.c : 0) + i / N_CELL];
+        }
       }
-      st[at] = v;
+      begin += i1 - i0;
     }
   });
   for (int64_t g = 0; g < s.groups; ++g) {
