@@ -116,6 +116,20 @@ def test_cals_refusals_and_registry():
         F.cals_loss(z, y, torch.tensor([-1.0, 0.0, 0.0]), torch.ones(3))
     with pytest.raises(ValueError, match=r"`lambdas` must be finite and >= 0 .*got inf for class 1"):
         F.cals_statistics(z, y, torch.tensor([0.0, float("inf"), 0.0]), torch.ones(3))
+    # checked in the logits' dtype: a float64 ρ of 1e-50 is 0 in float32 (the operator's path and the torch
+    # path alike)
+    for rho in (torch.full((3,), 1e-50, dtype=torch.float64), torch.full((3,), 1e-50, dtype=torch.float64,
+                                                                       requires_grad=True)):  # fmt: skip
+        with pytest.raises(ValueError, match=r"`rhos` must be finite and > 0 .*got 0.0 for class 0"):
+            F.cals_loss(z, y, lam.double(), rho)
+    # an update from NaN logits names the statistics and leaves λ, ρ and the accumulated sums as they were
+    loss = CALSLoss(num_classes=3)
+    before = {name: getattr(loss, name).clone() for name in ("lambdas", "rhos", "statistics")}
+    bad = torch.tensor([[0.0, float("nan"), 1.0], [1.0, 0.0, 0.0]])
+    with pytest.raises(ValueError, match=r"CALSLoss.update: the statistics of class 0 are not finite"):
+        loss.update(bad)
+    for name, value in before.items():
+        assert torch.equal(getattr(loss, name), value)
     assert (
         isinstance(create("cals"), CALSLoss) and CALSLoss in ADAPTIVE_LOSSES and AvUCLoss in ADAPTIVE_LOSSES
     )

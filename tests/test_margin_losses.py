@@ -373,6 +373,12 @@ def test_maxsup_rows_of_huge_equal_logits(cpp):
     assert torch.isfinite(z.grad).all()
     # CE's gradient (1/4 − y)/2 plus α/2·(1/4 − [k = the max's index]) on each row: its entries sum to 0
     torch.testing.assert_close(z.grad.sum(1), torch.zeros(2), rtol=0, atol=1e-7)
+    # a row whose spread exceeds the largest float: max − z overflows, max − mean(z) = 3e38 does not; the
+    # label is the max, so CE is 0 and the loss α·3e38
+    spread = torch.tensor([[3e38, -3e38, 0.0, 0.0]])
+    with F.use_cpu_extension(cpp):
+        value = F.maxsup_loss(spread, torch.tensor([0]), 0.2)
+    assert value.item() == pytest.approx(0.2 * 3e38, rel=1e-6)
 
 
 def test_maxsup_ramp():

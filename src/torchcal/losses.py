@@ -1125,6 +1125,15 @@ class CALSLoss(_Loss):
             sums = self._statistics(z, None if targets is None else torch.as_tensor(targets))
         else:
             sums = _all_reduce_sum(self.statistics)
+        bad = ~torch.isfinite(sums)
+        if bool(bad.any()):  # (before any state changes: λ, ρ and the accumulated sums stay as they were)
+            k = sums.numel() // 2
+            i = int(bad.nonzero()[0, 0])
+            where = "the position count" if i == 2 * k else f"class {i % k}"
+            raise ValueError(
+                f"CALSLoss.update: the statistics of {where} are not finite (NaN or infinite logits); "
+                "the multipliers were not updated"
+            )
         self.statistics.zero_()
         sums = sums.to(self.lambdas)
         k = self.lambdas.numel()

@@ -463,8 +463,8 @@ def maxsup_loss(
     with _autocast_off(logits):
         rows, _, ce = _ce_rows(logits, targets, ignore_index)
         z = rows.logits
-        # the mean of the distances to the max, which stays finite where a row's sum would overflow
-        penalty = (z.max(dim=1, keepdim=True).values - z).mean(1)
+        # the mean in float64, as the operator: a float32 row's sum may overflow (equal logits near 3e38)
+        penalty = z.max(dim=1).values - z.mean(1, dtype=torch.float64).to(z.dtype)
         return _reduce_penalised(ce, penalty, a, rows, reduction)
 
 
@@ -1689,9 +1689,9 @@ def _cals_class_params(lambdas, rhos, dtype, m, s):
         if key0 == key and torch.equal(lam0, lambdas) and torch.equal(rho0, rhos):
             return params
     k = lambdas.shape[0]
-    if not torch.compiler.is_compiling():
-        _check_class_values(lambdas, rhos)
     lam, rho = lambdas.to(dtype), rhos.to(dtype)
+    if caching:  # (in the logits' dtype, as _class_numbers: a float64 ρ of 1e-50 is 0 in float32)
+        _check_class_values(lam, rho)
     a = rho / s
     w = 1 / (2 * rho * k)
     params = torch.stack([a, lam - a * m, w, lam * lam * w])

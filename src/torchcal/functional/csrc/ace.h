@@ -80,8 +80,9 @@ inline Spec make_spec(const at::Tensor& logits, const at::Tensor& targets, at::A
   s.empty_weight = params[1];
   s.has_ignore = ignore_index.has_value();
   s.ignore = ignore_index.value_or(0);
-  // chunks of >= 1024 rows, at most 16 per group, their partial tables within 8 MiB: fixed by the shape (each
-  // chunk zeroes, folds and sums its tables once: decision 261)
+  // chunks of about 1024 rows or more (the tiles of (N, K, S) inputs may cut a few short), at most 16 per group,
+  // their partial tables within 8 MiB: fixed by the shape (each chunk zeroes its partial and folds its
+  // intervals; the partials are summed once: decision 261)
   s.chunks = std::max<int64_t>(1, std::min<int64_t>(16, s.per_group / 1024));
   while (s.chunks > 1 && s.groups * s.chunks * s.part_size() * 8 > (int64_t{8} << 20)) --s.chunks;
   return s;
@@ -702,7 +703,8 @@ __attribute__((always_inline)) inline void add_interval(double* cell, double l, 
   const double u = l + static_cast<double>(r), pd = static_cast<double>(p);
   store(cell, load<V4>(cell) + V4{1.0, u, pd, u * pd});
 }
-// (between left zeroed for the next chunk: only the intervals that hold an entry are written)
+// (between left zeroed for the next chunk: every write into an interval counts its entries in v[0], so an
+// interval with v[0] = 0 holds zeros and is skipped; the others are folded and cleared)
 inline void fold_intervals(double* between, int64_t c, int64_t n_bins, double* tab) {
   const int64_t stride = c * N_CELL;
   for (int64_t ci = 0; ci < c; ++ci) {
@@ -1072,7 +1074,7 @@ inline Forward forward(const at::Tensor& logits, const at::Tensor& targets, cons
   double* row_max = nullptr;
   const int64_t* tp = t.data_ptr<int64_t>();
   at::Tensor stats = at::zeros({s.stats_size()}, x.options().dtype(at::kDouble));
-  // one partial per chunk; with one chunk per group the groups' partials are laid out as the statistics
+  // one partial per chunk (each zeroed by the thread that fills it)
   at::Tensor parts = at::empty({s.groups * s.chunks * s.part_size()}, stats.options());
   at::Tensor loss;
   at::Tensor ce_rows;
