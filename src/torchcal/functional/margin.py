@@ -1631,7 +1631,7 @@ def _check_class_values(lam, rho):
     ):
         if bool(bad.any()):
             k = int(bad.nonzero()[0, 0])
-            raise ValueError(f"`{name}` must be {expected}, got {float(values[k])} for class {k}")
+            raise ValueError(f"`{name}` must be {expected}, got {float(values[k].detach())} for class {k}")
 
 
 def _cals_h(z, margin, normalize):
