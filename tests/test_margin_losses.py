@@ -363,8 +363,8 @@ def test_maxsup_is_label_smoothing_with_the_top_logit():
 
 @pytest.mark.parametrize("cpp", [False, True])
 def test_maxsup_rows_of_huge_equal_logits(cpp):
-    """A float32 row of equal logits near the largest float: its sum overflows, the distances to the max do
-    not. The penalty is 0 and the loss log K, on the torch path and on the operator alike."""
+    """A float32 row of equal logits near the largest float: its float32 sum overflows, a float64 one (the
+    operator's, and the torch path's mean) does not. The penalty is 0 and the loss log K, on both paths."""
     z = torch.full((2, 4), 3e38, requires_grad=True)
     with F.use_cpu_extension(cpp):
         loss = F.maxsup_loss(z, torch.tensor([0, 3]), 0.2)
@@ -373,8 +373,8 @@ def test_maxsup_rows_of_huge_equal_logits(cpp):
     assert torch.isfinite(z.grad).all()
     # CE's gradient (1/4 − y)/2 plus α/2·(1/4 − [k = the max's index]) on each row: its entries sum to 0
     torch.testing.assert_close(z.grad.sum(1), torch.zeros(2), rtol=0, atol=1e-7)
-    # a row whose spread exceeds the largest float: max − z overflows, max − mean(z) = 3e38 does not; the
-    # label is the max, so CE is 0 and the loss α·3e38
+    # a row whose spread exceeds the largest float: max − z would overflow, max − mean(z) = 3e38 does not;
+    # the label is the max, so CE is 0 and the loss α·3e38
     spread = torch.tensor([[3e38, -3e38, 0.0, 0.0]])
     with F.use_cpu_extension(cpp):
         value = F.maxsup_loss(spread, torch.tensor([0]), 0.2)

@@ -1623,8 +1623,9 @@ def _class_numbers(lambdas, rhos, z):
 
 
 def _check_class_values(lam, rho):
-    """The ValueError for λ not finite and >= 0 or ρ not finite and > 0 (the PHR penalty divides by ρ; a
-    negative multiplier is not one the update produces), naming the first class that fails."""
+    """The ValueError for a λ that is negative or not finite, or a ρ that is not positive or not finite (the
+    PHR penalty divides by ρ; the update never makes a negative multiplier), naming the first class that
+    fails."""
     for name, values, bad, expected in (
         ("lambdas", lam, ~torch.isfinite(lam) | (lam < 0), "finite and >= 0 (CALS's multipliers)"),
         ("rhos", rho, ~torch.isfinite(rho) | (rho <= 0), "finite and > 0 (the penalty divides by them)"),

@@ -657,7 +657,7 @@ inline int64_t list_class(const Bins<T>& bins, const T* p, int64_t w, T thr, int
 }
 
 // Soft bins (M >= 2): one class row p of a tile (w positions) whose entries in interval 0 — position u (that
-// of Bins::soft_of before its clamp above: the fused multiply-add, clamped below at 0) below 1, the entries
+// of Bins::soft_of: the fused multiply-add, clamped to [0, M − 1]) below 1, the entries
 // below the first centre (u = 0) among them — are summed per lane in zs (three rows of the class's lanes: Σ p,
 // Σ u, Σ u·p); the others are appended to list as base + t and counted in zc (an ignored position's p is 0:
 // u = 0, adding 0)
@@ -666,13 +666,12 @@ inline int64_t list_class_soft(const Bins<T>& bins, const T* p, int64_t w, int32
                                int64_t n_list, T* zs, double* zc) {
   constexpr int W = Vec<T, kWideBytes>::width;
   using V = typename Vec<T, kWideBytes>::type;
-  const V zero = {}, one = broadcast<V>(T(1)), sc = broadcast<V>(bins.scale), half = broadcast<V>(T(-0.5));
-  const V below_one = broadcast<V>(std::nextafter(T(1), T(0)));
+  const V zero = {}, one = broadcast<V>(T(1)), below_one = broadcast<V>(std::nextafter(T(1), T(0)));
   int64_t t = 0;
   for (; t + W <= w; t += W) {
     const V pv = load<V>(p + t);
-    const V raw = fma_lanes<T, kWideBytes>(pv, sc, half);
-    const V u = raw > zero ? raw : zero;  // (NaN: 0)
+    V raw, u, l;  // (u's clamp at M − 1 >= 1 leaves u < 1 as it is; l is not used)
+    soft_lanes<T, kWideBytes>(bins, pv, raw, u, l);
     const auto in0 = u < one;
     store(zs, load<V>(zs) + (in0 ? pv : zero));
     store(zs + W, load<V>(zs + W) + (in0 ? u : zero));
@@ -967,8 +966,10 @@ void forward_rows(const Spec& s, const T* x, const int64_t* tp, const Bins<T>& s
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     const Bins<T> bins = shared_bins;
     RowBuffers<T> w(k);
-    // soft bins: the listed entries' (n, Σu, Σp, Σu·p) per (class, interval) of the chunk (add_interval)
-    std::vector<double> between(static_cast<size_t>(s.soft ? c * s.bins * 4 : 0));
+    // soft bins (M >= 2; one soft bin lists nothing): the listed entries' (n, Σu, Σp, Σu·p) per (class,
+    // interval) of the chunk (add_interval)
+    const bool soft = s.soft && s.bins > 1;
+    std::vector<double> between(static_cast<size_t>(soft ? c * s.bins * 4 : 0));
     double* const between_p = between.data();
     const int64_t n_bins = s.bins;
     int64_t bad = 0;
@@ -1039,7 +1040,7 @@ void forward_rows(const Spec& s, const T* x, const int64_t* tp, const Bins<T>& s
       });
       w.flush(zero + c, c);
       for (int64_t j = 0; j < c; ++j) zero[j] += kept;  // bin 0's count: every kept row but the others
-      if (s.soft) fold_intervals(between_p, c, n_bins, tab);
+      if (soft) fold_intervals(between_p, c, n_bins, tab);
     }
     if (bad) n_bad += bad;
   });
