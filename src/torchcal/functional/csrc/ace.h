@@ -473,12 +473,18 @@ inline void zero_ignored(int64_t k, int64_t w, PlaneBuffers<T>& b) {
 // at r = 0, bin l's centre) and δ_l = 2(P_{l+1} − P_l); clamped above (r = 1, da = 0) u = P_{M−1}, below (r =
 // 0, da = 0) u = P_0. So a class has a table of M + 1 pairs (index l, M − 1 above, M below; hard: P_b and 0),
 // rounded to the dtype once per group, and u = γ[i] + δ[i]·r is two lookups and one multiply-add per lane:
-// with AVX-512 and float32 a two-register permute of each table (M + 1 <= 32), else a load per lane. The
+// with float32 and M + 1 <= 32 a two-register permute of each table (AVX-512) or four one-register permutes
+// and three blends (AVX2), else a load per lane. The
 // rounding of the position (|r| < 1, the dropped term (P_{l+1} − P_l)·(s·p − l − r − 1/2) at most
 // 2⁻²⁴·M·|P_{l+1} − P_l| in float32, 2⁻⁵³·M·|P_{l+1} − P_l| in float64) and of the tables (one rounding of γ
 // and δ) replace the float64 arithmetic of Bins::u_of; the label's u (its −s(P_{l+1} − P_l) term, and the
 // cancellation of p − 1) is taken in float64 per position.
-constexpr int64_t kLaneTable = 32;  // a class's table: at least 32 entries (two AVX-512 float32 registers)
+#if defined(__AVX2__)
+constexpr bool kHasAvx2 = true;
+#else
+constexpr bool kHasAvx2 = false;
+#endif
+constexpr int64_t kLaneTable = 32;  // a class's table: at least 32 entries (2 AVX-512 or 4 AVX2 float32 registers)
 
 inline int64_t lane_table_size(int64_t bins) { return std::max<int64_t>(kLaneTable, bins + 1); }
 
@@ -526,6 +532,19 @@ __attribute__((always_inline)) inline typename Vec<T, Bytes>::type lookup(const 
   if constexpr (std::is_same<T, float>::value && Bytes == 64) {
     if (permute) return (V)_mm512_permutex2var_ps(_mm512_loadu_ps(tab), (__m512i)idx, _mm512_loadu_ps(tab + 16));
   }
+#elif defined(__AVX2__)
+  if constexpr (std::is_same<T, float>::value && Bytes == 32) {
+    if (permute) {  // each quarter of the table permuted by the index's low 3 bits, chosen by its bits 3 and 4
+      const __m256i ix = (__m256i)idx;
+      const __m256 b3 = _mm256_castsi256_ps(_mm256_slli_epi32(ix, 28));  // (blendv reads the sign bit)
+      const __m256 b4 = _mm256_castsi256_ps(_mm256_slli_epi32(ix, 27));
+      const __m256 q01 = _mm256_blendv_ps(_mm256_permutevar8x32_ps(_mm256_loadu_ps(tab), ix),
+                                          _mm256_permutevar8x32_ps(_mm256_loadu_ps(tab + 8), ix), b3);
+      const __m256 q23 = _mm256_blendv_ps(_mm256_permutevar8x32_ps(_mm256_loadu_ps(tab + 16), ix),
+                                          _mm256_permutevar8x32_ps(_mm256_loadu_ps(tab + 24), ix), b3);
+      return (V)_mm256_blendv_ps(q01, q23, b4);
+    }
+  }
 #endif
   (void)permute;
   V out;
@@ -565,9 +584,9 @@ __attribute__((noinline)) typename Vec<T, Bytes>::type hard_lanes(const Bins<T>&
   return b;
 }
 
-// the hard bin of the lanes p (Bins::hard): b from p·M/(1 + eps) and one step either way against the edges
-// (lower: lane_lower's), checked; Bins::hard for the lanes of a vector where the check fails (never for p in
-// [0, 1] with torch.linspace edges, M <= 31 checked for every float32; any sorted edges stay exact)
+// the hard bin of the lanes p (Bins::hard): b = ⌊p·M/(1 + eps)⌋ clamped to [0, M − 1], checked against its
+// edges (lower: lane_lower's), two lookups; Bins::hard for the lanes of a vector where the check fails (p
+// within a few ulps of an edge with torch.linspace edges, and NaN; any sorted edges stay exact)
 template <typename T, int Bytes>
 __attribute__((always_inline)) inline typename Vec<T, Bytes>::type hard_bin_lanes(const Bins<T>& bins, const T* lower,
                                                                                   typename Vec<T, Bytes>::type p,
@@ -578,14 +597,10 @@ __attribute__((always_inline)) inline typename Vec<T, Bytes>::type hard_bin_lane
   V f = p * broadcast<V>(bins.scale);
   f = f > zero ? f : zero;  // (NaN: 0)
   f = f < top ? f : top;
-  const V g0 = __builtin_convertvector(__builtin_convertvector(f, typename Vec<T, Bytes>::int32), V);
-  V b = g0 - (p > lookup<T, Bytes>(lower, g0, permute) ? zero : one);
-  b = b + (p > lookup<T, Bytes>(lower, g0 + one, permute) ? one : zero);
-  b = b > zero ? b : zero;  // (in [0, M − 1], so that the check's reads stay in the table)
-  b = b < top ? b : top;
+  const V b = __builtin_convertvector(__builtin_convertvector(f, typename Vec<T, Bytes>::int32), V);
   const V lo = lookup<T, Bytes>(lower, b, permute), hi = lookup<T, Bytes>(lower, b + one, permute);
   constexpr uint64_t all = (uint64_t{1} << W) - 1;
-  if ((compare_mask<T, Bytes>(p, lo) & ~compare_mask<T, Bytes>(p, hi) & all) != all) b = hard_lanes<T, Bytes>(bins, p);
+  if ((compare_mask<T, Bytes>(p, lo) & ~compare_mask<T, Bytes>(p, hi) & all) != all) return hard_lanes<T, Bytes>(bins, p);
   return b;
 }
 
@@ -880,7 +895,8 @@ void backward_planes(const Spec& s, const T* x, T* grad, const int64_t* tp, cons
   const int64_t k = s.k, first = s.first, c = s.c, sp = s.sp;
   const int64_t per_image = (sp + kPlane - 1) / kPlane;
   const int64_t size = lane_table_size(s.bins);
-  const bool permute = std::is_same<T, float>::value && kWideBytes == 64 && s.bins + 1 <= kLaneTable;
+  const bool permute = std::is_same<T, float>::value && (kWideBytes == 64 || (kWideBytes == 32 && kHasAvx2)) &&
+                       s.bins + 1 <= kLaneTable;
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / (k * kPlane));
   at::parallel_for(0, s.n * per_image, grain, [&](int64_t begin, int64_t end) {
     const Bins<T> bins = shared_bins;
