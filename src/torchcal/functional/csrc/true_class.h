@@ -173,9 +173,26 @@ inline uint64_t compare_mask(typename Vec<T, Bytes>::type v, typename Vec<T, Byt
   return mask;
 }
 
+// kCompress8.lanes[mask] = the lanes l < 8 of mask's set bits in order, one byte each (AVX2's append_lanes)
+struct CompressTable {
+  uint64_t lanes[256];
+};
+constexpr CompressTable make_compress_table() {
+  CompressTable t{};
+  for (int mask = 0; mask < 256; ++mask) {
+    int n = 0;
+    for (int l = 0; l < 8; ++l)
+      if ((mask >> l) & 1) t.lanes[mask] |= static_cast<uint64_t>(l) << (8 * n++);
+  }
+  return t;
+}
+inline constexpr CompressTable kCompress8 = make_compress_table();
+
 // list[m..) = j0 + l for each set bit l < N of mask, in lane order; returns m + the number of those bits. No
 // branch on the bits: a loop over them mispredicts its exit wherever a few lanes of a row are set. The list
-// needs N slots of room past its last entry (the AVX-512 paths, N = 8 or 16, store all N lanes).
+// needs N slots of room past its last entry (the vector paths store all N lanes: AVX-512's compress for N = 8
+// or 16, AVX2's lanes of kCompress8 widened to 32 bits for N = 4 or 8, where the scalar loop's stores each
+// waited for the count of the one before).
 template <int N>
 inline int64_t append_lanes(int32_t* list, int64_t m, uint64_t mask, int32_t j0) {
 #if defined(__AVX512F__) && defined(__AVX512VL__)
@@ -190,6 +207,21 @@ inline int64_t append_lanes(int32_t* list, int64_t m, uint64_t mask, int32_t j0)
                                          _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
     const __mmask16 bits = static_cast<__mmask16>(mask);
     _mm512_storeu_si512(reinterpret_cast<void*>(list + m), _mm512_maskz_compress_epi32(bits, idx));
+    return m + __builtin_popcount(bits);
+  }
+#elif defined(__AVX2__)
+  if constexpr (N == 8) {
+    const uint32_t bits = static_cast<uint32_t>(mask & 0xffu);
+    const __m128i lanes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(kCompress8.lanes + bits));
+    const __m256i idx = _mm256_add_epi32(_mm256_cvtepu8_epi32(lanes), _mm256_set1_epi32(j0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(list + m), idx);
+    return m + __builtin_popcount(bits);
+  }
+  if constexpr (N == 4) {
+    const uint32_t bits = static_cast<uint32_t>(mask & 0xfu);
+    const __m128i lanes = _mm_cvtsi32_si128(static_cast<int>(kCompress8.lanes[bits]));
+    const __m128i idx = _mm_add_epi32(_mm_cvtepu8_epi32(lanes), _mm_set1_epi32(j0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(list + m), idx);
     return m + __builtin_popcount(bits);
   }
 #endif
