@@ -10,7 +10,7 @@ import os
 import numpy as np
 import torch
 
-__all__ = ["LossSpec", "REDUCTIONS", "env_enabled", "ordered_sum", "reduce_loss", "switched"]
+__all__ = ["LossSpec", "REDUCTIONS", "env_enabled", "ordered_softmax", "ordered_sum", "reduce_loss", "switched"]
 
 
 def env_enabled(name: str) -> bool:
@@ -103,6 +103,32 @@ def ordered_sum(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     if full < n:
         parts = torch.cat([parts, x[full:].sum(0, dtype=acc)[None]])
     return ordered_sum(parts, 0).to(x.dtype)
+
+
+class _RowSoftmax(torch.autograd.Function):
+    """softmax over dimension 1 whose backward is p ⊙ (g − Σ_j g_j p_j) in elementwise operations and a sum
+    along the row: torch's own CPU softmax backward can differ in the last bit with the thread count (seen on
+    an AVX2 CPU for rows of 10 to 15 classes). Differentiable twice (the backward is made of torch operations
+    on the saved output)."""
+
+    @staticmethod
+    def forward(ctx, z):
+        p = torch.softmax(z, 1)
+        ctx.save_for_backward(p)
+        return p
+
+    @staticmethod
+    def backward(ctx, grad):
+        (p,) = ctx.saved_tensors
+        return p * (grad - (grad * p).sum(1, keepdim=True))
+
+
+def ordered_softmax(z: torch.Tensor) -> torch.Tensor:
+    """``torch.softmax(z, 1)``, the same values, with a gradient that does not depend on the number of threads
+    on the CPU (outside ``torch.compile``; elsewhere torch's softmax)."""
+    if z.device.type != "cpu" or not z.requires_grad or torch.compiler.is_compiling():
+        return torch.softmax(z, 1)
+    return _RowSoftmax.apply(z)
 
 
 def reduce_loss(loss: torch.Tensor, reduction: str) -> torch.Tensor:

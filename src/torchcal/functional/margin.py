@@ -53,7 +53,7 @@ from ._loss_inputs import (
     reduce_rows,
     smoothed_targets,
 )
-from ._spec import REDUCTIONS, ordered_sum
+from ._spec import REDUCTIONS, ordered_softmax, ordered_sum
 
 __all__ = [
     "acls_loss",
@@ -854,7 +854,7 @@ def _sbece_term(batch: _Batch, n_bins, temperature, form, sync, group):
         if fused is not None:
             return fused
     centres = (torch.arange(n_bins, dtype=conf.dtype, device=conf.device) + 0.5) / n_bins
-    g = torch.softmax(-((conf[:, None] - centres) ** 2) / temperature, 1) * kept[:, None]  # (M rows, bins)
+    g = ordered_softmax(-((conf[:, None] - centres) ** 2) / temperature) * kept[:, None]  # (M rows, bins)
     if form == "label":
         sums = _global_sums(
             torch.cat([ordered_sum(g, 0), ordered_sum(g * correct[:, None], 0), ordered_sum(kept)[None]]),
@@ -1521,7 +1521,7 @@ def _ace_inputs(logits, targets, multilabel, per_image, ignore_index):
     rows = loss_rows(logits, targets, check_ignore_index(ignore_index))
     if rows.keep is not None:  # an ignored row's logits take no part (NaN or −inf padding: 0, and 0 gradient)
         rows = rows._replace(logits=torch.where(rows.keep[:, None], rows.logits, rows.logits.new_zeros(())))
-    p = torch.softmax(rows.logits, 1)
+    p = ordered_softmax(rows.logits)
     c = p.shape[1]
     y = rows.targets if rows.soft else torch.nn.functional.one_hot(rows.targets, c).to(p.dtype)
     kept = p.new_ones(p.shape[0]) if rows.keep is None else rows.keep.to(p.dtype)
