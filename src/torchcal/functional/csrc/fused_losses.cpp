@@ -364,6 +364,106 @@ bool margin_by_lanes(const Layout& l, const MarginSpec& s) {
   return l.sp >= MarginLanes<T>::W && margin_lanes_kind(s.kind) && l.k < (int64_t{1} << 24);
 }
 
+// (N, K) rows of at most this many classes take the lane kernels W rows at a time (transposed into a tile):
+// walked on its own, a short row is mostly scalar tails and per-row work (at K = 10 the row kernels spent
+// ~4 scalar exps and a log per row; decisions 218 and 265)
+constexpr int64_t kRowLaneClasses = 32;
+
+// Whether float32 (N, K) rows take the margin lane kernels, W rows to a tile (float64 lanes take std::exp per
+// lane: no faster than the row kernel)
+template <typename T>
+bool margin_rows_by_lanes(const Layout& l, const MarginSpec& s) {
+  return std::is_same<T, float>::value && l.sp == 1 && l.k <= kRowLaneClasses && margin_lanes_kind(s.kind);
+}
+
+// The forward statistics of (N, K) rows by lanes into op (margin_rows_by_lanes): blocks of W rows, each
+// transposed into a tile (class j of row t at j·W + t; a last, partial block padded with zeros and labels −1);
+// returns the number of labels outside [0, K). part_sums (CALS's training statistics, or null): the rows in
+// cals_parts's fixed parts, each part's blocks in order on one thread into per-lane float64 sums, added into
+// its part in lane order at the part's end (the parts' order and bounds depend on the shape only).
+template <typename T>
+int64_t margin_forward_by_row_lanes(const T* x, const Layout& l, const MarginSpec& s, const int64_t* tp,
+                                    bool has_ignore, int64_t ignore, double* op, double* part_sums, int64_t parts) {
+  constexpr int W = MarginLanes<T>::W;
+  using D = typename MarginLanes<T>::D;
+  const int64_t k = l.k, n = l.n;
+  const bool sums = part_sums != nullptr;
+  const int64_t per = sums ? (n + parts - 1) / parts : W;  // rows of a parallel item: a part, or a block
+  const int64_t items = sums ? parts : (n + W - 1) / W;
+  std::atomic<int64_t> n_bad{0};
+  at::parallel_for(0, items, sums ? 1 : std::max<int64_t>(1, grain_rows(k) / W), [&](int64_t begin, int64_t end) {
+    std::vector<T> tile(static_cast<size_t>(k * W)), e(static_cast<size_t>(s.kind == M_CP ? k * W : 0));
+    std::vector<D> lanes(static_cast<size_t>(sums ? 2 * k + 1 : 0));
+    alignas(64) T y[W];
+    double o[W * N_STAT];
+    int64_t bad = 0;
+    for (int64_t c = begin; c < end; ++c) {
+      const int64_t r0 = std::min(n, c * per), r1 = std::min(n, (c + 1) * per);
+      if (sums) std::fill(lanes.begin(), lanes.end(), D{});
+      for (int64_t row0 = r0; row0 < r1; row0 += W) {
+        const int64_t w = std::min<int64_t>(W, r1 - row0);
+        for (int t = 0; t < W; ++t) {
+          y[t] = t < w ? static_cast<T>(margin_label(tp[row0 + t], k, has_ignore, ignore, bad)) : T(-1);
+        }
+        const T* src = x + row0 * k;
+        for (int64_t t = 0; t < w; ++t)
+          for (int64_t j = 0; j < k; ++j) tile[j * W + t] = src[t * k + j];
+        for (int64_t t = w; t < W; ++t)
+          for (int64_t j = 0; j < k; ++j) tile[j * W + t] = T(0);
+        double* out = w == W ? op + row0 * N_STAT : o;
+        margin_forward_lanes<T>(tile.data(), W, k, y, s, e.data(), out, sums ? lanes.data() : nullptr);
+        if (w < W) std::copy(o, o + w * N_STAT, op + row0 * N_STAT);
+      }
+      if (sums && r0 < r1) {
+        double* part = part_sums + c * (2 * k + 1);
+        for (int64_t i = 0; i < 2 * k + 1; ++i)
+          for (int t = 0; t < W; ++t) part[i] += lanes[i][t];
+      }
+    }
+    if (bad) n_bad += bad;
+  });
+  return n_bad.load();
+}
+
+// The gradient of (N, K) rows by lanes into grad (margin_rows_by_lanes): blocks of W rows transposed into a
+// tile and their gradient transposed back (a partial block's padding has no gradient and is not written)
+template <typename T, typename Grads>
+void margin_backward_by_row_lanes(const T* x, T* grad, const Layout& l, const MarginSpec& s, const int64_t* tp,
+                                  const double* op, const Grads& grads) {
+  constexpr int W = MarginLanes<T>::W;
+  const int64_t k = l.k, n = l.n;
+  at::parallel_for(0, (n + W - 1) / W, std::max<int64_t>(1, grain_rows(k) / W), [&](int64_t begin, int64_t end) {
+    std::vector<T> tile(static_cast<size_t>(2 * k * W));
+    T* g = tile.data() + k * W;
+    alignas(64) T y[W];
+    double gce[W], gpen[W], o[W * N_STAT];
+    for (int64_t c = begin; c < end; ++c) {
+      const int64_t row0 = c * W, w = std::min<int64_t>(W, n - row0);
+      for (int t = 0; t < W; ++t) {
+        y[t] = T(-1);
+        gce[t] = gpen[t] = 0.0;
+        if (t < w && grads(row0 + t, gce[t], gpen[t])) y[t] = static_cast<T>(tp[row0 + t]);
+      }
+      const T* src = x + row0 * k;
+      for (int64_t t = 0; t < w; ++t)
+        for (int64_t j = 0; j < k; ++j) tile[j * W + t] = src[t * k + j];
+      const double* ob = op + row0 * N_STAT;
+      if (w < W) {
+        for (int64_t t = w; t < W; ++t)
+          for (int64_t j = 0; j < k; ++j) tile[j * W + t] = T(0);
+        std::fill(o, o + W * N_STAT, 0.0);
+        std::copy(ob, ob + w * N_STAT, o);
+        for (int64_t t = w; t < W; ++t) o[t * N_STAT + S_INV] = 1.0;
+        ob = o;
+      }
+      margin_backward_lanes<T>(tile.data(), W, k, y, s, ob, gce, gpen, g);
+      T* dst = grad + row0 * k;
+      for (int64_t t = 0; t < w; ++t)
+        for (int64_t j = 0; j < k; ++j) dst[t * k + j] = g[j * W + t];
+    }
+  });
+}
+
 // the blocks of W positions in parallel: fn(image, first position, positions in the block (W but in an
 // image's last block), a per-thread tile of K * W entries); by_image: the images in parallel, each image's
 // blocks in order on one thread
@@ -560,13 +660,20 @@ MarginForward margin_forward(const at::Tensor& logits, const at::Tensor& targets
   std::vector<double> part_sums(static_cast<size_t>(parts * (2 * k + 1)), 0.0);
   // (the lane path recomputes f'(p) in its backward: nothing to keep; CALS's statistics: one part per image
   // on either path, its positions in order)
-  const bool lanes = x.scalar_type() == at::kFloat ? margin_by_lanes<float>(l, s) : margin_by_lanes<double>(l, s);
+  const bool row_lanes = x.scalar_type() == at::kFloat && margin_rows_by_lanes<float>(l, s);
+  const bool lanes =
+      row_lanes || (x.scalar_type() == at::kFloat ? margin_by_lanes<float>(l, s) : margin_by_lanes<double>(l, s));
   at::Tensor df;
   if (keep_df && s.kind == M_CP && !lanes) df = at::empty({rows, k}, x.options());
   // (the row path's exps, kept for the backward of the autograd nodes: decision 220)
   at::Tensor ex;
   if (keep_e && !lanes && l.sp == 1) ex = at::empty({rows, k}, x.options());
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "fused_margin", [&] {
+    if (row_lanes) {
+      n_bad += margin_forward_by_row_lanes<scalar_t>(x.data_ptr<scalar_t>(), l, s, tp, has_ignore, ignore, op,
+                                                     want_sums ? part_sums.data() : nullptr, parts);
+      return;
+    }
     if (lanes) {
       n_bad += margin_forward_by_lanes<scalar_t>(x.data_ptr<scalar_t>(), l, s, tp, has_ignore, ignore, op,
                                                  want_sums ? part_sums.data() : nullptr);
@@ -692,7 +799,8 @@ at::Tensor margin_backward(const at::Tensor& grad_loss, const at::Tensor& logits
                                             kept_df.scalar_type() == x.scalar_type()),
                     "`kept_df` must be the forward's (", rows, ", ", k, ") array");
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "fused_margin_backward", [&] {
-    if (margin_by_lanes<scalar_t>(l, s)) {
+    const bool row_lanes = margin_rows_by_lanes<scalar_t>(l, s);
+    if (row_lanes || margin_by_lanes<scalar_t>(l, s)) {
       // whether row i has a label (its cross entropy kept), with its incoming gradients
       const auto grads = [&](int64_t i, double& gce, double& gpen) {
         const bool keep = !(has_ignore && tp[i] == ignore);
@@ -701,7 +809,10 @@ at::Tensor margin_backward(const at::Tensor& grad_loss, const at::Tensor& logits
         gpen = keep || penalty_all_rows ? s.coef * gi / pen_div : 0.0;
         return keep;
       };
-      margin_backward_by_lanes<scalar_t>(x.data_ptr<scalar_t>(), grad.data_ptr<scalar_t>(), l, s, tp, op, grads);
+      if (row_lanes)
+        margin_backward_by_row_lanes<scalar_t>(x.data_ptr<scalar_t>(), grad.data_ptr<scalar_t>(), l, s, tp, op, grads);
+      else
+        margin_backward_by_lanes<scalar_t>(x.data_ptr<scalar_t>(), grad.data_ptr<scalar_t>(), l, s, tp, op, grads);
       return;
     }
     const scalar_t* dfp = kept_df.defined() ? kept_df.data_ptr<scalar_t>() : nullptr;
@@ -1197,7 +1308,6 @@ int64_t over_blocks(const T* x, T* grad, const Layout& l, const Fn& fn, bool run
 // vector of positions per image, or (N, K) rows of at most kRowLaneClasses classes, gathered W rows to a
 // vector (a short row walked on its own is mostly scalar tails and per-row work: at K = 10 the row path's
 // time was ~4 scalar exps per row)
-constexpr int64_t kRowLaneClasses = 32;
 
 bool positions_as_lanes(const at::Tensor& x, const Layout& l) {
   return x.scalar_type() == at::kFloat && l.k <= kLaneClasses &&
