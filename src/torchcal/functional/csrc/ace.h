@@ -403,13 +403,14 @@ struct PlaneBuffers {
   int64_t since = 0;        // tiles added into zs since it was last flushed
   std::vector<int64_t> y;
   std::vector<int32_t> list;  // the tile's entries that are not simple, j·kPlane + t (room for a vector's lanes)
+  std::vector<T> xr;          // (N, K) rows (rows_by_planes): the tile's logits, class j at j·kPlane
   PlaneBuffers(int64_t k, int64_t c)
       : e(static_cast<size_t>(k * kPlane)), mx(kPlane), inv(kPlane), sum(kPlane), lse(kPlane),
         u(kPlane), gce(kPlane), dot(kPlane),
         zc(static_cast<size_t>(c * Vec<T, kWideBytes>::width)), zsd(static_cast<size_t>(3 * zc.size())),
         zs(zsd.size()), cpos(kPlane),
         y(kPlane),
-        list(static_cast<size_t>(k * kPlane + 16)) {}
+        list(static_cast<size_t>(k * kPlane + 16)), xr(static_cast<size_t>(k * kPlane)) {}
 };
 
 // e[t] = exp(x[t] − mx[t]), sum[t] += e[t] for t < w
@@ -736,15 +737,34 @@ inline void fold_intervals(double* between, int64_t c, int64_t n_bins, double* t
   }
 }
 
+// (N, K) float32 rows of at most this many classes, pooled in one group, take the tiles' path 64 rows at a
+// time (transposed; decision 267): walked one by one, a short row is mostly scalar tails and per-row work
+constexpr int64_t kRowPlaneClasses = 32;
+template <typename T>
+inline bool rows_by_planes(const Spec& s) {
+  return std::is_same<T, float>::value && s.sp == 1 && s.groups == 1 && s.k <= kRowPlaneClasses;
+}
+
+// w rows of k logits at x into out (class j of row t at j·kPlane + t); returns out
+template <typename T>
+inline const T* transpose_rows(const T* x, int64_t k, int64_t w, T* out) {
+  for (int64_t t = 0; t < w; ++t)
+    for (int64_t j = 0; j < k; ++j) out[j * kPlane + t] = x[t * k + j];
+  return out;
+}
+
 template <typename T>
 void forward_planes(const Spec& s, const T* x, const int64_t* tp, const Bins<T>& shared_bins, double* parts,
                     double* row_max, T* ce_rows, std::atomic<int64_t>& n_bad) {
   constexpr int W = Vec<double, kWideBytes>::width;
   constexpr int WT = Vec<T, kWideBytes>::width;  // (the simple entries' sums: lanes of the dtype)
-  const int64_t k = s.k, first = s.first, c = s.c, sp = s.sp;
+  const int64_t k = s.k, first = s.first, c = s.c;
   const int64_t stride = c * N_CELL;
+  // (N, K) rows (rows_by_planes): one image of N positions, each tile's rows transposed into b.xr
+  const bool by_rows = s.sp == 1;
+  const int64_t sp = by_rows ? s.n : s.sp, images = by_rows ? 1 : s.n;
   const int64_t per_image = (sp + kPlane - 1) / kPlane;
-  const int64_t group_tiles = s.groups == 1 ? s.n * per_image : per_image;
+  const int64_t group_tiles = s.groups == 1 ? images * per_image : per_image;
   const T thr = shared_bins.threshold_t();
   const bool soft = s.soft && s.bins > 1;  // (one soft bin: every entry is simple, as with hard bins)
   at::parallel_for(0, s.groups * s.chunks, 1, [&](int64_t begin, int64_t end) {
@@ -783,11 +803,17 @@ void forward_planes(const Spec& s, const T* x, const int64_t* tp, const Bins<T>&
         const int64_t img = q / per_image, pos = (q % per_image) * kPlane, w = std::min(kPlane, sp - pos);
         const int64_t m0 = img * sp + pos;
         const T* xt = x + img * k * sp + pos;
-        prefetch_runs(xt + kPlane, sp, k, kPlane, false);  // the next tile
+        int64_t xs = sp;  // (from one class of the tile to the next)
+        if (by_rows) {
+          xt = transpose_rows(x + m0 * k, k, w, b.xr.data());
+          xs = kPlane;
+        } else {
+          prefetch_runs(xt + kPlane, sp, k, kPlane, false);  // the next tile
+        }
         for (int64_t t = 0; t < w; ++t) {
           b.y[t] = row_label(s, tp[m0 + t], bad);
         }
-        plane_softmax(xt, sp, k, w, nullptr, b);
+        plane_softmax(xt, xs, k, w, nullptr, b);
         zero_ignored(k, w, b);
         // log Σ of the tile's positions in float64 lanes (~1 ulp, as the margin lanes); the padded lanes
         // hold Σ = 1
@@ -805,7 +831,7 @@ void forward_planes(const Spec& s, const T* x, const int64_t* tp, const Bins<T>&
             if (ce_rows != nullptr) ce_rows[m0 + t] = T(0);
             continue;
           }
-          const double ce = (static_cast<double>(b.mx[t]) - static_cast<double>(xt[y * sp + t])) + b.lse[t];
+          const double ce = (static_cast<double>(b.mx[t]) - static_cast<double>(xt[y * xs + t])) + b.lse[t];
           if (ce_rows != nullptr) ce_rows[m0 + t] = static_cast<T>(ce);
           ce_sum += ce;
           kept += 1.0;
@@ -892,15 +918,18 @@ void backward_planes(const Spec& s, const T* x, T* grad, const int64_t* tp, cons
   constexpr int W = Vec<T, kWideBytes>::width;
   using V = typename Vec<T, kWideBytes>::type;
   static_assert(kPlane % W == 0, "a tile is whole vectors");
-  const int64_t k = s.k, first = s.first, c = s.c, sp = s.sp;
+  const int64_t k = s.k, first = s.first, c = s.c;
+  const bool by_rows = s.sp == 1;  // (rows_by_planes: as forward_planes, the gradient transposed back)
+  const int64_t sp = by_rows ? s.n : s.sp, images = by_rows ? 1 : s.n;
   const int64_t per_image = (sp + kPlane - 1) / kPlane;
   const int64_t size = lane_table_size(s.bins);
   const bool permute = std::is_same<T, float>::value && (kWideBytes == 64 || (kWideBytes == 32 && kHasAvx2)) &&
                        s.bins + 1 <= kLaneTable;
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / (k * kPlane));
-  at::parallel_for(0, s.n * per_image, grain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, images * per_image, grain, [&](int64_t begin, int64_t end) {
     const Bins<T> bins = shared_bins;
     PlaneBuffers<T> b(k, c);
+    std::vector<T> gr(static_cast<size_t>(by_rows ? k * kPlane : 0));  // (rows: the tile's gradient)
     std::vector<T> tables(static_cast<size_t>(c * 2 * size));
     std::vector<T> uf(static_cast<size_t>(k * kPlane), T(0));  // u of every entry (0 for the unbinned background)
     int64_t table_group = -1;
@@ -909,15 +938,22 @@ void backward_planes(const Spec& s, const T* x, T* grad, const int64_t* tp, cons
       const int64_t m0 = img * sp + pos;
       const T* xt = x + img * k * sp + pos;
       T* gt = grad + img * k * sp + pos;
-      prefetch_runs(xt + kPlane, sp, k, kPlane, false);  // the next tile, and its gradient for writing
-      prefetch_runs(gt + kPlane, sp, k, kPlane, true);
+      int64_t xs = sp;  // (from one class of the tile to the next, in xt and gt)
+      if (by_rows) {
+        xt = transpose_rows(x + m0 * k, k, w, b.xr.data());
+        gt = gr.data();
+        xs = kPlane;
+      } else {
+        prefetch_runs(xt + kPlane, sp, k, kPlane, false);  // the next tile, and its gradient for writing
+        prefetch_runs(gt + kPlane, sp, k, kPlane, true);
+      }
       for (int64_t t = 0; t < w; ++t) {
         const int64_t y = tp[m0 + t];
         const bool keep = !(s.has_ignore && y == s.ignore);
         b.y[t] = keep ? y : -1;
         b.gce[t] = keep ? gp[(m0 + t) * gstride] / ce_div : 0.0;
       }
-      plane_softmax(xt, sp, k, w, row_max + m0, b);
+      plane_softmax(xt, xs, k, w, row_max + m0, b);
       zero_ignored(k, w, b);
       if (w < kPlane)  // (the lanes past the image: p = 0, their u and gradient unused)
         for (int64_t j = 0; j < k; ++j) std::fill(b.e.begin() + j * kPlane + w, b.e.begin() + (j + 1) * kPlane, T(0));
@@ -961,12 +997,17 @@ void backward_planes(const Spec& s, const T* x, T* grad, const int64_t* tp, cons
       // g = gce (p − e_y) + p (u − dot): every entry p (u + gce − dot) in the dtype's lanes (two roundings of
       // p (|u| + |gce − dot|), as the torch path's p ⊙ (g − <g, p>)), then the label's entry (p − 1 cancels:
       // float64)
-      for (int64_t j = 0; j < k; ++j) plane_scale(b.e.data() + j * kPlane, uf.data() + j * kPlane, cz, w, gt + j * sp);
+      for (int64_t j = 0; j < k; ++j) plane_scale(b.e.data() + j * kPlane, uf.data() + j * kPlane, cz, w, gt + j * xs);
       for (int64_t t = 0; t < w; ++t) {
         const int64_t y = b.y[t];
         if (y < 0) continue;
         const double pd = static_cast<double>(b.e[y * kPlane + t]);
-        gt[y * sp + t] = static_cast<T>(b.gce[t] * (pd - 1.0) + pd * (b.u[t] - b.dot[t]));
+        gt[y * xs + t] = static_cast<T>(b.gce[t] * (pd - 1.0) + pd * (b.u[t] - b.dot[t]));
+      }
+      if (by_rows) {
+        T* dst = grad + m0 * k;
+        for (int64_t t = 0; t < w; ++t)
+          for (int64_t j = 0; j < k; ++j) dst[t * k + j] = gt[j * kPlane + t];
       }
     }
   });
@@ -1101,12 +1142,13 @@ inline Forward forward(const at::Tensor& logits, const at::Tensor& targets, cons
   // (the planes of (N, K, S) inputs take their exps again in the backward: an array of the logits' size costs
   // more there in first-touch page faults than the exps, as the batch-term node's lanes, decision 220)
   at::Tensor probs;
-  if (keep_probs && s.sp == 1) probs = at::empty(x.sizes(), x.options());
+  const bool planes = s.sp > 1 || (x.scalar_type() == at::kFloat && rows_by_planes<float>(s));
+  if (keep_probs && !planes) probs = at::empty(x.sizes(), x.options());
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "fused_ace", [&] {
     const BinTables<scalar_t> tables(s.soft ? nullptr : ed.data_ptr<scalar_t>(), s.bins, s.soft);
     const Bins<scalar_t>& bins = tables.bins;
     scalar_t* ce = s.reduction == 0 ? ce_rows.data_ptr<scalar_t>() : nullptr;
-    if (s.sp > 1)
+    if (planes)
       forward_planes<scalar_t>(s, x.data_ptr<scalar_t>(), tp, bins, parts.data_ptr<double>(), row_max, ce, n_bad);
     else
       forward_rows<scalar_t>(s, x.data_ptr<scalar_t>(), tp, bins, parts.data_ptr<double>(), row_max, ce, n_bad,
@@ -1255,7 +1297,7 @@ inline at::Tensor backward(const at::Tensor& grad_loss, const at::Tensor& logits
     using T = scalar_t;
     const BinTables<T> tables(s.soft ? nullptr : ed.data_ptr<T>(), s.bins, s.soft);
     const Bins<T>& shared_bins = tables.bins;
-    if (s.sp > 1) {
+    if (s.sp > 1 || rows_by_planes<T>(s)) {
       const std::vector<T> lower = lane_lower(tables, s.bins, s.soft);
       backward_planes<T>(s, x.data_ptr<T>(), grad.data_ptr<T>(), tp, shared_bins, pt.data(), qt.data(), row_max, gp,
                          stride, ce_div, lower.data());
