@@ -118,7 +118,7 @@ class _RowSoftmax(torch.autograd.Function):
         return p
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad):  # pyright: ignore[reportIncompatibleMethodOverride]
         (p,) = ctx.saved_tensors
         return p * (grad - (grad * p).sum(1, keepdim=True))
 
