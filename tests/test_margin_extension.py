@@ -498,7 +498,9 @@ def _cals_sums(z, y, cpp, **kw):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("shape,k", [((300,), 7), ((64,), 100), ((1500,), 100), ((2, 5, 31), 19)])
+@pytest.mark.parametrize(
+    "shape,k", [((300,), 7), ((64,), 100), ((1500,), 100), ((3001,), 19), ((2, 5, 31), 19)]
+)
 @pytest.mark.parametrize("ignored_rows", ["reference", "drop"])
 def test_cals_statistics_from_the_operator_equal_the_torch_paths(dtype, shape, k, ignored_rows):
     """The sums of cals_statistics that the operator returns from its forward (kept positions only, the
@@ -506,7 +508,8 @@ def test_cals_statistics_from_the_operator_equal_the_torch_paths(dtype, shape, k
     sums over the rows in the dtype (a float32 matrix product: up to M·eps relative of the sum of |terms|
     for M positions); the operator's row path sums groups of 16 rows in the dtype (m − z rounded there too)
     and the groups in float64, its lane path in float64: rtol M·eps of the dtype. (1500, 100): 9 parts of 167
-    rows, whose last group is short; ignored rows are not counted in a group.)"""
+    rows, whose last group is short; ignored rows are not counted in a group. (3001, 19), float32: the lane
+    kernels on rows, 3 parts of 1001 rows, each ending in a partial block of lanes.)"""
     z, y = _float32_batch(shape, k, seed=k)
     z = z.to(dtype)
     (v1, g1, s1), (v2, g2, s2) = (_cals_sums(z, y, cpp, ignored_rows=ignored_rows) for cpp in (True, False))
@@ -523,9 +526,10 @@ def test_cals_statistics_from_the_operator_equal_the_torch_paths(dtype, shape, k
 
 def test_cals_statistics_do_not_depend_on_the_thread_count():
     """The statistics are summed in parts fixed by the shape, the parts in order: bit-equal for 1 and 3
-    threads, at (N, K) and (N, K, H, W)."""
+    threads, at (N, K) (the row kernel at K = 64, the lane kernels on rows at K = 19) and (N, K, H, W)."""
     g = torch.Generator().manual_seed(4)
     cases = [(3 * torch.randn(5000, 64, generator=g), torch.randint(0, 64, (5000,), generator=g)),
+             (3 * torch.randn(6001, 19, generator=g), torch.randint(0, 19, (6001,), generator=g)),
              (3 * torch.randn(3, 19, 40, 50, generator=g), torch.randint(0, 19, (3, 40, 50), generator=g))]  # fmt: skip
     for z, y in cases:
         results = for_thread_counts(_cals_sums, z, y, True)

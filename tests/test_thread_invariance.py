@@ -157,6 +157,10 @@ def test_ordered_softmax(k):
     assert torch.equal(a, b) and torch.equal(a, c)
     x = torch.randn(5, min(k, 6), dtype=torch.float64, generator=g, requires_grad=True)
     assert torch.autograd.gradgradcheck(ordered_softmax, (x,))
+    assert torch.autograd.gradcheck(ordered_softmax, (x,), check_forward_ad=True, check_batched_grad=True)
+    v = torch.randn_like(x)
+    _, tangent = torch.func.jvp(ordered_softmax, (x,), (v,))
+    torch.testing.assert_close(tangent, torch.func.jvp(lambda u: torch.softmax(u, 1), (x,), (v,))[1])
 
 
 BATCH_TERMS = ["mdca_loss", "dca_loss", "sbece_loss", "avuc_loss", "soft_avuc_loss", "esd_loss", "cals_loss"]

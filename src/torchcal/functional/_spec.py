@@ -108,25 +108,41 @@ def ordered_sum(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
 class _RowSoftmax(torch.autograd.Function):
     """softmax over dimension 1 whose backward is p ⊙ (g − Σ_j g_j p_j) in elementwise operations and a sum
     along the row: torch's own CPU softmax backward can differ in the last bit with the thread count (seen on
-    an AVX2 CPU for rows of 10 to 15 classes). Differentiable twice (the backward is made of torch operations
-    on the saved output)."""
+    an AVX2 CPU for rows of 10 to 15 classes). Twice differentiable (the backward is made of torch operations
+    on the saved output), with the same formula as its forward-mode rule and a generated vmap rule."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, z):
-        p = torch.softmax(z, 1)
-        ctx.save_for_backward(p)
-        return p
+    def forward(z):
+        return torch.softmax(z, 1)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(output)
+        ctx.save_for_forward(output)
 
     @staticmethod
     def backward(ctx, grad):  # pyright: ignore[reportIncompatibleMethodOverride]
         (p,) = ctx.saved_tensors
         return p * (grad - (grad * p).sum(1, keepdim=True))
 
+    @staticmethod
+    def jvp(ctx, tangent):  # pyright: ignore[reportIncompatibleMethodOverride]
+        (p,) = ctx.saved_tensors
+        return p * (tangent - (tangent * p).sum(1, keepdim=True))
+
 
 def ordered_softmax(z: torch.Tensor) -> torch.Tensor:
     """``torch.softmax(z, 1)``, the same values, with a gradient that does not depend on the number of threads
-    on the CPU (outside ``torch.compile``; elsewhere torch's softmax)."""
-    if z.device.type != "cpu" or not z.requires_grad or torch.compiler.is_compiling():
+    for rows of fewer than 32,768 entries (torch's one-thread limit, under which each row's sum is one
+    thread's): float32 and float64 on the CPU outside ``torch.compile``; elsewhere torch's softmax."""
+    if (
+        z.device.type != "cpu"
+        or z.dtype not in (torch.float32, torch.float64)
+        or not z.requires_grad
+        or torch.compiler.is_compiling()
+    ):
         return torch.softmax(z, 1)
     return _RowSoftmax.apply(z)
 

@@ -388,7 +388,9 @@ struct Forward {
 // -- (N, K, S) inputs: tiles of positions, vectorised across positions ------------------------------------
 // Each class of an image is a contiguous plane of S positions: a tile of up to 64 positions is computed class
 // by class with the positions in vector lanes (no transposes; the gradient is written in place). Tiles are
-// fixed by the image (position 64a on), so forward and backward compute every p the same way.
+// fixed by the image (position 64a on), so forward and backward compute every p the same way. float32 (N, K)
+// rows of few classes (rows_by_planes) are one image of N positions whose tiles are transposed in (and their
+// gradient out) through per-thread buffers.
 
 constexpr int64_t kPlane = 64;
 constexpr int64_t kFlushTiles = 4;  // tiles whose simple entries' Σ p are summed in the dtype (forward_planes)
@@ -1139,8 +1141,9 @@ inline Forward forward(const at::Tensor& logits, const at::Tensor& targets, cons
   if (s.reduction == 0) ce_rows = at::empty(targets.sizes(), logits.options());
   std::atomic<int64_t> n_bad{0};
   row_max = stats.data_ptr<double>() + s.stats_size() - s.rows;
-  // (the planes of (N, K, S) inputs take their exps again in the backward: an array of the logits' size costs
-  // more there in first-touch page faults than the exps, as the batch-term node's lanes, decision 220)
+  // (the tiles, of (N, K, S) inputs and of rows_by_planes's rows, take their exps again in the backward: an
+  // array of the logits' size costs more there in first-touch page faults than the exps, as the batch-term
+  // node's lanes, decision 220)
   at::Tensor probs;
   const bool planes = s.sp > 1 || (x.scalar_type() == at::kFloat && rows_by_planes<float>(s));
   if (keep_probs && !planes) probs = at::empty(x.sizes(), x.options());
@@ -1367,8 +1370,8 @@ class FusedAce : public torch::autograd::Function<FusedAce> {
                             const at::Tensor& edges, at::ArrayRef<double> params, at::IntArrayRef options,
                             c10::optional<int64_t> ignore_index, bool keep) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    // (keep: a backward will run, for which the rows' p are kept, one array of the logits' size, as cross
-    // entropy keeps its log-probabilities)
+    // (keep: a backward will run, for which the row path's p are kept, one array of the logits' size, as
+    // cross entropy keeps its log-probabilities; the tiles keep none)
     Forward f = ace::forward(logits, targets, edges, params, options, ignore_index, keep);
     ctx->save_for_backward({logits, targets, edges, f.stats, f.probs});
     ctx->saved_data["params"] = std::vector<double>(params.begin(), params.end());

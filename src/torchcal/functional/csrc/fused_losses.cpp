@@ -377,7 +377,8 @@ bool margin_rows_by_lanes(const Layout& l, const MarginSpec& s) {
 }
 
 // The forward statistics of (N, K) rows by lanes into op (margin_rows_by_lanes): blocks of W rows, each
-// transposed into a tile (class j of row t at j·W + t; a last, partial block padded with zeros and labels −1);
+// transposed into a tile (class j of row t at j·W + t; a partial block, at the end of the rows or of a part,
+// padded with zeros and labels −1);
 // returns the number of labels outside [0, K). part_sums (CALS's training statistics, or null): the rows in
 // cals_parts's fixed parts, each part's blocks in order on one thread into per-lane float64 sums, added into
 // its part in lane order at the part's end (the parts' order and bounds depend on the shape only).
