@@ -140,6 +140,24 @@ def test_float32_operator_equals_the_torch_path(shape, k, binning, reduction):
     torch.testing.assert_close(g1, g2, rtol=1e-5, atol=atol)
 
 
+@pytest.mark.parametrize("shape,k", [((300,), 3), ((300,), 10), ((300,), 32)])
+@pytest.mark.parametrize("binning", ["hard", "soft"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_float32_rows_through_the_tiles_without_background(shape, k, binning, reduction):
+    """float32 (N, K) rows of at most 32 classes go through the tiles (decision 267): with the background class
+    left out (its column unbinned, its p in every row's softmax) and ignored labels, against the torch path at
+    the tolerances of test_float32_operator_equals_the_torch_path (300 rows: four full tiles of 64 and a partial
+    one)."""
+    z, y = _batch(shape, k, seed=k, dtype=torch.float32)
+    if binning == "hard":
+        assert _edge_distance(z, 20) > 1e-6
+    options = {"binning": binning, "include_background": False}
+    (v1, g1), (v2, g2) = _both_paths(z, y, options, reduction, _upstream)
+    torch.testing.assert_close(v1, v2, rtol=1e-5, atol=1e-6)
+    atol = 16 * torch.finfo(torch.float32).eps * g2.abs().max().item()
+    torch.testing.assert_close(g1, g2, rtol=1e-5, atol=atol)
+
+
 @pytest.mark.parametrize("binning", ["hard", "soft"])
 def test_float32_operator_is_as_close_to_float64_as_the_torch_path(binning):
     """Against the loss of the float32 inputs in float64, the operator's float32 error is at most the torch

@@ -136,7 +136,18 @@ class _RowSoftmax(torch.autograd.Function):
 def ordered_softmax(z: torch.Tensor) -> torch.Tensor:
     """``torch.softmax(z, 1)``, the same values, with a gradient that does not depend on the number of threads
     for rows of fewer than 32,768 entries (torch's one-thread limit, under which each row's sum is one
-    thread's): float32 and float64 on the CPU outside ``torch.compile``; elsewhere torch's softmax."""
+    thread's): float32 and float64 on the CPU outside ``torch.compile``; elsewhere torch's softmax.
+
+    Example:
+        >>> z = torch.tensor([[0.0, 1.0, 2.0], [3.0, 3.0, 3.0]], requires_grad=True)
+        >>> p = ordered_softmax(z)
+        >>> torch.equal(p, torch.softmax(z, 1))
+        True
+        >>> p[:, 0].sum().backward()
+        >>> z.grad
+        tensor([[ 0.0819, -0.0220, -0.0599],
+                [ 0.2222, -0.1111, -0.1111]])
+    """
     if (
         z.device.type != "cpu"
         or z.dtype not in (torch.float32, torch.float64)

@@ -739,12 +739,11 @@ inline void fold_intervals(double* between, int64_t c, int64_t n_bins, double* t
   }
 }
 
-// (N, K) float32 rows of at most this many classes, pooled in one group, take the tiles' path 64 rows at a
-// time (transposed; decision 267): walked one by one, a short row is mostly scalar tails and per-row work
-constexpr int64_t kRowPlaneClasses = 32;
+// (N, K) float32 rows of at most kRowLaneClasses classes, pooled in one group, take the tiles' path 64 rows at
+// a time (transposed; decision 267)
 template <typename T>
 inline bool rows_by_planes(const Spec& s) {
-  return std::is_same<T, float>::value && s.sp == 1 && s.groups == 1 && s.k <= kRowPlaneClasses;
+  return std::is_same<T, float>::value && s.sp == 1 && s.groups == 1 && s.k <= kRowLaneClasses;
 }
 
 // w rows of k logits at x into out (class j of row t at j·kPlane + t); returns out

@@ -364,11 +364,6 @@ bool margin_by_lanes(const Layout& l, const MarginSpec& s) {
   return l.sp >= MarginLanes<T>::W && margin_lanes_kind(s.kind) && l.k < (int64_t{1} << 24);
 }
 
-// (N, K) rows of at most this many classes take the lane kernels W rows at a time (transposed into a tile):
-// walked on its own, a short row is mostly scalar tails and per-row work (at K = 10 the row kernels spent
-// ~4 scalar exps and a log per row; decisions 218 and 265)
-constexpr int64_t kRowLaneClasses = 32;
-
 // Whether float32 (N, K) rows take the margin lane kernels, W rows to a tile (float64 lanes take std::exp per
 // lane: no faster than the row kernel)
 template <typename T>
@@ -426,6 +421,28 @@ int64_t margin_forward_by_row_lanes(const T* x, const Layout& l, const MarginSpe
   return n_bad.load();
 }
 
+// A block's labels y and incoming gradients gce, gpen (W lanes) for its w rows from row0: grads(i, gce, gpen)
+// says whether row i has a label; the padding's lanes have label −1 and no gradient
+template <typename T, int W, typename Grads>
+inline void block_grads(const Grads& grads, const int64_t* tp, int64_t row0, int64_t w, T* y, double* gce,
+                        double* gpen) {
+  for (int t = 0; t < W; ++t) {
+    y[t] = T(-1);
+    gce[t] = gpen[t] = 0.0;
+    if (t < w && grads(row0 + t, gce[t], gpen[t])) y[t] = static_cast<T>(tp[row0 + t]);
+  }
+}
+
+// a partial block's statistics: its w rows' from ob copied into o (W rows), the padding's zeros but 1/Σ = 1;
+// returns o
+template <int W>
+inline const double* padded_stats(const double* ob, int64_t w, double* o) {
+  std::fill(o, o + W * N_STAT, 0.0);
+  std::copy(ob, ob + w * N_STAT, o);
+  for (int64_t t = w; t < W; ++t) o[t * N_STAT + S_INV] = 1.0;
+  return o;
+}
+
 // The gradient of (N, K) rows by lanes into grad (margin_rows_by_lanes): blocks of W rows transposed into a
 // tile and their gradient transposed back (a partial block's padding has no gradient and is not written)
 template <typename T, typename Grads>
@@ -440,11 +457,7 @@ void margin_backward_by_row_lanes(const T* x, T* grad, const Layout& l, const Ma
     double gce[W], gpen[W], o[W * N_STAT];
     for (int64_t c = begin; c < end; ++c) {
       const int64_t row0 = c * W, w = std::min<int64_t>(W, n - row0);
-      for (int t = 0; t < W; ++t) {
-        y[t] = T(-1);
-        gce[t] = gpen[t] = 0.0;
-        if (t < w && grads(row0 + t, gce[t], gpen[t])) y[t] = static_cast<T>(tp[row0 + t]);
-      }
+      block_grads<T, W>(grads, tp, row0, w, y, gce, gpen);
       const T* src = x + row0 * k;
       for (int64_t t = 0; t < w; ++t)
         for (int64_t j = 0; j < k; ++j) tile[j * W + t] = src[t * k + j];
@@ -452,10 +465,7 @@ void margin_backward_by_row_lanes(const T* x, T* grad, const Layout& l, const Ma
       if (w < W) {
         for (int64_t t = w; t < W; ++t)
           for (int64_t j = 0; j < k; ++j) tile[j * W + t] = T(0);
-        std::fill(o, o + W * N_STAT, 0.0);
-        std::copy(ob, ob + w * N_STAT, o);
-        for (int64_t t = w; t < W; ++t) o[t * N_STAT + S_INV] = 1.0;
-        ob = o;
+        ob = padded_stats<W>(ob, w, o);
       }
       margin_backward_lanes<T>(tile.data(), W, k, y, s, ob, gce, gpen, g);
       T* dst = grad + row0 * k;
@@ -548,11 +558,7 @@ void margin_backward_by_lanes(const T* x, T* grad, const Layout& l, const Margin
     const int64_t row0 = img * sp + s0;
     alignas(64) T y[W];
     double gce[W], gpen[W];
-    for (int t = 0; t < W; ++t) {
-      y[t] = T(-1);
-      gce[t] = gpen[t] = 0.0;
-      if (t < w && grads(row0 + t, gce[t], gpen[t])) y[t] = static_cast<T>(tp[row0 + t]);
-    }
+    block_grads<T, W>(grads, tp, row0, w, y, gce, gpen);
     const T* src = x + img * k * sp + s0;
     T* dst = grad + img * k * sp + s0;
     if (w == W) {
@@ -563,11 +569,9 @@ void margin_backward_by_lanes(const T* x, T* grad, const Layout& l, const Margin
     tile.assign(static_cast<size_t>(2 * k * W), T(0));
     for (int64_t j = 0; j < k; ++j)
       for (int64_t t = 0; t < w; ++t) tile[j * W + t] = src[j * sp + t];
-    double o[W * N_STAT] = {};
-    std::copy(op + row0 * N_STAT, op + (row0 + w) * N_STAT, o);
-    for (int64_t t = w; t < W; ++t) o[t * N_STAT + S_INV] = 1.0;
+    double o[W * N_STAT];
     T* g = tile.data() + k * W;
-    margin_backward_lanes<T>(tile.data(), W, k, y, s, o, gce, gpen, g);
+    margin_backward_lanes<T>(tile.data(), W, k, y, s, padded_stats<W>(op + row0 * N_STAT, w, o), gce, gpen, g);
     for (int64_t j = 0; j < k; ++j)
       for (int64_t t = 0; t < w; ++t) dst[j * sp + t] = g[j * W + t];
   });

@@ -24,6 +24,12 @@ enum Out { O_LOSS, O_CT, O_CJ, O_J, O_SQ, O_INV, N_OUT };
 // rows per parallel task: enough entries that a thread hand-off pays for itself
 int64_t grain_rows(int64_t k) { return std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(k, 1)); }
 
+// (N, K) float32 rows of at most this many classes are transposed into the lane / tile kernels of the
+// (N, K, S) layout, a block of rows at a time (the batch terms, the margin family, mL1-ACE: decisions 218,
+// 265, 267): walked on its own, a short row is mostly scalar tails and per-row work (at K = 10 about four
+// scalar exps and a log per row)
+constexpr int64_t kRowLaneClasses = 32;
+
 struct Spec {
   const double* gammas;
   int64_t n_gammas;
