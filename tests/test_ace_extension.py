@@ -140,22 +140,36 @@ def test_float32_operator_equals_the_torch_path(shape, k, binning, reduction):
     torch.testing.assert_close(g1, g2, rtol=1e-5, atol=atol)
 
 
-@pytest.mark.parametrize("shape,k", [((300,), 3), ((300,), 10), ((300,), 32)])
+@pytest.mark.parametrize(
+    "shape,k", [((300,), 3), ((300,), 10), ((300,), 32), ((2, 5, 31), 19), ((3, 64), 7)],
+)  # fmt: skip
 @pytest.mark.parametrize("binning", ["hard", "soft"])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_float32_rows_through_the_tiles_without_background(shape, k, binning, reduction):
-    """float32 (N, K) rows of at most 32 classes go through the tiles (decision 267): with the background class
-    left out (its column unbinned, its p in every row's softmax) and ignored labels, against the torch path at
-    the tolerances of test_float32_operator_equals_the_torch_path (300 rows: four full tiles of 64 and a partial
-    one)."""
+def test_float32_without_background(shape, k, binning, reduction):
+    """float32 with the background class left out (its column unbinned, its p in every row's softmax) and
+    ignored labels: (N, K) rows of at most 32 classes through the tiles (decision 267; 300 rows are four full
+    tiles of 64 and a partial one) and (N, K, S) positions. Values against the torch path at the tolerances of
+    test_float32_operator_equals_the_torch_path; hard bins' gradients likewise. The soft bins' gradient moves
+    with the rounding of p itself (r = p·M − l − 1/2 scales p's error by M = 20): both float32 paths land
+    10-30 float32 ulps of the largest entry from float64 at these seeds, in either direction, so their
+    distance to each other is not bounded by 16 ulps. The operator is held instead to twice the float32 torch
+    path's distance from the float64 gradient of the same inputs plus two ulps, as in
+    test_planes_gradient_at_every_table_size_and_confident_positions."""
     z, y = _batch(shape, k, seed=k, dtype=torch.float32)
     if binning == "hard":
         assert _edge_distance(z, 20) > 1e-6
     options = {"binning": binning, "include_background": False}
     (v1, g1), (v2, g2) = _both_paths(z, y, options, reduction, _upstream)
     torch.testing.assert_close(v1, v2, rtol=1e-5, atol=1e-6)
-    atol = 16 * torch.finfo(torch.float32).eps * g2.abs().max().item()
-    torch.testing.assert_close(g1, g2, rtol=1e-5, atol=atol)
+    if binning == "hard":
+        atol = 16 * torch.finfo(torch.float32).eps * g2.abs().max().item()
+        torch.testing.assert_close(g1, g2, rtol=1e-5, atol=atol)
+        return
+    assert _centre_distance(z, 20) > 1e-6  # both precisions take the same pieces of u
+    (_, g_want), _ = _both_paths(z.double(), y, options, reduction, _upstream)
+    ulp = torch.finfo(torch.float32).eps * g_want.abs().max().item()
+    plain = (g2.double() - g_want).abs().max().item()
+    assert (g1.double() - g_want).abs().max().item() <= 2 * plain + 2 * ulp
 
 
 @pytest.mark.parametrize("binning", ["hard", "soft"])
