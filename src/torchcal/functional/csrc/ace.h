@@ -344,13 +344,11 @@ void for_rows(const Spec& s, const T* x, T* grad, int64_t m0, int64_t m1, std::v
     const int64_t img = m / sp, pos = m % sp;
     const int64_t w = std::min({kTile, m1 - m, sp - pos});
     const T* src = x + img * k * sp + pos;
-    for (int64_t j = 0; j < k; ++j)
-      for (int64_t t = 0; t < w; ++t) xb[t * k + j] = src[j * sp + t];
+    transpose(src, sp, k, w, xb.data(), k);
     for (int64_t t = 0; t < w; ++t) fn(m + t, xb.data() + t * k, grad == nullptr ? nullptr : gb.data() + t * k);
     if (grad != nullptr) {
       T* dst = grad + img * k * sp + pos;
-      for (int64_t j = 0; j < k; ++j)
-        for (int64_t t = 0; t < w; ++t) dst[j * sp + t] = gb[t * k + j];
+      transpose(gb.data(), k, w, k, dst, sp);
     }
     m += w;
   }
@@ -749,8 +747,7 @@ inline bool rows_by_planes(const Spec& s) {
 // w rows of k logits at x into out (class j of row t at j·kPlane + t); returns out
 template <typename T>
 inline const T* transpose_rows(const T* x, int64_t k, int64_t w, T* out) {
-  for (int64_t t = 0; t < w; ++t)
-    for (int64_t j = 0; j < k; ++j) out[j * kPlane + t] = x[t * k + j];
+  transpose(x, k, w, k, out, kPlane);
   return out;
 }
 
@@ -1006,9 +1003,7 @@ void backward_planes(const Spec& s, const T* x, T* grad, const int64_t* tp, cons
         gt[y * xs + t] = static_cast<T>(b.gce[t] * (pd - 1.0) + pd * (b.u[t] - b.dot[t]));
       }
       if (by_rows) {
-        T* dst = grad + m0 * k;
-        for (int64_t t = 0; t < w; ++t)
-          for (int64_t j = 0; j < k; ++j) dst[t * k + j] = gt[j * kPlane + t];
+        transpose(gt, kPlane, k, w, grad + m0 * k, k);
       }
     }
   });

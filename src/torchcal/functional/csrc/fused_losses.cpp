@@ -333,14 +333,12 @@ void over_rows(const T* x, T* grad, const Layout& l, const Fn& fn) {
     for (int64_t c = begin; c < end; ++c) {
       const int64_t img = c / per_image, s0 = (c % per_image) * tile, w = std::min(tile, sp - s0);
       const T* src = x + img * k * sp + s0;
-      for (int64_t j = 0; j < k; ++j)
-        for (int64_t t = 0; t < w; ++t) xb[t * k + j] = src[j * sp + t];
+      transpose(src, sp, k, w, xb.data(), k);
       for (int64_t t = 0; t < w; ++t)
         fn(img * sp + s0 + t, xb.data() + t * k, grad == nullptr ? nullptr : gb.data() + t * k);
       if (grad != nullptr) {
         T* dst = grad + img * k * sp + s0;
-        for (int64_t j = 0; j < k; ++j)
-          for (int64_t t = 0; t < w; ++t) dst[j * sp + t] = gb[t * k + j];
+        transpose(gb.data(), k, w, k, dst, sp);
       }
     }
   });
@@ -402,8 +400,7 @@ int64_t margin_forward_by_row_lanes(const T* x, const Layout& l, const MarginSpe
           y[t] = t < w ? static_cast<T>(margin_label(tp[row0 + t], k, has_ignore, ignore, bad)) : T(-1);
         }
         const T* src = x + row0 * k;
-        for (int64_t t = 0; t < w; ++t)
-          for (int64_t j = 0; j < k; ++j) tile[j * W + t] = src[t * k + j];
+        transpose(src, k, w, k, tile.data(), W);
         for (int64_t t = w; t < W; ++t)
           for (int64_t j = 0; j < k; ++j) tile[j * W + t] = T(0);
         double* out = w == W ? op + row0 * N_STAT : o;
@@ -459,8 +456,7 @@ void margin_backward_by_row_lanes(const T* x, T* grad, const Layout& l, const Ma
       const int64_t row0 = c * W, w = std::min<int64_t>(W, n - row0);
       block_grads<T, W>(grads, tp, row0, w, y, gce, gpen);
       const T* src = x + row0 * k;
-      for (int64_t t = 0; t < w; ++t)
-        for (int64_t j = 0; j < k; ++j) tile[j * W + t] = src[t * k + j];
+      transpose(src, k, w, k, tile.data(), W);
       const double* ob = op + row0 * N_STAT;
       if (w < W) {
         for (int64_t t = w; t < W; ++t)
@@ -469,8 +465,7 @@ void margin_backward_by_row_lanes(const T* x, T* grad, const Layout& l, const Ma
       }
       margin_backward_lanes<T>(tile.data(), W, k, y, s, ob, gce, gpen, g);
       T* dst = grad + row0 * k;
-      for (int64_t t = 0; t < w; ++t)
-        for (int64_t j = 0; j < k; ++j) dst[t * k + j] = g[j * W + t];
+      transpose(g, W, k, w, dst, k);
     }
   });
 }
@@ -1296,13 +1291,11 @@ int64_t over_blocks(const T* x, T* grad, const Layout& l, const Fn& fn, bool run
     for (int64_t c = begin; c < end; ++c) {
       const int64_t img = c / per_image, s0 = (c % per_image) * tile, w = std::min(tile, sp - s0);
       const T* src = x + img * k * sp + s0;
-      for (int64_t j = 0; j < k; ++j)
-        for (int64_t t = 0; t < w; ++t) xb[t * k + j] = src[j * sp + t];
+      transpose(src, sp, k, w, xb.data(), k);
       fn(c, img * sp + s0, w, xb.data(), grad == nullptr ? nullptr : gb.data());
       if (grad != nullptr) {
         T* dst = grad + img * k * sp + s0;
-        for (int64_t j = 0; j < k; ++j)
-          for (int64_t t = 0; t < w; ++t) dst[j * sp + t] = gb[t * k + j];
+        transpose(gb.data(), k, w, k, dst, sp);
       }
     }
   });
@@ -1348,8 +1341,7 @@ void over_lanes(const float* x, float* grad, const Layout& l, const Fn& fn, cons
         if (in == nullptr) continue;
         if (rows) {
           const float* src = in + s0 * k;
-          for (int64_t t = 0; t < w; ++t)
-            for (int64_t j = 0; j < k; ++j) (*buf)[j * kLaneTile + t] = src[t * k + j];
+          transpose(src, k, w, k, buf->data(), kLaneTile);
         }
         for (int64_t j = 0; j < k; ++j) {
           if (!rows)
@@ -1364,8 +1356,7 @@ void over_lanes(const float* x, float* grad, const Layout& l, const Fn& fn, cons
       }
       if (grad != nullptr && rows) {
         float* dst = grad + s0 * k;
-        for (int64_t t = 0; t < w; ++t)
-          for (int64_t j = 0; j < k; ++j) dst[t * k + j] = gb[j * kLaneTile + t];
+        transpose(gb.data(), kLaneTile, k, w, dst, k);
       } else if (grad != nullptr) {
         for (int64_t j = 0; j < k; ++j)
           std::memcpy(grad + offset + j * sp, gb.data() + j * kLaneTile, static_cast<size_t>(w) * sizeof(float));

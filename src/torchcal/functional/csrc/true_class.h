@@ -84,6 +84,50 @@ inline V broadcast(T x) {
   return v + x;
 }
 
+// dst[c · dst_stride + r] = src[r · src_stride + c] for r < rows, c < cols: the copies between a layout's rows
+// and a kernel's lanes (a block of (N, K) rows into class-major tiles and the gradient back; a tile of (N, K,
+// S) positions into rows). float32 with AVX moves 8 × 8 blocks through registers (8 loads, 24 shuffles, 8
+// stores, where the scalar copy takes 64 loads and 64 strided stores), the edges entry by entry; only the
+// order of the copies changes, never a value.
+#if defined(__AVX__)
+inline void transpose8x8(const float* src, int64_t ss, float* dst, int64_t ds) {
+  __m256 r[8], t[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * ss);
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);      // rows i, i+1 interleaved: columns 0, 1 | 4, 5
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);  // columns 2, 3 | 6, 7
+  }
+  for (int i = 0; i < 8; i += 4) {  // four rows' column c in one 128-bit lane
+    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int c = 0; c < 4; ++c) {  // rows 0-3 and 4-7 of columns c and c + 4
+    _mm256_storeu_ps(dst + c * ds, _mm256_permute2f128_ps(r[c], r[c + 4], 0x20));
+    _mm256_storeu_ps(dst + (c + 4) * ds, _mm256_permute2f128_ps(r[c], r[c + 4], 0x31));
+  }
+}
+#endif
+
+template <typename T>
+inline void transpose(const T* src, int64_t src_stride, int64_t rows, int64_t cols, T* dst, int64_t dst_stride) {
+  int64_t r0 = 0;
+#if defined(__AVX__)
+  if constexpr (std::is_same<T, float>::value) {
+    for (; r0 + 8 <= rows; r0 += 8) {
+      int64_t c0 = 0;
+      for (; c0 + 8 <= cols; c0 += 8)
+        transpose8x8(src + r0 * src_stride + c0, src_stride, dst + c0 * dst_stride + r0, dst_stride);
+      for (int64_t c = c0; c < cols; ++c)
+        for (int64_t r = r0; r < r0 + 8; ++r) dst[c * dst_stride + r] = src[r * src_stride + c];
+    }
+  }
+#endif
+  for (int64_t r = r0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) dst[c * dst_stride + r] = src[r * src_stride + c];
+}
+
 // lanes [From, From + sizeof...(I)) of v as a vector of that many lanes: a shuffle, where a copy through memory
 // made GCC keep a folded accumulator in memory inside the loop that fills it
 template <int From, typename T, typename V, size_t... I>
