@@ -374,10 +374,13 @@ bool margin_rows_by_lanes(const Layout& l, const MarginSpec& s) {
 // padded with zeros and labels −1);
 // returns the number of labels outside [0, K). part_sums (CALS's training statistics, or null): the rows in
 // cals_parts's fixed parts, each part's blocks in order on one thread into per-lane float64 sums, added into
-// its part in lane order at the part's end (the parts' order and bounds depend on the shape only).
+// its part in lane order at the part's end (the parts' order and bounds depend on the shape only). df (the
+// confidence penalty, never with part_sums, or null): f'(p) of block b (rows b·W ...) at df + b·K·W
+// (margin_df_entries).
 template <typename T>
 int64_t margin_forward_by_row_lanes(const T* x, const Layout& l, const MarginSpec& s, const int64_t* tp,
-                                    bool has_ignore, int64_t ignore, double* op, double* part_sums, int64_t parts) {
+                                    bool has_ignore, int64_t ignore, double* op, double* part_sums, int64_t parts,
+                                    T* df = nullptr) {
   constexpr int W = MarginLanes<T>::W;
   using D = typename MarginLanes<T>::D;
   const int64_t k = l.k, n = l.n;
@@ -404,7 +407,8 @@ int64_t margin_forward_by_row_lanes(const T* x, const Layout& l, const MarginSpe
         for (int64_t t = w; t < W; ++t)
           for (int64_t j = 0; j < k; ++j) tile[j * W + t] = T(0);
         double* out = w == W ? op + row0 * N_STAT : o;
-        margin_forward_lanes<T>(tile.data(), W, k, y, s, e.data(), out, sums ? lanes.data() : nullptr);
+        margin_forward_lanes<T>(tile.data(), W, k, y, s, e.data(), out, sums ? lanes.data() : nullptr,
+                                df == nullptr ? nullptr : df + row0 * k);
         if (w < W) std::copy(o, o + w * N_STAT, op + row0 * N_STAT);
       }
       if (sums && r0 < r1) {
@@ -444,7 +448,7 @@ inline const double* padded_stats(const double* ob, int64_t w, double* o) {
 // tile and their gradient transposed back (a partial block's padding has no gradient and is not written)
 template <typename T, typename Grads>
 void margin_backward_by_row_lanes(const T* x, T* grad, const Layout& l, const MarginSpec& s, const int64_t* tp,
-                                  const double* op, const Grads& grads) {
+                                  const double* op, const Grads& grads, const T* df = nullptr) {
   constexpr int W = MarginLanes<T>::W;
   const int64_t k = l.k, n = l.n;
   at::parallel_for(0, (n + W - 1) / W, std::max<int64_t>(1, grain_rows(k) / W), [&](int64_t begin, int64_t end) {
@@ -463,7 +467,7 @@ void margin_backward_by_row_lanes(const T* x, T* grad, const Layout& l, const Ma
           for (int64_t j = 0; j < k; ++j) tile[j * W + t] = T(0);
         ob = padded_stats<W>(ob, w, o);
       }
-      margin_backward_lanes<T>(tile.data(), W, k, y, s, ob, gce, gpen, g);
+      margin_backward_lanes<T>(tile.data(), W, k, y, s, ob, gce, gpen, g, df == nullptr ? nullptr : df + row0 * k);
       T* dst = grad + row0 * k;
       transpose(g, W, k, w, dst, k);
     }
@@ -500,9 +504,9 @@ void over_lane_blocks(const Layout& l, const Fn& fn, bool by_image = false) {
 // adds into the part in lane order (a scalar float64 chain per lane and class had cost more than the pass)
 template <typename T>
 int64_t margin_forward_by_lanes(const T* x, const Layout& l, const MarginSpec& s, const int64_t* tp, bool has_ignore,
-                                int64_t ignore, double* op, double* part_sums = nullptr) {
+                                int64_t ignore, double* op, double* part_sums = nullptr, T* df = nullptr) {
   constexpr int W = MarginLanes<T>::W;
-  const int64_t k = l.k, sp = l.sp;
+  const int64_t k = l.k, sp = l.sp, per_image = (sp + W - 1) / W;
   std::atomic<int64_t> n_bad{0};
   using D = typename MarginLanes<T>::D;
   over_lane_blocks<T>(l, [&](int64_t img, int64_t s0, int64_t w, std::vector<T>& tile) {
@@ -525,8 +529,9 @@ int64_t margin_forward_by_lanes(const T* x, const Layout& l, const MarginSpec& s
     }
     if (bad) n_bad += bad;
     const T* src = x + img * k * sp + s0;
+    T* dfb = df == nullptr ? nullptr : df + (img * per_image + s0 / W) * k * W;
     if (w == W) {
-      margin_forward_lanes<T>(src, sp, k, y, s, e.data(), op + row0 * N_STAT, ls);
+      margin_forward_lanes<T>(src, sp, k, y, s, e.data(), op + row0 * N_STAT, ls, dfb);
       flush();
       return;
     }
@@ -535,7 +540,7 @@ int64_t margin_forward_by_lanes(const T* x, const Layout& l, const MarginSpec& s
     for (int64_t j = 0; j < k; ++j)
       for (int64_t t = 0; t < w; ++t) tile[j * W + t] = src[j * sp + t];
     double o[W * N_STAT];
-    margin_forward_lanes<T>(tile.data(), W, k, y, s, e.data(), o, ls);
+    margin_forward_lanes<T>(tile.data(), W, k, y, s, e.data(), o, ls, dfb);
     std::copy(o, o + w * N_STAT, op + row0 * N_STAT);
     flush();
   }, part_sums != nullptr);
@@ -546,9 +551,9 @@ int64_t margin_forward_by_lanes(const T* x, const Layout& l, const MarginSpec& s
 // gradients grads(i, gce, gpen)
 template <typename T, typename Grads>
 void margin_backward_by_lanes(const T* x, T* grad, const Layout& l, const MarginSpec& s, const int64_t* tp,
-                              const double* op, const Grads& grads) {
+                              const double* op, const Grads& grads, const T* df = nullptr) {
   constexpr int W = MarginLanes<T>::W;
-  const int64_t k = l.k, sp = l.sp;
+  const int64_t k = l.k, sp = l.sp, per_image = (sp + W - 1) / W;
   over_lane_blocks<T>(l, [&](int64_t img, int64_t s0, int64_t w, std::vector<T>& tile) {
     const int64_t row0 = img * sp + s0;
     alignas(64) T y[W];
@@ -556,8 +561,9 @@ void margin_backward_by_lanes(const T* x, T* grad, const Layout& l, const Margin
     block_grads<T, W>(grads, tp, row0, w, y, gce, gpen);
     const T* src = x + img * k * sp + s0;
     T* dst = grad + img * k * sp + s0;
+    const T* dfb = df == nullptr ? nullptr : df + (img * per_image + s0 / W) * k * W;
     if (w == W) {
-      margin_backward_lanes<T>(src, sp, k, y, s, op + row0 * N_STAT, gce, gpen, dst);
+      margin_backward_lanes<T>(src, sp, k, y, s, op + row0 * N_STAT, gce, gpen, dst, dfb);
       return;
     }
     // the last, partial block through a tile (the padding's lanes have no gradient and are not written back)
@@ -566,17 +572,27 @@ void margin_backward_by_lanes(const T* x, T* grad, const Layout& l, const Margin
       for (int64_t t = 0; t < w; ++t) tile[j * W + t] = src[j * sp + t];
     double o[W * N_STAT];
     T* g = tile.data() + k * W;
-    margin_backward_lanes<T>(tile.data(), W, k, y, s, padded_stats<W>(op + row0 * N_STAT, w, o), gce, gpen, g);
+    margin_backward_lanes<T>(tile.data(), W, k, y, s, padded_stats<W>(op + row0 * N_STAT, w, o), gce, gpen, g, dfb);
     for (int64_t j = 0; j < k; ++j)
       for (int64_t t = 0; t < w; ++t) dst[j * sp + t] = g[j * W + t];
   });
+}
+
+// Entries of the confidence penalty's kept f'(p): (M, K) in the rows' layout on the row path; on the lane paths
+// K·W per block of W positions, in the lanes' order (block b of (N, K) rows: rows b·W ...; of (N, K, S) logits:
+// image b / ⌈S/W⌉, positions from (b mod ⌈S/W⌉)·W), the padding's lanes included
+int64_t margin_df_entries(const at::Tensor& x, const Layout& l, bool lanes) {
+  if (!lanes) return l.n * l.sp * l.k;
+  const int64_t w = x.scalar_type() == at::kFloat ? MarginLanes<float>::W : MarginLanes<double>::W;
+  const int64_t blocks = l.sp == 1 ? (l.n + w - 1) / w : l.n * ((l.sp + w - 1) / w);
+  return blocks * l.k * w;
 }
 
 struct MarginForward {
   at::Tensor loss;   // reduced, or the targets' shape for "none", in the logits' dtype
   at::Tensor stats;  // (M, N_STAT) float64 per row
   at::Tensor sums;   // CALS's statistics (2K + 1) float64 when asked for, else empty
-  at::Tensor df;     // the confidence penalty's f'(p) (M, K) in the logits' dtype when kept, else undefined
+  at::Tensor df;     // the confidence penalty's f'(p) in the logits' dtype when kept (margin_df_entries), else undefined
   at::Tensor ex;     // the rows' exps (M, K) when kept (the row path of the autograd nodes), else undefined
 };
 
@@ -658,29 +674,29 @@ MarginForward margin_forward(const at::Tensor& logits, const at::Tensor& targets
   std::atomic<int64_t> n_bad{0};
   const int64_t parts = want_sums ? cals_parts(l) : 0;
   std::vector<double> part_sums(static_cast<size_t>(parts * (2 * k + 1)), 0.0);
-  // (the lane path recomputes f'(p) in its backward: nothing to keep; CALS's statistics: one part per image
-  // on either path, its positions in order)
+  // (CALS's statistics: one part per image on either path, its positions in order)
   const bool row_lanes = x.scalar_type() == at::kFloat && margin_rows_by_lanes<float>(l, s);
   const bool lanes =
       row_lanes || (x.scalar_type() == at::kFloat ? margin_by_lanes<float>(l, s) : margin_by_lanes<double>(l, s));
+  // (the confidence penalty's f'(p), kept for the backward of the autograd node: decisions 208, 269)
   at::Tensor df;
-  if (keep_df && s.kind == M_CP && !lanes) df = at::empty({rows, k}, x.options());
+  if (keep_df && s.kind == M_CP) df = at::empty({margin_df_entries(x, l, lanes)}, x.options());
   // (the row path's exps, kept for the backward of the autograd nodes: decision 220)
   at::Tensor ex;
   if (keep_e && !lanes && l.sp == 1) ex = at::empty({rows, k}, x.options());
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "fused_margin", [&] {
+    scalar_t* dfp = df.defined() ? df.data_ptr<scalar_t>() : nullptr;
     if (row_lanes) {
       n_bad += margin_forward_by_row_lanes<scalar_t>(x.data_ptr<scalar_t>(), l, s, tp, has_ignore, ignore, op,
-                                                     want_sums ? part_sums.data() : nullptr, parts);
+                                                     want_sums ? part_sums.data() : nullptr, parts, dfp);
       return;
     }
     if (lanes) {
       n_bad += margin_forward_by_lanes<scalar_t>(x.data_ptr<scalar_t>(), l, s, tp, has_ignore, ignore, op,
-                                                 want_sums ? part_sums.data() : nullptr);
+                                                 want_sums ? part_sums.data() : nullptr, dfp);
       return;
     }
     const bool scratch = s.kind == M_CP;
-    scalar_t* dfp = df.defined() ? df.data_ptr<scalar_t>() : nullptr;
     scalar_t* exp_ = ex.defined() ? ex.data_ptr<scalar_t>() : nullptr;
     CalsGroups<scalar_t> groups(want_sums ? parts : 0, k, part_sums.data());
     // (part: the row's part of the statistics, −1 without them)
@@ -795,12 +811,15 @@ at::Tensor margin_backward(const at::Tensor& grad_loss, const at::Tensor& logits
   }
   at::Tensor grad = at::empty(x.sizes(), x.options());
   const double* op = stats.data_ptr<double>();
-  TORCH_CHECK_VALUE(!kept_df.defined() || (kept_df.is_contiguous() && kept_df.numel() == rows * k &&
+  const bool lanes = x.scalar_type() == at::kFloat ? margin_rows_by_lanes<float>(l, s) || margin_by_lanes<float>(l, s)
+                                                   : margin_by_lanes<double>(l, s);
+  TORCH_CHECK_VALUE(!kept_df.defined() || (kept_df.is_contiguous() && kept_df.numel() == margin_df_entries(x, l, lanes) &&
                                             kept_df.scalar_type() == x.scalar_type()),
-                    "`kept_df` must be the forward's (", rows, ", ", k, ") array");
+                    "`kept_df` must be the forward's array of f'(p)");
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "fused_margin_backward", [&] {
     const bool row_lanes = margin_rows_by_lanes<scalar_t>(l, s);
-    if (row_lanes || margin_by_lanes<scalar_t>(l, s)) {
+    const scalar_t* dfp = kept_df.defined() ? kept_df.data_ptr<scalar_t>() : nullptr;
+    if (lanes) {
       // whether row i has a label (its cross entropy kept), with its incoming gradients
       const auto grads = [&](int64_t i, double& gce, double& gpen) {
         const bool keep = !(has_ignore && tp[i] == ignore);
@@ -810,12 +829,12 @@ at::Tensor margin_backward(const at::Tensor& grad_loss, const at::Tensor& logits
         return keep;
       };
       if (row_lanes)
-        margin_backward_by_row_lanes<scalar_t>(x.data_ptr<scalar_t>(), grad.data_ptr<scalar_t>(), l, s, tp, op, grads);
+        margin_backward_by_row_lanes<scalar_t>(x.data_ptr<scalar_t>(), grad.data_ptr<scalar_t>(), l, s, tp, op, grads,
+                                               dfp);
       else
-        margin_backward_by_lanes<scalar_t>(x.data_ptr<scalar_t>(), grad.data_ptr<scalar_t>(), l, s, tp, op, grads);
+        margin_backward_by_lanes<scalar_t>(x.data_ptr<scalar_t>(), grad.data_ptr<scalar_t>(), l, s, tp, op, grads, dfp);
       return;
     }
-    const scalar_t* dfp = kept_df.defined() ? kept_df.data_ptr<scalar_t>() : nullptr;
     const scalar_t* exp_ = kept_e.defined() && l.sp == 1 ? kept_e.data_ptr<scalar_t>() : nullptr;
     over_rows<scalar_t>(x.data_ptr<scalar_t>(), grad.data_ptr<scalar_t>(), l,
                         [&](int64_t i, const scalar_t* row, scalar_t* g) {

@@ -84,14 +84,15 @@ inline D widen(V v) {
 // labels y[l] (−1: no cross entropy). e: scratch of k * W entries (the confidence penalty's exp(x − max)).
 // sums (CALS, or null): the training statistics of the lanes with a label added into sums[0..2K], as
 // cals_row's, entry by entry in lane order (each entry's additions in the positions' order: the blocks of an
-// image taken in order, the sums are those of the image's rows in row order).
+// image taken in order, the sums are those of the image's rows in row order). df (the confidence penalty, or
+// null): f'(p) of every entry stored at df[j * W + l] for the backward (the lanes' order of a block).
 // Both lane kernels are flattened (every call inlined into them): the helpers they share with the row kernels
 // (cp_lanes, the vectorised logf) then keep those as their one caller, and GCC keeps inlining them there
 // (called out of line, the confidence penalty's rows are 5-10% slower).
 template <typename T>
 __attribute__((flatten)) void margin_forward_lanes(const T* x, int64_t stride, int64_t k, const T* y,
                                                   const MarginSpec& s, T* e, double* o,
-                                                  typename MarginLanes<T>::D* sums = nullptr) {
+                                                  typename MarginLanes<T>::D* sums = nullptr, T* df = nullptr) {
   using L = MarginLanes<T>;
   using V = typename L::V;
   using D = typename L::D;
@@ -178,10 +179,11 @@ __attribute__((flatten)) void margin_forward_lanes(const T* x, int64_t stride, i
       for (int64_t j = j0; j < j1; ++j) {
         const V p = load<V>(e + j * W) * inv;
         const V log_p = (load<V>(x + j * stride) - m) - lse;
-        V f, df;
-        cp_lanes_of<T>(p, log_p, s, f, df);
+        V f, dfv;
+        cp_lanes_of<T>(p, log_p, s, f, dfv);
         as += f;
-        bs += p * df;
+        bs += p * dfv;
+        if (df != nullptr) store(df + j * W, dfv);
       }
       a += widen<D>(as);
       b += widen<D>(bs);
@@ -225,11 +227,12 @@ __attribute__((flatten)) void margin_forward_lanes(const T* x, int64_t stride, i
 // (times coef); a lane with both 0 gets a zero gradient. One pass over the classes in the input dtype, as
 // margin_backward_row's, with the arg-max's share of the penalty added on its entry. The label entry, where
 // the cross entropy's p − 1 cancels, is finished per lane in float64 from 1 − p_y = Σ_{j≠y} exp(x_j − m)/Σ
-// (summed in the pass like Σ in the forward), not from p_y.
+// (summed in the pass like Σ in the forward), not from p_y. df (the confidence penalty, or null): the
+// forward's f'(p) at df[j * W + l], read instead of taking its logs and division again.
 template <typename T>
 __attribute__((flatten)) void margin_backward_lanes(const T* x, int64_t stride, int64_t k, const T* y,
                                                    const MarginSpec& s, const double* o, const double* gce,
-                                                   const double* gpen, T* g) {
+                                                   const double* gpen, T* g, const T* df = nullptr) {
   using L = MarginLanes<T>;
   using V = typename L::V;
   using D = typename L::D;
@@ -282,12 +285,15 @@ __attribute__((flatten)) void margin_backward_lanes(const T* x, int64_t stride, 
       V gv;
       if (cp) {
         const V p = ev * pinv;
-        const V log_p = (v - m) - lse;
-        V f, df;
-        cp_lanes_of<T>(p, log_p, s, f, df);
-        gv = p * (base + scale * df);
+        V f, dfv;
+        if (df != nullptr) {
+          dfv = load<V>(df + j * W);
+        } else {
+          cp_lanes_of<T>(p, (v - m) - lse, s, f, dfv);
+        }
+        gv = p * (base + scale * dfv);
         p_y = at_y ? p : p_y;
-        df_y = at_y ? df : df_y;
+        df_y = at_y ? dfv : df_y;
       } else {
         V pen;
         if (s.kind == M_MBLS) {
