@@ -709,3 +709,42 @@ def test_compiled_per_class_losses_take_the_operator_pair_and_equal_eager():
         torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
         if want_sums is not None:
             torch.testing.assert_close(got_sums, want_sums, rtol=0, atol=0)
+
+
+def test_the_backward_operators_check_their_labels():
+    """A backward operator of the torch.compile pairs (and the batch terms' eager backward) called with labels
+    that its forward did not check raises the forward's error for one outside [0, K) that is not ignore_index,
+    before any label indexes a row: such a label would index the gradient, a write outside it. Labels equal to
+    ignore_index still pass."""
+    import torchcal.functional.losses as L
+
+    ops = torch.ops.torchcal
+    z = torch.randn(6, 4)
+    y = torch.tensor([0, 1, 2, 3, 0, 1])
+    ignored = torch.tensor([0, -100, 2, 3, -100, 1])
+    one = torch.tensor(1.0)
+    message = r"`targets` must lie in \[0, 4\), found label (9|-7)"
+    for bad in (torch.tensor([0, 1, 9, 3, 0, 1]), torch.tensor([0, 1, 2, -7, 0, 1], dtype=torch.int32)):
+        spec = L._gamma_spec(2.0, "fcl", 0.5)[2]
+        _, probs, out = ops.fused_true_class_fwd(z, y, spec.cpp_params32, None, 1, spec.brier)
+        with pytest.raises(ValueError, match=message):
+            ops.fused_true_class_bwd(one, probs, bad, out, spec.brier, 1)
+        stats = ops.fused_margin_fwd(z, y, 0, [0.1, 3.0], -100, True, 1)[1]
+        assert ops.fused_margin_bwd(one, z, ignored, stats, 0, [0.1, 3.0], -100, True, 1).shape == z.shape
+        with pytest.raises(ValueError, match=message):
+            ops.fused_margin_bwd(one, z, bad, stats, 0, [0.1, 3.0], -100, True, 1)
+        code, params, cls, ignore, every_row, sums = CLASS_ARGS["cals"]
+        numbers = cls(torch.float32)
+        stats = ops.fused_margin_class_fwd(z, y, code, params, numbers, ignore, every_row, 1, sums)[2]
+        with pytest.raises(ValueError, match=message):
+            ops.fused_margin_class_bwd(one, z, bad, stats, code, params, numbers, ignore, every_row, 1)
+        edges = torch.linspace(0, 1 + 1.1920928955078125e-07, 6)[1:-1]
+        options = [5, 0, 0, 1, 0, 1]
+        stats = ops.fused_ace_fwd(z, y, edges, [1.5, 0.01], options, -100)[1]
+        with pytest.raises(ValueError, match=message):
+            ops.fused_ace_bwd(one, z, bad, edges, stats, [1.5, 0.01], options, -100)
+        saved = ops.batch_terms_fwd(z, y, -100, 0, 1.0, 0.0, 0, False)[5]
+        g_rows = torch.ones(6)
+        assert ops.batch_terms_bwd(z, ignored, saved, g_rows, None, None, None, -100, 0, 1.0, 0.0, 0).shape == z.shape
+        with pytest.raises(ValueError, match=message):
+            ops.batch_terms_bwd(z, bad, saved, g_rows, None, None, None, -100, 0, 1.0, 0.0, 0)

@@ -237,6 +237,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_true_class_fwd_cpu(
 
 at::Tensor fused_true_class_bwd_cpu(const at::Tensor& grad_loss, const at::Tensor& probs, const at::Tensor& targets,
                                     const at::Tensor& out, double brier, int64_t reduction) {
+  TORCH_CHECK_VALUE(probs.dim() == 2 && probs.is_contiguous() && probs.device().is_cpu() &&
+                        (probs.scalar_type() == at::kFloat || probs.scalar_type() == at::kDouble),
+                    "`probs` must be the forward's contiguous (N, K) float32/float64 probabilities");
+  const int64_t n = probs.size(0);
+  TORCH_CHECK_VALUE(targets.numel() == n, "`targets` must hold one label per row of `probs`");
+  TORCH_CHECK_VALUE(out.scalar_type() == at::kDouble && out.is_contiguous() && out.dim() == 2 && out.size(0) == n &&
+                        out.size(1) == N_OUT,
+                    "`out` must be the forward's (", n, ", ", static_cast<int64_t>(N_OUT), ") float64 array");
+  TORCH_CHECK_VALUE(reduction >= 0 && reduction <= 2, "`reduction` must be 0, 1 or 2");
+  TORCH_CHECK_VALUE(grad_loss.numel() == (reduction == 0 ? n : 1), "`grad_loss` must have one entry per row for "
+                    "reduction 0 (none), else one");
+  check_backward_labels(targets, probs.size(1), c10::nullopt);
   return fused_backward(grad_loss, probs, targets, out, brier, reduction);
 }
 
@@ -995,6 +1007,7 @@ at::Tensor fused_margin_class_bwd_cpu(const at::Tensor& grad_loss, const at::Ten
                                       const at::Tensor& stats, int64_t kind, at::ArrayRef<double> params,
                                       const c10::optional<at::Tensor>& class_params,
                                       c10::optional<int64_t> ignore_index, bool penalty_all_rows, int64_t reduction) {
+  check_backward_labels(targets, logits.dim() >= 2 ? logits.size(1) : 0, ignore_index);
   return margin_backward(grad_loss, logits, targets, stats, kind, params, ignore_index, penalty_all_rows, reduction,
                          class_params.value_or(at::Tensor()));
 }
@@ -1002,6 +1015,7 @@ at::Tensor fused_margin_class_bwd_cpu(const at::Tensor& grad_loss, const at::Ten
 at::Tensor fused_margin_bwd_cpu(const at::Tensor& grad_loss, const at::Tensor& logits, const at::Tensor& targets,
                                 const at::Tensor& stats, int64_t kind, at::ArrayRef<double> params,
                                 c10::optional<int64_t> ignore_index, bool penalty_all_rows, int64_t reduction) {
+  check_backward_labels(targets, logits.dim() >= 2 ? logits.size(1) : 0, ignore_index);
   return margin_backward(grad_loss, logits, targets, stats, kind, params, ignore_index, penalty_all_rows, reduction);
 }
 
@@ -1640,6 +1654,7 @@ at::Tensor batch_terms_bwd(const at::Tensor& logits, const at::Tensor& targets, 
                            c10::optional<int64_t> ignore_index, int64_t base, double gamma, double alpha,
                            int64_t entropy) {
   const Layout l = margin_layout(logits, targets);
+  check_backward_labels(targets, l.k, ignore_index);
   const int64_t rows = l.n * l.sp;
   at::Tensor kb, kr, kh, kc;
   RowGrads in;
