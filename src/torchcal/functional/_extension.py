@@ -428,8 +428,8 @@ def fused_margin_class(
     sums: bool,
 ):
     """:func:`fused_margin` for the kinds with per-class numbers (``class_params``, csrc/margin.h: CALS's
-    (4, K) a, b, w, c; Poly-1's class weights (K,) or None); returns (loss, CALS's statistics (2K + 1) float64
-    with ``sums``, else an empty tensor)."""
+    (4, K) a, b, w, c; Poly-1's class weights (K,) or None); returns (loss, CALS's statistics (2K + 1) in the
+    logits' dtype with ``sums``, else an empty tensor)."""
     args = (logits, targets, MARGIN_KINDS[kind], params, class_params, ignore_index, penalty_all_rows,
             REDUCTION_CODES[reduction], sums)  # fmt: skip
     if torch.compiler.is_compiling():
@@ -531,7 +531,7 @@ def _register_compile_support() -> None:
         loss = logits.new_empty(targets.shape if reduction == 0 else ())
         n_sums = 2 * logits.shape[1] + 1 if sums else 0
         stats = logits.new_empty((targets.numel(), _N_STAT), dtype=torch.float64)
-        return loss, logits.new_empty((n_sums,), dtype=torch.float64), stats
+        return loss, logits.new_empty((n_sums,)), stats
 
     @torch.library.register_fake("torchcal::fused_margin_class_bwd")
     def _class_bwd_fake(grad_loss, logits, targets, stats, kind, params, class_params, ignore_index,

@@ -41,7 +41,7 @@ from typing import Literal, NamedTuple
 
 import torch
 
-from .._validation import check_choice, check_float, check_positive_int
+from .._validation import check_bool, check_choice, check_float, check_positive_int
 from ._backend import batch_loss, batch_rows, ml1ace_cross_entropy, penalised_cross_entropy, sbece_label
 from ._loss_inputs import (
     IGNORE_INDEX,
@@ -1399,8 +1399,6 @@ def _ace_term(p, y, kept, group_of, n_groups, options):
 
 
 def _check_ace_options(n_bins, binning, empty_weight, include_background, ignore_empty_classes):
-    from .._validation import check_bool
-
     return (
         check_positive_int(n_bins, "n_bins"),
         check_choice(binning, "binning", set(ACE_BINNINGS)),
@@ -1497,8 +1495,6 @@ def ml1ace_penalty(
 def _ace_inputs(logits, targets, multilabel, per_image, ignore_index):
     """(p (M, C), y (M, C), kept (M,), group of each row, number of groups, the rows (softmax) or the checked
     binary (logits, targets))."""
-    from .._validation import check_bool
-
     if check_bool(multilabel, "multilabel"):
         if ignore_index is not None and ignore_index != IGNORE_INDEX:
             raise ValueError(
@@ -1565,8 +1561,6 @@ def ml1ace_loss(
     options = _check_ace_options(n_bins, binning, empty_weight, include_background, ignore_empty_classes)
     check_choice(reduction, "reduction", REDUCTIONS)
     _refuse_batch_term(_ACE_IS_PER_IMAGE, weight, label_smoothing)
-    from .._validation import check_bool
-
     if not check_bool(multilabel, "multilabel"):
         fused = ml1ace_cross_entropy(logits, targets, lam, options, per_image, check_ignore_index(ignore_index),
                                      reduction)  # fmt: skip
@@ -1718,9 +1712,7 @@ def _fused_cals(logits, targets, lambdas, rhos, m, normalize, ignored_rows, igno
         logits, targets, "cals", [1.0, s, lo, hi, m], ignore_index, ignored_rows == "reference", reduction,
         _cals_class_params(lambdas, rhos, logits.dtype, m, s), statistics is not None,
     )  # fmt: skip
-    if fused is None or statistics is None:
-        return fused
-    return fused[0], fused[1].to(logits.dtype)
+    return fused  # (the statistics come in the logits' dtype)
 
 
 def cals_loss(
@@ -1759,8 +1751,6 @@ def cals_loss(
         tensor([0.0084, 0.5514])
     """
     m = _number(margin, "margin", low=0, low_open=True)
-    from .._validation import check_bool
-
     normalize = check_bool(normalize, "normalize")
     check_choice(ignored_rows, "ignored_rows", {"reference", "drop"})
     check_choice(reduction, "reduction", REDUCTIONS)

@@ -603,7 +603,7 @@ int64_t margin_df_entries(const at::Tensor& x, const Layout& l, bool lanes) {
 struct MarginForward {
   at::Tensor loss;   // reduced, or the targets' shape for "none", in the logits' dtype
   at::Tensor stats;  // (M, N_STAT) float64 per row
-  at::Tensor sums;   // CALS's statistics (2K + 1) float64 when asked for, else empty
+  at::Tensor sums;   // CALS's statistics (2K + 1) in the logits' dtype when asked for, else empty
   at::Tensor df;     // the confidence penalty's f'(p) in the logits' dtype when kept (margin_df_entries), else undefined
   at::Tensor ex;     // the rows' exps (M, K) when kept (the row path of the autograd nodes), else undefined
 };
@@ -733,13 +733,18 @@ MarginForward margin_forward(const at::Tensor& logits, const at::Tensor& targets
                           [&](int64_t i, const scalar_t* row, scalar_t*) { row_fn(i, row, -1); });
     }
   });
-  at::Tensor sums = at::zeros({want_sums ? 2 * k + 1 : 0}, x.options().dtype(at::kDouble));
+  // (the parts added in float64, then rounded once to the logits' dtype, as the torch path returns them)
+  at::Tensor sums = at::empty({want_sums ? 2 * k + 1 : 0}, x.options());
   if (want_sums) {
-    double* out = sums.data_ptr<double>();
+    std::vector<double> out(static_cast<size_t>(2 * k + 1), 0.0);
     for (int64_t c = 0; c < parts; ++c)
       for (int64_t j = 0; j < 2 * k + 1; ++j) out[j] += part_sums[static_cast<size_t>(c * (2 * k + 1) + j)];
     // Σ_i h_ik = (Σ_i (max_i − x_ik) − m·count) / s
     for (int64_t j = k; j < 2 * k; ++j) out[j] = (out[j] - s.margin * out[2 * k]) / s.scale;
+    AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "fused_margin_sums", [&] {
+      scalar_t* sp = sums.data_ptr<scalar_t>();
+      for (int64_t j = 0; j < 2 * k + 1; ++j) sp[j] = static_cast<scalar_t>(out[j]);
+    });
   }
   if (n_bad.load() > 0) raise_bad_label(tp, rows, k, has_ignore, ignore);
   at::Tensor loss;
@@ -943,8 +948,9 @@ std::tuple<at::Tensor, at::Tensor> fused_margin_fwd_cpu(const at::Tensor& logits
 //                      sums) -> (loss, sums)
 //
 // As fused_margin, with class_params (margin.h: CALS (4, K), Poly-1 (K,) or None) and, for CALS with sums,
-// the training statistics (2K + 1) float64 of the kept rows (cals_statistics): per class Σ clamp(r_k, λ_min,
-// λ_max) and Σ h_k = (Σ (max − x_k) − m·count)/s, then the row count (else an empty tensor). They are not
+// the training statistics (2K + 1) of the kept rows (cals_statistics; float64 sums rounded to the logits'
+// dtype): per class Σ clamp(r_k, λ_min, λ_max) and Σ h_k = (Σ (max − x_k) − m·count)/s, then the row count
+// (else an empty tensor). They are not
 // differentiable.
 
 class FusedMarginClass : public torch::autograd::Function<FusedMarginClass> {
