@@ -166,7 +166,7 @@ def test_float32_without_background(shape, k, binning, reduction):
         torch.testing.assert_close(g1, g2, rtol=1e-5, atol=atol)
         return
     assert _centre_distance(z, 20) > 1e-6  # both precisions take the same pieces of u
-    (_, g_want), _ = _both_paths(z.double(), y, options, reduction, _upstream)
+    _, (_, g_want) = _both_paths(z.double(), y, options, reduction, _upstream)  # (the torch path in float64)
     ulp = torch.finfo(torch.float32).eps * g_want.abs().max().item()
     plain = (g2.double() - g_want).abs().max().item()
     assert (g1.double() - g_want).abs().max().item() <= 2 * plain + 2 * ulp

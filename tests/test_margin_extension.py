@@ -736,15 +736,19 @@ def test_the_backward_operators_check_their_labels():
         code, params, cls, ignore, every_row, sums = CLASS_ARGS["cals"]
         numbers = cls(torch.float32)
         stats = ops.fused_margin_class_fwd(z, y, code, params, numbers, ignore, every_row, 1, sums)[2]
+        kept = ops.fused_margin_class_bwd(one, z, ignored, stats, code, params, numbers, ignore, every_row, 1)
+        assert kept.shape == z.shape
         with pytest.raises(ValueError, match=message):
             ops.fused_margin_class_bwd(one, z, bad, stats, code, params, numbers, ignore, every_row, 1)
         edges = torch.linspace(0, 1 + 1.1920928955078125e-07, 6)[1:-1]
         options = [5, 0, 0, 1, 0, 1]
         stats = ops.fused_ace_fwd(z, y, edges, [1.5, 0.01], options, -100)[1]
+        assert ops.fused_ace_bwd(one, z, ignored, edges, stats, [1.5, 0.01], options, -100).shape == z.shape
         with pytest.raises(ValueError, match=message):
             ops.fused_ace_bwd(one, z, bad, edges, stats, [1.5, 0.01], options, -100)
         saved = ops.batch_terms_fwd(z, y, -100, 0, 1.0, 0.0, 0, False)[5]
         g_rows = torch.ones(6)
-        assert ops.batch_terms_bwd(z, ignored, saved, g_rows, None, None, None, -100, 0, 1.0, 0.0, 0).shape == z.shape
+        kept = ops.batch_terms_bwd(z, ignored, saved, g_rows, None, None, None, -100, 0, 1.0, 0.0, 0)
+        assert kept.shape == z.shape
         with pytest.raises(ValueError, match=message):
             ops.batch_terms_bwd(z, bad, saved, g_rows, None, None, None, -100, 0, 1.0, 0.0, 0)

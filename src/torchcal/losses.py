@@ -1068,7 +1068,8 @@ class CALSLoss(_Loss):
 
     def _size(self, k: int) -> None:
         """Sizes the per-class buffers for K classes on first use; a different K later is an error."""
-        if self.lambdas.numel() == k:
+        lambdas = self._buffers["lambdas"]
+        if lambdas is not None and lambdas.numel() == k:
             return
         if self.lambdas.numel():
             raise ValueError(
@@ -1081,15 +1082,17 @@ class CALSLoss(_Loss):
         self.statistics = torch.zeros(2 * k + 1, dtype=torch.float64, device=device)
 
     def forward(self, logits, targets):
-        buffers = self._buffers  # (one dict lookup each: nn.Module's attribute fallback costs ~1.5 µs a read)
-        if buffers["lambdas"].numel() != logits.shape[1]:
-            self._size(logits.shape[1])
+        self._size(logits.shape[1])
+        # (read once from the dict: nn.Module's attribute fallback costs ~1.5 µs a read)
+        buffers = self._buffers
+        lambdas, rhos, sums_buffer = buffers["lambdas"], buffers["rhos"], buffers["statistics"]
+        assert lambdas is not None and rhos is not None and sums_buffer is not None  # (registered in __init__)
         training = torch.is_grad_enabled()
         out = M.cals_loss(
             logits,
             targets,
-            buffers["lambdas"],
-            buffers["rhos"],
+            lambdas,
+            rhos,
             self.margin,
             normalize=self.normalize,
             ignored_rows=self.ignored_rows,
@@ -1101,7 +1104,7 @@ class CALSLoss(_Loss):
             return out
         loss, sums = out
         assert sums is not None  # asked for: the statistics' clamp range
-        buffers["statistics"].add_(sums)
+        sums_buffer.add_(sums)
         return loss
 
     def _statistics(self, logits, targets):

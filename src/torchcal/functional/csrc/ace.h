@@ -1417,7 +1417,7 @@ inline std::tuple<at::Tensor, at::Tensor> fused_ace_fwd_cpu(const at::Tensor& lo
 inline at::Tensor fused_ace_bwd_cpu(const at::Tensor& grad_loss, const at::Tensor& logits, const at::Tensor& targets,
                                     const at::Tensor& edges, const at::Tensor& stats, at::ArrayRef<double> params,
                                     at::IntArrayRef options, c10::optional<int64_t> ignore_index) {
-  check_backward_labels(targets, logits.dim() >= 2 ? logits.size(1) : 0, ignore_index);
+  check_backward_labels(logits, targets, ignore_index, "fused_ace_bwd");
   return ace::backward(grad_loss, logits, targets, edges, stats, params, options, ignore_index);
 }
 

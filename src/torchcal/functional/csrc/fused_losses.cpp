@@ -241,14 +241,17 @@ at::Tensor fused_true_class_bwd_cpu(const at::Tensor& grad_loss, const at::Tenso
                         (probs.scalar_type() == at::kFloat || probs.scalar_type() == at::kDouble),
                     "`probs` must be the forward's contiguous (N, K) float32/float64 probabilities");
   const int64_t n = probs.size(0);
-  TORCH_CHECK_VALUE(targets.numel() == n, "`targets` must hold one label per row of `probs`");
+  TORCH_CHECK_VALUE(targets.numel() == n && !at::isFloatingType(targets.scalar_type()) &&
+                        targets.scalar_type() != at::kBool,
+                    "`targets` must hold one integer label per row of `probs`");
   TORCH_CHECK_VALUE(out.scalar_type() == at::kDouble && out.is_contiguous() && out.dim() == 2 && out.size(0) == n &&
                         out.size(1) == N_OUT,
                     "`out` must be the forward's (", n, ", ", static_cast<int64_t>(N_OUT), ") float64 array");
   TORCH_CHECK_VALUE(reduction >= 0 && reduction <= 2, "`reduction` must be 0, 1 or 2");
   TORCH_CHECK_VALUE(grad_loss.numel() == (reduction == 0 ? n : 1), "`grad_loss` must have one entry per row for "
                     "reduction 0 (none), else one");
-  check_backward_labels(targets, probs.size(1), c10::nullopt);
+  const at::Tensor t = targets.to(at::kLong).contiguous();
+  raise_bad_label(t.data_ptr<int64_t>(), n, probs.size(1), false, 0);
   return fused_backward(grad_loss, probs, targets, out, brier, reduction);
 }
 
@@ -263,7 +266,8 @@ at::Tensor fused_true_class_bwd_cpu(const at::Tensor& grad_loss, const at::Tenso
 // entropy, and no penalty unless penalty_all_rows; any other label outside [0, K) raises. params: coef, then
 // the kind's (margin.h). reduction 0 = none (the targets' shape), 1 = mean (each term over the rows it
 // covers, as _reduce_penalised), 2 = sum. The backward recomputes exp(x − max) from the logits (saved, as
-// autograd saves an input: no copy) and the per-row statistics, so nothing of size (N, K) is kept.
+// autograd saves an input: no copy) and the per-row statistics; the autograd nodes keep one (N, K)-sized
+// array where it pays (the row path's exps, decision 220; the confidence penalty's f'(p), decisions 208, 269).
 
 MarginSpec margin_spec(int64_t kind, at::ArrayRef<double> params) {
   TORCH_CHECK_VALUE(kind >= M_MBLS && kind <= M_POLY1,
@@ -604,7 +608,7 @@ struct MarginForward {
   at::Tensor loss;   // reduced, or the targets' shape for "none", in the logits' dtype
   at::Tensor stats;  // (M, N_STAT) float64 per row
   at::Tensor sums;   // CALS's statistics (2K + 1) in the logits' dtype when asked for, else empty
-  at::Tensor df;     // the confidence penalty's f'(p) in the logits' dtype when kept (margin_df_entries), else undefined
+  at::Tensor df;     // the confidence penalty's f'(p) in the logits' dtype when kept (margin_df_entries)
   at::Tensor ex;     // the rows' exps (M, K) when kept (the row path of the autograd nodes), else undefined
 };
 
@@ -830,7 +834,8 @@ at::Tensor margin_backward(const at::Tensor& grad_loss, const at::Tensor& logits
   const double* op = stats.data_ptr<double>();
   const bool lanes = x.scalar_type() == at::kFloat ? margin_rows_by_lanes<float>(l, s) || margin_by_lanes<float>(l, s)
                                                    : margin_by_lanes<double>(l, s);
-  TORCH_CHECK_VALUE(!kept_df.defined() || (kept_df.is_contiguous() && kept_df.numel() == margin_df_entries(x, l, lanes) &&
+  TORCH_CHECK_VALUE(!kept_df.defined() || (kept_df.is_contiguous() &&
+                                            kept_df.numel() == margin_df_entries(x, l, lanes) &&
                                             kept_df.scalar_type() == x.scalar_type()),
                     "`kept_df` must be the forward's array of f'(p)");
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "fused_margin_backward", [&] {
@@ -1013,7 +1018,7 @@ at::Tensor fused_margin_class_bwd_cpu(const at::Tensor& grad_loss, const at::Ten
                                       const at::Tensor& stats, int64_t kind, at::ArrayRef<double> params,
                                       const c10::optional<at::Tensor>& class_params,
                                       c10::optional<int64_t> ignore_index, bool penalty_all_rows, int64_t reduction) {
-  check_backward_labels(targets, logits.dim() >= 2 ? logits.size(1) : 0, ignore_index);
+  check_backward_labels(logits, targets, ignore_index, "fused_margin_class_bwd");
   return margin_backward(grad_loss, logits, targets, stats, kind, params, ignore_index, penalty_all_rows, reduction,
                          class_params.value_or(at::Tensor()));
 }
@@ -1021,7 +1026,7 @@ at::Tensor fused_margin_class_bwd_cpu(const at::Tensor& grad_loss, const at::Ten
 at::Tensor fused_margin_bwd_cpu(const at::Tensor& grad_loss, const at::Tensor& logits, const at::Tensor& targets,
                                 const at::Tensor& stats, int64_t kind, at::ArrayRef<double> params,
                                 c10::optional<int64_t> ignore_index, bool penalty_all_rows, int64_t reduction) {
-  check_backward_labels(targets, logits.dim() >= 2 ? logits.size(1) : 0, ignore_index);
+  check_backward_labels(logits, targets, ignore_index, "fused_margin_bwd");
   return margin_backward(grad_loss, logits, targets, stats, kind, params, ignore_index, penalty_all_rows, reduction);
 }
 
@@ -1659,8 +1664,8 @@ at::Tensor batch_terms_bwd(const at::Tensor& logits, const at::Tensor& targets, 
                            const c10::optional<at::Tensor>& g_entropy, const c10::optional<at::Tensor>& g_colsum,
                            c10::optional<int64_t> ignore_index, int64_t base, double gamma, double alpha,
                            int64_t entropy) {
+  check_backward_labels(logits, targets, ignore_index, "batch_terms_bwd");
   const Layout l = margin_layout(logits, targets);
-  check_backward_labels(targets, l.k, ignore_index);
   const int64_t rows = l.n * l.sp;
   at::Tensor kb, kr, kh, kc;
   RowGrads in;
