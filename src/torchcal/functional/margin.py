@@ -1708,11 +1708,10 @@ def _fused_cals(logits, targets, lambdas, rhos, m, normalize, ignored_rows, igno
             return None
     s = m if normalize else 1.0
     lo, hi = statistics if statistics is not None else (0.0, 0.0)
-    fused = penalised_cross_entropy(
+    return penalised_cross_entropy(  # (the statistics come in the logits' dtype)
         logits, targets, "cals", [1.0, s, lo, hi, m], ignore_index, ignored_rows == "reference", reduction,
         _cals_class_params(lambdas, rhos, logits.dtype, m, s), statistics is not None,
     )  # fmt: skip
-    return fused  # (the statistics come in the logits' dtype)
 
 
 def cals_loss(

@@ -744,11 +744,10 @@ inline bool rows_by_planes(const Spec& s) {
   return std::is_same<T, float>::value && s.sp == 1 && s.groups == 1 && s.k <= kRowLaneClasses;
 }
 
-// w rows of k logits at x into out (class j of row t at j·kPlane + t); returns out
-template <typename T>
-inline const T* transpose_rows(const T* x, int64_t k, int64_t w, T* out) {
-  transpose(x, k, w, k, out, kPlane);
-  return out;
+// Whether the logits take the tiles (forward_planes / backward_planes): (N, K, S) inputs, and rows_by_planes's
+// rows; the forward and the backward ask this one question
+inline bool takes_planes(const at::Tensor& x, const Spec& s) {
+  return s.sp > 1 || (x.scalar_type() == at::kFloat && rows_by_planes<float>(s));
 }
 
 template <typename T>
@@ -803,7 +802,8 @@ void forward_planes(const Spec& s, const T* x, const int64_t* tp, const Bins<T>&
         const T* xt = x + img * k * sp + pos;
         int64_t xs = sp;  // (from one class of the tile to the next)
         if (by_rows) {
-          xt = transpose_rows(x + m0 * k, k, w, b.xr.data());
+          transpose(x + m0 * k, k, w, k, b.xr.data(), kPlane);  // (class j of row t at j·kPlane + t)
+          xt = b.xr.data();
           xs = kPlane;
         } else {
           prefetch_runs(xt + kPlane, sp, k, kPlane, false);  // the next tile
@@ -938,7 +938,8 @@ void backward_planes(const Spec& s, const T* x, T* grad, const int64_t* tp, cons
       T* gt = grad + img * k * sp + pos;
       int64_t xs = sp;  // (from one class of the tile to the next, in xt and gt)
       if (by_rows) {
-        xt = transpose_rows(x + m0 * k, k, w, b.xr.data());
+        transpose(x + m0 * k, k, w, k, b.xr.data(), kPlane);
+        xt = b.xr.data();
         gt = gr.data();
         xs = kPlane;
       } else {
@@ -1139,7 +1140,7 @@ inline Forward forward(const at::Tensor& logits, const at::Tensor& targets, cons
   // array of the logits' size costs more there in first-touch page faults than the exps, as the batch-term
   // node's lanes, decision 220)
   at::Tensor probs;
-  const bool planes = s.sp > 1 || (x.scalar_type() == at::kFloat && rows_by_planes<float>(s));
+  const bool planes = takes_planes(x, s);
   if (keep_probs && !planes) probs = at::empty(x.sizes(), x.options());
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "fused_ace", [&] {
     const BinTables<scalar_t> tables(s.soft ? nullptr : ed.data_ptr<scalar_t>(), s.bins, s.soft);
@@ -1290,11 +1291,12 @@ inline at::Tensor backward(const at::Tensor& grad_loss, const at::Tensor& logits
   const double* row_max = st + s.stats_size() - s.rows;
   at::Tensor grad = at::empty(x.sizes(), x.options());
   const int64_t k = s.k, first = s.first, c = s.c;
+  const bool planes = takes_planes(x, s);
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "fused_ace_backward", [&] {
     using T = scalar_t;
     const BinTables<T> tables(s.soft ? nullptr : ed.data_ptr<T>(), s.bins, s.soft);
     const Bins<T>& shared_bins = tables.bins;
-    if (s.sp > 1 || rows_by_planes<T>(s)) {
+    if (planes) {
       const std::vector<T> lower = lane_lower(tables, s.bins, s.soft);
       backward_planes<T>(s, x.data_ptr<T>(), grad.data_ptr<T>(), tp, shared_bins, pt.data(), qt.data(), row_max, gp,
                          stride, ce_div, lower.data());

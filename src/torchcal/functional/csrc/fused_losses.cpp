@@ -385,6 +385,18 @@ bool margin_rows_by_lanes(const Layout& l, const MarginSpec& s) {
   return std::is_same<T, float>::value && l.sp == 1 && l.k <= kRowLaneClasses && margin_lanes_kind(s.kind);
 }
 
+// Which kernels a margin loss's logits take, asked once by the forward and the backward alike: row_lanes
+// (margin_rows_by_lanes), lanes (those or margin_by_lanes's positions), else the row kernels
+struct MarginPath {
+  bool row_lanes, lanes;
+};
+
+MarginPath margin_path(const at::Tensor& x, const Layout& l, const MarginSpec& s) {
+  const bool f32 = x.scalar_type() == at::kFloat;
+  const bool row_lanes = f32 && margin_rows_by_lanes<float>(l, s);
+  return {row_lanes, row_lanes || (f32 ? margin_by_lanes<float>(l, s) : margin_by_lanes<double>(l, s))};
+}
+
 // The forward statistics of (N, K) rows by lanes into op (margin_rows_by_lanes): blocks of W rows, each
 // transposed into a tile (class j of row t at j·W + t; a partial block, at the end of the rows or of a part,
 // padded with zeros and labels −1);
@@ -691,9 +703,8 @@ MarginForward margin_forward(const at::Tensor& logits, const at::Tensor& targets
   const int64_t parts = want_sums ? cals_parts(l) : 0;
   std::vector<double> part_sums(static_cast<size_t>(parts * (2 * k + 1)), 0.0);
   // (CALS's statistics: one part per image on either path, its positions in order)
-  const bool row_lanes = x.scalar_type() == at::kFloat && margin_rows_by_lanes<float>(l, s);
-  const bool lanes =
-      row_lanes || (x.scalar_type() == at::kFloat ? margin_by_lanes<float>(l, s) : margin_by_lanes<double>(l, s));
+  const MarginPath path = margin_path(x, l, s);
+  const bool row_lanes = path.row_lanes, lanes = path.lanes;
   // (the confidence penalty's f'(p), kept for the backward of the autograd node: decisions 208, 269)
   at::Tensor df;
   if (keep_df && s.kind == M_CP) df = at::empty({margin_df_entries(x, l, lanes)}, x.options());
@@ -832,14 +843,13 @@ at::Tensor margin_backward(const at::Tensor& grad_loss, const at::Tensor& logits
   }
   at::Tensor grad = at::empty(x.sizes(), x.options());
   const double* op = stats.data_ptr<double>();
-  const bool lanes = x.scalar_type() == at::kFloat ? margin_rows_by_lanes<float>(l, s) || margin_by_lanes<float>(l, s)
-                                                   : margin_by_lanes<double>(l, s);
+  const MarginPath path = margin_path(x, l, s);
+  const bool row_lanes = path.row_lanes, lanes = path.lanes;
   TORCH_CHECK_VALUE(!kept_df.defined() || (kept_df.is_contiguous() &&
                                             kept_df.numel() == margin_df_entries(x, l, lanes) &&
                                             kept_df.scalar_type() == x.scalar_type()),
                     "`kept_df` must be the forward's array of f'(p)");
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "fused_margin_backward", [&] {
-    const bool row_lanes = margin_rows_by_lanes<scalar_t>(l, s);
     const scalar_t* dfp = kept_df.defined() ? kept_df.data_ptr<scalar_t>() : nullptr;
     if (lanes) {
       // whether row i has a label (its cross entropy kept), with its incoming gradients
@@ -955,8 +965,7 @@ std::tuple<at::Tensor, at::Tensor> fused_margin_fwd_cpu(const at::Tensor& logits
 // As fused_margin, with class_params (margin.h: CALS (4, K), Poly-1 (K,) or None) and, for CALS with sums,
 // the training statistics (2K + 1) of the kept rows (cals_statistics; float64 sums rounded to the logits'
 // dtype): per class Σ clamp(r_k, λ_min, λ_max) and Σ h_k = (Σ (max − x_k) − m·count)/s, then the row count
-// (else an empty tensor). They are not
-// differentiable.
+// (else an empty tensor). They are not differentiable.
 
 class FusedMarginClass : public torch::autograd::Function<FusedMarginClass> {
  public:
@@ -1664,8 +1673,7 @@ at::Tensor batch_terms_bwd(const at::Tensor& logits, const at::Tensor& targets, 
                            const c10::optional<at::Tensor>& g_entropy, const c10::optional<at::Tensor>& g_colsum,
                            c10::optional<int64_t> ignore_index, int64_t base, double gamma, double alpha,
                            int64_t entropy) {
-  check_backward_labels(logits, targets, ignore_index, "batch_terms_bwd");
-  const Layout l = margin_layout(logits, targets);
+  const Layout l = check_backward_labels(logits, targets, ignore_index, "batch_terms_bwd");
   const int64_t rows = l.n * l.sp;
   at::Tensor kb, kr, kh, kc;
   RowGrads in;

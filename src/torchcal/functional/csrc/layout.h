@@ -61,12 +61,13 @@ inline void raise_bad_label(const int64_t* tp, int64_t rows, int64_t k, bool has
 
 // The labels given to a backward operator of the torch.compile pairs, which a caller can call with other
 // labels than its forward checked: the layout's errors (loss_layout), then the forward's error for a label
-// outside [0, K) that is not `ignore`, before any label indexes a row
-inline void check_backward_labels(const at::Tensor& logits, const at::Tensor& targets, c10::optional<int64_t> ignore,
+// outside [0, K) that is not `ignore`, before any label indexes a row; returns the layout
+inline Layout check_backward_labels(const at::Tensor& logits, const at::Tensor& targets, c10::optional<int64_t> ignore,
                                   const char* op) {
   const Layout l = loss_layout(logits, targets, op);
   const at::Tensor t = targets.to(at::kLong).contiguous();
   raise_bad_label(t.data_ptr<int64_t>(), t.numel(), l.k, ignore.has_value(), ignore.value_or(0));
+  return l;
 }
 
 }  // namespace torchcal
